@@ -1,0 +1,60 @@
+# replica — developer entry points. `make test` and `make demo` work on a fresh
+# machine with only Python 3.10+ and a C++ compiler installed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
+CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,.cuda-check/%.o,$(CUDA_SOURCES))
+NVCC ?= nvcc
+CUDA_ARCH ?= sm_90
+
+.PHONY: test demo bench build cuda-check clean
+
+# Dependencies: rebuilt only when the project's metadata changes.
+$(VENV)/.deps: pyproject.toml setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q "setuptools>=77" wheel numpy "pytest>=8" "pytest-benchmark>=4" expecttest ninja
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+# Incremental (ninja) rebuild of replica._C in place.
+build: $(VENV)/.deps
+	$(PY) setup.py -q build_ext --inplace
+
+test: build
+	$(PY) -m pytest tests bench --benchmark-disable $(PYTEST_ARGS)
+
+bench: build
+	mkdir -p bench/results
+	$(PY) -m pytest bench --benchmark-only --benchmark-json=bench/results/benchmarks.json $(PYTEST_ARGS)
+	@cat bench/results/*.md
+
+demo: build
+	@echo "replica demo: the failover demo does not exist yet (issue 5); running the pack benchmark instead."
+	$(MAKE) --no-print-directory bench
+
+# Compile-only check of the CUDA sources against torch's headers: keeps the
+# CUDA code compiling on machines without a GPU or a CUDA build of torch.
+cuda-check: $(CUDA_OBJECTS)
+	@echo "cuda-check: $(words $(CUDA_OBJECTS)) CUDA sources compile for $(CUDA_ARCH)"
+
+# A CPU wheel of torch lacks the one generated c10 CUDA header; the shim holds
+# what a CUDA build of torch generates there.
+CUDA_SHIM := .cuda-check/include/c10/cuda/impl/cuda_cmake_macros.h
+$(CUDA_SHIM):
+	@mkdir -p $(dir $@)
+	@printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > $@
+
+.cuda-check/%.o: csrc/cuda/%.cu csrc/replica.h $(VENV)/.deps $(CUDA_SHIM)
+	$(NVCC) -c $< -o $@ -std=c++20 -O3 -arch=$(CUDA_ARCH) --expt-relaxed-constexpr \
+	  -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -I.cuda-check/include \
+	  $(shell $(PY) -c "import sysconfig, torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths() + [sysconfig.get_paths()['include']]))") \
+	  -D_GLIBCXX_USE_CXX11_ABI=$(shell $(PY) -c "import torch; print(int(torch.compiled_with_cxx11_abi()))")
+
+clean:
+	rm -rf build .cuda-check replica/_C*.so *.egg-info

@@ -1,0 +1,36 @@
+"""Typed errors shared by every layer of replica (transport, replica, roles)."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "LayoutMismatchError",
+    "PeerDisconnectedError",
+    "ReplicaError",
+    "TransferTimeoutError",
+    "TransportError",
+]
+
+
+class ReplicaError(RuntimeError):
+    """Base class of every error replica raises on purpose."""
+
+
+class TransportError(ReplicaError):
+    """A transfer between two processes failed."""
+
+
+class PeerDisconnectedError(TransportError):
+    """The remote process closed the connection or died."""
+
+
+class TransferTimeoutError(TransportError, TimeoutError):
+    """A blocking transport call did not finish within its deadline."""
+
+
+class AuthenticationError(ReplicaError):
+    """A peer presented a missing or wrong job token."""
+
+
+class LayoutMismatchError(ReplicaError):
+    """A mirrored state does not fit the model, optimizer or world it is applied to."""

@@ -1,0 +1,171 @@
+"""Python face of the ``replica._C`` kernels, their fake (meta) kernels, and
+pure-torch reference implementations that the tests compare against.
+
+``pack(srcs, out, offsets)`` copies many contiguous tensors of any dtype into
+one flat ``uint8`` buffer at byte offsets that are multiples of
+:data:`ALIGNMENT`; ``unpack`` is its inverse, in place. ``checksum(buf,
+block_bytes)`` returns one int64 digest per block of ``buf`` (the last block
+may be short), so every bucket of a transfer can be verified on its own.
+
+The checksum: for each 8-byte little-endian word ``w_i`` of the buffer (``i``
+counted from the buffer's start, the last word zero-padded),
+``t_i = mix(w_i ^ (i + 1) * K)`` where ``mix`` is the splitmix64 finalizer (a
+bijection on 64-bit integers); a block's digest is
+``mix(sum(t_i) ^ len_bytes * L)`` with wrapping 64-bit arithmetic. Why this
+one: because ``t_i`` is a bijection of ``w_i``, any error confined to a single
+word -- every single flipped bit -- is detected with certainty, not just with
+high probability as with a plain hash; the position key makes swapped words
+and swapped blocks visible; the sum is order-free, so CPU threads and CUDA
+blocks reduce in parallel and still agree bit for bit; and it costs two
+multiplications per 8 bytes, so it runs at memory speed. CRC32C would give the
+same single-bit guarantee but only 32 bits and a serial dependency chain that
+needs hardware instructions to keep up; it is not a defence against an
+adversary (nor is this -- the job token guards the connection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from replica import _C  # importing it registers torch.ops.replica.*
+
+__all__ = [
+    "ALIGNMENT",
+    "aligned_offsets",
+    "checksum",
+    "pack",
+    "reference_checksum",
+    "reference_pack",
+    "reference_unpack",
+    "unpack",
+]
+
+#: Every segment of a packed buffer starts at a multiple of this many bytes.
+ALIGNMENT = 64
+
+
+def aligned_offsets(
+    tensors: Sequence[torch.Tensor], alignment: int = ALIGNMENT
+) -> tuple[list[int], int]:
+    """Byte offsets that lay ``tensors`` out back to back, each aligned, and the total size."""
+    if alignment <= 0 or alignment % ALIGNMENT:
+        raise ValueError(f"alignment must be a positive multiple of {ALIGNMENT}, got {alignment}")
+    offsets = []
+    end = 0
+    for t in tensors:
+        start = -(-end // alignment) * alignment
+        offsets.append(start)
+        end = start + t.numel() * t.element_size()
+    return offsets, end
+
+
+def pack(srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int]) -> None:
+    """Copy every tensor of ``srcs`` into the uint8 buffer ``out`` at ``offsets`` (one call)."""
+    if torch.compiler.is_compiling():
+        torch.ops.replica.pack.default(srcs, out, offsets)
+    else:  # same op, without boxing every list element (see csrc/ops.cpp)
+        _C.pack(srcs, out, offsets)
+
+
+def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+    """Copy the bytes of ``src`` at ``offsets`` back into the tensors ``dsts``, in place."""
+    if torch.compiler.is_compiling():
+        torch.ops.replica.unpack.default(src, dsts, offsets)
+    else:
+        _C.unpack(src, dsts, offsets)
+
+
+def checksum(buf: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """One int64 digest per ``block_bytes`` of ``buf`` (a multiple of 8; the last block may be short)."""
+    return torch.ops.replica.checksum.default(buf, block_bytes)
+
+
+def _check_devices(tensors, buffer, list_name: str, buf_name: str) -> None:
+    # A meta tensor among CPU tensors dispatches here, not to the C++ kernel
+    # that would otherwise refuse it, so the fake checks what it can.
+    if buffer.dtype != torch.uint8:
+        raise RuntimeError(f"replica: {buf_name} must be a uint8 tensor, got {buffer.dtype}")
+    for i, t in enumerate(tensors):
+        if t.device != buffer.device:
+            raise RuntimeError(
+                f"replica: {list_name}[{i}] is on {t.device} but {buf_name} is on {buffer.device}"
+            )
+
+
+@torch.library.register_fake("replica::pack")
+def _pack_fake(srcs, out, offsets):
+    _check_devices(srcs, out, "srcs", "out")
+
+
+@torch.library.register_fake("replica::unpack")
+def _unpack_fake(src, dsts, offsets):
+    _check_devices(dsts, src, "dsts", "src")
+
+
+@torch.library.register_fake("replica::checksum")
+def _checksum_fake(buf, block_bytes):
+    nbytes = buf.numel() * buf.element_size()
+    return buf.new_empty(((nbytes + block_bytes - 1) // block_bytes,), dtype=torch.int64)
+
+
+# --- pure-torch references (slow, obviously correct; used by the tests) ---
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("reference ops need contiguous tensors")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def reference_pack(srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int]) -> None:
+    for t, off in zip(srcs, offsets, strict=True):
+        b = _bytes(t)
+        out[off : off + b.numel()].copy_(b)
+
+
+def reference_unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:
+    for t, off in zip(dsts, offsets, strict=True):
+        b = _bytes(t)
+        b.copy_(src[off : off + b.numel()])
+
+
+# Constants of csrc/replica.h, as signed int64 so torch's wrapping int64
+# arithmetic reproduces the kernel's uint64 arithmetic bit for bit.
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_KEY_STEP = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+_LENGTH_KEY = _signed(0xD6E8FEB86659FD93)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    return (x >> s) & ((1 << (64 - s)) - 1)  # logical shift of int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr(x, 30)
+    x = x * _MUL1
+    x = x ^ _shr(x, 27)
+    x = x * _MUL2
+    return x ^ _shr(x, 31)
+
+
+def reference_checksum(buf: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    if block_bytes <= 0 or block_bytes % 8:
+        raise ValueError(f"block_bytes must be a positive multiple of 8, got {block_bytes}")
+    data = _bytes(buf.detach()).cpu()
+    n = data.numel()
+    nblocks = -(-n // block_bytes)
+    if nblocks == 0:
+        return torch.empty(0, dtype=torch.int64, device=buf.device)
+    words = torch.cat([data, data.new_zeros(-n % 8)]).view(torch.int64)
+    index = torch.arange(words.numel(), dtype=torch.int64)
+    terms = _mix(words ^ ((index + 1) * _KEY_STEP))
+    sums = torch.zeros(nblocks, dtype=torch.int64).index_add_(0, index // (block_bytes // 8), terms)
+    lengths = (n - torch.arange(nblocks, dtype=torch.int64) * block_bytes).clamp(max=block_bytes)
+    return _mix(sums ^ (lengths * _LENGTH_KEY)).to(buf.device)

@@ -1,0 +1,316 @@
+"""The kernels of replica._C, each tested three ways: against the pure-torch
+reference in replica.ops, by round trip, and with torch.library.opcheck."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from replica import ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+MiB = 1 << 20
+
+
+def random_tensor(numel: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
+    if dtype.is_floating_point:
+        t = torch.randn(numel, generator=gen).to(dtype)
+    else:
+        high = 256 if dtype == torch.uint8 else 1 << 62
+        t = torch.randint(0, high, (numel,), generator=gen, dtype=dtype)
+    return t.to(device)
+
+
+def random_mix(count: int, max_numel: int, seed: int, device: str) -> list[torch.Tensor]:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for _ in range(count):
+        numel = rng.choice([0, 1, rng.randint(2, 100), rng.randint(1, max_numel)])
+        shape = (numel,) if numel % 3 else (numel // 3, 3) if numel else (0, 4)
+        tensors.append(random_tensor(numel, rng.choice(DTYPES), device, gen).reshape(shape))
+    return tensors
+
+
+def packed(tensors, fill=0xA5):
+    offsets, total = ops.aligned_offsets(tensors)
+    out = torch.full((total,), fill, dtype=torch.uint8, device=tensors[0].device)
+    return out, offsets
+
+
+# --- pack / unpack ---
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_pack_matches_reference(device, seed):
+    tensors = random_mix(40, 20_000, seed, device)
+    out, offsets = packed(tensors)
+    expected = out.clone()
+    ops.pack(tensors, out, offsets)
+    ops.reference_pack(tensors, expected, offsets)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+def test_unpack_matches_reference(device, seed):
+    sources = random_mix(40, 20_000, seed, device)
+    buf, offsets = packed(sources)
+    ops.reference_pack(sources, buf, offsets)
+    got = [torch.full_like(t, 7) for t in sources]
+    expected = [torch.full_like(t, 7) for t in sources]
+    ops.unpack(buf, got, offsets)
+    ops.reference_unpack(buf, expected, offsets)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_round_trip_up_to_64_mib(device):
+    gen = torch.Generator().manual_seed(0)
+    sizes = [0, 1, 3, 63, 64, 65, 4095, 1 * MiB + 1, 64 * MiB]
+    tensors = []
+    for nbytes, dtype in zip(sizes, itertools.cycle(DTYPES)):
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        tensors.append(random_tensor(nbytes // itemsize, dtype, device, gen))
+    buf, offsets = packed(tensors)
+    ops.pack(tensors, buf, offsets)
+    back = [torch.empty_like(t) for t in tensors]
+    ops.unpack(buf, back, offsets)
+    for t, b in zip(tensors, back, strict=True):
+        assert t.dtype == b.dtype and torch.equal(t, b)
+    assert buf.numel() >= 64 * MiB
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pack_leaves_gaps_untouched(device):
+    tensors = [torch.ones(3, device=device), torch.ones(5, dtype=torch.int64, device=device)]
+    out, offsets = packed(tensors, fill=0xEE)
+    ops.pack(tensors, out, offsets)
+    assert offsets == [0, 64]
+    assert torch.all(out[12:64] == 0xEE) and torch.all(out[104:] == 0xEE)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_views_at_offsets_and_scalars(device):
+    base = torch.arange(1000, dtype=torch.float32, device=device)
+    tensors = [base[3:500], base[501:502], torch.tensor(2.5, device=device), base.view(10, 100)[2:4]]
+    out, offsets = packed(tensors)
+    ops.pack(tensors, out, offsets)
+    back = [torch.empty_like(t) for t in tensors]
+    ops.unpack(out, back, offsets)
+    for t, b in zip(tensors, back, strict=True):
+        assert torch.equal(t, b)
+
+
+def test_empty_list_is_a_no_op():
+    out = torch.full((64,), 3, dtype=torch.uint8)
+    ops.pack([], out, [])
+    ops.unpack(out, [], [])
+    assert torch.all(out == 3)
+
+
+def test_many_small_tensors_one_call():
+    tensors = random_mix(10_000, 1024, seed=7, device="cpu")
+    out, offsets = packed(tensors)
+    expected = out.clone()
+    ops.pack(tensors, out, offsets)
+    ops.reference_pack(tensors, expected, offsets)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    tensors = random_mix(8, 500, seed=3, device=device)
+    out, offsets = packed(tensors)
+    torch.library.opcheck(torch.ops.replica.pack.default, (tensors, out, offsets))
+    torch.library.opcheck(
+        torch.ops.replica.unpack.default, (out, [torch.empty_like(t) for t in tensors], offsets)
+    )
+    torch.library.opcheck(torch.ops.replica.checksum.default, (out, 64))
+    torch.library.opcheck(torch.ops.replica.checksum.default, (out[:0], 64))
+
+
+# --- bad input ---
+
+
+def _pack_error(srcs, out, offsets) -> str:
+    with pytest.raises(RuntimeError) as info:
+        ops.pack(srcs, out, offsets)
+    return str(info.value)
+
+
+def test_error_non_contiguous_source():
+    msg = _pack_error([torch.ones(3), torch.ones(4, 4).t()], torch.empty(256, dtype=torch.uint8), [0, 64])
+    assert "srcs[1] is not contiguous" in msg
+
+
+def test_error_wrong_out_dtype():
+    msg = _pack_error([torch.ones(3)], torch.empty(64, dtype=torch.float32), [0])
+    assert "out must be a uint8 tensor" in msg
+
+
+def test_error_non_contiguous_out():
+    out = torch.empty(256, dtype=torch.uint8)[::2]
+    assert "out must be contiguous" in _pack_error([torch.ones(3)], out, [0])
+
+
+def test_error_mismatched_device():
+    msg = _pack_error([torch.ones(3), torch.ones(3, device="meta")], torch.empty(256, dtype=torch.uint8), [0, 64])
+    assert "srcs[1] is on meta but out is on cpu" in msg
+
+
+@pytest.mark.gpu
+def test_error_mismatched_device_cuda():
+    msg = _pack_error([torch.ones(3, device="cuda")], torch.empty(256, dtype=torch.uint8), [0])
+    assert "srcs[0] is on cuda:0 but out is on cpu" in msg
+
+
+def test_error_unaligned_offset():
+    msg = _pack_error([torch.ones(3), torch.ones(3)], torch.empty(256, dtype=torch.uint8), [0, 32])
+    assert "offsets[1] = 32" in msg and "multiple of 64" in msg
+
+
+def test_error_negative_offset():
+    assert "offsets[0] = -64" in _pack_error([torch.ones(3)], torch.empty(256, dtype=torch.uint8), [-64])
+
+
+def test_error_out_of_range():
+    msg = _pack_error([torch.ones(3), torch.ones(20)], torch.empty(128, dtype=torch.uint8), [0, 64])
+    assert "srcs[1] (80 bytes at offset 64) runs past the end of out (128 bytes)" in msg
+
+
+def test_error_overlapping_offsets():
+    msg = _pack_error([torch.ones(32), torch.ones(3)], torch.empty(256, dtype=torch.uint8), [64, 128])
+    assert "srcs[1] at offset 128 overlaps srcs[0]" in msg
+
+
+def test_zero_sized_segments_may_share_offsets():
+    out = torch.zeros(128, dtype=torch.uint8)
+    ops.pack([torch.empty(0), torch.ones(2), torch.empty(0)], out, [0, 0, 0])
+    assert torch.equal(out[:8].view(torch.float32), torch.ones(2))
+
+
+def test_error_offsets_count():
+    assert "got 2 srcs but 1 offsets" in _pack_error([torch.ones(1), torch.ones(1)], torch.empty(256, dtype=torch.uint8), [0])
+
+
+def test_error_source_aliases_out():
+    out = torch.zeros(256, dtype=torch.uint8)
+    assert "srcs[0] shares memory with out" in _pack_error([out[:8]], out, [64])
+
+
+def test_unpack_errors_name_dsts():
+    with pytest.raises(RuntimeError, match=r"dsts\[0\] is not contiguous"):
+        ops.unpack(torch.empty(256, dtype=torch.uint8), [torch.ones(4, 4).t()], [0])
+    with pytest.raises(RuntimeError, match="src must be a uint8 tensor"):
+        ops.unpack(torch.empty(64), [torch.ones(1)], [0])
+
+
+# --- checksum ---
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "nbytes,block", [(0, 64), (1, 8), (7, 64), (8, 8), (1000, 64), (4096, 4096), (12_345, 1024), (3 * MiB + 5, MiB)]
+)
+def test_checksum_matches_reference(device, nbytes, block):
+    gen = torch.Generator().manual_seed(nbytes)
+    buf = torch.randint(0, 256, (nbytes,), generator=gen, dtype=torch.uint8).to(device)
+    got = ops.checksum(buf, block)
+    assert got.dtype == torch.int64 and got.device == buf.device
+    assert got.shape == (-(-nbytes // block),)
+    assert torch.equal(got.cpu(), ops.reference_checksum(buf, block).cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checksum_64_mib_and_unaligned_start(device):
+    gen = torch.Generator().manual_seed(1)
+    buf = torch.randint(0, 256, (64 * MiB + 3,), generator=gen, dtype=torch.uint8).to(device)
+    assert torch.equal(ops.checksum(buf, MiB).cpu(), ops.reference_checksum(buf, MiB).cpu())
+    tail = buf[3:]
+    assert torch.equal(ops.checksum(tail, MiB).cpu(), ops.reference_checksum(tail, MiB).cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checksum_detects_every_single_bit_flip(device):
+    gen = torch.Generator().manual_seed(2)
+    block = 64
+    buf = torch.randint(0, 256, (300,), generator=gen, dtype=torch.uint8).to(device)
+    clean = ops.checksum(buf, block).cpu()
+    for byte in range(buf.numel()):
+        for bit in range(8):
+            flipped = buf.clone()
+            flipped[byte] ^= 1 << bit
+            digests = ops.checksum(flipped, block).cpu()
+            changed = (digests != clean).nonzero().flatten().tolist()
+            assert changed == [byte // block], (byte, bit)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_checksum_detects_any_two_swapped_blocks(device):
+    gen = torch.Generator().manual_seed(3)
+    block, nblocks = 256, 24
+    buf = torch.randint(0, 256, (block * nblocks,), generator=gen, dtype=torch.uint8).to(device)
+    clean = ops.checksum(buf, block).cpu()
+    blocks = buf.view(nblocks, block)
+    for i, j in itertools.combinations(range(nblocks), 2):
+        swapped = blocks.clone()
+        swapped[[i, j]] = swapped[[j, i]]
+        digests = ops.checksum(swapped.flatten(), block).cpu()
+        assert (digests != clean).nonzero().flatten().tolist() == [i, j]
+
+
+def test_checksum_detects_swapped_words_in_a_block():
+    buf = torch.arange(64, dtype=torch.uint8)
+    swapped = buf.view(8, 8)[[1, 0, 2, 3, 4, 5, 6, 7]].flatten()
+    assert not torch.equal(ops.checksum(buf, 64), ops.checksum(swapped, 64))
+
+
+def test_checksum_short_block_differs_from_zero_padding():
+    data = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    padded = torch.tensor([1, 2, 3, 0, 0, 0, 0, 0], dtype=torch.uint8)
+    assert ops.checksum(data, 8).item() != ops.checksum(padded, 8).item()
+
+
+def test_checksum_reads_any_dtype_as_bytes():
+    t = torch.randn(1000)
+    assert torch.equal(ops.checksum(t, 512), ops.checksum(t.view(torch.uint8), 512))
+
+
+def test_checksum_independent_of_thread_count():
+    buf = torch.randint(0, 256, (8 * MiB + 11,), dtype=torch.uint8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.checksum(buf, 3 * MiB)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, ops.checksum(buf, 3 * MiB))
+
+
+@pytest.mark.parametrize("block", [0, -8, 12])
+def test_checksum_rejects_bad_block_size(block):
+    with pytest.raises(RuntimeError, match="block_bytes must be a positive multiple of 8"):
+        ops.checksum(torch.zeros(64, dtype=torch.uint8), block)
+
+
+def test_checksum_rejects_non_contiguous():
+    with pytest.raises(RuntimeError, match="checksum buf must be contiguous"):
+        ops.checksum(torch.zeros(128, dtype=torch.uint8)[::2], 64)
+
+
+@pytest.mark.gpu
+def test_cpu_and_cuda_digests_agree():
+    buf = torch.randint(0, 256, (5 * MiB + 13,), dtype=torch.uint8)
+    assert torch.equal(ops.checksum(buf, MiB), ops.checksum(buf.cuda(), MiB).cpu())
+
+
+def test_aligned_offsets():
+    offsets, total = ops.aligned_offsets([torch.empty(3), torch.empty(0), torch.empty(17, dtype=torch.uint8)])
+    assert offsets == [0, 64, 64] and total == 81
+    with pytest.raises(ValueError):
+        ops.aligned_offsets([], alignment=32)

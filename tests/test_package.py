@@ -1,0 +1,72 @@
+"""Package layout: one import name, the layer rule, explicit __all__."""
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"replica": ROOT / "replica", "replica.transport": ROOT / "transport", "replica.roles": ROOT / "roles"}
+
+
+def test_subpackages_import_under_replica():
+    import replica.roles
+    import replica.transport
+
+    assert Path(replica.transport.__file__).parent == ROOT / "transport"
+    assert Path(replica.roles.__file__).parent == ROOT / "roles"
+
+
+def test_build_maps_folders_into_one_package(tmp_path):
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+        cwd=ROOT, check=True, capture_output=True,
+    )
+    for name, folder in PACKAGES.items():
+        target = tmp_path.joinpath(*name.split("."))
+        assert sorted(p.name for p in target.glob("*.py")) == sorted(p.name for p in folder.glob("*.py"))
+
+
+@pytest.mark.parametrize("name", sorted(PACKAGES) + ["replica.ops", "replica.errors"])
+def test_all_is_explicit_sorted_and_resolves(name):
+    module = importlib.import_module(name)
+    exported = module.__all__
+    assert list(exported) == sorted(exported)
+    for attr in exported:
+        assert hasattr(module, attr), f"{name}.__all__ names missing {attr}"
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _replica_imports(folder: Path) -> set[str]:
+    found = set()
+    for path in folder.rglob("*.py"):
+        found.update(n for n in _imports(path) if n == "replica" or n.startswith("replica."))
+    return found
+
+
+def test_layers_point_down_only():
+    # transport may use only the shared bottom of replica (the kernels and the errors).
+    allowed_in_transport = ("replica.errors", "replica.ops", "replica._C", "replica.transport")
+    bad = {n for n in _replica_imports(ROOT / "transport") if not n.startswith(allowed_in_transport)}
+    assert not bad, f"transport imports higher layers: {bad}"
+    bad = {n for n in _replica_imports(ROOT / "replica") if n.startswith("replica.roles")}
+    assert not bad, f"replica imports roles: {bad}"
+
+
+def test_layer_check_sees_imports(tmp_path):
+    # The rule above must be able to fail: it parses real import statements.
+    (tmp_path / "m.py").write_text("import replica.roles\nfrom replica.roles import x\n")
+    assert {"replica.roles", "replica.roles.x"} <= _replica_imports(tmp_path)
