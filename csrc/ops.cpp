@@ -31,12 +31,18 @@ class BorrowedTensors {
  public:
   BorrowedTensors(const py::tuple& items, const char* name) {
     const Py_ssize_t n = PyTuple_GET_SIZE(items.ptr());
+    // Check everything before borrowing anything: a throw from the
+    // constructor would skip the destructor, and the vector would then drop
+    // references it never took.
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      TORCH_CHECK_TYPE(
+          THPVariable_Check(PyTuple_GET_ITEM(items.ptr(), i)),
+          "replica: ", name, "[", i, "] is not a tensor");
+    }
     tensors_.reserve(n);
     for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* item = PyTuple_GET_ITEM(items.ptr(), i);
-      TORCH_CHECK_TYPE(
-          THPVariable_Check(item), "replica: ", name, "[", i, "] is not a tensor");
-      tensors_.push_back(TensorTraits::createBorrow(THPVariable_Unpack(item)));
+      tensors_.push_back(
+          TensorTraits::createBorrow(THPVariable_Unpack(PyTuple_GET_ITEM(items.ptr(), i))));
     }
   }
   ~BorrowedTensors() {

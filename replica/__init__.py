@@ -2,28 +2,12 @@
 
 Every trainer rank's shard is mirrored after each optimizer step to a warm
 standby; when a trainer dies, its standby is promoted and training resumes from
-the last global commit. See README.md and DESIGN.md.
+the last global commit. See README.md.
 """
 
-from replica import ops
-from replica.errors import (
-    AuthenticationError,
-    LayoutMismatchError,
-    PeerDisconnectedError,
-    ReplicaError,
-    TransferTimeoutError,
-    TransportError,
-)
+from replica import errors, ops
+from replica.errors import *  # noqa: F403  (the typed errors are top-level API)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "AuthenticationError",
-    "LayoutMismatchError",
-    "PeerDisconnectedError",
-    "ReplicaError",
-    "TransferTimeoutError",
-    "TransportError",
-    "__version__",
-    "ops",
-]
+__all__ = sorted([*errors.__all__, "__version__", "ops"])
