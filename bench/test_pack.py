@@ -214,3 +214,76 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+# --- GPU: pack / unpack / checksum of device memory beside a device copy_ ---
+
+_gpu_medians: dict[str, tuple[float, int]] = {}
+
+
+@pytest.fixture(scope="module")
+def large_cuda(large):
+    tensors, offsets, out, flat = large
+    return [t.cuda() for t in tensors], offsets, out.cuda(), flat.cuda()
+
+
+def _run_cuda(benchmark, name: str, nbytes: int, fn) -> None:
+    def synced():
+        fn()
+        torch.cuda.synchronize()
+
+    benchmark.extra_info["bytes"] = nbytes
+    benchmark.pedantic(synced, rounds=30, warmup_rounds=3, iterations=1)
+    if not benchmark.disabled:
+        _gpu_medians[name] = (benchmark.stats.stats.median, nbytes)
+
+
+@pytest.mark.gpu
+def test_gpu_pack(benchmark, large_cuda):
+    tensors, offsets, out, _ = large_cuda
+    _run_cuda(benchmark, "gpu_pack", _payload(tensors), lambda: ops.pack(tensors, out, offsets))
+
+
+@pytest.mark.gpu
+def test_gpu_unpack(benchmark, large_cuda):
+    tensors, offsets, out, _ = large_cuda
+    _run_cuda(benchmark, "gpu_unpack", _payload(tensors), lambda: ops.unpack(out, tensors, offsets))
+
+
+@pytest.mark.gpu
+def test_gpu_copy(benchmark, large_cuda):
+    _, _, out, flat = large_cuda
+    _run_cuda(benchmark, "gpu_copy_", flat.numel(), lambda: out.copy_(flat))
+
+
+@pytest.mark.gpu
+def test_gpu_checksum(benchmark, large_cuda):
+    _, _, _, flat = large_cuda
+    _run_cuda(benchmark, "gpu_checksum", flat.numel(), lambda: ops.checksum(flat, CHECKSUM_BLOCK))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_gpu():
+    yield
+    if not {"gpu_pack", "gpu_unpack", "gpu_copy_", "gpu_checksum"} <= _gpu_medians.keys():
+        return
+    gbps = {name: n / s / 1e9 for name, (s, n) in _gpu_medians.items()}
+    limit = gbps["gpu_copy_"]
+    payload = {
+        "gpu_pack_vs_copy": gbps["gpu_pack"] / limit,
+        "gpu_unpack_vs_copy": gbps["gpu_unpack"] / limit,
+        "gpu_checksum_vs_copy": gbps["gpu_checksum"] / limit,
+        "gbps": gbps,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+    }
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "pack_gpu.json").write_text(json.dumps(payload, indent=2) + "\n")
+    lines = [
+        f"### GPU ({payload['device']}), 1,000 mixed tensors, 256 MiB; beside one device-to-device copy_ ({limit:.0f} GB/s)\n",
+        "| op | GB/s | vs copy_ |",
+        "|---|---|---|",
+    ]
+    for op in ("pack", "unpack", "checksum"):
+        lines.append(f"| {op} | {gbps['gpu_' + op]:.0f} | {payload[f'gpu_{op}_vs_copy']:.2f}x |")
+    (RESULTS_DIR / "pack_gpu.md").write_text("\n".join(lines) + "\n")
