@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "AuthenticationError",
+    "BucketCorruptedError",
     "LayoutMismatchError",
     "PeerDisconnectedError",
     "ReplicaError",
@@ -18,6 +19,19 @@ class ReplicaError(RuntimeError):
 
 class TransportError(ReplicaError):
     """A transfer between two processes failed."""
+
+
+class BucketCorruptedError(TransportError):
+    """A received bucket's digest does not match the one its sender computed.
+
+    The receive buffer holds bad bytes; the sender may send the bucket again.
+    """
+
+    def __init__(self, message: str, *, step: int, bucket: int, tag: int) -> None:
+        super().__init__(message)
+        self.step = step
+        self.bucket = bucket
+        self.tag = tag
 
 
 class PeerDisconnectedError(TransportError):

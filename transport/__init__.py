@@ -1,8 +1,27 @@
-"""replica.transport: the data plane (Transport ABC, UCX and CUDA IPC backends).
+"""replica.transport: the data plane.
 
 Installed as ``replica.transport``. It may import only ``replica.errors`` and
-``replica.ops`` from the package above it; the backends arrive with the
-transport issue.
+``replica.ops`` from the package above it.
 """
 
-__all__: list[str] = []
+from replica.transport.base import (
+    MAX_TAG,
+    Capabilities,
+    Connection,
+    Locality,
+    MemoryKind,
+    Transfer,
+    Transport,
+)
+from replica.transport.wire import BucketHeader
+
+__all__ = [
+    "MAX_TAG",
+    "BucketHeader",
+    "Capabilities",
+    "Connection",
+    "Locality",
+    "MemoryKind",
+    "Transfer",
+    "Transport",
+]

@@ -1,0 +1,103 @@
+"""Helpers for multi-process tests: spawn-context children that forward their
+tracebacks, can be killed or frozen, and are always cleaned up."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["Child", "ChildFailed", "process_state", "spawn"]
+
+_CTX = mp.get_context("spawn")
+
+
+class ChildFailed(RuntimeError):
+    """A child process raised (its traceback is the message) or died."""
+
+
+def _child_main(conn, target, args) -> None:
+    try:
+        target(conn, *args)
+    except BaseException:  # forward everything, including KeyboardInterrupt/SystemExit
+        with contextlib.suppress(Exception):
+            conn.send(("__error__", traceback.format_exc()))
+        raise
+
+
+class Child:
+    """A spawned process running ``target(pipe, *args)``; talk to it with send/recv."""
+
+    def __init__(self, target: Callable[..., Any], *args: Any, name: str = "child"):
+        self._conn, child_conn = _CTX.Pipe()
+        self.process = _CTX.Process(target=_child_main, args=(child_conn, target, args), name=name, daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.name = name
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def send(self, *message: Any) -> None:
+        self._conn.send(message)
+
+    def recv(self, timeout: float = 60.0) -> Any:
+        """The child's next message; raises ChildFailed on its error, death, or silence."""
+        if not self._conn.poll(timeout):
+            alive = self.process.is_alive()
+            raise ChildFailed(f"{self.name} sent nothing for {timeout} s (alive={alive}, exit={self.process.exitcode})")
+        try:
+            message = self._conn.recv()
+        except EOFError as exc:
+            self.process.join(5)
+            raise ChildFailed(f"{self.name} died (exit code {self.process.exitcode})") from exc
+        if isinstance(message, tuple) and message and message[0] == "__error__":
+            raise ChildFailed(f"{self.name} raised:\n{message[1]}")
+        return message
+
+    def request(self, *message: Any, timeout: float = 60.0) -> Any:
+        self.send(*message)
+        return self.recv(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crashed machine would; returns once the process is gone."""
+        os.kill(self.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def freeze(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Close the pipe (a child waiting on it sees EOF and exits), then make sure it is gone."""
+        self._conn.close()
+        if self.process.is_alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGCONT)
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout)
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a process from /proc (R, S, T for stopped, Z, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@contextlib.contextmanager
+def spawn(target: Callable[..., Any], *args: Any, name: str = "child") -> Iterator[Child]:
+    """A Child that is always terminated when the block ends, whatever happened."""
+    child = Child(target, *args, name=name)
+    try:
+        yield child
+    finally:
+        child.close()

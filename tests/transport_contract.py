@@ -1,0 +1,255 @@
+"""The contract every Transport backend meets, as checks that a backend's test
+module runs with ``run_transport_contract(make_transport, check)`` (see
+tests/test_transport_ucx.py). The peer is always a real spawned process driven
+by commands over a pipe."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from replica.errors import (
+    AuthenticationError,
+    BucketCorruptedError,
+    PeerDisconnectedError,
+    TransferTimeoutError,
+)
+from replica.testing import Child, process_state, spawn
+from replica.transport import Transport
+
+MiB = 1 << 20
+T = timedelta(seconds=60)
+
+MakeTransport = Callable[..., Transport]
+
+
+def pattern(nbytes: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+# --- the peer: a spawned process that obeys commands ---
+
+
+def peer_main(pipe, make: MakeTransport, token: bytes) -> None:
+    transport = make(token)
+    conn = None
+    while True:
+        try:
+            cmd, *args = pipe.recv()
+        except EOFError:
+            break
+        if cmd == "connect":
+            try:
+                conn = transport.connect(args[0], T)
+                pipe.send(("ok",))
+            except AuthenticationError as exc:
+                pipe.send(("AuthenticationError", str(exc)))
+        elif cmd == "echo":  # receive buckets of these sizes on tag t, send each back on tag t + 1
+            sizes, tag = args
+            for n in sizes:
+                buf = torch.empty(n, dtype=torch.uint8)
+                header = conn.recv(buf, tag=tag, timeout=T)
+                conn.send(buf, tag=tag + 1, timeout=T, step=header.step, bucket=header.bucket)
+            pipe.send(("ok",))
+        elif cmd == "recv_all":  # post every receive first, then wait: many buckets in flight
+            specs = args[0]
+            bufs = [torch.empty(n, dtype=torch.uint8) for n, _ in specs]
+            transfers = [conn.irecv(b, tag=tag) for b, (_, tag) in zip(bufs, specs)]
+            headers = [t.wait(T) for t in transfers]
+            pipe.send(("ok", [h.bucket for h in headers], [int(b.sum()) for b in bufs]))
+        elif cmd == "recv_verify":  # receive one bucket; report a digest failure instead of raising
+            n, tag = args
+            buf = torch.empty(n, dtype=torch.uint8)
+            try:
+                conn.recv(buf, tag=tag, timeout=T)
+                pipe.send(("ok", int(buf.sum())))
+            except BucketCorruptedError as exc:
+                pipe.send(("BucketCorruptedError", exc.bucket, exc.step))
+        elif cmd == "send":
+            n, tag, seed = args
+            data = pattern(n, seed)
+            transfer = conn.isend(data, tag=tag)
+            pipe.send(("posted",))
+            transfer.wait(T)
+            pipe.send(("ok",))
+        elif cmd == "exit":
+            break
+    transport.close()
+
+
+def start_peer(make: MakeTransport, token: bytes = b"job-token") -> Child:
+    return Child(peer_main, make, token, name="transport-peer")
+
+
+def connected(transport: Transport, peer: Child):
+    address = transport.listen()
+    peer.send("connect", address)
+    conn = transport.accept(T)
+    assert peer.recv() == ("ok",)
+    return conn
+
+
+# --- the checks ---
+
+
+def check_round_trip_sizes(make: MakeTransport, sizes=(0, 1, 7, 64, 4097, MiB + 3, 64 * MiB)) -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+        conn = connected(transport, peer)
+        peer.send("echo", list(sizes), 10)
+        for i, n in enumerate(sizes):
+            data = pattern(n, i)
+            back = torch.full((n,), 0xAB, dtype=torch.uint8)
+            receive = conn.irecv(back, tag=11)
+            conn.send(data, tag=10, timeout=T, step=100 + i, bucket=i)
+            header = receive.wait(T)
+            assert (header.step, header.bucket, header.nbytes) == (100 + i, i, n)
+            assert torch.equal(back, data), f"{n}-byte bucket came back different"
+        assert peer.recv() == ("ok",)
+
+
+def check_many_in_flight_and_tags(make: MakeTransport) -> None:
+    # 16 buckets on 16 tags, sent in reverse order of the peer's receives:
+    # matching is by tag, and all of them are in flight at once on both sides.
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+        conn = connected(transport, peer)
+        specs = [(MiB + i * 4096, 1000 + i) for i in range(16)]
+        peer.send("recv_all", specs)
+        datas = [pattern(n, i) for i, (n, _) in enumerate(specs)]
+        sends = [conn.isend(d, tag=tag, bucket=i) for i, (d, (_, tag)) in reversed(list(enumerate(zip(datas, specs))))]
+        for s in sends:
+            s.wait(T)
+        status, buckets, sums = peer.recv()
+        assert status == "ok" and buckets == list(range(16))
+        assert sums == [int(d.sum()) for d in datas]
+
+
+def check_timeout(make: MakeTransport, timeout_s: float = 0.5) -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+        conn = connected(transport, peer)
+        start = time.monotonic()
+        try:
+            conn.recv(torch.empty(8, dtype=torch.uint8), tag=77, timeout=timedelta(seconds=timeout_s))
+        except TransferTimeoutError:
+            elapsed = time.monotonic() - start
+        else:
+            raise AssertionError("a receive nobody answers returned")
+        assert timeout_s <= elapsed < timeout_s + 5
+        assert not conn.alive  # a timed-out transfer closes its connection
+
+
+def check_wrong_token_refused(make: MakeTransport) -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"not-the-token") as peer:
+        address = transport.listen()
+        peer.send("connect", address)
+        try:
+            transport.accept(T)
+        except AuthenticationError as exc:
+            assert "wrong job token" in str(exc) and "job-token" not in str(exc)
+        else:
+            raise AssertionError("a peer with the wrong token was accepted")
+        status, message = peer.recv()
+        assert status == "AuthenticationError" and "refused" in message
+
+
+def check_missing_token_refused(make: MakeTransport) -> None:
+    with make(b"job-token") as transport:
+        host, port = transport.listen().rsplit(":", 1)
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as raw:
+            raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(200))
+            try:
+                transport.accept(T)
+            except AuthenticationError as exc:
+                assert "did not present a job token" in str(exc)
+            else:
+                raise AssertionError("a peer without a token was accepted")
+            raw.settimeout(10)
+            try:  # the server closed the connection: EOF, or a reset as our junk was unread
+                while raw.recv(4096):
+                    pass
+            except ConnectionResetError:
+                pass
+
+
+def check_corrupted_bucket_rejected_and_resent(make: MakeTransport) -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+        conn = connected(transport, peer)
+        data = pattern(3 * MiB, 5)
+        conn.faults.corrupt_next = 1
+        peer.send("recv_verify", data.numel(), 20)
+        conn.send(data, tag=20, timeout=T, step=9, bucket=4)
+        assert conn.faults.corrupted == 1, "the corruption fault did not fire"
+        assert peer.recv() == ("BucketCorruptedError", 4, 9)
+        peer.send("recv_verify", data.numel(), 20)  # the same bucket again, clean
+        conn.send(data, tag=20, timeout=T, step=9, bucket=4)
+        assert peer.recv() == ("ok", int(data.sum()))
+        assert conn.faults.corrupted == 1
+
+
+def check_peer_killed_mid_transfer(make: MakeTransport, nbytes: int = 512 * MiB) -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+        conn = connected(transport, peer)
+        receive = conn.irecv(torch.empty(nbytes, dtype=torch.uint8), tag=30)
+        peer.send("send", nbytes, 30, 1)
+        assert peer.recv() == ("posted",)
+        assert not receive.done(), "the transfer finished before the kill"
+        peer.kill()
+        killed_at = time.monotonic()
+        assert peer.process.exitcode == -9, "the peer was not killed"
+        try:
+            receive.wait(timedelta(seconds=30))
+        except PeerDisconnectedError:
+            noticed = time.monotonic() - killed_at
+        else:
+            raise AssertionError("a receive from a killed peer completed")
+        assert noticed < 2.0, f"survivor took {noticed:.2f} s to notice the dead peer"
+        assert not conn.alive
+        # The survivor keeps working: a new peer connects and a round trip succeeds.
+        with spawn(peer_main, make, b"job-token") as fresh:
+            conn2 = connected(transport, fresh)
+            fresh.send("echo", [MiB], 40)
+            back = torch.empty(MiB, dtype=torch.uint8)
+            receive = conn2.irecv(back, tag=41)
+            conn2.send(pattern(MiB, 2), tag=40, timeout=T)
+            receive.wait(T)
+            assert torch.equal(back, pattern(MiB, 2)) and fresh.recv() == ("ok",)
+
+
+def check_frozen_peer_times_out(make: MakeTransport, timeout_s: float = 1.0) -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+        conn = connected(transport, peer)
+        peer.freeze()
+        deadline = time.monotonic() + 5
+        while process_state(peer.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(peer.pid) == "T", "the peer was not stopped"
+        start = time.monotonic()
+        try:
+            conn.recv(torch.empty(MiB, dtype=torch.uint8), tag=50, timeout=timedelta(seconds=timeout_s))
+        except TransferTimeoutError:
+            elapsed = time.monotonic() - start
+        else:
+            raise AssertionError("a receive from a frozen peer completed")
+        assert timeout_s <= elapsed < timeout_s + 5
+        assert process_state(peer.pid) == "T"
+
+
+CHECKS = [
+    check_round_trip_sizes,
+    check_many_in_flight_and_tags,
+    check_timeout,
+    check_wrong_token_refused,
+    check_missing_token_refused,
+    check_corrupted_bucket_rejected_and_resent,
+    check_peer_killed_mid_transfer,
+    check_frozen_peer_times_out,
+]
+
+
+def run_transport_contract(make: MakeTransport, check: Callable[[MakeTransport], None] | None = None) -> None:
+    """Run one check (or all of them) against the backend that ``make(token)`` builds."""
+    for c in CHECKS if check is None else [check]:
+        c(make)

@@ -1,0 +1,331 @@
+"""The Transport abstraction: connect to a peer, move tensors under tags.
+
+Public methods here own the guards, digests, timing and NVTX ranges (template
+method); a backend implements only ``_listen/_accept/_connect`` on the
+transport and ``_isend/_irecv/_abort`` on the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import ClassVar, Protocol
+
+import torch
+
+from replica import ops
+from replica.errors import (
+    BucketCorruptedError,
+    PeerDisconnectedError,
+    TransferTimeoutError,
+    TransportError,
+)
+from replica.transport.wire import HEADER_BYTES, BucketHeader
+
+__all__ = [
+    "MAX_TAG",
+    "Capabilities",
+    "Connection",
+    "Locality",
+    "MemoryKind",
+    "Pending",
+    "SendFaults",
+    "Transfer",
+    "Transport",
+    "bucket_digest",
+    "nvtx_range",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Tags are 40-bit: backends keep the upper bits for connection ids and kinds.
+MAX_TAG = (1 << 40) - 1
+
+
+class MemoryKind(enum.Flag):
+    HOST = enum.auto()
+    CUDA = enum.auto()
+
+
+class Locality(enum.Flag):
+    SAME_NODE = enum.auto()
+    REMOTE = enum.auto()
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Capabilities:
+    """What a backend can move and between which peers; callers choose backends by this."""
+
+    memory: MemoryKind
+    locality: Locality
+
+    def supports(self, memory: MemoryKind, locality: Locality) -> bool:
+        return memory in self.memory and locality in self.locality
+
+
+try:
+    import nvtx as _nvtx
+
+    def nvtx_range(name: str):
+        return _nvtx.annotate(name, domain="replica")
+
+except ImportError:  # the ranges are for profiles only; nothing depends on them
+
+    def nvtx_range(name: str):
+        return contextlib.nullcontext()
+
+
+def memory_kind(t: torch.Tensor) -> MemoryKind:
+    if t.device.type == "cpu":
+        return MemoryKind.HOST
+    if t.device.type == "cuda":
+        return MemoryKind.CUDA
+    raise TransportError(f"cannot transfer tensors on {t.device}")
+
+
+def as_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor, never a copy."""
+    if not t.is_contiguous():
+        raise TransportError(f"{what} must be contiguous (strides {t.stride()})")
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def bucket_digest(flat: torch.Tensor) -> int:
+    """One 64-bit digest over a whole bucket (0 for an empty one)."""
+    n = flat.numel()
+    if n == 0:
+        return 0
+    return int(ops.checksum(flat, -(-n // 8) * 8)[0].item())
+
+
+@dataclass(kw_only=True, slots=True)
+class SendFaults:
+    """Fault injection on a connection's sends, for tests: ``corrupt_next = k`` flips
+    one byte of the next k buckets *after* their digest is taken (as a bad link
+    would); ``corrupted`` counts how many times that fired."""
+
+    corrupt_next: int = 0
+    corrupted: int = 0
+
+
+class Pending(Protocol):
+    """A backend's in-flight operation."""
+
+    def poll(self) -> bool:
+        """True once finished; raises the backend's error if it failed."""
+
+
+def _seconds(timeout: timedelta) -> float:
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
+    return timeout.total_seconds()
+
+
+class Transfer:
+    """Handle of one send or receive in flight; ``wait`` finishes it."""
+
+    def __init__(self, conn: Connection, pending: Pending, *, kind: str, tag: int,
+                 buf: torch.Tensor, header: BucketHeader | None, header_buf: torch.Tensor | None):
+        self._conn = conn
+        self._pending = pending
+        self._kind = kind
+        self._tag = tag
+        self._buf = buf  # kept alive until the backend is done with it
+        self._header = header
+        self._header_buf = header_buf
+        self._done = False
+
+    def done(self) -> bool:
+        """Non-blocking: True when ``wait`` would return without waiting."""
+        return self._done or self._poll()
+
+    def wait(self, timeout: timedelta) -> BucketHeader:
+        """Block until finished; returns the bucket's header (verified, for receives).
+
+        Raises PeerDisconnectedError if the peer died or closed the connection,
+        TransferTimeoutError past ``timeout`` (the connection is then closed: its
+        buffers may still be written by a late message), BucketCorruptedError if
+        a received bucket fails its digest.
+        """
+        if self._done:
+            return self._header
+        deadline = time.monotonic() + _seconds(timeout)
+        with nvtx_range(f"replica::{self._kind}"):
+            delay = 20e-6
+            while not self._poll():
+                if time.monotonic() >= deadline:
+                    self._conn._fail(TransferTimeoutError(
+                        f"{self._kind} of tag {self._tag} to {self._conn.peer} did not finish "
+                        f"within {_seconds(timeout):.3f} s; connection closed"))
+                    raise self._conn._error
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+        self._done = True
+        if self._kind == "recv":
+            self._header = self._conn._verify(self._tag, self._buf, self._header_buf)
+        return self._header
+
+    def _poll(self) -> bool:
+        if self._conn._error is not None:
+            raise self._conn._error
+        try:
+            return self._pending.poll()
+        except TransportError:
+            raise
+        except Exception as exc:  # a backend error, seen before or after the peer's death
+            if self._conn._error is not None:
+                raise self._conn._error from exc
+            raise TransportError(f"{self._kind} of tag {self._tag} failed: {exc}") from exc
+
+
+class Connection(ABC):
+    """One authenticated peer. Thread-safe for concurrent transfers."""
+
+    def __init__(self, *, peer: str, memory: MemoryKind, verify: bool):
+        self.peer = peer
+        self._memory = memory
+        self._verify_digests = verify
+        self._error: TransportError | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.faults = SendFaults()
+
+    @property
+    def alive(self) -> bool:
+        return self._error is None
+
+    def isend(self, buf: torch.Tensor, *, tag: int, step: int = 0, bucket: int = 0,
+              offset: int = 0, fingerprint: int = 0) -> Transfer:
+        """Start sending ``buf`` (contiguous, host or CUDA) under ``tag``; returns at once."""
+        flat = self._guard(buf, tag, "buf")
+        with nvtx_range("replica::digest"):
+            digest = bucket_digest(flat) if self._verify_digests else 0
+        header = BucketHeader(step=step, bucket=bucket, offset=offset, nbytes=flat.numel(),
+                              digest=digest, fingerprint=fingerprint)
+        if self.faults.corrupt_next > 0 and flat.numel() > 0:
+            self.faults.corrupt_next -= 1
+            self.faults.corrupted += 1
+            flat = flat.clone()
+            flat[flat.numel() // 2] ^= 0xFF
+        with nvtx_range("replica::post_send"):
+            pending = self._isend(flat, tag, header.encode())
+        return Transfer(self, pending, kind="send", tag=tag, buf=flat, header=header, header_buf=None)
+
+    def irecv(self, buf: torch.Tensor, *, tag: int) -> Transfer:
+        """Start receiving the next bucket sent under ``tag`` directly into ``buf``."""
+        flat = self._guard(buf, tag, "buf")
+        header_buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        with nvtx_range("replica::post_recv"):
+            pending = self._irecv(flat, tag, header_buf)
+        return Transfer(self, pending, kind="recv", tag=tag, buf=flat, header=None, header_buf=header_buf)
+
+    def send(self, buf: torch.Tensor, *, tag: int, timeout: timedelta, **meta: int) -> BucketHeader:
+        return self.isend(buf, tag=tag, **meta).wait(timeout)
+
+    def recv(self, buf: torch.Tensor, *, tag: int, timeout: timedelta) -> BucketHeader:
+        return self.irecv(buf, tag=tag).wait(timeout)
+
+    def close(self) -> None:
+        """Close the connection; transfers still in flight fail with PeerDisconnectedError."""
+        self._fail(PeerDisconnectedError(f"connection to {self.peer} was closed by this side"))
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- for backends ---
+
+    def _fail(self, error: TransportError) -> None:
+        """Mark the connection dead with ``error`` (first error wins) and release it."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            if self._closed:
+                return
+            self._closed = True
+        if not isinstance(error, PeerDisconnectedError) or "this side" not in str(error):
+            logger.warning("connection to %s failed: %s", self.peer, error)
+        self._abort()
+
+    def _guard(self, buf: torch.Tensor, tag: int, what: str) -> torch.Tensor:
+        if self._error is not None:
+            raise self._error
+        if not 0 <= tag <= MAX_TAG:
+            raise ValueError(f"tag must be in [0, {MAX_TAG}], got {tag}")
+        kind = memory_kind(buf)
+        if kind not in self._memory:
+            raise TransportError(f"this transport cannot move {kind.name} memory ({buf.device})")
+        return as_bytes(buf, what)
+
+    def _verify(self, tag: int, flat: torch.Tensor, header_buf: torch.Tensor) -> BucketHeader:
+        with nvtx_range("replica::verify"):
+            try:
+                header = BucketHeader.decode(header_buf.numpy().tobytes())
+            except ValueError as exc:
+                raise TransportError(f"bad header for tag {tag} from {self.peer}: {exc}") from exc
+            if header.nbytes != flat.numel():
+                raise TransportError(
+                    f"tag {tag} from {self.peer}: sender sent {header.nbytes} bytes into a "
+                    f"{flat.numel()}-byte receive buffer")
+            if self._verify_digests and header.digest != bucket_digest(flat):
+                raise BucketCorruptedError(
+                    f"bucket {header.bucket} of step {header.step} (tag {tag}) from {self.peer} "
+                    "failed its digest; ask for it again",
+                    step=header.step, bucket=header.bucket, tag=tag)
+        return header
+
+    @abstractmethod
+    def _isend(self, flat: torch.Tensor, tag: int, header: bytes) -> Pending: ...
+
+    @abstractmethod
+    def _irecv(self, flat: torch.Tensor, tag: int, header_buf: torch.Tensor) -> Pending: ...
+
+    @abstractmethod
+    def _abort(self) -> None:
+        """Release the connection's resources; pending operations must stop."""
+
+
+class Transport(ABC):
+    """A process's endpoint for one backend: listens, accepts and connects."""
+
+    capabilities: ClassVar[Capabilities]
+
+    def listen(self) -> str:
+        """Start listening; returns the address peers pass to ``connect``."""
+        return self._listen()
+
+    def accept(self, timeout: timedelta) -> Connection:
+        """Wait for one peer to connect and prove the job token."""
+        with nvtx_range("replica::accept"):
+            return self._accept(_seconds(timeout))
+
+    def connect(self, address: str, timeout: timedelta) -> Connection:
+        """Connect to the peer listening at ``address``."""
+        with nvtx_range("replica::connect"):
+            return self._connect(address, _seconds(timeout))
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @abstractmethod
+    def _listen(self) -> str: ...
+
+    @abstractmethod
+    def _accept(self, timeout_s: float) -> Connection: ...
+
+    @abstractmethod
+    def _connect(self, address: str, timeout_s: float) -> Connection: ...

@@ -1,0 +1,211 @@
+"""The control channel every connection starts with: a TCP socket that carries
+the token handshake, then stays open so a dead peer is noticed the moment the
+kernel closes its socket (milliseconds after ``kill -9``), whatever the data
+path is. UCX's own listener would bind every interface and needs endpoint
+error handling, which rules out its shared-memory transports; this socket binds
+loopback unless configured otherwise, and the data path stays free to be fast.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from replica.errors import AuthenticationError, PeerDisconnectedError, TransferTimeoutError, TransportError
+from replica.transport import wire
+
+__all__ = ["ControlMonitor", "ControlServer", "client_handshake", "parse_address", "server_handshake"]
+
+logger = logging.getLogger(__name__)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"address must look like HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class _Deadline:
+    def __init__(self, timeout_s: float, what: str):
+        self.end = time.monotonic() + timeout_s
+        self.what = what
+
+    def remaining(self) -> float:
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise TransferTimeoutError(f"{self.what} timed out")
+        return left
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: _Deadline) -> bytes:
+    chunks = []
+    while n:
+        sock.settimeout(deadline.remaining())
+        try:
+            chunk = sock.recv(n)
+        except TimeoutError as exc:
+            raise TransferTimeoutError(f"{deadline.what} timed out") from exc
+        except OSError as exc:
+            raise PeerDisconnectedError(f"{deadline.what}: {exc}") from exc
+        if not chunk:
+            raise PeerDisconnectedError(f"{deadline.what}: peer closed the connection")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _send_all(sock: socket.socket, data: bytes, deadline: _Deadline) -> None:
+    sock.settimeout(deadline.remaining())
+    try:
+        sock.sendall(data)
+    except TimeoutError as exc:
+        raise TransferTimeoutError(f"{deadline.what} timed out") from exc
+    except OSError as exc:
+        raise PeerDisconnectedError(f"{deadline.what}: {exc}") from exc
+
+
+MAX_ADDRESS_BYTES = 1 << 16
+
+
+def _read_address(sock, deadline):
+    def read(length: int) -> bytes:
+        if length > MAX_ADDRESS_BYTES:
+            raise ValueError(f"peer announced a {length}-byte address")
+        return _recv_exact(sock, length, deadline)
+    return read
+
+
+def server_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
+                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
+    """Challenge the client for the job token; returns its data address and tag id."""
+    deadline = _Deadline(timeout_s, f"handshake with {peer}")
+    nonce = wire.new_nonce()
+    _send_all(sock, wire.encode_challenge(nonce), deadline)
+    try:
+        hello = wire.Hello.decode(_recv_exact(sock, wire.Hello.fixed_size(), deadline),
+                                  _read_address(sock, deadline))
+    except (ValueError, PeerDisconnectedError, TransferTimeoutError) as exc:
+        logger.warning("refused connection from %s: no valid job token (%s)", peer, exc)
+        raise AuthenticationError(f"{peer} did not present a job token: {exc}") from exc
+    if not hmac.compare_digest(hello.proof, wire.proof(token, nonce, b"client")):
+        _send_all(sock, wire.Welcome(accepted=False, proof=bytes(wire.PROOF_BYTES), inbound_id=0,
+                                     address=b"").encode(), deadline)
+        logger.warning("refused connection from %s: wrong job token", peer)
+        raise AuthenticationError(f"{peer} presented a wrong job token")
+    welcome = wire.Welcome(accepted=True, proof=wire.proof(token, hello.nonce, b"server"),
+                           inbound_id=inbound_id, address=address)
+    _send_all(sock, welcome.encode(), deadline)
+    return hello.address, hello.inbound_id
+
+
+def client_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
+                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
+    """Answer the server's challenge and check its own proof; returns its data address and tag id."""
+    deadline = _Deadline(timeout_s, f"handshake with {peer}")
+    try:
+        server_nonce = wire.decode_challenge(_recv_exact(sock, wire.CHALLENGE_BYTES, deadline))
+    except ValueError as exc:
+        raise TransportError(f"{peer} is not a replica endpoint: {exc}") from exc
+    nonce = wire.new_nonce()
+    hello = wire.Hello(proof=wire.proof(token, server_nonce, b"client"), nonce=nonce,
+                       inbound_id=inbound_id, address=address)
+    _send_all(sock, hello.encode(), deadline)
+    try:
+        welcome = wire.Welcome.decode(_recv_exact(sock, wire.Welcome.fixed_size(), deadline),
+                                      _read_address(sock, deadline))
+    except PeerDisconnectedError as exc:
+        raise AuthenticationError(f"{peer} closed the connection during the handshake") from exc
+    if not welcome.accepted:
+        raise AuthenticationError(f"{peer} refused this side's job token")
+    if not hmac.compare_digest(welcome.proof, wire.proof(token, nonce, b"server")):
+        raise AuthenticationError(f"{peer} could not prove it holds the job token")
+    return welcome.address, welcome.inbound_id
+
+
+class ControlServer:
+    """The listening socket (loopback unless told otherwise)."""
+
+    def __init__(self, host: str, port: int):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(64)
+        bound_host, bound_port = self._sock.getsockname()[:2]
+        self.address = f"[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"{bound_host}:{bound_port}"
+
+    def accept(self, timeout_s: float) -> tuple[socket.socket, str]:
+        self._sock.settimeout(timeout_s)
+        try:
+            sock, addr = self._sock.accept()
+        except TimeoutError as exc:
+            raise TransferTimeoutError(f"no peer connected to {self.address} within {timeout_s:.3f} s") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock, f"{addr[0]}:{addr[1]}"
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class ControlMonitor:
+    """One thread watching every control socket of a transport for the peer's exit.
+
+    epoll allows registering while another thread waits, so watch/forget need
+    no wake-up; the one-second select timeout only bounds how long close() waits.
+    """
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="replica-control-monitor", daemon=True)
+        self._thread.start()
+
+    def watch(self, sock: socket.socket, on_closed: Callable[[str], None]) -> None:
+        sock.setblocking(False)
+        self._selector.register(sock, selectors.EVENT_READ, on_closed)
+
+    def forget(self, sock: socket.socket) -> None:
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        self._selector.close()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            if not self._selector.get_map():
+                self._stopped.wait(0.05)
+                continue
+            for key, _ in self._selector.select(timeout=1.0):
+                reason = self._read(key.fileobj)
+                if reason is not None:
+                    self.forget(key.fileobj)
+                    key.data(reason)
+
+    @staticmethod
+    def _read(sock: socket.socket) -> str | None:
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            return None
+        except OSError as exc:
+            return f"control connection failed: {exc}"
+        if not data:
+            return "peer closed the connection or died"
+        if data.endswith(BYE):
+            return "peer closed the connection"
+        return None
+
+
+#: Sent on the control socket by a peer that closes on purpose.
+BYE = b"\xff"
