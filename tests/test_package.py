@@ -30,7 +30,12 @@ def test_build_maps_folders_into_one_package(tmp_path):
         assert sorted(p.name for p in target.glob("*.py")) == sorted(p.name for p in folder.glob("*.py"))
 
 
-@pytest.mark.parametrize("name", sorted(PACKAGES) + ["replica.ops", "replica.errors"])
+@pytest.mark.parametrize(
+    "name",
+    sorted(PACKAGES)
+    + ["replica.ops", "replica.errors", "replica.testing"]
+    + [f"replica.transport.{p.stem}" for p in sorted((ROOT / "transport").glob("[!_]*.py"))],
+)
 def test_all_is_explicit_sorted_and_resolves(name):
     module = importlib.import_module(name)
     exported = module.__all__

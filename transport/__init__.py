@@ -16,11 +16,11 @@ from replica.transport.base import (
 from replica.transport.wire import BucketHeader
 
 __all__ = [
-    "MAX_TAG",
     "BucketHeader",
     "Capabilities",
     "Connection",
     "Locality",
+    "MAX_TAG",
     "MemoryKind",
     "Transfer",
     "Transport",

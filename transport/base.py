@@ -29,10 +29,10 @@ from replica.errors import (
 from replica.transport.wire import HEADER_BYTES, BucketHeader
 
 __all__ = [
-    "MAX_TAG",
     "Capabilities",
     "Connection",
     "Locality",
+    "MAX_TAG",
     "MemoryKind",
     "Pending",
     "SendFaults",

@@ -14,11 +14,11 @@ import struct
 from dataclasses import dataclass
 
 __all__ = [
+    "BucketHeader",
     "CHALLENGE_BYTES",
     "HEADER_BYTES",
-    "PROTOCOL_VERSION",
-    "BucketHeader",
     "Hello",
+    "PROTOCOL_VERSION",
     "Welcome",
     "decode_challenge",
     "encode_challenge",
