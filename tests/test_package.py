@@ -50,7 +50,7 @@ def _imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+            # `from replica import ops` uses replica.ops, not all of replica
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
 
@@ -75,3 +75,5 @@ def test_layer_check_sees_imports(tmp_path):
     # The rule above must be able to fail: it parses real import statements.
     (tmp_path / "m.py").write_text("import replica.roles\nfrom replica.roles import x\n")
     assert {"replica.roles", "replica.roles.x"} <= _replica_imports(tmp_path)
+    (tmp_path / "m.py").write_text("from replica import roles\n")
+    assert _replica_imports(tmp_path) == {"replica.roles"}
