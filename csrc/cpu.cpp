@@ -17,7 +17,9 @@ namespace {
 
 // Below this many bytes per task, thread start-up costs more than it saves.
 constexpr int64_t kCopyGrainBytes = 256 << 10;
-constexpr int64_t kChecksumGrainWords = 32 << 10;
+// 4 MiB per thread at least: waking OpenMP workers costs more than hashing a
+// small bucket, badly so when a UCX progress thread is spinning beside them.
+constexpr int64_t kChecksumGrainWords = 512 << 10;
 constexpr size_t kPrefetchAhead = 4;
 constexpr int64_t kPrefetchBytes = 4096;
 

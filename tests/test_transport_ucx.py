@@ -6,11 +6,17 @@ import pytest
 
 from replica.transport.ucx import UcxConfig, UcxTransport
 
-from transport_contract import CHECKS, MiB, check_round_trip_sizes, run_transport_contract
+from transport_contract import (
+    CHECKS,
+    MiB,
+    check_peer_killed_mid_transfer,
+    check_round_trip_sizes,
+    run_transport_contract,
+)
 
 
-def make_ucx(token: bytes, ucx_transports: str = "") -> UcxTransport:
-    return UcxTransport(UcxConfig(token=token, ucx_transports=ucx_transports))
+def make_ucx(token: bytes, **options) -> UcxTransport:
+    return UcxTransport(UcxConfig(token=token, **options))
 
 
 BACKENDS = {
@@ -24,8 +30,9 @@ def test_contract_ucx(check):
     run_transport_contract(BACKENDS["ucx-default"], check)
 
 
-def test_round_trip_tcp():
-    run_transport_contract(BACKENDS["ucx-tcp"], check_round_trip_sizes)
+@pytest.mark.parametrize("check", [check_round_trip_sizes, check_peer_killed_mid_transfer], ids=lambda c: c.__name__)
+def test_contract_tcp(check):
+    run_transport_contract(BACKENDS["ucx-tcp"], check)
 
 
 def test_round_trip_512_mib():

@@ -8,11 +8,13 @@ transport and ``_isend/_irecv/_abort`` on the connection.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar, Protocol
@@ -204,18 +206,27 @@ class Connection(ABC):
               offset: int = 0, fingerprint: int = 0) -> Transfer:
         """Start sending ``buf`` (contiguous, host or CUDA) under ``tag``; returns at once."""
         flat = self._guard(buf, tag, "buf")
-        with nvtx_range("replica::digest"):
-            digest = bucket_digest(flat) if self._verify_digests else 0
-        header = BucketHeader(step=step, bucket=bucket, offset=offset, nbytes=flat.numel(),
-                              digest=digest, fingerprint=fingerprint)
+        payload = flat
         if self.faults.corrupt_next > 0 and flat.numel() > 0:
             self.faults.corrupt_next -= 1
             self.faults.corrupted += 1
-            flat = flat.clone()
-            flat[flat.numel() // 2] ^= 0xFF
+            payload = flat.clone()
+            payload[flat.numel() // 2] ^= 0xFF
+        header = BucketHeader(step=step, bucket=bucket, offset=offset, nbytes=flat.numel(),
+                              digest=0, fingerprint=fingerprint)
+
+        def finish_header() -> bytes:
+            # Called by the backend once the payload is on its way, so hashing
+            # overlaps the transfer; the digest is of the caller's bytes.
+            nonlocal header
+            with nvtx_range("replica::digest"):
+                digest = bucket_digest(flat) if self._verify_digests else 0
+            header = dataclasses.replace(header, digest=digest)
+            return header.encode()
+
         with nvtx_range("replica::post_send"):
-            pending = self._isend(flat, tag, header.encode())
-        return Transfer(self, pending, kind="send", tag=tag, buf=flat, header=header, header_buf=None)
+            pending = self._isend(payload, tag, finish_header)
+        return Transfer(self, pending, kind="send", tag=tag, buf=payload, header=header, header_buf=None)
 
     def irecv(self, buf: torch.Tensor, *, tag: int) -> Transfer:
         """Start receiving the next bucket sent under ``tag`` directly into ``buf``."""
@@ -283,7 +294,8 @@ class Connection(ABC):
         return header
 
     @abstractmethod
-    def _isend(self, flat: torch.Tensor, tag: int, header: bytes) -> Pending: ...
+    def _isend(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> Pending:
+        """Post ``flat`` then the header that ``header()`` returns, under ``tag``."""
 
     @abstractmethod
     def _irecv(self, flat: torch.Tensor, tag: int, header_buf: torch.Tensor) -> Pending: ...

@@ -1,0 +1,210 @@
+"""One-way resync bandwidth between two processes on this machine: the replica
+transport over UCX (shared memory, tcp), gloo send/recv and the memcpy limit,
+in one run. `make bench` writes bench/results/resync.json and resync.md.
+
+Each round sends one buffer and waits for an 8-byte acknowledgement, so a
+round is "bytes delivered and known delivered" (the ack costs tens of us)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+from replica.testing import spawn
+from replica.transport.ucx import UcxConfig, UcxTransport
+
+MiB = 1 << 20
+SIZES = [1 * MiB, 64 * MiB, 512 * MiB]
+ROUNDS = {1 * MiB: 200, 64 * MiB: 20, 512 * MiB: 8}
+RESULTS_DIR = Path(__file__).parent / "results"
+T = timedelta(seconds=120)
+TOKEN = b"bench-token"
+
+# path -> size -> median seconds per round
+_medians: dict[str, dict[int, float]] = {}
+
+UCX_PATHS = {
+    # name: (UCX_TLS, verify digests)
+    "ucx_shm": ("posix,sysv,self", False),
+    "ucx_cma": ("cma,self", False),
+    "ucx_tcp": ("tcp", False),
+    "ucx_default": ("^cma,knem,xpmem", False),
+    "ucx_default_verified": ("^cma,knem,xpmem", True),
+}
+
+
+
+def _ucx_peer(pipe, tls: str, verify: bool) -> None:
+    transport = UcxTransport(UcxConfig(token=TOKEN, ucx_transports=tls, verify=verify))
+    conn = transport.connect(pipe.recv()[0], T)
+    ack = torch.zeros(8, dtype=torch.uint8)
+    while True:
+        cmd = pipe.recv()
+        if cmd[0] == "size":
+            buf = torch.empty(cmd[1], dtype=torch.uint8)
+            pipe.send(("ok",))
+        elif cmd[0] == "rounds":
+            for _ in range(cmd[1]):
+                conn.recv(buf, tag=1, timeout=T)
+                conn.send(ack, tag=2, timeout=T)
+            pipe.send(("ok",))
+        else:
+            break
+    transport.close()
+
+
+def _gloo_peer(pipe, port: int) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    ack = torch.zeros(8, dtype=torch.uint8)
+    while True:
+        cmd = pipe.recv()
+        if cmd[0] == "size":
+            buf = torch.empty(cmd[1], dtype=torch.uint8)
+            pipe.send(("ok",))
+        elif cmd[0] == "rounds":
+            for _ in range(cmd[1]):
+                dist.recv(buf, src=0)
+                dist.send(ack, dst=0)
+            pipe.send(("ok",))
+        else:
+            break
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=list(UCX_PATHS))
+def ucx_path(request):
+    name = request.param
+    tls, verify = UCX_PATHS[name]
+    with UcxTransport(UcxConfig(token=TOKEN, ucx_transports=tls, verify=verify)) as transport, \
+            spawn(_ucx_peer, tls, verify, name=f"{name}-peer") as peer:
+        peer.send(transport.listen())
+        conn = transport.accept(T)
+        ack = torch.zeros(8, dtype=torch.uint8)
+
+        def one_round(buf):
+            got = conn.irecv(ack, tag=2)
+            conn.send(buf, tag=1, timeout=T)
+            got.wait(T)
+
+        yield name, peer, one_round
+
+
+@pytest.fixture(scope="module")
+def gloo_path():
+    import torch.distributed as dist
+
+    port = _free_port()
+    with spawn(_gloo_peer, port, name="gloo-peer") as peer:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+        ack = torch.zeros(8, dtype=torch.uint8)
+
+        def one_round(buf):
+            dist.send(buf, dst=1)
+            dist.recv(ack, src=1)
+
+        try:
+            yield "gloo", peer, one_round
+        finally:
+            peer.send("exit")
+            dist.destroy_process_group()
+
+
+def _measure(benchmark, path, nbytes: int) -> None:
+    name, peer, one_round = path
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    assert peer.request("size", nbytes) == ("ok",)
+    rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
+    warmup = 0 if benchmark.disabled else 2
+    peer.send("rounds", rounds + warmup)
+    benchmark.extra_info.update(path=name, bytes=nbytes)
+    benchmark.pedantic(one_round, args=(buf,), rounds=rounds, warmup_rounds=warmup, iterations=1)
+    assert peer.recv(timeout=300) == ("ok",)
+    if not benchmark.disabled:
+        _medians.setdefault(name, {})[nbytes] = benchmark.stats.stats.median
+
+
+@pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
+def test_ucx(benchmark, ucx_path, nbytes):
+    _measure(benchmark, ucx_path, nbytes)
+
+
+@pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
+def test_gloo(benchmark, gloo_path, nbytes):
+    _measure(benchmark, gloo_path, nbytes)
+
+
+@pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
+def test_memcpy_limit(benchmark, nbytes):
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
+    for name, fn in (("memcpy_copy_", lambda: dst.copy_(src)),
+                     ("memcpy_memmove", lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes))):
+        times = []
+        for _ in range(rounds + 2):
+            import time
+
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        times = sorted(times[2:])
+        if not benchmark.disabled:
+            _medians.setdefault(name, {})[nbytes] = times[len(times) // 2]
+    benchmark.extra_info.update(path="memcpy", bytes=nbytes)
+    benchmark.pedantic(lambda: dst.copy_(src), rounds=rounds, iterations=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
+    paths = [*UCX_PATHS, "gloo", "memcpy_copy_", "memcpy_memmove"]
+    if any(set(_medians.get(p, {})) != set(SIZES) for p in paths):
+        return  # benchmarks disabled (CI smoke run) or some were deselected
+    gbps = {p: {n: n / _medians[p][n] / 1e9 for n in SIZES} for p in paths}
+    gbps["memcpy"] = {n: max(gbps["memcpy_copy_"][n], gbps["memcpy_memmove"][n]) for n in SIZES}
+    big = 512 * MiB
+    ucx = [p for p in UCX_PATHS]
+    best = max(ucx, key=lambda p: gbps[p][big])
+    result = {
+        "ucx_shm_vs_memcpy_512MiB": gbps["ucx_shm"][big] / gbps["memcpy"][big],
+        "ucx_best_vs_gloo_512MiB": gbps[best][big] / gbps["gloo"][big],
+        "ucx_best_path_512MiB": best,
+        "targets": {"ucx_shm_vs_memcpy_512MiB": 0.5, "ucx_best_vs_gloo_512MiB": 2.0},
+        "gbps": {p: {f"{n // MiB}MiB": v for n, v in by_size.items()} for p, by_size in gbps.items()},
+        "machine": {"torch": torch.__version__, "cpus": os.cpu_count()},
+    }
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "resync.json").write_text(json.dumps(result, indent=2) + "\n")
+    labels = {
+        "ucx_shm": "replica/UCX, shared-memory FIFOs (posix,sysv)",
+        "ucx_cma": "replica/UCX, cma (not used: fatal on peer death)",
+        "ucx_tcp": "replica/UCX, tcp over loopback",
+        "ucx_default": "replica/UCX, default (^cma: UCX picks)",
+        "ucx_default_verified": "replica/UCX, default, digests on",
+        "gloo": "gloo send/recv",
+        "memcpy": "memcpy limit (one copy in one process)",
+    }
+    lines = [
+        "### resync bandwidth, one way between two processes (GB/s, medians)\n",
+        "| path | 1 MiB | 64 MiB | 512 MiB | vs memcpy @512 MiB | vs gloo @512 MiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for p, label in labels.items():
+        row = " | ".join(f"{gbps[p][n]:.2f}" for n in SIZES)
+        lines.append(f"| {label} | {row} | {gbps[p][big] / gbps['memcpy'][big]:.2f}x | {gbps[p][big] / gbps['gloo'][big]:.2f}x |")
+    (RESULTS_DIR / "resync.md").write_text("\n".join(lines) + "\n")
