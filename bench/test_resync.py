@@ -33,7 +33,7 @@ _medians: dict[str, dict[int, float]] = {}
 UCX_PATHS = {
     # name: (UCX_TLS, verify digests)
     "ucx_shm": ("posix,sysv,self", False),
-    "ucx_cma": ("cma,self", False),
+    "ucx_cma": ("sm,self", False),  # sm includes cma, which takes the large transfers
     "ucx_tcp": ("tcp", False),
     "ucx_default": ("^cma,knem,xpmem", False),
     "ucx_default_verified": ("^cma,knem,xpmem", True),
