@@ -16,10 +16,24 @@ import threading
 import time
 from collections.abc import Callable
 
+import itertools
+from abc import abstractmethod
+from typing import Any
+
 from replica.errors import AuthenticationError, PeerDisconnectedError, TransferTimeoutError, TransportError
 from replica.transport import wire
+from replica.transport.base import Connection, Transport
 
-__all__ = ["ControlMonitor", "ControlServer", "client_handshake", "parse_address", "server_handshake"]
+__all__ = [
+    "BYE",
+    "ControlMonitor",
+    "ControlServer",
+    "ControlledConnection",
+    "ControlledTransport",
+    "client_handshake",
+    "parse_address",
+    "server_handshake",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -209,3 +223,127 @@ class ControlMonitor:
 
 #: Sent on the control socket by a peer that closes on purpose.
 BYE = b"\xff"
+
+
+_MAX_CONNECTIONS = (1 << 16) - 1
+
+
+class ControlledConnection(Connection):
+    """A connection whose liveness is its control socket."""
+
+    def __init__(self, *, transport: ControlledTransport, sock: socket.socket, peer: str, **kwargs: Any):
+        super().__init__(peer=peer, **kwargs)
+        self._transport = transport
+        self._sock = sock
+
+    def _peer_lost(self, reason: str) -> None:
+        self._fail(PeerDisconnectedError(f"{self.peer}: {reason}"))
+
+    def _abort(self) -> None:
+        self._transport._forget(self)
+        try:
+            self._sock.setblocking(True)
+            self._sock.settimeout(0.1)
+            self._sock.sendall(BYE)
+        except OSError:
+            pass  # the peer is gone already
+        self._sock.close()
+        self._release()
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free the data path; operations in flight must stop or be abandoned."""
+
+
+class ControlledTransport(Transport):
+    """listen/accept/connect over an authenticated control socket; backends supply
+    the data path through ``_offer`` (what this side tells the peer) and ``_open``."""
+
+    def __init__(self, *, token: bytes, host: str, port: int):
+        if not isinstance(token, bytes) or not token:
+            raise ValueError("token must be non-empty bytes (the job's secret)")
+        self._token = token
+        self._host = host
+        self._port = port
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._connections: set[ControlledConnection] = set()
+        self._monitor = ControlMonitor()
+        self._server: ControlServer | None = None
+        self._closed = False
+
+    def _listen(self) -> str:
+        if self._server is None:
+            self._server = ControlServer(self._host, self._port)
+        return self._server.address
+
+    def _accept(self, timeout_s: float) -> Connection:
+        if self._server is None:
+            raise TransportError("accept() before listen()")
+        sock, peer = self._server.accept(timeout_s)
+        return self._establish(sock, peer, server=True, timeout_s=timeout_s)
+
+    def _connect(self, address: str, timeout_s: float) -> Connection:
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as exc:
+            raise PeerDisconnectedError(f"cannot connect to {address}: {exc}") from exc
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._establish(sock, address, server=False, timeout_s=timeout_s)
+
+    def _establish(self, sock: socket.socket, peer: str, *, server: bool, timeout_s: float) -> Connection:
+        recv_id = next(self._ids)
+        if recv_id > _MAX_CONNECTIONS:
+            sock.close()
+            raise TransportError(f"more than {_MAX_CONNECTIONS} connections on one transport")
+        handshake = server_handshake if server else client_handshake
+        offer, state = self._offer(server)
+        try:
+            peer_offer, send_id = handshake(sock, peer=peer, token=self._token, address=offer,
+                                            inbound_id=recv_id, timeout_s=timeout_s)
+            conn = self._open(sock=sock, peer=peer, peer_offer=peer_offer, send_id=send_id,
+                              recv_id=recv_id, server=server, state=state, timeout_s=timeout_s)
+        except BaseException:
+            sock.close()
+            self._discard_offer(state)
+            raise
+        with self._lock:
+            self._connections.add(conn)
+        self._monitor.watch(sock, conn._peer_lost)
+        logger.info("connected to %s", peer)
+        return conn
+
+    def _forget(self, conn: ControlledConnection) -> None:
+        self._monitor.forget(conn._sock)
+        with self._lock:
+            self._connections.discard(conn)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            conns = list(self._connections)
+        for conn in conns:
+            conn.close()
+        if self._server is not None:
+            self._server.close()
+        self._monitor.close()
+        self._shutdown()
+
+    @abstractmethod
+    def _offer(self, server: bool) -> tuple[bytes, Any]:
+        """What this side sends the peer in the handshake (its data address), and local state."""
+
+    def _discard_offer(self, state: Any) -> None:
+        """Undo ``_offer`` when the handshake fails."""
+
+    @abstractmethod
+    def _open(self, *, sock: socket.socket, peer: str, peer_offer: bytes, send_id: int, recv_id: int,
+              server: bool, state: Any, timeout_s: float) -> ControlledConnection:
+        """Build the data path once both sides proved the token."""
+
+    @abstractmethod
+    def _shutdown(self) -> None:
+        """Release the backend after every connection is closed."""

@@ -10,25 +10,14 @@ within milliseconds, and a deadline on every wait catches a frozen one.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import socket
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from replica.errors import PeerDisconnectedError, TransportError
-from replica.transport.base import Capabilities, Connection, Locality, MemoryKind, Transport
-from replica.transport.control import (
-    BYE,
-    ControlMonitor,
-    ControlServer,
-    client_handshake,
-    parse_address,
-    server_handshake,
-)
+from replica.transport.base import Capabilities, Locality, MemoryKind
+from replica.transport.control import ControlledConnection, ControlledTransport
 
 __all__ = ["UcxConfig", "UcxConnection", "UcxTransport"]
 
@@ -36,7 +25,6 @@ logger = logging.getLogger(__name__)
 
 _KIND_PAYLOAD = 0
 _KIND_HEADER = 1
-_MAX_CONNECTIONS = (1 << 16) - 1
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -94,17 +82,16 @@ class _Requests:
         return True
 
 
-class UcxConnection(Connection):
-    def __init__(self, *, transport: UcxTransport, sock: socket.socket, peer: str, endpoint,
-                 send_id: int, recv_id: int, verify: bool):
-        super().__init__(peer=peer, memory=UcxTransport.capabilities.memory, verify=verify)
-        self._transport = transport
-        self._sock = sock
+class UcxConnection(ControlledConnection):
+    def __init__(self, *, endpoint, send_id: int, recv_id: int, **kwargs):
+        super().__init__(memory=UcxTransport.capabilities.memory, **kwargs)
         self._endpoint = endpoint
         self._send_id = send_id
         self._recv_id = recv_id
 
     def _tag(self, conn_id: int, tag: int, kind: int):
+        # UCX matches tags per worker, not per endpoint: the top 16 bits say
+        # which connection a message belongs to (the receiver chose the id).
         return _ucx().UCXXTag((conn_id << 48) | (tag << 8) | kind)
 
     def _isend(self, flat, tag, header):
@@ -122,31 +109,21 @@ class UcxConnection(Connection):
         ]
         return _Requests(requests, (header_buf, flat))
 
-    def _peer_lost(self, reason: str) -> None:
-        self._fail(PeerDisconnectedError(f"{self.peer}: {reason}"))
-
-    def _abort(self) -> None:
-        self._transport._forget(self)
-        try:
-            self._sock.setblocking(True)
-            self._sock.settimeout(0.1)
-            self._sock.sendall(BYE)
-        except OSError:
-            pass  # the peer is gone already
-        self._sock.close()
+    def _release(self) -> None:
         try:
             self._endpoint.close()  # cancels this endpoint's requests in flight
         except Exception as exc:  # noqa: BLE001 - a dead peer's endpoint may refuse to close cleanly
             logger.debug("closing UCX endpoint to %s: %s", self.peer, exc)
 
 
-class UcxTransport(Transport):
+class UcxTransport(ControlledTransport):
     """One UCX context, worker and progress thread per process; many connections."""
 
     capabilities = Capabilities(memory=MemoryKind.HOST | MemoryKind.CUDA,
                                 locality=Locality.SAME_NODE | Locality.REMOTE)
 
     def __init__(self, config: UcxConfig):
+        super().__init__(token=config.token, host=config.host, port=config.port)
         ucx = _ucx()
         self.config = config
         options = {"TLS": config.ucx_transports} if config.ucx_transports else {}
@@ -156,74 +133,18 @@ class UcxTransport(Transport):
         # shared-memory transfers hanging here (UCX 1.21, ucxx 0.52).
         self._worker.start_progress_thread(polling_mode=True)
         self._address = bytes(self._worker.address.tobytes())
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._connections: set[UcxConnection] = set()
-        self._monitor = ControlMonitor()
-        self._server: ControlServer | None = None
-        self._closed = False
 
-    def _listen(self) -> str:
-        if self._server is None:
-            self._server = ControlServer(self.config.host, self.config.port)
-        return self._server.address
+    def _offer(self, server):
+        return self._address, None
 
-    def _accept(self, timeout_s: float) -> Connection:
-        if self._server is None:
-            raise TransportError("accept() before listen()")
-        sock, peer = self._server.accept(timeout_s)
-        return self._establish(sock, peer, server_handshake, timeout_s)
-
-    def _connect(self, address: str, timeout_s: float) -> Connection:
-        host, port = parse_address(address)
-        try:
-            sock = socket.create_connection((host, port), timeout=timeout_s)
-        except OSError as exc:
-            raise PeerDisconnectedError(f"cannot connect to {address}: {exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return self._establish(sock, address, client_handshake, timeout_s)
-
-    def _establish(self, sock, peer, handshake, timeout_s) -> UcxConnection:
-        recv_id = self._next_id()
-        try:
-            peer_address, send_id = handshake(sock, peer=peer, token=self.config.token,
-                                              address=self._address, inbound_id=recv_id,
-                                              timeout_s=timeout_s)
-            endpoint = self._worker.create_endpoint_from_worker_address(
-                _ucx().UCXAddress.create_from_buffer(peer_address), self.config.data_error_handling)
-        except BaseException:
-            sock.close()
-            raise
-        conn = UcxConnection(transport=self, sock=sock, peer=peer, endpoint=endpoint,
-                             send_id=send_id, recv_id=recv_id, verify=self.config.verify)
+    def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
+        endpoint = self._worker.create_endpoint_from_worker_address(
+            _ucx().UCXAddress.create_from_buffer(peer_offer), self.config.data_error_handling)
+        conn = UcxConnection(transport=self, sock=sock, peer=peer, endpoint=endpoint, send_id=send_id,
+                             recv_id=recv_id, verify=self.config.verify)
         if self.config.data_error_handling:
             endpoint.set_close_callback(conn._peer_lost, cb_args=("UCX endpoint closed",))
-        with self._lock:
-            self._connections.add(conn)
-        self._monitor.watch(sock, conn._peer_lost)
-        logger.info("connected to %s", peer)
         return conn
 
-    def _next_id(self) -> int:
-        conn_id = next(self._ids)
-        if conn_id > _MAX_CONNECTIONS:
-            raise TransportError(f"more than {_MAX_CONNECTIONS} connections on one transport")
-        return conn_id
-
-    def _forget(self, conn: UcxConnection) -> None:
-        self._monitor.forget(conn._sock)
-        with self._lock:
-            self._connections.discard(conn)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with self._lock:
-            conns = list(self._connections)
-        for conn in conns:
-            conn.close()
-        if self._server is not None:
-            self._server.close()
-        self._monitor.close()
+    def _shutdown(self) -> None:
         self._worker.stop_progress_thread()

@@ -1,0 +1,147 @@
+"""torch.distributed gloo backend: the baseline of the benchmarks and a fallback
+where UCX is unavailable. Each connection is a two-rank gloo group (acceptor is
+rank 0) formed after the token handshake, through a TCPStore whose listening
+socket this module binds itself (torch's own would bind every interface) and
+closes once the pair has met. Gloo's own sockets do not check the job token;
+the address they listen on is only ever told over the authenticated channel."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from replica.transport.base import Capabilities, Locality, MemoryKind
+from replica.transport.control import ControlledConnection, ControlledTransport, parse_address
+
+__all__ = ["GlooConfig", "GlooConnection", "GlooTransport"]
+
+logger = logging.getLogger(__name__)
+
+#: gloo tags are 32-bit signed; two per replica tag (header, payload).
+MAX_GLOO_TAG = (1 << 30) - 1
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class GlooConfig:
+    token: bytes
+    host: str = "127.0.0.1"
+    port: int = 0
+    # gloo's own timeout for an operation; replica's deadlines are usually shorter.
+    op_timeout: timedelta = timedelta(seconds=300)
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token, bytes) or not self.token:
+            raise ValueError("token must be non-empty bytes (the job's secret)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+    def __repr__(self) -> str:  # never print the token
+        return f"GlooConfig(host={self.host!r}, port={self.port}, op_timeout={self.op_timeout}, verify={self.verify})"
+
+
+class _Works:
+    """gloo's send/recv works finish only inside ``wait()``, so a thread waits."""
+
+    def __init__(self, works, keep):
+        self._keep = keep
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._wait, args=(works,), name="replica-gloo-wait", daemon=True).start()
+
+    def _wait(self, works) -> None:
+        try:
+            for w in works:
+                w.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiter in poll()
+            self._error = exc
+        self._done.set()
+
+    def poll(self) -> bool:
+        if not self._done.is_set():
+            return False
+        if self._error is not None:
+            raise self._error
+        self._keep = None
+        return True
+
+
+class GlooConnection(ControlledConnection):
+    def __init__(self, *, group, peer_rank: int, **kwargs):
+        super().__init__(memory=GlooTransport.capabilities.memory, **kwargs)
+        self._group = group
+        self._peer_rank = peer_rank
+
+    def _guard(self, buf, tag, what):
+        if tag > MAX_GLOO_TAG:
+            raise ValueError(f"the gloo transport takes tags up to {MAX_GLOO_TAG}, got {tag}")
+        return super()._guard(buf, tag, what)
+
+    def _isend(self, flat, tag, header):
+        payload = self._group.send([flat], self._peer_rank, 2 * tag)
+        head = torch.frombuffer(bytearray(header()), dtype=torch.uint8)
+        return _Works([payload, self._group.send([head], self._peer_rank, 2 * tag + 1)], (flat, head))
+
+    def _irecv(self, flat, tag, header_buf):
+        works = [self._group.recv([header_buf], self._peer_rank, 2 * tag + 1),
+                 self._group.recv([flat], self._peer_rank, 2 * tag)]
+        return _Works(works, (flat, header_buf))
+
+    def _release(self) -> None:
+        # gloo's abort does not unblock an operation in flight; waiters are
+        # released by the connection's error, the group lingers until its timeout.
+        try:
+            self._group.abort()
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("aborting gloo group to %s: %s", self.peer, exc)
+
+
+class GlooTransport(ControlledTransport):
+    capabilities = Capabilities(memory=MemoryKind.HOST, locality=Locality.SAME_NODE | Locality.REMOTE)
+
+    def __init__(self, config: GlooConfig):
+        super().__init__(token=config.token, host=config.host, port=config.port)
+        self.config = config
+
+    def _offer(self, server):
+        if not server:
+            return b"", None
+        listener = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)
+        listener.bind((self.config.host, 0))
+        listener.listen(4)
+        host, port = listener.getsockname()[:2]
+        return f"{host}:{port}".encode(), listener
+
+    def _discard_offer(self, state):
+        if state is not None:
+            state.close()
+
+    def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
+        timeout = timedelta(seconds=timeout_s)
+        if server:
+            host, port = state.getsockname()[:2]
+            store = dist.TCPStore(host, port, 2, True, timeout=timeout, wait_for_workers=False,
+                                  master_listen_fd=state.fileno())
+        else:
+            host, port = parse_address(peer_offer.decode())
+            store = dist.TCPStore(host, port, 2, False, timeout=timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.config.host)]
+        options._timeout = self.config.op_timeout
+        rank = 0 if server else 1
+        group = dist.ProcessGroupGloo(dist.PrefixStore("replica", store), rank, 2, options)
+        # Both ranks pass through here once the pair is connected: the store is done.
+        group.barrier().wait()
+        if server:
+            state.close()
+        return GlooConnection(transport=self, sock=sock, peer=peer, group=group, peer_rank=1 - rank,
+                              verify=self.config.verify)
+
+    def _shutdown(self) -> None:
+        pass
