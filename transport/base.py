@@ -123,6 +123,11 @@ class Pending(Protocol):
         """True once finished; raises the backend's error if it failed."""
 
 
+# How long a failed backend operation waits for the control channel to report
+# the peer's death, so the caller sees PeerDisconnectedError, not a backend error.
+_EXPLAIN_S = 0.5
+
+
 def _seconds(timeout: timedelta) -> float:
     if not isinstance(timeout, timedelta):
         raise TypeError(f"timeout must be a datetime.timedelta, got {type(timeout).__name__}")
@@ -180,10 +185,11 @@ class Transfer:
             return self._pending.poll()
         except TransportError:
             raise
-        except Exception as exc:  # a backend error, seen before or after the peer's death
-            if self._conn._error is not None:
-                raise self._conn._error from exc
-            raise TransportError(f"{self._kind} of tag {self._tag} failed: {exc}") from exc
+        except Exception as exc:  # a backend error, often the first sign of the peer's death
+            # The control channel says whether the peer is gone; give it a moment.
+            if not self._conn._failed.wait(_EXPLAIN_S):
+                self._conn._fail(TransportError(f"{self._kind} of tag {self._tag} failed: {exc}"))
+            raise self._conn._error from exc
 
 
 class Connection(ABC):
@@ -194,6 +200,7 @@ class Connection(ABC):
         self._memory = memory
         self._verify_digests = verify
         self._error: TransportError | None = None
+        self._failed = threading.Event()
         self._lock = threading.Lock()
         self._closed = False
         self.faults = SendFaults()
@@ -259,6 +266,7 @@ class Connection(ABC):
         with self._lock:
             if self._error is None:
                 self._error = error
+                self._failed.set()
             if self._closed:
                 return
             self._closed = True

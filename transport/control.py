@@ -12,6 +12,7 @@ import hmac
 import logging
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ __all__ = [
     "ControlledConnection",
     "ControlledTransport",
     "client_handshake",
+    "encode_frame",
     "parse_address",
     "server_handshake",
 ]
@@ -167,8 +169,21 @@ class ControlServer:
         self._sock.close()
 
 
+#: Frames on the control socket after the handshake: kind (u8), length (u32), payload.
+_FRAME = struct.Struct("<BI")
+BYE = 0xFF  # the peer closes on purpose
+MAX_FRAME_BYTES = 1 << 20
+#: How long a control-frame send may block before the connection counts as dead.
+SEND_TIMEOUT_S = 10.0
+
+
+def encode_frame(kind: int, payload: bytes = b"") -> bytes:
+    return _FRAME.pack(kind, len(payload)) + payload
+
+
 class ControlMonitor:
-    """One thread watching every control socket of a transport for the peer's exit.
+    """One thread reading every control socket of a transport: it hands framed
+    messages to their connection and tells it when the peer is gone.
 
     epoll allows registering while another thread waits, so watch/forget need
     no wake-up; the one-second select timeout only bounds how long close() waits.
@@ -180,9 +195,11 @@ class ControlMonitor:
         self._thread = threading.Thread(target=self._run, name="replica-control-monitor", daemon=True)
         self._thread.start()
 
-    def watch(self, sock: socket.socket, on_closed: Callable[[str], None]) -> None:
-        sock.setblocking(False)
-        self._selector.register(sock, selectors.EVENT_READ, on_closed)
+    def watch(self, sock: socket.socket, conn: ControlledConnection) -> None:
+        # Timeout mode, not non-blocking: recv runs only after select said the
+        # socket is readable, and a frame send may block for a bounded time.
+        sock.settimeout(SEND_TIMEOUT_S)
+        self._selector.register(sock, selectors.EVENT_READ, (conn, bytearray()))
 
     def forget(self, sock: socket.socket) -> None:
         try:
@@ -201,50 +218,73 @@ class ControlMonitor:
                 self._stopped.wait(0.05)
                 continue
             for key, _ in self._selector.select(timeout=1.0):
-                reason = self._read(key.fileobj)
+                conn, pending = key.data
+                reason = self._read(key.fileobj, conn, pending)
                 if reason is not None:
                     self.forget(key.fileobj)
-                    key.data(reason)
+                    conn._peer_lost(reason)
 
     @staticmethod
-    def _read(sock: socket.socket) -> str | None:
+    def _read(sock: socket.socket, conn: ControlledConnection, pending: bytearray) -> str | None:
         try:
-            data = sock.recv(4096)
-        except BlockingIOError:
+            data = sock.recv(1 << 16)
+        except (BlockingIOError, TimeoutError):
             return None
         except OSError as exc:
             return f"control connection failed: {exc}"
         if not data:
             return "peer closed the connection or died"
-        if data.endswith(BYE):
-            return "peer closed the connection"
+        pending += data
+        while len(pending) >= _FRAME.size:
+            kind, length = _FRAME.unpack_from(pending)
+            if kind == BYE:
+                return "peer closed the connection"
+            if length > MAX_FRAME_BYTES:
+                return f"peer sent a {length}-byte control frame"
+            if len(pending) < _FRAME.size + length:
+                break
+            payload = bytes(pending[_FRAME.size:_FRAME.size + length])
+            del pending[:_FRAME.size + length]
+            try:
+                conn._on_control(kind, payload)
+            except Exception as exc:  # noqa: BLE001 - a bad frame ends the connection, not the monitor
+                return f"bad control frame {kind}: {exc}"
         return None
-
-
-#: Sent on the control socket by a peer that closes on purpose.
-BYE = b"\xff"
 
 
 _MAX_CONNECTIONS = (1 << 16) - 1
 
 
 class ControlledConnection(Connection):
-    """A connection whose liveness is its control socket."""
+    """A connection whose liveness is its control socket, which can also carry
+    small framed messages (``_send_control`` / ``_on_control``)."""
 
     def __init__(self, *, transport: ControlledTransport, sock: socket.socket, peer: str, **kwargs: Any):
         super().__init__(peer=peer, **kwargs)
         self._transport = transport
         self._sock = sock
+        self._send_lock = threading.Lock()
 
     def _peer_lost(self, reason: str) -> None:
         self._fail(PeerDisconnectedError(f"{self.peer}: {reason}"))
 
+    def _send_control(self, kind: int, payload: bytes) -> None:
+        try:
+            with self._send_lock:
+                self._sock.sendall(encode_frame(kind, payload))
+        except OSError as exc:
+            self._peer_lost(f"control send failed: {exc}")
+            raise self._error from exc
+
+    def _on_control(self, kind: int, payload: bytes) -> None:
+        raise TransportError(f"unexpected control frame {kind}")
+
     def _abort(self) -> None:
         self._transport._forget(self)
         try:
-            self._sock.setblocking(True)
             self._sock.settimeout(0.1)
-            self._sock.sendall(BYE)
+            with self._send_lock:
+                self._sock.sendall(encode_frame(BYE))
         except OSError:
             pass  # the peer is gone already
         self._sock.close()
@@ -310,7 +350,7 @@ class ControlledTransport(Transport):
             raise
         with self._lock:
             self._connections.add(conn)
-        self._monitor.watch(sock, conn._peer_lost)
+        self._monitor.watch(sock, conn)
         logger.info("connected to %s", peer)
         return conn
 
