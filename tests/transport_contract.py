@@ -18,7 +18,7 @@ from replica.errors import (
     PeerDisconnectedError,
     TransferTimeoutError,
 )
-from replica.testing import Child, process_state, spawn
+from replica.testing import process_state, spawn
 from replica.transport import Transport
 
 MiB = 1 << 20
@@ -27,14 +27,21 @@ T = timedelta(seconds=60)
 MakeTransport = Callable[..., Transport]
 
 
-def pattern(nbytes: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+def pattern(nbytes: int, seed: int, device: str = "cpu") -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).to(device)
+
+
+def empty(nbytes: int, device: str, fill: int | None = None) -> torch.Tensor:
+    if fill is None:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return torch.full((nbytes,), fill, dtype=torch.uint8, device=device)
 
 
 # --- the peer: a spawned process that obeys commands ---
 
 
-def peer_main(pipe, make: MakeTransport, token: bytes) -> None:
+def peer_main(pipe, make: MakeTransport, token: bytes, device: str = "cpu") -> None:
     transport = make(token)
     conn = None
     while True:
@@ -51,19 +58,19 @@ def peer_main(pipe, make: MakeTransport, token: bytes) -> None:
         elif cmd == "echo":  # receive buckets of these sizes on tag t, send each back on tag t + 1
             sizes, tag = args
             for n in sizes:
-                buf = torch.empty(n, dtype=torch.uint8)
+                buf = empty(n, device)
                 header = conn.recv(buf, tag=tag, timeout=T)
                 conn.send(buf, tag=tag + 1, timeout=T, step=header.step, bucket=header.bucket)
             pipe.send(("ok",))
         elif cmd == "recv_all":  # post every receive first, then wait: many buckets in flight
             specs = args[0]
-            bufs = [torch.empty(n, dtype=torch.uint8) for n, _ in specs]
+            bufs = [empty(n, device) for n, _ in specs]
             transfers = [conn.irecv(b, tag=tag) for b, (_, tag) in zip(bufs, specs)]
             headers = [t.wait(T) for t in transfers]
             pipe.send(("ok", [h.bucket for h in headers], [int(b.sum()) for b in bufs]))
         elif cmd == "recv_verify":  # receive one bucket; report a digest failure instead of raising
             n, tag = args
-            buf = torch.empty(n, dtype=torch.uint8)
+            buf = empty(n, device)
             try:
                 conn.recv(buf, tag=tag, timeout=T)
                 pipe.send(("ok", int(buf.sum())))
@@ -71,7 +78,7 @@ def peer_main(pipe, make: MakeTransport, token: bytes) -> None:
                 pipe.send(("BucketCorruptedError", exc.bucket, exc.step))
         elif cmd == "send":
             n, tag, seed = args
-            data = pattern(n, seed)
+            data = pattern(n, seed, device)
             transfer = conn.isend(data, tag=tag)
             pipe.send(("posted",))
             transfer.wait(T)
@@ -79,10 +86,6 @@ def peer_main(pipe, make: MakeTransport, token: bytes) -> None:
         elif cmd == "exit":
             break
     transport.close()
-
-
-def start_peer(make: MakeTransport, token: bytes = b"job-token") -> Child:
-    return Child(peer_main, make, token, name="transport-peer")
 
 
 def connected(transport: Transport, peer: Child):
@@ -96,13 +99,13 @@ def connected(transport: Transport, peer: Child):
 # --- the checks ---
 
 
-def check_round_trip_sizes(make: MakeTransport, sizes=(0, 1, 7, 64, 4097, MiB + 3, 64 * MiB)) -> None:
-    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+def check_round_trip_sizes(make: MakeTransport, sizes=(0, 1, 7, 64, 4097, MiB + 3, 64 * MiB), device: str = "cpu") -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
         conn = connected(transport, peer)
         peer.send("echo", list(sizes), 10)
         for i, n in enumerate(sizes):
-            data = pattern(n, i)
-            back = torch.full((n,), 0xAB, dtype=torch.uint8)
+            data = pattern(n, i, device)
+            back = empty(n, device, fill=0xAB)
             receive = conn.irecv(back, tag=11)
             conn.send(data, tag=10, timeout=T, step=100 + i, bucket=i)
             header = receive.wait(T)
@@ -111,14 +114,14 @@ def check_round_trip_sizes(make: MakeTransport, sizes=(0, 1, 7, 64, 4097, MiB + 
         assert peer.recv() == ("ok",)
 
 
-def check_many_in_flight_and_tags(make: MakeTransport) -> None:
+def check_many_in_flight_and_tags(make: MakeTransport, device: str = "cpu") -> None:
     # 16 buckets on 16 tags, sent in reverse order of the peer's receives:
     # matching is by tag, and all of them are in flight at once on both sides.
-    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
         conn = connected(transport, peer)
         specs = [(MiB + i * 4096, 1000 + i) for i in range(16)]
         peer.send("recv_all", specs)
-        datas = [pattern(n, i) for i, (n, _) in enumerate(specs)]
+        datas = [pattern(n, i, device) for i, (n, _) in enumerate(specs)]
         sends = [conn.isend(d, tag=tag, bucket=i) for i, (d, (_, tag)) in reversed(list(enumerate(zip(datas, specs))))]
         for s in sends:
             s.wait(T)
@@ -127,12 +130,12 @@ def check_many_in_flight_and_tags(make: MakeTransport) -> None:
         assert sums == [int(d.sum()) for d in datas]
 
 
-def check_timeout(make: MakeTransport, timeout_s: float = 0.5) -> None:
-    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+def check_timeout(make: MakeTransport, timeout_s: float = 0.5, device: str = "cpu") -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
         conn = connected(transport, peer)
         start = time.monotonic()
         try:
-            conn.recv(torch.empty(8, dtype=torch.uint8), tag=77, timeout=timedelta(seconds=timeout_s))
+            conn.recv(empty(8, device), tag=77, timeout=timedelta(seconds=timeout_s))
         except TransferTimeoutError:
             elapsed = time.monotonic() - start
         else:
@@ -141,8 +144,8 @@ def check_timeout(make: MakeTransport, timeout_s: float = 0.5) -> None:
         assert not conn.alive  # a timed-out transfer closes its connection
 
 
-def check_wrong_token_refused(make: MakeTransport) -> None:
-    with make(b"job-token") as transport, spawn(peer_main, make, b"not-the-token") as peer:
+def check_wrong_token_refused(make: MakeTransport, device: str = "cpu") -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"not-the-token", device) as peer:
         address = transport.listen()
         peer.send("connect", address)
         try:
@@ -155,7 +158,7 @@ def check_wrong_token_refused(make: MakeTransport) -> None:
         assert status == "AuthenticationError" and "refused" in message
 
 
-def check_missing_token_refused(make: MakeTransport) -> None:
+def check_missing_token_refused(make: MakeTransport, device: str = "cpu") -> None:
     with make(b"job-token") as transport:
         host, port = transport.listen().rsplit(":", 1)
         with socket.create_connection((host.strip("[]"), int(port)), timeout=10) as raw:
@@ -174,10 +177,10 @@ def check_missing_token_refused(make: MakeTransport) -> None:
                 pass
 
 
-def check_corrupted_bucket_rejected_and_resent(make: MakeTransport) -> None:
-    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+def check_corrupted_bucket_rejected_and_resent(make: MakeTransport, device: str = "cpu") -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
         conn = connected(transport, peer)
-        data = pattern(3 * MiB, 5)
+        data = pattern(3 * MiB, 5, device)
         conn.faults.corrupt_next = 1
         peer.send("recv_verify", data.numel(), 20)
         conn.send(data, tag=20, timeout=T, step=9, bucket=4)
@@ -189,10 +192,10 @@ def check_corrupted_bucket_rejected_and_resent(make: MakeTransport) -> None:
         assert conn.faults.corrupted == 1
 
 
-def check_peer_killed_mid_transfer(make: MakeTransport, nbytes: int = 512 * MiB) -> None:
-    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+def check_peer_killed_mid_transfer(make: MakeTransport, nbytes: int = 512 * MiB, device: str = "cpu") -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
         conn = connected(transport, peer)
-        receive = conn.irecv(torch.empty(nbytes, dtype=torch.uint8), tag=30)
+        receive = conn.irecv(empty(nbytes, device), tag=30)
         peer.send("send", nbytes, 30, 1)
         assert peer.recv() == ("posted",)
         assert not receive.done(), "the transfer finished before the kill"
@@ -208,18 +211,18 @@ def check_peer_killed_mid_transfer(make: MakeTransport, nbytes: int = 512 * MiB)
         assert noticed < 2.0, f"survivor took {noticed:.2f} s to notice the dead peer"
         assert not conn.alive
         # The survivor keeps working: a new peer connects and a round trip succeeds.
-        with spawn(peer_main, make, b"job-token") as fresh:
+        with spawn(peer_main, make, b"job-token", device) as fresh:
             conn2 = connected(transport, fresh)
             fresh.send("echo", [MiB], 40)
-            back = torch.empty(MiB, dtype=torch.uint8)
+            back = empty(MiB, device)
             receive = conn2.irecv(back, tag=41)
-            conn2.send(pattern(MiB, 2), tag=40, timeout=T)
+            conn2.send(pattern(MiB, 2, device), tag=40, timeout=T)
             receive.wait(T)
-            assert torch.equal(back, pattern(MiB, 2)) and fresh.recv() == ("ok",)
+            assert torch.equal(back, pattern(MiB, 2, device)) and fresh.recv() == ("ok",)
 
 
-def check_frozen_peer_times_out(make: MakeTransport, timeout_s: float = 1.0) -> None:
-    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token") as peer:
+def check_frozen_peer_times_out(make: MakeTransport, timeout_s: float = 1.0, device: str = "cpu") -> None:
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
         conn = connected(transport, peer)
         peer.freeze()
         deadline = time.monotonic() + 5
@@ -228,7 +231,7 @@ def check_frozen_peer_times_out(make: MakeTransport, timeout_s: float = 1.0) -> 
         assert process_state(peer.pid) == "T", "the peer was not stopped"
         start = time.monotonic()
         try:
-            conn.recv(torch.empty(MiB, dtype=torch.uint8), tag=50, timeout=timedelta(seconds=timeout_s))
+            conn.recv(empty(MiB, device), tag=50, timeout=timedelta(seconds=timeout_s))
         except TransferTimeoutError:
             elapsed = time.monotonic() - start
         else:
@@ -249,7 +252,9 @@ CHECKS = [
 ]
 
 
-def run_transport_contract(make: MakeTransport, check: Callable[[MakeTransport], None] | None = None) -> None:
-    """Run one check (or all of them) against the backend that ``make(token)`` builds."""
+def run_transport_contract(make: MakeTransport, check: Callable[..., None] | None = None,
+                           device: str = "cpu") -> None:
+    """Run one check (or all of them) against the backend that ``make(token)`` builds,
+    moving buffers on ``device``."""
     for c in CHECKS if check is None else [check]:
-        c(make)
+        c(make, device=device)

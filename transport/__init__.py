@@ -12,6 +12,7 @@ from replica.transport.base import (
     MemoryKind,
     Transfer,
     Transport,
+    select_transport,
 )
 from replica.transport.wire import BucketHeader
 
@@ -24,4 +25,5 @@ __all__ = [
     "MemoryKind",
     "Transfer",
     "Transport",
+    "select_transport",
 ]

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar, Protocol
@@ -42,6 +42,7 @@ __all__ = [
     "Transport",
     "bucket_digest",
     "nvtx_range",
+    "select_transport",
 ]
 
 logger = logging.getLogger(__name__)
@@ -311,6 +312,15 @@ class Connection(ABC):
     @abstractmethod
     def _abort(self) -> None:
         """Release the connection's resources; pending operations must stop."""
+
+
+def select_transport(candidates: Sequence[Transport], memory: MemoryKind, locality: Locality) -> Transport:
+    """The first of ``candidates`` (in order of preference) that moves ``memory`` to a peer at ``locality``."""
+    for transport in candidates:
+        if transport.capabilities.supports(memory, locality):
+            return transport
+    names = ", ".join(type(t).__name__ for t in candidates) or "none"
+    raise TransportError(f"no transport moves {memory.name} memory to a {locality.name} peer (have: {names})")
 
 
 class Transport(ABC):
