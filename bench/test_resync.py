@@ -7,8 +7,11 @@ round is "bytes delivered and known delivered" (the ack costs tens of us)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import json
+import time
 import os
 import socket
 from datetime import timedelta
@@ -18,6 +21,7 @@ import pytest
 import torch
 
 from replica.testing import spawn
+from replica.transport import Transport
 from replica.transport.ucx import UcxConfig, UcxTransport
 
 MiB = 1 << 20
@@ -41,14 +45,14 @@ UCX_PATHS = {
 
 
 
-def _ucx_peer(pipe, tls: str, verify: bool) -> None:
-    transport = UcxTransport(UcxConfig(token=TOKEN, ucx_transports=tls, verify=verify))
+def _transport_peer(pipe, make, device: str) -> None:
+    transport = make()
     conn = transport.connect(pipe.recv()[0], T)
-    ack = torch.zeros(8, dtype=torch.uint8)
+    ack = torch.zeros(8, dtype=torch.uint8, device=device)
     while True:
         cmd = pipe.recv()
         if cmd[0] == "size":
-            buf = torch.empty(cmd[1], dtype=torch.uint8)
+            buf = torch.empty(cmd[1], dtype=torch.uint8, device=device)
             pipe.send(("ok",))
         elif cmd[0] == "rounds":
             for _ in range(cmd[1]):
@@ -58,6 +62,31 @@ def _ucx_peer(pipe, tls: str, verify: bool) -> None:
         else:
             break
     transport.close()
+
+
+def _make_ucx(tls: str, verify: bool) -> UcxTransport:
+    return UcxTransport(UcxConfig(token=TOKEN, ucx_transports=tls, verify=verify))
+
+
+def _make_ipc() -> Transport:
+    from replica.transport.ipc import IpcConfig, IpcTransport
+
+    return IpcTransport(IpcConfig(token=TOKEN, verify=False))
+
+
+@contextlib.contextmanager
+def _transport_path(name: str, make, device: str):
+    with make() as transport, spawn(_transport_peer, make, device, name=f"{name}-peer") as peer:
+        peer.send(transport.listen())
+        conn = transport.accept(T)
+        ack = torch.zeros(8, dtype=torch.uint8, device=device)
+
+        def one_round(buf):
+            got = conn.irecv(ack, tag=2)
+            conn.send(buf, tag=1, timeout=T)
+            got.wait(T)
+
+        yield name, peer, one_round
 
 
 def _gloo_peer(pipe, port: int) -> None:
@@ -89,19 +118,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module", params=list(UCX_PATHS))
 def ucx_path(request):
     name = request.param
-    tls, verify = UCX_PATHS[name]
-    with UcxTransport(UcxConfig(token=TOKEN, ucx_transports=tls, verify=verify)) as transport, \
-            spawn(_ucx_peer, tls, verify, name=f"{name}-peer") as peer:
-        peer.send(transport.listen())
-        conn = transport.accept(T)
-        ack = torch.zeros(8, dtype=torch.uint8)
-
-        def one_round(buf):
-            got = conn.irecv(ack, tag=2)
-            conn.send(buf, tag=1, timeout=T)
-            got.wait(T)
-
-        yield name, peer, one_round
+    with _transport_path(name, functools.partial(_make_ucx, *UCX_PATHS[name]), "cpu") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +142,9 @@ def gloo_path():
             dist.destroy_process_group()
 
 
-def _measure(benchmark, path, nbytes: int) -> None:
+def _measure(benchmark, path, nbytes: int, device: str = "cpu", medians=_medians) -> None:
     name, peer, one_round = path
-    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
     assert peer.request("size", nbytes) == ("ok",)
     rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
     warmup = 0 if benchmark.disabled else 2
@@ -135,7 +153,7 @@ def _measure(benchmark, path, nbytes: int) -> None:
     benchmark.pedantic(one_round, args=(buf,), rounds=rounds, warmup_rounds=warmup, iterations=1)
     assert peer.recv(timeout=300) == ("ok",)
     if not benchmark.disabled:
-        _medians.setdefault(name, {})[nbytes] = benchmark.stats.stats.median
+        medians.setdefault(name, {})[nbytes] = benchmark.stats.stats.median
 
 
 @pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
@@ -157,8 +175,6 @@ def test_memcpy_limit(benchmark, nbytes):
                      ("memcpy_memmove", lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes))):
         times = []
         for _ in range(rounds + 2):
-            import time
-
             t = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t)
@@ -208,3 +224,61 @@ def report():
         row = " | ".join(f"{gbps[p][n]:.2f}" for n in SIZES)
         lines.append(f"| {label} | {row} | {gbps[p][big] / gbps['memcpy'][big]:.2f}x | {gbps[p][big] / gbps['gloo'][big]:.2f}x |")
     (RESULTS_DIR / "resync.md").write_text("\n".join(lines) + "\n")
+
+
+# --- GPU: device-to-device between two processes on one GPU, beside copy_ ---
+
+_gpu_medians: dict[str, dict[int, float]] = {}
+GPU_PATHS = {"gpu_ucx": functools.partial(_make_ucx, "", False), "gpu_ipc": _make_ipc}
+
+
+@pytest.fixture(scope="module", params=list(GPU_PATHS))
+def gpu_path(request):
+    with _transport_path(request.param, GPU_PATHS[request.param], "cuda") as path:
+        yield path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
+def test_gpu_transport(benchmark, gpu_path, nbytes):
+    _measure(benchmark, gpu_path, nbytes, device="cuda", medians=_gpu_medians)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
+def test_gpu_copy_limit(benchmark, nbytes):
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
+    benchmark.pedantic(copy, rounds=rounds, warmup_rounds=0 if benchmark.disabled else 2, iterations=1)
+    if not benchmark.disabled:
+        _gpu_medians.setdefault("gpu_copy_", {})[nbytes] = benchmark.stats.stats.median
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report_gpu():
+    yield
+    paths = [*GPU_PATHS, "gpu_copy_"]
+    if any(set(_gpu_medians.get(p, {})) != set(SIZES) for p in paths):
+        return
+    gbps = {p: {n: n / _gpu_medians[p][n] / 1e9 for n in SIZES} for p in paths}
+    big = 512 * MiB
+    result = {
+        "gbps": {p: {f"{n // MiB}MiB": v for n, v in by_size.items()} for p, by_size in gbps.items()},
+        "ipc_vs_copy_512MiB": gbps["gpu_ipc"][big] / gbps["gpu_copy_"][big],
+        "ucx_vs_copy_512MiB": gbps["gpu_ucx"][big] / gbps["gpu_copy_"][big],
+        "device": torch.cuda.get_device_name(),
+    }
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "resync_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = [f"### GPU resync, device to device between two processes ({result['device']}, GB/s)\n",
+             "| path | 1 MiB | 64 MiB | 512 MiB | vs copy_ @512 MiB |", "|---|---|---|---|---|"]
+    for p in paths:
+        row = " | ".join(f"{gbps[p][n]:.1f}" for n in SIZES)
+        lines.append(f"| {p} | {row} | {gbps[p][big] / gbps['gpu_copy_'][big]:.2f}x |")
+    (RESULTS_DIR / "resync_gpu.md").write_text("\n".join(lines) + "\n")
