@@ -252,7 +252,7 @@ class Connection(ABC):
 
     def close(self) -> None:
         """Close the connection; transfers still in flight fail with PeerDisconnectedError."""
-        self._fail(PeerDisconnectedError(f"connection to {self.peer} was closed by this side"))
+        self._fail(PeerDisconnectedError(f"connection to {self.peer} was closed by this side"), quiet=True)
 
     def __enter__(self) -> Connection:
         return self
@@ -262,7 +262,7 @@ class Connection(ABC):
 
     # --- for backends ---
 
-    def _fail(self, error: TransportError) -> None:
+    def _fail(self, error: TransportError, *, quiet: bool = False) -> None:
         """Mark the connection dead with ``error`` (first error wins) and release it."""
         with self._lock:
             if self._error is None:
@@ -271,7 +271,7 @@ class Connection(ABC):
             if self._closed:
                 return
             self._closed = True
-        if not isinstance(error, PeerDisconnectedError) or "this side" not in str(error):
+        if not quiet:
             logger.warning("connection to %s failed: %s", self.peer, error)
         self._abort()
 

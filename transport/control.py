@@ -17,8 +17,10 @@ import threading
 import time
 from collections.abc import Callable
 
+import dataclasses
 import itertools
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 from replica.errors import AuthenticationError, PeerDisconnectedError, TransferTimeoutError, TransportError
@@ -31,6 +33,7 @@ __all__ = [
     "ControlServer",
     "ControlledConnection",
     "ControlledTransport",
+    "EndpointConfig",
     "client_handshake",
     "encode_frame",
     "parse_address",
@@ -255,6 +258,27 @@ class ControlMonitor:
 _MAX_CONNECTIONS = (1 << 16) - 1
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class EndpointConfig:
+    """What every backend's config has: the job token, where ``listen()`` binds
+    (loopback unless told otherwise), and whether buckets carry digests."""
+
+    token: bytes
+    host: str = "127.0.0.1"
+    port: int = 0
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token, bytes) or not self.token:
+            raise ValueError("token must be non-empty bytes (the job's secret)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+    def __repr__(self) -> str:  # never print the token
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.name != "token")
+        return f"{type(self).__name__}({shown})"
+
+
 class ControlledConnection(Connection):
     """A connection whose liveness is its control socket, which can also carry
     small framed messages (``_send_control`` / ``_on_control``)."""
@@ -299,12 +323,10 @@ class ControlledTransport(Transport):
     """listen/accept/connect over an authenticated control socket; backends supply
     the data path through ``_offer`` (what this side tells the peer) and ``_open``."""
 
-    def __init__(self, *, token: bytes, host: str, port: int):
-        if not isinstance(token, bytes) or not token:
-            raise ValueError("token must be non-empty bytes (the job's secret)")
-        self._token = token
-        self._host = host
-        self._port = port
+    def __init__(self, config: EndpointConfig):
+        self._token = config.token
+        self._host = config.host
+        self._port = config.port
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._connections: set[ControlledConnection] = set()

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from replica.transport.base import Capabilities, Locality, MemoryKind
-from replica.transport.control import ControlledConnection, ControlledTransport, parse_address
+from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig, parse_address
 
 __all__ = ["GlooConfig", "GlooConnection", "GlooTransport"]
 
@@ -27,23 +27,11 @@ logger = logging.getLogger(__name__)
 MAX_GLOO_TAG = (1 << 30) - 1
 
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class GlooConfig:
-    token: bytes
-    host: str = "127.0.0.1"
-    port: int = 0
+# repr=False keeps EndpointConfig.__repr__, which leaves the token out.
+@dataclass(kw_only=True, frozen=True, slots=True, repr=False)
+class GlooConfig(EndpointConfig):
     # gloo's own timeout for an operation; replica's deadlines are usually shorter.
     op_timeout: timedelta = timedelta(seconds=300)
-    verify: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.token, bytes) or not self.token:
-            raise ValueError("token must be non-empty bytes (the job's secret)")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-
-    def __repr__(self) -> str:  # never print the token
-        return f"GlooConfig(host={self.host!r}, port={self.port}, op_timeout={self.op_timeout}, verify={self.verify})"
 
 
 class _Works:
@@ -106,7 +94,7 @@ class GlooTransport(ControlledTransport):
     capabilities = Capabilities(memory=MemoryKind.HOST, locality=Locality.SAME_NODE | Locality.REMOTE)
 
     def __init__(self, config: GlooConfig):
-        super().__init__(token=config.token, host=config.host, port=config.port)
+        super().__init__(config)
         self.config = config
 
     def _offer(self, server):

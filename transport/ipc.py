@@ -18,7 +18,7 @@ import torch
 
 from replica.errors import TransportError
 from replica.transport.base import Capabilities, Locality, MemoryKind
-from replica.transport.control import ControlledConnection, ControlledTransport
+from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
 from replica.transport.wire import HEADER_BYTES
 
 __all__ = ["IpcConfig", "IpcConnection", "IpcTransport"]
@@ -36,19 +36,10 @@ _BLOB = struct.Struct("<I")
 MAPPED_CACHE_ENTRIES = 64
 
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class IpcConfig:
-    token: bytes
-    host: str = "127.0.0.1"
-    port: int = 0
-    verify: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.token, bytes) or not self.token:
-            raise ValueError("token must be non-empty bytes (the job's secret)")
-
-    def __repr__(self) -> str:  # never print the token
-        return f"IpcConfig(host={self.host!r}, port={self.port}, verify={self.verify})"
+# repr=False keeps EndpointConfig.__repr__, which leaves the token out.
+@dataclass(kw_only=True, frozen=True, slots=True, repr=False)
+class IpcConfig(EndpointConfig):
+    pass
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -225,7 +216,7 @@ class IpcTransport(ControlledTransport):
     capabilities = Capabilities(memory=MemoryKind.CUDA, locality=Locality.SAME_NODE)
 
     def __init__(self, config: IpcConfig):
-        super().__init__(token=config.token, host=config.host, port=config.port)
+        super().__init__(config)
         self.config = config
 
     def _offer(self, server):

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from replica.transport.base import Capabilities, Locality, MemoryKind
-from replica.transport.control import ControlledConnection, ControlledTransport
+from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
 
 __all__ = ["UcxConfig", "UcxConnection", "UcxTransport"]
 
@@ -27,31 +27,18 @@ _KIND_PAYLOAD = 0
 _KIND_HEADER = 1
 
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class UcxConfig:
+# repr=False keeps EndpointConfig.__repr__, which leaves the token out.
+@dataclass(kw_only=True, frozen=True, slots=True, repr=False)
+class UcxConfig(EndpointConfig):
     """Settings of one process's UCX transport. UCX options go to this
     transport's context only; nothing is read from or written to the environment."""
 
-    token: bytes
-    host: str = "127.0.0.1"
-    port: int = 0
     # UCX_TLS for this context. Without endpoint error handling a failed
     # process_vm_readv is fatal in UCX's cma transport: a peer killed mid-transfer
     # would abort this process. The shared-memory FIFOs (posix, sysv) have no
     # such call on the peer and measured faster here (~10 vs ~5.5 GB/s).
     ucx_transports: str = "^cma,knem,xpmem"
     data_error_handling: bool = False
-    verify: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.token, bytes) or not self.token:
-            raise ValueError("token must be non-empty bytes (the job's secret)")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-
-    def __repr__(self) -> str:  # never print the token
-        return (f"UcxConfig(host={self.host!r}, port={self.port}, ucx_transports={self.ucx_transports!r}, "
-                f"data_error_handling={self.data_error_handling}, verify={self.verify})")
 
 
 def _ucx():
@@ -123,7 +110,7 @@ class UcxTransport(ControlledTransport):
                                 locality=Locality.SAME_NODE | Locality.REMOTE)
 
     def __init__(self, config: UcxConfig):
-        super().__init__(token=config.token, host=config.host, port=config.port)
+        super().__init__(config)
         ucx = _ucx()
         self.config = config
         options = {"TLS": config.ucx_transports} if config.ucx_transports else {}
