@@ -1,9 +1,11 @@
 """torch.distributed gloo backend: the baseline of the benchmarks and a fallback
 where UCX is unavailable. Each connection is a two-rank gloo group (acceptor is
 rank 0) formed after the token handshake, through a TCPStore whose listening
-socket this module binds itself (torch's own would bind every interface) and
-closes once the pair has met. Gloo's own sockets do not check the job token;
-the address they listen on is only ever told over the authenticated channel."""
+socket this module binds itself (torch's own would bind every interface); the
+group holds the store, so that socket lives as long as the connection. Neither
+it nor gloo's own sockets check the job token: their addresses are only ever
+told over the authenticated channel, and they bind the configured host
+(loopback by default). Prefer UCX where it is available."""
 
 from __future__ import annotations
 
@@ -114,8 +116,10 @@ class GlooTransport(ControlledTransport):
         timeout = timedelta(seconds=timeout_s)
         if server:
             host, port = state.getsockname()[:2]
+            # The store takes the socket and closes it when it dies: detach it
+            # so the fd is closed once, never a reused number of someone else's.
             store = dist.TCPStore(host, port, 2, True, timeout=timeout, wait_for_workers=False,
-                                  master_listen_fd=state.fileno())
+                                  master_listen_fd=state.detach())
         else:
             host, port = parse_address(peer_offer.decode())
             store = dist.TCPStore(host, port, 2, False, timeout=timeout)
@@ -124,10 +128,7 @@ class GlooTransport(ControlledTransport):
         options._timeout = self.config.op_timeout
         rank = 0 if server else 1
         group = dist.ProcessGroupGloo(dist.PrefixStore("replica", store), rank, 2, options)
-        # Both ranks pass through here once the pair is connected: the store is done.
         group.barrier().wait()
-        if server:
-            state.close()
         return GlooConnection(transport=self, sock=sock, peer=peer, group=group, peer_rank=1 - rank,
                               verify=self.config.verify)
 
