@@ -7,7 +7,8 @@ the last global commit. See README.md.
 
 from replica import errors, ops
 from replica.errors import *  # noqa: F403  (the typed errors are top-level API)
+from replica.rng import RNGState
 
 __version__ = "0.1.0"
 
-__all__ = sorted([*errors.__all__, "__version__", "ops"])
+__all__ = sorted([*errors.__all__, "RNGState", "__version__", "ops"])
