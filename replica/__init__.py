@@ -7,8 +7,9 @@ the last global commit. See README.md.
 
 from replica import errors, ops
 from replica.errors import *  # noqa: F403  (the typed errors are top-level API)
+from replica.layout import StateLayout
 from replica.rng import RNGState
 
 __version__ = "0.1.0"
 
-__all__ = sorted([*errors.__all__, "RNGState", "__version__", "ops"])
+__all__ = sorted([*errors.__all__, "RNGState", "StateLayout", "__version__", "ops"])

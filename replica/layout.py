@@ -1,0 +1,161 @@
+"""``StateLayout``: where every tensor of a rank's state lives in its snapshot.
+
+The layout enumerates, deterministically, the rank's local shards of the model
+(FSDP2 DTensors are taken ``to_local()``), its persistent buffers, and the
+optimizer state of each parameter (tensor entries, keys sorted), gives each a
+64-byte-aligned byte range, reserves a region for the serialized extras, and
+cuts the whole into fixed-size buckets. Its fingerprint covers names, dtypes,
+shapes, world size and rank; a mirror is applied only to a state whose
+layout matches, and a mismatch names the first difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from replica.errors import LayoutMismatchError
+from replica.ops import ALIGNMENT
+
+__all__ = ["LAYOUT_VERSION", "StateLayout", "TensorEntry", "local_tensor", "state_tensors"]
+
+LAYOUT_VERSION = 1
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local storage of ``t``: the shard of a DTensor, else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a rank's training state, named, in a fixed order."""
+    names = {}
+    for name, param in model.named_parameters():
+        names[param] = name
+        yield f"model.{name}", local_tensor(param.detach())
+    persistent = {f"{prefix}.{n}" if prefix else n
+                  for prefix, module in model.named_modules()
+                  for n in module._buffers if n not in module._non_persistent_buffers_set}
+    for name, buf in model.named_buffers():
+        if name in persistent:
+            yield f"buffer.{name}", local_tensor(buf)
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param not in names:
+                raise LayoutMismatchError("the optimizer holds a parameter that is not in the model")
+            state = optimizer.state.get(param, {})
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, torch.Tensor):
+                    yield f"optim.{names[param]}.{key}", local_tensor(value)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGNMENT) * ALIGNMENT
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class StateLayout:
+    version: int
+    world_size: int
+    rank: int
+    bucket_bytes: int
+    entries: tuple[TensorEntry, ...]
+    extras_offset: int
+    extras_capacity: int
+    total_bytes: int
+    fingerprint: str
+
+    @classmethod
+    def build(cls, tensors: Sequence[tuple[str, torch.Tensor]], *, world_size: int, rank: int,
+              extras_capacity: int, bucket_bytes: int) -> StateLayout:
+        if bucket_bytes <= 0 or bucket_bytes % ALIGNMENT:
+            raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGNMENT}, got {bucket_bytes}")
+        if extras_capacity < 0:
+            raise ValueError(f"extras_capacity must be >= 0, got {extras_capacity}")
+        entries = []
+        end = 0
+        seen = set()
+        for name, t in tensors:
+            if name in seen:
+                raise ValueError(f"two state tensors are named {name!r}")
+            seen.add(name)
+            nbytes = t.numel() * t.element_size()
+            entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."),
+                                       shape=tuple(t.shape), offset=end, nbytes=nbytes))
+            end = _align(end + nbytes)
+        extras_offset = end
+        total = _align(extras_offset + extras_capacity)
+        fingerprint = _fingerprint(world_size, rank, entries)
+        return cls(version=LAYOUT_VERSION, world_size=world_size, rank=rank, bucket_bytes=bucket_bytes,
+                   entries=tuple(entries), extras_offset=extras_offset, extras_capacity=extras_capacity,
+                   total_bytes=total, fingerprint=fingerprint)
+
+    @property
+    def offsets(self) -> list[int]:
+        return [e.offset for e in self.entries]
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """Byte ranges [start, end) of the fixed-size buckets covering the snapshot."""
+        return [(s, min(s + self.bucket_bytes, self.total_bytes)) for s in range(0, self.total_bytes, self.bucket_bytes)]
+
+    def check_matches(self, other: StateLayout) -> None:
+        """Raise LayoutMismatchError naming the first difference between two layouts."""
+        for attr in ("version", "world_size", "rank"):
+            mine, theirs = getattr(self, attr), getattr(other, attr)
+            if mine != theirs:
+                raise LayoutMismatchError(f"{attr} differs: {mine} here, {theirs} in the mirror")
+        for i, (a, b) in enumerate(zip(self.entries, other.entries)):
+            for attr in ("name", "dtype", "shape"):
+                if getattr(a, attr) != getattr(b, attr):
+                    raise LayoutMismatchError(
+                        f"state tensor {i} differs in {attr}: {a.name} {getattr(a, attr)} here, "
+                        f"{b.name} {getattr(b, attr)} in the mirror")
+        if len(self.entries) != len(other.entries):
+            longer, where = (self, "here") if len(self.entries) > len(other.entries) else (other, "in the mirror")
+            extra = longer.entries[min(len(self.entries), len(other.entries))]
+            raise LayoutMismatchError(
+                f"{len(self.entries)} state tensors here, {len(other.entries)} in the mirror; "
+                f"first unmatched: {extra.name} ({where})")
+        if self.extras_capacity != other.extras_capacity or self.bucket_bytes != other.bucket_bytes:
+            raise LayoutMismatchError("extras capacity or bucket size differs")
+
+    def to_json(self) -> str:
+        data = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "entries"}
+        data["entries"] = [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.entries]
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> StateLayout:
+        data = json.loads(text)
+        entries = tuple(TensorEntry(name=n, dtype=d, shape=tuple(s), offset=o, nbytes=b)
+                        for n, d, s, o, b in data.pop("entries"))
+        layout = cls(entries=entries, **data)
+        expected = _fingerprint(layout.world_size, layout.rank, list(entries))
+        if layout.fingerprint != expected:
+            raise LayoutMismatchError("layout metadata is inconsistent with its fingerprint")
+        return layout
+
+
+def _fingerprint(world_size: int, rank: int, entries: Sequence[TensorEntry]) -> str:
+    h = hashlib.sha256(f"replica-layout-v{LAYOUT_VERSION}|{world_size}|{rank}".encode())
+    for e in entries:
+        h.update(f"|{e.name}:{e.dtype}:{'x'.join(map(str, e.shape))}".encode())
+    return h.hexdigest()[:32]
