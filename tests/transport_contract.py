@@ -258,3 +258,26 @@ def run_transport_contract(make: MakeTransport, check: Callable[..., None] | Non
     moving buffers on ``device``."""
     for c in CHECKS if check is None else [check]:
         c(make, device=device)
+
+
+def check_completed_transfer_survives_peer_exit(make: MakeTransport, device: str = "cpu") -> None:
+    # A bucket that arrived in full stays delivered when its sender exits right after.
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
+        conn = connected(transport, peer)
+        back = empty(MiB, device)
+        receive = conn.irecv(back, tag=60)
+        peer.send("send", MiB, 60, 3)
+        assert peer.recv() == ("posted",)
+        assert peer.recv() == ("ok",)
+        peer.send("exit")
+        peer.process.join(30)
+        assert peer.process.exitcode == 0, "the peer did not exit"
+        deadline = time.monotonic() + 5
+        while conn.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not conn.alive, "the peer's exit was not noticed"
+        receive.wait(T)
+        assert torch.equal(back, pattern(MiB, 3, device))
+
+
+CHECKS.append(check_completed_transfer_survives_peer_exit)

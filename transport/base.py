@@ -180,10 +180,11 @@ class Transfer:
         return self._header
 
     def _poll(self) -> bool:
-        if self._conn._error is not None:
-            raise self._conn._error
+        # The transfer's own state first: a bucket that arrived completely
+        # before its peer went away is delivered, not lost.
         try:
-            return self._pending.poll()
+            if self._pending.poll():
+                return True
         except TransportError:
             raise
         except Exception as exc:  # a backend error, often the first sign of the peer's death
@@ -191,6 +192,9 @@ class Transfer:
             if not self._conn._failed.wait(_EXPLAIN_S):
                 self._conn._fail(TransportError(f"{self._kind} of tag {self._tag} failed: {exc}"))
             raise self._conn._error from exc
+        if self._conn._error is not None:
+            raise self._conn._error
+        return False
 
 
 class Connection(ABC):
