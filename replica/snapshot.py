@@ -1,0 +1,101 @@
+"""``Snapshot``: one packed copy of a rank's training state, laid out by a
+``StateLayout``: every state tensor in one ``ops.pack`` call, then the encoded
+extras (optimizer hyperparameters and non-tensor state, and the ``state_dict()``
+of each extra object) in the reserved region behind a length prefix.
+Restoring unpacks in place: no allocation, no network."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from replica import ops
+from replica.errors import LayoutMismatchError, ReplicaError
+from replica.layout import StateLayout
+
+__all__ = ["Snapshot", "Stateful", "apply_extras", "collect_extras"]
+
+_LENGTH = struct.Struct("<Q")
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def collect_extras(optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Stateful]) -> dict[str, Any]:
+    """Everything of a rank's state that is not a state tensor, as plain data."""
+    state: dict[str, Any] = {"extra": {name: obj.state_dict() for name, obj in sorted(extra.items())}}
+    if optimizer is not None:
+        state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        state["optim_scalars"] = [
+            {k: v for k, v in optimizer.state.get(p, {}).items() if not isinstance(v, torch.Tensor)}
+            for g in optimizer.param_groups for p in g["params"]
+        ]
+    return state
+
+
+def apply_extras(state: Mapping[str, Any], optimizer: torch.optim.Optimizer | None,
+                 extra: Mapping[str, Stateful]) -> None:
+    if set(state["extra"]) != set(extra):
+        raise LayoutMismatchError(f"extras differ: {sorted(state['extra'])} in the snapshot, {sorted(extra)} here")
+    for name, obj in extra.items():
+        obj.load_state_dict(state["extra"][name])
+    if optimizer is not None:
+        for group, saved in zip(optimizer.param_groups, state["param_groups"], strict=True):
+            group.update(saved)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for p, scalars in zip(params, state["optim_scalars"], strict=True):
+            optimizer.state[p].update(scalars)
+
+
+class Snapshot:
+    """A snapshot buffer for one layout; ``capture`` and ``restore`` run in place."""
+
+    def __init__(self, layout: StateLayout, *, device: torch.device | str = "cpu", pin_memory: bool = False):
+        self.layout = layout
+        self.buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device,
+                                  pin_memory=pin_memory and torch.device(device).type == "cpu")
+        self.step: int | None = None
+
+    def capture(self, tensors: Sequence[torch.Tensor], extras: bytes, *, step: int) -> None:
+        self._check(tensors)
+        room = self.layout.extras_capacity - _LENGTH.size
+        if len(extras) > room:
+            raise ReplicaError(f"the extras need {len(extras)} bytes, the layout reserves {room}; "
+                               "build the layout with a larger extras_capacity")
+        ops.pack(tensors, self.buffer, self.layout.offsets)
+        at = self.layout.extras_offset
+        blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
+        self.buffer[at:at + blob.numel()].copy_(blob)
+        self.step = step
+
+    def restore(self, tensors: Sequence[torch.Tensor]) -> bytes:
+        """Write the captured state into ``tensors`` in place; returns the extras."""
+        if self.step is None:
+            raise ReplicaError("restore() of a snapshot that holds no state yet")
+        self._check(tensors)
+        ops.unpack(self.buffer, tensors, self.layout.offsets)
+        return self.extras()
+
+    def extras(self) -> bytes:
+        at = self.layout.extras_offset
+        head = bytes(self.buffer[at:at + _LENGTH.size].cpu().numpy())
+        (n,) = _LENGTH.unpack(head)
+        if n > self.layout.extras_capacity - _LENGTH.size:
+            raise ReplicaError("the snapshot's extras region is corrupt")
+        return bytes(self.buffer[at + _LENGTH.size:at + _LENGTH.size + n].cpu().numpy())
+
+    def _check(self, tensors: Sequence[torch.Tensor]) -> None:
+        entries = self.layout.entries
+        if len(tensors) != len(entries):
+            raise LayoutMismatchError(f"{len(tensors)} state tensors, the layout has {len(entries)}")
+        for t, e in zip(tensors, entries):
+            if tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
+                raise LayoutMismatchError(
+                    f"{e.name}: {t.dtype} {tuple(t.shape)} here, the layout has {e.dtype} {e.shape}")
+
