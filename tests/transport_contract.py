@@ -18,7 +18,7 @@ from replica.errors import (
     PeerDisconnectedError,
     TransferTimeoutError,
 )
-from replica.testing import process_state, spawn
+from replica.testing import Child, process_state, spawn
 from replica.transport import Transport
 
 MiB = 1 << 20

@@ -8,17 +8,15 @@ loopback unless configured otherwise, and the data path stays free to be fast.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
+import itertools
 import logging
 import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
-
-import dataclasses
-import itertools
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
