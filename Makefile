@@ -35,7 +35,7 @@ bench: build
 	@cat bench/results/*.md
 
 demo: build
-	@echo "replica demo: the failover demo does not exist yet (issue 5); running the pack benchmark instead."
+	@echo "replica demo: the failover demo does not exist yet (issue 5); running the benchmarks (pack, resync) instead."
 	$(MAKE) --no-print-directory bench
 
 # Compile-only check of the CUDA sources against torch's headers: keeps the
