@@ -13,14 +13,13 @@ import functools
 import json
 import time
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
-from replica.testing import spawn
+from replica.testing import free_port, spawn
 from replica.transport import Transport
 from replica.transport.ucx import UcxConfig, UcxTransport
 
@@ -109,12 +108,6 @@ def _gloo_peer(pipe, port: int) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=list(UCX_PATHS))
 def ucx_path(request):
     name = request.param
@@ -126,7 +119,7 @@ def ucx_path(request):
 def gloo_path():
     import torch.distributed as dist
 
-    port = _free_port()
+    port = free_port()
     with spawn(_gloo_peer, port, name="gloo-peer") as peer:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
         ack = torch.zeros(8, dtype=torch.uint8)

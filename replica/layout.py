@@ -21,9 +21,14 @@ import torch
 from replica.errors import LayoutMismatchError
 from replica.ops import ALIGNMENT
 
-__all__ = ["LAYOUT_VERSION", "StateLayout", "TensorEntry", "local_tensor", "state_tensors"]
+__all__ = ["LAYOUT_VERSION", "StateLayout", "TensorEntry", "dtype_name", "local_tensor", "state_tensors"]
 
 LAYOUT_VERSION = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how layouts and encoded state name dtypes."""
+    return str(dtype).removeprefix("torch.")
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -98,7 +103,7 @@ class StateLayout:
                 raise ValueError(f"two state tensors are named {name!r}")
             seen.add(name)
             nbytes = t.numel() * t.element_size()
-            entries.append(TensorEntry(name=name, dtype=str(t.dtype).removeprefix("torch."),
+            entries.append(TensorEntry(name=name, dtype=dtype_name(t.dtype),
                                        shape=tuple(t.shape), offset=end, nbytes=nbytes))
             end = _align(end + nbytes)
         extras_offset = end

@@ -14,7 +14,7 @@ import torch
 
 from replica import ops
 from replica.errors import LayoutMismatchError, ReplicaError
-from replica.layout import StateLayout
+from replica.layout import StateLayout, dtype_name
 
 __all__ = ["Snapshot", "Stateful", "apply_extras", "collect_extras"]
 
@@ -95,7 +95,7 @@ class Snapshot:
         if len(tensors) != len(entries):
             raise LayoutMismatchError(f"{len(tensors)} state tensors, the layout has {len(entries)}")
         for t, e in zip(tensors, entries):
-            if tuple(t.shape) != e.shape or str(t.dtype).removeprefix("torch.") != e.dtype:
+            if tuple(t.shape) != e.shape or dtype_name(t.dtype) != e.dtype:
                 raise LayoutMismatchError(
                     f"{e.name}: {t.dtype} {tuple(t.shape)} here, the layout has {e.dtype} {e.shape}")
 

@@ -7,11 +7,12 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Child", "ChildFailed", "process_state", "spawn"]
+__all__ = ["Child", "ChildFailed", "free_port", "process_state", "spawn"]
 
 _CTX = mp.get_context("spawn")
 
@@ -85,6 +86,13 @@ class Child:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (for rendezvous of test processes)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def process_state(pid: int) -> str:

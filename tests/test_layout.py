@@ -1,15 +1,13 @@
 """StateLayout: deterministic enumeration, alignment, fingerprints, clear mismatches;
 on plain modules and on real FSDP2 shards in two gloo processes."""
 
-import socket
-
 import pytest
 import torch
 
 from replica import ops
 from replica.errors import LayoutMismatchError
 from replica.layout import StateLayout, state_tensors
-from replica.testing import spawn
+from replica.testing import free_port, spawn
 
 KiB = 1 << 10
 
@@ -132,9 +130,7 @@ def _fsdp_rank(pipe, rank: int, port: int, hidden: int) -> None:
 
 
 def _fsdp_layouts(hidden: int) -> list[StateLayout]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with spawn(_fsdp_rank, 0, port, hidden, name="rank0") as r0, spawn(_fsdp_rank, 1, port, hidden, name="rank1") as r1:
         return [StateLayout.from_json(r0.recv(120)), StateLayout.from_json(r1.recv(120))]
 
