@@ -6,10 +6,26 @@ the last global commit. See README.md.
 """
 
 from replica import errors, ops
+from replica.config import Config
 from replica.errors import *  # noqa: F403  (the typed errors are top-level API)
+from replica.export import load_export
 from replica.layout import StateLayout
+from replica.mirror import Mirror
+from replica.replicator import Replicator
+from replica.restore import restore_snapshot
 from replica.rng import RNGState
 
 __version__ = "0.1.0"
 
-__all__ = sorted([*errors.__all__, "RNGState", "StateLayout", "__version__", "ops"])
+__all__ = sorted([
+    *errors.__all__,
+    "Config",
+    "Mirror",
+    "RNGState",
+    "Replicator",
+    "StateLayout",
+    "__version__",
+    "load_export",
+    "ops",
+    "restore_snapshot",
+])

@@ -5,9 +5,11 @@ from __future__ import annotations
 __all__ = [
     "AuthenticationError",
     "BucketCorruptedError",
+    "CommitTimeoutError",
     "LayoutMismatchError",
     "PeerDisconnectedError",
     "ReplicaError",
+    "StandbyLostError",
     "TransferTimeoutError",
     "TransportError",
 ]
@@ -48,3 +50,12 @@ class AuthenticationError(ReplicaError):
 
 class LayoutMismatchError(ReplicaError):
     """A mirrored state does not fit the model, optimizer or world it is applied to."""
+
+
+class CommitTimeoutError(ReplicaError, TimeoutError):
+    """A step was not globally committed in time: some rank's standby is missing or slow."""
+
+
+class StandbyLostError(ReplicaError):
+    """This rank's standby is gone or refused the mirror: the rank is unprotected
+    until a standby is attached again."""

@@ -33,7 +33,9 @@ def test_build_maps_folders_into_one_package(tmp_path):
 @pytest.mark.parametrize(
     "name",
     sorted(PACKAGES)
-    + ["replica.ops", "replica.errors", "replica.testing", "replica.serialize", "replica.rng", "replica.layout", "replica.snapshot"]
+    + ["replica.ops", "replica.errors", "replica.testing", "replica.serialize", "replica.rng", "replica.layout", "replica.snapshot",
+       "replica.config", "replica.backends", "replica.commit", "replica.protocol", "replica.restore", "replica.stream",
+       "replica.replicator", "replica.mirror", "replica.export"]
     + [f"replica.transport.{p.stem}" for p in sorted((ROOT / "transport").glob("[!_]*.py"))],
 )
 def test_all_is_explicit_sorted_and_resolves(name):

@@ -318,12 +318,14 @@ class Connection(ABC):
         """Release the connection's resources; pending operations must stop."""
 
 
-def select_transport(candidates: Sequence[Transport], memory: MemoryKind, locality: Locality) -> Transport:
-    """The first of ``candidates`` (in order of preference) that moves ``memory`` to a peer at ``locality``."""
+def select_transport(candidates: Sequence[Transport | type[Transport]], memory: MemoryKind,
+                     locality: Locality) -> Transport | type[Transport]:
+    """The first of ``candidates`` (in order of preference) that moves ``memory`` to a
+    peer at ``locality``. Candidates may be classes, to choose before constructing one."""
     for transport in candidates:
         if transport.capabilities.supports(memory, locality):
             return transport
-    names = ", ".join(type(t).__name__ for t in candidates) or "none"
+    names = ", ".join(getattr(t, "__name__", type(t).__name__) for t in candidates) or "none"
     raise TransportError(f"no transport moves {memory.name} memory to a {locality.name} peer (have: {names})")
 
 

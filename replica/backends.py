@@ -1,0 +1,64 @@
+"""Which ``replica.transport`` backend a mirror uses, chosen by capability.
+
+Backends are imported only when chosen: UCX loads libucx, IPC needs CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+
+from replica.config import Config
+from replica.errors import TransportError
+from replica.transport import Locality, MemoryKind, Transport, select_transport
+
+__all__ = ["backend_class", "choose_backend", "locality_of", "make_backend"]
+
+# name -> (module, transport class, config class)
+_BACKENDS = {
+    "ucx": ("replica.transport.ucx", "UcxTransport", "UcxConfig"),
+    "gloo": ("replica.transport.gloo", "GlooTransport", "GlooConfig"),
+    "ipc": ("replica.transport.ipc", "IpcTransport", "IpcConfig"),
+}
+
+
+def _load(name: str) -> tuple[type[Transport], type]:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown transport backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
+    module, transport, config = _BACKENDS[name]
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as exc:
+        raise TransportError(f"transport backend {name!r} is not available: {exc}") from exc
+    return getattr(mod, transport), getattr(mod, config)
+
+
+def backend_class(name: str) -> type[Transport]:
+    return _load(name)[0]
+
+
+def locality_of(host: str) -> Locality:
+    """SAME_NODE for a loopback address (peers of a loopback listener are local)."""
+    try:
+        return Locality.SAME_NODE if ipaddress.ip_address(host).is_loopback else Locality.REMOTE
+    except ValueError:
+        return Locality.SAME_NODE if host == "localhost" else Locality.REMOTE
+
+
+def choose_backend(config: Config, memory: MemoryKind, locality: Locality) -> str:
+    """The first of ``config.backends`` that is installed and can move ``memory`` to ``locality``."""
+    available = {}
+    errors = []
+    for name in config.backends:
+        try:
+            available[backend_class(name)] = name
+        except TransportError as exc:
+            errors.append(str(exc))
+    if not available:
+        raise TransportError("no transport backend is available: " + "; ".join(errors))
+    return available[select_transport(list(available), memory, locality)]
+
+
+def make_backend(name: str, config: Config) -> Transport:
+    transport, backend_config = _load(name)
+    return transport(backend_config(token=config.token, host=config.host, verify=config.verify))

@@ -1,0 +1,63 @@
+"""``replica.Config``: the settings of a Replicator and its Mirror."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from replica.ops import ALIGNMENT
+
+__all__ = ["Config", "token_from_env"]
+
+TOKEN_ENV = "REPLICA_TOKEN"
+
+
+def token_from_env() -> bytes:
+    """The job token from ``REPLICA_TOKEN`` (read when called, never at import)."""
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token:
+        raise ValueError(f"no job token: pass Config(token=...) or set {TOKEN_ENV}")
+    return token.encode()
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Config:
+    """How a trainer rank mirrors its shard and how its standby receives it.
+
+    ``token`` is the job's secret; it never appears in ``repr`` or logs.
+    ``backends`` lists transports in order of preference; the first whose
+    capabilities fit the snapshot's memory and the peer's locality is used.
+    Every network wait is bounded by ``timeout``; ``commit_timeout`` bounds
+    how long ``commit(N+1)`` waits for the global commit of N.
+    """
+
+    token: bytes = field(repr=False)
+    host: str = "127.0.0.1"
+    backends: tuple[str, ...] = ("ucx", "gloo")
+    bucket_bytes: int = 4 << 20
+    extras_capacity: int = 1 << 20
+    num_inflight_buckets: int = 8
+    max_resends: int = 3
+    verify: bool = True
+    timeout: timedelta = timedelta(seconds=30)
+    commit_timeout: timedelta = timedelta(seconds=60)
+    store_prefix: str = "replica"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.token, bytes) or not self.token:
+            raise ValueError("token must be non-empty bytes (the job's secret)")
+        if self.bucket_bytes <= 0 or self.bucket_bytes % ALIGNMENT:
+            raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGNMENT}, got {self.bucket_bytes}")
+        if self.extras_capacity < 64:
+            raise ValueError(f"extras_capacity must be >= 64, got {self.extras_capacity}")
+        if self.num_inflight_buckets < 1:
+            raise ValueError(f"num_inflight_buckets must be >= 1, got {self.num_inflight_buckets}")
+        if self.max_resends < 0:
+            raise ValueError(f"max_resends must be >= 0, got {self.max_resends}")
+        if not self.backends:
+            raise ValueError("backends must name at least one transport")
+        for name in ("timeout", "commit_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, timedelta) or value <= timedelta(0):
+                raise ValueError(f"{name} must be a positive datetime.timedelta, got {value!r}")

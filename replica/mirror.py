@@ -1,0 +1,296 @@
+"""``Mirror``: the standby side. Receives a trainer rank's snapshots into a
+staging version, verifies every bucket's digest (asking again for bad ones),
+acknowledges the step in the commit record, and keeps the version that holds
+the last global commit intact until a newer one is committed.
+
+Two versions suffice: a trainer sends step N+1 only after N is globally
+committed, so the version being overwritten is never the last commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from replica.backends import choose_backend, locality_of, make_backend
+from replica.commit import CommitRecord
+from replica.config import Config, token_from_env
+from replica.errors import (
+    BucketCorruptedError,
+    LayoutMismatchError,
+    PeerDisconnectedError,
+    ReplicaError,
+    TransferTimeoutError,
+    TransportError,
+)
+from replica.export import export_path, write_export
+from replica.layout import StateLayout
+from replica.protocol import (
+    BEGIN,
+    BUCKET_BASE,
+    LAYOUT,
+    LAYOUT_SIZE,
+    MAX_REPORTED,
+    REPLY,
+    Begin,
+    Reply,
+    Status,
+    as_tensor,
+    fingerprint_int,
+)
+from replica.restore import restore_snapshot
+from replica.snapshot import Snapshot, Stateful
+from replica.transport import Connection, MemoryKind, Transfer
+
+__all__ = ["Mirror", "MirrorStats"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_LAYOUT_BYTES = 256 << 20
+_ACCEPT_POLL = timedelta(seconds=0.5)
+
+
+@dataclass(kw_only=True, slots=True)
+class MirrorStats:
+    acked: list[int] = field(default_factory=list)
+    corrupted_buckets: int = 0
+    sessions: int = 0
+    bytes_received: int = 0
+
+
+class Mirror:
+    """The warm standby of trainer rank ``rank``: listens, receives, verifies, acknowledges.
+
+    Publishes its address in the commit record so the rank's ``Replicator``
+    finds it; serves one trainer connection at a time (a restarted trainer may
+    connect again with the same layout).
+    """
+
+    def __init__(self, *, rank: int, world_size: int, store: dist.Store, config: Config | None = None,
+                 device: torch.device | str = "cpu"):
+        self.config = config if config is not None else Config(token=token_from_env())
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.record = CommitRecord(store, world_size=world_size, prefix=self.config.store_prefix)
+        self.stats = MirrorStats()
+        memory = MemoryKind.CUDA if self.device.type == "cuda" else MemoryKind.HOST
+        self.backend = choose_backend(self.config, memory, locality_of(self.config.host))
+        self._transport = make_backend(self.backend, self.config)
+        self.address = self._transport.listen()
+        self._layout: StateLayout | None = None
+        self._slots: list[Snapshot] = []
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self._conn: Connection | None = None
+        self.record.publish_standby(rank, self.backend, self.address)
+        self._thread = threading.Thread(target=self._serve, name=f"replica-mirror-{rank}", daemon=True)
+        self._thread.start()
+        logger.info("[standby rank %d] mirror listening on %s (%s)", rank, self.address, self.backend)
+
+    @property
+    def layout(self) -> StateLayout | None:
+        return self._layout
+
+    def held_steps(self) -> list[int]:
+        """Steps of the complete, verified versions this mirror holds."""
+        with self._cond:
+            return sorted(s.step for s in self._slots if s.step is not None)
+
+    def wait_for(self, step: int, timeout: timedelta) -> None:
+        """Block until this mirror has verified and acknowledged ``step``."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: step in self.stats.acked or self._closed.is_set(),
+                                       timeout.total_seconds()):
+                raise TransferTimeoutError(f"standby of rank {self.rank} did not receive step {step} within {timeout}")
+            if step not in self.stats.acked:
+                raise ReplicaError(f"standby of rank {self.rank} closed before step {step} arrived")
+
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                extra: Mapping[str, Stateful] | None = None, *, step: int | None = None,
+                rank: int | None = None, world_size: int | None = None) -> int:
+        """Write the committed state (the last global commit unless ``step`` says
+        otherwise) in place into a freshly built model, optimizer and extras.
+
+        ``rank``/``world_size`` describe the target (default: the default process
+        group's, else this mirror's); a model, optimizer, dtype or world size that
+        differs from the mirrored one raises LayoutMismatchError naming the first
+        difference. Returns the step restored.
+        """
+        if rank is None or world_size is None:
+            live = dist.is_initialized()
+            rank = rank if rank is not None else (dist.get_rank() if live else self.rank)
+            world_size = world_size if world_size is not None else (dist.get_world_size() if live else self.world_size)
+        with self._cond:
+            snapshot, step = self._version(step)
+            restore_snapshot(snapshot, model, optimizer, dict(extra or {}), rank=rank, world_size=world_size)
+        logger.info("[standby rank %d] restored step %d into a fresh model", self.rank, step)
+        return step
+
+    def export(self, directory: str | Path, *, step: int | None = None) -> Path:
+        """Write the committed version as ``rank{r}.safetensors`` in ``directory``."""
+        with self._cond:
+            snapshot, _ = self._version(step)
+            return write_export(snapshot, export_path(directory, self.rank))
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._transport.close()
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Mirror:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _version(self, step: int | None) -> tuple[Snapshot, int]:
+        if step is None:
+            step = self.record.last()
+            if step is None:
+                raise ReplicaError(f"standby of rank {self.rank}: nothing is globally committed yet")
+        for snapshot in self._slots:
+            if snapshot.step == step:
+                return snapshot, step
+        held = sorted(s.step for s in self._slots if s.step is not None)
+        raise ReplicaError(f"standby of rank {self.rank} holds steps {held}, not step {step}")
+
+    # --- the receiving thread ---
+
+    def _serve(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._transport.accept(_ACCEPT_POLL)
+            except TransferTimeoutError:
+                continue
+            except (ReplicaError, OSError) as exc:
+                if self._closed.is_set():
+                    return
+                logger.warning("[standby rank %d] refused a connection: %s", self.rank, exc)
+                continue
+            self._conn = conn
+            self.stats.sessions += 1
+            try:
+                self._session(conn)
+            except PeerDisconnectedError as exc:
+                if not self._closed.is_set():
+                    logger.warning("[standby rank %d] trainer gone (%s); keeping steps %s", self.rank, exc,
+                                   self.held_steps())
+            except ReplicaError as exc:
+                logger.error("[standby rank %d] session ended: %s; keeping steps %s", self.rank, exc,
+                             self.held_steps())
+            except Exception:  # noqa: BLE001 - the mirror outlives one bad session
+                logger.exception("[standby rank %d] session failed", self.rank)
+            finally:
+                conn.close()
+                self._conn = None
+
+    def _wait_idle(self, transfer: Transfer) -> None:
+        """Wait for the first message of a step: no deadline (a step takes as
+        long as it takes), but a dead trainer or close() ends the wait."""
+        delay = 50e-6
+        while not transfer.done():
+            if self._closed.is_set():
+                raise PeerDisconnectedError("mirror closed")
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+
+    def _reply(self, conn: Connection, reply: Reply) -> None:
+        conn.send(as_tensor(reply.encode()), tag=REPLY, timeout=self.config.timeout)
+
+    def _session(self, conn: Connection) -> None:
+        timeout = self.config.timeout
+        size = torch.zeros(8, dtype=torch.uint8)
+        conn.recv(size, tag=LAYOUT_SIZE, timeout=timeout)
+        n = int.from_bytes(size.numpy().tobytes(), "little")
+        if not 0 < n <= _MAX_LAYOUT_BYTES:
+            raise TransportError(f"layout of {n} bytes announced")
+        text = torch.empty(n, dtype=torch.uint8)
+        conn.recv(text, tag=LAYOUT, timeout=timeout)
+        layout = StateLayout.from_json(text.numpy().tobytes().decode())
+        try:
+            self._adopt(layout)
+        except LayoutMismatchError:
+            self._reply(conn, Reply(step=-1, status=Status.LAYOUT_MISMATCH))
+            raise
+        self._reply(conn, Reply(step=-1, status=Status.ACCEPTED))
+        buckets = layout.buckets()
+        fingerprint = fingerprint_int(layout.fingerprint)
+        while True:
+            begin_buf = torch.zeros(Begin.size(), dtype=torch.uint8)
+            transfer = conn.irecv(begin_buf, tag=BEGIN)
+            self._wait_idle(transfer)
+            transfer.wait(timeout)  # verifies its digest: a damaged BEGIN ends the session
+            begin = Begin.decode(begin_buf.numpy().tobytes())
+            if begin.num_buckets != len(buckets):
+                raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has {len(buckets)}")
+            self._receive(conn, begin.step, buckets, fingerprint)
+
+    def _adopt(self, layout: StateLayout) -> None:
+        if layout.rank != self.rank or layout.world_size != self.world_size:
+            raise LayoutMismatchError(f"a trainer of rank {layout.rank}/{layout.world_size} connected to the "
+                                      f"standby of rank {self.rank}/{self.world_size}")
+        with self._cond:
+            if self._layout is not None:
+                self._layout.check_matches(layout)
+                return
+            self._slots = [Snapshot(layout, device=self.device) for _ in range(2)]
+            self._layout = layout
+        logger.info("[standby rank %d] mirroring %d bytes (%d tensors)", self.rank, layout.total_bytes,
+                    len(layout.entries))
+
+    def _stage(self) -> Snapshot:
+        """The version to receive into: never the one holding the last global commit."""
+        with self._cond:
+            commit = self.record.last()
+            keep = next((s for s in self._slots if s.step is not None and s.step == commit), None)
+            if keep is None:
+                held = [s for s in self._slots if s.step is not None]
+                keep = max(held, key=lambda s: s.step) if held else None
+            slot = self._slots[1] if keep is self._slots[0] else self._slots[0]
+            slot.step = None  # incomplete from here on; restore never picks it
+            return slot
+
+    def _receive(self, conn: Connection, step: int, buckets: list[tuple[int, int]], fingerprint: int) -> None:
+        timeout = self.config.timeout
+        slot = self._stage()
+        todo = list(range(len(buckets)))
+        unreported: list[int] = []
+        while todo:
+            transfers = [(i, conn.irecv(slot.buffer[buckets[i][0]:buckets[i][1]], tag=BUCKET_BASE + i)) for i in todo]
+            bad = []
+            for i, transfer in transfers:
+                try:
+                    header = transfer.wait(timeout)
+                except BucketCorruptedError as exc:
+                    logger.warning("[standby rank %d step %d] %s", self.rank, step, exc)
+                    self.stats.corrupted_buckets += 1
+                    bad.append(i)
+                    continue
+                if (header.step, header.bucket, header.offset, header.fingerprint) != (
+                        step, i, buckets[i][0], fingerprint):
+                    raise TransportError(f"bucket {i} of step {step} arrived with header {header}")
+                self.stats.bytes_received += header.nbytes
+            bad += unreported
+            todo, unreported = bad[:MAX_REPORTED], bad[MAX_REPORTED:]
+            if todo:
+                self._reply(conn, Reply.resend(step, todo))
+        with self._cond:
+            slot.step = step
+            self.stats.acked.append(step)
+            self._cond.notify_all()
+        commit = self.record.acknowledge(self.rank, step)
+        self._reply(conn, Reply(step=step, status=Status.ACKED))
+        logger.debug("[standby rank %d step %d] acknowledged; global commit %s", self.rank, step, commit)

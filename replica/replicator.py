@@ -1,0 +1,209 @@
+"""``Replicator``: the trainer side of the mirror.
+
+After each optimizer step ``commit(step)`` packs the rank's whole state into
+one of two snapshot buffers (one pack call) and hands it to a background
+stream to its standby. Snapshot N+1 is never packed before step N is globally
+committed, so the survivors always hold the last commit locally; the time
+``commit`` spends waiting for that is the mirror's overhead (``stats``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from replica import serialize
+from replica.commit import CommitRecord
+from replica.config import Config, token_from_env
+from replica.errors import ReplicaError
+from replica.layout import StateLayout, state_tensors
+from replica.ops import ALIGNMENT
+from replica.restore import bind_state, restore_snapshot
+from replica.snapshot import Snapshot, Stateful, collect_extras
+from replica.stream import MirrorFaults, MirrorStream, StreamStats
+from replica.transport.base import nvtx_range
+
+__all__ = ["CommitStats", "Replicator"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class CommitStats:
+    """Per ``commit`` call: seconds waiting for the previous global commit
+    (the mirror's overhead on the training loop) and seconds packing."""
+
+    wait_s: list[float] = field(default_factory=list)
+    pack_s: list[float] = field(default_factory=list)
+
+
+def _rank_and_size(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        if not dist.is_initialized():
+            raise ValueError("pass rank= and world_size=, or initialize torch.distributed first")
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, {world_size})")
+    return rank, world_size
+
+
+class Replicator:
+    """Mirror one trainer rank's shard to its warm standby after every step.
+
+    ``model`` is the rank's (FSDP2-sharded or plain) module, ``optimizer`` any
+    torch optimizer whose per-parameter state is tensors, ``extra`` maps names
+    to ``Stateful`` objects (LR scheduler, data position, ``replica.RNGState()``).
+    ``store`` holds the commit record (the coordinator's store). ``rank`` and
+    ``world_size`` default to the default process group's.
+
+    The layout is fixed at the first ``commit`` (optimizers create their state
+    in their first step); it must not change afterwards.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 extra: Mapping[str, Stateful] | None = None, *, store: dist.Store, config: Config | None = None,
+                 rank: int | None = None, world_size: int | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.extra = dict(extra or {})
+        self.config = config if config is not None else Config(token=token_from_env())
+        self.rank, self.world_size = _rank_and_size(rank, world_size)
+        self.record = CommitRecord(store, world_size=self.world_size, prefix=self.config.store_prefix)
+        self.stats = CommitStats()
+        #: Fault injection for tests: ``faults.corrupt_buckets = k`` damages the next k buckets on the wire.
+        self.faults = MirrorFaults()
+        self._layout: StateLayout | None = None
+        self._tensors: list[torch.Tensor] = []
+        self._snapshots: list[Snapshot] = []
+        self._next = 0
+        self._last_step: int | None = None
+        self._stream = MirrorStream(rank=self.rank, record=self.record, config=self.config, faults=self.faults)
+
+    @property
+    def layout(self) -> StateLayout | None:
+        return self._layout
+
+    @property
+    def stream_stats(self) -> StreamStats:
+        return self._stream.stats
+
+    def last_commit(self) -> int | None:
+        """The last step every rank's standby acknowledged (None before the first)."""
+        return self.record.last()
+
+    def commit(self, step: int) -> None:
+        """Snapshot the state after optimizer step ``step`` and mirror it in the background.
+
+        Waits only for the global commit of the previous ``commit`` (so its
+        snapshot may be overwritten); raises StandbyLostError once this rank's
+        standby is gone, CommitTimeoutError if another rank's never acknowledges.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"commit({step}) after commit({self._last_step}): steps must increase")
+        self._raise_stream_error()
+        start = time.perf_counter()
+        if self._layout is None:
+            self._build()
+        with nvtx_range("replica::commit_wait"):
+            self._wait_free()
+        packed = time.perf_counter()
+        snapshot = self._snapshots[self._next]
+        with nvtx_range("replica::pack"):
+            extras = serialize.encode(collect_extras(self.optimizer, self.extra))
+            snapshot.capture(self._tensors, extras, step=step)
+            if snapshot.buffer.is_cuda:
+                torch.cuda.current_stream(snapshot.buffer.device).synchronize()
+        self.stats.wait_s.append(packed - start)
+        self.stats.pack_s.append(time.perf_counter() - packed)
+        self._stream.submit(snapshot, step)
+        self._next ^= 1
+        self._last_step = step
+
+    def wait_committed(self, timeout_s: float | None = None) -> int:
+        """Block until the last ``commit`` is globally committed; returns the commit."""
+        if self._last_step is None:
+            raise ReplicaError("wait_committed() before the first commit()")
+        timeout = self.config.commit_timeout if timeout_s is None else timedelta(seconds=timeout_s)
+        return self.record.wait(self._last_step, timeout, abort=self._raise_stream_error)
+
+    def rollback(self, *, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 extra: Mapping[str, Stateful] | None = None) -> int:
+        """Restore this rank's own snapshot of the last global commit, in place, without network.
+
+        Pass ``model``/``optimizer``/``extra`` to restore into replacements
+        (e.g. rebuilt under a new process group) instead; the replicator then
+        mirrors those. Returns the step restored; training resumes after it.
+        """
+        step = self.last_commit()
+        if step is None:
+            raise ReplicaError("rollback() before any global commit")
+        held = {s.step: s for s in self._snapshots}
+        if step not in held:
+            raise ReplicaError(f"rank {self.rank} holds snapshots of steps {sorted(k for k in held if k is not None)}, "
+                               f"not of the last global commit {step}")
+        snapshot = held[step]
+        # Restoring into the live objects needs no stream to finish; a later
+        # commit still waits for the stream before it reuses the other buffer.
+        target_model = self.model if model is None else model
+        target_opt = self.optimizer if optimizer is None else optimizer
+        target_extra = self.extra if extra is None else dict(extra)
+        with nvtx_range("replica::rollback"):
+            tensors = restore_snapshot(snapshot, target_model, target_opt, target_extra, rank=self.rank,
+                                       world_size=self.world_size)
+        self.model, self.optimizer, self.extra, self._tensors = target_model, target_opt, target_extra, tensors
+        self._next = self._snapshots.index(snapshot) ^ 1
+        self._last_step = step
+        logger.info("[trainer rank %d] rolled back to commit %d from local memory", self.rank, step)
+        return step
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> Replicator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _build(self) -> None:
+        named = list(state_tensors(self.model, self.optimizer))
+        if not named:
+            raise ReplicaError("the model has no state to mirror")
+        devices = {t.device for _, t in named}
+        if len(devices) != 1:
+            raise ReplicaError(f"state tensors live on several devices {sorted(map(str, devices))}; "
+                               "a snapshot is packed on one")
+        extras_capacity = -(-self.config.extras_capacity // ALIGNMENT) * ALIGNMENT
+        self._layout = StateLayout.build(named, world_size=self.world_size, rank=self.rank,
+                                         extras_capacity=extras_capacity, bucket_bytes=self.config.bucket_bytes)
+        self._tensors = bind_state(self.model, self.optimizer, rank=self.rank, world_size=self.world_size,
+                                   like=self._layout)
+        device = devices.pop()
+        self._snapshots = [Snapshot(self._layout, device=device) for _ in range(2)]
+        logger.info("[trainer rank %d] snapshot layout: %d tensors, %d bytes, %d buckets, fingerprint %s",
+                    self.rank, len(named), self._layout.total_bytes, len(self._layout.buckets()),
+                    self._layout.fingerprint)
+
+    def _wait_free(self) -> None:
+        """Wait until the buffer the next commit packs into is not needed any more."""
+        if self._last_step is None:
+            return
+        timeout = self.config.commit_timeout
+        self.record.wait(self._last_step, timeout, abort=self._raise_stream_error)
+        if not self._stream.wait_idle(timeout.total_seconds()):
+            self._raise_stream_error()
+            raise ReplicaError(f"the mirror stream of rank {self.rank} did not finish within {timeout}")
+
+    def _raise_stream_error(self) -> None:
+        if self._stream.error is not None:
+            raise self._stream.error
+

@@ -1,0 +1,180 @@
+"""The trainer side's background sender: streams each snapshot to the rank's
+standby in buckets and collects its acknowledgement, off the training thread."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from replica.backends import backend_class, make_backend
+from replica.commit import CommitRecord
+from replica.config import Config
+from replica.errors import LayoutMismatchError, ReplicaError, StandbyLostError, TransportError
+from replica.layout import StateLayout
+from replica.protocol import BEGIN, BUCKET_BASE, LAYOUT, LAYOUT_SIZE, REPLY, REPLY_BYTES, Begin, Reply, Status, as_tensor, fingerprint_int
+from replica.snapshot import Snapshot
+from replica.transport import Connection, Transport
+from replica.transport.base import memory_kind
+
+__all__ = ["MirrorFaults", "MirrorStream", "StreamStats"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class MirrorFaults:
+    """Fault injection for tests: ``corrupt_buckets = k`` flips a byte in each of
+    the next k buckets after their digest is taken, as a bad link would;
+    ``corrupted`` counts how many times that fired."""
+
+    corrupt_buckets: int = 0
+    corrupted: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class StreamStats:
+    """What the stream did, for tests and benchmarks."""
+
+    acked_step: int | None = None
+    num_acked: int = 0
+    bytes_sent: int = 0
+    resent_buckets: int = 0
+    stream_s: list[float] = field(default_factory=list)
+
+
+class MirrorStream:
+    """Owns the connection to one standby; ``submit(snapshot, step)`` queues a stream."""
+
+    def __init__(self, *, rank: int, record: CommitRecord, config: Config, faults: MirrorFaults):
+        self.rank = rank
+        self.stats = StreamStats()
+        self._record = record
+        self._config = config
+        self._faults = faults
+        self._queue: queue.Queue[tuple[Snapshot, int] | None] = queue.Queue()
+        self._idle = threading.Condition()
+        self._busy = 0
+        self._error: ReplicaError | None = None
+        self._transport: Transport | None = None
+        self._conn: Connection | None = None
+        self._layout_sent: StateLayout | None = None
+        self._thread = threading.Thread(target=self._run, name=f"replica-mirror-stream-{rank}", daemon=True)
+        self._thread.start()
+
+    @property
+    def error(self) -> ReplicaError | None:
+        return self._error
+
+    def submit(self, snapshot: Snapshot, step: int) -> None:
+        with self._idle:
+            self._busy += 1
+        self._queue.put((snapshot, step))
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """True once nothing is queued or in flight (the snapshots are free to overwrite)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0, timeout_s)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=self._config.timeout.total_seconds() + 5)
+        if self._transport is not None:
+            self._transport.close()
+
+    # --- the stream thread ---
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            snapshot, step = item
+            try:
+                if self._error is None:
+                    self._stream(snapshot, step)
+            except ReplicaError as exc:
+                self._error = exc if isinstance(exc, LayoutMismatchError | StandbyLostError) else StandbyLostError(
+                    f"the standby of rank {self.rank} is lost at step {step}: {exc}; this rank is unprotected "
+                    f"(last global commit: {self._record.last()})")
+                self._error.__cause__ = exc
+                logger.error("[trainer rank %d step %d] %s", self.rank, step, self._error)
+                if self._conn is not None:
+                    self._conn.close()
+            except Exception as exc:  # noqa: BLE001 - never die silently; the next commit() raises it
+                self._error = ReplicaError(f"mirror stream of rank {self.rank} failed at step {step}: {exc!r}")
+                self._error.__cause__ = exc
+                logger.exception("[trainer rank %d step %d] mirror stream failed", self.rank, step)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def _connect(self, snapshot: Snapshot) -> Connection:
+        timeout = self._config.timeout
+        backend, address = self._record.standby(self.rank, timeout)
+        memory = memory_kind(snapshot.buffer)
+        if memory not in backend_class(backend).capabilities.memory:
+            raise TransportError(f"the standby of rank {self.rank} listens on {backend}, which cannot move "
+                                 f"{memory.name} memory")
+        self._transport = make_backend(backend, self._config)
+        conn = self._transport.connect(address, timeout)
+        text = snapshot.layout.to_json().encode()
+        conn.send(as_tensor(len(text).to_bytes(8, "little")), tag=LAYOUT_SIZE, timeout=timeout)
+        conn.send(as_tensor(text), tag=LAYOUT, timeout=timeout)
+        reply = self._reply(conn, -1)
+        if reply.status == Status.LAYOUT_MISMATCH:
+            raise LayoutMismatchError(f"the standby of rank {self.rank} holds a mirror of a different layout")
+        if reply.status != Status.ACCEPTED:
+            raise TransportError(f"standby answered {reply.status.name} to the layout")
+        logger.info("[trainer rank %d] mirroring %d bytes in %d buckets to %s over %s", self.rank,
+                    snapshot.layout.total_bytes, len(snapshot.layout.buckets()), address, backend)
+        return conn
+
+    def _reply(self, conn: Connection, step: int) -> Reply:
+        buf = as_tensor(bytes(REPLY_BYTES))
+        conn.recv(buf, tag=REPLY, timeout=self._config.timeout)
+        reply = Reply.decode(buf.numpy().tobytes())
+        if reply.step != step:
+            raise TransportError(f"standby answered for step {reply.step}, expected {step}")
+        return reply
+
+    def _stream(self, snapshot: Snapshot, step: int) -> None:
+        start = time.perf_counter()
+        if self._conn is None or self._layout_sent is not snapshot.layout:
+            self._conn = self._connect(snapshot)
+            self._layout_sent = snapshot.layout
+        conn, layout, timeout = self._conn, snapshot.layout, self._config.timeout
+        buckets = layout.buckets()
+        fingerprint = fingerprint_int(layout.fingerprint)
+        conn.send(as_tensor(Begin(step=step, num_buckets=len(buckets)).encode()), tag=BEGIN, timeout=timeout)
+        todo = list(range(len(buckets)))
+        for attempt in range(self._config.max_resends + 1):
+            inflight = deque()
+            for i in todo:
+                if len(inflight) >= self._config.num_inflight_buckets:
+                    inflight.popleft().wait(timeout)
+                lo, hi = buckets[i]
+                if self._faults.corrupt_buckets > 0:
+                    self._faults.corrupt_buckets -= 1
+                    self._faults.corrupted += 1
+                    conn.faults.corrupt_next = 1
+                inflight.append(conn.isend(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i, step=step, bucket=i,
+                                           offset=lo, fingerprint=fingerprint))
+                self.stats.bytes_sent += hi - lo
+            while inflight:
+                inflight.popleft().wait(timeout)
+            reply = self._reply(conn, step)
+            if reply.status == Status.ACKED:
+                self.stats.acked_step = step
+                self.stats.num_acked += 1
+                self.stats.stream_s.append(time.perf_counter() - start)
+                return
+            if reply.status != Status.RESEND or not reply.buckets:
+                raise TransportError(f"standby answered {reply.status.name} for step {step}")
+            logger.warning("[trainer rank %d step %d] standby asks again for buckets %s (attempt %d)",
+                           self.rank, step, list(reply.buckets), attempt + 1)
+            self.stats.resent_buckets += len(reply.buckets)
+            todo = list(reply.buckets)
+        raise TransportError(f"step {step}: buckets {todo} still failed their digests after "
+                             f"{self._config.max_resends} resends")
