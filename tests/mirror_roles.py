@@ -1,0 +1,114 @@
+"""Child-process roles for the mirror's multi-process tests and benchmark: a
+trainer rank driven step by step over its pipe, and a standby that can be
+promoted to trainer. (The roles layer will own this orchestration; here the
+test plays coordinator.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import replica
+from fsdp_job import Job, JobShape, build_job, train_step
+
+__all__ = ["standby_main", "trainer_main"]
+
+TOKEN = b"mirror-test-token"
+GROUP_TIMEOUT = timedelta(seconds=20)
+
+
+def _store(port: int) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+
+def _join(store: dist.Store, generation: int, rank: int, world_size: int) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}", store), rank=rank,
+                            world_size=world_size, timeout=GROUP_TIMEOUT)
+
+
+def _die_in_backward(loss: torch.Tensor) -> None:
+    # SIGKILL in the middle of backward: the hook runs once gradients reach the loss's input.
+    loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, world_size, shape) -> None:
+    """Run commands: ("step", s, die) / ("recover", generation) / ("stats",) / ("exit",)."""
+    while True:
+        cmd = pipe.recv()
+        if cmd[0] == "step":
+            _, step, die = cmd
+            try:
+                loss = train_step(job, before_backward=_die_in_backward if die == "backward" else None)
+            except Exception as exc:  # noqa: BLE001 - a dead peer surfaces here; the test decides what follows
+                pipe.send(("failed", step, repr(exc)))
+                continue
+            if rep is not None:
+                rep.commit(step)
+            pipe.send(("loss", step, loss))
+        elif cmd[0] == "recover":
+            # Survivor: a new process group, the job rebuilt under it, the state from this rank's own snapshot.
+            _join(store, cmd[1], rank, world_size)
+            job = build_job(shape, rank=rank, world_size=world_size, seed=99)
+            step = rep.rollback(model=job.model, optimizer=job.optimizer, extra=job.extra)
+            pipe.send(("recovered", step))
+        elif cmd[0] == "wait_committed":
+            pipe.send(("committed", rep.wait_committed()))
+        elif cmd[0] == "stats":
+            pipe.send(("stats", list(rep.stats.wait_s) if rep else [], list(rep.stats.pack_s) if rep else [],
+                       list(rep.stream_stats.stream_s) if rep else []))
+        elif cmd[0] == "exit":
+            if rep is not None:
+                rep.close()
+            dist.destroy_process_group()
+            pipe.send(("bye",))
+            return
+
+
+def trainer_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, config_kwargs: dict | None) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    store = _store(port)
+    _join(store, 0, rank, world_size)
+    job = build_job(shape, rank=rank, world_size=world_size)
+    rep = None
+    if config_kwargs is not None:
+        rep = replica.Replicator(job.model, job.optimizer, job.extra, store=store,
+                                 config=replica.Config(token=TOKEN, **config_kwargs))
+    pipe.send(("ready",))
+    _serve_steps(pipe, job, rep, store, rank, world_size, shape)
+
+
+def standby_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, config_kwargs: dict) -> None:
+    """A Mirror; on ("promote", generation) it becomes trainer ``rank`` from its own memory."""
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(1)
+    store = _store(port)
+    config = replica.Config(token=TOKEN, **config_kwargs)
+    mirror = replica.Mirror(rank=rank, world_size=world_size, store=store, config=config)
+    pipe.send(("ready", mirror.address))
+    while True:
+        cmd = pipe.recv()
+        if cmd[0] == "held":
+            pipe.send(("held", mirror.held_steps(), mirror.stats.corrupted_buckets))
+        elif cmd[0] == "export":
+            pipe.send(("exported", str(mirror.export(cmd[1]))))
+        elif cmd[0] == "promote":
+            _join(store, cmd[1], rank, world_size)
+            job = build_job(shape, rank=rank, world_size=world_size, seed=77)  # weights differ until restored
+            step = mirror.restore(job.model, job.optimizer, job.extra)
+            mirror.close()
+            rep = replica.Replicator(job.model, job.optimizer, job.extra, store=store, config=config)
+            pipe.send(("recovered", step))
+            _serve_steps(pipe, job, rep, store, rank, world_size, shape)
+            return
+        elif cmd[0] == "exit":
+            mirror.close()
+            pipe.send(("bye",))
+            return
