@@ -170,6 +170,9 @@ class Mirror:
     # --- the receiving thread ---
 
     def _serve(self) -> None:
+        """Accept trainers; a new connection supersedes the current one (a
+        restarted trainer must not wait for its dead predecessor's deadline)."""
+        session: threading.Thread | None = None
         while not self._closed.is_set():
             try:
                 conn = self._transport.accept(_ACCEPT_POLL)
@@ -177,32 +180,41 @@ class Mirror:
                 continue
             except (ReplicaError, OSError) as exc:
                 if self._closed.is_set():
-                    return
+                    break
                 logger.warning("[standby rank %d] refused a connection: %s", self.rank, exc)
                 continue
+            if session is not None and session.is_alive():
+                logger.warning("[standby rank %d] a new trainer connection replaces the current one", self.rank)
+                self._conn.close()
+                session.join()
             self._conn = conn
             self.stats.sessions += 1
-            try:
-                self._session(conn)
-            except PeerDisconnectedError as exc:
-                if not self._closed.is_set():
-                    logger.warning("[standby rank %d] trainer gone (%s); keeping steps %s", self.rank, exc,
-                                   self.held_steps())
-            except ReplicaError as exc:
-                logger.error("[standby rank %d] session ended: %s; keeping steps %s", self.rank, exc,
-                             self.held_steps())
-            except Exception:  # noqa: BLE001 - the mirror outlives one bad session
-                logger.exception("[standby rank %d] session failed", self.rank)
-            finally:
-                conn.close()
-                self._conn = None
+            session = threading.Thread(target=self._run_session, args=(conn,), daemon=True,
+                                       name=f"replica-mirror-session-{self.rank}")
+            session.start()
+        if session is not None:
+            session.join(timeout=10)
 
-    def _wait_idle(self, transfer: Transfer) -> None:
+    def _run_session(self, conn: Connection) -> None:
+        try:
+            self._session(conn)
+        except PeerDisconnectedError as exc:
+            if not self._closed.is_set():
+                logger.warning("[standby rank %d] trainer gone (%s); keeping steps %s", self.rank, exc,
+                               self.held_steps())
+        except ReplicaError as exc:
+            logger.error("[standby rank %d] session ended: %s; keeping steps %s", self.rank, exc, self.held_steps())
+        except Exception:  # noqa: BLE001 - the mirror outlives one bad session
+            logger.exception("[standby rank %d] session failed", self.rank)
+        finally:
+            conn.close()
+
+    def _wait_idle(self, conn: Connection, transfer: Transfer) -> None:
         """Wait for the first message of a step: no deadline (a step takes as
-        long as it takes), but a dead trainer or close() ends the wait."""
+        long as it takes), but a dead trainer, a newer one or close() ends the wait."""
         delay = 50e-6
         while not transfer.done():
-            if self._closed.is_set():
+            if self._closed.is_set() or self._conn is not conn:
                 raise PeerDisconnectedError("mirror closed")
             time.sleep(delay)
             delay = min(delay * 2, 2e-3)
@@ -231,7 +243,7 @@ class Mirror:
         while True:
             begin_buf = torch.zeros(Begin.size(), dtype=torch.uint8)
             transfer = conn.irecv(begin_buf, tag=BEGIN)
-            self._wait_idle(transfer)
+            self._wait_idle(conn, transfer)
             transfer.wait(timeout)  # verifies its digest: a damaged BEGIN ends the session
             begin = Begin.decode(begin_buf.numpy().tobytes())
             if begin.num_buckets != len(buckets):

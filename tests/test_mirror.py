@@ -1,0 +1,265 @@
+"""Mirror integrity: Replicator and Mirror over real UCX, in one process or
+two. Corrupted buckets are asked for again and never committed; a standby or
+trainer dying mid-transfer leaves the last commit intact; mismatched layouts
+are refused with the first difference named; exports load back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import replica
+from fsdp_job import JobShape, build_job, train_step
+from replica.errors import LayoutMismatchError, ReplicaError, StandbyLostError
+from replica.layout import state_tensors
+from replica.testing import free_port, spawn
+
+TOKEN = b"mirror-unit-token"
+SHAPE = JobShape(layers=2)
+T = timedelta(seconds=30)
+
+
+def config(**kw) -> replica.Config:
+    kw.setdefault("bucket_bytes", 16 << 10)
+    return replica.Config(token=TOKEN, timeout=T, commit_timeout=T, **kw)
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=T)
+
+
+def job(shape=SHAPE, seed=0):
+    return build_job(shape, rank=0, world_size=1, fsdp=False, seed=seed)
+
+
+def state_of(j) -> list[torch.Tensor]:
+    return [t.clone() for _, t in state_tensors(j.model, j.optimizer)]
+
+
+def assert_state_equal(a, b):
+    assert len(a) == len(b)
+    assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def trained(j, steps: int, rep: replica.Replicator | None = None, first: int = 1):
+    for s in range(first, first + steps):
+        train_step(j)
+        if rep is not None:
+            rep.commit(s)
+
+
+def test_commit_then_restore_is_exact(store):
+    j = job()
+    with replica.Mirror(rank=0, world_size=1, store=store, config=config()) as mirror, \
+            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=config(), rank=0, world_size=1) as rep:
+        trained(j, 3, rep)
+        assert rep.wait_committed() == 3 == rep.last_commit()
+        expected, position = state_of(j), j.loader.state_dict()
+        fresh = job(seed=5)
+        assert mirror.restore(fresh.model, fresh.optimizer, fresh.extra) == 3
+        assert_state_equal(state_of(fresh), expected)
+        assert fresh.loader.state_dict() == position
+        assert fresh.scheduler.state_dict() == j.scheduler.state_dict()
+        assert mirror.held_steps() == [2, 3]
+        assert rep.stats.wait_s and rep.stats.pack_s
+
+
+def test_corrupted_buckets_are_sent_again(store):
+    j = job()
+    with replica.Mirror(rank=0, world_size=1, store=store, config=config()) as mirror, \
+            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=config(), rank=0, world_size=1) as rep:
+        trained(j, 1, rep)
+        rep.wait_committed()
+        rep.faults.corrupt_buckets = 3
+        trained(j, 1, rep, first=2)
+        assert rep.wait_committed() == 2
+        assert rep.faults.corrupted == 3  # the fault fired on the wire
+        assert mirror.stats.corrupted_buckets == 3  # the standby caught every one
+        assert rep.stream_stats.resent_buckets == 3
+        fresh = job(seed=5)
+        mirror.restore(fresh.model, fresh.optimizer, fresh.extra)
+        assert_state_equal(state_of(fresh), state_of(j))
+
+
+def test_corruption_past_the_resend_limit_is_never_committed(store):
+    j = job()
+    cfg = config(max_resends=0)
+    with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
+            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
+        trained(j, 2, rep)
+        rep.wait_committed()
+        at_two = state_of(j)
+        rep.faults.corrupt_buckets = 1
+        trained(j, 1, rep, first=3)
+        with pytest.raises(StandbyLostError, match="still failed their digests"):
+            rep.wait_committed(timeout_s=30)
+        assert rep.faults.corrupted == 1 and mirror.stats.corrupted_buckets == 1
+        assert rep.last_commit() == 2
+        assert 3 not in mirror.held_steps()
+        with pytest.raises(StandbyLostError):
+            rep.commit(4)
+        fresh = job(seed=5)
+        assert mirror.restore(fresh.model, fresh.optimizer, fresh.extra) == 2
+        assert_state_equal(state_of(fresh), at_two)
+        assert rep.rollback() == 2  # and the trainer's own copy agrees
+        assert_state_equal(state_of(j), at_two)
+
+
+def _standby(pipe, port: int, cfg: replica.Config) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=T)
+    mirror = replica.Mirror(rank=0, world_size=1, store=store, config=cfg)
+    pipe.send("ready")
+    pipe.recv()  # until killed or told to stop
+    mirror.close()
+
+
+BIG = JobShape(layers=2, dim=256, vocab=1024)  # ~12 MiB of state: a transfer of many buckets
+
+
+def test_standby_dying_mid_transfer_keeps_the_last_commit(store):
+    port = store.port
+    cfg = config(bucket_bytes=8 << 10, num_inflight_buckets=1)
+    j = job(BIG)
+    with spawn(_standby, port, cfg, name="standby") as standby, \
+            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
+        assert standby.recv(60) == "ready"
+        trained(j, 2, rep)
+        assert rep.wait_committed() == 2
+        at_two = state_of(j)
+        sent = rep.stream_stats.bytes_sent
+        standby.freeze()
+        trained(j, 1, rep, first=3)
+        deadline = time.monotonic() + 30
+        while rep.stream_stats.bytes_sent == sent and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert rep.stream_stats.bytes_sent > sent  # step 3 is on its way ...
+        standby.kill()  # ... when the standby dies
+        with pytest.raises(StandbyLostError, match="unprotected"):
+            rep.wait_committed(timeout_s=30)
+        assert rep.stream_stats.acked_step == 2
+        assert rep.last_commit() == 2
+        assert rep.rollback() == 2
+        assert_state_equal(state_of(j), at_two)
+
+
+def _trainer(pipe, port: int, cfg: replica.Config) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=T)
+    j = job(BIG)
+    rep = replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1)
+    trained(j, 2, rep)
+    rep.wait_committed()
+    pipe.send(state_of(j))
+    sent = rep.stream_stats.bytes_sent
+    trained(j, 1, rep, first=3)
+    while rep.stream_stats.bytes_sent == sent:
+        time.sleep(0.0005)
+    os.kill(os.getpid(), signal.SIGKILL)  # mid-transfer of step 3
+
+
+def test_trainer_dying_mid_transfer_leaves_the_mirror_on_its_commit(store):
+    cfg = config(bucket_bytes=8 << 10, num_inflight_buckets=1)
+    with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
+            spawn(_trainer, store.port, cfg, name="trainer") as trainer:
+        at_two = trainer.recv(120)
+        trainer.process.join(60)
+        assert trainer.process.exitcode == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while mirror.held_steps() != [2] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mirror.held_steps() == [2]  # step 1's version was being overwritten by step 3, never completed
+        assert mirror.stats.bytes_received > 0
+        fresh = job(BIG, seed=5)
+        assert mirror.restore(fresh.model, fresh.optimizer, fresh.extra) == 2
+        assert_state_equal(state_of(fresh), at_two)
+
+
+@pytest.fixture
+def committed_mirror(store):
+    j = job()
+    with replica.Mirror(rank=0, world_size=1, store=store, config=config()) as mirror, \
+            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=config(), rank=0, world_size=1) as rep:
+        trained(j, 2, rep)
+        rep.wait_committed()
+        yield mirror, j
+
+
+def test_restore_refuses_other_shapes(committed_mirror):
+    mirror, _ = committed_mirror
+    other = job(JobShape(layers=2, dim=32))
+    with pytest.raises(LayoutMismatchError, match=r"state tensor 0 differs in shape: model.embed.weight \(256, 32\)"):
+        mirror.restore(other.model, other.optimizer, other.extra)
+
+
+def test_restore_refuses_other_dtypes(committed_mirror):
+    mirror, _ = committed_mirror
+    other = job()
+    other.model.norm.to(torch.bfloat16)
+    with pytest.raises(LayoutMismatchError, match="differs in dtype: model.norm.weight"):
+        mirror.restore(other.model, other.optimizer, other.extra)
+
+
+def test_restore_refuses_another_world_size(committed_mirror):
+    mirror, _ = committed_mirror
+    other = job()
+    with pytest.raises(LayoutMismatchError, match="world_size differs: 2 here, 1 in the mirror"):
+        mirror.restore(other.model, other.optimizer, other.extra, rank=0, world_size=2)
+
+
+def test_restore_refuses_other_extras(committed_mirror):
+    mirror, _ = committed_mirror
+    other = job()
+    with pytest.raises(LayoutMismatchError, match="extras differ"):
+        mirror.restore(other.model, other.optimizer, {"loader": other.loader})
+
+
+def test_trainer_of_another_layout_is_refused(committed_mirror, store):
+    mirror, _ = committed_mirror
+    other = job(JobShape(layers=1))
+    with replica.Replicator(other.model, other.optimizer, other.extra, store=store, config=config(),
+                            rank=0, world_size=1) as rep:
+        trained(other, 1, rep, first=10)
+        with pytest.raises(LayoutMismatchError, match="different layout"):
+            rep.wait_committed(timeout_s=30)
+    assert mirror.held_steps() == [1, 2]
+
+
+def test_export_loads_back(committed_mirror, tmp_path):
+    mirror, j = committed_mirror
+    path = mirror.export(tmp_path)
+    assert path.name == "rank00000.safetensors"
+    safetensors = pytest.importorskip("safetensors.torch")
+    tensors = safetensors.load_file(path)  # a standard safetensors file
+    assert torch.equal(tensors["model.embed.weight"], j.model.embed.weight.detach())
+    assert tensors["model.blocks.1.qkv.weight"].dtype == torch.bfloat16
+    snapshot = replica.load_export(path)
+    assert snapshot.step == 2
+    fresh = job(seed=5)
+    replica.restore_snapshot(snapshot, fresh.model, fresh.optimizer, fresh.extra, rank=0, world_size=1)
+    assert_state_equal(state_of(fresh), state_of(j))
+
+
+def test_bad_config_and_arguments(store):
+    with pytest.raises(ValueError, match="token"):
+        replica.Config(token=b"")
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        replica.Config(token=TOKEN, bucket_bytes=100)
+    with pytest.raises(ValueError, match="timeout"):
+        replica.Config(token=TOKEN, timeout=5)
+    assert "mirror-unit-token" not in repr(config())
+    j = job()
+    with pytest.raises(ValueError, match="rank 3 is not in"):
+        replica.Replicator(j.model, j.optimizer, store=store, config=config(), rank=3, world_size=2)
+    with replica.Replicator(j.model, j.optimizer, store=store, config=config(), rank=0, world_size=1) as rep:
+        with pytest.raises(ValueError, match="non-negative int"):
+            rep.commit(-1)
+        with pytest.raises(ReplicaError, match="before any global commit"):
+            rep.rollback()
+    with pytest.raises(ValueError, match="unknown transport backend 'carrier-pigeon'"):
+        replica.Mirror(rank=0, world_size=1, store=store, config=config(backends=("carrier-pigeon",)))
