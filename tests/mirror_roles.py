@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from datetime import timedelta
 
 import torch
@@ -44,6 +45,7 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
         cmd = pipe.recv()
         if cmd[0] == "step":
             _, step, die = cmd
+            start = time.perf_counter()
             try:
                 loss = train_step(job, before_backward=_die_in_backward if die == "backward" else None)
             except Exception as exc:  # noqa: BLE001 - a dead peer surfaces here; the test decides what follows
@@ -51,7 +53,7 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
                 continue
             if rep is not None:
                 rep.commit(step)
-            pipe.send(("loss", step, loss))
+            pipe.send(("loss", step, loss, time.perf_counter() - start))
         elif cmd[0] == "recover":
             # Survivor: a new process group, the job rebuilt under it, the state from this rank's own snapshot.
             _join(store, cmd[1], rank, world_size)
@@ -61,8 +63,10 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
         elif cmd[0] == "wait_committed":
             pipe.send(("committed", rep.wait_committed()))
         elif cmd[0] == "stats":
-            pipe.send(("stats", list(rep.stats.wait_s) if rep else [], list(rep.stats.pack_s) if rep else [],
-                       list(rep.stream_stats.stream_s) if rep else []))
+            pipe.send(("stats", {
+                "wait_s": list(rep.stats.wait_s), "pack_s": list(rep.stats.pack_s),
+                "stream_s": list(rep.stream_stats.stream_s), "snapshot_bytes": rep.layout.total_bytes,
+            } if rep is not None else {}))
         elif cmd[0] == "exit":
             if rep is not None:
                 rep.close()

@@ -61,7 +61,7 @@ def _run(*, kill: bool):
                 step = commit + 1
                 continue
             for r, trainer in enumerate(trainers):
-                kind, at, loss = trainer.recv(120)
+                kind, at, loss, _ = trainer.recv(120)
                 assert (kind, at) == ("loss", step)
                 losses[(r, step)] = loss
             step += 1
