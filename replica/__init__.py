@@ -10,7 +10,7 @@ from replica.config import Config
 from replica.errors import *  # noqa: F403  (the typed errors are top-level API)
 from replica.export import load_export
 from replica.layout import StateLayout
-from replica.mirror import Mirror
+from replica.mirror import Mirror, fetch_mirror
 from replica.replicator import Replicator
 from replica.restore import restore_snapshot
 from replica.rng import RNGState
@@ -25,6 +25,7 @@ __all__ = sorted([
     "Replicator",
     "StateLayout",
     "__version__",
+    "fetch_mirror",
     "load_export",
     "ops",
     "restore_snapshot",

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from replica.backends import choose_backend, locality_of, make_backend
+from replica.backends import backend_class, choose_backend, locality_of, make_backend
 from replica.commit import CommitRecord
 from replica.config import Config, token_from_env
 from replica.errors import (
@@ -36,25 +36,27 @@ from replica.layout import StateLayout
 from replica.protocol import (
     BEGIN,
     BUCKET_BASE,
-    LAYOUT,
+    FETCH,
     LAYOUT_SIZE,
     MAX_REPORTED,
-    REPLY,
     Begin,
     Reply,
     Status,
     as_tensor,
     fingerprint_int,
+    recv_layout,
+    recv_reply,
+    send_layout,
+    send_reply,
 )
 from replica.restore import restore_snapshot
 from replica.snapshot import Snapshot, Stateful
 from replica.transport import Connection, MemoryKind, Transfer
 
-__all__ = ["Mirror", "MirrorStats"]
+__all__ = ["Mirror", "MirrorStats", "fetch_mirror"]
 
 logger = logging.getLogger(__name__)
 
-_MAX_LAYOUT_BYTES = 256 << 20
 _ACCEPT_POLL = timedelta(seconds=0.5)
 
 
@@ -92,7 +94,8 @@ class Mirror:
         self._slots: list[Snapshot] = []
         self._cond = threading.Condition()
         self._closed = threading.Event()
-        self._conn: Connection | None = None
+        self._trainer: Connection | None = None  # the current trainer session's connection
+        self._receiving = threading.Lock()  # one session at a time writes the versions
         self.record.publish_standby(rank, self.backend, self.address)
         self._thread = threading.Thread(target=self._serve, name=f"replica-mirror-{rank}", daemon=True)
         self._thread.start()
@@ -170,9 +173,7 @@ class Mirror:
     # --- the receiving thread ---
 
     def _serve(self) -> None:
-        """Accept trainers; a new connection supersedes the current one (a
-        restarted trainer must not wait for its dead predecessor's deadline)."""
-        session: threading.Thread | None = None
+        sessions: list[threading.Thread] = []
         while not self._closed.is_set():
             try:
                 conn = self._transport.accept(_ACCEPT_POLL)
@@ -183,72 +184,98 @@ class Mirror:
                     break
                 logger.warning("[standby rank %d] refused a connection: %s", self.rank, exc)
                 continue
-            if session is not None and session.is_alive():
-                logger.warning("[standby rank %d] a new trainer connection replaces the current one", self.rank)
-                self._conn.close()
-                session.join()
-            self._conn = conn
             self.stats.sessions += 1
-            session = threading.Thread(target=self._run_session, args=(conn,), daemon=True,
-                                       name=f"replica-mirror-session-{self.rank}")
-            session.start()
-        if session is not None:
-            session.join(timeout=10)
+            sessions = [t for t in sessions if t.is_alive()]
+            sessions.append(threading.Thread(target=self._run_session, args=(conn,), daemon=True,
+                                             name=f"replica-mirror-session-{self.rank}"))
+            sessions[-1].start()
+        for t in sessions:
+            t.join(timeout=10)
 
     def _run_session(self, conn: Connection) -> None:
         try:
             self._session(conn)
         except PeerDisconnectedError as exc:
             if not self._closed.is_set():
-                logger.warning("[standby rank %d] trainer gone (%s); keeping steps %s", self.rank, exc,
+                logger.warning("[standby rank %d] peer gone (%s); keeping steps %s", self.rank, exc,
                                self.held_steps())
-        except ReplicaError as exc:
+        except (ReplicaError, ValueError) as exc:
             logger.error("[standby rank %d] session ended: %s; keeping steps %s", self.rank, exc, self.held_steps())
         except Exception:  # noqa: BLE001 - the mirror outlives one bad session
             logger.exception("[standby rank %d] session failed", self.rank)
         finally:
             conn.close()
 
-    def _wait_idle(self, conn: Connection, transfer: Transfer) -> None:
-        """Wait for the first message of a step: no deadline (a step takes as
-        long as it takes), but a dead trainer, a newer one or close() ends the wait."""
+    def _wait_first(self, conn: Connection, transfers: list[Transfer], deadline: float | None) -> Transfer:
+        """The first of ``transfers`` to finish. Without a deadline (the next step
+        takes as long as it takes) only a dead trainer, a newer one or close() ends the wait."""
         delay = 50e-6
-        while not transfer.done():
-            if self._closed.is_set() or self._conn is not conn:
+        while True:
+            for transfer in transfers:
+                if transfer.done():
+                    transfer.wait(self.config.timeout)  # verifies its digest
+                    return transfer
+            if self._closed.is_set():
                 raise PeerDisconnectedError("mirror closed")
+            if deadline is None and self._trainer is not conn:
+                raise PeerDisconnectedError("a newer trainer connection took over")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TransferTimeoutError("the peer sent nothing after connecting")
             time.sleep(delay)
             delay = min(delay * 2, 2e-3)
 
-    def _reply(self, conn: Connection, reply: Reply) -> None:
-        conn.send(as_tensor(reply.encode()), tag=REPLY, timeout=self.config.timeout)
-
     def _session(self, conn: Connection) -> None:
+        """A trainer's session (it sends its layout) or a fetch (a fresh process asks for a version)."""
         timeout = self.config.timeout
         size = torch.zeros(8, dtype=torch.uint8)
-        conn.recv(size, tag=LAYOUT_SIZE, timeout=timeout)
-        n = int.from_bytes(size.numpy().tobytes(), "little")
-        if not 0 < n <= _MAX_LAYOUT_BYTES:
-            raise TransportError(f"layout of {n} bytes announced")
-        text = torch.empty(n, dtype=torch.uint8)
-        conn.recv(text, tag=LAYOUT, timeout=timeout)
-        layout = StateLayout.from_json(text.numpy().tobytes().decode())
-        try:
-            self._adopt(layout)
-        except LayoutMismatchError:
-            self._reply(conn, Reply(step=-1, status=Status.LAYOUT_MISMATCH))
-            raise
-        self._reply(conn, Reply(step=-1, status=Status.ACCEPTED))
+        wanted = torch.zeros(8, dtype=torch.uint8)
+        layout_size, fetch = conn.irecv(size, tag=LAYOUT_SIZE), conn.irecv(wanted, tag=FETCH)
+        first = self._wait_first(conn, [layout_size, fetch], time.monotonic() + timeout.total_seconds())
+        if first is fetch:
+            self._serve_fetch(conn, int.from_bytes(wanted.numpy().tobytes(), "little", signed=True))
+            return
+        layout = recv_layout(conn, timeout, size)
+        # This connection is the rank's trainer now; an older one (dead or not) is dropped.
+        with self._cond:
+            previous, self._trainer = self._trainer, conn
+        if previous is not None:
+            logger.warning("[standby rank %d] a new trainer connection replaces the previous one", self.rank)
+            previous.close()
+        with self._receiving:  # the previous session has left _receive
+            try:
+                self._adopt(layout)
+            except LayoutMismatchError:
+                send_reply(conn, Reply(step=-1, status=Status.LAYOUT_MISMATCH), timeout)
+                raise
+            send_reply(conn, Reply(step=-1, status=Status.ACCEPTED), timeout)
         buckets = layout.buckets()
         fingerprint = fingerprint_int(layout.fingerprint)
         while True:
             begin_buf = torch.zeros(Begin.size(), dtype=torch.uint8)
-            transfer = conn.irecv(begin_buf, tag=BEGIN)
-            self._wait_idle(conn, transfer)
-            transfer.wait(timeout)  # verifies its digest: a damaged BEGIN ends the session
+            self._wait_first(conn, [conn.irecv(begin_buf, tag=BEGIN)], None)
             begin = Begin.decode(begin_buf.numpy().tobytes())
             if begin.num_buckets != len(buckets):
                 raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has {len(buckets)}")
-            self._receive(conn, begin.step, buckets, fingerprint)
+            with self._receiving:
+                self._receive(conn, begin.step, buckets, fingerprint)
+
+    def _serve_fetch(self, conn: Connection, step: int) -> None:
+        """Send a complete version to a process that restores from it (a replacement trainer)."""
+        timeout = self.config.timeout
+        with self._cond:  # pinned: no step is staged into it while it is sent
+            try:
+                snapshot, step = self._version(None if step < 0 else step)
+            except ReplicaError as exc:
+                send_reply(conn, Reply(step=step, status=Status.NOT_HELD), timeout)
+                raise ReplicaError(f"fetch refused: {exc}") from exc
+            send_reply(conn, Reply(step=step, status=Status.ACCEPTED), timeout)
+            send_layout(conn, snapshot.layout, timeout)
+            fingerprint = fingerprint_int(snapshot.layout.fingerprint)
+            sends = [conn.isend(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i, step=step, bucket=i, offset=lo,
+                                fingerprint=fingerprint) for i, (lo, hi) in enumerate(snapshot.layout.buckets())]
+            for transfer in sends:
+                transfer.wait(timeout)
+        logger.info("[standby rank %d] sent step %d to %s", self.rank, step, conn.peer)
 
     def _adopt(self, layout: StateLayout) -> None:
         if layout.rank != self.rank or layout.world_size != self.world_size:
@@ -298,11 +325,47 @@ class Mirror:
             bad += unreported
             todo, unreported = bad[:MAX_REPORTED], bad[MAX_REPORTED:]
             if todo:
-                self._reply(conn, Reply.resend(step, todo))
+                send_reply(conn, Reply.resend(step, todo), timeout)
         with self._cond:
             slot.step = step
             self.stats.acked.append(step)
             self._cond.notify_all()
         commit = self.record.acknowledge(self.rank, step)
-        self._reply(conn, Reply(step=step, status=Status.ACKED))
+        send_reply(conn, Reply(step=step, status=Status.ACKED), timeout)
         logger.debug("[standby rank %d step %d] acknowledged; global commit %s", self.rank, step, commit)
+
+
+def fetch_mirror(*, rank: int, world_size: int, store: dist.Store, config: Config | None = None,
+                 step: int | None = None) -> Snapshot:
+    """Copy rank ``rank``'s committed version (the last global commit unless
+    ``step`` says otherwise) from its standby into a new host snapshot: how a
+    fresh process that replaces a trainer gets its state without a checkpoint.
+    Restore it with ``replica.restore_snapshot``. Digests are verified."""
+    config = config if config is not None else Config(token=token_from_env())
+    timeout = config.timeout
+    record = CommitRecord(store, world_size=world_size, prefix=config.store_prefix)
+    backend, address = record.standby(rank, timeout)
+    if MemoryKind.HOST not in backend_class(backend).capabilities.memory:
+        raise TransportError(f"the standby of rank {rank} listens on {backend}, which cannot move host memory")
+    with make_backend(backend, config) as transport:
+        conn = transport.connect(address, timeout)
+        conn.send(as_tensor((-1 if step is None else step).to_bytes(8, "little", signed=True)), tag=FETCH,
+                  timeout=timeout)
+        reply = recv_reply(conn, timeout)
+        if reply.status != Status.ACCEPTED:
+            raise ReplicaError(f"the standby of rank {rank} does not hold step {step if step is not None else 'of the last commit'}")
+        layout = recv_layout(conn, timeout)
+        if layout.rank != rank or layout.world_size != world_size:
+            raise LayoutMismatchError(f"the standby of rank {rank}/{world_size} holds a mirror of rank "
+                                      f"{layout.rank}/{layout.world_size}")
+        snapshot = Snapshot(layout)
+        recvs = [conn.irecv(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i) for i, (lo, hi) in enumerate(layout.buckets())]
+        fingerprint = fingerprint_int(layout.fingerprint)
+        for i, transfer in enumerate(recvs):
+            header = transfer.wait(timeout)
+            if (header.step, header.bucket, header.fingerprint) != (reply.step, i, fingerprint):
+                raise TransportError(f"bucket {i} of the fetch arrived with header {header}")
+        conn.close()
+    snapshot.step = reply.step
+    logger.info("fetched step %d of rank %d (%d bytes) from %s", reply.step, rank, layout.total_bytes, address)
+    return snapshot

@@ -15,13 +15,18 @@ import enum
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
+
+from replica.layout import StateLayout
+from replica.transport import Connection
 
 __all__ = [
     "BEGIN",
     "BUCKET_BASE",
     "Begin",
+    "FETCH",
     "LAYOUT",
     "LAYOUT_SIZE",
     "MAX_REPORTED",
@@ -31,12 +36,17 @@ __all__ = [
     "Status",
     "as_tensor",
     "fingerprint_int",
+    "recv_layout",
+    "recv_reply",
+    "send_layout",
+    "send_reply",
 ]
 
 LAYOUT_SIZE = 1
 LAYOUT = 2
 BEGIN = 3
 REPLY = 4
+FETCH = 5
 BUCKET_BASE = 16
 
 REPLY_BYTES = 4096
@@ -51,6 +61,7 @@ class Status(enum.IntEnum):
     ACKED = 2
     RESEND = 3
     LAYOUT_MISMATCH = 4
+    NOT_HELD = 5
 
 
 def as_tensor(data: bytes) -> torch.Tensor:
@@ -103,3 +114,35 @@ class Reply:
     @classmethod
     def resend(cls, step: int, buckets: Sequence[int]) -> Reply:
         return cls(step=step, status=Status.RESEND, buckets=tuple(buckets))
+
+
+_MAX_LAYOUT_BYTES = 256 << 20
+
+
+def send_reply(conn: Connection, reply: Reply, timeout: timedelta) -> None:
+    conn.send(as_tensor(reply.encode()), tag=REPLY, timeout=timeout)
+
+
+def recv_reply(conn: Connection, timeout: timedelta) -> Reply:
+    buf = torch.zeros(REPLY_BYTES, dtype=torch.uint8)
+    conn.recv(buf, tag=REPLY, timeout=timeout)
+    return Reply.decode(buf.numpy().tobytes())
+
+
+def send_layout(conn: Connection, layout: StateLayout, timeout: timedelta) -> None:
+    text = layout.to_json().encode()
+    conn.send(as_tensor(len(text).to_bytes(8, "little")), tag=LAYOUT_SIZE, timeout=timeout)
+    conn.send(as_tensor(text), tag=LAYOUT, timeout=timeout)
+
+
+def recv_layout(conn: Connection, timeout: timedelta, size: torch.Tensor | None = None) -> StateLayout:
+    """The peer's layout; ``size`` is the LAYOUT_SIZE message if it was received already."""
+    if size is None:
+        size = torch.zeros(8, dtype=torch.uint8)
+        conn.recv(size, tag=LAYOUT_SIZE, timeout=timeout)
+    n = int.from_bytes(size.numpy().tobytes(), "little")
+    if not 0 < n <= _MAX_LAYOUT_BYTES:
+        raise ValueError(f"a layout of {n} bytes was announced")
+    text = torch.empty(n, dtype=torch.uint8)
+    conn.recv(text, tag=LAYOUT, timeout=timeout)
+    return StateLayout.from_json(text.numpy().tobytes().decode())

@@ -15,7 +15,7 @@ from replica.commit import CommitRecord
 from replica.config import Config
 from replica.errors import LayoutMismatchError, ReplicaError, StandbyLostError, TransportError
 from replica.layout import StateLayout
-from replica.protocol import BEGIN, BUCKET_BASE, LAYOUT, LAYOUT_SIZE, REPLY, REPLY_BYTES, Begin, Reply, Status, as_tensor, fingerprint_int
+from replica.protocol import BEGIN, BUCKET_BASE, Begin, Reply, Status, as_tensor, fingerprint_int, recv_reply, send_layout
 from replica.snapshot import Snapshot
 from replica.transport import Connection, Transport
 from replica.transport.base import memory_kind
@@ -119,9 +119,7 @@ class MirrorStream:
                                  f"{memory.name} memory")
         self._transport = make_backend(backend, self._config)
         conn = self._transport.connect(address, timeout)
-        text = snapshot.layout.to_json().encode()
-        conn.send(as_tensor(len(text).to_bytes(8, "little")), tag=LAYOUT_SIZE, timeout=timeout)
-        conn.send(as_tensor(text), tag=LAYOUT, timeout=timeout)
+        send_layout(conn, snapshot.layout, timeout)
         reply = self._reply(conn, -1)
         if reply.status == Status.LAYOUT_MISMATCH:
             raise LayoutMismatchError(f"the standby of rank {self.rank} holds a mirror of a different layout")
@@ -132,9 +130,7 @@ class MirrorStream:
         return conn
 
     def _reply(self, conn: Connection, step: int) -> Reply:
-        buf = as_tensor(bytes(REPLY_BYTES))
-        conn.recv(buf, tag=REPLY, timeout=self._config.timeout)
-        reply = Reply.decode(buf.numpy().tobytes())
+        reply = recv_reply(conn, self._config.timeout)
         if reply.step != step:
             raise TransportError(f"standby answered for step {reply.step}, expected {step}")
         return reply

@@ -75,17 +75,25 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
             return
 
 
-def trainer_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, config_kwargs: dict | None) -> None:
+def trainer_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, config_kwargs: dict | None,
+                 replaces: int | None = None) -> None:
+    """Trainer ``rank``; with ``replaces=g`` a fresh process that takes the place of a
+    dead one in generation g, its state fetched from the rank's standby."""
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     store = _store(port)
-    _join(store, 0, rank, world_size)
-    job = build_job(shape, rank=rank, world_size=world_size)
+    _join(store, replaces or 0, rank, world_size)
+    job = build_job(shape, rank=rank, world_size=world_size, seed=0 if replaces is None else 55)
     rep = None
+    config = replica.Config(token=TOKEN, **(config_kwargs or {}))
+    if replaces is not None:
+        snapshot = replica.fetch_mirror(rank=rank, world_size=world_size, store=store, config=config)
+        replica.restore_snapshot(snapshot, job.model, job.optimizer, job.extra, rank=rank, world_size=world_size)
+        pipe.send(("recovered", snapshot.step))
+    else:
+        pipe.send(("ready",))
     if config_kwargs is not None:
-        rep = replica.Replicator(job.model, job.optimizer, job.extra, store=store,
-                                 config=replica.Config(token=TOKEN, **config_kwargs))
-    pipe.send(("ready",))
+        rep = replica.Replicator(job.model, job.optimizer, job.extra, store=store, config=config)
     _serve_steps(pipe, job, rep, store, rank, world_size, shape)
 
 

@@ -1,7 +1,9 @@
 """The mirror end to end: 2 FSDP2 trainer ranks (gloo) + 2 standby processes,
-real UCX. Trainer 1 is SIGKILLed in the backward of step 7; its standby is
-promoted from its own memory, the survivor rolls back from its own snapshot,
-and the per-step losses of every rank equal a failure-free run bit for bit."""
+real UCX. Trainer 1 is SIGKILLed in the backward of step 7. Its replacement is
+either its standby, promoted with the state already in its memory, or a fresh
+process that fetches the state from the standby; the survivor rolls back from
+its own snapshot (no network); both restart their process group. The per-step
+losses of every rank equal a failure-free run bit for bit."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ KILL_STEP = 7
 KILLED_RANK = 1
 
 
-def _run(*, kill: bool):
+def _run(*, kill: bool, replace: str = "promote"):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     losses: dict[tuple[int, int], torch.Tensor] = {}
@@ -52,12 +54,17 @@ def _run(*, kill: bool):
                 events["survivor"] = trainers[1 - KILLED_RANK].recv(60)
                 commit = int(store.get("replica/commit"))
                 events["commit"] = commit
-                (replacement,) = ready(start(standby_main, KILLED_RANK, "standby1-new"))
-                standbys[KILLED_RANK].send("promote", 1)
                 trainers[1 - KILLED_RANK].send("recover", 1)
-                events["promoted"] = standbys[KILLED_RANK].recv(120)
+                if replace == "promote":  # the standby becomes the trainer; a new standby takes its place
+                    (new_standby,) = ready(start(standby_main, KILLED_RANK, "standby1-new"))
+                    standbys[KILLED_RANK].send("promote", 1)
+                    events["replaced"] = standbys[KILLED_RANK].recv(120)
+                    trainers[KILLED_RANK], standbys[KILLED_RANK] = standbys[KILLED_RANK], new_standby
+                else:  # a fresh trainer process fetches the state from the standby, which stays its standby
+                    trainers[KILLED_RANK] = stack.enter_context(
+                        spawn(trainer_main, KILLED_RANK, WORLD, port, SHAPE, CONFIG, 1, name="trainer1-fresh"))
+                    events["replaced"] = trainers[KILLED_RANK].recv(120)
                 events["rolled_back"] = trainers[1 - KILLED_RANK].recv(120)
-                trainers[KILLED_RANK], standbys[KILLED_RANK] = standbys[KILLED_RANK], replacement
                 step = commit + 1
                 continue
             for r, trainer in enumerate(trainers):
@@ -78,14 +85,15 @@ def reference():
     return losses
 
 
-def test_failover_losses_are_bit_identical(reference):
-    losses, events = _run(kill=True)
+@pytest.mark.parametrize("replace", ["promote", "fresh"])
+def test_failover_losses_are_bit_identical(reference, replace):
+    losses, events = _run(kill=True, replace=replace)
     # The fault fired: the trainer died by SIGKILL mid-step, and the survivor noticed.
     assert events["exitcode"] == -signal.SIGKILL
     assert events["survivor"][0] == "failed" and events["survivor"][1] == KILL_STEP
     commit = events["commit"]
     assert KILL_STEP - 2 <= commit <= KILL_STEP - 1, commit  # at most the step in flight and one behind
-    assert events["promoted"] == ("recovered", commit)
+    assert events["replaced"] == ("recovered", commit)
     assert events["rolled_back"] == ("recovered", commit)
     assert events["final_commit"] == [SHAPE.total_steps] * WORLD
     assert set(losses) == set(reference)

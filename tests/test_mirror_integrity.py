@@ -5,6 +5,7 @@ are refused with the first difference named; exports load back."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -39,6 +40,15 @@ def job(shape=SHAPE, seed=0):
     return build_job(shape, rank=0, world_size=1, fsdp=False, seed=seed)
 
 
+@contextlib.contextmanager
+def mirrored(store, j, cfg: replica.Config | None = None):
+    """A Mirror and a Replicator of job ``j`` in this process (world size 1)."""
+    cfg = cfg or config()
+    with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
+            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
+        yield mirror, rep
+
+
 def state_of(j) -> list[torch.Tensor]:
     return [t.clone() for _, t in state_tensors(j.model, j.optimizer)]
 
@@ -57,8 +67,7 @@ def trained(j, steps: int, rep: replica.Replicator | None = None, first: int = 1
 
 def test_commit_then_restore_is_exact(store):
     j = job()
-    with replica.Mirror(rank=0, world_size=1, store=store, config=config()) as mirror, \
-            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=config(), rank=0, world_size=1) as rep:
+    with mirrored(store, j) as (mirror, rep):
         trained(j, 3, rep)
         assert rep.wait_committed() == 3 == rep.last_commit()
         expected, position = state_of(j), j.loader.state_dict()
@@ -73,8 +82,7 @@ def test_commit_then_restore_is_exact(store):
 
 def test_corrupted_buckets_are_sent_again(store):
     j = job()
-    with replica.Mirror(rank=0, world_size=1, store=store, config=config()) as mirror, \
-            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=config(), rank=0, world_size=1) as rep:
+    with mirrored(store, j) as (mirror, rep):
         trained(j, 1, rep)
         rep.wait_committed()
         rep.faults.corrupt_buckets = 3
@@ -91,8 +99,7 @@ def test_corrupted_buckets_are_sent_again(store):
 def test_corruption_past_the_resend_limit_is_never_committed(store):
     j = job()
     cfg = config(max_resends=0)
-    with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
-            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
+    with mirrored(store, j, cfg) as (mirror, rep):
         trained(j, 2, rep)
         rep.wait_committed()
         at_two = state_of(j)
@@ -183,8 +190,7 @@ def test_trainer_dying_mid_transfer_leaves_the_mirror_on_its_commit(store):
 @pytest.fixture
 def committed_mirror(store):
     j = job()
-    with replica.Mirror(rank=0, world_size=1, store=store, config=config()) as mirror, \
-            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=config(), rank=0, world_size=1) as rep:
+    with mirrored(store, j) as (mirror, rep):
         trained(j, 2, rep)
         rep.wait_committed()
         yield mirror, j
@@ -263,3 +269,43 @@ def test_bad_config_and_arguments(store):
             rep.rollback()
     with pytest.raises(ValueError, match="unknown transport backend 'carrier-pigeon'"):
         replica.Mirror(rank=0, world_size=1, store=store, config=config(backends=("carrier-pigeon",)))
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.Adam(params, lr=1e-3),
+    lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+    lambda params: torch.optim.AdamW(params, lr=1e-3, amsgrad=True),
+], ids=["adam", "sgd_momentum", "adamw_amsgrad"])
+def test_other_optimizers_round_trip(store, make_optimizer):
+    def make(seed):
+        j = job(seed=seed)
+        j.optimizer = make_optimizer(j.model.parameters())
+        j.scheduler = torch.optim.lr_scheduler.StepLR(j.optimizer, step_size=2)
+        return j
+
+    j = make(0)
+    with mirrored(store, j) as (mirror, rep):
+        trained(j, 3, rep)
+        rep.wait_committed()
+        fresh = make(7)
+        assert mirror.restore(fresh.model, fresh.optimizer, fresh.extra) == 3
+        assert_state_equal(state_of(fresh), state_of(j))
+        assert len(state_of(j)) > len(list(j.model.parameters()))  # optimizer state is in there
+        rng = replica.RNGState().state_dict()  # restored just now; both runs share this process's RNGs
+        after = [train_step(j) for _ in range(2)]
+        replica.RNGState().load_state_dict(rng)
+        again = [train_step(fresh) for _ in range(2)]
+        assert all(torch.equal(a, b) for a, b in zip(after, again))
+
+
+def test_fetch_from_the_standby(committed_mirror, store):
+    mirror, j = committed_mirror
+    snapshot = replica.fetch_mirror(rank=0, world_size=1, store=store, config=config())
+    assert snapshot.step == 2
+    fresh = job(seed=5)
+    replica.restore_snapshot(snapshot, fresh.model, fresh.optimizer, fresh.extra, rank=0, world_size=1)
+    assert_state_equal(state_of(fresh), state_of(j))
+    with pytest.raises(ReplicaError, match="does not hold step 99"):
+        replica.fetch_mirror(rank=0, world_size=1, store=store, config=config(), step=99)
+    with pytest.raises(LayoutMismatchError, match="holds a mirror of rank 0/1"):
+        replica.fetch_mirror(rank=0, world_size=2, store=store, config=config())
