@@ -12,6 +12,7 @@ from replica.export import load_export
 from replica.layout import StateLayout
 from replica.mirror import Mirror, fetch_mirror
 from replica.replicator import Replicator
+from replica.resilient import ResilientProcessGroup, init_resilient_process_group
 from replica.restore import restore_snapshot
 from replica.rng import RNGState
 
@@ -23,9 +24,11 @@ __all__ = sorted([
     "Mirror",
     "RNGState",
     "Replicator",
+    "ResilientProcessGroup",
     "StateLayout",
     "__version__",
     "fetch_mirror",
+    "init_resilient_process_group",
     "load_export",
     "ops",
     "restore_snapshot",

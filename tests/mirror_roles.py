@@ -27,7 +27,16 @@ def _store(port: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
 
 
-def _join(store: dist.Store, generation: int, rank: int, world_size: int) -> None:
+def _join(store: dist.Store, generation: int | None, rank: int, world_size: int, resilient: bool = False) -> None:
+    """Plain gloo: a new default group per generation. Resilient: one ResilientProcessGroup
+    for the life of the process, re-configured per generation (None: not connected yet)."""
+    if resilient:
+        if not dist.is_initialized():
+            replica.init_resilient_process_group(store=store, rank=rank, world_size=world_size,
+                                                 timeout=GROUP_TIMEOUT, generation=None)
+        if generation is not None:
+            dist.group.WORLD.configure(generation)
+        return
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}", store), rank=rank,
@@ -39,7 +48,8 @@ def _die_in_backward(loss: torch.Tensor) -> None:
     loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
 
 
-def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, world_size, shape) -> None:
+def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, world_size, shape,
+                 resilient: bool = False) -> None:
     """Run commands: ("step", s, die) / ("recover", generation) / ("stats",) / ("exit",)."""
     while True:
         cmd = pipe.recv()
@@ -49,11 +59,19 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
             try:
                 loss = train_step(job, before_backward=_die_in_backward if die == "backward" else None)
             except Exception as exc:  # noqa: BLE001 - a dead peer surfaces here; the test decides what follows
-                pipe.send(("failed", step, repr(exc)))
+                pipe.send(("failed", step, repr(exc), "raised"))
+                continue
+            if resilient and dist.group.WORLD.errored is not None:  # the step ran on garbage: discard it
+                pipe.send(("failed", step, repr(dist.group.WORLD.errored), "errored"))
                 continue
             if rep is not None:
                 rep.commit(step)
             pipe.send(("loss", step, loss, time.perf_counter() - start))
+        elif cmd[0] == "recover" and resilient:
+            # Survivor: the same FSDP2 module and group; own snapshot restored in place, next generation joined.
+            step = rep.rollback()
+            _join(store, cmd[1], rank, world_size, resilient)
+            pipe.send(("recovered", step))
         elif cmd[0] == "recover":
             # Survivor: a new process group, the job rebuilt under it, the state from this rank's own snapshot.
             _join(store, cmd[1], rank, world_size)
@@ -76,25 +94,29 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
 
 
 def trainer_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, config_kwargs: dict | None,
-                 replaces: int | None = None) -> None:
+                 replaces: int | None = None, resilient: bool = False) -> None:
     """Trainer ``rank``; with ``replaces=g`` a fresh process that takes the place of a
-    dead one in generation g, its state fetched from the rank's standby."""
+    dead one in generation g, its state fetched from the rank's standby. ``resilient``:
+    over a ResilientProcessGroup (the survivor keeps its group and FSDP2 module)."""
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
     store = _store(port)
-    _join(store, replaces or 0, rank, world_size)
+    # A resilient replacement builds its model before it joins: joining waits for the survivors.
+    _join(store, None if resilient and replaces else (replaces or 0), rank, world_size, resilient)
     job = build_job(shape, rank=rank, world_size=world_size, seed=0 if replaces is None else 55)
     rep = None
     config = replica.Config(token=TOKEN, **(config_kwargs or {}))
     if replaces is not None:
         snapshot = replica.fetch_mirror(rank=rank, world_size=world_size, store=store, config=config)
         replica.restore_snapshot(snapshot, job.model, job.optimizer, job.extra, rank=rank, world_size=world_size)
+        if resilient:
+            _join(store, replaces, rank, world_size, resilient)
         pipe.send(("recovered", snapshot.step))
     else:
         pipe.send(("ready",))
     if config_kwargs is not None:
         rep = replica.Replicator(job.model, job.optimizer, job.extra, store=store, config=config)
-    _serve_steps(pipe, job, rep, store, rank, world_size, shape)
+    _serve_steps(pipe, job, rep, store, rank, world_size, shape, resilient)
 
 
 def standby_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, config_kwargs: dict) -> None:

@@ -26,14 +26,15 @@ KILL_STEP = 7
 KILLED_RANK = 1
 
 
-def _run(*, kill: bool, replace: str = "promote"):
+def _run(*, kill: bool, replace: str = "promote", resilient: bool = False):
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     losses: dict[tuple[int, int], torch.Tensor] = {}
     events: dict[str, object] = {}
     with contextlib.ExitStack() as stack:
         def start(target, rank, name):
-            return stack.enter_context(spawn(target, rank, WORLD, port, SHAPE, CONFIG, name=name))
+            extra = (None, resilient) if target is trainer_main else ()
+            return stack.enter_context(spawn(target, rank, WORLD, port, SHAPE, CONFIG, *extra, name=name))
 
         def ready(*children):
             for child in children:
@@ -62,7 +63,8 @@ def _run(*, kill: bool, replace: str = "promote"):
                     trainers[KILLED_RANK], standbys[KILLED_RANK] = standbys[KILLED_RANK], new_standby
                 else:  # a fresh trainer process fetches the state from the standby, which stays its standby
                     trainers[KILLED_RANK] = stack.enter_context(
-                        spawn(trainer_main, KILLED_RANK, WORLD, port, SHAPE, CONFIG, 1, name="trainer1-fresh"))
+                        spawn(trainer_main, KILLED_RANK, WORLD, port, SHAPE, CONFIG, 1, resilient,
+                              name="trainer1-fresh"))
                     events["replaced"] = trainers[KILLED_RANK].recv(120)
                 events["rolled_back"] = trainers[1 - KILLED_RANK].recv(120)
                 step = commit + 1
@@ -90,7 +92,7 @@ def test_failover_losses_are_bit_identical(reference, replace):
     losses, events = _run(kill=True, replace=replace)
     # The fault fired: the trainer died by SIGKILL mid-step, and the survivor noticed.
     assert events["exitcode"] == -signal.SIGKILL
-    assert events["survivor"][0] == "failed" and events["survivor"][1] == KILL_STEP
+    assert events["survivor"][:2] == ("failed", KILL_STEP) and events["survivor"][3] == "raised"
     commit = events["commit"]
     assert KILL_STEP - 2 <= commit <= KILL_STEP - 1, commit  # at most the step in flight and one behind
     assert events["replaced"] == ("recovered", commit)
@@ -102,3 +104,17 @@ def test_failover_losses_are_bit_identical(reference, replace):
     assert not different, different
     # The run is not trivially constant: losses change from step to step.
     assert len({float(reference[0, s]) for s in range(1, SHAPE.total_steps + 1)}) == SHAPE.total_steps
+
+
+def test_resilient_group_survivor_keeps_its_module(reference):
+    """Over a ResilientProcessGroup the survivor keeps its process group and FSDP2
+    module: its errored step finishes without raising, is discarded, the state is
+    rolled back in place, and the group re-configured with a fresh rank 1."""
+    losses, events = _run(kill=True, replace="fresh", resilient=True)
+    assert events["exitcode"] == -signal.SIGKILL
+    # The survivor's step finished (no exception through FSDP's hooks); the group recorded the failure.
+    assert events["survivor"][:2] == ("failed", KILL_STEP) and events["survivor"][3] == "errored"
+    assert events["replaced"] == ("recovered", events["commit"]) == events["rolled_back"]
+    assert events["final_commit"] == [SHAPE.total_steps] * WORLD
+    different = [(r, s) for (r, s) in sorted(reference) if not torch.equal(losses[r, s], reference[r, s])]
+    assert not different, different
