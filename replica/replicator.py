@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -24,6 +24,7 @@ from replica.config import Config, token_from_env
 from replica.errors import ReplicaError
 from replica.layout import StateLayout, state_tensors
 from replica.ops import ALIGNMENT
+from replica.resilient import ResilientProcessGroup
 from replica.restore import bind_state, restore_snapshot
 from replica.snapshot import Snapshot, Stateful, collect_extras
 from replica.stream import MirrorFaults, MirrorStream, StreamStats
@@ -85,6 +86,9 @@ class Replicator:
         self._next = 0
         self._last_step: int | None = None
         self._stream = MirrorStream(rank=self.rank, record=self.record, config=self.config, faults=self.faults)
+        #: Set by a coordinator's runtime: returns True when a failover was announced,
+        #: so a ``commit`` waiting for a commit that will never come gives up (returns False).
+        self.interrupted: Callable[[], bool] | None = None
 
     @property
     def layout(self) -> StateLayout | None:
@@ -98,23 +102,34 @@ class Replicator:
         """The last step every rank's standby acknowledged (None before the first)."""
         return self.record.last()
 
-    def commit(self, step: int) -> None:
+    def commit(self, step: int) -> bool:
         """Snapshot the state after optimizer step ``step`` and mirror it in the background.
 
         Waits only for the global commit of the previous ``commit`` (so its
         snapshot may be overwritten); raises StandbyLostError once this rank's
         standby is gone, CommitTimeoutError if another rank's never acknowledges.
+        Returns False, committing nothing, when the step ran on a failed
+        ``ResilientProcessGroup`` generation (its result is garbage; it is redone).
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"commit({step}) after commit({self._last_step}): steps must increase")
+        group = dist.group.WORLD if dist.is_initialized() else None
+        if isinstance(group, ResilientProcessGroup) and group.errored is not None:
+            logger.warning("[trainer rank %d step %d] not committed: the step ran on a failed generation",
+                           self.rank, step)
+            return False
         self._raise_stream_error()
         start = time.perf_counter()
         if self._layout is None:
             self._build()
         with nvtx_range("replica::commit_wait"):
-            self._wait_free()
+            try:
+                self._wait_free()
+            except _Interrupted:
+                logger.warning("[trainer rank %d step %d] not committed: a failover was announced", self.rank, step)
+                return False
         packed = time.perf_counter()
         snapshot = self._snapshots[self._next]
         with nvtx_range("replica::pack"):
@@ -127,6 +142,7 @@ class Replicator:
         self._stream.submit(snapshot, step)
         self._next ^= 1
         self._last_step = step
+        return True
 
     def wait_committed(self, timeout_s: float | None = None) -> int:
         """Block until the last ``commit`` is globally committed; returns the commit."""
@@ -135,15 +151,16 @@ class Replicator:
         timeout = self.config.commit_timeout if timeout_s is None else timedelta(seconds=timeout_s)
         return self.record.wait(self._last_step, timeout, abort=self._raise_stream_error)
 
-    def rollback(self, *, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 extra: Mapping[str, Stateful] | None = None) -> int:
+    def rollback(self, *, step: int | None = None, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, extra: Mapping[str, Stateful] | None = None) -> int:
         """Restore this rank's own snapshot of the last global commit, in place, without network.
 
         Pass ``model``/``optimizer``/``extra`` to restore into replacements
         (e.g. rebuilt under a new process group) instead; the replicator then
-        mirrors those. Returns the step restored; training resumes after it.
+        mirrors those. ``step`` (default: the last global commit) is the commit a
+        coordinator fixed for a failover. Returns the step restored.
         """
-        step = self.last_commit()
+        step = self.last_commit() if step is None else step
         if step is None:
             raise ReplicaError("rollback() before any global commit")
         held = {s.step: s for s in self._snapshots}
@@ -198,7 +215,13 @@ class Replicator:
         if self._last_step is None:
             return
         timeout = self.config.commit_timeout
-        self.record.wait(self._last_step, timeout, abort=self._raise_stream_error)
+
+        def abort() -> None:
+            self._raise_stream_error()
+            if self.interrupted is not None and self.interrupted():
+                raise _Interrupted
+
+        self.record.wait(self._last_step, timeout, abort=abort)
         if not self._stream.wait_idle(timeout.total_seconds()):
             self._raise_stream_error()
             raise ReplicaError(f"the mirror stream of rank {self.rank} did not finish within {timeout}")
@@ -207,3 +230,7 @@ class Replicator:
         if self._stream.error is not None:
             raise self._stream.error
 
+
+
+class _Interrupted(Exception):
+    pass

@@ -1,0 +1,68 @@
+"""What a role process learns from its environment (set by ``replica launch``,
+or by hand / torchrun-style for multi-node jobs): read when a job starts,
+never at import."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["Fault", "RoleEnv", "parse_faults"]
+
+PHASES = ("forward", "backward", "optimizer", "mirror", "commit")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Fault:
+    """``kill:ROLE:RANK@STEP[:PHASE]``: SIGKILL that process at that point."""
+
+    role: str
+    rank: int
+    step: int
+    phase: str = "forward"
+
+    def __str__(self) -> str:
+        return f"kill:{self.role}:{self.rank}@{self.step}:{self.phase}"
+
+
+def parse_faults(spec: str) -> tuple[Fault, ...]:
+    faults = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        try:
+            action, role, rest = item.split(":", 2)
+            rank, _, when = rest.partition("@")
+            step, _, phase = when.partition(":")
+            fault = Fault(role=role, rank=int(rank), step=int(step), phase=phase or "forward")
+        except ValueError as exc:
+            raise ValueError(f"bad fault {item!r}: expected kill:ROLE:RANK@STEP[:PHASE]") from exc
+        if action != "kill" or role not in ("trainer", "standby") or fault.phase not in PHASES:
+            raise ValueError(f"bad fault {item!r}: action kill, role trainer|standby, phase one of {PHASES}")
+        faults.append(fault)
+    return tuple(faults)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RoleEnv:
+    role: str
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    token: bytes = field(repr=False)
+    faults: tuple[Fault, ...] = ()
+
+    @classmethod
+    def from_environ(cls) -> RoleEnv:
+        env = os.environ
+        missing = [k for k in ("REPLICA_ROLE", "REPLICA_TOKEN") if not env.get(k)]
+        if missing:
+            raise RuntimeError(f"{', '.join(missing)} not set: start role processes with `replica launch`")
+        host, _, port = env.get("REPLICA_STORE", env.get("MASTER_ADDR", "127.0.0.1") + ":" +
+                                env.get("REPLICA_STORE_PORT", "29400")).rpartition(":")
+        role = env["REPLICA_ROLE"]
+        if role not in ("trainer", "standby"):
+            raise RuntimeError(f"REPLICA_ROLE must be trainer or standby, got {role!r}")
+        return cls(role=role, rank=int(env.get("REPLICA_RANK", env.get("RANK", "0"))),
+                   world_size=int(env.get("REPLICA_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
+                   store_host=host, store_port=int(port), token=env["REPLICA_TOKEN"].encode(),
+                   faults=parse_faults(env.get("REPLICA_INJECT", "")))

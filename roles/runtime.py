@@ -1,0 +1,174 @@
+"""The role side of a job: what the user script calls. The same script runs as
+every trainer and every standby; ``steps()`` hides the difference: a standby
+blocks in it until the coordinator promotes it, a survivor of a failure rolls
+back and joins the next process-group generation inside it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import replica
+from replica.roles.env import RoleEnv
+
+__all__ = ["Job", "init"]
+
+logger = logging.getLogger(__name__)
+HEARTBEAT_S = 0.1
+_WAIT = timedelta(seconds=120)
+
+
+class Job:
+    def __init__(self, env: RoleEnv):
+        self.env = env
+        self.role = env.role
+        self.rank = env.rank
+        self.store = dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=_WAIT)
+        self.config = replica.Config(token=env.token)
+        self.group = replica.init_resilient_process_group(
+            store=dist.PrefixStore("replica/pg", self.store), rank=env.rank, world_size=env.world_size,
+            timeout=timedelta(seconds=10), generation=0 if env.role == "trainer" else None)
+        self._rep: replica.Replicator | None = None
+        self._mirror: replica.Mirror | None = None
+        self._bound: tuple | None = None
+        self._step = 0
+        self._stop = threading.Event()
+        threading.Thread(target=self._heartbeat, daemon=True, name="replica-heartbeat").start()
+
+    # --- what the script calls ---
+
+    def replicate(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  extra: Mapping[str, object]) -> Job:
+        self._bound = (model, optimizer, dict(extra))
+        if self.role == "trainer":
+            self._start_replicator()
+        else:
+            self._mirror = replica.Mirror(rank=self.rank, world_size=self.env.world_size, store=self.store,
+                                          config=self.config)
+        self._install_faults(model, optimizer)
+        return self
+
+    def commit(self, step: int) -> bool:
+        self._fault("commit", step)
+        done = self._rep.commit(step)
+        self._fault("mirror", step)  # the stream of this step is in flight now
+        return done
+
+    def log(self, step: int, loss: torch.Tensor | float) -> None:
+        """Record the step's loss exactly (a float's hex form) for the job report."""
+        if self.group.errored is None:
+            self.store.set(f"replica/loss/{self.rank}/{step}", float(loss).hex())
+
+    def steps(self, total: int) -> Iterator[int]:
+        step = 1
+        if self.role == "standby":
+            promoted = self._wait_promotion()
+            if promoted is None:
+                return
+            step = promoted + 1
+        while step <= total:
+            self._step = step
+            self._fault("forward", step)
+            yield step
+            if self.group.errored is not None or self._failover_announced():
+                step = self._recover() + 1
+                continue
+            if self.group.generation > 0 and not self.store.check([f"replica/resumed/{self.group.generation}"]):
+                self.store.set(f"replica/resumed/{self.group.generation}", repr(time.time()))
+            step += 1
+        self._rep.wait_committed()
+        self.store.set(f"replica/done/{self.rank}", "1")
+        self._stop.set()
+
+    # --- failover ---
+
+    def _failover_announced(self) -> bool:
+        return int(self.store.get("replica/generation")) > self.group.generation
+
+    def _announced(self) -> tuple[int, int]:
+        deadline = time.monotonic() + _WAIT.total_seconds()
+        while not self._failover_announced():
+            if time.monotonic() > deadline:
+                raise replica.ReplicaError("the step failed but no coordinator announced a failover")
+            time.sleep(0.005)
+        generation = int(self.store.get("replica/generation"))
+        return generation, int(self.store.get(f"replica/failover/{generation}"))
+
+    def _recover(self) -> int:
+        generation, commit = self._announced()
+        restored = self._rep.rollback(step=commit)
+        self.group.configure(generation)
+        logger.warning("[trainer rank %d] survived: rolled back to %d, generation %d", self.rank, restored, generation)
+        return restored
+
+    def _wait_promotion(self) -> int | None:
+        key = f"replica/promote/{self.rank}"
+        while not self.store.check([key]):
+            if self.store.check(["replica/finished"]):
+                self._stop.set()
+                return None
+            time.sleep(0.01)
+        generation = int(self.store.get(key))
+        commit = int(self.store.get(f"replica/failover/{generation}"))
+        model, optimizer, extra = self._bound
+        self._mirror.restore(model, optimizer, extra, step=commit, rank=self.rank, world_size=self.env.world_size)
+        self._mirror.close()
+        self.store.set(f"replica/restored/{generation}", repr(time.time()))
+        self.group.configure(generation)
+        self.store.set(f"replica/reconnected/{generation}", repr(time.time()))
+        self.role = "trainer"
+        self._start_replicator()
+        logger.warning("[standby rank %d] promoted to trainer at commit %d, generation %d", self.rank, commit,
+                       generation)
+        return commit
+
+    def _start_replicator(self) -> None:
+        model, optimizer, extra = self._bound
+        self._rep = replica.Replicator(model, optimizer, extra, store=self.store, config=self.config,
+                                       rank=self.rank, world_size=self.env.world_size)
+        self._rep.interrupted = self._failover_announced
+
+    # --- liveness and faults ---
+
+    def _heartbeat(self) -> None:
+        key = f"replica/hb/{os.getpid()}"
+        while not self._stop.is_set():
+            try:
+                self.store.set(key, repr(time.time()))
+            except Exception:  # noqa: BLE001 - the coordinator is gone: nothing to report to
+                return
+            self._stop.wait(HEARTBEAT_S)
+
+    def _install_faults(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        mine = [f for f in self.env.faults if f.rank == self.rank]
+        if not mine:
+            return
+
+        def on_backward(module, grad_output):
+            self._fault("backward", self._step)
+
+        model.register_full_backward_pre_hook(on_backward)
+        optimizer.register_step_pre_hook(lambda *a: self._fault("optimizer", self._step))
+
+    def _fault(self, phase: str, step: int) -> None:
+        for f in self.env.faults:
+            if f.rank == self.rank and f.role == self.role and f.step == step and f.phase == phase \
+                    and self.group.generation == 0:
+                self.store.set(f"replica/killed/{f}", repr(time.time()))
+                logger.warning("[%s rank %d step %d] injected fault %s fires", self.role, self.rank, step, f)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def init() -> Job:
+    """Join the job ``replica launch`` (or a torchrun-style environment) describes."""
+    logging.basicConfig(level=os.environ.get("REPLICA_LOG", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return Job(RoleEnv.from_environ())
