@@ -33,7 +33,7 @@ class Failover:
 
 class Coordinator:
     def __init__(self, *, world_size: int, host: str = "127.0.0.1", port: int = 0,
-                 heartbeat_deadline: timedelta = timedelta(seconds=1)):
+                 heartbeat_deadline: timedelta = timedelta(seconds=10)):
         # TCPStore binds every interface unless handed a socket: bind the configured host.
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 from replica.roles.coordinator import Coordinator
@@ -31,6 +32,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report", type=Path, help="write the job report (losses, faults, timeline) as JSON")
     p.add_argument("--host", default="127.0.0.1", help="where the job store listens")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the whole job is abandoned")
+    p.add_argument("--heartbeat-deadline", type=float, default=10.0,
+                   help="seconds without a heartbeat before a live but silent process is declared dead "
+                        "(a process that exits is declared dead at once)")
     return p
 
 
@@ -43,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     faults = parse_faults(args.inject)
     token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
-    coord = Coordinator(world_size=args.trainers, host=args.host)
+    coord = Coordinator(world_size=args.trainers, host=args.host,
+                        heartbeat_deadline=timedelta(seconds=args.heartbeat_deadline))
 
     def start(role: str, rank: int) -> _Proc:
         env = dict(os.environ, REPLICA_ROLE=role, REPLICA_RANK=str(rank), REPLICA_WORLD_SIZE=str(args.trainers),

@@ -111,7 +111,9 @@ class Job:
 
     def _wait_promotion(self) -> int | None:
         key = f"replica/promote/{self.rank}"
-        while not self.store.check([key]):
+        # Only a promotion announced after this standby started is meant for it.
+        started = int(self.store.get("replica/generation"))
+        while not (self.store.check([key]) and int(self.store.get(key)) > started):
             if self.store.check(["replica/finished"]):
                 self._stop.set()
                 return None
@@ -155,7 +157,9 @@ class Job:
         def on_backward(module, grad_output):
             self._fault("backward", self._step)
 
-        model.register_full_backward_pre_hook(on_backward)
+        # The last module holding parameters sees its output's gradient early in backward.
+        last = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))][-1]
+        last.register_full_backward_pre_hook(on_backward)
         optimizer.register_step_pre_hook(lambda *a: self._fault("optimizer", self._step))
 
     def _fault(self, phase: str, step: int) -> None:
