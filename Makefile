@@ -34,9 +34,19 @@ bench: build
 	$(PY) -m pytest bench --benchmark-only --benchmark-json=bench/results/benchmarks.json $(PYTEST_ARGS)
 	@cat bench/results/*.md
 
+# The failover demo: the same job twice, without and with trainer 1 killed
+# (SIGKILL) in the backward of step DEMO_KILL_STEP; the loss trajectories must
+# be equal bit for bit.
+DEMO_STEPS ?= 40
+DEMO_KILL_STEP ?= 17
 demo: build
-	@echo "replica demo: the failover demo does not exist yet (issue 5); running the benchmarks (pack, resync) instead."
-	$(MAKE) --no-print-directory bench
+	@mkdir -p demo
+	@echo "replica demo: 1/2 failure-free reference run ($(DEMO_STEPS) steps, 2 trainers + 2 standbys)"
+	$(VENV)/bin/replica launch --steps $(DEMO_STEPS) --report demo/reference.json examples/train_fsdp.py
+	@echo "replica demo: 2/2 the same run, trainer 1 killed in the backward of step $(DEMO_KILL_STEP)"
+	$(VENV)/bin/replica launch --steps $(DEMO_STEPS) --inject kill:trainer:1@$(DEMO_KILL_STEP):backward \
+	  --report demo/failover.json examples/train_fsdp.py
+	$(VENV)/bin/replica compare demo/reference.json demo/failover.json
 
 # Compile-only check of the CUDA sources against torch's headers: keeps the
 # CUDA code compiling on machines without a GPU or a CUDA build of torch.

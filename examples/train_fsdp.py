@@ -2,14 +2,11 @@
 every role (trainers and standbys run this same file)."""
 
 import os
-import sys
 
 import torch
+from fsdp_job import JobShape, build_job, train_step  # beside this file
 
 import replica.roles.runtime as runtime
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from fsdp_job import JobShape, build_job, train_step  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""A small FSDP2 training job for multi-process tests and benchmarks: a tiny
+"""A small FSDP2 training job for the demo, the multi-process tests and the benchmarks: a tiny
 transformer with tied embeddings and one bfloat16 block, AdamW with a cosine
 schedule, a shuffled loader whose position is Stateful, dropout and a numpy /
 Python random augmentation, so every piece of mirrored state feeds the loss."""

@@ -1,0 +1,46 @@
+"""The ``replica`` command: ``replica launch [options] SCRIPT [ARGS...]``."""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["main"]
+
+_USAGE = """usage: replica launch [--trainers N] [--steps N] [--inject SPEC] [--report PATH] SCRIPT [ARGS...]
+       replica compare REFERENCE.json OTHER.json"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0 if argv else 2
+    if argv[0] == "launch":
+        from replica.roles.launch import main as launch
+
+        return launch(argv[1:])
+    if argv[0] == "compare" and len(argv) == 3:
+        return _compare(*argv[1:])
+    print(f"replica: bad command {' '.join(argv)!r}\n{_USAGE}", file=sys.stderr)
+    return 2
+
+
+def _compare(reference: str, other: str) -> int:
+    from replica.roles.report import compare_reports, load_report
+
+    a, b = load_report(reference), load_report(other)
+    problems = compare_reports(a, b)
+    for line in problems[:20]:
+        print(f"replica: {line}")
+    if problems:
+        print(f"replica: {len(problems)} losses differ from the reference")
+        return 1
+    fired = [f["fault"] for f in b.get("faults", []) if f.get("fired_at")]
+    print(f"replica: the loss trajectory of all {a['trainers']} ranks over {a['steps']} steps equals the "
+          f"reference bit for bit (faults fired: {', '.join(fired) or 'none'}; "
+          f"failovers: {len(b.get('failovers', []))})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
