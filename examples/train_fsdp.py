@@ -6,12 +6,12 @@ import os
 import torch
 from fsdp_job import JobShape, build_job, train_step  # beside this file
 
-import replica.roles.runtime as runtime
+import replica.roles
 
 
 def main() -> None:
     torch.set_num_threads(1)
-    job = runtime.init()
+    job = replica.roles.init()
     total = int(os.environ.get("REPLICA_STEPS", "20"))
     shape = JobShape(total_steps=total)
     state = build_job(shape, rank=job.rank, world_size=job.env.world_size)

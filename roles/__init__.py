@@ -1,7 +1,10 @@
-"""replica.roles: the control plane (coordinator, trainer/standby/rollout roles, launcher).
+"""replica.roles: the control plane. A coordinator (inside ``replica launch``)
+hosts the job store and decides failovers; every role process runs the user's
+script, which joins through ``replica.roles.init()``.
 
-Installed as ``replica.roles``; the top of the layer stack, nothing below imports it.
-The roles arrive with the coordinator issue.
+Installed as ``replica.roles``; it may import anything below it.
 """
 
-__all__: list[str] = []
+from replica.roles.runtime import Job, init
+
+__all__ = ["Job", "init"]

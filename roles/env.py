@@ -14,14 +14,19 @@ PHASES = ("forward", "backward", "optimizer", "mirror", "commit")
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Fault:
-    """``kill:ROLE:RANK@STEP[:PHASE]``: SIGKILL that process at that point."""
+    """``kill:ROLE:RANK@STEP[:PHASE]``: SIGKILL that process at that point.
+    ``stall:ROLE:RANK@STEP[:SECONDS]``: a slow but live step (default 3 s)."""
 
+    action: str = "kill"
     role: str
     rank: int
     step: int
     phase: str = "forward"
+    seconds: float = 3.0
 
     def __str__(self) -> str:
+        if self.action == "stall":
+            return f"stall:{self.role}:{self.rank}@{self.step}:{self.seconds:g}"
         return f"kill:{self.role}:{self.rank}@{self.step}:{self.phase}"
 
 
@@ -31,12 +36,16 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
         try:
             action, role, rest = item.split(":", 2)
             rank, _, when = rest.partition("@")
-            step, _, phase = when.partition(":")
-            fault = Fault(role=role, rank=int(rank), step=int(step), phase=phase or "forward")
+            step, _, extra = when.partition(":")
+            if action == "stall":
+                fault = Fault(action=action, role=role, rank=int(rank), step=int(step), seconds=float(extra or 3))
+            else:
+                fault = Fault(action=action, role=role, rank=int(rank), step=int(step), phase=extra or "forward")
         except ValueError as exc:
-            raise ValueError(f"bad fault {item!r}: expected kill:ROLE:RANK@STEP[:PHASE]") from exc
-        if action != "kill" or role not in ("trainer", "standby") or fault.phase not in PHASES:
-            raise ValueError(f"bad fault {item!r}: action kill, role trainer|standby, phase one of {PHASES}")
+            raise ValueError(f"bad fault {item!r}: expected kill:ROLE:RANK@STEP[:PHASE] "
+                             "or stall:ROLE:RANK@STEP[:SECONDS]") from exc
+        if action not in ("kill", "stall") or role not in ("trainer", "standby") or fault.phase not in PHASES:
+            raise ValueError(f"bad fault {item!r}: action kill|stall, role trainer|standby, phase one of {PHASES}")
         faults.append(fault)
     return tuple(faults)
 

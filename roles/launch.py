@@ -44,8 +44,12 @@ class _Proc:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    faults = parse_faults(args.inject)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        faults = parse_faults(args.inject)
+    except ValueError as exc:
+        parser.error(str(exc))
     token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
     coord = Coordinator(world_size=args.trainers, host=args.host,
                         heartbeat_deadline=timedelta(seconds=args.heartbeat_deadline))
@@ -65,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while time.monotonic() < deadline:
             for rank, proc in list(trainers.items()):
+                if coord.store.check([f"replica/done/{rank}"]):
+                    continue  # finished its steps: how it exits is no failover
                 code = proc.popen.poll()
                 stale = code is None and coord.stale(proc.popen.pid)
                 if (code is not None and code != 0) or stale:
@@ -85,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\rreplica: step {shown}/{args.steps}  commit {coord.record.last()}  "
                       f"generation {coord.generation}  failovers {len(coord.failovers)}", end="", flush=True)
             if len(done) == args.trainers and all(p.popen.poll() is not None for p in trainers.values()):
-                status = max(p.popen.returncode for p in trainers.values())
+                status = 0
+                codes = {r: p.popen.returncode for r, p in trainers.items() if p.popen.returncode}
+                if codes:
+                    print(f"\nreplica: trainers finished but exited with codes {codes}", flush=True)
                 break
             time.sleep(0.02)
         else:

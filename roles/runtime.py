@@ -86,7 +86,16 @@ class Job:
             step += 1
         self._rep.wait_committed()
         self.store.set(f"replica/done/{self.rank}", "1")
+        self.close()
+
+    def close(self) -> None:
+        """Stop heartbeats, streams and listeners (the script's end does this itself)."""
         self._stop.set()
+        for closeable in (self._rep, self._mirror):
+            if closeable is not None:
+                closeable.close()
+        self._rep = self._mirror = None
+        self.group.shutdown()
 
     # --- failover ---
 
@@ -115,7 +124,7 @@ class Job:
         started = int(self.store.get("replica/generation"))
         while not (self.store.check([key]) and int(self.store.get(key)) > started):
             if self.store.check(["replica/finished"]):
-                self._stop.set()
+                self.close()
                 return None
             time.sleep(0.01)
         generation = int(self.store.get(key))
@@ -164,10 +173,16 @@ class Job:
 
     def _fault(self, phase: str, step: int) -> None:
         for f in self.env.faults:
-            if f.rank == self.rank and f.role == self.role and f.step == step and f.phase == phase \
-                    and self.group.generation == 0:
-                self.store.set(f"replica/killed/{f}", repr(time.time()))
-                logger.warning("[%s rank %d step %d] injected fault %s fires", self.role, self.rank, step, f)
+            if f.rank != self.rank or f.role != self.role or f.step != step or f.phase != phase:
+                continue
+            key = f"replica/killed/{f}"
+            if self.store.check([key]):
+                continue  # each fault fires once, not again when the step is redone
+            self.store.set(key, repr(time.time()))
+            logger.warning("[%s rank %d step %d] injected fault %s fires", self.role, self.rank, step, f)
+            if f.action == "stall":
+                time.sleep(f.seconds)
+            else:
                 os.kill(os.getpid(), signal.SIGKILL)
 
 

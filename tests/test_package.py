@@ -35,7 +35,9 @@ def test_build_maps_folders_into_one_package(tmp_path):
     sorted(PACKAGES)
     + ["replica.ops", "replica.errors", "replica.testing", "replica.serialize", "replica.rng", "replica.layout", "replica.snapshot",
        "replica.config", "replica.backends", "replica.commit", "replica.protocol", "replica.restore", "replica.stream",
-       "replica.replicator", "replica.mirror", "replica.export", "replica.resilient"]
+       "replica.replicator", "replica.mirror", "replica.export", "replica.resilient",
+       "replica.roles.env", "replica.roles.runtime", "replica.roles.coordinator", "replica.roles.launch",
+       "replica.roles.report", "replica.roles.cli"]
     + [f"replica.transport.{p.stem}" for p in sorted((ROOT / "transport").glob("[!_]*.py"))],
 )
 def test_all_is_explicit_sorted_and_resolves(name):
