@@ -130,8 +130,13 @@ def _report(coord: Coordinator, args, faults) -> dict:
     for rank in range(args.trainers):
         keys = [f"replica/loss/{rank}/{s}" for s in range(1, args.steps + 1)]
         losses[str(rank)] = [coord.store.get(k).decode() if coord.store.check([k]) else None for k in keys]
+    times = {}
+    for rank in range(args.trainers):
+        keys = [f"replica/time/{rank}/{s}" for s in range(1, args.steps + 1)]
+        times[str(rank)] = [float(coord.store.get(k)) if coord.store.check([k]) else None for k in keys]
     return {
         "steps": args.steps,
+        "step_end_times": times,
         "trainers": args.trainers,
         "losses_hex": losses,
         "faults": [{"fault": str(f), "fired_at": coord.fired(str(f))} for f in faults],

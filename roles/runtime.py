@@ -66,6 +66,7 @@ class Job:
         """Record the step's loss exactly (a float's hex form) for the job report."""
         if self.group.errored is None:
             self.store.set(f"replica/loss/{self.rank}/{step}", float(loss).hex())
+            self.store.set(f"replica/time/{self.rank}/{step}", repr(time.time()))
 
     def steps(self, total: int) -> Iterator[int]:
         step = 1

@@ -1,0 +1,141 @@
+"""Failover against checkpoint-restart on the demo job (2 FSDP2 CPU trainers).
+
+replica: `replica launch` with trainer 1 SIGKILLed in the backward of step
+KILL_STEP; the timeline (detect, promote, reconnect, resumed) comes from the
+job report, medians over ROUNDS kills. Baseline: the same job on plain gloo
+saving a torch.distributed.checkpoint every CKPT_EVERY steps; rank 1 is
+SIGKILLed at step KILL_STEP, every rank is restarted, loads the newest
+checkpoint and recomputes the lost steps. Both figures are "kill -> step
+KILL_STEP finished again". `make bench` writes bench/results/failover.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from replica.testing import free_port
+from test_launch import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = Path(__file__).parent / "results"
+STEPS, KILL_STEP, CKPT_EVERY = 16, 9, 5
+ROUNDS = 5
+_results: dict[str, list[dict]] = {}
+
+
+def _resumed_at(times: list[float | None]) -> float:
+    return times[KILL_STEP - 1]
+
+
+def test_replica_failover(benchmark, tmp_path):
+    runs = []
+
+    def one_kill():
+        code, report, output = launch(tmp_path, "--steps", str(STEPS), "--inject",
+                                      f"kill:trainer:1@{KILL_STEP}:backward", name=f"kill{len(runs)}")
+        assert code == 0 and len(report["failovers"]) == 1, output[-3000:]
+        failover = report["failovers"][0]
+        times = report["step_end_times"]["0"]
+        steady = [b - a for a, b in zip(times[1:KILL_STEP - 2], times[2:KILL_STEP - 1])]
+        runs.append({
+            **failover["timeline_ms"],
+            "kill_to_step_done_ms": (_resumed_at(times) - failover["killed_at"]) * 1e3,
+            "step_ms": statistics.median(steady) * 1e3,
+            "lost_steps": KILL_STEP - 1 - failover["commit"],
+        })
+
+    benchmark.pedantic(one_kill, rounds=1 if benchmark.disabled else ROUNDS, iterations=1)
+    _results["replica"] = runs
+
+
+def _run_baseline(directory: Path, **env) -> None:
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "ckpt_job.py")], cwd=ROOT,
+                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                       MASTER_PORT=port, CKPT_DIR=str(directory), CKPT_EVERY=str(CKPT_EVERY),
+                                       STEPS=str(STEPS), PYTHONPATH=str(ROOT / "examples"), **env),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(2)]
+    deadline = time.monotonic() + 300
+    while any(p.poll() is None for p in procs):
+        if any(p.returncode not in (None, 0) for p in procs):
+            time.sleep(0.05)  # one rank died: the job is lost, as a torchrun job would be; stop the rest
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise TimeoutError("baseline job did not finish")
+        time.sleep(0.01)
+
+
+def test_checkpoint_restart(benchmark, tmp_path):
+    runs = []
+
+    def one_kill():
+        directory = tmp_path / f"ckpt{len(runs)}"
+        directory.mkdir()
+        _run_baseline(directory, KILL_AT=str(KILL_STEP))
+        killed = float((directory / "killed").read_text())
+        _run_baseline(directory, RESUME="1")
+        done = {}
+        for line in (directory / "progress.0").read_text().split("\n"):
+            if line:
+                step, at = line.split()
+                done[int(step)] = float(at)  # the later run's time wins
+        assert set(done) == set(range(1, STEPS + 1))
+        last_checkpoint = (KILL_STEP - 1) // CKPT_EVERY * CKPT_EVERY
+        runs.append({"kill_to_step_done_ms": (done[KILL_STEP] - killed) * 1e3,
+                     "lost_steps": KILL_STEP - 1 - last_checkpoint})
+
+    benchmark.pedantic(one_kill, rounds=1 if benchmark.disabled else ROUNDS, iterations=1)
+    _results["checkpoint"] = runs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report(request):
+    yield
+    if request.config.getoption("benchmark_disable") or set(_results) != {"replica", "checkpoint"}:
+        return
+
+    def median(runs, key):
+        return statistics.median(r[key] for r in runs)
+
+    ours, base = _results["replica"], _results["checkpoint"]
+    result = {
+        "detect_ms": median(ours, "detect"),
+        "promote_ms": median(ours, "promote"),
+        "reconnect_ms": median(ours, "reconnect"),
+        "resume_ms": median(ours, "kill_to_step_done_ms"),
+        "step_ms": median(ours, "step_ms"),
+        "lost_steps_replica": median(ours, "lost_steps"),
+        "checkpoint_restart_ms": median(base, "kill_to_step_done_ms"),
+        "lost_steps_checkpoint_restart": median(base, "lost_steps"),
+        "config": {"steps": STEPS, "kill_step": KILL_STEP, "checkpoint_every": CKPT_EVERY, "rounds": len(ours),
+                   "trainers": 2},
+        "runs": {"replica": ours, "checkpoint_restart": base},
+        "machine": {"torch": torch.__version__, "cpus": os.cpu_count()},
+    }
+    result["speedup_vs_checkpoint_restart"] = result["checkpoint_restart_ms"] / result["resume_ms"]
+    RESULTS_DIR.mkdir(exist_ok=True)
+    (RESULTS_DIR / "failover.json").write_text(json.dumps(result, indent=2) + "\n")
+    r = result
+    lines = [
+        f"### failover vs checkpoint-restart, demo job, 2 FSDP2 CPU trainers (medians of {len(ours)} kills)\n",
+        "| | kill -> step finished again | detect | promote | reconnect | steps lost beyond the one in flight |",
+        "|---|---|---|---|---|---|",
+        f"| replica | {r['resume_ms']:.0f} ms | {r['detect_ms']:.0f} ms | {r['promote_ms']:.0f} ms | "
+        f"{r['reconnect_ms']:.0f} ms | {r['lost_steps_replica']:g} |",
+        f"| checkpoint-restart (DCP every {CKPT_EVERY} steps) | {r['checkpoint_restart_ms']:.0f} ms | | | | "
+        f"{r['lost_steps_checkpoint_restart']:g} |",
+        f"\nspeedup {r['speedup_vs_checkpoint_restart']:.1f}x (target >= 10x); step time {r['step_ms']:.0f} ms",
+    ]
+    (RESULTS_DIR / "failover.md").write_text("\n".join(lines) + "\n")
