@@ -57,7 +57,7 @@ __all__ = ["Mirror", "MirrorStats", "fetch_mirror"]
 
 logger = logging.getLogger(__name__)
 
-_ACCEPT_POLL = timedelta(seconds=0.5)
+_ACCEPT_POLL = timedelta(seconds=0.1)  # bounds how long close() waits for the accept loop
 
 
 @dataclass(kw_only=True, slots=True)

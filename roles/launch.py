@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
                         heartbeat_deadline=timedelta(seconds=args.heartbeat_deadline))
 
     def start(role: str, rank: int) -> _Proc:
-        env = dict(os.environ, REPLICA_ROLE=role, REPLICA_RANK=str(rank), REPLICA_WORLD_SIZE=str(args.trainers),
+        # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
+        # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
+        # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
+        env = dict({"TORCH_GLOO_LAZY_INIT": "1"}, **os.environ)
+        env = dict(env, REPLICA_ROLE=role, REPLICA_RANK=str(rank), REPLICA_WORLD_SIZE=str(args.trainers),
                    REPLICA_STORE=coord.address, REPLICA_TOKEN=token, REPLICA_INJECT=args.inject,
                    REPLICA_STEPS=str(args.steps))
         return _Proc(role, rank, subprocess.Popen([sys.executable, args.script, *args.script_args], env=env))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import replica
+from replica.restore import materialize_optimizer_state
 from replica.roles.env import RoleEnv
 
 __all__ = ["Job", "init"]
@@ -53,6 +54,8 @@ class Job:
         else:
             self._mirror = replica.Mirror(rank=self.rank, world_size=self.env.world_size, store=self.store,
                                           config=self.config)
+            # Create the optimizer's state now, while waiting: promotion is then one unpack.
+            materialize_optimizer_state(optimizer)
         self._install_faults(model, optimizer)
         return self
 
@@ -132,10 +135,11 @@ class Job:
         commit = int(self.store.get(f"replica/failover/{generation}"))
         model, optimizer, extra = self._bound
         self._mirror.restore(model, optimizer, extra, step=commit, rank=self.rank, world_size=self.env.world_size)
-        self._mirror.close()
         self.store.set(f"replica/restored/{generation}", repr(time.time()))
         self.group.configure(generation)
         self.store.set(f"replica/reconnected/{generation}", repr(time.time()))
+        mirror, self._mirror = self._mirror, None  # not needed any more; closing it waits for its threads
+        threading.Thread(target=mirror.close, daemon=True, name="replica-mirror-close").start()
         self.role = "trainer"
         self._start_replicator()
         logger.warning("[standby rank %d] promoted to trainer at commit %d, generation %d", self.rank, commit,
