@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from fsdp_job import JobShape
 from mirror_roles import standby_main, trainer_main
-from replica.testing import free_port, spawn
+from replica.testing import spawn
 from test_resync import _make_ucx, _transport_path
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -60,8 +60,8 @@ class _Job:
 @pytest.fixture(scope="module", params=KINDS)
 def job(request):
     mirrored = request.param == "mirrored"
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    port = store.port
     with contextlib.ExitStack() as stack:
         children = []
         if mirrored:

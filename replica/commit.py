@@ -2,7 +2,7 @@
 torch.distributed ``Store`` (the coordinator's, or one a test starts).
 
 Keys, under ``{prefix}/``: ``standby/{rank}`` is where rank r's standby listens
-(``backend address``); ``ack/{rank}`` is the last step that standby verified;
+(``backend address nonce``); ``ack/{rank}`` is the last step that standby verified;
 ``commit`` is the global commit, the minimum over ranks of ``ack``, only ever
 raised (compare-and-set). The standby writing the last missing ack sees every
 other ack (the store serializes requests) and raises the commit.
@@ -10,6 +10,7 @@ other ack (the store serializes requests) and raises the commit.
 
 from __future__ import annotations
 
+import secrets
 import time
 from datetime import timedelta
 
@@ -32,7 +33,8 @@ class CommitRecord:
         return "/".join([self._prefix, *map(str, parts)])
 
     def publish_standby(self, rank: int, backend: str, address: str) -> None:
-        self.store.set(self._key("standby", rank), f"{backend} {address}")
+        # The nonce tells a replacement from its predecessor even when the OS hands it the same port.
+        self.store.set(self._key("standby", rank), f"{backend} {address} {secrets.token_hex(8)}")
 
     def standby(self, rank: int, timeout: timedelta) -> tuple[str, str]:
         """(backend, address) of rank ``rank``'s standby; waits for it to publish."""
@@ -41,7 +43,7 @@ class CommitRecord:
             self.store.wait([key], timeout)
         except RuntimeError as exc:  # the store says "Wait timeout" as a RuntimeError (DistStoreError)
             raise CommitTimeoutError(f"no standby of rank {rank} registered within {timeout}") from exc
-        backend, _, address = self.store.get(key).decode().partition(" ")
+        backend, address, _ = self.store.get(key).decode().split(" ")
         return backend, address
 
     def acknowledge(self, rank: int, step: int) -> int | None:

@@ -29,7 +29,11 @@ class Config:
     ``backends`` lists transports in order of preference; the first whose
     capabilities fit the snapshot's memory and the peer's locality is used.
     Every network wait is bounded by ``timeout``; ``commit_timeout`` bounds
-    how long ``commit(N+1)`` waits for the global commit of N.
+    how long ``commit(N+1)`` waits for the global commit of N. When a
+    rank's standby is lost, its trainer waits up to ``standby_wait`` for a
+    replacement to register (a coordinator starts one), re-sends the last
+    snapshot to it and goes on; with 0 (the default) it gives up at once and
+    ``commit`` raises StandbyLostError.
     """
 
     token: bytes = field(repr=False)
@@ -42,6 +46,7 @@ class Config:
     verify: bool = True
     timeout: timedelta = timedelta(seconds=30)
     commit_timeout: timedelta = timedelta(seconds=60)
+    standby_wait: timedelta = timedelta(0)
     store_prefix: str = "replica"
 
     def __post_init__(self) -> None:
@@ -57,6 +62,8 @@ class Config:
             raise ValueError(f"max_resends must be >= 0, got {self.max_resends}")
         if not self.backends:
             raise ValueError("backends must name at least one transport")
+        if not isinstance(self.standby_wait, timedelta) or self.standby_wait < timedelta(0):
+            raise ValueError(f"standby_wait must be a non-negative datetime.timedelta, got {self.standby_wait!r}")
         for name in ("timeout", "commit_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value <= timedelta(0):

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from replica.backends import backend_class, make_backend
 from replica.commit import CommitRecord
@@ -43,6 +44,7 @@ class StreamStats:
     num_acked: int = 0
     bytes_sent: int = 0
     resent_buckets: int = 0
+    reattached: int = 0
     stream_s: list[float] = field(default_factory=list)
 
 
@@ -59,7 +61,9 @@ class MirrorStream:
         self._idle = threading.Condition()
         self._busy = 0
         self._error: ReplicaError | None = None
+        self._closing = threading.Event()
         self._transport: Transport | None = None
+        self._address: str | None = None  # "backend address" of the standby connected to
         self._conn: Connection | None = None
         self._layout_sent: StateLayout | None = None
         self._thread = threading.Thread(target=self._run, name=f"replica-mirror-stream-{rank}", daemon=True)
@@ -80,6 +84,7 @@ class MirrorStream:
             return self._idle.wait_for(lambda: self._busy == 0, timeout_s)
 
     def close(self) -> None:
+        self._closing.set()
         self._queue.put(None)
         self._thread.join(timeout=self._config.timeout.total_seconds() + 5)
         if self._transport is not None:
@@ -92,7 +97,7 @@ class MirrorStream:
             snapshot, step = item
             try:
                 if self._error is None:
-                    self._stream(snapshot, step)
+                    self._stream_or_reattach(snapshot, step)
             except ReplicaError as exc:
                 self._error = exc if isinstance(exc, LayoutMismatchError | StandbyLostError) else StandbyLostError(
                     f"the standby of rank {self.rank} is lost at step {step}: {exc}; this rank is unprotected "
@@ -110,8 +115,56 @@ class MirrorStream:
                     self._busy -= 1
                     self._idle.notify_all()
 
+    def _stream_or_reattach(self, snapshot: Snapshot, step: int) -> None:
+        """Stream; if the standby is lost, wait up to ``standby_wait`` for a
+        replacement and send it this snapshot (the one the next commit needs)."""
+        try:
+            self._stream(snapshot, step)
+            return
+        except (LayoutMismatchError, StandbyLostError):
+            raise
+        except TransportError as exc:
+            if self._config.standby_wait <= timedelta(0):
+                raise
+            lost, first = self._address, exc
+        logger.error("[trainer rank %d step %d] the standby is lost (%s); rank %d is UNPROTECTED until a "
+                     "replacement registers (waiting up to %s)", self.rank, step, first, self.rank,
+                     self._config.standby_wait)
+        self._drop()
+        deadline = time.monotonic() + self._config.standby_wait.total_seconds()
+        while time.monotonic() < deadline and not self._closing.is_set():
+            if self._registered() not in (None, lost):
+                try:
+                    self._stream(snapshot, step)
+                except (LayoutMismatchError, StandbyLostError):
+                    raise
+                except TransportError as exc:  # the replacement died too: keep waiting
+                    lost = self._address
+                    self._drop()
+                    logger.error("[trainer rank %d step %d] replacement standby lost too: %s", self.rank, step, exc)
+                    continue
+                logger.warning("[trainer rank %d step %d] protected again by the standby at %s", self.rank, step,
+                               self._address)
+                self.stats.reattached += 1
+                return
+            time.sleep(0.05)
+        raise StandbyLostError(f"no standby of rank {self.rank} registered within {self._config.standby_wait} "
+                               f"after {first}") from first
+
+    def _registered(self) -> str | None:
+        key = self._record._key("standby", self.rank)
+        return self._record.store.get(key).decode() if self._record.store.check([key]) else None
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+        if self._transport is not None:
+            self._transport.close()
+        self._conn = self._transport = self._address = None
+
     def _connect(self, snapshot: Snapshot) -> Connection:
         timeout = self._config.timeout
+        self._address = self._registered()
         backend, address = self._record.standby(self.rank, timeout)
         memory = memory_kind(snapshot.buffer)
         if memory not in backend_class(backend).capabilities.memory:

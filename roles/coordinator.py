@@ -51,6 +51,7 @@ class Coordinator:
         self.generation = 0
         self.heartbeat_deadline = heartbeat_deadline.total_seconds()
         self.failovers: list[Failover] = []
+        self.standbys_replaced: list[dict] = []
         self.store.set("replica/generation", "0")
 
     @property
@@ -81,6 +82,11 @@ class Coordinator:
         self.failovers.append(failover)
         logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s", rank, reason, g, commit)
         return failover
+
+    def standby_lost(self, rank: int, reason: str) -> None:
+        """A standby died: training goes on; its trainer waits for the replacement."""
+        self.standbys_replaced.append({"rank": rank, "reason": reason, "at": time.time()})
+        logger.warning("standby %d is dead (%s): starting a replacement", rank, reason)
 
     def fired(self, fault: str) -> float | None:
         """When an injected fault fired (its process records it just before dying)."""

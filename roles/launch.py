@@ -88,6 +88,14 @@ def main(argv: list[str] | None = None) -> int:
                     trainers[rank] = standbys.pop(rank)
                     standbys[rank] = start("standby", rank)  # the rank is protected again once it is up
                     procs.append(standbys[rank])
+            for rank, proc in list(standbys.items()):
+                code = proc.popen.poll()
+                if code is not None and not coord.store.check(["replica/finished"]):
+                    print(f"\nreplica: standby {rank} died (exit code {code}); rank {rank} is unprotected "
+                          "until its replacement is up", flush=True)
+                    coord.standby_lost(rank, f"exit code {code}")
+                    standbys[rank] = start("standby", rank)
+                    procs.append(standbys[rank])
             done = [r for r in range(args.trainers) if coord.store.check([f"replica/done/{r}"])]
             step = _last_step(coord, args.steps, shown)
             if step > shown:
@@ -145,6 +153,7 @@ def _report(coord: Coordinator, args, faults) -> dict:
         "losses_hex": losses,
         "faults": [{"fault": str(f), "fired_at": coord.fired(str(f))} for f in faults],
         "failovers": [asdict(f) for f in coord.failovers],
+        "standbys_replaced": coord.standbys_replaced,
         "last_commit": coord.record.last(),
     }
 

@@ -33,7 +33,8 @@ class Job:
         self.role = env.role
         self.rank = env.rank
         self.store = dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=_WAIT)
-        self.config = replica.Config(token=env.token)
+        # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
+        self.config = replica.Config(token=env.token, standby_wait=timedelta(seconds=120))
         self.group = replica.init_resilient_process_group(
             store=dist.PrefixStore("replica/pg", self.store), rank=env.rank, world_size=env.world_size,
             timeout=timedelta(seconds=10), generation=0 if env.role == "trainer" else None)
@@ -130,6 +131,10 @@ class Job:
             if self.store.check(["replica/finished"]):
                 self.close()
                 return None
+            for f in self.env.faults:  # a standby's fault fires once its trainer has finished that step
+                if f.role == "standby" and f.rank == self.rank and \
+                        self.store.check([f"replica/time/{self.rank}/{f.step}"]):
+                    self._fault(f.phase, f.step)
             time.sleep(0.01)
         generation = int(self.store.get(key))
         commit = int(self.store.get(f"replica/failover/{generation}"))

@@ -78,3 +78,15 @@ def test_second_coordinator_on_the_same_port_is_refused():
     first = Coordinator(world_size=2)
     with pytest.raises(RuntimeError, match="is another coordinator running there"):
         Coordinator(world_size=2, port=first.port)
+
+
+def test_standby_killed_then_its_trainer(tmp_path, reference):
+    """A dead standby is replaced; its trainer re-sends the last snapshot to the
+    replacement, which is later promoted when the trainer dies too."""
+    code, report, output = launch(tmp_path, "--inject", "kill:standby:1@3,kill:trainer:1@8:backward")
+    assert code == 0, output[-4000:]
+    assert all(f["fired_at"] is not None for f in report["faults"])
+    assert [s["rank"] for s in report["standbys_replaced"]] == [1]
+    (failover,) = report["failovers"]
+    assert failover["rank"] == 1 and failover["commit"] in (6, 7)
+    assert compare_reports(reference, report) == []

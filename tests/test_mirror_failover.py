@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from fsdp_job import JobShape
 from mirror_roles import standby_main, trainer_main
-from replica.testing import free_port, spawn
+from replica.testing import spawn
 
 SHAPE = JobShape(total_steps=20)
 CONFIG = {"bucket_bytes": 64 << 10}  # several buckets per rank
@@ -27,8 +27,8 @@ KILLED_RANK = 1
 
 
 def _run(*, kill: bool, replace: str = "promote", resilient: bool = False):
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    port = store.port
     losses: dict[tuple[int, int], torch.Tensor] = {}
     events: dict[str, object] = {}
     with contextlib.ExitStack() as stack:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 
@@ -19,7 +20,7 @@ import replica
 from fsdp_job import JobShape, build_job, train_step
 from replica.errors import LayoutMismatchError, ReplicaError, StandbyLostError
 from replica.layout import state_tensors
-from replica.testing import free_port, spawn
+from replica.testing import spawn
 
 TOKEN = b"mirror-unit-token"
 SHAPE = JobShape(layers=2)
@@ -33,7 +34,7 @@ def config(**kw) -> replica.Config:
 
 @pytest.fixture
 def store():
-    return dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=T)
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)  # a free port, no race
 
 
 def job(shape=SHAPE, seed=0):
@@ -309,3 +310,33 @@ def test_fetch_from_the_standby(committed_mirror, store):
         replica.fetch_mirror(rank=0, world_size=1, store=store, config=config(), step=99)
     with pytest.raises(LayoutMismatchError, match="holds a mirror of rank 0/1"):
         replica.fetch_mirror(rank=0, world_size=2, store=store, config=config())
+
+
+def test_trainer_reattaches_to_a_replacement_standby(store):
+    j = job()
+    cfg = config(standby_wait=timedelta(seconds=30))
+    first = replica.Mirror(rank=0, world_size=1, store=store, config=cfg)
+    replacement = []
+
+    def start_replacement():  # as a launcher would, a moment after the standby died
+        time.sleep(0.5)
+        replacement.append(replica.Mirror(rank=0, world_size=1, store=store, config=cfg))
+
+    with replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
+        trained(j, 2, rep)
+        rep.wait_committed()
+        first.close()  # the standby goes away
+        starter = threading.Thread(target=start_replacement)
+        starter.start()
+        trained(j, 2, rep, first=3)  # commit(4) waits for the replacement to hold step 3
+        starter.join()
+        second = replacement[0]
+        try:
+            assert rep.wait_committed() == 4
+            assert rep.stream_stats.reattached == 1
+            assert second.held_steps() == [3, 4]
+            fresh = job(seed=5)
+            second.restore(fresh.model, fresh.optimizer, fresh.extra, step=4)
+            assert_state_equal(state_of(fresh), state_of(j))
+        finally:
+            second.close()
