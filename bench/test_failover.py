@@ -10,7 +10,6 @@ KILL_STEP finished again". `make bench` writes bench/results/failover.json."""
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import subprocess
@@ -19,13 +18,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from bench_results import machine, write_results
 from replica.testing import free_port
 from test_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = Path(__file__).parent / "results"
 STEPS, KILL_STEP, CKPT_EVERY = 16, 9, 5
 ROUNDS = 5
 _results: dict[str, list[dict]] = {}
@@ -122,11 +120,9 @@ def report(request):
         "config": {"steps": STEPS, "kill_step": KILL_STEP, "checkpoint_every": CKPT_EVERY, "rounds": len(ours),
                    "trainers": 2},
         "runs": {"replica": ours, "checkpoint_restart": base},
-        "machine": {"torch": torch.__version__, "cpus": os.cpu_count()},
+        "machine": machine(),
     }
     result["speedup_vs_checkpoint_restart"] = result["checkpoint_restart_ms"] / result["resume_ms"]
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "failover.json").write_text(json.dumps(result, indent=2) + "\n")
     r = result
     lines = [
         f"### failover vs checkpoint-restart, demo job, 2 FSDP2 CPU trainers (medians of {len(ours)} kills)\n",
@@ -138,4 +134,4 @@ def report(request):
         f"{r['lost_steps_checkpoint_restart']:g} |",
         f"\nspeedup {r['speedup_vs_checkpoint_restart']:.1f}x (target >= 10x); step time {r['step_ms']:.0f} ms",
     ]
-    (RESULTS_DIR / "failover.md").write_text("\n".join(lines) + "\n")
+    write_results("failover", result, lines)

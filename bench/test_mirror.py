@@ -13,23 +13,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import json
-import os
 import statistics
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from bench_results import machine, write_results
 from fsdp_job import JobShape
 from mirror_roles import standby_main, trainer_main
 from replica.testing import spawn
 from test_resync import _make_ucx, _transport_path
 
-RESULTS_DIR = Path(__file__).parent / "results"
 SHAPE = JobShape(dim=128, layers=4, seq=64, batch=16, samples=4096, total_steps=10_000)
 CONFIG = {"bucket_bytes": 1 << 20}
 WORLD = 2
@@ -141,10 +138,8 @@ def report():
         "raw_ucx_verified_GBps": raw["bytes"] / raw["ucx_s"] / 1e9,
         "memcpy_GBps": raw["bytes"] / raw["memcpy_s"] / 1e9,
         "config": {"shape": repr(SHAPE), "world_size": WORLD, "steps": STEPS, **CONFIG},
-        "machine": {"torch": torch.__version__, "cpus": os.cpu_count()},
+        "machine": machine(),
     }
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "mirror.json").write_text(json.dumps(result, indent=2) + "\n")
     r = result
     lines = [
         f"### mirror overhead, FSDP2 tiny transformer, {WORLD} CPU ranks + {WORLD} standbys (medians of {STEPS} steps)\n",
@@ -156,4 +151,4 @@ def report():
         f"| snapshot pack, {nbytes / 2**20:.1f} MiB per rank | {r['pack_ms']:.2f} ms ({r['pack_GBps']:.1f} GB/s) | memcpy {r['memcpy_GBps']:.1f} GB/s |",
         f"| mirror stream (send, verify, ack) | {r['mirror_stream_ms']:.2f} ms ({r['mirror_GBps']:.2f} GB/s) | raw UCX with digests, idle machine: {r['raw_ucx_verified_GBps']:.2f} GB/s |",
     ]
-    (RESULTS_DIR / "mirror.md").write_text("\n".join(lines) + "\n")
+    write_results("mirror", result, lines)

@@ -5,7 +5,6 @@ and bench/results/pack.md."""
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import platform
 import random
@@ -14,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench_results import write_results
 from replica import ops
 
 MiB = 1 << 20
-RESULTS_DIR = Path(__file__).parent / "results"
 LARGE_BYTES = 256 * MiB
 LARGE_COUNT = 1000
 SMALL_COUNT = 10_000
@@ -193,7 +192,6 @@ def report():
         "processor": _cpu_model(),
         "python": platform.python_version(),
     }
-    RESULTS_DIR.mkdir(exist_ok=True)
     payload = {
         **ratios,
         "targets": TARGETS,
@@ -201,9 +199,8 @@ def report():
         "median_s": {name: s for name, (s, _) in sorted(_medians.items())},
         "machine": machine,
     }
-    (RESULTS_DIR / "pack.json").write_text(json.dumps(payload, indent=2) + "\n")
-    header = f"### pack / unpack / checksum (medians; torch {machine['torch']}, {machine['threads']} threads, {machine['processor']})\n\n"
-    (RESULTS_DIR / "pack.md").write_text(header + "\n".join(lines) + "\n")
+    header = f"### pack / unpack / checksum (medians; torch {machine['torch']}, {machine['threads']} threads, {machine['processor']})\n"
+    write_results("pack", payload, [header, *lines])
 
 
 def _cpu_model() -> str:
@@ -277,8 +274,6 @@ def report_gpu():
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
     }
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "pack_gpu.json").write_text(json.dumps(payload, indent=2) + "\n")
     lines = [
         f"### GPU ({payload['device']}), 1,000 mixed tensors, 256 MiB; beside one device-to-device copy_ ({limit:.0f} GB/s)\n",
         "| op | GB/s | vs copy_ |",
@@ -286,4 +281,4 @@ def report_gpu():
     ]
     for op in ("pack", "unpack", "checksum"):
         lines.append(f"| {op} | {gbps['gpu_' + op]:.0f} | {payload[f'gpu_{op}_vs_copy']:.2f}x |")
-    (RESULTS_DIR / "pack_gpu.md").write_text("\n".join(lines) + "\n")
+    write_results("pack_gpu", payload, lines)

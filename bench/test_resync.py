@@ -10,15 +10,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import json
 import time
-import os
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench_results import machine, write_results
 from replica.testing import free_port, spawn
 from replica.transport import Transport
 from replica.transport.ucx import UcxConfig, UcxTransport
@@ -26,7 +24,6 @@ from replica.transport.ucx import UcxConfig, UcxTransport
 MiB = 1 << 20
 SIZES = [1 * MiB, 64 * MiB, 512 * MiB]
 ROUNDS = {1 * MiB: 200, 64 * MiB: 20, 512 * MiB: 8}
-RESULTS_DIR = Path(__file__).parent / "results"
 T = timedelta(seconds=120)
 TOKEN = b"bench-token"
 
@@ -195,10 +192,8 @@ def report():
         "ucx_best_path_512MiB": best,
         "targets": {"ucx_shm_vs_memcpy_512MiB": 0.5, "ucx_best_vs_gloo_512MiB": 2.0},
         "gbps": {p: {f"{n // MiB}MiB": v for n, v in by_size.items()} for p, by_size in gbps.items()},
-        "machine": {"torch": torch.__version__, "cpus": os.cpu_count()},
+        "machine": machine(),
     }
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "resync.json").write_text(json.dumps(result, indent=2) + "\n")
     labels = {
         "ucx_shm": "replica/UCX, shared-memory FIFOs (posix,sysv)",
         "ucx_cma": "replica/UCX, cma (not used: fatal on peer death)",
@@ -216,7 +211,7 @@ def report():
     for p, label in labels.items():
         row = " | ".join(f"{gbps[p][n]:.2f}" for n in SIZES)
         lines.append(f"| {label} | {row} | {gbps[p][big] / gbps['memcpy'][big]:.2f}x | {gbps[p][big] / gbps['gloo'][big]:.2f}x |")
-    (RESULTS_DIR / "resync.md").write_text("\n".join(lines) + "\n")
+    write_results("resync", result, lines)
 
 
 # --- GPU: device-to-device between two processes on one GPU, beside copy_ ---
@@ -267,11 +262,9 @@ def report_gpu():
         "ucx_vs_copy_512MiB": gbps["gpu_ucx"][big] / gbps["gpu_copy_"][big],
         "device": torch.cuda.get_device_name(),
     }
-    RESULTS_DIR.mkdir(exist_ok=True)
-    (RESULTS_DIR / "resync_gpu.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"### GPU resync, device to device between two processes ({result['device']}, GB/s)\n",
              "| path | 1 MiB | 64 MiB | 512 MiB | vs copy_ @512 MiB |", "|---|---|---|---|---|"]
     for p in paths:
         row = " | ".join(f"{gbps[p][n]:.1f}" for n in SIZES)
         lines.append(f"| {p} | {row} | {gbps[p][big] / gbps['gpu_copy_'][big]:.2f}x |")
-    (RESULTS_DIR / "resync_gpu.md").write_text("\n".join(lines) + "\n")
+    write_results("resync_gpu", result, lines)
