@@ -36,15 +36,22 @@ class CommitRecord:
         # The nonce tells a replacement from its predecessor even when the OS hands it the same port.
         self.store.set(self._key("standby", rank), f"{backend} {address} {secrets.token_hex(8)}")
 
-    def standby(self, rank: int, timeout: timedelta) -> tuple[str, str]:
-        """(backend, address) of rank ``rank``'s standby; waits for it to publish."""
+    def registration(self, rank: int) -> str | None:
+        """Rank ``rank``'s standby registration as published (None before the first)."""
+        key = self._key("standby", rank)
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
+    def standby(self, rank: int, timeout: timedelta) -> tuple[str, str, str]:
+        """(backend, address, registration) of rank ``rank``'s standby; waits for it to publish.
+        The registration tells one standby incarnation from the next."""
         key = self._key("standby", rank)
         try:
             self.store.wait([key], timeout)
         except RuntimeError as exc:  # the store says "Wait timeout" as a RuntimeError (DistStoreError)
             raise CommitTimeoutError(f"no standby of rank {rank} registered within {timeout}") from exc
-        backend, address, _ = self.store.get(key).decode().split(" ")
-        return backend, address
+        registration = self.store.get(key).decode()
+        backend, address, _ = registration.split(" ")
+        return backend, address, registration
 
     def acknowledge(self, rank: int, step: int) -> int | None:
         """Record that rank ``rank``'s standby holds ``step``; returns the global commit after."""

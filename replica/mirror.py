@@ -344,7 +344,7 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store, config: Confi
     config = config if config is not None else Config(token=token_from_env())
     timeout = config.timeout
     record = CommitRecord(store, world_size=world_size, prefix=config.store_prefix)
-    backend, address = record.standby(rank, timeout)
+    backend, address, _ = record.standby(rank, timeout)
     if MemoryKind.HOST not in backend_class(backend).capabilities.memory:
         raise TransportError(f"the standby of rank {rank} listens on {backend}, which cannot move host memory")
     with make_backend(backend, config) as transport:

@@ -63,7 +63,7 @@ class MirrorStream:
         self._error: ReplicaError | None = None
         self._closing = threading.Event()
         self._transport: Transport | None = None
-        self._address: str | None = None  # "backend address" of the standby connected to
+        self._registration: str | None = None  # the registration of the standby connected to
         self._conn: Connection | None = None
         self._layout_sent: StateLayout | None = None
         self._thread = threading.Thread(target=self._run, name=f"replica-mirror-stream-{rank}", daemon=True)
@@ -126,46 +126,41 @@ class MirrorStream:
         except TransportError as exc:
             if self._config.standby_wait <= timedelta(0):
                 raise
-            lost, first = self._address, exc
+            lost, first = self._registration, exc
         logger.error("[trainer rank %d step %d] the standby is lost (%s); rank %d is UNPROTECTED until a "
                      "replacement registers (waiting up to %s)", self.rank, step, first, self.rank,
                      self._config.standby_wait)
         self._drop()
         deadline = time.monotonic() + self._config.standby_wait.total_seconds()
         while time.monotonic() < deadline and not self._closing.is_set():
-            if self._registered() not in (None, lost):
+            if self._record.registration(self.rank) not in (None, lost):
                 try:
                     self._stream(snapshot, step)
                 except (LayoutMismatchError, StandbyLostError):
                     raise
                 except TransportError as exc:  # the replacement died too: keep waiting
-                    lost = self._address
+                    lost = self._registration
                     self._drop()
                     logger.error("[trainer rank %d step %d] replacement standby lost too: %s", self.rank, step, exc)
                     continue
                 logger.warning("[trainer rank %d step %d] protected again by the standby at %s", self.rank, step,
-                               self._address)
+                               self._registration)
                 self.stats.reattached += 1
                 return
             time.sleep(0.05)
         raise StandbyLostError(f"no standby of rank {self.rank} registered within {self._config.standby_wait} "
                                f"after {first}") from first
 
-    def _registered(self) -> str | None:
-        key = self._record._key("standby", self.rank)
-        return self._record.store.get(key).decode() if self._record.store.check([key]) else None
-
     def _drop(self) -> None:
         if self._conn is not None:
             self._conn.close()
         if self._transport is not None:
             self._transport.close()
-        self._conn = self._transport = self._address = None
+        self._conn = self._transport = self._registration = None
 
     def _connect(self, snapshot: Snapshot) -> Connection:
         timeout = self._config.timeout
-        self._address = self._registered()
-        backend, address = self._record.standby(self.rank, timeout)
+        backend, address, self._registration = self._record.standby(self.rank, timeout)
         memory = memory_kind(snapshot.buffer)
         if memory not in backend_class(backend).capabilities.memory:
             raise TransportError(f"the standby of rank {self.rank} listens on {backend}, which cannot move "
