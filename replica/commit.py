@@ -87,10 +87,3 @@ class CommitRecord:
                     "a standby is missing or too slow")
             time.sleep(delay)
             delay = min(delay * 2, 2e-3)
-
-    def forget(self) -> None:
-        """Drop every key of this record (tests reuse one store)."""
-        for key in ["commit", *(f"ack/{r}" for r in range(self.world_size)),
-                    *(f"standby/{r}" for r in range(self.world_size))]:
-            self.store.delete_key(self._key(key))
-

@@ -110,15 +110,6 @@ class Mirror:
         with self._cond:
             return sorted(s.step for s in self._slots if s.step is not None)
 
-    def wait_for(self, step: int, timeout: timedelta) -> None:
-        """Block until this mirror has verified and acknowledged ``step``."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: step in self.stats.acked or self._closed.is_set(),
-                                       timeout.total_seconds()):
-                raise TransferTimeoutError(f"standby of rank {self.rank} did not receive step {step} within {timeout}")
-            if step not in self.stats.acked:
-                raise ReplicaError(f"standby of rank {self.rank} closed before step {step} arrived")
-
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 extra: Mapping[str, Stateful] | None = None, *, step: int | None = None,
                 rank: int | None = None, world_size: int | None = None) -> int:

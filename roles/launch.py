@@ -138,14 +138,12 @@ def _last_step(coord: Coordinator, total: int, shown: int) -> int:
 
 
 def _report(coord: Coordinator, args, faults) -> dict:
-    losses = {}
+    losses, times = {}, {}
     for rank in range(args.trainers):
         keys = [f"replica/loss/{rank}/{s}" for s in range(1, args.steps + 1)]
-        losses[str(rank)] = [coord.store.get(k).decode() if coord.store.check([k]) else None for k in keys]
-    times = {}
-    for rank in range(args.trainers):
-        keys = [f"replica/time/{rank}/{s}" for s in range(1, args.steps + 1)]
-        times[str(rank)] = [float(coord.store.get(k)) if coord.store.check([k]) else None for k in keys]
+        logged = [coord.store.get(k).decode().split(" ") if coord.store.check([k]) else (None, None) for k in keys]
+        losses[str(rank)] = [loss for loss, _ in logged]
+        times[str(rank)] = [float(at) if at is not None else None for _, at in logged]
     return {
         "steps": args.steps,
         "step_end_times": times,

@@ -69,8 +69,8 @@ class Job:
     def log(self, step: int, loss: torch.Tensor | float) -> None:
         """Record the step's loss exactly (a float's hex form) for the job report."""
         if self.group.errored is None:
-            self.store.set(f"replica/loss/{self.rank}/{step}", float(loss).hex())
-            self.store.set(f"replica/time/{self.rank}/{step}", repr(time.time()))
+            # One store round trip a step: the loss and when the step ended.
+            self.store.set(f"replica/loss/{self.rank}/{step}", f"{float(loss).hex()} {time.time()!r}")
 
     def steps(self, total: int) -> Iterator[int]:
         step = 1
@@ -133,7 +133,7 @@ class Job:
                 return None
             for f in self.env.faults:  # a standby's fault fires once its trainer has finished that step
                 if f.role == "standby" and f.rank == self.rank and \
-                        self.store.check([f"replica/time/{self.rank}/{f.step}"]):
+                        self.store.check([f"replica/loss/{self.rank}/{f.step}"]):
                     self._fault(f.phase, f.step)
             time.sleep(0.01)
         generation = int(self.store.get(key))
