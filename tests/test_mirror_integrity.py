@@ -149,6 +149,7 @@ def test_standby_dying_mid_transfer_keeps_the_last_commit(store):
             time.sleep(0.001)
         assert rep.stream_stats.bytes_sent > sent  # step 3 is on its way ...
         standby.kill()  # ... when the standby dies
+        assert standby.process.exitcode == -signal.SIGKILL
         with pytest.raises(StandbyLostError, match="unprotected"):
             rep.wait_committed(timeout_s=30)
         assert rep.stream_stats.acked_step == 2
