@@ -18,7 +18,7 @@ $(VENV)/.deps: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q "setuptools>=77" wheel numpy "pytest>=8" "pytest-benchmark>=4" expecttest ninja ucxx-cu12 nvtx safetensors
+	$(PIP) install -q "setuptools>=77" wheel numpy "pytest>=8" "pytest-benchmark>=4" expecttest ninja ucxx-cu12 nvtx safetensors matplotlib
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 

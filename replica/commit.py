@@ -6,17 +6,23 @@ Keys, under ``{prefix}/``: ``standby/{rank}`` is where rank r's standby listens
 ``commit`` is the global commit, the minimum over ranks of ``ack``, only ever
 raised (compare-and-set). The standby writing the last missing ack sees every
 other ack (the store serializes requests) and raises the commit.
+
+Two more keys carry what the coordinator decides from: ``lost/{rank}`` counts the
+times rank r's standby saw its trainer vanish (a transport-level sign of death), and
+``unprotected/{rank}`` says no standby will come for rank r, so its trainer
+acknowledges its own snapshots (survivors can still roll back to every commit;
+the rank itself cannot be recovered if it dies).
 """
 
 from __future__ import annotations
 
-import secrets
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from replica.errors import CommitTimeoutError
+from replica.registry import publish, registration, wait_registration
 
 __all__ = ["CommitRecord"]
 
@@ -33,25 +39,16 @@ class CommitRecord:
         return "/".join([self._prefix, *map(str, parts)])
 
     def publish_standby(self, rank: int, backend: str, address: str) -> None:
-        # The nonce tells a replacement from its predecessor even when the OS hands it the same port.
-        self.store.set(self._key("standby", rank), f"{backend} {address} {secrets.token_hex(8)}")
+        publish(self.store, self._key("standby", rank), backend, address)
 
     def registration(self, rank: int) -> str | None:
         """Rank ``rank``'s standby registration as published (None before the first)."""
-        key = self._key("standby", rank)
-        return self.store.get(key).decode() if self.store.check([key]) else None
+        return registration(self.store, self._key("standby", rank))
 
     def standby(self, rank: int, timeout: timedelta) -> tuple[str, str, str]:
         """(backend, address, registration) of rank ``rank``'s standby; waits for it to publish.
         The registration tells one standby incarnation from the next."""
-        key = self._key("standby", rank)
-        try:
-            self.store.wait([key], timeout)
-        except RuntimeError as exc:  # the store says "Wait timeout" as a RuntimeError (DistStoreError)
-            raise CommitTimeoutError(f"no standby of rank {rank} registered within {timeout}") from exc
-        registration = self.store.get(key).decode()
-        backend, address, _ = registration.split(" ")
-        return backend, address, registration
+        return wait_registration(self.store, self._key("standby", rank), timeout, f"standby of rank {rank}")
 
     def acknowledge(self, rank: int, step: int) -> int | None:
         """Record that rank ``rank``'s standby holds ``step``; returns the global commit after."""
@@ -65,6 +62,26 @@ class CommitRecord:
         while not current or int(current) < low:
             current = self.store.compare_set(key, current, str(low).encode())
         return int(current)
+
+    def report_lost(self, rank: int) -> None:
+        """Rank ``rank``'s standby saw its trainer's connection vanish without a goodbye."""
+        self.store.add(self._key("lost", rank), 1)
+
+    def lost_reports(self, rank: int) -> int:
+        """How many times rank ``rank``'s trainer was reported vanished (a counter, so
+        readers on other machines need no common clock)."""
+        return self.store.add(self._key("lost", rank), 0)
+
+    def set_unprotected(self, rank: int, unprotected: bool) -> None:
+        key = self._key("unprotected", rank)
+        if unprotected:
+            self.store.set(key, "1")
+        elif self.store.check([key]):
+            self.store.delete_key(key)
+
+    def unprotected(self, rank: int) -> bool:
+        """True when no standby will come for rank ``rank`` (its trainer acknowledges itself)."""
+        return self.store.check([self._key("unprotected", rank)])
 
     def last(self) -> int | None:
         """The last global commit, or None before the first."""

@@ -6,6 +6,7 @@ __all__ = [
     "AuthenticationError",
     "BucketCorruptedError",
     "CommitTimeoutError",
+    "JoinRefusedError",
     "LayoutMismatchError",
     "PeerDisconnectedError",
     "ReplicaError",
@@ -37,7 +38,16 @@ class BucketCorruptedError(TransportError):
 
 
 class PeerDisconnectedError(TransportError):
-    """The remote process closed the connection or died."""
+    """The remote process closed the connection or died.
+
+    ``graceful`` is True when the peer said goodbye (closed on purpose) and False
+    when its end simply vanished, as when the process is killed or its machine is
+    lost: the coordinator counts only the second kind as evidence of a death.
+    """
+
+    def __init__(self, message: str, *, graceful: bool = False) -> None:
+        super().__init__(message)
+        self.graceful = graceful
 
 
 class TransferTimeoutError(TransportError, TimeoutError):
@@ -46,6 +56,10 @@ class TransferTimeoutError(TransportError, TimeoutError):
 
 class AuthenticationError(ReplicaError):
     """A peer presented a missing or wrong job token."""
+
+
+class JoinRefusedError(ReplicaError):
+    """The coordinator refused this process's join (wrong token, rank taken, job over)."""
 
 
 class LayoutMismatchError(ReplicaError):

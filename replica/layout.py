@@ -89,6 +89,13 @@ class StateLayout:
     fingerprint: str
 
     @classmethod
+    def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, world_size: int, rank: int,
+           extras_capacity: int, bucket_bytes: int) -> StateLayout:
+        """The layout of a model's and optimizer's state (``extras_capacity`` rounded up to the alignment)."""
+        return cls.build(list(state_tensors(model, optimizer)), world_size=world_size, rank=rank,
+                         extras_capacity=_align(extras_capacity), bucket_bytes=bucket_bytes)
+
+    @classmethod
     def build(cls, tensors: Sequence[tuple[str, torch.Tensor]], *, world_size: int, rank: int,
               extras_capacity: int, bucket_bytes: int) -> StateLayout:
         if bucket_bytes <= 0 or bucket_bytes % ALIGNMENT:

@@ -14,17 +14,15 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from replica.backends import backend_class, choose_backend, locality_of, make_backend
+from replica.backends import backend_class, make_backend
 from replica.commit import CommitRecord
 from replica.config import Config, token_from_env
 from replica.errors import (
-    BucketCorruptedError,
     LayoutMismatchError,
     PeerDisconnectedError,
     ReplicaError,
@@ -33,17 +31,19 @@ from replica.errors import (
 )
 from replica.export import export_path, write_export
 from replica.layout import StateLayout
+from replica.listener import Listener
 from replica.protocol import (
     BEGIN,
     BUCKET_BASE,
     FETCH,
     LAYOUT_SIZE,
-    MAX_REPORTED,
     Begin,
     Reply,
     Status,
+    answer_layout,
     as_tensor,
     fingerprint_int,
+    receive_buckets,
     recv_layout,
     recv_reply,
     send_layout,
@@ -57,7 +57,6 @@ __all__ = ["Mirror", "MirrorStats", "fetch_mirror"]
 
 logger = logging.getLogger(__name__)
 
-_ACCEPT_POLL = timedelta(seconds=0.1)  # bounds how long close() waits for the accept loop
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,7 +67,7 @@ class MirrorStats:
     bytes_received: int = 0
 
 
-class Mirror:
+class Mirror(Listener):
     """The warm standby of trainer rank ``rank``: listens, receives, verifies, acknowledges.
 
     Publishes its address in the commit record so the rank's ``Replicator``
@@ -78,28 +77,23 @@ class Mirror:
 
     def __init__(self, *, rank: int, world_size: int, store: dist.Store, config: Config | None = None,
                  device: torch.device | str = "cpu"):
-        self.config = config if config is not None else Config(token=token_from_env())
+        config = config if config is not None else Config(token=token_from_env())
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.device = torch.device(device)
+        super().__init__(config=config, memory=MemoryKind.CUDA if self.device.type == "cuda" else MemoryKind.HOST,
+                         name=f"standby rank {rank}")
         self.rank = rank
         self.world_size = world_size
-        self.device = torch.device(device)
         self.record = CommitRecord(store, world_size=world_size, prefix=self.config.store_prefix)
         self.stats = MirrorStats()
-        memory = MemoryKind.CUDA if self.device.type == "cuda" else MemoryKind.HOST
-        self.backend = choose_backend(self.config, memory, locality_of(self.config.host))
-        self._transport = make_backend(self.backend, self.config)
-        self.address = self._transport.listen()
         self._layout: StateLayout | None = None
+        self._expected: StateLayout | None = None
         self._slots: list[Snapshot] = []
-        self._cond = threading.Condition()
-        self._closed = threading.Event()
         self._trainer: Connection | None = None  # the current trainer session's connection
         self._receiving = threading.Lock()  # one session at a time writes the versions
         self.record.publish_standby(rank, self.backend, self.address)
-        self._thread = threading.Thread(target=self._serve, name=f"replica-mirror-{rank}", daemon=True)
-        self._thread.start()
-        logger.info("[standby rank %d] mirror listening on %s (%s)", rank, self.address, self.backend)
+        self._start()
 
     @property
     def layout(self) -> StateLayout | None:
@@ -109,6 +103,15 @@ class Mirror:
         """Steps of the complete, verified versions this mirror holds."""
         with self._cond:
             return sorted(s.step for s in self._slots if s.step is not None)
+
+    def expect(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Refuse, from now on, a trainer whose state does not fit ``model``/``optimizer``
+        (the objects this standby would restore into; the optimizer's state must
+        exist, see ``materialize_optimizer_state``): a model that differs between
+        roles fails at the first commit instead of at promotion."""
+        self._expected = StateLayout.of(model, optimizer, world_size=self.world_size, rank=self.rank,
+                                        extras_capacity=self.config.extras_capacity,
+                                        bucket_bytes=self.config.bucket_bytes)
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 extra: Mapping[str, Stateful] | None = None, *, step: int | None = None,
@@ -137,19 +140,6 @@ class Mirror:
             snapshot, _ = self._version(step)
             return write_export(snapshot, export_path(directory, self.rank))
 
-    def close(self) -> None:
-        self._closed.set()
-        with self._cond:
-            self._cond.notify_all()
-        self._transport.close()
-        self._thread.join(timeout=10)
-
-    def __enter__(self) -> Mirror:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     def _version(self, step: int | None) -> tuple[Snapshot, int]:
         if step is None:
             step = self.record.last()
@@ -163,39 +153,12 @@ class Mirror:
 
     # --- the receiving thread ---
 
-    def _serve(self) -> None:
-        sessions: list[threading.Thread] = []
-        while not self._closed.is_set():
-            try:
-                conn = self._transport.accept(_ACCEPT_POLL)
-            except TransferTimeoutError:
-                continue
-            except (ReplicaError, OSError) as exc:
-                if self._closed.is_set():
-                    break
-                logger.warning("[standby rank %d] refused a connection: %s", self.rank, exc)
-                continue
-            self.stats.sessions += 1
-            sessions = [t for t in sessions if t.is_alive()]
-            sessions.append(threading.Thread(target=self._run_session, args=(conn,), daemon=True,
-                                             name=f"replica-mirror-session-{self.rank}"))
-            sessions[-1].start()
-        for t in sessions:
-            t.join(timeout=10)
+    def _held(self) -> str:
+        return f"; keeping steps {self.held_steps()}"
 
-    def _run_session(self, conn: Connection) -> None:
-        try:
-            self._session(conn)
-        except PeerDisconnectedError as exc:
-            if not self._closed.is_set():
-                logger.warning("[standby rank %d] peer gone (%s); keeping steps %s", self.rank, exc,
-                               self.held_steps())
-        except (ReplicaError, ValueError) as exc:
-            logger.error("[standby rank %d] session ended: %s; keeping steps %s", self.rank, exc, self.held_steps())
-        except Exception:  # noqa: BLE001 - the mirror outlives one bad session
-            logger.exception("[standby rank %d] session failed", self.rank)
-        finally:
-            conn.close()
+    def _peer_lost(self, conn: Connection, exc: PeerDisconnectedError) -> None:
+        if not exc.graceful and self._trainer is conn:
+            self.record.report_lost(self.rank)  # the coordinator weighs it against heartbeats
 
     def _wait_first(self, conn: Connection, transfers: list[Transfer], deadline: float | None) -> Transfer:
         """The first of ``transfers`` to finish. Without a deadline (the next step
@@ -207,9 +170,9 @@ class Mirror:
                     transfer.wait(self.config.timeout)  # verifies its digest
                     return transfer
             if self._closed.is_set():
-                raise PeerDisconnectedError("mirror closed")
+                raise PeerDisconnectedError("mirror closed", graceful=True)
             if deadline is None and self._trainer is not conn:
-                raise PeerDisconnectedError("a newer trainer connection took over")
+                raise PeerDisconnectedError("a newer trainer connection took over", graceful=True)
             if deadline is not None and time.monotonic() > deadline:
                 raise TransferTimeoutError("the peer sent nothing after connecting")
             time.sleep(delay)
@@ -233,12 +196,7 @@ class Mirror:
             logger.warning("[standby rank %d] a new trainer connection replaces the previous one", self.rank)
             previous.close()
         with self._receiving:  # the previous session has left _receive
-            try:
-                self._adopt(layout)
-            except LayoutMismatchError:
-                send_reply(conn, Reply(step=-1, status=Status.LAYOUT_MISMATCH), timeout)
-                raise
-            send_reply(conn, Reply(step=-1, status=Status.ACCEPTED), timeout)
+            answer_layout(conn, layout, self._adopt, timeout)
         buckets = layout.buckets()
         fingerprint = fingerprint_int(layout.fingerprint)
         while True:
@@ -272,6 +230,12 @@ class Mirror:
         if layout.rank != self.rank or layout.world_size != self.world_size:
             raise LayoutMismatchError(f"a trainer of rank {layout.rank}/{layout.world_size} connected to the "
                                       f"standby of rank {self.rank}/{self.world_size}")
+        if self._expected is not None:
+            try:
+                self._expected.check_matches(layout)
+            except LayoutMismatchError as exc:
+                raise LayoutMismatchError(f"the trainer's state does not fit the standby's model ({exc}; "
+                                          "'here' is the standby, 'in the mirror' the trainer)") from exc
         with self._cond:
             if self._layout is not None:
                 self._layout.check_matches(layout)
@@ -296,27 +260,8 @@ class Mirror:
     def _receive(self, conn: Connection, step: int, buckets: list[tuple[int, int]], fingerprint: int) -> None:
         timeout = self.config.timeout
         slot = self._stage()
-        todo = list(range(len(buckets)))
-        unreported: list[int] = []
-        while todo:
-            transfers = [(i, conn.irecv(slot.buffer[buckets[i][0]:buckets[i][1]], tag=BUCKET_BASE + i)) for i in todo]
-            bad = []
-            for i, transfer in transfers:
-                try:
-                    header = transfer.wait(timeout)
-                except BucketCorruptedError as exc:
-                    logger.warning("[standby rank %d step %d] %s", self.rank, step, exc)
-                    self.stats.corrupted_buckets += 1
-                    bad.append(i)
-                    continue
-                if (header.step, header.bucket, header.offset, header.fingerprint) != (
-                        step, i, buckets[i][0], fingerprint):
-                    raise TransportError(f"bucket {i} of step {step} arrived with header {header}")
-                self.stats.bytes_received += header.nbytes
-            bad += unreported
-            todo, unreported = bad[:MAX_REPORTED], bad[MAX_REPORTED:]
-            if todo:
-                send_reply(conn, Reply.resend(step, todo), timeout)
+        receive_buckets(conn, slot.buffer, buckets, step=step, fingerprint=fingerprint, timeout=timeout,
+                        who=self.name, counts=self.stats)
         with self._cond:
             slot.step = step
             self.stats.acked.append(step)

@@ -12,13 +12,16 @@ trainer sends again under the same tags.
 from __future__ import annotations
 
 import enum
+import logging
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 
+from replica.errors import BucketCorruptedError, LayoutMismatchError, TransportError
 from replica.layout import StateLayout
 from replica.transport import Connection
 
@@ -32,15 +35,20 @@ __all__ = [
     "MAX_REPORTED",
     "REPLY",
     "REPLY_BYTES",
+    "ReceiveCounts",
     "Reply",
     "Status",
+    "answer_layout",
     "as_tensor",
     "fingerprint_int",
+    "receive_buckets",
     "recv_layout",
     "recv_reply",
     "send_layout",
     "send_reply",
 ]
+
+logger = logging.getLogger(__name__)
 
 LAYOUT_SIZE = 1
 LAYOUT = 2
@@ -146,3 +154,49 @@ def recv_layout(conn: Connection, timeout: timedelta, size: torch.Tensor | None 
     text = torch.empty(n, dtype=torch.uint8)
     conn.recv(text, tag=LAYOUT, timeout=timeout)
     return StateLayout.from_json(text.numpy().tobytes().decode())
+
+
+class ReceiveCounts(Protocol):
+    bytes_received: int
+    corrupted_buckets: int
+
+
+def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,
+                    fingerprint: int, timeout: timedelta, who: str, counts: ReceiveCounts) -> None:
+    """Receive bucket i of ``step`` into ``buffer[lo:hi]`` for every ``(lo, hi)`` of
+    ``ranges``, checking each digest and header; buckets that fail their digest
+    are asked for again (RESEND) until all are good. ``counts`` is updated as it
+    goes (a session cut short still counts what it saw). Used by the standby and
+    the engine receiver alike."""
+    todo, unreported = list(range(len(ranges))), []
+    while todo:
+        transfers = [(i, conn.irecv(buffer[ranges[i][0]:ranges[i][1]], tag=BUCKET_BASE + i)) for i in todo]
+        bad = []
+        for i, transfer in transfers:
+            try:
+                header = transfer.wait(timeout)
+            except BucketCorruptedError as exc:
+                logger.warning("[%s step %d] %s", who, step, exc)
+                counts.corrupted_buckets += 1
+                bad.append(i)
+                continue
+            if (header.step, header.bucket, header.offset, header.fingerprint) != (
+                    step, i, ranges[i][0], fingerprint):
+                raise TransportError(f"bucket {i} of step {step} arrived with header {header}")
+            counts.bytes_received += header.nbytes
+        bad += unreported
+        todo, unreported = bad[:MAX_REPORTED], bad[MAX_REPORTED:]
+        if todo:
+            send_reply(conn, Reply.resend(step, todo), timeout)
+
+
+def answer_layout(conn: Connection, layout: StateLayout, adopt: Callable[[StateLayout], None],
+                  timeout: timedelta) -> None:
+    """Answer a sender's layout: ACCEPTED once ``adopt`` took it, LAYOUT_MISMATCH
+    (and the mismatch re-raised) when it refused."""
+    try:
+        adopt(layout)
+    except LayoutMismatchError:
+        send_reply(conn, Reply(step=-1, status=Status.LAYOUT_MISMATCH), timeout)
+        raise
+    send_reply(conn, Reply(step=-1, status=Status.ACCEPTED), timeout)

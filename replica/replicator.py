@@ -23,7 +23,6 @@ from replica.commit import CommitRecord
 from replica.config import Config, token_from_env
 from replica.errors import ReplicaError
 from replica.layout import StateLayout, state_tensors
-from replica.ops import ALIGNMENT
 from replica.resilient import ResilientProcessGroup
 from replica.restore import bind_state, restore_snapshot
 from replica.snapshot import Snapshot, Stateful, collect_extras
@@ -199,9 +198,9 @@ class Replicator:
         if len(devices) != 1:
             raise ReplicaError(f"state tensors live on several devices {sorted(map(str, devices))}; "
                                "a snapshot is packed on one")
-        extras_capacity = -(-self.config.extras_capacity // ALIGNMENT) * ALIGNMENT
-        self._layout = StateLayout.build(named, world_size=self.world_size, rank=self.rank,
-                                         extras_capacity=extras_capacity, bucket_bytes=self.config.bucket_bytes)
+        self._layout = StateLayout.of(self.model, self.optimizer, world_size=self.world_size, rank=self.rank,
+                                      extras_capacity=self.config.extras_capacity,
+                                      bucket_bytes=self.config.bucket_bytes)
         self._tensors = bind_state(self.model, self.optimizer, rank=self.rank, world_size=self.world_size,
                                    like=self._layout)
         device = devices.pop()

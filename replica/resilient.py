@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -83,10 +84,25 @@ class _Work(dist.Work):
         return future
 
 
+def _device_type(args: tuple) -> str:
+    """The device of a collective's tensors (its first tensor argument, lists included)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device.type
+        if isinstance(arg, list | tuple) and arg:
+            found = _device_type(tuple(arg))
+            if found:
+                return found
+    return ""
+
+
 def _forward(name: str, target: str):
     def collective(self: ResilientProcessGroup, *args):
+        if self.on_collective is not None:
+            self.on_collective(name)
         with self._lock:
-            inner, generation = self._inner, self._generation
+            inners, generation = self._inners, self._generation
+        inner = inners.get(_device_type(args) or "cpu", inners.get("cpu")) if inners else None
         if inner is None or self._error is not None:
             if self._error is None:
                 self._record(ReplicaError("collective on a process group with no members configured"), generation)
@@ -105,15 +121,19 @@ def _forward(name: str, target: str):
 class ResilientProcessGroup(dist.ProcessGroup):
     """See the module docstring. Create it with ``init_resilient_process_group``."""
 
-    def __init__(self, *, store: dist.Store, rank: int, world_size: int, timeout: timedelta, name: str):
+    def __init__(self, *, store: dist.Store, rank: int, world_size: int, timeout: timedelta, name: str,
+                 cuda: bool | None = None):
         super().__init__(rank, world_size)
         self._store = store
         self._timeout = timeout
         self._name = name
+        # CUDA tensors go through NCCL (built per generation too); None: when this machine has a GPU.
+        self.cuda = torch.cuda.is_available() if cuda is None else cuda
         self._lock = threading.Lock()
-        self._inner = None
+        self._inners: dict[str, object] = {}  # device type -> the generation's inner backend
         self._generation = -1
         self._error: Exception | None = None
+        self.on_collective: Callable[[str], None] | None = None  # called with each collective's name (tests)
 
     @property
     def group_name(self) -> str:  # the base class keeps no name for Python subclasses
@@ -136,13 +156,31 @@ class ResilientProcessGroup(dist.ProcessGroup):
         number (the coordinator's); blocks until all have joined or ``timeout``."""
         if generation <= self._generation:
             raise ValueError(f"generation {generation} is not newer than {self._generation}")
+        timeout = timeout or self._timeout
         prefix = dist.PrefixStore(f"generation/{generation}", self._store)
-        inner = dist.ProcessGroupGloo(prefix, self.rank(), self.size(), timeout or self._timeout)
+        inners = {"cpu": dist.ProcessGroupGloo(prefix, self.rank(), self.size(), timeout)}
+        if self.cuda:
+            inners["cuda"] = _nccl(dist.PrefixStore("nccl", prefix), self.rank(), self.size(), timeout)
         with self._lock:
-            old, self._inner, self._generation, self._error = self._inner, inner, generation, None
-        if old is not None:
-            _shutdown(old)
-        logger.info("[rank %d] process group generation %d connected", self.rank(), generation)
+            old, self._inners, self._generation, self._error = self._inners, inners, generation, None
+        for inner in old.values():
+            _shutdown(inner)
+        logger.info("[rank %d] process group generation %d connected (%s)", self.rank(), generation,
+                    ", ".join(sorted(inners)))
+
+    def abort(self, reason: str) -> None:
+        """Fail the current generation now: a survivor blocked in an NCCL collective
+        with a dead peer gets out (gloo's own timeout and closed connections do it for
+        CPU tensors). The step is then redone in the next generation."""
+        with self._lock:
+            inners, generation = dict(self._inners), self._generation
+        self._record(ReplicaError(f"generation {generation} aborted: {reason}"), generation)
+        for device, inner in inners.items():
+            if device != "cpu" and hasattr(inner, "abort"):
+                try:
+                    inner.abort()
+                except Exception as exc:  # noqa: BLE001 - an already broken communicator
+                    logger.debug("aborting generation %d's %s backend: %s", generation, device, exc)
 
     def _record(self, exc: Exception, generation: int) -> None:
         with self._lock:
@@ -152,8 +190,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         with self._lock:
-            inner, self._inner = self._inner, None
-        if inner is not None:
+            inners, self._inners = self._inners, {}
+        for inner in inners.values():
             _shutdown(inner)
 
     for _name, _target in _FORWARD.items():
@@ -166,6 +204,13 @@ def _shutdown(inner) -> None:
         inner.shutdown()
     except Exception as exc:  # noqa: BLE001 - a broken generation may not shut down cleanly
         logger.debug("shutting down an old generation: %s", exc)
+
+
+def _nccl(store: dist.Store, rank: int, size: int, timeout: timedelta):
+    """An NCCL group for one generation (not run on a GPU yet: see the README)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
 def _create(opts, _backend_options) -> ResilientProcessGroup:

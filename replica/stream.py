@@ -45,6 +45,7 @@ class StreamStats:
     bytes_sent: int = 0
     resent_buckets: int = 0
     reattached: int = 0
+    unprotected_steps: int = 0  # steps acknowledged by the trainer itself, with no standby
     stream_s: list[float] = field(default_factory=list)
 
 
@@ -64,6 +65,7 @@ class MirrorStream:
         self._closing = threading.Event()
         self._transport: Transport | None = None
         self._registration: str | None = None  # the registration of the standby connected to
+        self._lost: str | None = None  # the registration of the last standby lost
         self._conn: Connection | None = None
         self._layout_sent: StateLayout | None = None
         self._thread = threading.Thread(target=self._run, name=f"replica-mirror-stream-{rank}", daemon=True)
@@ -117,29 +119,35 @@ class MirrorStream:
 
     def _stream_or_reattach(self, snapshot: Snapshot, step: int) -> None:
         """Stream; if the standby is lost, wait up to ``standby_wait`` for a
-        replacement and send it this snapshot (the one the next commit needs)."""
+        replacement and send it this snapshot (the one the next commit needs).
+        A rank the coordinator marked unprotected acknowledges its own snapshot."""
+        if self._conn is None and self._acknowledge_unprotected(step):
+            return
         try:
             self._stream(snapshot, step)
             return
         except (LayoutMismatchError, StandbyLostError):
             raise
         except TransportError as exc:
+            self._lost = self._registration
+            self._drop()
+            if self._acknowledge_unprotected(step):
+                return
             if self._config.standby_wait <= timedelta(0):
                 raise
-            lost, first = self._registration, exc
+            first = exc
         logger.error("[trainer rank %d step %d] the standby is lost (%s); rank %d is UNPROTECTED until a "
                      "replacement registers (waiting up to %s)", self.rank, step, first, self.rank,
                      self._config.standby_wait)
-        self._drop()
         deadline = time.monotonic() + self._config.standby_wait.total_seconds()
         while time.monotonic() < deadline and not self._closing.is_set():
-            if self._record.registration(self.rank) not in (None, lost):
+            if self._record.registration(self.rank) not in (None, self._lost):
                 try:
                     self._stream(snapshot, step)
                 except (LayoutMismatchError, StandbyLostError):
                     raise
                 except TransportError as exc:  # the replacement died too: keep waiting
-                    lost = self._registration
+                    self._lost = self._registration
                     self._drop()
                     logger.error("[trainer rank %d step %d] replacement standby lost too: %s", self.rank, step, exc)
                     continue
@@ -147,9 +155,24 @@ class MirrorStream:
                                self._registration)
                 self.stats.reattached += 1
                 return
+            if self._acknowledge_unprotected(step):
+                return
             time.sleep(0.05)
         raise StandbyLostError(f"no standby of rank {self.rank} registered within {self._config.standby_wait} "
                                f"after {first}") from first
+
+    def _acknowledge_unprotected(self, step: int) -> bool:
+        """When the coordinator says no standby will come for this rank (and none has
+        registered since the last one was lost), acknowledge the snapshot here: the
+        survivors can still roll back to every commit, this rank cannot be recovered."""
+        if not self._record.unprotected(self.rank) or self._record.registration(self.rank) not in (None, self._lost):
+            return False
+        self._record.acknowledge(self.rank, step)
+        self.stats.unprotected_steps += 1
+        if self.stats.unprotected_steps == 1:
+            logger.error("[trainer rank %d step %d] rank %d is UNPROTECTED: it has no standby; training goes on, "
+                         "but if this trainer dies the job cannot recover it", self.rank, step, self.rank)
+        return True
 
     def _drop(self) -> None:
         if self._conn is not None:
@@ -170,7 +193,9 @@ class MirrorStream:
         send_layout(conn, snapshot.layout, timeout)
         reply = self._reply(conn, -1)
         if reply.status == Status.LAYOUT_MISMATCH:
-            raise LayoutMismatchError(f"the standby of rank {self.rank} holds a mirror of a different layout")
+            raise LayoutMismatchError(f"the standby of rank {self.rank} refused this trainer's state layout: it "
+                                      "mirrors or would restore into a different model, optimizer or world size "
+                                      "(its log names the first difference)")
         if reply.status != Status.ACCEPTED:
             raise TransportError(f"standby answered {reply.status.name} to the layout")
         logger.info("[trainer rank %d] mirroring %d bytes in %d buckets to %s over %s", self.rank,

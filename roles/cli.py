@@ -7,7 +7,9 @@ import sys
 __all__ = ["main"]
 
 _USAGE = """usage: replica launch [--trainers N] [--steps N] [--inject SPEC] [--report PATH] SCRIPT [ARGS...]
-       replica compare REFERENCE.json OTHER.json"""
+       replica coordinator --world-size N --steps N [--host H] [--port P] [--report PATH]
+       replica compare REFERENCE.json OTHER.json
+(each command's --help lists its options)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         from replica.roles.launch import main as launch
 
         return launch(argv[1:])
+    if argv[0] == "coordinator":
+        from replica.roles.serve import main as coordinator
+
+        return coordinator(argv[1:])
     if argv[0] == "compare" and len(argv) == 3:
         return _compare(*argv[1:])
     print(f"replica: bad command {' '.join(argv)!r}\n{_USAGE}", file=sys.stderr)

@@ -1,23 +1,77 @@
-"""The coordinator: hosts the job's store (commit record, membership,
-heartbeats), declares roles dead and decides failovers. Runs inside the
-``replica launch`` process, which also acts as the local agent that sees its
-children exit."""
+"""The coordinator: hosts the job's store (commit record, membership table,
+heartbeats), admits joining roles that present the job token, declares roles
+dead and decides failovers.
+
+It runs inside ``replica launch`` (whose loop is also the local agent that sees
+its children exit) or alone as ``replica coordinator`` for a multi-node job,
+where roles on other machines join it. A role is declared dead on (a) process
+exit reported by a local agent, (b) a transport-level report — its standby saw
+its connection vanish without a goodbye — confirmed by a short heartbeat
+silence, or (c) a missed heartbeat deadline, set per role.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from replica.commit import CommitRecord
+from replica.errors import JoinRefusedError
+from replica.roles.join import ROLES, JoinRequest, answer, pending_requests
 
-__all__ = ["Coordinator", "Failover"]
+__all__ = ["Coordinator", "Deadlines", "Decision", "Failover", "Member"]
 
 logger = logging.getLogger(__name__)
+
+_JOIN_STRAGGLE_S = 10.0
+_LATE_REPORT_S = 1.0  # a join numbered but never written (its writer died) is skipped after this
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Deadlines:
+    """Seconds of heartbeat silence before a live process is declared dead, per role
+    (heartbeats come from a thread of their own, so a slow step does not stop
+    them), and the shorter silence that confirms a transport-level report."""
+
+    trainer: float = 10.0
+    standby: float = 10.0
+    confirm: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("trainer", "standby", "confirm"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"the {name} deadline must be > 0 s, got {getattr(self, name)}")
+
+    def of(self, role: str) -> float:
+        return getattr(self, role)
+
+
+@dataclass(kw_only=True, slots=True)
+class Member:
+    """A row of the membership table."""
+
+    id: int
+    role: str
+    rank: int
+    host: str
+    pid: int
+    generation: int
+    joined_at: float
+    since: float  # when it took its current role (a promoted standby's promotion)
+    state: str = "alive"  # alive, done, dead
+    # Liveness, on the coordinator's clock only (roles on other machines need not agree on time):
+    beats: int = field(default=0, repr=False)  # the heartbeat counter last read
+    beat_at: float = field(default=0.0, repr=False)  # when it last changed
+    lost_base: int = field(default=0, repr=False)  # transport reports of its rank before it took its role
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.rank} (pid {self.pid} on {self.host})"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -31,9 +85,25 @@ class Failover:
     timeline_ms: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Decision:
+    """What the coordinator decided, for the agent to act on: ``promoted``
+    (rank's standby is its trainer now; start a new standby), ``standby_lost``
+    (start a replacement) or ``failed`` (the job cannot go on)."""
+
+    kind: str
+    rank: int
+    reason: str
+    dead: Member | None = None
+
+
 class Coordinator:
-    def __init__(self, *, world_size: int, host: str = "127.0.0.1", port: int = 0,
-                 heartbeat_deadline: timedelta = timedelta(seconds=10)):
+    def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
+                 deadlines: Deadlines = Deadlines()):
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not token:
+            raise ValueError("the coordinator needs the job's token")
         # TCPStore binds every interface unless handed a socket: bind the configured host.
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -48,26 +118,174 @@ class Coordinator:
                                    master_listen_fd=self._listener.detach(), timeout=timedelta(seconds=60))
         self.world_size = world_size
         self.record = CommitRecord(self.store, world_size=world_size)
+        self.deadlines = deadlines
         self.generation = 0
-        self.heartbeat_deadline = heartbeat_deadline.total_seconds()
+        self.members: list[Member] = []
         self.failovers: list[Failover] = []
         self.standbys_replaced: list[dict] = []
+        self.refused: list[dict] = []
+        self.unprotected: set[int] = set()
+        self.started = False  # every rank's trainer has joined: no trainer may join any more
+        self._token = token
+        self._seen = 0  # the join requests answered or skipped
+        self._nonces: set[str] = set()
+        self._numbered_at: dict[int, float] = {}
+        self._failed: str | None = None
         self.store.set("replica/generation", "0")
+        self._publish_members()
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def stale(self, pid: int) -> bool:
-        """True when process ``pid`` has heartbeated before but not within the deadline."""
-        key = f"replica/hb/{pid}"
-        if not self.store.check([key]):
-            return False
-        return time.time() - float(self.store.get(key)) > self.heartbeat_deadline
+    # --- the agent's calls ---
 
-    def fail_trainer(self, rank: int, reason: str) -> Failover:
-        """Trainer ``rank`` is dead: fix the commit to resume from, announce the next
-        generation, promote the rank's standby."""
+    def poll(self) -> list[Decision]:
+        """Admit joins, then look for deaths; call every few tens of ms."""
+        decisions = self._check_fatal()
+        self._admit()
+        now = time.time()
+        for member in self.alive():
+            if member.role == "trainer" and self.store.check([f"replica/done/{member.rank}"]):
+                member.state = "done"
+                self._publish_members()
+                continue
+            silent = now - self._last_beat(member, now)
+            lost = False
+            if member.role == "trainer":
+                reports = self.record.lost_reports(member.rank)
+                if now - member.since < _LATE_REPORT_S:  # a report may still be about its predecessor
+                    member.lost_base = reports
+                lost = reports > member.lost_base
+            if lost and silent > self.deadlines.confirm:
+                decisions += self.declare_dead(member, f"its standby saw the connection vanish and it has sent "
+                                                       f"no heartbeat for {silent * 1e3:.0f} ms")
+            elif silent > self.deadlines.of(member.role):
+                decisions += self.declare_dead(member, f"no heartbeat for {silent:.1f} s (the {member.role} "
+                                                       f"deadline is {self.deadlines.of(member.role):g} s)")
+        return decisions
+
+    def process_exited(self, pid: int, code: int, *, host: str | None = None) -> list[Decision]:
+        """A local agent saw process ``pid`` exit with ``code``."""
+        decisions = self._check_fatal()
+        self._admit()
+        host = host or socket.gethostname()
+        member = next((m for m in self.members if m.pid == pid and m.host == host), None)
+        if member is None:
+            if not self.finished():
+                decisions.append(self._fail(-1, f"process {pid} exited with code {code} before it joined the job"))
+            return decisions
+        if member.state != "alive":
+            return decisions
+        if member.role == "trainer" and self.store.check([f"replica/done/{member.rank}"]):
+            member.state = "done"
+            self._publish_members()
+            return decisions
+        if member.role == "standby" and self.finished():
+            member.state = "done"
+            return decisions
+        return decisions + self.declare_dead(member, f"exit code {code}")
+
+    def declare_dead(self, member: Member, reason: str) -> list[Decision]:
+        member.state = "dead"
+        self._publish_members()
+        if self._failed is not None:
+            return []
+        if member.role == "standby":
+            logger.warning("%s is dead (%s)", member, reason)
+            self.standbys_replaced.append({"rank": member.rank, "reason": reason, "at": time.time()})
+            return [Decision(kind="standby_lost", rank=member.rank, reason=reason, dead=member)]
+        standby = self._live("standby", member.rank)
+        if standby is None:
+            return [self._fail(member.rank, f"trainer {member.rank} died ({reason}) and has no standby: rank "
+                                            f"{member.rank} was unprotected and its state is lost")]
+        self._promote(standby, reason)
+        return [Decision(kind="promoted", rank=member.rank, reason=reason, dead=member)]
+
+    def set_unprotected(self, rank: int) -> None:
+        """No standby will come for ``rank``: its trainer acknowledges itself from now on."""
+        self.unprotected.add(rank)
+        self.record.set_unprotected(rank, True)
+        logger.error("rank %d is UNPROTECTED: no standby is left for it; training goes on, but if its "
+                     "trainer dies the job fails", rank)
+
+    def finish(self) -> None:
+        self.store.set("replica/finished", "1")
+
+    def finished(self) -> bool:
+        return self.store.check(["replica/finished"])
+
+    def all_done(self) -> bool:
+        return all(self.store.check([f"replica/done/{r}"]) for r in range(self.world_size))
+
+    def alive(self, role: str | None = None) -> list[Member]:
+        return [m for m in self.members if m.state == "alive" and role in (None, m.role)]
+
+    def trainer_of(self, rank: int) -> Member | None:
+        return next((m for m in reversed(self.members) if m.role == "trainer" and m.rank == rank), None)
+
+    # --- joins ---
+
+    def _admit(self) -> None:
+        for seq, raw in pending_requests(self.store, self._seen):
+            if raw is None:  # numbered, not yet written
+                first = self._numbered_at.setdefault(seq, time.monotonic())
+                if time.monotonic() - first < _JOIN_STRAGGLE_S:
+                    return
+                self._seen = seq
+                continue
+            self._seen = seq
+            try:
+                request = JoinRequest.decode(raw, self._token)
+                refused = self._refusal(request)
+            except JoinRefusedError as exc:
+                request, refused = None, str(exc)
+            if refused is not None:
+                # The reason names who asked, never the token presented.
+                logger.warning("refused a join: %s", refused)
+                self.refused.append({"reason": refused, "at": time.time()})
+                answer(self.store, seq, generation=self.generation, refused=refused)
+                continue
+            self._nonces.add(request.nonce)
+            now = time.time()
+            member = Member(id=seq, role=request.role, rank=request.rank, host=request.host, pid=request.pid,
+                            generation=self.generation, joined_at=now, since=now, beat_at=now,
+                            lost_base=self.record.lost_reports(request.rank))
+            self.members.append(member)
+            if member.role == "standby" and member.rank in self.unprotected:
+                self.unprotected.discard(member.rank)
+                self.record.set_unprotected(member.rank, False)
+                logger.warning("rank %d is protected again by %s", member.rank, member)
+            if not self.started and all(self._live("trainer", r) for r in range(self.world_size)):
+                self.started = True
+            self._publish_members()
+            answer(self.store, seq, generation=self.generation)
+            logger.info("admitted %s", member)
+
+    def _refusal(self, request: JoinRequest) -> str | None:
+        who = f"{request.role} {request.rank} (pid {request.pid} on {request.host})"
+        if request.nonce in self._nonces:
+            return f"replayed join request of {who}"
+        if request.role not in ROLES:
+            return f"{who}: unknown role {request.role!r} (expected one of {ROLES})"
+        if not 0 <= request.rank < self.world_size:
+            return f"{who}: rank {request.rank} is not in [0, {self.world_size})"
+        if self.finished():
+            return f"{who}: the job is over"
+        if request.role == "trainer" and self.started:
+            return (f"{who}: the job is running (generation {self.generation}); a trainer cannot join late, "
+                    f"start a standby for its rank instead")
+        holder = self._live(request.role, request.rank)
+        if holder is not None:
+            return f"{who}: rank {request.rank} already has a live {request.role}, {holder}"
+        return None
+
+    # --- deaths ---
+
+    def _promote(self, standby: Member, reason: str) -> None:
+        """Trainer ``standby.rank`` is dead: fix the commit to resume from, announce the
+        next generation, promote the rank's standby."""
+        rank = standby.rank
         decided = time.time()
         commit = self.record.last()
         self.generation += 1
@@ -78,15 +296,43 @@ class Coordinator:
         self.store.set(f"replica/failover/{g}", str(commit if commit is not None else -1))
         self.store.set(f"replica/promote/{rank}", str(g))
         self.store.set("replica/generation", str(g))
-        failover = Failover(rank=rank, generation=g, commit=commit, reason=reason, decided_at=decided)
-        self.failovers.append(failover)
-        logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s", rank, reason, g, commit)
-        return failover
+        standby.role, standby.since, standby.generation = "trainer", decided, g
+        standby.lost_base = self.record.lost_reports(rank)
+        self._publish_members()
+        self.failovers.append(Failover(rank=rank, generation=g, commit=commit, reason=reason, decided_at=decided))
+        logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted", rank,
+                       reason, g, commit, standby)
 
-    def standby_lost(self, rank: int, reason: str) -> None:
-        """A standby died: training goes on; its trainer waits for the replacement."""
-        self.standbys_replaced.append({"rank": rank, "reason": reason, "at": time.time()})
-        logger.warning("standby %d is dead (%s): starting a replacement", rank, reason)
+    def _fail(self, rank: int, reason: str) -> Decision:
+        self._failed = reason
+        logger.error("the job failed: %s", reason)
+        return Decision(kind="failed", rank=rank, reason=reason)
+
+    def _check_fatal(self) -> list[Decision]:
+        """A role that hit an error no failover can fix (a layout mismatch) reports it here."""
+        if self._failed is None and self.store.check(["replica/fatal"]):
+            return [self._fail(-1, self.store.get("replica/fatal").decode())]
+        return []
+
+    def _live(self, role: str, rank: int) -> Member | None:
+        return next((m for m in self.members if m.state == "alive" and m.role == role and m.rank == rank), None)
+
+    def _last_beat(self, member: Member, now: float) -> float:
+        """When (on this clock) the member's heartbeat counter last moved."""
+        beats = self.store.add(f"replica/hb/{member.id}", 0)
+        if beats != member.beats:
+            member.beats, member.beat_at = beats, now
+        return member.beat_at
+
+    def _publish_members(self) -> None:
+        self.store.set("replica/members", json.dumps(self.membership()))
+
+    def membership(self) -> list[dict]:
+        """The membership table: role, rank, host, pid, generation and state of every member."""
+        shown = ("id", "role", "rank", "host", "pid", "generation", "state")
+        return [{k: v for k, v in asdict(m).items() if k in shown} for m in self.members]
+
+    # --- the timeline ---
 
     def fired(self, fault: str) -> float | None:
         """When an injected fault fired (its process records it just before dying)."""

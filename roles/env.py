@@ -4,12 +4,13 @@ never at import."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Fault", "RoleEnv", "parse_faults"]
+__all__ = ["Fault", "RoleEnv", "configure_logging", "parse_faults"]
 
-PHASES = ("forward", "backward", "optimizer", "mirror", "commit")
+PHASES = ("forward", "backward", "reduce-scatter", "optimizer", "mirror", "commit")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -59,6 +60,7 @@ class RoleEnv:
     store_port: int
     token: bytes = field(repr=False)
     faults: tuple[Fault, ...] = ()
+    host: str = "127.0.0.1"  # where this role's data-plane listeners bind (a routable address across nodes)
 
     @classmethod
     def from_environ(cls) -> RoleEnv:
@@ -74,4 +76,10 @@ class RoleEnv:
         return cls(role=role, rank=int(env.get("REPLICA_RANK", env.get("RANK", "0"))),
                    world_size=int(env.get("REPLICA_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
                    store_host=host, store_port=int(port), token=env["REPLICA_TOKEN"].encode(),
-                   faults=parse_faults(env.get("REPLICA_INJECT", "")))
+                   faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"))
+
+
+def configure_logging() -> None:
+    """Log to stderr at ``REPLICA_LOG`` (default WARNING) in every role and the coordinator."""
+    logging.basicConfig(level=os.environ.get("REPLICA_LOG", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 import replica
 from replica.restore import materialize_optimizer_state
-from replica.roles.env import RoleEnv
+from replica.roles.env import RoleEnv, configure_logging
+from replica.roles.join import join
 
 __all__ = ["Job", "init"]
 
@@ -33,8 +34,11 @@ class Job:
         self.role = env.role
         self.rank = env.rank
         self.store = dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=_WAIT)
+        # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
+        self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=_WAIT).member
+        self._since = 0  # the generation this process became the rank's trainer in
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
-        self.config = replica.Config(token=env.token, standby_wait=timedelta(seconds=120))
+        self.config = replica.Config(token=env.token, host=env.host, standby_wait=timedelta(seconds=120))
         self.group = replica.init_resilient_process_group(
             store=dist.PrefixStore("replica/pg", self.store), rank=env.rank, world_size=env.world_size,
             timeout=timedelta(seconds=10), generation=0 if env.role == "trainer" else None)
@@ -57,12 +61,17 @@ class Job:
                                           config=self.config)
             # Create the optimizer's state now, while waiting: promotion is then one unpack.
             materialize_optimizer_state(optimizer)
+            self._mirror.expect(model, optimizer)  # a trainer of another model is refused at once
         self._install_faults(model, optimizer)
         return self
 
     def commit(self, step: int) -> bool:
         self._fault("commit", step)
-        done = self._rep.commit(step)
+        try:
+            done = self._rep.commit(step)
+        except replica.LayoutMismatchError as exc:
+            self._report_fatal(exc)
+            raise
         self._fault("mirror", step)  # the stream of this step is in flight now
         return done
 
@@ -118,6 +127,12 @@ class Job:
 
     def _recover(self) -> int:
         generation, commit = self._announced()
+        key = f"replica/promote/{self.rank}"
+        if self.store.check([key]) and int(self.store.get(key)) > self._since:
+            # Declared dead (a missed deadline) while alive: its standby has taken the rank over.
+            self._stop.set()
+            raise replica.ReplicaError(f"trainer rank {self.rank} was declared dead and replaced by its standby "
+                                       f"in generation {int(self.store.get(key))}; this process must stop")
         restored = self._rep.rollback(step=commit)
         self.group.configure(generation)
         logger.warning("[trainer rank %d] survived: rolled back to %d, generation %d", self.rank, restored, generation)
@@ -139,7 +154,13 @@ class Job:
         generation = int(self.store.get(key))
         commit = int(self.store.get(f"replica/failover/{generation}"))
         model, optimizer, extra = self._bound
-        self._mirror.restore(model, optimizer, extra, step=commit, rank=self.rank, world_size=self.env.world_size)
+        try:
+            self._mirror.restore(model, optimizer, extra, step=commit, rank=self.rank,
+                                 world_size=self.env.world_size)
+        except replica.LayoutMismatchError as exc:
+            self._report_fatal(exc)
+            raise
+        self._since = generation
         self.store.set(f"replica/restored/{generation}", repr(time.time()))
         self.group.configure(generation)
         self.store.set(f"replica/reconnected/{generation}", repr(time.time()))
@@ -159,11 +180,22 @@ class Job:
 
     # --- liveness and faults ---
 
+    def _report_fatal(self, exc: Exception) -> None:
+        """An error no failover can fix (the roles disagree on the model): the job must stop."""
+        message = f"{self.role} rank {self.rank}: {exc}"
+        logger.error("[%s rank %d] fatal: %s", self.role, self.rank, exc)
+        self.store.set("replica/fatal", message)
+
     def _heartbeat(self) -> None:
-        key = f"replica/hb/{os.getpid()}"
+        # A counter, not a time: the coordinator times it on its own clock.
+        key = f"replica/hb/{self.member}"
         while not self._stop.is_set():
             try:
-                self.store.set(key, repr(time.time()))
+                self.store.add(key, 1)
+                if self.group.cuda and self.role == "trainer" and self.group.errored is None and \
+                        self._failover_announced():
+                    # NCCL does not fail a collective whose peer died: get this survivor out of it.
+                    self.group.abort("the coordinator announced a failover")
             except Exception:  # noqa: BLE001 - the coordinator is gone: nothing to report to
                 return
             self._stop.wait(HEARTBEAT_S)
@@ -180,6 +212,12 @@ class Job:
         last = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))][-1]
         last.register_full_backward_pre_hook(on_backward)
         optimizer.register_step_pre_hook(lambda *a: self._fault("optimizer", self._step))
+
+        def on_collective(name: str) -> None:
+            if name == "reduce_scatter_single":  # FSDP2's gradient reduce-scatter
+                self._fault("reduce-scatter", self._step)
+
+        self.group.on_collective = on_collective
 
     def _fault(self, phase: str, step: int) -> None:
         for f in self.env.faults:
@@ -198,6 +236,5 @@ class Job:
 
 def init() -> Job:
     """Join the job ``replica launch`` (or a torchrun-style environment) describes."""
-    logging.basicConfig(level=os.environ.get("REPLICA_LOG", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     return Job(RoleEnv.from_environ())

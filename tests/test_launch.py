@@ -6,26 +6,55 @@ must have fired."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from replica.roles.report import compare_reports
 
 ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_fsdp.py"
 STEPS = 10
+TOKEN = "test-job-token-7f3a9c"
 
 
-def launch(tmp_path: Path, *options: str, name: str = "run") -> tuple[int, dict, str]:
+def launch(tmp_path: Path, *options: str, name: str = "run", script: Path = EXAMPLE) -> tuple[int, dict, str]:
     report = tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(STEPS), "--timeout",
-                           "240", "--report", str(report), *options, str(ROOT / "examples" / "train_fsdp.py")],
+                           "240", "--report", str(report), *options, str(script)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     output = proc.stdout + proc.stderr
     assert report.exists(), output[-4000:]
     return proc.returncode, json.loads(report.read_text()), output
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_key(store: dist.Store, key: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        assert proc.poll() is None, "the job ended early"
+        assert time.monotonic() < deadline, f"{key} never appeared"
+        time.sleep(0.05)
+
+
+def role_env(port: int, role: str, rank: int, **extra: str) -> dict[str, str]:
+    """A role's environment as a multi-node job sets it: torchrun-style RANK/WORLD_SIZE/MASTER_ADDR."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REPLICA_")}
+    env.update(REPLICA_ROLE=role, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               REPLICA_STORE_PORT=str(port), REPLICA_TOKEN=TOKEN, REPLICA_STEPS=str(STEPS), TORCH_GLOO_LAZY_INIT="1")
+    return dict(env, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +65,7 @@ def reference(tmp_path_factory):
     return report
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer", "commit", "mirror"])
+@pytest.mark.parametrize("phase", ["forward", "backward", "reduce-scatter", "optimizer", "commit", "mirror"])
 def test_trainer_killed_in_each_phase(tmp_path, reference, phase):
     code, report, output = launch(tmp_path, "--inject", f"kill:trainer:1@5:{phase}")
     assert code == 0, output[-4000:]
@@ -47,6 +76,8 @@ def test_trainer_killed_in_each_phase(tmp_path, reference, phase):
     assert "resumed" in failover["timeline_ms"]
     assert compare_reports(reference, report) == []
     assert report["last_commit"] == STEPS
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the timeline, plotted
+    assert "| detect | promote | reconnect | resumed |" in output
 
 
 def test_two_trainers_die_one_after_the_other(tmp_path, reference):
@@ -75,9 +106,9 @@ def test_bad_inject_spec_is_refused(tmp_path):
 def test_second_coordinator_on_the_same_port_is_refused():
     from replica.roles.coordinator import Coordinator
 
-    first = Coordinator(world_size=2)
+    first = Coordinator(world_size=2, token=b"t")
     with pytest.raises(RuntimeError, match="is another coordinator running there"):
-        Coordinator(world_size=2, port=first.port)
+        Coordinator(world_size=2, token=b"t", port=first.port)
 
 
 def test_standby_killed_then_its_trainer(tmp_path, reference):
@@ -90,3 +121,100 @@ def test_standby_killed_then_its_trainer(tmp_path, reference):
     (failover,) = report["failovers"]
     assert failover["rank"] == 1 and failover["commit"] in (6, 7)
     assert compare_reports(reference, report) == []
+
+
+def test_wrong_token_late_trainer_and_second_standby_are_refused(tmp_path, reference):
+    """While a job runs (held in a 6 s stall), three processes try to join it:
+    one with a wrong token, a trainer for a rank that has one, a second standby
+    for a rank. Each is refused with a clear error, the token never appears in
+    any output, and the job finishes undisturbed."""
+    port, report = free_port(), tmp_path / "run.json"
+    job = subprocess.Popen([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(STEPS), "--port",
+                            str(port), "--timeout", "240", "--report", str(report), "--inject",
+                            "stall:trainer:0@3:6", str(EXAMPLE)], cwd=ROOT, env=dict(os.environ, REPLICA_TOKEN=TOKEN),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    wait_for_key(store, "replica/killed/stall:trainer:0@3:6", job)  # the job is running, and will for 6 s
+    joiners = {
+        "wrong token": role_env(port, "trainer", 1, REPLICA_TOKEN="not-the-job-token"),
+        "late trainer": role_env(port, "trainer", 0),
+        "second standby": role_env(port, "standby", 1),
+    }
+    procs = {name: subprocess.Popen([sys.executable, str(EXAMPLE)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True) for name, env in joiners.items()}
+    outputs = {name: p.communicate(timeout=120)[0] for name, p in procs.items()}
+    for name, p in procs.items():
+        assert p.returncode != 0 and "JoinRefusedError" in outputs[name], (name, outputs[name][-2000:])
+    assert "wrong job token" in outputs["wrong token"]
+    assert "cannot join late" in outputs["late trainer"]
+    assert "already has a live standby" in outputs["second standby"]
+    output = job.communicate(timeout=240)[0]
+    assert job.returncode == 0, output[-4000:]
+    result = json.loads(report.read_text())
+    reasons = [r["reason"] for r in result["refused_joins"]]
+    assert len(reasons) == 3 and sum("wrong job token" in r for r in reasons) == 1, reasons
+    assert output.count("refused a join") == 3
+    for text in (output, report.read_text(), *outputs.values()):
+        assert TOKEN not in text and "not-the-job-token" not in text  # never logged
+    assert result["failovers"] == [] and compare_reports(reference, result) == []
+    assert {(m["role"], m["rank"]) for m in result["members"]} == {("trainer", 0), ("trainer", 1), ("standby", 0),
+                                                                    ("standby", 1)}
+
+
+def test_model_differing_between_roles_fails_the_job_clearly(tmp_path):
+    """Standbys building another model than their trainers: the job stops with the
+    layout mismatch named, instead of failing over again and again."""
+    code, report, output = launch(tmp_path, script=ROOT / "tests" / "jobs" / "mismatch_job.py")
+    assert code == 1, output[-4000:]
+    assert "replica: the job failed" in output
+    assert "trainer rank" in report["failure"] and "layout" in report["failure"], report["failure"]
+    assert report["failovers"] == [] and report["last_commit"] is None
+
+
+def test_no_standby_left_keeps_training_unprotected(tmp_path, reference):
+    """With no replacement standby allowed, the promoted trainer of rank 1 runs
+    unprotected (acknowledging its own snapshots) and the job goes on, bit-identical."""
+    code, report, output = launch(tmp_path, "--replacements", "0", "--inject", "kill:trainer:1@4:backward")
+    assert code == 0, output[-4000:]
+    assert report["faults"][0]["fired_at"] is not None
+    assert [f["rank"] for f in report["failovers"]] == [1]
+    assert report["unprotected"] == [1] and "rank 1 is UNPROTECTED" in output
+    assert compare_reports(reference, report) == []
+    assert report["last_commit"] == STEPS
+
+
+def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path):
+    code, report, output = launch(tmp_path, "--standbys", "1", "--inject", "kill:trainer:1@3")
+    assert code == 1, output[-4000:]
+    assert report["faults"][0]["fired_at"] is not None
+    assert report["unprotected"] == [1]
+    assert "trainer 1 died" in report["failure"] and "has no standby" in report["failure"], report["failure"]
+
+
+def test_standalone_coordinator_with_torchrun_style_roles(tmp_path, reference):
+    """The multi-node way: `replica coordinator` alone, roles started by hand from
+    torchrun-style variables. No local agent watches the processes, so the killed
+    trainer is found by its standby's transport report (connection vanished) and
+    its silence; with nobody to start a new standby, rank 1 runs unprotected."""
+    port, report = free_port(), tmp_path / "run.json"
+    inject = {"REPLICA_INJECT": "kill:trainer:1@5:backward"}
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps", str(STEPS),
+         "--port", str(port), "--timeout", "240", "--report", str(report)], cwd=ROOT,
+        env=dict(os.environ, REPLICA_TOKEN=TOKEN, **inject), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    time.sleep(1)  # the coordinator's store is up
+    roles = [subprocess.Popen([sys.executable, str(EXAMPLE)], env=role_env(port, role, rank, **inject), cwd=ROOT)
+             for role in ("standby", "trainer") for rank in (0, 1)]
+    output = coordinator.communicate(timeout=240)[0]
+    codes = [p.wait(timeout=30) for p in roles]
+    assert coordinator.returncode == 0, output[-4000:]
+    assert codes[3] == -9 and codes[2] == 0, codes  # trainer 1 was killed, trainer 0 finished
+    result = json.loads(report.read_text())
+    assert result["faults"][0]["fired_at"] is not None
+    (failover,) = result["failovers"]
+    assert failover["rank"] == 1 and "connection vanish" in failover["reason"], failover
+    assert failover["timeline_ms"]["detect"] < 1000, failover
+    assert result["unprotected"] == [1]
+    assert compare_reports(reference, result) == []
+    assert result["last_commit"] == STEPS

@@ -233,7 +233,7 @@ def test_trainer_of_another_layout_is_refused(committed_mirror, store):
     with replica.Replicator(other.model, other.optimizer, other.extra, store=store, config=config(),
                             rank=0, world_size=1) as rep:
         trained(other, 1, rep, first=10)
-        with pytest.raises(LayoutMismatchError, match="different layout"):
+        with pytest.raises(LayoutMismatchError, match="refused this trainer's state layout"):
             rep.wait_committed(timeout_s=30)
     assert mirror.held_steps() == [1, 2]
 

@@ -256,7 +256,7 @@ class Connection(ABC):
 
     def close(self) -> None:
         """Close the connection; transfers still in flight fail with PeerDisconnectedError."""
-        self._fail(PeerDisconnectedError(f"connection to {self.peer} was closed by this side"), quiet=True)
+        self._fail(PeerDisconnectedError(f"connection to {self.peer} was closed by this side", graceful=True), quiet=True)
 
     def __enter__(self) -> Connection:
         return self

@@ -174,6 +174,7 @@ class ControlServer:
 _FRAME = struct.Struct("<BI")
 BYE = 0xFF  # the peer closes on purpose
 MAX_FRAME_BYTES = 1 << 20
+GRACEFUL = "peer closed the connection"  # it sent BYE
 #: How long a control-frame send may block before the connection counts as dead.
 SEND_TIMEOUT_S = 10.0
 
@@ -239,7 +240,7 @@ class ControlMonitor:
         while len(pending) >= _FRAME.size:
             kind, length = _FRAME.unpack_from(pending)
             if kind == BYE:
-                return "peer closed the connection"
+                return GRACEFUL
             if length > MAX_FRAME_BYTES:
                 return f"peer sent a {length}-byte control frame"
             if len(pending) < _FRAME.size + length:
@@ -288,7 +289,7 @@ class ControlledConnection(Connection):
         self._send_lock = threading.Lock()
 
     def _peer_lost(self, reason: str) -> None:
-        self._fail(PeerDisconnectedError(f"{self.peer}: {reason}"))
+        self._fail(PeerDisconnectedError(f"{self.peer}: {reason}", graceful=reason == GRACEFUL))
 
     def _send_control(self, kind: int, payload: bytes) -> None:
         try:

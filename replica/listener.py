@@ -1,0 +1,99 @@
+"""``Listener``: the receiving side's server, shared by the standby's ``Mirror``
+and the engine's ``WeightReceiver``. It listens on the transport chosen for its
+memory kind (loopback unless ``Config.host`` says otherwise), runs each accepted
+connection's session on a thread of its own, and outlives a bad session: a
+peer that vanishes or misbehaves is logged, never raised."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from abc import ABC, abstractmethod
+from datetime import timedelta
+
+from replica.backends import choose_backend, locality_of, make_backend
+from replica.config import Config
+from replica.errors import PeerDisconnectedError, ReplicaError, TransferTimeoutError
+from replica.transport import Connection, MemoryKind
+
+__all__ = ["Listener"]
+
+logger = logging.getLogger(__name__)
+
+_ACCEPT_POLL = timedelta(seconds=0.1)  # bounds how long close() waits for the accept loop
+
+
+class Listener(ABC):
+    def __init__(self, *, config: Config, memory: MemoryKind, name: str):
+        self.config = config
+        self.name = name  # how logs name it: "standby rank 0", "engine 1"
+        self.backend = choose_backend(config, memory, locality_of(config.host))
+        self._transport = make_backend(self.backend, config)
+        self.address = self._transport.listen()
+        self._cond = threading.Condition()
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _start(self) -> None:
+        """Begin accepting (once the subclass has published where it listens)."""
+        self._thread = threading.Thread(target=self._serve, name=f"replica-{self.name}", daemon=True)
+        self._thread.start()
+        logger.info("[%s] listening on %s (%s)", self.name, self.address, self.backend)
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._transport.close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @abstractmethod
+    def _session(self, conn: Connection) -> None:
+        """Serve one connection until it ends (raise to end it)."""
+
+    def _held(self) -> str:
+        """What it still holds when a session ends, for the log."""
+        return ""
+
+    def _peer_lost(self, conn: Connection, exc: PeerDisconnectedError) -> None:
+        """A session's peer went away (``exc.graceful`` says whether it said goodbye)."""
+
+    def _serve(self) -> None:
+        sessions: list[threading.Thread] = []
+        while not self._closed.is_set():
+            try:
+                conn = self._transport.accept(_ACCEPT_POLL)
+            except TransferTimeoutError:
+                continue
+            except (ReplicaError, OSError) as exc:
+                if self._closed.is_set():
+                    break
+                logger.warning("[%s] refused a connection: %s", self.name, exc)
+                continue
+            sessions = [t for t in sessions if t.is_alive()]
+            sessions.append(threading.Thread(target=self._run_session, args=(conn,), daemon=True,
+                                             name=f"replica-{self.name}-session"))
+            sessions[-1].start()
+        for t in sessions:
+            t.join(timeout=10)
+
+    def _run_session(self, conn: Connection) -> None:
+        try:
+            self._session(conn)
+        except PeerDisconnectedError as exc:
+            if not self._closed.is_set():
+                logger.warning("[%s] peer gone (%s)%s", self.name, exc, self._held())
+                self._peer_lost(conn, exc)
+        except (ReplicaError, ValueError) as exc:
+            logger.error("[%s] session ended: %s%s", self.name, exc, self._held())
+        except Exception:  # noqa: BLE001 - the listener outlives one bad session
+            logger.exception("[%s] session failed", self.name)
+        finally:
+            conn.close()

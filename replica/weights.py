@@ -1,0 +1,477 @@
+"""Weight sync: after a global commit, the trainers push the full parameters
+into every rollout engine, in place, over ``replica.transport``.
+
+Sender (``WeightSync``, every trainer rank): the parameters are gathered bucket
+by bucket (FSDP2 ``full_tensor()``, a collective every rank joins; never the
+whole model at once), and the leader rank packs each bucket with ``ops.pack``
+into its retained copy of the packed weights and sends it to every engine
+while the next bucket is gathered. The retained copy lets the leader resend a
+bucket that failed its digest and bring an engine that joins late up to date
+without waiting for the trainers.
+
+Receiver (``WeightReceiver``, in the engine's process): receives a version into
+a staging buffer, verifies every bucket, and only when all are good makes it
+the *ready* version; ``apply(load)`` hands the engine an iterator over views of
+the ready version's tensors (``reload_weights`` in vLLM) between generations.
+A sync cut short (the sender dies, the link breaks) never reaches the engine:
+it stays on its previous complete version, never a mix of two.
+
+Per connection the sender sends the weight layout (``send_layout``); per sync
+``BEGIN`` (step, buckets), the buckets under ``BUCKET_BASE + i``, and the receiver
+answers ``REPLY``: ACKED, or RESEND naming bad buckets. Keys in the store:
+``{prefix}/engine/{i}`` (the receiver's registration) and
+``{prefix}/engine/{i}/version`` (the version it serves).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from replica import ops
+from replica.backends import backend_class, make_backend
+from replica.config import Config
+from replica.errors import (
+    LayoutMismatchError,
+    PeerDisconnectedError,
+    ReplicaError,
+    TransportError,
+)
+from replica.layout import StateLayout
+from replica.listener import Listener
+from replica.protocol import (
+    BEGIN,
+    BUCKET_BASE,
+    Begin,
+    Reply,
+    Status,
+    answer_layout,
+    as_tensor,
+    fingerprint_int,
+    receive_buckets,
+    recv_layout,
+    recv_reply,
+    send_layout,
+    send_reply,
+)
+from replica.registry import publish, registration
+from replica.stream import MirrorFaults
+from replica.transport import Connection, MemoryKind, Transport
+from replica.transport.base import memory_kind
+
+__all__ = ["ReceiverStats", "SyncStats", "WeightBucket", "WeightReceiver", "WeightSync", "tensor_buckets", "weight_layout"]
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8,
+    torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class WeightBucket:
+    """Bytes [lo, hi) of the packed weights, holding whole tensors [first, end)."""
+
+    lo: int
+    hi: int
+    first: int
+    end: int
+
+
+def weight_layout(named: list[tuple[str, torch.Tensor]], *, bucket_bytes: int) -> StateLayout:
+    """The packed layout of full (unsharded) weights; tensors may be on the meta device."""
+    return StateLayout.build(named, world_size=1, rank=0, extras_capacity=0, bucket_bytes=bucket_bytes)
+
+
+def tensor_buckets(layout: StateLayout) -> list[WeightBucket]:
+    """Group whole tensors into buckets of about ``layout.bucket_bytes`` (a larger
+    tensor is a bucket of its own): each bucket is gathered, packed and sent as one."""
+    entries = layout.entries
+    buckets, first = [], 0
+    for i in range(1, len(entries) + 1):
+        end_of = entries[i].offset if i < len(entries) else layout.total_bytes
+        if i == len(entries) or end_of - entries[first].offset + entries[i].nbytes > layout.bucket_bytes:
+            buckets.append(WeightBucket(lo=entries[first].offset, hi=end_of, first=first, end=i))
+            first = i
+    return buckets
+
+
+def _views(buffer: torch.Tensor, layout: StateLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    for e in layout.entries:
+        dtype = _TORCH_DTYPES[e.dtype]
+        yield e.name, buffer[e.offset:e.offset + e.nbytes].view(dtype).view(e.shape)
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncStats:
+    """What the last pushes did, for tests, benchmarks and logs."""
+
+    pushes: int = 0
+    bytes_sent: int = 0
+    resent_buckets: int = 0
+    engines_synced: list[int] = field(default_factory=list)  # of the last push
+    engines_skipped: dict[int, str] = field(default_factory=dict)  # of the last push: engine -> why
+    push_s: list[float] = field(default_factory=list)
+
+
+@dataclass(kw_only=True, slots=True)
+class ReceiverStats:
+    bytes_received: int = 0
+    corrupted_buckets: int = 0
+
+
+class _Link:
+    """The leader's connection to one engine's receiver."""
+
+    def __init__(self, transport: Transport, conn: Connection, registration: str):
+        self.transport, self.conn, self.registration = transport, conn, registration
+        self.step: int | None = None  # the version it acknowledged last
+
+    def close(self) -> None:
+        self.conn.close()
+        self.transport.close()
+
+
+class WeightSync:
+    """Pushes ``model``'s full parameters to ``num_engines`` rollout engines.
+
+    Every trainer rank creates one and calls ``push(step)`` at the same point
+    (after a commit): the gathers are collectives. Only the ``leader`` rank
+    talks to the engines. ``name_map`` renames parameters for the engine (HF
+    checkpoint names for vLLM); ``dtype`` casts them on the way (for example
+    bfloat16 for a bfloat16 engine, halving the bytes).
+    """
+
+    def __init__(self, model: torch.nn.Module, *, store: dist.Store, num_engines: int, config: Config,
+                 rank: int = 0, leader: int = 0, name_map: Callable[[str], str] | None = None,
+                 dtype: torch.dtype | None = None, faults: MirrorFaults | None = None):
+        if num_engines < 0:
+            raise ValueError(f"num_engines must be >= 0, got {num_engines}")
+        self.config = config
+        self.store = store
+        self.num_engines = num_engines
+        self.is_leader = rank == leader
+        self.stats = SyncStats()
+        self.faults = faults if faults is not None else MirrorFaults()
+        self._params = [(name_map(n) if name_map else n, p) for n, p in model.named_parameters()]
+        if not self._params:
+            raise ReplicaError("the model has no parameters to sync")
+        self._dtype = dtype
+        meta = [(n, torch.empty(p.shape, dtype=dtype or p.dtype, device="meta")) for n, p in self._params]
+        self.layout = weight_layout(meta, bucket_bytes=config.bucket_bytes)
+        self._buckets = tensor_buckets(self.layout)
+        self._fingerprint = fingerprint_int(self.layout.fingerprint)
+        # The leader keeps the last version packed (host memory, the model's full size): for
+        # resends, and for engines that join between pushes.
+        self._packed = torch.zeros(self.layout.total_bytes, dtype=torch.uint8) if self.is_leader else None
+        self._device_bucket: torch.Tensor | None = None
+        self._step: int | None = None  # the version in _packed
+        self._links: dict[int, _Link] = {}
+        self._lock = threading.Lock()  # push and refresh take turns on the links
+
+    def push(self, step: int) -> SyncStats:
+        """Gather, pack and send the weights of ``step`` to every live engine; an
+        engine that fails is skipped (it keeps its previous version) and named in
+        ``stats.engines_skipped``. Returns the stats."""
+        start = time.perf_counter()
+        with self._lock:
+            links = self._connect_all() if self.is_leader else {}
+            skipped: dict[int, str] = {}
+            timeout = self.config.timeout
+            for i, link in list(links.items()):
+                try:
+                    link.conn.send(as_tensor(Begin(step=step, num_buckets=len(self._buckets)).encode()), tag=BEGIN,
+                                   timeout=timeout)
+                except TransportError as exc:
+                    skipped[i] = self._drop(i, exc)
+                    del links[i]
+            inflight: deque = deque()
+            for k, bucket in enumerate(self._buckets):
+                full = [self._full(p) for _, p in self._params[bucket.first:bucket.end]]
+                if not self.is_leader:
+                    continue
+                offsets = [self.layout.entries[j].offset - bucket.lo for j in range(bucket.first, bucket.end)]
+                while len(inflight) > self.config.num_inflight_buckets * max(1, len(links)):
+                    self._finish(inflight.popleft(), links, skipped)
+                self._pack(full, bucket, offsets)
+                for i, link in list(links.items()):
+                    if self.faults.corrupt_buckets > 0:  # tests: a bad link
+                        self.faults.corrupt_buckets -= 1
+                        self.faults.corrupted += 1
+                        link.conn.faults.corrupt_next = 1
+                    try:
+                        inflight.append((i, link.conn.isend(self._packed[bucket.lo:bucket.hi], tag=BUCKET_BASE + k,
+                                                            step=step, bucket=k, offset=bucket.lo,
+                                                            fingerprint=self._fingerprint)))
+                    except TransportError as exc:
+                        skipped[i] = self._drop(i, exc)
+                        del links[i]
+                        continue
+                    self.stats.bytes_sent += bucket.hi - bucket.lo
+            while inflight:
+                self._finish(inflight.popleft(), links, skipped)
+            self._step = step
+            for i, link in links.items():
+                if i not in skipped:
+                    try:
+                        self._settle(link, step)
+                    except TransportError as exc:
+                        skipped[i] = self._drop(i, exc)
+        self.stats.pushes += 1
+        self.stats.engines_synced = sorted(i for i in links if i not in skipped)
+        self.stats.engines_skipped = skipped
+        self.stats.push_s.append(time.perf_counter() - start)
+        if skipped:
+            logger.warning("weights of step %d: engines %s skipped (%s)", step, sorted(skipped), skipped)
+        return self.stats
+
+    def refresh(self) -> list[int]:
+        """Send the last pushed version to engines that do not hold it (one that
+        joined or came back since); returns them. Leader only; no collective."""
+        if not self.is_leader or self._step is None:
+            return []
+        done = []
+        with self._lock:
+            for i, link in self._connect_all().items():
+                if link.step == self._step:
+                    continue
+                try:
+                    self._send_all(link, self._step)
+                    self._settle(link, self._step)
+                    done.append(i)
+                except TransportError as exc:
+                    self._drop(i, exc)
+        return done
+
+    def close(self) -> None:
+        with self._lock:
+            for link in self._links.values():
+                link.close()
+            self._links.clear()
+
+    # --- the leader's side ---
+
+    def _full(self, p: torch.Tensor) -> torch.Tensor:
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        full = full.detach()
+        return full if self._dtype is None or full.dtype == self._dtype else full.to(self._dtype)
+
+    def _key(self, i: int) -> str:
+        return f"{self.config.store_prefix}/engine/{i}"
+
+    def _connect_all(self) -> dict[int, _Link]:
+        """A link to every engine registered now (reconnecting to replaced ones)."""
+        for i in range(self.num_engines):
+            current = registration(self.store, self._key(i))
+            link = self._links.get(i)
+            if link is not None and link.registration == current:
+                continue
+            if link is not None:
+                self._drop(i, TransportError("the engine registered anew"))
+            if current is None:
+                continue
+            try:
+                self._links[i] = self._connect(current)
+            except (TransportError, LayoutMismatchError) as exc:
+                logger.warning("weight sync: engine %d at %s unreachable: %s", i, current, exc)
+        return dict(self._links)
+
+    def _connect(self, current: str) -> _Link:
+        backend, address, _ = current.split(" ")
+        if memory_kind(self._packed) not in backend_class(backend).capabilities.memory:
+            raise TransportError(f"the engine listens on {backend}, which cannot move host memory")
+        transport = make_backend(backend, self.config)
+        try:
+            conn = transport.connect(address, self.config.timeout)
+            send_layout(conn, self.layout, self.config.timeout)
+            reply = recv_reply(conn, self.config.timeout)
+        except Exception:
+            transport.close()
+            raise
+        if reply.status != Status.ACCEPTED:
+            transport.close()
+            raise LayoutMismatchError(f"the engine at {address} refused the weight layout ({reply.status.name}); "
+                                      "its log names the first difference")
+        return _Link(transport, conn, current)
+
+    def _pack(self, full: list[torch.Tensor], bucket: WeightBucket, offsets: list[int]) -> None:
+        """Pack one bucket into the retained host copy; CUDA weights are packed on
+        their device (one kernel) and copied down in one transfer."""
+        target = self._packed[bucket.lo:bucket.hi]
+        device = full[0].device
+        if device.type == "cpu":
+            ops.pack(full, target, offsets)
+            return
+        if self._device_bucket is None or self._device_bucket.device != device:
+            size = max(b.hi - b.lo for b in self._buckets)
+            self._device_bucket = torch.empty(size, dtype=torch.uint8, device=device)
+        staged = self._device_bucket[:bucket.hi - bucket.lo]
+        ops.pack(full, staged, offsets)
+        target.copy_(staged)  # synchronous: the bucket is complete before it is sent
+
+    def _finish(self, item, links: dict[int, _Link], skipped: dict[int, str]) -> None:
+        i, transfer = item
+        if i in skipped:
+            return
+        try:
+            transfer.wait(self.config.timeout)
+        except TransportError as exc:
+            skipped[i] = self._drop(i, exc)
+            links.pop(i, None)
+
+    def _send_all(self, link: _Link, step: int) -> None:
+        timeout = self.config.timeout
+        link.conn.send(as_tensor(Begin(step=step, num_buckets=len(self._buckets)).encode()), tag=BEGIN,
+                       timeout=timeout)
+        sends = [link.conn.isend(self._packed[b.lo:b.hi], tag=BUCKET_BASE + k, step=step, bucket=k, offset=b.lo,
+                                 fingerprint=self._fingerprint) for k, b in enumerate(self._buckets)]
+        for transfer in sends:
+            transfer.wait(timeout)
+        self.stats.bytes_sent += self.layout.total_bytes
+
+    def _settle(self, link: _Link, step: int) -> None:
+        """The engine's answer to ``step``: ACKED, or resend the buckets it names."""
+        timeout = self.config.timeout
+        for _ in range(self.config.max_resends + 1):
+            reply = recv_reply(link.conn, timeout)
+            if reply.step != step:
+                raise TransportError(f"engine answered for step {reply.step}, expected {step}")
+            if reply.status == Status.ACKED:
+                link.step = step
+                return
+            if reply.status != Status.RESEND:
+                raise TransportError(f"engine answered {reply.status.name} for step {step}")
+            self.stats.resent_buckets += len(reply.buckets)
+            for k in reply.buckets:
+                b = self._buckets[k]
+                link.conn.send(self._packed[b.lo:b.hi], tag=BUCKET_BASE + k, timeout=timeout, step=step, bucket=k,
+                               offset=b.lo, fingerprint=self._fingerprint)
+        raise TransportError(f"step {step}: buckets still failed their digests after {self.config.max_resends} "
+                             "resends")
+
+    def _drop(self, i: int, exc: Exception) -> str:
+        link = self._links.pop(i, None)
+        if link is not None:
+            link.close()
+        return str(exc)
+
+
+class WeightReceiver(Listener):
+    """The engine side: listens, receives versions, verifies them, and hands the
+    engine complete versions only (``apply``)."""
+
+    def __init__(self, *, index: int, store: dist.Store, config: Config,
+                 expect: Callable[[StateLayout], None] | None = None):
+        super().__init__(config=config, memory=MemoryKind.HOST, name=f"engine {index}")
+        self.index = index
+        self.store = store
+        self.stats = ReceiverStats()
+        self._expect = expect
+        self._key = f"{config.store_prefix}/engine/{index}"
+        self._layout: StateLayout | None = None
+        self._staging: torch.Tensor | None = None
+        self._ready: torch.Tensor | None = None
+        self._ready_step: int | None = None
+        self._applying = False
+        self._receiving = threading.Lock()  # one session at a time writes the staging buffer
+        self.version: int | None = None  # the version the engine serves (applied)
+        self._sender: Connection | None = None  # the current sender's connection
+        self.registration = publish(store, self._key, self.backend, self.address)
+        self._start()
+
+    def ready(self) -> int | None:
+        """The newest complete version received, applied or not."""
+        with self._cond:
+            return self._ready_step
+
+    def wait_ready(self, step: int, timeout: timedelta) -> bool:
+        """Block until a complete version >= ``step`` has been received."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._ready_step is not None and self._ready_step >= step,
+                                       timeout.total_seconds())
+
+    def apply(self, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> int | None:
+        """If a newer complete version is ready, call ``load`` with an iterator over
+        ``(name, tensor)`` views of it (valid during the call), then record it as
+        the served version. Returns the version applied, or None if none was new."""
+        with self._cond:
+            step = self._ready_step
+            if step is None or (self.version is not None and step <= self.version):
+                return None
+            self._applying = True
+            buffer, layout = self._ready, self._layout
+        try:
+            load(_views(buffer, layout))
+        finally:
+            with self._cond:
+                self._applying = False
+                self._cond.notify_all()
+        self.version = step
+        self.store.set(f"{self._key}/version", str(step))
+        logger.info("[engine %d] serving weights of step %d", self.index, step)
+        return step
+
+    def _held(self) -> str:
+        return f"; serving version {self.version}"
+
+    def _session(self, conn: Connection) -> None:
+        # One sender at a time: a newer one (a promoted leader) replaces the old.
+        with self._cond:
+            previous, self._sender = self._sender, conn
+        if previous is not None:
+            previous.close()
+        self._receive_versions(conn)
+
+    def _receive_versions(self, conn: Connection) -> None:
+        timeout = self.config.timeout
+        layout = recv_layout(conn, timeout)
+        with self._receiving:  # the previous session has let go of the staging buffer
+            answer_layout(conn, layout, self._adopt, timeout)
+        buckets = tensor_buckets(layout)
+        fingerprint = fingerprint_int(layout.fingerprint)
+        while True:
+            begin_buf = torch.zeros(Begin.size(), dtype=torch.uint8)
+            begin_recv = conn.irecv(begin_buf, tag=BEGIN)
+            while not begin_recv.done():  # the next version comes when it comes
+                if self._closed.is_set() or self._sender is not conn:
+                    raise PeerDisconnectedError("receiver closed or replaced", graceful=True)
+                time.sleep(1e-3)
+            begin_recv.wait(timeout)
+            begin = Begin.decode(begin_buf.numpy().tobytes())
+            if begin.num_buckets != len(buckets):
+                raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has "
+                                     f"{len(buckets)}")
+            with self._receiving:
+                self._receive(conn, begin.step, buckets, fingerprint)
+
+    def _adopt(self, layout: StateLayout) -> None:
+        if self._expect is not None:
+            self._expect(layout)
+        with self._cond:
+            if self._layout is not None:
+                if self._layout.fingerprint == layout.fingerprint:
+                    return
+                self._layout.check_matches(layout)
+            self._layout = layout
+            self._staging = torch.empty(layout.total_bytes, dtype=torch.uint8)
+            self._ready = torch.empty(layout.total_bytes, dtype=torch.uint8)
+        logger.info("[engine %d] receiving %d tensors, %d bytes", self.index, len(layout.entries),
+                    layout.total_bytes)
+
+    def _receive(self, conn: Connection, step: int, buckets: list[WeightBucket], fingerprint: int) -> None:
+        timeout = self.config.timeout
+        receive_buckets(conn, self._staging, [(b.lo, b.hi) for b in buckets], step=step, fingerprint=fingerprint,
+                        timeout=timeout, who=self.name, counts=self.stats)
+        with self._cond:  # complete: it becomes the ready version (once the engine is not reading it)
+            self._cond.wait_for(lambda: not self._applying)
+            self._staging, self._ready, self._ready_step = self._ready, self._staging, step
+            self._cond.notify_all()
+        send_reply(conn, Reply(step=step, status=Status.ACKED), timeout)

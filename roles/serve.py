@@ -1,0 +1,59 @@
+"""``replica coordinator``: the coordinator alone, for a job whose roles run on
+other machines (started there by hand, a scheduler or torchrun-style, with
+``REPLICA_ROLE``, ``RANK``/``WORLD_SIZE`` and the store address). With no local
+agent, deaths are found by transport reports and heartbeat deadlines, and a
+rank whose standby was promoted or lost stays unprotected until a new standby
+joins."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from replica.roles.coordinator import Coordinator
+from replica.roles.env import configure_logging, parse_faults
+from replica.roles.launch import deadline_options, deadlines_of
+from replica.roles.supervise import JobSpec, supervise
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replica coordinator", description=__doc__)
+    p.add_argument("--world-size", type=int, required=True, help="the number of trainer ranks")
+    p.add_argument("--steps", type=int, required=True, help="the job's steps (for progress and the report)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="where the job store listens (default loopback; a multi-node job binds a routable address)")
+    p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--report", type=Path)
+    p.add_argument("--timeline", type=Path)
+    p.add_argument("--timeout", type=float, default=3600)
+    deadline_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    token = os.environ.get("REPLICA_TOKEN", "")
+    if not token:
+        parser.error("set REPLICA_TOKEN to the job's secret token (every role presents it when it joins)")
+    try:
+        deadlines = deadlines_of(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    configure_logging()
+    coord = Coordinator(world_size=args.world_size, token=token.encode(), host=args.host, port=args.port,
+                        deadlines=deadlines)
+    print(f"replica: coordinator of {args.world_size} trainer ranks at {coord.address}", flush=True)
+    timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
+    # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
+    faults = parse_faults(os.environ.get("REPLICA_INJECT", ""))
+    return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout_s=args.timeout, report=args.report,
+                                    timeline_png=timeline))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

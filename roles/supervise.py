@@ -1,0 +1,113 @@
+"""The coordinator's loop, shared by ``replica launch`` (with a local agent that
+starts and watches the role processes) and ``replica coordinator`` (alone, for
+roles on other machines): admit joins, act on deaths, show progress, end the
+job, print the failover timeline and write the report."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from replica.roles.coordinator import Coordinator, Decision
+from replica.roles.env import Fault
+from replica.roles.report import build_report, print_timeline, write_timeline_png
+
+__all__ = ["Agent", "JobSpec", "supervise"]
+
+_POLL_S = 0.02
+
+
+class Agent(Protocol):
+    """What a local agent does for the loop: report exits, start replacements."""
+
+    def exits(self) -> list[tuple[int, int]]:
+        """(pid, exit code) of role processes that exited since the last call."""
+
+    def replace_standby(self, rank: int) -> bool:
+        """Start a new standby for ``rank``; False when none may be started."""
+
+    def kill(self, pid: int) -> None:
+        """Make sure a process declared dead is dead (fencing)."""
+
+    def running(self, pids: set[int]) -> bool:
+        """True while any of these (the trainers') processes still runs here."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class JobSpec:
+    steps: int
+    faults: tuple[Fault, ...]
+    timeout_s: float
+    report: Path | None = None
+    timeline_png: Path | None = None
+
+
+def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> int:
+    """Run the job to its end; returns the exit status (0: every rank finished)."""
+    deadline = time.monotonic() + spec.timeout_s
+    shown = 0
+    status, failure = 1, None
+    while time.monotonic() < deadline:
+        decisions = []
+        if agent is not None:
+            for pid, code in agent.exits():
+                decisions += coord.process_exited(pid, code)
+        decisions += coord.poll()
+        for decision in decisions:
+            failure = failure or _act(coord, decision, agent)
+        if failure is not None:
+            print(f"\nreplica: {failure}", flush=True)
+            break
+        step = _progress(coord, spec.steps, shown)
+        if step > shown:
+            shown = step
+            print(f"\rreplica: step {shown}/{spec.steps}  commit {coord.record.last()}  generation "
+                  f"{coord.generation}  failovers {len(coord.failovers)}  unprotected "
+                  f"{sorted(coord.unprotected) or 'none'}", end="", flush=True)
+        trainers = {m.pid for m in coord.members if m.role == "trainer"}
+        if coord.all_done() and (agent is None or not agent.running(trainers)):
+            status = 0
+            break
+        time.sleep(_POLL_S)
+    else:
+        print(f"\nreplica: the job did not finish within {spec.timeout_s:g} s", flush=True)
+    print(flush=True)
+    coord.finish()
+    faults = [str(f) for f in spec.faults]
+    for failover in coord.failovers:
+        coord.observe(failover, faults)
+    report = build_report(coord, steps=spec.steps, faults=faults, failure=failure)
+    print_timeline(coord.failovers)
+    if spec.report is not None:
+        spec.report.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"replica: report written to {spec.report}")
+    if spec.timeline_png is not None and coord.failovers:
+        if write_timeline_png(coord.failovers, spec.timeline_png):
+            print(f"replica: timeline plotted in {spec.timeline_png}")
+    return status
+
+
+def _act(coord: Coordinator, decision: Decision, agent: Agent | None) -> str | None:
+    if decision.kind == "failed":
+        return f"the job failed: {decision.reason}"
+    if decision.dead is not None and agent is not None:
+        agent.kill(decision.dead.pid)  # a process declared dead on a missed deadline may still run
+    what = "promoted its standby" if decision.kind == "promoted" else "training goes on"
+    print(f"\nreplica: {decision.dead} is dead ({decision.reason}); {what}", flush=True)
+    if agent is not None and agent.replace_standby(decision.rank):
+        print(f"replica: rank {decision.rank} is unprotected until its new standby is up", flush=True)
+    else:
+        coord.set_unprotected(decision.rank)
+        print(f"replica: WARNING rank {decision.rank} is UNPROTECTED: no standby is left for it; if its trainer "
+              "dies the job fails", flush=True)
+    return None
+
+
+def _progress(coord: Coordinator, total: int, shown: int) -> int:
+    step = shown
+    while step < total and coord.store.check([f"replica/loss/0/{step + 1}"]):
+        step += 1
+    return step

@@ -1,0 +1,147 @@
+"""replica.WeightSync / WeightReceiver: full weights pushed bucket by bucket
+from FSDP2 trainers (real gloo, real processes, real UCX) into receivers that
+hand engines complete versions only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+import replica
+from replica.weights import WeightReceiver, WeightSync, tensor_buckets, weight_layout
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = b"weights-test-token"
+CONFIG = replica.Config(token=TOKEN, bucket_bytes=64 << 10, timeout=timedelta(seconds=20))
+
+
+def test_buckets_hold_whole_tensors_and_cover_everything():
+    named = [(f"t{i}", torch.empty(n, dtype=torch.float32, device="meta")) for i, n in
+             enumerate([10, 5000, 20000, 3, 70000, 8])]
+    layout = weight_layout(named, bucket_bytes=64 << 10)
+    buckets = tensor_buckets(layout)
+    assert buckets[0].lo == 0 and buckets[-1].hi == layout.total_bytes and buckets[-1].end == len(named)
+    for a, b in zip(buckets, buckets[1:]):
+        assert a.hi == b.lo and a.end == b.first  # contiguous, whole tensors
+    for b in buckets:
+        assert b.hi - b.lo <= 64 << 10 or b.end - b.first == 1  # only a lone big tensor exceeds the size
+    assert [b.end - b.first for b in buckets] == [2, 1, 1, 1, 1]  # t3 and t5 cannot join t4
+
+
+class Engine:
+    """Stands in for an inference engine: a dict of tensors loaded from the views."""
+
+    def __init__(self, index: int, store: dist.Store, **kw):
+        self.weights: dict[str, torch.Tensor] = {}
+        self.receiver = WeightReceiver(index=index, store=store, config=CONFIG, **kw)
+
+    def load(self, views) -> None:
+        for name, t in views:
+            self.weights[name] = t.clone()
+
+    def sync(self, step: int) -> int | None:
+        assert self.receiver.wait_ready(step, timedelta(seconds=30)), f"step {step} never arrived"
+        return self.receiver.apply(self.load)
+
+
+def test_in_process_push_resend_skip_and_late_engine():
+    store = dist.HashStore()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 64))
+    engines = [Engine(0, store), Engine(1, store)]
+    sync = WeightSync(model, store=store, num_engines=3, config=CONFIG, dtype=torch.bfloat16)
+    stats = sync.push(1)
+    assert stats.engines_synced == [0, 1] and stats.engines_skipped == {}  # engine 2 never registered
+    for e in engines:
+        assert e.sync(1) == 1
+        assert e.receiver.apply(e.load) is None  # nothing newer
+        for name, p in model.named_parameters():
+            assert torch.equal(e.weights[name], p.detach().to(torch.bfloat16))
+    assert store.get("replica/engine/0/version") == b"1"
+
+    # A bad link: three buckets corrupted on the way are caught and resent.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    sync.faults.corrupt_buckets = 3
+    stats = sync.push(2)
+    assert sync.faults.corrupted == 3  # the fault fired
+    assert stats.resent_buckets == 3 and sum(e.receiver.stats.corrupted_buckets for e in engines) == 3
+    for e in engines:
+        assert e.sync(2) == 2
+        assert all(torch.equal(e.weights[n], p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
+
+    # Engine 1 dies: the next push skips it; a replacement registered as engine 1 is
+    # brought to the current version by refresh() alone, without the trainers.
+    engines[1].receiver.close()
+    stats = sync.push(3)
+    assert stats.engines_synced == [0] and list(stats.engines_skipped) == [1]
+    replacement = Engine(1, store)
+    assert sync.refresh() == [1]
+    assert replacement.sync(3) == 3
+    assert all(torch.equal(replacement.weights[n], p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
+    sync.close()
+    for e in (engines[0], replacement):
+        e.receiver.close()
+
+
+def test_engine_refuses_weights_that_do_not_fit():
+    store = dist.HashStore()
+
+    def expect(layout):
+        raise replica.LayoutMismatchError("no parameter named 'x' in the engine")
+
+    engine = Engine(0, store, expect=expect)
+    sync = WeightSync(torch.nn.Linear(4, 4), store=store, num_engines=1, config=CONFIG)
+    stats = sync.push(1)
+    assert stats.engines_synced == [] and engine.receiver.ready() is None
+    sync.close()
+    engine.receiver.close()
+    with pytest.raises(ValueError, match="num_engines"):
+        WeightSync(torch.nn.Linear(4, 4), store=store, num_engines=-1, config=CONFIG)
+
+
+def _trainers(tmp_path: Path, port: int, steps: int, engines: int, **env: str) -> list[subprocess.Popen]:
+    script = ROOT / "tests" / "jobs" / "weights_job.py"
+    return [subprocess.Popen([sys.executable, str(script)], env=dict(
+        os.environ, RANK=str(r), WORLD_SIZE="2", PORT=str(port), STEPS=str(steps), OUT=str(tmp_path),
+        ENGINES=str(engines), **env)) for r in range(2)]
+
+
+@pytest.fixture()
+def job_store():
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    yield store
+
+
+def test_fsdp2_trainers_push_every_step(tmp_path, job_store):
+    engine = Engine(0, job_store)
+    procs = _trainers(tmp_path, job_store.port, steps=3, engines=1)
+    for step in (1, 2, 3):
+        assert engine.sync(step) == step
+        expected = load_file(str(tmp_path / f"step{step}.safetensors"))
+        assert expected.keys() == engine.weights.keys()
+        assert all(torch.equal(engine.weights[k], v) for k, v in expected.items())  # the full, unsharded weights
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    engine.receiver.close()
+
+
+def test_sender_killed_mid_sync_leaves_the_previous_version(tmp_path, job_store):
+    engine = Engine(0, job_store)
+    procs = _trainers(tmp_path, job_store.port, steps=3, engines=1, WEIGHTS_DIE_AT="2:3")
+    assert engine.sync(1) == 1
+    assert procs[0].wait(timeout=60) == -9  # the fault fired: rank 0 died packing step 2's fourth bucket
+    procs[1].kill()
+    procs[1].wait()
+    assert not engine.receiver.wait_ready(2, timedelta(seconds=2))  # step 2 never became complete
+    assert engine.receiver.apply(engine.load) is None and engine.receiver.version == 1
+    expected = load_file(str(tmp_path / "step1.safetensors"))
+    assert all(torch.equal(engine.weights[k], v) for k, v in expected.items())  # still all of step 1
+    engine.receiver.close()
