@@ -12,7 +12,7 @@ CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,.cuda-check/%.o,$(CUDA_SOURCES))
 NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 
-.PHONY: test demo bench build cuda-check clean
+.PHONY: test demo demo-rl bench build cuda-check clean
 
 # Dependencies: rebuilt only when the project's metadata changes.
 $(VENV)/.deps: pyproject.toml setup.py
@@ -53,6 +53,19 @@ demo: build
 	$(VENV)/bin/replica launch --steps $(DEMO_STEPS) --inject kill:trainer:1@$(DEMO_KILL_STEP):backward \
 	  --report demo/failover.json examples/train_fsdp.py
 	$(VENV)/bin/replica compare demo/reference.json demo/failover.json
+
+# The RL demo: examples/rl_loop.py (vLLM rollouts, FSDP2 GRPO trainers, weights pushed
+# in place each step) twice, without and with trainer 1 killed in backward and rollout
+# 0 killed while it generates; losses and rewards must be equal bit for bit.
+DEMO_RL_STEPS ?= 50
+demo-rl: build
+	@mkdir -p demo
+	@echo "replica demo-rl: 1/2 failure-free reference run ($(DEMO_RL_STEPS) steps, 2 trainers + 2 standbys + 3 rollouts)"
+	$(VENV)/bin/replica launch --rollouts 3 --steps $(DEMO_RL_STEPS) --report demo/rl-reference.json examples/rl_loop.py
+	@echo "replica demo-rl: 2/2 the same run, trainer 1 killed at step 20, rollout 0 at step 30"
+	$(VENV)/bin/replica launch --rollouts 3 --steps $(DEMO_RL_STEPS) \
+	  --inject kill:trainer:1@20:backward,kill:rollout:0@30 --report demo/rl-failover.json examples/rl_loop.py
+	$(VENV)/bin/replica compare demo/rl-reference.json demo/rl-failover.json
 
 # Compile-only check of the CUDA sources against torch's headers: keeps the
 # CUDA code compiling on machines without a GPU or a CUDA build of torch.

@@ -140,6 +140,27 @@ class _Link:
         self.transport.close()
 
 
+def _gather(p) -> torch.Tensor:
+    """The full tensor of a DTensor parameter. FSDP2's dim-0 shards are gathered with
+    one ``all_gather_into_tensor`` on the mesh's group (padded to equal chunks, as
+    FSDP2 shards with ``torch.chunk``): that goes through the group's own methods,
+    which a ``ResilientProcessGroup`` forwards, where ``full_tensor()``'s functional
+    collectives need a C++ backend registered for the device. Other placements use
+    ``full_tensor()``."""
+    placements = p.placements
+    if len(placements) != 1 or not placements[0].is_shard(0):
+        return p.full_tensor()
+    group = p.device_mesh.get_group()
+    world, shape = group.size(), tuple(p.shape)
+    rows = -(-shape[0] // world)
+    local = p.to_local()
+    padded = local.new_zeros((rows, *shape[1:]))
+    padded[:local.shape[0]] = local
+    out = local.new_empty((rows * world, *shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    return out[:shape[0]]
+
+
 class WeightSync:
     """Pushes ``model``'s full parameters to ``num_engines`` rollout engines.
 
@@ -260,8 +281,7 @@ class WeightSync:
     # --- the leader's side ---
 
     def _full(self, p: torch.Tensor) -> torch.Tensor:
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        full = full.detach()
+        full = _gather(p.detach()) if hasattr(p, "full_tensor") else p.detach()
         return full if self._dtype is None or full.dtype == self._dtype else full.to(self._dtype)
 
     def _key(self, i: int) -> str:

@@ -41,6 +41,11 @@ def _compare(reference: str, other: str) -> int:
     if problems:
         print(f"replica: {len(problems)} losses differ from the reference")
         return 1
+    rewards = [float.fromhex(m["reward"]) for m in b.get("metrics_hex", {}).get("0", []) if m and "reward" in m]
+    if len(rewards) >= 10:
+        first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+        print(f"replica: mean reward {first:.3f} over the first 5 steps, {last:.3f} over the last 5 "
+              f"({'rising' if last > first else 'NOT rising'})")
     fired = [f["fault"] for f in b.get("faults", []) if f.get("fired_at")]
     print(f"replica: the loss trajectory of all {a['trainers']} ranks over {a['steps']} steps equals the "
           f"reference bit for bit (faults fired: {', '.join(fired) or 'none'}; "

@@ -23,7 +23,8 @@ import torch.distributed as dist
 
 from replica.commit import CommitRecord
 from replica.errors import JoinRefusedError
-from replica.roles.join import ROLES, JoinRequest, answer, pending_requests
+from replica.roles.env import ROLES
+from replica.roles.join import JoinRequest, answer, pending_requests
 
 __all__ = ["Coordinator", "Deadlines", "Decision", "Failover", "Member"]
 
@@ -41,10 +42,11 @@ class Deadlines:
 
     trainer: float = 10.0
     standby: float = 10.0
+    rollout: float = 60.0  # an engine may be busy in a long generation
     confirm: float = 0.3
 
     def __post_init__(self) -> None:
-        for name in ("trainer", "standby", "confirm"):
+        for name in ("trainer", "standby", "rollout", "confirm"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"the {name} deadline must be > 0 s, got {getattr(self, name)}")
 
@@ -89,7 +91,7 @@ class Failover:
 class Decision:
     """What the coordinator decided, for the agent to act on: ``promoted``
     (rank's standby is its trainer now; start a new standby), ``standby_lost``
-    (start a replacement) or ``failed`` (the job cannot go on)."""
+    or ``rollout_lost`` (start a replacement) or ``failed`` (the job cannot go on)."""
 
     kind: str
     rank: int
@@ -125,6 +127,8 @@ class Coordinator:
         self.standbys_replaced: list[dict] = []
         self.refused: list[dict] = []
         self.unprotected: set[int] = set()
+        self.rollouts_lost: list[dict] = []
+        self.rollouts_retired: list[int] = []  # engines stopped because their machine took a trainer's place
         self.started = False  # every rank's trainer has joined: no trainer may join any more
         self._token = token
         self._seen = 0  # the join requests answered or skipped
@@ -181,8 +185,9 @@ class Coordinator:
             member.state = "done"
             self._publish_members()
             return decisions
-        if member.role == "standby" and self.finished():
-            member.state = "done"
+        if (member.role == "standby" and self.finished()) or (
+                member.role == "rollout" and (code == 0 or self.finished())):
+            member.state = "done"  # a rollout exits 0 when told to stop (finished, or retired)
             return decisions
         return decisions + self.declare_dead(member, f"exit code {code}")
 
@@ -191,10 +196,18 @@ class Coordinator:
         self._publish_members()
         if self._failed is not None:
             return []
+        if member.role == "rollout":
+            logger.warning("%s is dead (%s): the next weight sync skips it", member, reason)
+            self.store.set(f"replica/rollout/engine/{member.rank}/dead_since", repr(time.time()))
+            self.rollouts_lost.append({"index": member.rank, "reason": reason, "at": time.time()})
+            return [Decision(kind="rollout_lost", rank=member.rank, reason=reason, dead=member)]
         if member.role == "standby":
             logger.warning("%s is dead (%s)", member, reason)
             self.standbys_replaced.append({"rank": member.rank, "reason": reason, "at": time.time()})
             return [Decision(kind="standby_lost", rank=member.rank, reason=reason, dead=member)]
+        if self.record.last() is None:
+            return [self._fail(member.rank, f"trainer {member.rank} died ({reason}) before the first global "
+                                            "commit: there is no state to resume from; start the job again")]
         standby = self._live("standby", member.rank)
         if standby is None:
             return [self._fail(member.rank, f"trainer {member.rank} died ({reason}) and has no standby: rank "
@@ -298,6 +311,12 @@ class Coordinator:
         self.store.set("replica/generation", str(g))
         standby.role, standby.since, standby.generation = "trainer", decided, g
         standby.lost_base = self.record.lost_reports(rank)
+        engine = self._live("rollout", rank)
+        if engine is not None:  # the standby's machine hosts rollout `rank`: its resources go to the trainer
+            self.store.set(f"replica/rollout/{rank}/stop", "1")
+            self.rollouts_retired.append(rank)
+            logger.warning("%s drains and stops: its machine now hosts trainer %d (%d rollouts left)", engine,
+                           rank, len(self.alive("rollout")) - 1)
         self._publish_members()
         self.failovers.append(Failover(rank=rank, generation=g, commit=commit, reason=reason, decided_at=decided))
         logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted", rank,

@@ -8,8 +8,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Fault", "RoleEnv", "configure_logging", "parse_faults"]
+__all__ = ["PHASES", "ROLES", "Fault", "RoleEnv", "configure_logging", "parse_faults"]
 
+ROLES = ("trainer", "standby", "rollout")
 PHASES = ("forward", "backward", "reduce-scatter", "optimizer", "mirror", "commit")
 
 
@@ -45,8 +46,8 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
         except ValueError as exc:
             raise ValueError(f"bad fault {item!r}: expected kill:ROLE:RANK@STEP[:PHASE] "
                              "or stall:ROLE:RANK@STEP[:SECONDS]") from exc
-        if action not in ("kill", "stall") or role not in ("trainer", "standby") or fault.phase not in PHASES:
-            raise ValueError(f"bad fault {item!r}: action kill|stall, role trainer|standby, phase one of {PHASES}")
+        if action not in ("kill", "stall") or role not in ROLES or fault.phase not in PHASES:
+            raise ValueError(f"bad fault {item!r}: action kill|stall, role one of {ROLES}, phase one of {PHASES}")
         faults.append(fault)
     return tuple(faults)
 
@@ -61,6 +62,7 @@ class RoleEnv:
     token: bytes = field(repr=False)
     faults: tuple[Fault, ...] = ()
     host: str = "127.0.0.1"  # where this role's data-plane listeners bind (a routable address across nodes)
+    rollouts: int = 0  # rollout engines in the job
 
     @classmethod
     def from_environ(cls) -> RoleEnv:
@@ -71,12 +73,13 @@ class RoleEnv:
         host, _, port = env.get("REPLICA_STORE", env.get("MASTER_ADDR", "127.0.0.1") + ":" +
                                 env.get("REPLICA_STORE_PORT", "29400")).rpartition(":")
         role = env["REPLICA_ROLE"]
-        if role not in ("trainer", "standby"):
-            raise RuntimeError(f"REPLICA_ROLE must be trainer or standby, got {role!r}")
+        if role not in ROLES:
+            raise RuntimeError(f"REPLICA_ROLE must be one of {ROLES}, got {role!r}")
         return cls(role=role, rank=int(env.get("REPLICA_RANK", env.get("RANK", "0"))),
                    world_size=int(env.get("REPLICA_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
                    store_host=host, store_port=int(port), token=env["REPLICA_TOKEN"].encode(),
-                   faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"))
+                   faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"),
+                   rollouts=int(env.get("REPLICA_ROLLOUTS", "0")))
 
 
 def configure_logging() -> None:

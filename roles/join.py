@@ -24,9 +24,8 @@ import torch.distributed as dist
 
 from replica.errors import JoinRefusedError
 
-__all__ = ["Admission", "JoinRequest", "ROLES", "answer", "join", "pending_requests"]
+__all__ = ["Admission", "JoinRequest", "answer", "join", "pending_requests"]
 
-ROLES = ("trainer", "standby")
 _SEQ = "replica/join/seq"
 
 

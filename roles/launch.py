@@ -37,12 +37,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="the training script; it runs in every role")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.add_argument("--trainers", type=int, default=2)
+    p.add_argument("--rollouts", type=int, default=0, help="rollout engines (the script serves them: see README)")
     p.add_argument("--standbys", type=int, default=None,
                    help="standbys to start, for ranks 0..K-1 (default: one per trainer); the others are unprotected")
     p.add_argument("--replacements", type=int, default=-1,
                    help="new standbys the launcher may start for promoted or dead ones (default: no limit)")
     p.add_argument("--steps", type=int, default=20, help="passed to the script as REPLICA_STEPS")
     p.add_argument("--inject", default="", help="kill:trainer:RANK@STEP[:PHASE],kill:standby:RANK@STEP,"
+                                                "kill:rollout:INDEX@STEP (while generating for STEP),"
                                                 "stall:trainer:RANK@STEP[:SECONDS] (PHASE: forward, backward, "
                                                 "reduce-scatter, optimizer, mirror, commit)")
     p.add_argument("--report", type=Path, help="write the job report (losses, faults, timeline) as JSON")
@@ -79,10 +81,16 @@ class LocalAgent:
         return gone
 
     def replace_standby(self, rank: int) -> bool:
+        return self._replace("standby", rank)
+
+    def replace_rollout(self, index: int) -> bool:
+        return self._replace("rollout", index)
+
+    def _replace(self, role: str, rank: int) -> bool:
         if self._replacements == 0:
             return False
         self._replacements -= 1
-        self.start("standby", rank)
+        self.start(role, rank)
         return True
 
     def kill(self, pid: int) -> None:
@@ -117,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     configure_logging()
     standbys = args.trainers if args.standbys is None else args.standbys
-    if args.trainers < 1 or not 0 <= standbys <= args.trainers:
-        parser.error(f"need --trainers >= 1 and 0 <= --standbys <= --trainers, got {args.trainers}, {standbys}")
+    if args.trainers < 1 or not 0 <= standbys <= args.trainers or args.rollouts < 0:
+        parser.error(f"need --trainers >= 1, 0 <= --standbys <= --trainers and --rollouts >= 0, got "
+                     f"{args.trainers}, {standbys}, {args.rollouts}")
     token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
     coord = Coordinator(world_size=args.trainers, token=token.encode(), host=args.host, port=args.port,
                         deadlines=deadlines)
@@ -128,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
     env = dict({"TORCH_GLOO_LAZY_INIT": "1"}, **os.environ)
     env.update(REPLICA_WORLD_SIZE=str(args.trainers), REPLICA_STORE=coord.address, REPLICA_TOKEN=token,
-               REPLICA_INJECT=args.inject, REPLICA_STEPS=str(args.steps))
+               REPLICA_INJECT=args.inject, REPLICA_STEPS=str(args.steps), REPLICA_ROLLOUTS=str(args.rollouts))
     agent = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=args.replacements)
     for rank in range(standbys, args.trainers):
         coord.set_unprotected(rank)
         print(f"replica: WARNING rank {rank} is UNPROTECTED: it has no standby", flush=True)
     try:
+        for index in range(args.rollouts):  # engines start slowest: first
+            agent.start("rollout", index)
         for rank in range(standbys):
             agent.start("standby", rank)
         for rank in range(args.trainers):

@@ -22,22 +22,26 @@ PHASES = ("detect", "promote", "reconnect", "resumed")  # timeline marks, in ms 
 
 
 def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: str | None) -> dict:
-    losses, times = {}, {}
+    losses, times, metrics = {}, {}, {}
     for rank in range(coord.world_size):
         keys = [f"replica/loss/{rank}/{s}" for s in range(1, steps + 1)]
-        logged = [coord.store.get(k).decode().split(" ") if coord.store.check([k]) else (None, None) for k in keys]
-        losses[str(rank)] = [loss for loss, _ in logged]
-        times[str(rank)] = [float(at) if at is not None else None for _, at in logged]
+        logged = [coord.store.get(k).decode().split(" ") if coord.store.check([k]) else [None, None] for k in keys]
+        losses[str(rank)] = [parts[0] for parts in logged]
+        times[str(rank)] = [float(parts[1]) if parts[1] is not None else None for parts in logged]
+        metrics[str(rank)] = [dict(p.split("=", 1) for p in parts[2:]) for parts in logged]
     return {
         "steps": steps,
         "trainers": coord.world_size,
         "failure": failure,
         "losses_hex": losses,
+        "metrics_hex": metrics,
         "step_end_times": times,
         "faults": [{"fault": f, "fired_at": coord.fired(f)} for f in faults],
         "failovers": [asdict(f) for f in coord.failovers],
         "standbys_replaced": coord.standbys_replaced,
         "unprotected": sorted(coord.unprotected),
+        "rollouts_lost": coord.rollouts_lost,
+        "rollouts_retired": coord.rollouts_retired,
         "refused_joins": coord.refused,
         "members": coord.membership(),
         "last_commit": coord.record.last(),
@@ -63,6 +67,10 @@ def compare_reports(reference: dict, other: dict) -> list[str]:
                 problems.append(f"rank {rank} step {step}: no loss recorded ({a} / {b})")
             elif float.fromhex(a) != float.fromhex(b):
                 problems.append(f"rank {rank} step {step}: {float.fromhex(a)!r} != {float.fromhex(b)!r}")
+    for rank, steps in reference.get("metrics_hex", {}).items():
+        for step, (a, b) in enumerate(zip(steps, other.get("metrics_hex", {}).get(rank, [])), start=1):
+            if a and b and a != b:
+                problems.append(f"rank {rank} step {step}: metrics {a} != {b}")
     return problems
 
 

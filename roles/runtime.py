@@ -20,6 +20,7 @@ import replica
 from replica.restore import materialize_optimizer_state
 from replica.roles.env import RoleEnv, configure_logging
 from replica.roles.join import join
+from replica.roles.rollouts import RolloutClient, serve_rollouts
 
 __all__ = ["Job", "init"]
 
@@ -39,7 +40,7 @@ class Job:
         self._since = 0  # the generation this process became the rank's trainer in
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
         self.config = replica.Config(token=env.token, host=env.host, standby_wait=timedelta(seconds=120))
-        self.group = replica.init_resilient_process_group(
+        self.group = None if env.role == "rollout" else replica.init_resilient_process_group(
             store=dist.PrefixStore("replica/pg", self.store), rank=env.rank, world_size=env.world_size,
             timeout=timedelta(seconds=10), generation=0 if env.role == "trainer" else None)
         self._rep: replica.Replicator | None = None
@@ -75,11 +76,37 @@ class Job:
         self._fault("mirror", step)  # the stream of this step is in flight now
         return done
 
-    def log(self, step: int, loss: torch.Tensor | float) -> None:
-        """Record the step's loss exactly (a float's hex form) for the job report."""
+    def log(self, step: int, loss: torch.Tensor | float, **metrics: float) -> None:
+        """Record the step's loss exactly (a float's hex form) and any other metrics
+        (``reward=...``) for the job report."""
         if self.group.errored is None:
-            # One store round trip a step: the loss and when the step ended.
-            self.store.set(f"replica/loss/{self.rank}/{step}", f"{float(loss).hex()} {time.time()!r}")
+            # One store round trip a step: the loss, when the step ended, the metrics.
+            extra = "".join(f" {k}={float(v).hex()}" for k, v in sorted(metrics.items()))
+            value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+            self.store.set(f"replica/loss/{self.rank}/{step}", f"{value.hex()} {time.time()!r}{extra}")
+
+    def rollout_client(self, model: torch.nn.Module, *, num_shards: int, name_map=None,
+                       dtype: torch.dtype | None = None) -> RolloutClient:
+        """Weight sync to the job's rollout engines and generation requests to them
+        (every trainer rank, and every standby, which uses it once promoted)."""
+        sync = replica.WeightSync(model, store=self.store, num_engines=self.env.rollouts, config=self.config,
+                                  rank=self.rank, name_map=name_map, dtype=dtype)
+        return RolloutClient(store=self.store, sync=sync, num_shards=num_shards,
+                             epoch=lambda: self.group.generation,
+                             abort=lambda: self.group.errored is not None or self._failover_announced())
+
+    def serve_rollouts(self, make_llm) -> None:
+        """The rollout role: run the engine ``make_llm()`` builds and serve until the job ends."""
+        if self.role != "rollout":
+            raise replica.ReplicaError(f"serve_rollouts() in a {self.role} process")
+        stop_key = f"replica/rollout/{self.rank}/stop"
+        try:
+            serve_rollouts(store=self.store, index=self.rank, num_engines=self.env.rollouts, token=self.env.token,
+                           make_llm=make_llm, host=self.env.host,
+                           stop=lambda: self.store.check(["replica/finished"]) or self.store.check([stop_key]),
+                           on_shard=lambda step: self._fault("forward", step))
+        finally:
+            self.close()
 
     def steps(self, total: int) -> Iterator[int]:
         step = 1
@@ -109,7 +136,8 @@ class Job:
             if closeable is not None:
                 closeable.close()
         self._rep = self._mirror = None
-        self.group.shutdown()
+        if self.group is not None:
+            self.group.shutdown()
 
     # --- failover ---
 
@@ -192,7 +220,8 @@ class Job:
         while not self._stop.is_set():
             try:
                 self.store.add(key, 1)
-                if self.group.cuda and self.role == "trainer" and self.group.errored is None and \
+                if self.group is not None and self.group.cuda and self.role == "trainer" and \
+                        self.group.errored is None and \
                         self._failover_announced():
                     # NCCL does not fail a collective whose peer died: get this survivor out of it.
                     self.group.abort("the coordinator announced a failover")

@@ -29,6 +29,9 @@ class Agent(Protocol):
     def replace_standby(self, rank: int) -> bool:
         """Start a new standby for ``rank``; False when none may be started."""
 
+    def replace_rollout(self, index: int) -> bool:
+        """Start a new rollout engine ``index``; False when none may be started."""
+
     def kill(self, pid: int) -> None:
         """Make sure a process declared dead is dead (fencing)."""
 
@@ -95,6 +98,11 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None) -> str | N
         return f"the job failed: {decision.reason}"
     if decision.dead is not None and agent is not None:
         agent.kill(decision.dead.pid)  # a process declared dead on a missed deadline may still run
+    if decision.kind == "rollout_lost":
+        replaced = agent is not None and agent.replace_rollout(decision.rank)
+        print(f"\nreplica: {decision.dead} is dead ({decision.reason}); training goes on without it"
+              + ("; a replacement is starting" if replaced else ""), flush=True)
+        return None
     what = "promoted its standby" if decision.kind == "promoted" else "training goes on"
     print(f"\nreplica: {decision.dead} is dead ({decision.reason}); {what}", flush=True)
     if agent is not None and agent.replace_standby(decision.rank):

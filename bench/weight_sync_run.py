@@ -1,0 +1,135 @@
+"""One size of the weight-sync benchmark, in a process of its own (vLLM keeps
+process-global state, so one engine per process): a running in-process vLLM
+engine receives the weights of a Llama-style model
+
+* pushed by ``replica.WeightSync`` from a trainer process (pack, UCX, digests,
+  in-place ``reload_weights``, prefix-cache reset): ``sync_s``, split into
+  ``receive_s`` (push until the version is complete in the engine's receiver,
+  which an engine overlaps with generation) and ``apply_s`` (the in-place load);
+* reloaded by vLLM from the same weights in safetensors on disk
+  (``reload_weights(weights_path=...)``, page cache warm): ``disk_reload_s``,
+  and the trainer's save of that file: ``disk_save_s``;
+* as bytes only: a gloo broadcast of the same bytes between two processes, and
+  a memcpy of them (the physical limit here).
+
+usage: weight_sync_run.py SIZE ROUNDS OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_engine import make_llm, make_model  # noqa: E402
+
+import replica  # noqa: E402
+from replica.testing import free_port, spawn  # noqa: E402
+
+SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
+          "1GiB": dict(hidden=1024, layers=16, intermediate=4096)}
+TOKEN = b"bench-weights-token"
+CONFIG = replica.Config(token=TOKEN, timeout=timedelta(seconds=300))
+
+
+def _sender(pipe, folder: str, port: int) -> None:
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    sync = replica.WeightSync(model, store=store, num_engines=1, config=CONFIG)
+    pipe.send(("ready", sync.layout.total_bytes))
+    while (cmd := pipe.recv())[0] == "push":
+        stats = sync.push(cmd[1])
+        pipe.send(("pushed", stats.engines_synced))
+    sync.close()
+
+
+def _gloo_peer(pipe, port: int, nbytes: int) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    while pipe.recv()[0] == "round":
+        dist.broadcast(buf, src=0)
+        pipe.send(("ok",))
+    dist.destroy_process_group()
+
+
+def main(size: str, rounds: int, out: Path) -> None:
+    from replica.vllm_worker import EngineWeights, ReceiverSpec
+
+    torch.manual_seed(0)
+    work = Path(tempfile.mkdtemp(prefix="replica-bench-weights-"))
+    make_model(work / "engine", 0, **SHAPES[size])
+    make_model(work / "trained", 1, **SHAPES[size])
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    llm = make_llm(work / "engine")
+    weights = EngineWeights(llm, ReceiverSpec(index=0, store_host="127.0.0.1", store_port=store.port,
+                                              token_hex=TOKEN.hex(), timeout_s=300))
+    sync_s, receive_s, apply_s, disk_s, save_s, gloo_s, memcpy_s = [], [], [], [], [], [], []
+    with spawn(_sender, str(work / "trained"), store.port, name="trainer") as trainer:
+        _, nbytes = trainer.recv(timeout=300)
+        for step in range(1, rounds + 2):  # the first round warms up
+            start = time.perf_counter()
+            trainer.send("push", step)
+            assert all(llm.collective_rpc("replica_wait", args=(step, 300.0)))  # received and verified
+            ready = time.perf_counter()
+            assert weights.update() == step  # loaded in place, prefix cache reset: serving it
+            done = time.perf_counter()
+            assert trainer.recv(timeout=300)[1] == [0]
+            if step > 1:
+                sync_s.append(done - start)
+                receive_s.append(ready - start)
+                apply_s.append(done - ready)
+        trainer.send("exit")
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(work / "trained" / "model.safetensors"))
+    for i in range(rounds + 1):
+        start = time.perf_counter()
+        save_file(state, str(work / "trained" / "model.safetensors"))
+        saved = time.perf_counter() - start
+        start = time.perf_counter()
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(work / "trained")})
+        llm.reset_prefix_cache()
+        if i:
+            save_s.append(saved)
+            disk_s.append(time.perf_counter() - start)
+    del llm, weights
+    port = free_port()
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    with spawn(_gloo_peer, port, nbytes, name="gloo-peer") as peer:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+        for i in range(rounds + 1):
+            start = time.perf_counter()
+            peer.send("round")
+            dist.broadcast(buf, src=0)
+            peer.recv(timeout=300)
+            if i:
+                gloo_s.append(time.perf_counter() - start)
+        peer.send("exit")
+        dist.destroy_process_group()
+    dst = torch.empty_like(buf)
+    for i in range(rounds + 1):
+        start = time.perf_counter()
+        dst.copy_(buf)
+        if i:
+            memcpy_s.append(time.perf_counter() - start)
+    med = statistics.median
+    out.write_text(json.dumps({"size": size, "bytes": nbytes, "rounds": rounds, "sync_s": med(sync_s),
+                               "receive_s": med(receive_s), "apply_s": med(apply_s),
+                               "disk_reload_s": med(disk_s), "disk_save_s": med(save_s),
+                               "gloo_broadcast_s": med(gloo_s), "memcpy_s": med(memcpy_s),
+                               "all": {"sync_s": sync_s, "disk_reload_s": disk_s}}, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))

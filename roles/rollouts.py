@@ -1,0 +1,192 @@
+"""Rollouts: generation requests from the trainers to the rollout engines, and
+the rollout role's serving loop.
+
+A request (posted by the trainers' leader rank) names the weight version it
+needs and holds its prompts in *shards*; each shard is generated as one batch
+with a seed per prompt, by whichever engine claims it, so the completions do
+not depend on which engine served them or on how many are alive. An engine
+claims its own shards first (shard k belongs to engine k mod R), then any
+unclaimed one, or one whose claimer died (the coordinator lists dead members in
+``replica/dead/{id}``). Keys, under ``replica/rollout/``: ``seq`` (requests
+posted), ``req/{n}`` (request n, JSON), ``req/{n}/claim/{k}`` and
+``req/{n}/result/{k}`` (JSON token ids)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+import replica
+from replica.vllm_worker import EngineWeights, ReceiverSpec
+
+__all__ = ["RolloutClient", "Sampling", "serve_rollouts"]
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "replica/rollout"
+_POLL_S = 0.005
+_STEAL_AFTER_S = 0.5  # an unclaimed shard of another engine is taken after this
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Sampling:
+    max_tokens: int = 8
+    temperature: float = 1.0
+    seed: int = 0  # prompt i of a request samples with seed + i
+
+
+class RolloutClient:
+    """The trainers' side: push the current weights to every engine, then ask for
+    completions made with exactly those weights. Every trainer rank calls both
+    (``push`` gathers the parameters collectively); only the leader talks to the
+    engines, and every rank gets all completions."""
+
+    def __init__(self, *, store: dist.Store, sync: replica.WeightSync, num_shards: int,
+                 epoch: Callable[[], int] = lambda: 0, abort: Callable[[], bool] = lambda: False,
+                 timeout: timedelta = timedelta(seconds=600)):
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        self.store = store
+        self.sync = sync
+        self.num_shards = num_shards
+        self.timeout = timeout
+        self.version: int | None = None
+        self._epoch = epoch  # the process-group generation: a redone step is a new exchange
+        self._abort = abort  # the step failed (a trainer died): stop waiting, the step is redone
+
+    def push(self, step: int) -> int:
+        """Send the current weights as a new version (every rank); returns the version id,
+        or -1 if the step was aborted (its outputs are discarded, as a failed step's are)."""
+        version = self.store.add(f"{_PREFIX}/version_seq", 1) if self.sync.is_leader else 0
+        self.sync.push(version)
+        key = f"{_PREFIX}/version/{self._epoch()}/{step}"
+        if self.sync.is_leader and not self._abort():
+            self.store.set(key, str(version))
+        if not self._wait([key]):
+            return -1
+        self.version = int(self.store.get(key))
+        return self.version
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, step: int) -> list[list[int]]:
+        """Completions (token ids) of ``prompts`` under the version pushed for ``step``.
+        If the step is aborted meanwhile, returns placeholder completions of the right
+        size (the step is redone after the failover; nothing of it is kept)."""
+        key = f"{_PREFIX}/request/{self._epoch()}/{step}"
+        if self.sync.is_leader and self.version is not None and not self._abort():
+            n = self.store.add(f"{_PREFIX}/seq", 1)
+            shards = [list(range(k, len(prompts), self.num_shards)) for k in range(self.num_shards)]
+            self.store.set(f"{_PREFIX}/req/{n}", json.dumps({
+                "step": step, "version": self.version, "sampling": asdict(sampling),
+                "shards": [[[int(t) for t in prompts[i]] for i in shard] for shard in shards],
+                "index": shards}))
+            self.store.set(key, str(n))
+        placeholder = [[0] * sampling.max_tokens for _ in prompts]
+        if not self._wait([key]):
+            return placeholder
+        n = int(self.store.get(key))
+        results = [f"{_PREFIX}/req/{n}/result/{k}" for k in range(self.num_shards)]
+        if not self._wait(results, refresh=self.sync.is_leader):
+            return placeholder
+        completions: list[list[int]] = list(placeholder)
+        for k, raw in enumerate(self.store.multi_get(results)):
+            shard = json.loads(raw)
+            for i, tokens in zip(range(k, len(prompts), self.num_shards), shard["completions"]):
+                completions[i] = tokens
+        return completions
+
+    def _wait(self, keys: list[str], *, refresh: bool = False) -> bool:
+        """True once every key is set; False if the step was aborted first."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check(keys):
+            if self._abort():
+                return False
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{keys[0]} and {len(keys) - 1} more not set within {self.timeout}")
+            if refresh:
+                self.sync.refresh()  # an engine that joined since gets this version before it serves
+            time.sleep(_POLL_S if not refresh else 0.05)
+        return True
+
+
+def serve_rollouts(*, store: dist.Store, index: int, num_engines: int, token: bytes, make_llm: Callable[[], object],
+                   stop: Callable[[], bool], on_shard: Callable[[int], None] | None = None,
+                   host: str = "127.0.0.1") -> None:
+    """The rollout role: run an engine, take weight versions as they come, serve
+    shards of requests until ``stop()``. ``on_shard(step)`` runs after a shard is
+    claimed and before it is generated (fault injection)."""
+    from vllm import SamplingParams
+
+    llm = make_llm()
+    weights = EngineWeights(llm, ReceiverSpec(index=index, store_host=store.host, store_port=store.port,
+                                              token_hex=token.hex(), host=host))
+    store.set(f"{_PREFIX}/engine/{index}/up", "1")
+    seen = 0  # requests fully handled here
+    logger.warning("[rollout %d] engine up, serving", index)
+    while not stop():
+        posted = store.add(f"{_PREFIX}/seq", 0)
+        if seen >= posted:
+            weights.update()  # apply a version as soon as it is complete
+            time.sleep(_POLL_S)
+            continue
+        n = seen + 1
+        request = json.loads(store.get(f"{_PREFIX}/req/{n}"))
+        shard = _claim(store, n, request, index, num_engines)
+        if shard is None:
+            if all(store.check([f"{_PREFIX}/req/{n}/result/{k}"]) for k in range(len(request["shards"]))):
+                seen = n
+            else:
+                time.sleep(_POLL_S)
+            continue
+        if on_shard is not None:
+            on_shard(request["step"])
+        served = weights.wait(request["version"], timedelta(seconds=600))
+        if served != request["version"]:
+            raise replica.ReplicaError(f"rollout {index} serves version {served}, request {n} needs "
+                                       f"{request['version']}")
+        sampling = request["sampling"]
+        params = [SamplingParams(temperature=sampling["temperature"], max_tokens=sampling["max_tokens"],
+                                 seed=sampling["seed"] + i, detokenize=False, ignore_eos=True)
+                  for i in request["index"][shard]]
+        outs = llm.generate([{"prompt_token_ids": p} for p in request["shards"][shard]], params, use_tqdm=False)
+        store.set(f"{_PREFIX}/req/{n}/result/{shard}", json.dumps({
+            "engine": index, "version": served, "completions": [list(o.outputs[0].token_ids) for o in outs]}))
+    weights.close()
+
+
+def _claim(store: dist.Store, n: int, request: dict, index: int, num_engines: int) -> int | None:
+    """A shard of request n for this engine to generate, claimed; None if none is free."""
+    me = f"{index}:{time.time()!r}"
+    shards = range(len(request["shards"]))
+    mine = [k for k in shards if k % max(num_engines, 1) == index]
+    others = [k for k in shards if k not in mine]
+    for k in mine + others:
+        if store.check([f"{_PREFIX}/req/{n}/result/{k}"]):
+            continue
+        key = f"{_PREFIX}/req/{n}/claim/{k}"
+        current = store.get(key).decode() if store.check([key]) else ""
+        if current and not _claimer_dead(store, current):
+            continue
+        if not current and k not in mine and not _waited(store, n):
+            continue
+        if store.compare_set(key, current, me).decode() == me:
+            return k
+    return None
+
+
+def _waited(store: dist.Store, n: int) -> bool:
+    """Other engines' shards are taken only once they had a moment to claim them."""
+    key = f"{_PREFIX}/req/{n}/seen"
+    store.compare_set(key, "", repr(time.time()))
+    return time.time() - float(store.get(key)) > _STEAL_AFTER_S
+
+
+def _claimer_dead(store: dist.Store, claim: str) -> bool:
+    engine = claim.split(":")[0]
+    key = f"{_PREFIX}/engine/{engine}/dead_since"
+    return store.check([key]) and float(store.get(key)) > float(claim.split(":", 1)[1])

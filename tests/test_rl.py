@@ -1,0 +1,36 @@
+"""The toy RL loop (examples/rl_loop.py) under `replica launch --rollouts 3`:
+real vLLM engines generate, FSDP2 trainers learn, weights are pushed in place
+every step. A trainer killed in backward (its standby, co-located with rollout
+1, is promoted, and that engine is retired) and rollout 0 killed while it
+generates (the others take its shards, a replacement comes up) must leave
+the per-step losses and rewards bit-identical to the failure-free run."""
+
+from __future__ import annotations
+
+import pytest
+
+from replica.roles.report import compare_reports
+from test_launch import ROOT, launch
+from vllm_engine import vllm_available
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
+
+RL = ROOT / "examples" / "rl_loop.py"
+OPTIONS = ("--rollouts", "3", "--steps", "8")
+
+
+def test_rl_loop_survives_a_trainer_and_a_rollout_kill(tmp_path):
+    code, reference, output = launch(tmp_path, *OPTIONS, name="reference", script=RL)
+    assert code == 0, output[-4000:]
+    assert reference["last_commit"] == 8 and reference["failovers"] == []
+    assert all(m.get("reward") for m in reference["metrics_hex"]["0"])  # every step scored its rollouts
+
+    code, report, output = launch(tmp_path, *OPTIONS, "--inject", "kill:trainer:1@3:backward,kill:rollout:0@5",
+                                  script=RL)
+    assert code == 0, output[-4000:]
+    assert all(f["fired_at"] is not None for f in report["faults"])  # both faults fired
+    assert [f["rank"] for f in report["failovers"]] == [1]
+    assert [r["index"] for r in report["rollouts_lost"]] == [0]
+    assert report["rollouts_retired"] == [1]  # the promoted standby's machine stopped its engine
+    assert compare_reports(reference, report) == []  # losses and rewards, bit for bit
+    assert report["last_commit"] == 8
