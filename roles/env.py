@@ -8,7 +8,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["PHASES", "ROLES", "Fault", "RoleEnv", "configure_logging", "parse_faults"]
+__all__ = ["Fault", "PHASES", "ROLES", "RoleEnv", "configure_logging", "parse_faults"]
 
 ROLES = ("trainer", "standby", "rollout")
 PHASES = ("forward", "backward", "reduce-scatter", "optimizer", "mirror", "commit")
