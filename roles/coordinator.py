@@ -101,7 +101,7 @@ class Decision:
 
 class Coordinator:
     def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
-                 deadlines: Deadlines = Deadlines()):
+                 deadlines: Deadlines = Deadlines(), rollouts: int = 0):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not token:
@@ -119,6 +119,7 @@ class Coordinator:
         self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
                                    master_listen_fd=self._listener.detach(), timeout=timedelta(seconds=60))
         self.world_size = world_size
+        self.rollouts = rollouts
         self.record = CommitRecord(self.store, world_size=world_size)
         self.deadlines = deadlines
         self.generation = 0
@@ -281,8 +282,9 @@ class Coordinator:
             return f"replayed join request of {who}"
         if request.role not in ROLES:
             return f"{who}: unknown role {request.role!r} (expected one of {ROLES})"
-        if not 0 <= request.rank < self.world_size:
-            return f"{who}: rank {request.rank} is not in [0, {self.world_size})"
+        ranks = self.rollouts if request.role == "rollout" else self.world_size
+        if not 0 <= request.rank < ranks:
+            return f"{who}: rank {request.rank} is not in [0, {ranks})"
         if self.finished():
             return f"{who}: the job is over"
         if request.role == "trainer" and self.started:

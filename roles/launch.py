@@ -130,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.trainers}, {standbys}, {args.rollouts}")
     token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
     coord = Coordinator(world_size=args.trainers, token=token.encode(), host=args.host, port=args.port,
-                        deadlines=deadlines)
-    print(f"replica: job store at {coord.address}; {args.trainers} trainers, {standbys} standbys", flush=True)
+                        deadlines=deadlines, rollouts=args.rollouts)
+    print(f"replica: job store at {coord.address}; {args.trainers} trainers, {standbys} standbys, "
+          f"{args.rollouts} rollouts", flush=True)
     # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
     # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
     # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.

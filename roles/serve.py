@@ -23,6 +23,7 @@ __all__ = ["main"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replica coordinator", description=__doc__)
     p.add_argument("--world-size", type=int, required=True, help="the number of trainer ranks")
+    p.add_argument("--rollouts", type=int, default=0, help="rollout engines that will join")
     p.add_argument("--steps", type=int, required=True, help="the job's steps (for progress and the report)")
     p.add_argument("--host", default="127.0.0.1",
                    help="where the job store listens (default loopback; a multi-node job binds a routable address)")
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     configure_logging()
     coord = Coordinator(world_size=args.world_size, token=token.encode(), host=args.host, port=args.port,
-                        deadlines=deadlines)
+                        deadlines=deadlines, rollouts=args.rollouts)
     print(f"replica: coordinator of {args.world_size} trainer ranks at {coord.address}", flush=True)
     timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.

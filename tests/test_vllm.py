@@ -39,6 +39,13 @@ def job(tmp_path_factory):
                                               token_hex=TOKEN.hex()))
     yield root, store, llm, weights
     weights.close()
+    del llm, weights
+    # The in-process engine initialized torch.distributed's default group in this process: release it.
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def test_in_place_sync_equals_a_fresh_engine_and_transformers(job):
