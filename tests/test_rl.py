@@ -25,7 +25,7 @@ def test_rl_loop_survives_a_trainer_and_a_rollout_kill(tmp_path):
     assert reference["last_commit"] == 6 and reference["failovers"] == []
     assert all(m.get("reward") for m in reference["metrics_hex"]["0"])  # every step scored its rollouts
 
-    code, report, output = launch(tmp_path, *OPTIONS, "--inject", "kill:trainer:1@2:backward,kill:rollout:0@4",
+    code, report, output = launch(tmp_path, *OPTIONS, "--inject", "kill:trainer:1@3:backward,kill:rollout:0@5",
                                   script=RL)
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"])  # both faults fired
