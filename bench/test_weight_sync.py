@@ -40,7 +40,9 @@ def test_weight_sync(benchmark, tmp_path, size):
         _results[size] = result
 
 
-def test_write_results():
+@pytest.fixture(scope="module", autouse=True)
+def report():
+    yield
     if set(_results) != set(SIZES):
         return  # benchmarks disabled (CI smoke run) or some were deselected
     big = _results["1GiB"]

@@ -11,6 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from replica.roles.rollouts import served_shards
+
 if TYPE_CHECKING:
     from replica.roles.coordinator import Coordinator, Failover
 
@@ -41,11 +43,19 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         "standbys_replaced": coord.standbys_replaced,
         "unprotected": sorted(coord.unprotected),
         "rollouts_lost": coord.rollouts_lost,
+        "engine_versions": {str(i): _version(coord, i) for i in range(coord.rollouts)},
+        "rollout_shards": served_shards(coord.store) if coord.rollouts else [],
         "rollouts_retired": coord.rollouts_retired,
         "refused_joins": coord.refused,
         "members": coord.membership(),
         "last_commit": coord.record.last(),
     }
+
+
+def _version(coord: Coordinator, index: int) -> int | None:
+    """The weight version rollout engine ``index`` served last."""
+    key = f"replica/engine/{index}/version"
+    return int(coord.store.get(key)) if coord.store.check([key]) else None
 
 
 def load_report(path: str | Path) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -25,7 +26,7 @@ import torch.distributed as dist
 import replica
 from replica.vllm_worker import EngineWeights, ReceiverSpec
 
-__all__ = ["RolloutClient", "Sampling", "serve_rollouts"]
+__all__ = ["RolloutClient", "Sampling", "served_shards", "serve_rollouts"]
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,8 @@ def serve_rollouts(*, store: dist.Store, index: int, num_engines: int, token: by
                   for i in request["index"][shard]]
         outs = llm.generate([{"prompt_token_ids": p} for p in request["shards"][shard]], params, use_tqdm=False)
         store.set(f"{_PREFIX}/req/{n}/result/{shard}", json.dumps({
-            "engine": index, "version": served, "completions": [list(o.outputs[0].token_ids) for o in outs]}))
+            "engine": index, "pid": os.getpid(), "version": served,
+            "completions": [list(o.outputs[0].token_ids) for o in outs]}))
     weights.close()
 
 
@@ -190,3 +192,17 @@ def _claimer_dead(store: dist.Store, claim: str) -> bool:
     engine = claim.split(":")[0]
     key = f"{_PREFIX}/engine/{engine}/dead_since"
     return store.check([key]) and float(store.get(key)) > float(claim.split(":", 1)[1])
+
+
+def served_shards(store: dist.Store) -> list[dict]:
+    """Who served each shard of every request, with which weight version (for reports)."""
+    rows = []
+    for n in range(1, store.add(f"{_PREFIX}/seq", 0) + 1):
+        request = json.loads(store.get(f"{_PREFIX}/req/{n}"))
+        for k in range(len(request["shards"])):
+            key = f"{_PREFIX}/req/{n}/result/{k}"
+            if store.check([key]):
+                result = json.loads(store.get(key))
+                rows.append({"request": n, "step": request["step"], "shard": k, "needed": request["version"],
+                             "engine": result["engine"], "pid": result["pid"], "version": result["version"]})
+    return rows

@@ -16,21 +16,26 @@ from vllm_engine import vllm_available
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
 
 RL = ROOT / "examples" / "rl_loop.py"
-OPTIONS = ("--rollouts", "3", "--steps", "6")
+OPTIONS = ("--rollouts", "3", "--steps", "8")
 
 
 def test_rl_loop_survives_a_trainer_and_a_rollout_kill(tmp_path):
     code, reference, output = launch(tmp_path, *OPTIONS, name="reference", script=RL)
     assert code == 0, output[-4000:]
-    assert reference["last_commit"] == 6 and reference["failovers"] == []
+    assert reference["last_commit"] == 8 and reference["failovers"] == []
     assert all(m.get("reward") for m in reference["metrics_hex"]["0"])  # every step scored its rollouts
 
-    code, report, output = launch(tmp_path, *OPTIONS, "--inject", "kill:trainer:1@3:backward,kill:rollout:0@5",
+    code, report, output = launch(tmp_path, *OPTIONS, "--inject", "kill:rollout:0@2,kill:trainer:1@4:backward",
                                   script=RL)
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"])  # both faults fired
     assert [f["rank"] for f in report["failovers"]] == [1]
     assert [r["index"] for r in report["rollouts_lost"]] == [0]
     assert report["rollouts_retired"] == [1]  # the promoted standby's machine stopped its engine
+    first, replacement = [m for m in report["members"] if m["role"] == "rollout" and m["rank"] == 0]
+    assert (first["state"], replacement["state"]) == ("dead", "done")  # engine 0 was replaced
+    shards = report["rollout_shards"]
+    assert all(s["version"] == s["needed"] for s in shards)  # every shard made with exactly the pushed weights
+    assert {s["pid"] for s in shards if s["engine"] == 0} == {first["pid"], replacement["pid"]}, shards  # ... and served
     assert compare_reports(reference, report) == []  # losses and rewards, bit for bit
-    assert report["last_commit"] == 6
+    assert report["last_commit"] == 8
