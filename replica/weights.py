@@ -196,6 +196,7 @@ class WeightSync:
         self._device_bucket: torch.Tensor | None = None
         self._step: int | None = None  # the version in _packed
         self._links: dict[int, _Link] = {}
+        self._unreachable: set[str] = set()  # registrations that refused or failed a connection
         self._lock = threading.Lock()  # push and refresh take turns on the links
 
     def push(self, step: int) -> SyncStats:
@@ -296,11 +297,12 @@ class WeightSync:
                 continue
             if link is not None:
                 self._drop(i, TransportError("the engine registered anew"))
-            if current is None:
-                continue
+            if current is None or current in self._unreachable:
+                continue  # a registration that failed once is not retried; a replacement registers anew
             try:
                 self._links[i] = self._connect(current)
             except (TransportError, LayoutMismatchError) as exc:
+                self._unreachable.add(current)
                 logger.warning("weight sync: engine %d at %s unreachable: %s", i, current, exc)
         return dict(self._links)
 

@@ -316,6 +316,8 @@ class Coordinator:
         engine = self._live("rollout", rank)
         if engine is not None:  # the standby's machine hosts rollout `rank`: its resources go to the trainer
             self.store.set(f"replica/rollout/{rank}/stop", "1")
+            # Its claims on shards are void from now on: the other engines take them.
+            self.store.set(f"replica/rollout/engine/{rank}/dead_since", repr(time.time()))
             self.rollouts_retired.append(rank)
             logger.warning("%s drains and stops: its machine now hosts trainer %d (%d rollouts left)", engine,
                            rank, len(self.alive("rollout")) - 1)

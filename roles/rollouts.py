@@ -146,7 +146,9 @@ def serve_rollouts(*, store: dist.Store, index: int, num_engines: int, token: by
             continue
         if on_shard is not None:
             on_shard(request["step"])
-        served = weights.wait(request["version"], timedelta(seconds=600))
+        served = _wait_version(weights, request["version"], stop)
+        if served is None:
+            break  # told to stop (retired) while waiting: another engine takes the shard
         if served != request["version"]:
             raise replica.ReplicaError(f"rollout {index} serves version {served}, request {n} needs "
                                        f"{request['version']}")
@@ -159,6 +161,20 @@ def serve_rollouts(*, store: dist.Store, index: int, num_engines: int, token: by
             "engine": index, "pid": os.getpid(), "version": served,
             "completions": [list(o.outputs[0].token_ids) for o in outs]}))
     weights.close()
+
+
+def _wait_version(weights: EngineWeights, version: int, stop: Callable[[], bool],
+                  timeout: timedelta = timedelta(seconds=600)) -> int | None:
+    """Serve ``version`` once it has arrived; None if told to stop first."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        if stop():
+            return None
+        try:
+            return weights.wait(version, timedelta(seconds=0.5))
+        except TimeoutError:
+            continue
+    raise TimeoutError(f"weights of version {version} did not arrive within {timeout}")
 
 
 def _claim(store: dist.Store, n: int, request: dict, index: int, num_engines: int) -> int | None:

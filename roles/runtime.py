@@ -104,7 +104,7 @@ class Job:
             serve_rollouts(store=self.store, index=self.rank, num_engines=self.env.rollouts, token=self.env.token,
                            make_llm=make_llm, host=self.env.host,
                            stop=lambda: self.store.check(["replica/finished"]) or self.store.check([stop_key]),
-                           on_shard=lambda step: self._fault("forward", step))
+                           on_shard=self._rollout_fault)
         finally:
             self.close()
 
@@ -247,6 +247,13 @@ class Job:
                 self._fault("reduce-scatter", self._step)
 
         self.group.on_collective = on_collective
+
+    def _rollout_fault(self, step: int) -> None:
+        """A rollout's fault fires at the first shard it generates for its step or a later one
+        (which engine takes which shard depends on which is up first)."""
+        for f in self.env.faults:
+            if f.role == "rollout" and f.rank == self.rank and f.step <= step:
+                self._fault(f.phase, f.step)
 
     def _fault(self, phase: str, step: int) -> None:
         for f in self.env.faults:
