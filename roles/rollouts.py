@@ -126,7 +126,7 @@ def serve_rollouts(*, store: dist.Store, index: int, num_engines: int, token: by
     llm = make_llm()
     weights = EngineWeights(llm, ReceiverSpec(index=index, store_host=store.host, store_port=store.port,
                                               token_hex=token.hex(), host=host))
-    store.set(f"{_PREFIX}/engine/{index}/up", "1")
+    store.set(f"{_PREFIX}/engine/{index}/up", repr(time.time()))
     seen = 0  # requests fully handled here
     logger.warning("[rollout %d] engine up, serving", index)
     while not stop():
@@ -190,7 +190,7 @@ def _claim(store: dist.Store, n: int, request: dict, index: int, num_engines: in
         current = store.get(key).decode() if store.check([key]) else ""
         if current and not _claimer_dead(store, current):
             continue
-        if not current and k not in mine and not _waited(store, n):
+        if not current and k not in mine and not _gone(store, k % max(num_engines, 1)) and not _waited(store, n):
             continue
         if store.compare_set(key, current, me).decode() == me:
             return k
@@ -202,6 +202,14 @@ def _waited(store: dist.Store, n: int) -> bool:
     key = f"{_PREFIX}/req/{n}/seen"
     store.compare_set(key, "", repr(time.time()))
     return time.time() - float(store.get(key)) > _STEAL_AFTER_S
+
+
+def _gone(store: dist.Store, engine: int) -> bool:
+    """Engine ``engine`` died or was retired and no replacement is up: its shards are free at once."""
+    dead, up = f"{_PREFIX}/engine/{engine}/dead_since", f"{_PREFIX}/engine/{engine}/up"
+    if not store.check([dead]):
+        return False
+    return not store.check([up]) or float(store.get(dead)) > float(store.get(up))
 
 
 def _claimer_dead(store: dist.Store, claim: str) -> bool:
