@@ -26,7 +26,7 @@ import torch.distributed as dist
 import replica
 from replica.vllm_worker import EngineWeights, ReceiverSpec
 
-__all__ = ["RolloutClient", "Sampling", "served_shards", "serve_rollouts"]
+__all__ = ["RolloutClient", "Sampling", "serve_rollouts", "served_shards"]
 
 logger = logging.getLogger(__name__)
 

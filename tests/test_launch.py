@@ -84,14 +84,6 @@ def test_trainers_killed_in_each_phase(tmp_path, reference, first, second):
     assert "| detect | promote | reconnect | resumed |" in output
 
 
-def test_a_straggler_is_not_declared_dead(tmp_path, reference):
-    code, report, output = launch(tmp_path, "--heartbeat-deadline", "1", "--inject", "stall:trainer:0@4:3")
-    assert code == 0, output[-4000:]
-    assert report["faults"][0]["fired_at"] is not None  # the 3 s stall happened ...
-    assert report["failovers"] == []  # ... and a 1 s heartbeat deadline did not take it for dead
-    assert compare_reports(reference, report) == []
-
-
 def test_bad_inject_spec_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--inject", "explode:trainer:1@3",
                            str(ROOT / "examples" / "train_fsdp.py")], cwd=ROOT, capture_output=True, text=True,
@@ -120,14 +112,15 @@ def test_standby_killed_then_its_trainer(tmp_path, reference):
 
 
 def test_wrong_token_late_trainer_and_second_standby_are_refused(tmp_path, reference):
-    """While a job runs (held in a 6 s stall), three processes try to join it:
-    one with a wrong token, a trainer for a rank that has one, a second standby
-    for a rank. Each is refused with a clear error, the token never appears in
-    any output, and the job finishes undisturbed."""
+    """While a job runs (held in a 6 s stall of trainer 0, a straggler: slow but
+    alive, so a 1 s heartbeat deadline must not take it for dead), three processes
+    try to join it: one with a wrong token, a trainer for a rank that has one, a
+    second standby for a rank. Each is refused with a clear error, the token never
+    appears in any output, and the job finishes undisturbed."""
     port, report = free_port(), tmp_path / "run.json"
     job = subprocess.Popen([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(STEPS), "--port",
-                            str(port), "--timeout", "240", "--report", str(report), "--inject",
-                            "stall:trainer:0@3:6", str(EXAMPLE)], cwd=ROOT, env=dict(os.environ, REPLICA_TOKEN=TOKEN),
+                            str(port), "--timeout", "240", "--report", str(report), "--heartbeat-deadline", "1",
+                            "--inject", "stall:trainer:0@3:6", str(EXAMPLE)], cwd=ROOT, env=dict(os.environ, REPLICA_TOKEN=TOKEN),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     wait_for_key(store, "replica/killed/stall:trainer:0@3:6", job)  # the job is running, and will for 6 s
@@ -152,7 +145,8 @@ def test_wrong_token_late_trainer_and_second_standby_are_refused(tmp_path, refer
     assert output.count("refused a join") == 3
     for text in (output, report.read_text(), *outputs.values()):
         assert TOKEN not in text and "not-the-job-token" not in text  # never logged
-    assert result["failovers"] == [] and compare_reports(reference, result) == []
+    assert result["faults"][0]["fired_at"] is not None  # the 6 s stall happened ...
+    assert result["failovers"] == [] and compare_reports(reference, result) == []  # ... and was no death
     assert {(m["role"], m["rank"]) for m in result["members"]} == {("trainer", 0), ("trainer", 1), ("standby", 0),
                                                                     ("standby", 1)}
 
