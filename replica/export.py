@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from replica.errors import ReplicaError
-from replica.layout import StateLayout
+from replica.layout import StateLayout, dtype_of
 from replica.snapshot import Snapshot
 
 __all__ = ["EXTRAS_KEY", "export_path", "load_export", "write_export"]
@@ -25,7 +25,6 @@ _DTYPES = {
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
 }
-_TORCH = {v: getattr(torch, k) for k, v in _DTYPES.items()}
 _LENGTH = struct.Struct("<Q")
 
 
@@ -82,7 +81,7 @@ def load_export(path: str | Path) -> Snapshot:
         raw = torch.frombuffer(bytearray(body[lo:hi]), dtype=torch.uint8) if hi > lo else torch.empty(0, dtype=torch.uint8)
         return raw.view(dtype).reshape(shape)
 
-    tensors = [view(e.name, _TORCH[_DTYPES[e.dtype]], e.shape) for e in layout.entries]
+    tensors = [view(e.name, dtype_of(e.dtype), e.shape) for e in layout.entries]
     extras = view(EXTRAS_KEY, torch.uint8, (-1,)).numpy().tobytes()
     snapshot = Snapshot(layout)
     snapshot.capture(tensors, extras, step=int(meta["replica.step"]))

@@ -21,7 +21,7 @@ import torch
 from replica.errors import LayoutMismatchError
 from replica.ops import ALIGNMENT
 
-__all__ = ["LAYOUT_VERSION", "StateLayout", "TensorEntry", "dtype_name", "local_tensor", "state_tensors"]
+__all__ = ["LAYOUT_VERSION", "StateLayout", "TensorEntry", "dtype_name", "dtype_of", "local_tensor", "state_tensors"]
 
 LAYOUT_VERSION = 1
 
@@ -29,6 +29,14 @@ LAYOUT_VERSION = 1
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: how layouts and encoded state name dtypes."""
     return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``: the inverse of ``dtype_name``."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ from replica.errors import (
     ReplicaError,
     TransportError,
 )
-from replica.layout import StateLayout
+from replica.layout import StateLayout, dtype_of
 from replica.listener import Listener
 from replica.protocol import (
     BEGIN,
@@ -70,10 +70,6 @@ from replica.transport.base import memory_kind
 __all__ = ["ReceiverStats", "SyncStats", "WeightBucket", "WeightReceiver", "WeightSync", "tensor_buckets", "weight_layout"]
 
 logger = logging.getLogger(__name__)
-
-_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8, torch.uint8,
-    torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -106,8 +102,7 @@ def tensor_buckets(layout: StateLayout) -> list[WeightBucket]:
 
 def _views(buffer: torch.Tensor, layout: StateLayout) -> Iterator[tuple[str, torch.Tensor]]:
     for e in layout.entries:
-        dtype = _TORCH_DTYPES[e.dtype]
-        yield e.name, buffer[e.offset:e.offset + e.nbytes].view(dtype).view(e.shape)
+        yield e.name, buffer[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -207,11 +202,9 @@ class WeightSync:
         with self._lock:
             links = self._connect_all() if self.is_leader else {}
             skipped: dict[int, str] = {}
-            timeout = self.config.timeout
             for i, link in list(links.items()):
                 try:
-                    link.conn.send(as_tensor(Begin(step=step, num_buckets=len(self._buckets)).encode()), tag=BEGIN,
-                                   timeout=timeout)
+                    self._begin(link, step)
                 except TransportError as exc:
                     skipped[i] = self._drop(i, exc)
                     del links[i]
@@ -230,9 +223,7 @@ class WeightSync:
                         self.faults.corrupted += 1
                         link.conn.faults.corrupt_next = 1
                     try:
-                        inflight.append((i, link.conn.isend(self._packed[bucket.lo:bucket.hi], tag=BUCKET_BASE + k,
-                                                            step=step, bucket=k, offset=bucket.lo,
-                                                            fingerprint=self._fingerprint)))
+                        inflight.append((i, self._send_bucket(link, k, step)))
                     except TransportError as exc:
                         skipped[i] = self._drop(i, exc)
                         del links[i]
@@ -349,14 +340,20 @@ class WeightSync:
             skipped[i] = self._drop(i, exc)
             links.pop(i, None)
 
-    def _send_all(self, link: _Link, step: int) -> None:
-        timeout = self.config.timeout
+    def _begin(self, link: _Link, step: int) -> None:
         link.conn.send(as_tensor(Begin(step=step, num_buckets=len(self._buckets)).encode()), tag=BEGIN,
-                       timeout=timeout)
-        sends = [link.conn.isend(self._packed[b.lo:b.hi], tag=BUCKET_BASE + k, step=step, bucket=k, offset=b.lo,
-                                 fingerprint=self._fingerprint) for k, b in enumerate(self._buckets)]
-        for transfer in sends:
-            transfer.wait(timeout)
+                       timeout=self.config.timeout)
+
+    def _send_bucket(self, link: _Link, k: int, step: int):
+        """Start sending bucket ``k`` of the retained copy; returns the transfer."""
+        b = self._buckets[k]
+        return link.conn.isend(self._packed[b.lo:b.hi], tag=BUCKET_BASE + k, step=step, bucket=k, offset=b.lo,
+                               fingerprint=self._fingerprint)
+
+    def _send_all(self, link: _Link, step: int) -> None:
+        self._begin(link, step)
+        for transfer in [self._send_bucket(link, k, step) for k in range(len(self._buckets))]:
+            transfer.wait(self.config.timeout)
         self.stats.bytes_sent += self.layout.total_bytes
 
     def _settle(self, link: _Link, step: int) -> None:
@@ -373,9 +370,7 @@ class WeightSync:
                 raise TransportError(f"engine answered {reply.status.name} for step {step}")
             self.stats.resent_buckets += len(reply.buckets)
             for k in reply.buckets:
-                b = self._buckets[k]
-                link.conn.send(self._packed[b.lo:b.hi], tag=BUCKET_BASE + k, timeout=timeout, step=step, bucket=k,
-                               offset=b.lo, fingerprint=self._fingerprint)
+                self._send_bucket(link, k, step).wait(timeout)
         raise TransportError(f"step {step}: buckets still failed their digests after {self.config.max_resends} "
                              "resends")
 

@@ -235,9 +235,6 @@ class Coordinator:
     def alive(self, role: str | None = None) -> list[Member]:
         return [m for m in self.members if m.state == "alive" and role in (None, m.role)]
 
-    def trainer_of(self, rank: int) -> Member | None:
-        return next((m for m in reversed(self.members) if m.role == "trainer" and m.rank == rank), None)
-
     # --- joins ---
 
     def _admit(self) -> None:
