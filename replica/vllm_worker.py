@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -46,6 +48,7 @@ class ReceiverSpec:
     host: str = "127.0.0.1"
     store_prefix: str = "replica"
     timeout_s: float = 60.0
+    staged: bool = True  # prepare each version beside the live model, switch between generations
 
     def __repr__(self) -> str:
         return f"ReceiverSpec(index={self.index}, store={self.store_host}:{self.store_port})"
@@ -91,35 +94,164 @@ class ReplicaWorkerExtension:
                               timeout=timedelta(seconds=spec.timeout_s))
         config = Config(token=bytes.fromhex(spec.token_hex), host=spec.host, store_prefix=spec.store_prefix,
                         timeout=timedelta(seconds=spec.timeout_s))
+        self._replica_stager = None
         self._replica_receiver = WeightReceiver(index=spec.index, store=store, config=config,
-                                                expect=lambda layout: check_fits(layout, shapes))
-        logger.info("[engine %d] weight receiver at %s", spec.index, self._replica_receiver.address)
+                                                expect=lambda layout: check_fits(layout, shapes),
+                                                on_ready=self._replica_kick)
+        if spec.staged:
+            self._replica_stager = _Stager(self._replica_receiver, self.model_runner.get_model(), spec.index)
+        logger.info("[engine %d] weight receiver at %s (%s)", spec.index, self._replica_receiver.address,
+                    "staged" if spec.staged else "in place")
         return self._replica_receiver.registration
+
+    def _replica_kick(self, step: int) -> None:
+        stager = getattr(self, "_replica_stager", None)
+        if stager is not None:
+            stager.kick()
 
     def replica_ready(self) -> int | None:
         return self._replica_receiver.ready()
 
     def replica_wait(self, step: int, timeout_s: float) -> bool:
+        """Block until version >= ``step`` can be applied at once (received, and prepared when staged)."""
+        stager = self._replica_stager
+        if stager is not None and stager.active:
+            return stager.wait(step, timedelta(seconds=timeout_s))
         return self._replica_receiver.wait_ready(step, timedelta(seconds=timeout_s))
 
     def replica_apply(self) -> int | None:
-        """Load the newest complete version in place; returns its step (None: nothing new)."""
+        """Serve the newest complete version; returns its step (None: nothing new).
+        Staged: switch to the prepared version (milliseconds). Otherwise, or when
+        staging does not cover this model: vLLM's ``reload_weights`` in place."""
+        receiver = self._replica_receiver
+        stager = self._replica_stager
+        if stager is not None and stager.active:
+            prepared = stager.take(receiver.version)
+            if prepared is None:
+                return None
+            prepared.swap()
+            receiver.served(prepared.step)
+            return prepared.step
+
         from vllm.config import set_current_vllm_config
 
         def load(views) -> None:
             with set_current_vllm_config(self.vllm_config):
                 self.model_runner.reload_weights(weights_iterator=views, is_checkpoint_format=True)
 
-        return self._replica_receiver.apply(load)
+        return receiver.apply(load)
+
+    def replica_staging(self) -> str:
+        """How versions are applied: "staged", "in place", or why staging was given up."""
+        stager = self._replica_stager
+        if stager is None:
+            return "in place"
+        return "staged" if stager.active else f"in place: {stager.unsupported}"
 
     def replica_version(self) -> int | None:
         return self._replica_receiver.version
 
     def replica_detach(self) -> None:
+        stager = getattr(self, "_replica_stager", None)
+        if stager is not None:
+            stager.close()
+            self._replica_stager = None
         receiver = getattr(self, "_replica_receiver", None)
         if receiver is not None:
             receiver.close()
             self._replica_receiver = None
+
+
+class _Stager:
+    """Prepares each complete version beside the live model, in a thread of its
+    own, so the engine keeps generating until it switches (``take``)."""
+
+    def __init__(self, receiver, model, index: int):
+        self._receiver = receiver
+        self._model = model
+        self._index = index
+        self._cond = threading.Condition()
+        self._prepared = None
+        self._kicked = receiver.ready() is not None
+        self._closed = False
+        self.unsupported: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"replica-stage-{index}", daemon=True)
+        self._thread.start()
+
+    @property
+    def active(self) -> bool:
+        return self.unsupported is None
+
+    def kick(self) -> None:
+        with self._cond:
+            self._kicked = True
+            self._cond.notify_all()
+
+    def take(self, served: int | None):
+        """The prepared version if it is newer than ``served`` (and it is handed over), else None."""
+        with self._cond:
+            prepared = self._prepared
+            if prepared is None or (served is not None and prepared.step <= served):
+                return None
+            self._prepared = None
+            return prepared
+
+    def wait(self, step: int, timeout: timedelta) -> bool:
+        def done() -> bool:
+            served = self._receiver.version
+            prepared = self._prepared
+            return (not self.active or (served is not None and served >= step)
+                    or (prepared is not None and prepared.step >= step))
+
+        with self._cond:
+            self._cond.wait_for(done, timeout.total_seconds())
+        if not self.active:  # given up while waiting: the version is applied in place
+            return self._receiver.wait_ready(step, timeout)
+        with self._cond:
+            return done()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        from replica.vllm_staging import StagingUnsupported, prepare
+
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._kicked or self._closed)
+                if self._closed:
+                    return
+                self._kicked = False
+                floor = None if self._prepared is None else self._prepared.step
+            try:
+                with self._receiver.hold(newer_than=floor) as got:
+                    if got is None:
+                        continue
+                    step, views = got
+                    start = time.perf_counter()
+                    prepared = prepare(self._model, views, step)
+                logger.info("[engine %d] weights of step %d prepared in %.3f s", self._index, step,
+                            time.perf_counter() - start)
+            except StagingUnsupported as exc:
+                self._give_up(str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001 - anything else: the proven in-place path takes over
+                logger.exception("[engine %d] preparing weights failed", self._index)
+                self._give_up(f"{type(exc).__name__}: {exc}")
+                return
+            with self._cond:
+                self._prepared = prepared
+                self._cond.notify_all()
+
+    def _give_up(self, why: str) -> None:
+        logger.warning("[engine %d] weights are applied in place from now on (staging: %s)", self._index, why)
+        with self._cond:
+            self.unsupported = why
+            self._prepared = None
+            self._cond.notify_all()
 
 
 class EngineWeights:
@@ -140,6 +272,11 @@ class EngineWeights:
     @property
     def version(self) -> int | None:
         return self._one(self.llm.collective_rpc("replica_version"))
+
+    @property
+    def staging(self) -> str:
+        """How versions are applied: "staged", "in place", or "in place: <why staging was given up>"."""
+        return self._one(self.llm.collective_rpc("replica_staging"))
 
     def update(self) -> int | None:
         """Apply the newest complete version, if any; returns it (None: unchanged)."""

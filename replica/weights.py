@@ -30,6 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -386,18 +387,21 @@ class WeightReceiver(Listener):
     engine complete versions only (``apply``)."""
 
     def __init__(self, *, index: int, store: dist.Store, config: Config,
-                 expect: Callable[[StateLayout], None] | None = None):
+                 expect: Callable[[StateLayout], None] | None = None,
+                 on_ready: Callable[[int], None] | None = None):
         super().__init__(config=config, memory=MemoryKind.HOST, name=f"engine {index}")
         self.index = index
         self.store = store
         self.stats = ReceiverStats()
         self._expect = expect
+        self._on_ready = on_ready  # called (from the receiving thread) when a version is complete
         self._key = f"{config.store_prefix}/engine/{index}"
         self._layout: StateLayout | None = None
         self._staging: torch.Tensor | None = None
         self._ready: torch.Tensor | None = None
+        self._spare: torch.Tensor | None = None  # a third buffer, used while the ready one is held
         self._ready_step: int | None = None
-        self._applying = False
+        self._held_buffer: torch.Tensor | None = None
         self._receiving = threading.Lock()  # one session at a time writes the staging buffer
         self.version: int | None = None  # the version the engine serves (applied)
         self._sender: Connection | None = None  # the current sender's connection
@@ -415,25 +419,44 @@ class WeightReceiver(Listener):
             return self._cond.wait_for(lambda: self._ready_step is not None and self._ready_step >= step,
                                        timeout.total_seconds())
 
+    @contextmanager
+    def hold(self, newer_than: int | None = None) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]] | None]:
+        """The newest complete version newer than ``newer_than`` (and than the
+        served one) as ``(step, views)``, or None. Its buffer stays untouched
+        while held: a version completing meanwhile goes to a spare buffer, so
+        holding never delays the sender."""
+        with self._cond:
+            step = self._ready_step
+            floor = max(v for v in (newer_than, self.version, -1) if v is not None)
+            if step is None or step <= floor:
+                got = None
+            else:
+                self._held_buffer = self._ready
+                got = (step, _views(self._ready, self._layout))
+        try:
+            yield got
+        finally:
+            if got is not None:
+                with self._cond:
+                    self._held_buffer = None
+                    self._cond.notify_all()
+
+    def served(self, step: int) -> None:
+        """Record that the engine now serves version ``step`` (and report it in the store)."""
+        self.version = step
+        self.store.set(f"{self._key}/version", str(step))
+        logger.info("[engine %d] serving weights of step %d", self.index, step)
+
     def apply(self, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> int | None:
         """If a newer complete version is ready, call ``load`` with an iterator over
         ``(name, tensor)`` views of it (valid during the call), then record it as
         the served version. Returns the version applied, or None if none was new."""
-        with self._cond:
-            step = self._ready_step
-            if step is None or (self.version is not None and step <= self.version):
+        with self.hold() as got:
+            if got is None:
                 return None
-            self._applying = True
-            buffer, layout = self._ready, self._layout
-        try:
-            load(_views(buffer, layout))
-        finally:
-            with self._cond:
-                self._applying = False
-                self._cond.notify_all()
-        self.version = step
-        self.store.set(f"{self._key}/version", str(step))
-        logger.info("[engine %d] serving weights of step %d", self.index, step)
+            step, views = got
+            load(views)
+        self.served(step)
         return step
 
     def _held(self) -> str:
@@ -485,6 +508,7 @@ class WeightReceiver(Listener):
             self._layout = layout
             self._staging = torch.empty(layout.total_bytes, dtype=torch.uint8)
             self._ready = torch.empty(layout.total_bytes, dtype=torch.uint8)
+            self._spare = None
         logger.info("[engine %d] receiving %d tensors, %d bytes", self.index, len(layout.entries),
                     layout.total_bytes)
 
@@ -492,8 +516,15 @@ class WeightReceiver(Listener):
         timeout = self.config.timeout
         receive_buckets(conn, self._staging, [(b.lo, b.hi) for b in buckets], step=step, fingerprint=fingerprint,
                         timeout=timeout, who=self.name, counts=self.stats)
-        with self._cond:  # complete: it becomes the ready version (once the engine is not reading it)
-            self._cond.wait_for(lambda: not self._applying)
-            self._staging, self._ready, self._ready_step = self._ready, self._staging, step
+        with self._cond:  # complete: it becomes the ready version; the next one goes where nobody reads
+            previous, self._ready, self._ready_step = self._ready, self._staging, step
+            if previous is not self._held_buffer:
+                self._staging = previous
+            else:
+                if self._spare is None:
+                    self._spare = torch.empty_like(previous)
+                self._staging, self._spare = self._spare, previous
             self._cond.notify_all()
+        if self._on_ready is not None:
+            self._on_ready(step)
         send_reply(conn, Reply(step=step, status=Status.ACKED), timeout)

