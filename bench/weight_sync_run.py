@@ -2,10 +2,14 @@
 process-global state, so one engine per process): a running in-process vLLM
 engine receives the weights of a Llama-style model
 
-* pushed by ``replica.WeightSync`` from a trainer process (pack, UCX, digests,
-  in-place ``reload_weights``, prefix-cache reset): ``sync_s``, split into
-  ``receive_s`` (push until the version is complete in the engine's receiver,
-  which an engine overlaps with generation) and ``apply_s`` (the in-place load);
+* pushed by ``replica.WeightSync`` from a trainer process (pack, UCX, digests),
+  prepared beside the live model (vLLM's loaders and oneDNN repack, in a
+  background thread) and switched to between generations (prefix-cache reset
+  included): ``sync_s`` (push until the engine serves it), split into
+  ``receive_s`` (until the version is complete in the engine's receiver),
+  ``prepare_s`` and ``stall_s`` (the switch: the only time the engine cannot
+  generate); with the engine idle, and again while it generates without pause
+  (``busy_sync_s``, ``generations_during_sync`` beside ``generate_s``, one batch);
 * reloaded by vLLM from the same weights in safetensors on disk
   (``reload_weights(weights_path=...)``, page cache warm): ``disk_reload_s``,
   and the trainer's save of that file: ``disk_save_s``;
@@ -29,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from vllm_engine import make_llm, make_model  # noqa: E402
+from vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
 import replica  # noqa: E402
 from replica.testing import free_port, spawn  # noqa: E402
@@ -37,6 +41,7 @@ from replica.testing import free_port, spawn  # noqa: E402
 SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
           "1GiB": dict(hidden=1024, layers=16, intermediate=4096)}
 TOKEN = b"bench-weights-token"
+WARMUP = 3  # rounds: an engine syncs every step for hours, the steady state is what counts
 CONFIG = replica.Config(token=TOKEN, timeout=timedelta(seconds=300))
 
 
@@ -74,21 +79,43 @@ def main(size: str, rounds: int, out: Path) -> None:
     llm = make_llm(work / "engine")
     weights = EngineWeights(llm, ReceiverSpec(index=0, store_host="127.0.0.1", store_port=store.port,
                                               token_hex=TOKEN.hex(), timeout_s=300))
-    sync_s, receive_s, apply_s, disk_s, save_s, gloo_s, memcpy_s = [], [], [], [], [], [], []
+    sync_s, receive_s, prepare_s, stall_s, disk_s, save_s, gloo_s, memcpy_s = [], [], [], [], [], [], [], []
+    generate_s, busy_s, during = [], [], []
     with spawn(_sender, str(work / "trained"), store.port, name="trainer") as trainer:
         _, nbytes = trainer.recv(timeout=300)
-        for step in range(1, rounds + 2):  # the first round warms up
+        for step in range(1, rounds + WARMUP + 1):  # the first rounds warm up: allocator and page cache
             start = time.perf_counter()
             trainer.send("push", step)
-            assert all(llm.collective_rpc("replica_wait", args=(step, 300.0)))  # received and verified
+            while (llm.collective_rpc("replica_ready")[0] or 0) < step:  # received and verified
+                time.sleep(0.002)
+            received = time.perf_counter()
+            assert all(llm.collective_rpc("replica_wait", args=(step, 300.0)))  # prepared
             ready = time.perf_counter()
-            assert weights.update() == step  # loaded in place, prefix cache reset: serving it
+            assert weights.update() == step  # switched, prefix cache reset: serving it
             done = time.perf_counter()
             assert trainer.recv(timeout=300)[1] == [0]
-            if step > 1:
+            if step > WARMUP:
                 sync_s.append(done - start)
-                receive_s.append(ready - start)
-                apply_s.append(done - ready)
+                receive_s.append(received - start)
+                prepare_s.append(ready - received)
+                stall_s.append(done - ready)
+        assert weights.staging == "staged", weights.staging
+        for i in range(rounds + 1):  # one batch, the engine's unit of work here
+            start = time.perf_counter()
+            greedy(llm)
+            if i:
+                generate_s.append(time.perf_counter() - start)
+        first = rounds + WARMUP + 1
+        for step in range(first, first + rounds):  # the engine generates without pause meanwhile
+            start, batches = time.perf_counter(), 0
+            trainer.send("push", step)
+            while not llm.collective_rpc("replica_wait", args=(step, 0.0))[0]:
+                greedy(llm)
+                batches += 1
+            assert weights.update() == step
+            busy_s.append(time.perf_counter() - start)
+            during.append(batches)
+            assert trainer.recv(timeout=300)[1] == [0]
         trainer.send("exit")
     from safetensors.torch import load_file, save_file
 
@@ -125,10 +152,14 @@ def main(size: str, rounds: int, out: Path) -> None:
             memcpy_s.append(time.perf_counter() - start)
     med = statistics.median
     out.write_text(json.dumps({"size": size, "bytes": nbytes, "rounds": rounds, "sync_s": med(sync_s),
-                               "receive_s": med(receive_s), "apply_s": med(apply_s),
+                               "receive_s": med(receive_s), "prepare_s": med(prepare_s), "stall_s": med(stall_s),
+                               "generate_s": med(generate_s), "busy_sync_s": med(busy_s),
+                               "generations_during_sync": med(during),
                                "disk_reload_s": med(disk_s), "disk_save_s": med(save_s),
                                "gloo_broadcast_s": med(gloo_s), "memcpy_s": med(memcpy_s),
-                               "all": {"sync_s": sync_s, "disk_reload_s": disk_s}}, indent=2))
+                               "warmup_rounds": WARMUP,
+                               "all": {"sync_s": sync_s, "prepare_s": prepare_s, "stall_s": stall_s, "busy_sync_s": busy_s,
+                                       "generations_during_sync": during, "disk_reload_s": disk_s}}, indent=2))
 
 
 if __name__ == "__main__":

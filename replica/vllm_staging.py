@@ -61,10 +61,12 @@ class PreparedWeights:
     def __init__(self, step: int, pairs: list[_Pair]):
         self.step = step
         self._pairs = pairs
+        self.retired: list[object] = []
 
     def swap(self) -> None:
         """Between generations: copy the processed tensors into the live ones and rebind kernel handles.
-        Everything that could fail was checked when the version was prepared."""
+        Everything that could fail was checked when the version was prepared. What was replaced
+        (old kernel handles) is kept in ``retired`` so that it can be freed off the engine's thread."""
         with torch.no_grad():
             for pair in self._pairs:
                 for kind in ("_parameters", "_buffers"):
@@ -73,51 +75,68 @@ class PreparedWeights:
                         new = shadow[name]
                         if tensor is not None and new is not tensor:
                             tensor.data.copy_(new)
-                for name in pair.removed:
-                    pair.live.__dict__.pop(name, None)
+                for name in (*pair.removed, *pair.attrs):
+                    if name in pair.live.__dict__:
+                        self.retired.append(pair.live.__dict__.pop(name))
                 pair.live.__dict__.update(pair.attrs)
         self._pairs = []  # the shadow's memory goes with it
 
 
 def prepare(model: torch.nn.Module, weights, step: int) -> PreparedWeights:
     """Load ``weights`` (an iterator of ``(checkpoint name, tensor)``) into a
-    shadow of ``model`` and process it; the live model is only read."""
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
-
+    shadow of ``model`` and process it; the live model is only read. Like vLLM's
+    own reload, a module is processed as soon as all of it is loaded, so its
+    checkpoint-shaped tensors are freed (and their memory reused) before the next."""
     shadows: list[tuple[torch.nn.Module, torch.nn.Module]] = []
     root = _shadow(model, shadows)
     counter = _CopyCounter()
+    pending = [(live, shadow, fresh) for live, shadow in shadows
+               if (fresh := [t for t in shadow._parameters.values() if t is not None and getattr(t, "_replica_fresh", False)])]
+    pairs: list[_Pair] = []
+
+    def process_loaded() -> None:
+        for item in [item for item in pending if all(counter.numel(t) >= _load_numel(t) for t in item[2])]:
+            pending.remove(item)
+            pairs.append(_process(*item[:2]))
+
+    def feed():
+        for named in weights:
+            yield named
+            process_loaded()  # the loader has copied the previous tensor by the time it asks for the next
+
     with torch.no_grad(), counter:
-        root.load_weights(weights)
-    pairs = []
-    for live, shadow in shadows:
-        loadable = [t for t in shadow._parameters.values() if t is not None and getattr(t, "_replica_fresh", False)]
-        if not loadable:
-            continue
-        loaded = [counter.numel(t) for t in loadable]
-        if not any(loaded):
-            _share(live, shadow)  # not in this version: the module keeps what it serves
-            continue
-        short = [n for n, t in zip(loaded, loadable) if n < getattr(t, "weight_loader_numel", t.numel())]
-        if short:
+        root.load_weights(feed())
+    process_loaded()
+    for live, shadow, fresh in pending:
+        if any(counter.numel(t) for t in fresh):
             raise StagingUnsupported(f"{type(live).__name__}: this version loads it only in part")
-        if _is_deferred_attention(live):
-            raise StagingUnsupported(f"{type(live).__name__}: vLLM processes it after all other layers")
-        before = {k: v for k, v in shadow.__dict__.items() if k not in _TREE}
-        shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
-        method = getattr(shadow, "quant_method", None)
-        if isinstance(method, QuantizeMethodBase):
-            method.process_weights_after_loading(shadow)
-            if hasattr(shadow, "update_param_tp_status"):
-                shadow.update_param_tp_status()
-        after = {k: v for k, v in shadow.__dict__.items() if k not in _TREE}
-        pair = _Pair(live=live, shadow=shadow, attrs={k: v for k, v in after.items() if before.get(k, _MISSING) is not v},
-                     removed=tuple(k for k in before if k not in after))
-        _check_fits(pair)
-        pairs.append(pair)
     if not pairs:
         raise StagingUnsupported("the version loads no parameter of the model")
     return PreparedWeights(step, pairs)
+
+
+def _load_numel(tensor: torch.Tensor) -> int:
+    return getattr(tensor, "weight_loader_numel", tensor.numel())
+
+
+def _process(live: torch.nn.Module, shadow: torch.nn.Module) -> _Pair:
+    """``process_weights_after_loading`` on the shadow; what it changed, to move onto the live module."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    if _is_deferred_attention(live):
+        raise StagingUnsupported(f"{type(live).__name__}: vLLM processes it after all other layers")
+    before = {k: v for k, v in shadow.__dict__.items() if k not in _TREE}
+    shadow.__dict__.pop("_already_called_process_weights_after_loading", None)
+    method = getattr(shadow, "quant_method", None)
+    if isinstance(method, QuantizeMethodBase):
+        method.process_weights_after_loading(shadow)
+        if hasattr(shadow, "update_param_tp_status"):
+            shadow.update_param_tp_status()
+    after = {k: v for k, v in shadow.__dict__.items() if k not in _TREE}
+    pair = _Pair(live=live, shadow=shadow, attrs={k: v for k, v in after.items() if before.get(k, _MISSING) is not v},
+                 removed=tuple(k for k in before if k not in after))
+    _check_fits(pair)
+    return pair
 
 
 _MISSING = object()
@@ -166,10 +185,6 @@ def _rebind(tensor: torch.Tensor, module, clone) -> torch.Tensor:
         if isinstance(value, MethodType) and (value.__self__ is module or value.__self__ is layer_ref_sentinel):
             tensor.__dict__[key] = value.__func__.__get__(clone)
     return tensor
-
-
-def _share(live: torch.nn.Module, shadow: torch.nn.Module) -> None:
-    shadow.__dict__["_parameters"] = dict(live._parameters)
 
 
 def _check_fits(pair: _Pair) -> None:
