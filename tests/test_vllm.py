@@ -130,3 +130,40 @@ def test_engine_refuses_weights_that_do_not_fit_its_checkpoint(job):
     assert stats.engines_synced == [] and weights.update() is None and weights.version == version
     assert len(greedy(llm)[0]) == 4  # the engine still serves
     sync.close()
+
+
+def test_engine_serves_its_version_while_the_next_is_prepared(job, monkeypatch):
+    """Preparing runs beside generation: outputs stay exactly the served version's
+    until the switch, then are exactly the new one's."""
+    import time
+
+    from replica import vllm_staging
+
+    root, store, llm, weights = job
+    served, _ = greedy(llm)
+    original, slowed = vllm_staging._process, []
+
+    def slow_process(live, shadow):  # widens the window in which the engine generates during preparation
+        time.sleep(0.05)
+        slowed.append(type(live).__name__)
+        return original(live, shadow)
+
+    monkeypatch.setattr(vllm_staging, "_process", slow_process)
+    trained = make_model(root / "seed3", 3)
+    sync = replica.WeightSync(trained, store=store, num_engines=1, config=CONFIG)
+    step = weights.version + 1
+    sync.push(step)
+    during = 0
+    while not llm.collective_rpc("replica_wait", args=(step, 0.0))[0]:
+        assert llm.collective_rpc("replica_ready")[0] == step  # received, being prepared
+        assert greedy(llm)[0] == served  # the live model is untouched
+        during += 1
+    assert during >= 1 and len(slowed) > 4  # generation did overlap preparation
+    assert weights.version == step - 1 and weights.update() == step
+    assert weights.staging == "staged"
+    new, first = greedy(llm)
+    sync.close()
+    assert new != served
+    for prompt, (top, ref) in enumerate(zip(first, hf_first_logprobs(trained))):  # and it is the new version
+        assert max(top, key=top.get) == int(ref.argmax()), prompt
+        assert all(abs(logprob - float(ref[token])) < 1e-4 for token, logprob in top.items()), prompt
