@@ -65,13 +65,13 @@ def report():
     }
     lines = ["| model | bytes | sync = receive + prepare + switch | engine stalled | disk reload (engine stalled) |"
              " disk save + reload | gloo broadcast | memcpy | sync vs disk reload | stall vs disk reload |"
-             " batches generated during a sync (one batch) |",
+             " sync while the engine generates (batches meanwhile; one batch alone) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for size, r in _results.items():
         lines.append(f"| {size} | {r['bytes'] / 2**20:.0f} MiB | {r['sync_s']:.3f} s ({r['receive_s']:.3f} + "
                      f"{r['prepare_s']:.3f} + {r['stall_s']:.3f}) | {r['stall_s']:.3f} s | {r['disk_reload_s']:.3f} s |"
                      f" {r['disk_save_s'] + r['disk_reload_s']:.3f} s | {r['gloo_broadcast_s']:.3f} s |"
                      f" {r['memcpy_s']:.3f} s | {r['disk_reload_s'] / r['sync_s']:.2f}x |"
-                     f" {r['disk_reload_s'] / r['stall_s']:.0f}x | {r['generations_during_sync']:.0f} in "
-                     f"{r['busy_sync_s']:.3f} s ({r['generate_s']:.3f} s) |")
+                     f" {r['disk_reload_s'] / r['stall_s']:.0f}x | {r['busy_sync_s']:.3f} s ({r['generations_during_sync']:.0f};"
+                     f" {r['generate_s']:.3f} s) |")
     write_results("weight_sync", summary, lines)

@@ -69,10 +69,14 @@ def _gloo_peer(pipe, port: int, nbytes: int) -> None:
 
 
 def main(size: str, rounds: int, out: Path) -> None:
+    with tempfile.TemporaryDirectory(prefix="replica-bench-weights-") as work:  # two models: ~2 GB for 1GiB
+        run(size, rounds, out, Path(work))
+
+
+def run(size: str, rounds: int, out: Path, work: Path) -> None:
     from replica.vllm_worker import EngineWeights, ReceiverSpec
 
     torch.manual_seed(0)
-    work = Path(tempfile.mkdtemp(prefix="replica-bench-weights-"))
     make_model(work / "engine", 0, **SHAPES[size])
     make_model(work / "trained", 1, **SHAPES[size])
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
