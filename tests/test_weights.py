@@ -52,6 +52,34 @@ class Engine:
         return self.receiver.apply(self.load)
 
 
+def test_a_held_version_stays_intact_while_newer_ones_arrive():
+    """An engine preparing a version holds it; newer versions still complete (the
+    sender is not kept waiting for its ack) into a spare buffer, never into the held one."""
+    store = dist.HashStore()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 64))
+    completed: list[int] = []
+    engine = Engine(0, store, on_ready=completed.append)
+    sync = WeightSync(model, store=store, num_engines=1, config=CONFIG)
+    assert sync.push(1).engines_synced == [0]
+    first = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with engine.receiver.hold() as got:
+        step, views = got
+        held = dict(views)
+        for step_pushed in (2, 3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            assert sync.push(step_pushed).engines_synced == [0]  # acknowledged while version 1 is held
+        assert step == 1 and completed == [1, 2, 3] and engine.receiver.ready() == 3
+        assert all(torch.equal(held[n], first[n]) for n in first)  # untouched by versions 2 and 3
+    assert engine.receiver.apply(engine.load) == 3
+    assert all(torch.equal(engine.weights[n], p.detach()) for n, p in model.named_parameters())
+    with engine.receiver.hold() as got:
+        assert got is None  # nothing newer than the served version
+    sync.close()
+    engine.receiver.close()
+
+
 def test_in_process_push_resend_skip_and_late_engine():
     store = dist.HashStore()
     model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 64))
