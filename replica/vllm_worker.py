@@ -48,7 +48,11 @@ class ReceiverSpec:
     host: str = "127.0.0.1"
     store_prefix: str = "replica"
     timeout_s: float = 60.0
-    staged: bool = True  # prepare each version beside the live model, switch between generations
+    # Prepare each version beside the live model and switch between generations (True), or load it
+    # in place with vLLM's reload_weights (False). None: staged on CPU, where a reload repacks every
+    # linear weight; in place on GPUs, where a reload is device copies and a second copy of the
+    # weights would take memory vLLM budgeted for the KV cache.
+    staged: bool | None = None
 
     def __repr__(self) -> str:
         return f"ReceiverSpec(index={self.index}, store={self.store_host}:{self.store_port})"
@@ -98,12 +102,14 @@ class ReplicaWorkerExtension:
         self._replica_receiver = WeightReceiver(index=spec.index, store=store, config=config,
                                                 expect=lambda layout: check_fits(layout, shapes),
                                                 on_ready=self._replica_kick)
-        if spec.staged:
-            if self.vllm_config.device_config.device_type == "cpu":
+        on_cpu = self.vllm_config.device_config.device_type == "cpu"
+        staged = on_cpu if spec.staged is None else spec.staged
+        if staged:
+            if on_cpu:
                 _reuse_freed_memory()
             self._replica_stager = _Stager(self._replica_receiver, self.model_runner.get_model(), spec.index)
         logger.info("[engine %d] weight receiver at %s (%s)", spec.index, self._replica_receiver.address,
-                    "staged" if spec.staged else "in place")
+                    "staged" if staged else "in place")
         return self._replica_receiver.registration
 
     def _replica_kick(self, step: int) -> None:
