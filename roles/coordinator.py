@@ -128,6 +128,8 @@ class Coordinator:
         self.standbys_replaced: list[dict] = []
         self.refused: list[dict] = []
         self.unprotected: set[int] = set()
+        self.unprotected_spans: list[dict] = []  # rank, from_commit, until_commit (None: to the end)
+        self._unprotected_reg: dict[int, str | None] = {}  # a rank's standby registration when it lost protection
         self.rollouts_lost: list[dict] = []
         self.rollouts_retired: list[int] = []  # engines stopped because their machine took a trainer's place
         self.started = False  # every rank's trainer has joined: no trainer may join any more
@@ -149,6 +151,7 @@ class Coordinator:
         """Admit joins, then look for deaths; call every few tens of ms."""
         decisions = self._check_fatal()
         self._admit()
+        self._reprotect()
         now = time.time()
         for member in self.alive():
             if member.role == "trainer" and self.store.check([f"replica/done/{member.rank}"]):
@@ -169,6 +172,20 @@ class Coordinator:
                 decisions += self.declare_dead(member, f"no heartbeat for {silent:.1f} s (the {member.role} "
                                                        f"deadline is {self.deadlines.of(member.role):g} s)")
         return decisions
+
+    def _reprotect(self) -> None:
+        """An unprotected rank is protected again once a live standby of it has published its
+        mirror (after building its model: until then the trainer would wait on it), not at its join."""
+        for rank in sorted(self.unprotected):
+            current = self.record.registration(rank)
+            if current is None or current == self._unprotected_reg.get(rank) or not self._live("standby", rank):
+                continue
+            self.unprotected.discard(rank)
+            self.record.set_unprotected(rank, False)
+            for span in self.unprotected_spans:
+                if span["rank"] == rank and span["until_commit"] is None:
+                    span["until_commit"] = self.record.last()
+            logger.warning("rank %d is protected again by its new standby", rank)
 
     def process_exited(self, pid: int, code: int, *, host: str | None = None) -> list[Decision]:
         """A local agent saw process ``pid`` exit with ``code``."""
@@ -216,12 +233,19 @@ class Coordinator:
         self._promote(standby, reason)
         return [Decision(kind="promoted", rank=member.rank, reason=reason, dead=member)]
 
-    def set_unprotected(self, rank: int) -> None:
-        """No standby will come for ``rank``: its trainer acknowledges itself from now on."""
+    def set_unprotected(self, rank: int, *, until_standby_joins: bool = False) -> None:
+        """No standby protects ``rank`` now: its trainer acknowledges itself until one joins
+        (``until_standby_joins``: a replacement is starting; else none will come)."""
+        if rank not in self.unprotected:
+            self.unprotected_spans.append({"rank": rank, "from_commit": self.record.last(), "until_commit": None})
+            self._unprotected_reg[rank] = self.record.registration(rank)  # that standby protects no more
         self.unprotected.add(rank)
         self.record.set_unprotected(rank, True)
-        logger.error("rank %d is UNPROTECTED: no standby is left for it; training goes on, but if its "
-                     "trainer dies the job fails", rank)
+        if until_standby_joins:
+            logger.warning("rank %d trains UNPROTECTED until its new standby joins", rank)
+        else:
+            logger.error("rank %d is UNPROTECTED: no standby is left for it; training goes on, but if its "
+                         "trainer dies the job fails", rank)
 
     def finish(self) -> None:
         self.store.set("replica/finished", "1")
@@ -263,10 +287,6 @@ class Coordinator:
                             generation=self.generation, joined_at=now, since=now, beat_at=now,
                             lost_base=self.record.lost_reports(request.rank))
             self.members.append(member)
-            if member.role == "standby" and member.rank in self.unprotected:
-                self.unprotected.discard(member.rank)
-                self.record.set_unprotected(member.rank, False)
-                logger.warning("rank %d is protected again by %s", member.rank, member)
             if not self.started and all(self._live("trainer", r) for r in range(self.world_size)):
                 self.started = True
             self._publish_members()

@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                                                 "kill:rollout:INDEX@STEP (while generating for STEP),"
                                                 "stall:trainer:RANK@STEP[:SECONDS] (PHASE: forward, backward, "
                                                 "reduce-scatter, optimizer, mirror, commit)")
+    p.add_argument("--train-while-replacing", action="store_true",
+                   help="after a failover, train on unprotected while the rank's new standby starts (default: "
+                        "commit() waits until the rank is protected again)")
     p.add_argument("--report", type=Path, help="write the job report (losses, faults, timeline) as JSON")
     p.add_argument("--timeline", type=Path, help="plot the failover timeline as PNG (default: beside --report)")
     p.add_argument("--host", default="127.0.0.1", help="where the job store listens")
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             agent.start("trainer", rank)
         timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
         spec = JobSpec(steps=args.steps, faults=faults, timeout_s=args.timeout, report=args.report,
-                       timeline_png=timeline)
+                       timeline_png=timeline, train_while_replacing=args.train_while_replacing)
         status = supervise(coord, spec, agent)
     finally:
         agent.stop()

@@ -42,6 +42,7 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         "failovers": [asdict(f) for f in coord.failovers],
         "standbys_replaced": coord.standbys_replaced,
         "unprotected": sorted(coord.unprotected),
+        "unprotected_spans": coord.unprotected_spans,
         "rollouts_lost": coord.rollouts_lost,
         "engine_versions": {str(i): _version(coord, i) for i in range(coord.rollouts)},
         "rollout_shards": served_shards(coord.store) if coord.rollouts else [],

@@ -46,6 +46,9 @@ class JobSpec:
     timeout_s: float
     report: Path | None = None
     timeline_png: Path | None = None
+    # After a promotion or a standby's death, train on unprotected while the new standby starts
+    # (False: commit() waits until the rank is protected again, so no new commit has a single copy).
+    train_while_replacing: bool = False
 
 
 def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> int:
@@ -60,7 +63,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> 
                 decisions += coord.process_exited(pid, code)
         decisions += coord.poll()
         for decision in decisions:
-            failure = failure or _act(coord, decision, agent)
+            failure = failure or _act(coord, decision, agent, spec)
         if failure is not None:
             print(f"\nreplica: {failure}", flush=True)
             break
@@ -93,7 +96,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> 
     return status
 
 
-def _act(coord: Coordinator, decision: Decision, agent: Agent | None) -> str | None:
+def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobSpec) -> str | None:
     if decision.kind == "failed":
         return f"the job failed: {decision.reason}"
     if decision.dead is not None and agent is not None:
@@ -105,8 +108,12 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None) -> str | N
         return None
     what = "promoted its standby" if decision.kind == "promoted" else "training goes on"
     print(f"\nreplica: {decision.dead} is dead ({decision.reason}); {what}", flush=True)
+    if spec.train_while_replacing:  # before the new standby can join and protect the rank again
+        coord.set_unprotected(decision.rank, until_standby_joins=True)
     if agent is not None and agent.replace_standby(decision.rank):
-        print(f"replica: rank {decision.rank} is unprotected until its new standby is up", flush=True)
+        print(f"replica: rank {decision.rank} is unprotected until its new standby is up; "
+              + ("training goes on meanwhile" if spec.train_while_replacing else "training waits for it"),
+              flush=True)
     else:
         coord.set_unprotected(decision.rank)
         print(f"replica: WARNING rank {decision.rank} is UNPROTECTED: no standby is left for it; if its trainer "

@@ -173,6 +173,26 @@ def test_no_standby_left_keeps_training_unprotected(tmp_path, reference):
     assert report["last_commit"] == STEPS
 
 
+def test_training_goes_on_while_the_new_standby_starts(tmp_path, reference):
+    """--train-while-replacing: after trainer 1 is killed, the promoted trainer
+    commits unprotected while its new standby starts (no pause in commit()); once
+    that standby joins (trainer 0 stalls 8 s to leave it time), it holds rank 1's
+    state: killing trainer 1 again promotes it, and the run stays bit-identical."""
+    code, report, output = launch(tmp_path, "--train-while-replacing", "--heartbeat-deadline", "2", "--inject",
+                                  "kill:trainer:1@3:backward,stall:trainer:0@6:8,kill:trainer:1@9:backward")
+    assert code == 0, output[-4000:]
+    assert all(f["fired_at"] is not None for f in report["faults"])
+    assert [f["rank"] for f in report["failovers"]] == [1, 1]
+    first = report["unprotected_spans"][0]
+    assert first["rank"] == 1 and first["until_commit"] is not None  # protected again by the new standby
+    assert first["until_commit"] > first["from_commit"]  # and commits went on before it came
+    assert "training goes on meanwhile" in output
+    second = report["failovers"][1]
+    assert second["commit"] >= first["until_commit"]  # the new standby was promoted from what it mirrored
+    assert compare_reports(reference, report) == []
+    assert report["last_commit"] == STEPS
+
+
 def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path):
     code, report, output = launch(tmp_path, "--standbys", "1", "--inject", "kill:trainer:1@3")
     assert code == 1, output[-4000:]
