@@ -33,7 +33,13 @@ def _resumed_at(times: list[float | None]) -> float:
     return times[KILL_STEP - 1]
 
 
+def _bench_only(benchmark) -> None:
+    if benchmark.disabled:  # CI's time budget: tests/test_launch.py runs the same failovers
+        pytest.skip("runs under `make bench` only")
+
+
 def test_replica_failover(benchmark, tmp_path):
+    _bench_only(benchmark)
     runs = []
 
     def one_kill():
@@ -76,6 +82,7 @@ def _run_baseline(directory: Path, **env) -> None:
 
 
 def test_checkpoint_restart(benchmark, tmp_path):
+    _bench_only(benchmark)
     runs = []
 
     def one_kill():
