@@ -140,6 +140,12 @@ def test_standby_dying_mid_transfer_keeps_the_last_commit(store):
         assert standby.recv(60) == "ready"
         trained(j, 2, rep)
         assert rep.wait_committed() == 2
+        # The standby records its acknowledgement before it replies: freeze it only once the
+        # trainer's stream has its reply too, or the stream waits on a frozen peer for step 2.
+        deadline = time.monotonic() + 30
+        while rep.stream_stats.acked_step != 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert rep.stream_stats.acked_step == 2
         at_two = state_of(j)
         sent = rep.stream_stats.bytes_sent
         standby.freeze()
