@@ -72,11 +72,14 @@ class Mirror(Listener):
 
     Publishes its address in the commit record so the rank's ``Replicator``
     finds it; serves one trainer connection at a time (a restarted trainer may
-    connect again with the same layout).
+    connect again with the same layout). Given ``model`` (and ``optimizer``, its
+    state created), the objects it would restore into, it refuses a trainer whose
+    state does not fit them, checked before the mirror is published (``expect``).
     """
 
     def __init__(self, *, rank: int, world_size: int, store: dist.Store, config: Config | None = None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
         config = config if config is not None else Config(token=token_from_env())
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
@@ -92,6 +95,8 @@ class Mirror(Listener):
         self._slots: list[Snapshot] = []
         self._trainer: Connection | None = None  # the current trainer session's connection
         self._receiving = threading.Lock()  # one session at a time writes the versions
+        if model is not None:  # before anyone can find this mirror: no trainer gets in unchecked
+            self.expect(model, optimizer)
         self.record.publish_standby(rank, self.backend, self.address)
         self._start()
 

@@ -58,11 +58,11 @@ class Job:
         if self.role == "trainer":
             self._start_replicator()
         else:
-            self._mirror = replica.Mirror(rank=self.rank, world_size=self.env.world_size, store=self.store,
-                                          config=self.config)
             # Create the optimizer's state now, while waiting: promotion is then one unpack.
             materialize_optimizer_state(optimizer)
-            self._mirror.expect(model, optimizer)  # a trainer of another model is refused at once
+            # A trainer of another model is refused at once (checked before the mirror is published).
+            self._mirror = replica.Mirror(rank=self.rank, world_size=self.env.world_size, store=self.store,
+                                          config=self.config, model=model, optimizer=optimizer)
         self._install_faults(model, optimizer)
         return self
 
