@@ -234,15 +234,15 @@ class Coordinator:
         return [Decision(kind="promoted", rank=member.rank, reason=reason, dead=member)]
 
     def set_unprotected(self, rank: int, *, until_standby_joins: bool = False) -> None:
-        """No standby protects ``rank`` now: its trainer acknowledges itself until one joins
-        (``until_standby_joins``: a replacement is starting; else none will come)."""
+        """No standby protects ``rank`` now: its trainer acknowledges itself until a standby of it
+        publishes its mirror (``until_standby_joins``: a replacement is starting; else none will come)."""
         if rank not in self.unprotected:
             self.unprotected_spans.append({"rank": rank, "from_commit": self.record.last(), "until_commit": None})
             self._unprotected_reg[rank] = self.record.registration(rank)  # that standby protects no more
         self.unprotected.add(rank)
         self.record.set_unprotected(rank, True)
         if until_standby_joins:
-            logger.warning("rank %d trains UNPROTECTED until its new standby joins", rank)
+            logger.warning("rank %d trains UNPROTECTED until its new standby is ready", rank)
         else:
             logger.error("rank %d is UNPROTECTED: no standby is left for it; training goes on, but if its "
                          "trainer dies the job fails", rank)
