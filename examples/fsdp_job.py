@@ -15,7 +15,7 @@ from torch import nn
 
 import replica
 
-__all__ = ["Job", "JobShape", "ShuffledLoader", "TinyLM", "build_job", "train_step"]
+__all__ = ["Job", "JobShape", "ShuffledLoader", "TinyLM", "build_job", "deterministic_cuda", "train_step"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -105,30 +105,49 @@ class Job:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: ShuffledLoader
+    device: torch.device = torch.device("cpu")
 
     @property
     def extra(self) -> dict:
         return {"loader": self.loader, "rng": replica.RNGState(), "scheduler": self.scheduler}
 
 
-def build_job(shape: JobShape, *, rank: int, world_size: int, fsdp: bool = True, seed: int = 0) -> Job:
-    """The job's objects, freshly initialised; sharded with FSDP2 over the default group when ``fsdp``."""
+def deterministic_cuda() -> None:
+    """CUDA settings under which a GPU run is repeatable bit for bit (call before any CUDA work):
+    deterministic kernels, cuBLAS workspaces that do not depend on timing, and the math
+    attention kernel (the fused ones' backward accumulates with atomics)."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def build_job(shape: JobShape, *, rank: int, world_size: int, fsdp: bool = True, seed: int = 0,
+              device: str | torch.device = "cpu") -> Job:
+    """The job's objects, freshly initialised on ``device``; sharded with FSDP2 over the
+    default group when ``fsdp``."""
+    device = torch.device(device)
     torch.manual_seed(seed)  # the same initial weights on every rank
     random.seed(seed + rank)
     np.random.seed(seed + rank)
-    model = TinyLM(shape)
+    model = TinyLM(shape).to(device)
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = init_device_mesh(device.type, (world_size,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=shape.total_steps)
     return Job(model=model, optimizer=optimizer, scheduler=scheduler,
-               loader=ShuffledLoader(shape, rank=rank, world_size=world_size))
+               loader=ShuffledLoader(shape, rank=rank, world_size=world_size), device=device)
 
 
 def train_step(job: Job, *, before_backward=None) -> torch.Tensor:
@@ -136,6 +155,7 @@ def train_step(job: Job, *, before_backward=None) -> torch.Tensor:
     if random.random() < 0.5:  # Python RNG
         x = x.clone()
         x[:, int(np.random.randint(0, x.shape[1]))] = 0  # numpy RNG
+    x, y = x.to(job.device), y.to(job.device)
     loss = F.cross_entropy(job.model(x).flatten(0, 1), y.flatten())
     if before_backward is not None:
         before_backward(loss)

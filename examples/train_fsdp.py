@@ -1,20 +1,32 @@
-"""The demo job: a tiny FSDP2 transformer on CPU, run by `replica launch` in
-every role (trainers and standbys run this same file)."""
+"""The demo job: a tiny FSDP2 transformer, run by `replica launch` in every role
+(trainers and standbys run this same file). On CPU by default; `--device cuda`
+puts every role on a GPU (rank r on GPU r mod the GPUs visible), with the
+settings that make a GPU run repeatable bit for bit."""
 
+import argparse
 import os
 
 import torch
-from fsdp_job import JobShape, build_job, train_step  # beside this file
+from fsdp_job import JobShape, build_job, deterministic_cuda, train_step  # beside this file
 
 import replica.roles
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args()
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        deterministic_cuda()
+        rank = int(os.environ.get("REPLICA_RANK", os.environ.get("RANK", "0")))
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)  # before the process group: NCCL binds to it
     job = replica.roles.init()
     total = int(os.environ.get("REPLICA_STEPS", "20"))
     shape = JobShape(total_steps=total)
-    state = build_job(shape, rank=job.rank, world_size=job.env.world_size)
+    state = build_job(shape, rank=job.rank, world_size=job.env.world_size, device=device)
     job.replicate(state.model, state.optimizer, state.extra)
     for step in job.steps(total):
         loss = train_step(state)

@@ -38,7 +38,7 @@ class Config:
 
     token: bytes = field(repr=False)
     host: str = "127.0.0.1"
-    backends: tuple[str, ...] = ("ucx", "gloo")
+    backends: tuple[str, ...] = ("ipc", "ucx", "gloo")
     bucket_bytes: int = 4 << 20
     extras_capacity: int = 1 << 20
     num_inflight_buckets: int = 8

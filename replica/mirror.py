@@ -30,7 +30,7 @@ from replica.errors import (
     TransportError,
 )
 from replica.export import export_path, write_export
-from replica.layout import StateLayout
+from replica.layout import StateLayout, state_tensors
 from replica.listener import Listener
 from replica.protocol import (
     BEGIN,
@@ -49,6 +49,7 @@ from replica.protocol import (
     send_layout,
     send_reply,
 )
+from replica.placement import state_device
 from replica.restore import restore_snapshot
 from replica.snapshot import Snapshot, Stateful
 from replica.transport import Connection, MemoryKind, Transfer
@@ -67,6 +68,10 @@ class MirrorStats:
     bytes_received: int = 0
 
 
+def memory_kind_of(device: torch.device) -> MemoryKind:
+    return MemoryKind.CUDA if device.type == "cuda" else MemoryKind.HOST
+
+
 class Mirror(Listener):
     """The warm standby of trainer rank ``rank``: listens, receives, verifies, acknowledges.
 
@@ -75,16 +80,22 @@ class Mirror(Listener):
     connect again with the same layout). Given ``model`` (and ``optimizer``, its
     state created), the objects it would restore into, it refuses a trainer whose
     state does not fit them, checked before the mirror is published (``expect``).
+
+    The versions live on ``device`` (default: the device of ``model``'s state,
+    else the host). A host mirror of a GPU model is pinned, and a promotion
+    copies it to the GPU tensor by tensor (``replica.placement``).
     """
 
     def __init__(self, *, rank: int, world_size: int, store: dist.Store, config: Config | None = None,
-                 device: torch.device | str = "cpu", model: torch.nn.Module | None = None,
+                 device: torch.device | str | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None):
         config = config if config is not None else Config(token=token_from_env())
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        if device is None:  # where the state it restores into lives (a GPU mirror restores by one unpack)
+            device = state_device([t for _, t in state_tensors(model, optimizer)]) if model is not None else "cpu"
         self.device = torch.device(device)
-        super().__init__(config=config, memory=MemoryKind.CUDA if self.device.type == "cuda" else MemoryKind.HOST,
+        super().__init__(config=config, memory=memory_kind_of(self.device),
                          name=f"standby rank {rank}")
         self.rank = rank
         self.world_size = world_size
@@ -245,7 +256,7 @@ class Mirror(Listener):
             if self._layout is not None:
                 self._layout.check_matches(layout)
                 return
-            self._slots = [Snapshot(layout, device=self.device) for _ in range(2)]
+            self._slots = [Snapshot(layout, device=self.device, pin_memory=True) for _ in range(2)]
             self._layout = layout
         logger.info("[standby rank %d] mirroring %d bytes (%d tensors)", self.rank, layout.total_bytes,
                     len(layout.entries))
@@ -277,17 +288,25 @@ class Mirror(Listener):
 
 
 def fetch_mirror(*, rank: int, world_size: int, store: dist.Store, config: Config | None = None,
-                 step: int | None = None) -> Snapshot:
+                 step: int | None = None, device: torch.device | str | None = None) -> Snapshot:
     """Copy rank ``rank``'s committed version (the last global commit unless
-    ``step`` says otherwise) from its standby into a new host snapshot: how a
-    fresh process that replaces a trainer gets its state without a checkpoint.
-    Restore it with ``replica.restore_snapshot``. Digests are verified."""
+    ``step`` says otherwise) from its standby into a new snapshot on ``device``:
+    how a fresh process that replaces a trainer gets its state without a
+    checkpoint. ``device`` defaults to the host (pinned when CUDA is present),
+    or to the current GPU when the standby's transport moves device memory
+    only (CUDA IPC). Restore it with ``replica.restore_snapshot``, into a model
+    on any device. Digests are verified."""
     config = config if config is not None else Config(token=token_from_env())
     timeout = config.timeout
     record = CommitRecord(store, world_size=world_size, prefix=config.store_prefix)
     backend, address, _ = record.standby(rank, timeout)
-    if MemoryKind.HOST not in backend_class(backend).capabilities.memory:
-        raise TransportError(f"the standby of rank {rank} listens on {backend}, which cannot move host memory")
+    moves = backend_class(backend).capabilities.memory
+    if device is None:
+        device = "cpu" if MemoryKind.HOST in moves else torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if memory_kind_of(device) not in moves:
+        raise TransportError(f"the standby of rank {rank} listens on {backend}, which cannot move "
+                             f"{memory_kind_of(device).name} memory ({device})")
     with make_backend(backend, config) as transport:
         conn = transport.connect(address, timeout)
         conn.send(as_tensor((-1 if step is None else step).to_bytes(8, "little", signed=True)), tag=FETCH,
@@ -299,7 +318,7 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store, config: Confi
         if layout.rank != rank or layout.world_size != world_size:
             raise LayoutMismatchError(f"the standby of rank {rank}/{world_size} holds a mirror of rank "
                                       f"{layout.rank}/{layout.world_size}")
-        snapshot = Snapshot(layout)
+        snapshot = Snapshot(layout, device=device, pin_memory=True)
         recvs = [conn.irecv(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i) for i, (lo, hi) in enumerate(layout.buckets())]
         fingerprint = fingerprint_int(layout.fingerprint)
         for i, transfer in enumerate(recvs):

@@ -25,6 +25,7 @@ from replica.errors import ReplicaError
 from replica.layout import StateLayout, state_tensors
 from replica.resilient import ResilientProcessGroup
 from replica.restore import bind_state, restore_snapshot
+from replica.placement import state_device
 from replica.snapshot import Snapshot, Stateful, collect_extras
 from replica.stream import MirrorFaults, MirrorStream, StreamStats
 from replica.transport.base import nvtx_range
@@ -114,10 +115,7 @@ class Replicator:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         if self._last_step is not None and step <= self._last_step:
             raise ValueError(f"commit({step}) after commit({self._last_step}): steps must increase")
-        group = dist.group.WORLD if dist.is_initialized() else None
-        if isinstance(group, ResilientProcessGroup) and group.errored is not None:
-            logger.warning("[trainer rank %d step %d] not committed: the step ran on a failed generation",
-                           self.rank, step)
+        if self._failed_generation(step):
             return False
         self._raise_stream_error()
         start = time.perf_counter()
@@ -136,6 +134,11 @@ class Replicator:
             snapshot.capture(self._tensors, extras, step=step)
             if snapshot.buffer.is_cuda:
                 torch.cuda.current_stream(snapshot.buffer.device).synchronize()
+        # NCCL reports a dead peer only once the step's kernels have run: the
+        # snapshot just packed may hold garbage, so look again after the synchronize.
+        if self._failed_generation(step):
+            snapshot.step = None  # never a rollback target; the other buffer holds the last commit
+            return False
         self.stats.wait_s.append(packed - start)
         self.stats.pack_s.append(time.perf_counter() - packed)
         self._stream.submit(snapshot, step)
@@ -194,20 +197,26 @@ class Replicator:
         named = list(state_tensors(self.model, self.optimizer))
         if not named:
             raise ReplicaError("the model has no state to mirror")
-        devices = {t.device for _, t in named}
-        if len(devices) != 1:
-            raise ReplicaError(f"state tensors live on several devices {sorted(map(str, devices))}; "
-                               "a snapshot is packed on one")
+        # A CUDA model's optimizer keeps some state on the host (AdamW's step
+        # counters): the snapshot lives on the GPU and those are staged into it.
+        device = state_device([t for _, t in named])
         self._layout = StateLayout.of(self.model, self.optimizer, world_size=self.world_size, rank=self.rank,
                                       extras_capacity=self.config.extras_capacity,
                                       bucket_bytes=self.config.bucket_bytes)
         self._tensors = bind_state(self.model, self.optimizer, rank=self.rank, world_size=self.world_size,
                                    like=self._layout)
-        device = devices.pop()
         self._snapshots = [Snapshot(self._layout, device=device) for _ in range(2)]
         logger.info("[trainer rank %d] snapshot layout: %d tensors, %d bytes, %d buckets, fingerprint %s",
                     self.rank, len(named), self._layout.total_bytes, len(self._layout.buckets()),
                     self._layout.fingerprint)
+
+    def _failed_generation(self, step: int) -> bool:
+        group = dist.group.WORLD if dist.is_initialized() else None
+        if isinstance(group, ResilientProcessGroup) and group.errored is not None:
+            logger.warning("[trainer rank %d step %d] not committed: the step ran on a failed generation",
+                           self.rank, step)
+            return True
+        return False
 
     def _wait_free(self) -> None:
         """Wait until the buffer the next commit packs into is not needed any more."""

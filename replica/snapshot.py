@@ -1,5 +1,6 @@
 """``Snapshot``: one packed copy of a rank's training state, laid out by a
-``StateLayout``: every state tensor in one ``ops.pack`` call, then the encoded
+``StateLayout``: every state tensor in one ``ops.pack`` call (``replica.placement``
+when some live on another device), then the encoded
 extras (optimizer hyperparameters and non-tensor state, and the ``state_dict()``
 of each extra object) in the reserved region behind a length prefix.
 Restoring unpacks in place: no allocation, no network."""
@@ -12,9 +13,9 @@ from typing import Any, Protocol
 
 import torch
 
-from replica import ops
 from replica.errors import LayoutMismatchError, ReplicaError
 from replica.layout import StateLayout, dtype_name
+from replica.placement import pack_state, unpack_state
 
 __all__ = ["Snapshot", "Stateful", "apply_extras", "collect_extras"]
 
@@ -54,12 +55,18 @@ def apply_extras(state: Mapping[str, Any], optimizer: torch.optim.Optimizer | No
 
 
 class Snapshot:
-    """A snapshot buffer for one layout; ``capture`` and ``restore`` run in place."""
+    """A snapshot buffer for one layout; ``capture`` and ``restore`` run in place.
+
+    The buffer lives on ``device``; the state tensors may live there or on the
+    host (``replica.placement``). ``pin_memory`` pins a host buffer when CUDA is
+    present, so copies to and from a GPU run asynchronously at full speed.
+    """
 
     def __init__(self, layout: StateLayout, *, device: torch.device | str = "cpu", pin_memory: bool = False):
         self.layout = layout
-        self.buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device,
-                                  pin_memory=pin_memory and torch.device(device).type == "cpu")
+        device = torch.device(device)
+        pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
+        self.buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self.step: int | None = None
 
     def capture(self, tensors: Sequence[torch.Tensor], extras: bytes, *, step: int) -> None:
@@ -68,7 +75,7 @@ class Snapshot:
         if len(extras) > room:
             raise ReplicaError(f"the extras need {len(extras)} bytes, the layout reserves {room}; "
                                "build the layout with a larger extras_capacity")
-        ops.pack(tensors, self.buffer, self.layout.offsets)
+        pack_state(tensors, self.buffer, self.layout.offsets)
         at = self.layout.extras_offset
         blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
         self.buffer[at:at + blob.numel()].copy_(blob)
@@ -79,7 +86,7 @@ class Snapshot:
         if self.step is None:
             raise ReplicaError("restore() of a snapshot that holds no state yet")
         self._check(tensors)
-        ops.unpack(self.buffer, tensors, self.layout.offsets)
+        unpack_state(self.buffer, tensors, self.layout.offsets)
         return self.extras()
 
     def extras(self) -> bytes:

@@ -63,6 +63,7 @@ class RoleEnv:
     faults: tuple[Fault, ...] = ()
     host: str = "127.0.0.1"  # where this role's data-plane listeners bind (a routable address across nodes)
     rollouts: int = 0  # rollout engines in the job
+    mirror_device: str = ""  # where a standby holds its mirror: "" = its model's device, or "cpu"
 
     @classmethod
     def from_environ(cls) -> RoleEnv:
@@ -79,7 +80,7 @@ class RoleEnv:
                    world_size=int(env.get("REPLICA_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
                    store_host=host, store_port=int(port), token=env["REPLICA_TOKEN"].encode(),
                    faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"),
-                   rollouts=int(env.get("REPLICA_ROLLOUTS", "0")))
+                   rollouts=int(env.get("REPLICA_ROLLOUTS", "0")), mirror_device=env.get("REPLICA_MIRROR_DEVICE", ""))
 
 
 def configure_logging() -> None:

@@ -50,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-while-replacing", action="store_true",
                    help="after a failover, train on unprotected while the rank's new standby starts (default: "
                         "commit() waits until the rank is protected again)")
+    p.add_argument("--mirror-device", choices=("model", "cpu"), default="model",
+                   help="where standbys hold their mirrors: on their model's device (a GPU model: GPU memory, "
+                        "CUDA IPC within a node; promotion is one unpack) or in pinned host memory (GPU memory "
+                        "stays free for the standby's rollouts; promotion copies the state to the GPU)")
     p.add_argument("--report", type=Path, help="write the job report (losses, faults, timeline) as JSON")
     p.add_argument("--timeline", type=Path, help="plot the failover timeline as PNG (default: beside --report)")
     p.add_argument("--host", default="127.0.0.1", help="where the job store listens")
@@ -141,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
     env = dict({"TORCH_GLOO_LAZY_INIT": "1"}, **os.environ)
     env.update(REPLICA_WORLD_SIZE=str(args.trainers), REPLICA_STORE=coord.address, REPLICA_TOKEN=token,
-               REPLICA_INJECT=args.inject, REPLICA_STEPS=str(args.steps), REPLICA_ROLLOUTS=str(args.rollouts))
+               REPLICA_INJECT=args.inject, REPLICA_STEPS=str(args.steps), REPLICA_ROLLOUTS=str(args.rollouts),
+               REPLICA_MIRROR_DEVICE="" if args.mirror_device == "model" else args.mirror_device)
     agent = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=args.replacements)
     for rank in range(standbys, args.trainers):
         coord.set_unprotected(rank)

@@ -62,7 +62,8 @@ class Job:
             materialize_optimizer_state(optimizer)
             # A trainer of another model is refused at once (checked before the mirror is published).
             self._mirror = replica.Mirror(rank=self.rank, world_size=self.env.world_size, store=self.store,
-                                          config=self.config, model=model, optimizer=optimizer)
+                                          config=self.config, model=model, optimizer=optimizer,
+                                          device=self.env.mirror_device or None)
         self._install_faults(model, optimizer)
         return self
 

@@ -25,11 +25,13 @@ STEPS = 10
 TOKEN = "test-job-token-7f3a9c"
 
 
-def launch(tmp_path: Path, *options: str, name: str = "run", script: Path = EXAMPLE) -> tuple[int, dict, str]:
+def launch(tmp_path: Path, *options: str, name: str = "run", script: Path = EXAMPLE, steps: int = STEPS,
+           script_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[int, dict, str]:
     report = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(STEPS), "--timeout",
-                           "240", "--report", str(report), *options, str(script)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(steps), "--timeout",
+                           "240", "--report", str(report), *options, str(script), *script_args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=None if env is None else dict(os.environ, **env))
     output = proc.stdout + proc.stderr
     assert report.exists(), output[-4000:]
     return proc.returncode, json.loads(report.read_text()), output
