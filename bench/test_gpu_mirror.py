@@ -20,9 +20,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from bench_results import machine, write_results
 from torch import nn
 
-from bench_results import machine, write_results
 from replica.testing import spawn
 
 pytestmark = pytest.mark.gpu
@@ -63,33 +63,43 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers).to(device="cuda", dtype=torch.bfloat16)
 
 
-def _train(steps: int, model, optimizer, commit=None) -> list[float]:
-    x = torch.randn(TOKENS, DIM, device="cuda", dtype=torch.bfloat16)
-    seconds = []
-    for step in range(1, steps + 1):
+class _Loop:
+    """One training step per call (timed by pytest-benchmark and by itself), optionally committed."""
+
+    def __init__(self, model, optimizer, commit=None):
+        self.model, self.optimizer, self.commit = model, optimizer, commit
+        self.x = torch.randn(TOKENS, DIM, device="cuda", dtype=torch.bfloat16)
+        self.step = 0
+        self.seconds: list[float] = []
+
+    def __call__(self) -> None:
+        self.step += 1
         start = time.perf_counter()
-        loss = model(x).float().pow(2).mean()
+        loss = self.model(self.x).float().pow(2).mean()
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         loss.item()  # the step is done when its loss is known
-        if commit is not None:
-            commit(step)
-        seconds.append(time.perf_counter() - start)
-    return seconds
+        if self.commit is not None:
+            self.commit(self.step)
+        self.seconds.append(time.perf_counter() - start)
 
 
 @pytest.fixture(scope="module")
 def trainer():
     model = _model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    plain = _train(WARMUP + STEPS, model, optimizer)
-    _results["plain"] = {"step_s": plain[WARMUP:]}
-    return model, optimizer
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def test_gpu_step_plain(benchmark, trainer):
+    loop = _Loop(*trainer)
+    benchmark.extra_info.update(kind="plain", params=DIM * DIM * LAYERS)
+    benchmark.pedantic(loop, rounds=WARMUP + STEPS, iterations=1)
+    _results["plain"] = {"step_s": loop.seconds[WARMUP:]}
 
 
 @pytest.mark.parametrize("mirror", MIRRORS)
-def test_gpu_mirror_overhead(trainer, mirror):
+def test_gpu_step_mirrored(benchmark, trainer, mirror):
     import replica
 
     if mirror == "cpu":
@@ -102,13 +112,15 @@ def test_gpu_mirror_overhead(trainer, mirror):
         assert kind == "ready"
         rep = stack.enter_context(replica.Replicator(model, optimizer, {}, store=store, config=_config(), rank=0,
                                                      world_size=1))
-        step_s = _train(WARMUP + STEPS, model, optimizer, commit=rep.commit)
-        rep.wait_committed()
+        loop = _Loop(model, optimizer, commit=rep.commit)
+        benchmark.extra_info.update(kind="mirrored", mirror=mirror, backend=backend)
+        benchmark.pedantic(loop, rounds=WARMUP + STEPS, iterations=1)
+        assert rep.wait_committed() == WARMUP + STEPS  # every step was mirrored and acknowledged
         nbytes = rep.layout.total_bytes
         steady = slice(WARMUP, None)
         _results[mirror] = {
             "backend": backend,
-            "step_s": step_s[steady],
+            "step_s": loop.seconds[steady],
             "pack_s": rep.stats.pack_s[steady],
             "wait_s": rep.stats.wait_s[steady],
             "stream_s": rep.stream_stats.stream_s[steady],
@@ -127,8 +139,6 @@ def test_gpu_mirror_overhead(trainer, mirror):
         torch.cuda.synchronize()
         copies.append(time.perf_counter() - t)
     _results["copy"] = {"copy_s": statistics.median(copies[2:])}
-    del src, dst
-    assert len(_results[mirror]["stream_s"]) >= STEPS - 1  # every step was mirrored and acknowledged
 
 
 @pytest.fixture(scope="module", autouse=True)

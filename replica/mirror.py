@@ -32,6 +32,7 @@ from replica.errors import (
 from replica.export import export_path, write_export
 from replica.layout import StateLayout, state_tensors
 from replica.listener import Listener
+from replica.placement import state_device
 from replica.protocol import (
     BEGIN,
     BUCKET_BASE,
@@ -49,7 +50,6 @@ from replica.protocol import (
     send_layout,
     send_reply,
 )
-from replica.placement import state_device
 from replica.restore import restore_snapshot
 from replica.snapshot import Snapshot, Stateful
 from replica.transport import Connection, MemoryKind, Transfer

@@ -23,9 +23,9 @@ from replica.commit import CommitRecord
 from replica.config import Config, token_from_env
 from replica.errors import ReplicaError
 from replica.layout import StateLayout, state_tensors
+from replica.placement import state_device
 from replica.resilient import ResilientProcessGroup
 from replica.restore import bind_state, restore_snapshot
-from replica.placement import state_device
 from replica.snapshot import Snapshot, Stateful, collect_extras
 from replica.stream import MirrorFaults, MirrorStream, StreamStats
 from replica.transport.base import nvtx_range

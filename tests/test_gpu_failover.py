@@ -11,11 +11,12 @@ run here; tests/test_gpu_resilient.py covers the NCCL generation of world size 1
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from test_launch import launch
-
 from replica.roles.report import compare_reports
+from test_launch import launch
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +34,7 @@ def reference(tmp_path_factory):
     assert code == 0, output[-6000:]
     assert report["failovers"] == [] and report["last_commit"] == STEPS
     losses = [float.fromhex(h) for h in report["losses_hex"]["0"]]
-    assert len(losses) == STEPS and all(x == x for x in losses), losses  # no NaN
+    assert len(losses) == STEPS and all(math.isfinite(x) for x in losses), losses
     return report
 
 
