@@ -3,20 +3,30 @@ FSDP2 keeps using it.
 
 FSDP2 caches the group object (resolved by name from its device mesh), so a
 failover cannot hand it a new one; this group stays, and what is inside it is
-rebuilt: each *generation* is an inner gloo group (NCCL for CUDA tensors, not
-tested here) made from a fresh store prefix, with a promoted standby at the
-dead rank's index. When a member dies, the collectives of the step in flight
-do not raise: the group records the error, finishes the step's remaining
-collectives at once without communicating (their outputs are garbage), and
-``errored`` says so. The step is then discarded (``Replicator.rollback``), the
-group re-configured, and the step redone, so a survivor never hangs in, nor
-unwinds out of, FSDP's hooks.
+rebuilt: each *generation* is an inner gloo group, plus an NCCL group for CUDA
+tensors where there is a GPU, made from a fresh store prefix, with a promoted
+standby at the dead rank's index. When a member dies, the collectives of the
+step in flight do not raise: the group records the error, finishes the step's
+remaining collectives at once without communicating (their outputs are
+garbage), and ``errored`` says so. The step is then discarded
+(``Replicator.rollback``), the group re-configured, and the step redone, so a
+survivor never hangs in, nor unwinds out of, FSDP's hooks.
+
+NCCL reports failures asynchronously: its ``wait()`` only orders streams, and
+a collective whose peer died spins on the GPU until its communicator is
+aborted (by ``abort()`` when the coordinator announces the failover, or by
+NCCL's watchdog at ``nccl_timeout``). So after a step's work has been
+synchronized, ``check()`` polls the generation's NCCL collectives and
+records a failure they report; ``errored`` alone is a plain read.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -55,6 +65,9 @@ _FORWARD = {
     "recv": "recv",
 }
 
+# Unfinished NCCL works kept per generation before the finished ones are dropped.
+_MAX_TRACKED_WORKS = 1024
+
 
 class _Work(dist.Work):
     """Waits for the inner work; a failure is recorded on the group instead of raised."""
@@ -69,6 +82,8 @@ class _Work(dist.Work):
         if self._inner is not None:
             inner, self._inner = self._inner, None
             try:
+                # gloo: blocks until done. NCCL: makes the current stream wait for the collective and
+                # raises only if a failure is already known; later ones are found by check().
                 inner.wait()
             except Exception as exc:  # noqa: BLE001 - a dead peer; the step will be redone
                 self._group._record(exc, self._generation)
@@ -100,9 +115,10 @@ def _forward(name: str, target: str):
     def collective(self: ResilientProcessGroup, *args):
         if self.on_collective is not None:
             self.on_collective(name)
+        device = _device_type(args) or "cpu"
         with self._lock:
             inners, generation = self._inners, self._generation
-        inner = inners.get(_device_type(args) or "cpu", inners.get("cpu")) if inners else None
+        inner = inners.get(device, inners.get("cpu")) if inners else None
         if inner is None or self._error is not None:
             if self._error is None:
                 self._record(ReplicaError("collective on a process group with no members configured"), generation)
@@ -112,20 +128,58 @@ def _forward(name: str, target: str):
         except Exception as exc:  # noqa: BLE001 - posting fails the same way when a peer is gone
             self._record(exc, generation)
             return _Work(self, None, generation)
+        if device != "cpu":
+            self._track(work, generation)
         return _Work(self, work, generation)
 
     collective.__name__ = name
     return collective
 
 
+def _status(work: dist.Work) -> tuple[bool, Exception | None]:
+    """Whether an inner work has finished, and its failure. For NCCL,
+    ``is_completed`` also polls the communicator's asynchronous error (a dead
+    peer), so a failed collective counts as finished."""
+    try:
+        if not work.is_completed():
+            return False, None
+        exc = work.exception()
+    except Exception as raised:  # noqa: BLE001 - asking a broken work may itself raise
+        return True, raised
+    if exc is None:
+        return True, None
+    return True, exc if isinstance(exc, Exception) else ReplicaError(f"collective failed: {exc}")
+
+
+def _backend_failure(inner) -> Exception | None:
+    """The error an NCCL backend's watchdog recorded (a timeout or a communicator
+    error), where this torch exposes it; None otherwise."""
+    get_error = getattr(inner, "get_error", None)
+    if get_error is None:
+        return None
+    try:
+        error = get_error()
+    except Exception:  # noqa: BLE001 - not supported by this backend or build
+        return None
+    name = getattr(error, "name", str(error))
+    return None if name.endswith("SUCCESS") else ReplicaError(f"NCCL backend reports {name}")
+
+
 class ResilientProcessGroup(dist.ProcessGroup):
-    """See the module docstring. Create it with ``init_resilient_process_group``."""
+    """See the module docstring. Create it with ``init_resilient_process_group``.
+
+    ``timeout`` bounds gloo's collectives (a frozen peer fails one at it) and the
+    joining of a generation; ``nccl_timeout`` is NCCL's watchdog timeout, which
+    must stay well above the coordinator's heartbeat deadline: the coordinator,
+    not the watchdog, decides who is dead (default: 3x ``timeout``).
+    """
 
     def __init__(self, *, store: dist.Store, rank: int, world_size: int, timeout: timedelta, name: str,
-                 cuda: bool | None = None):
+                 cuda: bool | None = None, nccl_timeout: timedelta | None = None):
         super().__init__(rank, world_size)
         self._store = store
         self._timeout = timeout
+        self.nccl_timeout = nccl_timeout if nccl_timeout is not None else 3 * timeout
         self._name = name
         # CUDA tensors go through NCCL (built per generation too); None: when this machine has a GPU.
         self.cuda = torch.cuda.is_available() if cuda is None else cuda
@@ -133,6 +187,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._inners: dict[str, object] = {}  # device type -> the generation's inner backend
         self._generation = -1
         self._error: Exception | None = None
+        self._works: deque = deque()  # the generation's NCCL works not yet seen finished
+        self._aborts: list[threading.Event] = []  # set once an old generation's NCCL abort() returned
+        self._aborted = -1  # the last generation whose NCCL backend abort() was started for
         self.on_collective: Callable[[str], None] | None = None  # called with each collective's name (tests)
 
     @property
@@ -148,7 +205,35 @@ class ResilientProcessGroup(dist.ProcessGroup):
 
     @property
     def errored(self) -> Exception | None:
-        """The first failure seen in the current generation (None while healthy)."""
+        """The first failure recorded in the current generation (None while healthy).
+        A plain read (safe from any thread); see ``check()`` for NCCL."""
+        return self._error
+
+    def check(self) -> Exception | None:
+        """Poll the current generation's NCCL collectives for a failure (a dead
+        peer's communicator error, a watchdog timeout, an abort) and record it;
+        returns ``errored``. Call it after synchronizing a step's CUDA work, before
+        trusting its result. Never blocks (CUDA event queries only), but call it
+        from the training thread, not from a heartbeat."""
+        with self._lock:
+            if self._error is not None:
+                return self._error
+            generation, inners, works = self._generation, dict(self._inners), list(self._works)
+        finished = set()
+        for work in works:
+            done, failure = _status(work)
+            if failure is not None:
+                self._record(failure, generation)
+                break
+            if done:
+                finished.add(id(work))
+        for device, inner in inners.items():
+            failure = _backend_failure(inner) if device != "cpu" else None
+            if failure is not None:
+                self._record(failure, generation)
+        with self._lock:
+            if generation == self._generation and finished:
+                self._works = deque(w for w in self._works if id(w) not in finished)
         return self._error
 
     def configure(self, generation: int, *, timeout: timedelta | None = None) -> None:
@@ -159,28 +244,110 @@ class ResilientProcessGroup(dist.ProcessGroup):
         timeout = timeout or self._timeout
         prefix = dist.PrefixStore(f"generation/{generation}", self._store)
         inners = {"cpu": dist.ProcessGroupGloo(prefix, self.rank(), self.size(), timeout)}
+        self._release(timeout)
         if self.cuda:
-            inners["cuda"] = _nccl(dist.PrefixStore("nccl", prefix), self.rank(), self.size(), timeout)
+            inners["cuda"] = _nccl(dist.PrefixStore("nccl", prefix), self.rank(), self.size(), self.nccl_timeout)
         with self._lock:
-            old, self._inners, self._generation, self._error = self._inners, inners, generation, None
-        for inner in old.values():
-            _shutdown(inner)
+            self._inners, self._generation, self._error = inners, generation, None
+            self._works = deque()
         logger.info("[rank %d] process group generation %d connected (%s)", self.rank(), generation,
                     ", ".join(sorted(inners)))
 
-    def abort(self, reason: str) -> None:
-        """Fail the current generation now: a survivor blocked in an NCCL collective
-        with a dead peer gets out (gloo's own timeout and closed connections do it for
-        CPU tensors). The step is then redone in the next generation."""
+    def abort(self, reason: str, *, wait: timedelta = timedelta(0)) -> bool:
+        """Fail the current generation now: ``errored`` is set before this returns,
+        and the generation's NCCL communicators are aborted, so a survivor whose
+        GPU spins in a collective with a dead peer gets out (gloo's own timeout and
+        closed connections do it for CPU tensors). The abort runs on a thread of
+        its own (``ncclCommAbort`` may take a while, and the caller may be a
+        heartbeat, which must never block); this waits for it at most ``wait``
+        and returns whether it finished. The step is then redone in the next
+        generation."""
         with self._lock:
-            inners, generation = dict(self._inners), self._generation
+            generation = self._generation
+            # Once per generation: a second abort would only queue behind the first.
+            nccl = [b for d, b in self._inners.items() if d != "cpu"] if generation != self._aborted else []
+            if nccl:
+                self._aborted = generation
         self._record(ReplicaError(f"generation {generation} aborted: {reason}"), generation)
-        for device, inner in inners.items():
-            if device != "cpu" and hasattr(inner, "abort"):
+        if nccl:
+            self._abort_async(nccl, generation, abort=True)
+        return self._join_aborts(wait, warn=False)
+
+    def _release(self, timeout: timedelta) -> None:
+        """Take the current generation out: gloo shut down, NCCL aborted (never shut down
+        gracefully: that flushes its collectives, which waits forever on a dead peer);
+        waits for the aborts at most ``timeout``, so a new communicator is not made
+        while an old one is being torn down."""
+        with self._lock:
+            inners, generation, self._inners = self._inners, self._generation, {}
+            self._works = deque()
+            aborted = generation == self._aborted
+            self._aborted = generation
+        gloo = inners.pop("cpu", None)
+        self._abort_async(list(inners.values()), generation, abort=not aborted)
+        del inners
+        if gloo is not None:
+            _shutdown(gloo)
+        self._join_aborts(timeout)
+
+    def _abort_async(self, inners: list, generation: int, *, abort: bool) -> None:
+        """Abort ``inners`` (unless ``abort`` is False: already aborted) on a thread of
+        their own, which also drops the last references to them."""
+        if not inners:
+            return
+
+        aborted = threading.Event()
+
+        def run() -> None:
+            for inner in inners if abort else ():
                 try:
                     inner.abort()
                 except Exception as exc:  # noqa: BLE001 - an already broken communicator
-                    logger.debug("aborting generation %d's %s backend: %s", generation, device, exc)
+                    logger.debug("aborting generation %d's NCCL backend: %s", generation, exc)
+            aborted.set()
+            # The last references: the backends' destructors run here, not on the training
+            # thread (they join NCCL's watchdog, which may sleep a minute after a failure).
+            inners.clear()
+
+        with self._lock:
+            self._aborts = [e for e in self._aborts if not e.is_set()] + [aborted]
+        threading.Thread(target=run, daemon=True, name=f"replica-abort-{generation}").start()
+
+    def _join_aborts(self, timeout: timedelta, *, warn: bool = True) -> bool:
+        """Wait (at most ``timeout`` in all) until the NCCL aborts started so far have
+        returned; returns whether they have."""
+        with self._lock:
+            aborts = list(self._aborts)
+        deadline = time.monotonic() + max(0.0, timeout.total_seconds())
+        for aborted in aborts:
+            if not aborted.wait(max(0.0, deadline - time.monotonic())):
+                if warn:
+                    logger.warning("[rank %d] aborting an old NCCL generation takes over %.1f s; going on",
+                                   self.rank(), timeout.total_seconds())
+                return False
+        return True
+
+    def _track(self, work: dist.Work, generation: int) -> None:
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._works.append(work)
+            if len(self._works) <= _MAX_TRACKED_WORKS:
+                return
+            pending = self._works
+        # Many collectives since the last check(): drop the oldest finished ones (FIFO on one
+        # stream, so the front finishes first), recording a failure among them.
+        while len(pending) > _MAX_TRACKED_WORKS // 2:
+            done, failure = _status(pending[0])
+            if failure is not None:
+                self._record(failure, generation)
+                return
+            if not done:
+                return
+            with self._lock:
+                if pending is not self._works or not pending:
+                    return
+                pending.popleft()
 
     def _record(self, exc: Exception, generation: int) -> None:
         with self._lock:
@@ -189,10 +356,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
                 logger.warning("[rank %d] generation %d failed: %s", self.rank(), generation, exc)
 
     def shutdown(self) -> None:
-        with self._lock:
-            inners, self._inners = self._inners, {}
-        for inner in inners.values():
-            _shutdown(inner)
+        """Release the current generation (NCCL's communicators are aborted, so this
+        never waits on a peer; it waits for that at most the group's timeout, as the
+        process may exit right after)."""
+        self._release(self._timeout)
 
     for _name, _target in _FORWARD.items():
         locals()[_name] = _forward(_name, _target)
@@ -206,8 +373,52 @@ def _shutdown(inner) -> None:
         logger.debug("shutting down an old generation: %s", exc)
 
 
+_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
+_DUMP_WAIT = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+
+
+def _nccl_environment() -> None:
+    """Set what ProcessGroupNCCL reads when it is constructed, unless the user did.
+
+    TORCH_NCCL_ASYNC_ERROR_HANDLING (or the older NCCL_ASYNC_ERROR_HANDLING),
+    what the watchdog does with a failed or timed-out collective: 0 nothing, 1
+    abort the communicators and tear the process down, 2 CleanUpOnly (abort the
+    communicators, keep the process), 3 SkipCleanUp (tear down without aborting;
+    torch's default). Under 1 or 3 a survivor whose peer died is killed, yet it
+    must live to roll back and join the next generation: 2, and ``check()``
+    sees the failure.
+
+    TORCH_NCCL_DUMP_ON_TIMEOUT=0: on a failure the watchdog writes a flight
+    recorder "dump" signal into the job's root store (not the generation's
+    prefix), where it stays; the first NCCL group of every process (a promoted
+    standby's included) polls for it, dumps, and kills its process after
+    TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC unless that group is aborted first. A
+    failover is expected here, not a hang to debug. And with no dump to wait
+    for, TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=100: the watchdog sleeps 4x that
+    (60 s by default) before it cleans up, holding the lock that every new
+    collective takes, so a survivor still posting its step's collectives would
+    stall that long.
+    (As read in recent torch, 2.8 on: ProcessGroupNCCL.cpp, Watchdog/HeartbeatMonitor::runLoop.)
+    """
+    for name in _ERROR_HANDLING:
+        value = os.environ.get(name)
+        if value is not None:
+            if value.strip() != "2":
+                logger.warning("%s=%s: a survivor cannot recover in process (1 and 3 let NCCL's watchdog kill "
+                               "it when a peer fails; 0 leaves a failed collective to the coordinator's abort); "
+                               "2 is expected", name, value)
+            break
+    else:
+        os.environ[_ERROR_HANDLING[0]] = "2"
+    if _DUMP_ON_TIMEOUT not in os.environ:
+        os.environ[_DUMP_ON_TIMEOUT] = "0"
+        os.environ.setdefault(_DUMP_WAIT, "100")
+
+
 def _nccl(store: dist.Store, rank: int, size: int, timeout: timedelta):
-    """An NCCL group for one generation (not run on a GPU yet: see the README)."""
+    """An NCCL group for one generation (its communicator is made at its first collective)."""
+    _nccl_environment()  # before the constructor reads it
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     return dist.ProcessGroupNCCL(store, rank, size, options)
@@ -220,10 +431,12 @@ def _create(opts, _backend_options) -> ResilientProcessGroup:
 
 def init_resilient_process_group(*, store: dist.Store, rank: int, world_size: int,
                                  timeout: timedelta = timedelta(seconds=30),
+                                 nccl_timeout: timedelta | None = None,
                                  generation: int | None = 0) -> ResilientProcessGroup:
     """Initialize torch.distributed's default group as a ResilientProcessGroup and
     connect ``generation`` (None: build it unconnected, as a standby does, which
-    may build its FSDP2 model before it joins)."""
+    may build its FSDP2 model before it joins). ``timeout`` and ``nccl_timeout``
+    as in ``ResilientProcessGroup``."""
     global _is_registered
     with _registered:
         if not _is_registered:
@@ -234,6 +447,8 @@ def init_resilient_process_group(*, store: dist.Store, rank: int, world_size: in
     group = dist.group.WORLD
     if not isinstance(group, ResilientProcessGroup):
         raise ReplicaError(f"the default group is a {type(group).__name__}, not a ResilientProcessGroup")
+    if nccl_timeout is not None:
+        group.nccl_timeout = nccl_timeout
     if generation is not None:
         group.configure(generation)
     return group

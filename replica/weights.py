@@ -4,10 +4,12 @@ into every rollout engine, in place, over ``replica.transport``.
 Sender (``WeightSync``, every trainer rank): the parameters are gathered bucket
 by bucket (FSDP2 ``full_tensor()``, a collective every rank joins; never the
 whole model at once), and the leader rank packs each bucket with ``ops.pack``
-into its retained copy of the packed weights and sends it to every engine
-while the next bucket is gathered. The retained copy lets the leader resend a
-bucket that failed its digest and bring an engine that joins late up to date
-without waiting for the trainers.
+into its retained copy of the packed weights (host memory) and sends it to
+every engine while the next bucket is gathered. CUDA weights are packed on
+their device and brought down through two pinned buffers, one event per
+bucket, so bucket k+1 is gathered, packed and copied while bucket k is sent.
+The retained copy lets the leader resend a bucket that failed its digest and
+bring an engine that joins late up to date without waiting for the trainers.
 
 Receiver (``WeightReceiver``, in the engine's process): receives a version into
 a staging buffer, verifies every bucket, and only when all are good makes it
@@ -116,6 +118,7 @@ class SyncStats:
     engines_synced: list[int] = field(default_factory=list)  # of the last push
     engines_skipped: dict[int, str] = field(default_factory=dict)  # of the last push: engine -> why
     push_s: list[float] = field(default_factory=list)
+    staged_buckets: int = 0  # packed on a GPU and brought down through the pinned staging buffers
 
 
 @dataclass(kw_only=True, slots=True)
@@ -157,6 +160,40 @@ def _gather(p) -> torch.Tensor:
     return out[:shape[0]]
 
 
+class _Staging:
+    """Brings CUDA buckets down to the host. A bucket is packed on its device (one
+    kernel on the current stream, after its gathers), copied into one of two
+    pinned host buffers on a stream of its own, and ``start`` returns that host
+    buffer with the event that completes it. Two slots: the caller must be done
+    with a bucket's host buffer before starting the second bucket after it."""
+
+    def __init__(self, device: torch.device, nbytes: int):
+        self.device = device
+        self._stream = torch.cuda.Stream(device)
+        self._device = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._slot = 0
+
+    def start(self, full: list[torch.Tensor], offsets: list[int], nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        slot, self._slot = self._slot, self._slot ^ 1
+        current = torch.cuda.current_stream(self.device)
+        if self._copied[slot] is not None:  # the slot's previous copy has read its device buffer
+            current.wait_event(self._copied[slot])
+        staged = self._device[slot][:nbytes]
+        if sum(t.numel() * t.element_size() for t in full) != nbytes:
+            staged.zero_()  # alignment gaps: the same bytes as a bucket packed on the host
+        ops.pack(full, staged, offsets)
+        host = self._host[slot][:nbytes]
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            host.copy_(staged, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        self._copied[slot] = copied
+        return host, copied
+
+
 class WeightSync:
     """Pushes ``model``'s full parameters to ``num_engines`` rollout engines.
 
@@ -189,7 +226,8 @@ class WeightSync:
         # The leader keeps the last version packed (host memory, the model's full size): for
         # resends, and for engines that join between pushes.
         self._packed = torch.zeros(self.layout.total_bytes, dtype=torch.uint8) if self.is_leader else None
-        self._device_bucket: torch.Tensor | None = None
+        self._staging: _Staging | None = None  # CUDA weights only
+        self._landing: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}  # bucket.lo -> its way down
         self._step: int | None = None  # the version in _packed
         self._links: dict[int, _Link] = {}
         self._unreachable: set[str] = set()  # registrations that refused or failed a connection
@@ -210,14 +248,12 @@ class WeightSync:
                     skipped[i] = self._drop(i, exc)
                     del links[i]
             inflight: deque = deque()
-            for k, bucket in enumerate(self._buckets):
-                full = [self._full(p) for _, p in self._params[bucket.first:bucket.end]]
-                if not self.is_leader:
-                    continue
-                offsets = [self.layout.entries[j].offset - bucket.lo for j in range(bucket.first, bucket.end)]
+
+            def send(k: int) -> None:
+                bucket = self._buckets[k]
+                self._land(bucket)
                 while len(inflight) > self.config.num_inflight_buckets * max(1, len(links)):
                     self._finish(inflight.popleft(), links, skipped)
-                self._pack(full, bucket, offsets)
                 for i, link in list(links.items()):
                     if self.faults.corrupt_buckets > 0:  # tests: a bad link
                         self.faults.corrupt_buckets -= 1
@@ -230,6 +266,25 @@ class WeightSync:
                         del links[i]
                         continue
                     self.stats.bytes_sent += bucket.hi - bucket.lo
+
+            packed: deque[int] = deque()  # buckets packed, or on their way down from a GPU, not sent yet
+            try:
+                for k, bucket in enumerate(self._buckets):
+                    full = [self._full(p) for _, p in self._params[bucket.first:bucket.end]]
+                    if not self.is_leader:
+                        continue
+                    offsets = [self.layout.entries[j].offset - bucket.lo for j in range(bucket.first, bucket.end)]
+                    self._pack(full, bucket, offsets)
+                    del full
+                    packed.append(k)
+                    # A host bucket goes at once; a CUDA one once the next is on its way down, so
+                    # its copy overlaps the next one's gathers and pack.
+                    while len(packed) > (1 if self._landing else 0):
+                        send(packed.popleft())
+                while packed:
+                    send(packed.popleft())
+            finally:
+                self._landing.clear()  # a push cut short: nothing half-landed is reused
             while inflight:
                 self._finish(inflight.popleft(), links, skipped)
             self._step = step
@@ -317,19 +372,26 @@ class WeightSync:
         return _Link(transport, conn, current)
 
     def _pack(self, full: list[torch.Tensor], bucket: WeightBucket, offsets: list[int]) -> None:
-        """Pack one bucket into the retained host copy; CUDA weights are packed on
-        their device (one kernel) and copied down in one transfer."""
-        target = self._packed[bucket.lo:bucket.hi]
+        """Pack one bucket into the retained host copy. CUDA weights are packed on
+        their device and start their way down (``_Staging``); ``_land`` completes
+        them, waiting for that bucket's copy only."""
         device = full[0].device
         if device.type == "cpu":
-            ops.pack(full, target, offsets)
+            ops.pack(full, self._packed[bucket.lo:bucket.hi], offsets)
             return
-        if self._device_bucket is None or self._device_bucket.device != device:
-            size = max(b.hi - b.lo for b in self._buckets)
-            self._device_bucket = torch.empty(size, dtype=torch.uint8, device=device)
-        staged = self._device_bucket[:bucket.hi - bucket.lo]
-        ops.pack(full, staged, offsets)
-        target.copy_(staged)  # synchronous: the bucket is complete before it is sent
+        if self._staging is None or self._staging.device != device:
+            self._staging = _Staging(device, max(b.hi - b.lo for b in self._buckets))
+        self._landing[bucket.lo] = self._staging.start(full, offsets, bucket.hi - bucket.lo)
+
+    def _land(self, bucket: WeightBucket) -> None:
+        """Complete a CUDA bucket's way down into the retained copy (a host bucket is there already)."""
+        landing = self._landing.pop(bucket.lo, None)
+        if landing is None:
+            return
+        host, copied = landing
+        copied.synchronize()
+        self._packed[bucket.lo:bucket.hi].copy_(host)
+        self.stats.staged_buckets += 1
 
     def _finish(self, item, links: dict[int, _Link], skipped: dict[int, str]) -> None:
         i, transfer = item

@@ -40,9 +40,12 @@ class Job:
         self._since = 0  # the generation this process became the rank's trainer in
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
         self.config = replica.Config(token=env.token, host=env.host, standby_wait=timedelta(seconds=120))
+        # gloo fails a frozen peer's collective at `timeout`. NCCL's watchdog must never beat the
+        # coordinator to declaring a peer dead: 60 s is >= 3x heartbeat deadlines up to 20 s (default 10).
         self.group = None if env.role == "rollout" else replica.init_resilient_process_group(
             store=dist.PrefixStore("replica/pg", self.store), rank=env.rank, world_size=env.world_size,
-            timeout=timedelta(seconds=10), generation=0 if env.role == "trainer" else None)
+            timeout=timedelta(seconds=10), nccl_timeout=timedelta(seconds=60),
+            generation=0 if env.role == "trainer" else None)
         self._rep: replica.Replicator | None = None
         self._mirror: replica.Mirror | None = None
         self._bound: tuple | None = None
