@@ -212,7 +212,8 @@ class Replicator:
 
     def _failed_generation(self, step: int) -> bool:
         group = dist.group.WORLD if dist.is_initialized() else None
-        if isinstance(group, ResilientProcessGroup) and group.errored is not None:
+        # check(), not errored: NCCL failures are found by polling the generation's works.
+        if isinstance(group, ResilientProcessGroup) and group.check() is not None:
             logger.warning("[trainer rank %d step %d] not committed: the step ran on a failed generation",
                            self.rank, step)
             return True

@@ -83,10 +83,11 @@ class Job:
     def log(self, step: int, loss: torch.Tensor | float, **metrics: float) -> None:
         """Record the step's loss exactly (a float's hex form) and any other metrics
         (``reward=...``) for the job report."""
-        if self.group.errored is None:
+        # Reading the loss waits for the step's kernels, after which NCCL has reported any failure.
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        if self.group.check() is None:
             # One store round trip a step: the loss, when the step ended, the metrics.
             extra = "".join(f" {k}={float(v).hex()}" for k, v in sorted(metrics.items()))
-            value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
             self.store.set(f"replica/loss/{self.rank}/{step}", f"{value.hex()} {time.time()!r}{extra}")
 
     def rollout_client(self, model: torch.nn.Module, *, num_shards: int, name_map=None,
@@ -123,7 +124,7 @@ class Job:
             self._step = step
             self._fault("forward", step)
             yield step
-            if self.group.errored is not None or self._failover_announced():
+            if self.group.check() is not None or self._failover_announced():
                 step = self._recover() + 1
                 continue
             if self.group.generation > 0 and not self.store.check([f"replica/resumed/{self.group.generation}"]):
