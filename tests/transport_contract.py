@@ -23,6 +23,9 @@ from replica.transport import Transport
 
 MiB = 1 << 20
 T = timedelta(seconds=60)
+# GPU clock cycles of torch.cuda._sleep that hold a stream back for about a
+# second or more (H100: ~2 GHz): longer than any check takes to look and kill.
+STALL_CYCLES = 4_000_000_000
 
 MakeTransport = Callable[..., Transport]
 
@@ -55,6 +58,10 @@ def peer_main(pipe, make: MakeTransport, token: bytes, device: str = "cpu") -> N
                 pipe.send(("ok",))
             except AuthenticationError as exc:
                 pipe.send(("AuthenticationError", str(exc)))
+        elif cmd == "listen":  # the other side of "connect", for checks between two peers
+            pipe.send(("address", transport.listen()))
+            conn = transport.accept(T)
+            pipe.send(("ok",))
         elif cmd == "echo":  # receive buckets of these sizes on tag t, send each back on tag t + 1
             sizes, tag = args
             for n in sizes:
@@ -83,6 +90,46 @@ def peer_main(pipe, make: MakeTransport, token: bytes, device: str = "cpu") -> N
             pipe.send(("posted",))
             transfer.wait(T)
             pipe.send(("ok",))
+        elif cmd == "send_stalled":  # a send whose bytes a kernel holds back for seconds
+            n, tag, seed = args
+            data = pattern(n, seed, device)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(STALL_CYCLES)
+            # Reported before isend: UCX's isend waits for the stream, IPC's offer does.
+            pipe.send(("posted",))
+            conn.isend(data, tag=tag).wait(T)
+            pipe.send(("ok",))
+        elif cmd == "send_loop":  # count sends of one buffer, its bytes set to i % 251 before send i
+            n, tag, count = args
+            data = empty(n, device)
+            for i in range(count):
+                data.fill_(i % 251)
+                conn.send(data, tag=tag, timeout=T)
+                if i == 0:
+                    pipe.send(("posted",))
+            pipe.send(("ok",))
+        elif cmd == "recv_until_dead":  # receive until the sender dies; report what was seen
+            n, tag, report_after = args
+            buf = empty(n, device)
+            received = mixed = 0
+            try:
+                while True:
+                    conn.recv(buf, tag=tag, timeout=T)
+                    received += 1
+                    mixed += int(buf.min()) != int(buf.max())  # bytes of two sends in one buffer
+                    if received == report_after:
+                        pipe.send(("received", received))
+            except PeerDisconnectedError:
+                pass
+            pipe.send(("ok", received, mixed, conn.alive, getattr(conn, "num_imports", None)))
+        elif cmd == "recv_stats":  # count receives into one buffer: (min, max) of each, and what is mapped
+            n, tag, count = args
+            buf = empty(n, device)
+            stats = []
+            for _ in range(count):
+                conn.recv(buf, tag=tag, timeout=T)
+                stats.append((int(buf.min()), int(buf.max())) if n else (0, 0))
+            pipe.send(("ok", stats, getattr(conn, "num_imports", None)))
         elif cmd == "exit":
             break
     transport.close()
@@ -196,7 +243,10 @@ def check_peer_killed_mid_transfer(make: MakeTransport, nbytes: int = 512 * MiB,
     with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
         conn = connected(transport, peer)
         receive = conn.irecv(empty(nbytes, device), tag=30)
-        peer.send("send", nbytes, 30, 1)
+        # A GPU moves the whole bucket in about a millisecond, before this check
+        # could look: there the peer's bytes wait behind a kernel that runs for
+        # seconds, so the transfer is in flight at the kill whatever the speed.
+        peer.send("send_stalled" if device == "cuda" else "send", nbytes, 30, 1)
         assert peer.recv() == ("posted",)
         assert not receive.done(), "the transfer finished before the kill"
         peer.kill()

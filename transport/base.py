@@ -118,7 +118,10 @@ class SendFaults:
 
 
 class Pending(Protocol):
-    """A backend's in-flight operation."""
+    """A backend's in-flight operation. A backend whose operations are finished by
+    a thread of its own also gives each a ``completion`` (``threading.Event``) that
+    it sets when the operation finished or its connection failed; waiters then
+    sleep on it instead of polling."""
 
     def poll(self) -> bool:
         """True once finished; raises the backend's error if it failed."""
@@ -127,6 +130,14 @@ class Pending(Protocol):
 # How long a failed backend operation waits for the control channel to report
 # the peer's death, so the caller sees PeerDisconnectedError, not a backend error.
 _EXPLAIN_S = 0.5
+# Polled backends (UCX): the first sleeps are short, since small transfers finish
+# within microseconds, and the longest is short too, since a sleep that outlasts
+# the transfer is pure latency. Python's sleep has ~50 us of timer slack anyway.
+_FIRST_POLL_SLEEP_S = 10e-6
+_MAX_POLL_SLEEP_S = 100e-6
+# Backends with a completion event wake the waiter themselves, also on failure;
+# the slice only bounds how late a failure the backend did not signal is seen.
+_COMPLETION_SLICE_S = 0.05
 
 
 def _seconds(timeout: timedelta) -> float:
@@ -164,16 +175,21 @@ class Transfer:
         if self._done:
             return self._header
         deadline = time.monotonic() + _seconds(timeout)
+        completion: threading.Event | None = getattr(self._pending, "completion", None)
         with nvtx_range(f"replica::{self._kind}"):
-            delay = 20e-6
+            delay = _FIRST_POLL_SLEEP_S
             while not self._poll():
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     self._conn._fail(TransferTimeoutError(
                         f"{self._kind} of tag {self._tag} to {self._conn.peer} did not finish "
                         f"within {_seconds(timeout):.3f} s; connection closed"))
                     raise self._conn._error
-                time.sleep(delay)
-                delay = min(delay * 2, 1e-3)
+                if completion is not None:
+                    completion.wait(min(left, _COMPLETION_SLICE_S))
+                else:
+                    time.sleep(min(delay, left))
+                    delay = min(delay * 2, _MAX_POLL_SLEEP_S)
         self._done = True
         if self._kind == "recv":
             self._header = self._conn._verify(self._tag, self._buf, self._header_buf)

@@ -1,39 +1,92 @@
-"""CUDA IPC backend: same node, device memory only. The sender exports the
-CUDA allocation behind a bucket (torch's own IPC handles) and an interprocess
-event recorded after the bucket's producer work; the receiver maps the
-allocation once (cached), waits on the event on its current stream, copies
-device to device into the caller's buffer, and acknowledges when the copy has
-run, which completes the send. Nothing but small frames crosses the control
-socket; no bytes of the bucket leave the GPU."""
+"""CUDA IPC backend: processes of one node, device buckets moved GPU to GPU.
+
+Sending a CUDA bucket records an event on the caller's current stream (in the
+caller's thread, so it covers the kernels that produced the bucket); once that
+event has completed, an OFFER frame goes over the control socket. The first
+offer of a storage carries its export (torch's IPC handle, once per storage and
+connection); later ones name the export by id. The receiver maps an export
+once, and copies device to device into the caller's buffer, on a copy stream
+that first waits for the work the caller had queued on the buffer before
+``irecv``. The copy is issued by whichever thread completes the match (the
+control monitor thread when the offer arrives, the caller's when the offer was
+there first), and a per-transport completion thread acknowledges it once it
+has run: neither side has to poll for the other to make progress.
+
+The sender waits for its bucket's producers on the host before offering it, so
+the receiver never waits on an event of another process: a producer killed
+with its work queued cannot leave the receiver's copy stream blocked forever.
+An export names its GPU by UUID; the receiver opens it on the receiving
+buffer's GPU (with peer access if that is another one) or explains why not.
+An export is released (RELEASE frame, then unmapped behind the copies from it)
+once its storage is freed or, past MAX_EXPORTS, least recently used, never
+while a send of it is in flight.
+
+Small host messages (the mirror protocol's layouts, BEGIN, REPLY, FETCH) ride
+the control socket itself, in order with the offers and matched by the same
+tags, so one IPC connection carries a whole mirror session. Host payloads are
+bounded (``MAX_HOST_BYTES``): bulk host memory belongs on UCX, which is why the
+transport's capabilities say CUDA only.
+"""
 
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
+import logging
+import queue
 import struct
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from replica.errors import TransportError
 from replica.transport.base import Capabilities, Locality, MemoryKind
-from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
+from replica.transport.control import (
+    MAX_FRAME_BYTES,
+    ControlledConnection,
+    ControlledTransport,
+    EndpointConfig,
+)
 from replica.transport.wire import HEADER_BYTES
 
-__all__ = ["IpcConfig", "IpcConnection", "IpcTransport"]
+__all__ = ["IpcConfig", "IpcConnection", "IpcTransport", "MAX_EXPORTS", "MAX_HOST_BYTES"]
 
-_OFFER = 1
-_ACK = 2
-# tag, seq, device, storage bytes, storage offset, byte offset of the bucket in
-# the storage, ref-counter offset, event-sync flag; then the 64-byte header and
-# four length-prefixed blobs: storage handle, ref-counter handle, torch's
-# event handle, and replica's own ready-event handle.
-_OFFER_FIXED = struct.Struct("<QQiQQQQB")
-_ACK_FRAME = struct.Struct("<QQ")
+logger = logging.getLogger(__name__)
+
+# Control frame kinds (the control socket's BYE is 0xFF).
+_OFFER = 1  # a device bucket: tag, seq, export id, byte offset, nbytes, header [, export]
+_ACK = 2  # the receiver's copy of send seq has run
+_HOST = 3  # a host message: tag, total bytes, header, first bytes
+_HOST_MORE = 4  # the next bytes of the host message before it
+_RELEASE = 5  # the sender no longer offers this export: unmap it
+
+_OFFER_FIXED = struct.Struct("<QQQQQ?")  # tag, seq, export id, byte offset in storage, nbytes, export follows
+# storage bytes, offset of the storage in its allocation, ref-counter offset;
+# then three length-prefixed blobs: GPU UUID, allocation handle, ref-counter handle
+_EXPORT_FIXED = struct.Struct("<QQQ")
 _BLOB = struct.Struct("<I")
-#: Mapped allocations kept per connection; the mirror reuses a few snapshot buffers.
-MAPPED_CACHE_ENTRIES = 64
+_HOST_FIXED = struct.Struct("<QQ")  # tag, total bytes
+_U64 = struct.Struct("<Q")
+_HOST_FIRST_BYTES = MAX_FRAME_BYTES - _HOST_FIXED.size - HEADER_BYTES
+
+#: Largest host message one send may carry (it travels over the control socket).
+MAX_HOST_BYTES = 64 << 20
+#: Exported storages remembered per connection (each stays mapped by the peer);
+#: a mirror reuses two snapshot buffers, a weight push a few buckets.
+MAX_EXPORTS = 64
+# A peer that announces far more exports than a sender keeps is broken.
+_MAX_IMPORTS = 4 * MAX_EXPORTS
+# torch's cudaIpcEventHandle_t size; the event is not used (see _Import.map).
+_IPC_EVENT_HANDLE_BYTES = 64
+# An event recorded behind finished work completes within microseconds; this
+# long the sender looks before handing the offer to the ready thread (a thread
+# hop costs tens of microseconds).
+_READY_SPIN_S = 20e-6
 
 
 # repr=False keeps EndpointConfig.__repr__, which leaves the token out.
@@ -42,182 +95,568 @@ class IpcConfig(EndpointConfig):
     pass
 
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class _Offer:
-    tag: int
-    seq: int
-    device: int
-    storage_bytes: int
-    storage_offset: int
-    byte_offset: int
-    ref_counter_offset: int
-    event_sync_required: bool
-    header: bytes
-    handle: bytes
-    ref_counter_handle: bytes
-    event_handle: bytes
-    ready_event: bytes
+@functools.cache
+def _uuid_of(device: int) -> bytes:
+    return str(torch.cuda.get_device_properties(device).uuid).encode()
 
-    def encode(self) -> bytes:
-        fixed = _OFFER_FIXED.pack(self.tag, self.seq, self.device, self.storage_bytes, self.storage_offset,
-                                  self.byte_offset, self.ref_counter_offset, int(self.event_sync_required))
-        blobs = b"".join(_BLOB.pack(len(b)) + b for b in
-                         (self.handle, self.ref_counter_handle, self.event_handle, self.ready_event))
-        return fixed + self.header + blobs
 
-    @classmethod
-    def decode(cls, data: bytes) -> _Offer:
-        fields = _OFFER_FIXED.unpack_from(data)
-        at = _OFFER_FIXED.size
-        header = data[at:at + HEADER_BYTES]
-        at += HEADER_BYTES
-        blobs = []
-        for _ in range(4):
-            (n,) = _BLOB.unpack_from(data, at)
-            at += _BLOB.size
-            blobs.append(data[at:at + n])
-            at += n
-        tag, seq, device, size, offset, byte_offset, ref_offset, sync = fields
-        return cls(tag=tag, seq=seq, device=device, storage_bytes=size, storage_offset=offset,
-                   byte_offset=byte_offset, ref_counter_offset=ref_offset, event_sync_required=bool(sync),
-                   header=header, handle=blobs[0], ref_counter_handle=blobs[1], event_handle=blobs[2],
-                   ready_event=blobs[3])
+@functools.cache
+def _local_devices() -> dict[bytes, int]:
+    return {_uuid_of(i): i for i in range(torch.cuda.device_count())}
+
+
+def _blobs(*blobs: bytes) -> bytes:
+    return b"".join(_BLOB.pack(len(b)) + b for b in blobs)
+
+
+def _read_blobs(data: bytes, at: int, n: int) -> tuple[list[bytes], int]:
+    out = []
+    for _ in range(n):
+        (length,) = _BLOB.unpack_from(data, at)
+        at += _BLOB.size
+        if at + length > len(data):
+            raise ValueError("truncated frame")
+        out.append(data[at:at + length])
+        at += length
+    return out, at
+
+
+# --- per process: copy streams and the threads that wait on events ---
+
+
+_streams: dict[int, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+# Two receives of one export may be delivered at once (monitor and caller
+# threads); mapping it twice would hand the exporter two references back.
+_map_lock = threading.Lock()
+
+
+def _completes_soon(event) -> bool:
+    deadline = time.perf_counter() + _READY_SPIN_S
+    while not event.query():
+        if time.perf_counter() >= deadline:
+            return False
+    return True
+
+
+def _copy_stream(device: torch.device | int) -> torch.cuda.Stream:
+    """The stream receives copy on (one per GPU): copies never queue behind the
+    caller's later work, nor the caller's behind them."""
+    index = device.index if isinstance(device, torch.device) else device
+    with _streams_lock:
+        stream = _streams.get(index)
+        if stream is None:
+            stream = _streams[index] = torch.cuda.Stream(device=index)
+        return stream
+
+
+class _EventThread:
+    """A daemon thread that runs callbacks in order, each once its CUDA event
+    (if any) has completed. Started on first use: a host-only transport never
+    starts one."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, event, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._queue.put((event, callback))
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            event, callback = item
+            try:
+                if event is not None:
+                    event.synchronize()  # releases the GIL
+                callback()
+            except Exception:  # noqa: BLE001 - one bad callback must not stop the others
+                logger.exception("%s: callback failed", self._name)
+            del item, event, callback  # nothing the callback held outlives it here
+
+
+# --- sender side ---
+
+
+class _Export:
+    """One storage exported to the peer (torch's IPC handle, taken once)."""
+
+    __slots__ = ("id", "ref", "record", "announced", "inflight")
+
+    def __init__(self, export_id: int, ref, record: bytes):
+        self.id = export_id
+        self.ref = ref  # StorageWeakRef: the export never keeps the storage alive
+        self.record = record  # what the first offer carries
+        self.announced = False
+        self.inflight = 0  # sends of this storage not yet acknowledged
 
 
 class _Send:
-    def __init__(self, keep):
-        self.acked = threading.Event()
-        self._keep = keep  # the bucket and its event stay alive until the receiver copied
+    """A send: done when acknowledged (device bucket) or written (host message)."""
+
+    def __init__(self, keep: Any, export: _Export | None = None):
+        self.completion = threading.Event()
+        self.done = False
+        self.export = export
+        self._keep = keep  # the bucket stays alive until the receiver copied it
+
+    def finish(self) -> None:
+        self.done = True
+        self._keep = None
+        self.completion.set()
 
     def poll(self) -> bool:
-        if not self.acked.is_set():
-            return False
-        self._keep = None
-        return True
+        return self.done
+
+
+@dataclass(slots=True)
+class _Outgoing:
+    ready: Any  # torch.cuda.Event | None: the frames go out once it completed
+    frames: list[tuple[int, bytes]]
+    seq: int
+    send: _Send
+    written: bool  # a host message is done once written; a bucket once acknowledged
+
+
+# --- receiver side ---
+
+
+class _Import:
+    """An export of the peer: mapped on first use, unmapped on RELEASE or close."""
+
+    __slots__ = ("uuid", "handle", "storage_bytes", "storage_offset", "ref_handle", "ref_offset", "bytes")
+
+    def __init__(self, uuid: bytes, handle: bytes, storage_bytes: int, storage_offset: int,
+                 ref_handle: bytes, ref_offset: int):
+        self.uuid = uuid
+        self.handle = handle
+        self.storage_bytes = storage_bytes
+        self.storage_offset = storage_offset
+        self.ref_handle = ref_handle
+        self.ref_offset = ref_offset
+        self.bytes: torch.Tensor | None = None  # uint8 view of the mapped storage
+
+    def map(self, device: int | None) -> torch.Tensor:
+        """The mapped allocation as bytes, opened on ``device`` (the receiving
+        buffer's GPU; None: the exporter's GPU as this process numbers it)."""
+        mapped = self.bytes
+        if mapped is not None:
+            return mapped
+        with _map_lock:
+            if self.bytes is None:
+                self.bytes = self._open(device)
+            return self.bytes
+
+    def _open(self, device: int | None) -> torch.Tensor:
+        source = _local_devices().get(self.uuid)
+        if source is None:
+            raise TransportError(
+                f"the peer's GPU {self.uuid.decode()} is not visible to this process (CUDA_VISIBLE_DEVICES?); "
+                "CUDA IPC needs both processes to see the same GPU; use the UCX transport")
+        if device is None:
+            device = source
+        elif device != source and not torch.cuda.can_device_access_peer(device, source):
+            raise TransportError(
+                f"cuda:{device} cannot access the peer's GPU {self.uuid.decode()} (cuda:{source} here): "
+                f"no peer access between them; receive on cuda:{source} or use the UCX transport")
+        torch.cuda._lazy_init()
+        # The export's own event is not waited on: the sender offers a bucket only
+        # once its producers finished, and waiting on another process's event
+        # could block this stream forever if that process dies.
+        storage = torch.UntypedStorage._new_shared_cuda(
+            device, self.handle, self.storage_bytes, self.storage_offset, self.ref_handle, self.ref_offset,
+            bytes(_IPC_EVENT_HANDLE_BYTES), False)
+        return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage)
+
+    def unmap(self) -> None:
+        """Drop the mapping (torch's deleter hands the exporter its reference
+        back), or hand the reference back directly if it was never mapped."""
+        if self.bytes is None:
+            try:
+                torch.UntypedStorage._release_ipc_counter(self.ref_handle, self.ref_offset)
+            except Exception as exc:  # noqa: BLE001 - best effort, as in torch: the exporter may be gone
+                logger.debug("releasing an unmapped IPC export: %s", exc)
+            return
+        mapped, self.bytes = self.bytes, None
+        # torch's deleter synchronizes the current stream of the mapping's
+        # device: make that the copy stream, whose copies from it are done.
+        with torch.cuda.stream(_copy_stream(mapped.device)):
+            del mapped
+
+
+@dataclass(slots=True)
+class _Offer:
+    tag: int
+    seq: int
+    nbytes: int
+    byte_offset: int
+    header: bytes
+    source: _Import
+
+
+@dataclass(slots=True)
+class _HostMessage:
+    tag: int
+    nbytes: int
+    header: bytes
+    data: bytearray
+    filled: int = 0
 
 
 class _Recv:
-    def __init__(self, conn: IpcConnection, flat: torch.Tensor, tag: int, header_buf: torch.Tensor):
-        self._conn = conn
-        self._flat = flat
-        self._tag = tag
-        self._header_buf = header_buf
-        self.offer: _Offer | None = None  # set under the connection's lock when matched
-        self._copied: torch.cuda.Event | None = None
+    def __init__(self, flat: torch.Tensor, header_buf: torch.Tensor, posted):
+        self.flat = flat
+        self.header_buf = header_buf
+        self.posted = posted  # event after the caller's queued work on flat (CUDA receives)
+        self.completion = threading.Event()
+        self.done = False
+
+    def finish(self, header: bytes) -> None:
+        self.header_buf.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+        self.done = True
+        self.flat = self.posted = None
+        self.completion.set()
 
     def poll(self) -> bool:
-        if self._copied is None:
-            offer = self.offer
-            if offer is None:
-                return False
-            self._header_buf.copy_(torch.frombuffer(bytearray(offer.header), dtype=torch.uint8))
-            self._copied = self._conn._copy_in(offer, self._flat)
-        if not self._copied.query():
-            return False
-        self._conn._send_control(_ACK, _ACK_FRAME.pack(self.offer.tag, self.offer.seq))
-        return True
+        return self.done
 
 
 class IpcConnection(ControlledConnection):
     def __init__(self, **kwargs):
-        super().__init__(memory=MemoryKind.CUDA, **kwargs)
+        # HOST too: small control messages ride the control socket (see the module docstring).
+        super().__init__(memory=MemoryKind.HOST | MemoryKind.CUDA, **kwargs)
         self._seq = itertools.count()
-        self._match_lock = threading.Lock()
+        self._export_ids = itertools.count(1)
+        # Lock order: _out_lock, then _state_lock; the monitor thread takes only
+        # _state_lock, and no lock but _out_lock is held while a frame is written.
+        self._out_lock = threading.Lock()
+        self._outbox: collections.deque[_Outgoing] = collections.deque()
+        self._state_lock = threading.Lock()
         self._sends: dict[int, _Send] = {}
+        self._exports: collections.OrderedDict[tuple[int, int, int], _Export] = collections.OrderedDict()
         self._waiting: dict[int, collections.deque[_Recv]] = collections.defaultdict(collections.deque)
-        self._unmatched: dict[int, collections.deque[_Offer]] = collections.defaultdict(collections.deque)
-        self._mapped: collections.OrderedDict[tuple[bytes, int], torch.UntypedStorage] = collections.OrderedDict()
+        self._unmatched: dict[int, collections.deque[_Offer | _HostMessage]] = collections.defaultdict(collections.deque)
+        self._imports: dict[int, _Import] = {}
+        self._partial: _HostMessage | None = None  # monitor thread only
+
+    @property
+    def num_exports(self) -> int:
+        """Storages this side has exported to the peer (for tests and diagnostics)."""
+        with self._state_lock:
+            return len(self._exports)
+
+    @property
+    def num_imports(self) -> int:
+        """Exports of the peer this side holds (mapped or not yet used)."""
+        with self._state_lock:
+            return len(self._imports)
+
+    # --- sending ---
 
     def _isend(self, flat, tag, header):
+        if flat.device.type == "cpu" or flat.numel() == 0:
+            return self._send_host(flat, tag, header)
+        return self._send_device(flat, tag, header)
+
+    def _send_host(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> _Send:
+        nbytes = flat.numel()
+        if nbytes > MAX_HOST_BYTES:
+            raise TransportError(
+                f"a {nbytes}-byte host message is over CUDA IPC's limit of {MAX_HOST_BYTES} bytes "
+                "(host messages ride the control socket); send device memory, or use the UCX transport")
+        head = header()
+        data = flat.numpy().tobytes() if nbytes else b""
+        frames = [(_HOST, _HOST_FIXED.pack(tag, nbytes) + head + data[:_HOST_FIRST_BYTES])]
+        frames += [(_HOST_MORE, data[at:at + MAX_FRAME_BYTES])
+                   for at in range(_HOST_FIRST_BYTES, nbytes, MAX_FRAME_BYTES)]
+        send = _Send(None)
+        with self._out_lock:
+            seq = next(self._seq)
+            with self._state_lock:
+                self._sends[seq] = send
+            self._post(_Outgoing(ready=None, frames=frames, seq=seq, send=send, written=True))
+        return send
+
+    def _send_device(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> _Send:
+        # Captured here, in the caller's thread: the stream its producers ran on.
+        ready = torch.cuda.Event(blocking=True)  # the ready thread sleeps on it, never spins
+        ready.record(torch.cuda.current_stream(flat.device))
+        head = header()
         storage = flat.untyped_storage()
-        device, handle, size, offset, ref_handle, ref_offset, event_handle, sync = storage._share_cuda_()
-        ready = torch.cuda.Event(interprocess=True)
-        ready.record()
-        header_bytes = header()
-        seq = next(self._seq)
-        pending = _Send((flat, storage, ready))
-        with self._match_lock:
-            self._sends[seq] = pending
-        offer = _Offer(tag=tag, seq=seq, device=device, storage_bytes=size, storage_offset=offset,
-                       byte_offset=flat.storage_offset() * flat.element_size(), ref_counter_offset=ref_offset,
-                       event_sync_required=bool(sync), header=header_bytes, handle=handle,
-                       ref_counter_handle=ref_handle, event_handle=event_handle or b"",
-                       ready_event=ready.ipc_handle())
-        self._send_control(_OFFER, offer.encode())
-        return pending
+        with self._out_lock:
+            export = self._export(storage, flat.device)
+            seq = next(self._seq)
+            send = _Send((flat, ready), export)
+            with self._state_lock:
+                export.inflight += 1  # first: an export in flight is never retired
+                self._sends[seq] = send
+            frames = self._retire_exports(storage)
+            fixed = _OFFER_FIXED.pack(tag, seq, export.id, flat.storage_offset(), flat.numel(), not export.announced)
+            frames.append((_OFFER, fixed + head + (b"" if export.announced else export.record)))
+            export.announced = True
+            self._post(_Outgoing(ready=ready, frames=frames, seq=seq, send=send, written=False))
+        return send
+
+    def _export(self, storage: torch.UntypedStorage, device: torch.device) -> _Export:
+        """This storage's export; taken once (torch nests a new ref-counter and
+        event into the storage on every ``_share_cuda_``). Caller holds _out_lock."""
+        key = (storage._cdata, storage.data_ptr(), storage.nbytes())
+        with self._state_lock:
+            export = self._exports.get(key)
+            if export is not None:
+                # The weak reference keeps the StorageImpl's address from being
+                # reused, so the same _cdata means the same, live storage.
+                self._exports.move_to_end(key)
+                return export
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        try:
+            (_, handle, storage_bytes, storage_offset, ref_handle, ref_offset, _event,
+             _sync) = storage._share_cuda_()
+        except RuntimeError as exc:
+            raise TransportError(f"cannot export this CUDA buffer for IPC ({exc}); use the UCX transport") from exc
+        record = (_EXPORT_FIXED.pack(storage_bytes, storage_offset, ref_offset)
+                  + _blobs(_uuid_of(device.index), handle, ref_handle))
+        export = _Export(next(self._export_ids), StorageWeakRef(storage), record)
+        with self._state_lock:
+            self._exports[key] = export
+        return export
+
+    def _retire_exports(self, sending: torch.UntypedStorage) -> list[tuple[int, bytes]]:
+        """RELEASE frames for the exports whose storage is gone, those of the
+        storage being sent that it has left (a resize moved its bytes), and,
+        past MAX_EXPORTS, the least recently used ones; never one with a send in
+        flight. Caller holds _out_lock."""
+        frames = []
+        moved = sending._cdata
+        with self._state_lock:
+            over = len(self._exports) - MAX_EXPORTS
+            for key, export in list(self._exports.items()):
+                if export.inflight:
+                    continue
+                if over > 0 or key[0] == moved or export.ref.expired():
+                    del self._exports[key]
+                    over -= 1
+                    if export.announced:
+                        frames.append((_RELEASE, _U64.pack(export.id)))
+        return frames
+
+    def _post(self, item: _Outgoing) -> None:
+        """Write the item now if nothing is queued before it and its bucket is
+        ready, else queue it for the ready thread. Caller holds _out_lock."""
+        if not self._outbox and (item.ready is None or _completes_soon(item.ready)):
+            self._write(item)
+        else:
+            self._outbox.append(item)
+            self._transport._ready.submit(item.ready, self._flush)
+
+    def _flush(self) -> None:
+        """Ready thread: write the queued items whose buckets are ready, in order."""
+        with self._out_lock:
+            while self._outbox and (self._outbox[0].ready is None or self._outbox[0].ready.query()):
+                self._write(self._outbox.popleft())
+
+    def _write(self, item: _Outgoing) -> None:
+        try:
+            for kind, payload in item.frames:
+                self._send_control(kind, payload)
+        except TransportError:
+            return  # the connection failed; its waiters were woken
+        if item.written:
+            with self._state_lock:
+                self._sends.pop(item.seq, None)
+            item.send.finish()
+
+    # --- receiving ---
 
     def _irecv(self, flat, tag, header_buf):
-        receive = _Recv(self, flat, tag, header_buf)
-        with self._match_lock:
-            if self._unmatched[tag]:
-                receive.offer = self._unmatched[tag].popleft()
-            else:
+        posted = None
+        if flat.device.type == "cuda" and flat.numel():
+            # Work the caller queued on the buffer (a fill, a previous use)
+            # must run before the received bytes land.
+            posted = torch.cuda.Event()
+            posted.record(torch.cuda.current_stream(flat.device))
+        receive = _Recv(flat, header_buf, posted)
+        with self._state_lock:
+            if self._error is not None:
+                raise self._error
+            message = self._unmatched[tag].popleft() if self._unmatched[tag] else None
+            if message is None:
                 self._waiting[tag].append(receive)
+        if message is not None:
+            self._deliver(receive, message)
         return receive
 
     def _on_control(self, kind, payload):
         if kind == _ACK:
-            _, seq = _ACK_FRAME.unpack(payload)
-            with self._match_lock:
-                pending = self._sends.pop(seq, None)
-            if pending is None:
+            (seq,) = _U64.unpack(payload)
+            with self._state_lock:
+                send = self._sends.pop(seq, None)
+                if send is not None and send.export is not None:
+                    send.export.inflight -= 1
+            if send is None:
                 raise TransportError(f"acknowledgement of unknown send {seq}")
-            pending.acked.set()
+            send.finish()
         elif kind == _OFFER:
-            offer = _Offer.decode(payload)
-            with self._match_lock:
-                if self._waiting[offer.tag]:
-                    self._waiting[offer.tag].popleft().offer = offer
-                else:
-                    self._unmatched[offer.tag].append(offer)
+            self._match(self._decode_offer(payload))
+        elif kind == _HOST:
+            tag, nbytes = _HOST_FIXED.unpack_from(payload)
+            if self._partial is not None:
+                raise TransportError("a host message began inside another")
+            if nbytes > MAX_HOST_BYTES:
+                raise TransportError(f"peer announced a {nbytes}-byte host message")
+            at = _HOST_FIXED.size + HEADER_BYTES
+            self._partial = _HostMessage(tag=tag, nbytes=nbytes, header=payload[_HOST_FIXED.size:at],
+                                         data=bytearray(nbytes))
+            self._host_bytes(payload, at)
+        elif kind == _HOST_MORE:
+            if self._partial is None:
+                raise TransportError("host message bytes without a host message")
+            self._host_bytes(payload, 0)
+        elif kind == _RELEASE:
+            (export_id,) = _U64.unpack(payload)
+            with self._state_lock:
+                source = self._imports.pop(export_id, None)
+            if source is None:
+                raise TransportError(f"release of unknown export {export_id}")
+            # After the copies queued before it: the sender releases an export
+            # only once every send of it was acknowledged, i.e. copied.
+            self._transport._copied.submit(None, source.unmap)
         else:
             super()._on_control(kind, payload)
 
-    def _copy_in(self, offer: _Offer, flat: torch.Tensor) -> torch.cuda.Event:
-        nbytes = min(flat.numel(), offer.storage_bytes - offer.byte_offset)
-        storage = self._map(offer)
-        src = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(storage, offer.byte_offset, (nbytes,))
-        stream = torch.cuda.current_stream(flat.device)
-        stream.wait_event(torch.cuda.Event.from_ipc_handle(flat.device, offer.ready_event))
-        flat[:nbytes].copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(stream)
-        return done
+    def _host_bytes(self, payload: bytes, at: int) -> None:
+        message = self._partial
+        n = len(payload) - at
+        if message.filled + n > message.nbytes:
+            raise TransportError("a host message ran past its announced size")
+        message.data[message.filled:message.filled + n] = memoryview(payload)[at:]
+        message.filled += n
+        if message.filled == message.nbytes:
+            self._partial = None
+            self._match(message)
 
-    def _map(self, offer: _Offer) -> torch.UntypedStorage:
-        key = (offer.handle, offer.storage_offset)
-        storage = self._mapped.get(key)
-        if storage is not None:
-            # Already mapped: hand the producer's new reference back at once (as torch does).
-            torch.UntypedStorage._release_ipc_counter(offer.ref_counter_handle, offer.ref_counter_offset,
-                                                      device=offer.device)
-            self._mapped.move_to_end(key)
-            return storage
-        torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            offer.device, offer.handle, offer.storage_bytes, offer.storage_offset, offer.ref_counter_handle,
-            offer.ref_counter_offset, offer.event_handle or None, offer.event_sync_required)
-        self._mapped[key] = storage
-        while len(self._mapped) > MAPPED_CACHE_ENTRIES:
-            self._mapped.popitem(last=False)
-        return storage
+    def _decode_offer(self, payload: bytes) -> _Offer:
+        tag, seq, export_id, byte_offset, nbytes, announces = _OFFER_FIXED.unpack_from(payload)
+        at = _OFFER_FIXED.size + HEADER_BYTES
+        header = payload[_OFFER_FIXED.size:at]
+        with self._state_lock:
+            source = self._imports.get(export_id)
+        if announces:
+            if source is not None:
+                raise TransportError(f"export {export_id} announced twice")
+            storage_bytes, storage_offset, ref_offset = _EXPORT_FIXED.unpack_from(payload, at)
+            (uuid, handle, ref_handle), _ = _read_blobs(payload, at + _EXPORT_FIXED.size, 3)
+            source = _Import(uuid, handle, storage_bytes, storage_offset, ref_handle, ref_offset)
+            with self._state_lock:
+                if len(self._imports) >= _MAX_IMPORTS:
+                    raise TransportError(f"peer exported more than {_MAX_IMPORTS} storages without releasing any")
+                self._imports[export_id] = source
+        elif source is None:
+            raise TransportError(f"offer of unknown export {export_id}")
+        if byte_offset + nbytes > source.storage_bytes:
+            raise TransportError(f"offer of bytes [{byte_offset}, {byte_offset + nbytes}) of a "
+                                 f"{source.storage_bytes}-byte storage")
+        return _Offer(tag=tag, seq=seq, nbytes=nbytes, byte_offset=byte_offset, header=header, source=source)
+
+    def _match(self, message: _Offer | _HostMessage) -> None:
+        with self._state_lock:
+            waiting = self._waiting[message.tag]
+            receive = waiting.popleft() if waiting else None
+            if receive is None:
+                self._unmatched[message.tag].append(message)
+        if receive is not None:
+            self._deliver(receive, message)
+
+    def _deliver(self, receive: _Recv, message: _Offer | _HostMessage) -> None:
+        """Copy a matched message into its receive buffer: at once for host
+        bytes into host memory, else on the copy stream, finished by the
+        completion thread (which also acknowledges offers)."""
+        flat = receive.flat
+        n = min(flat.numel(), message.nbytes)  # a size mismatch fails the receive's check
+        try:
+            if isinstance(message, _HostMessage):
+                if n == 0 or flat.device.type == "cpu":
+                    if n:
+                        flat[:n].copy_(torch.frombuffer(message.data, dtype=torch.uint8, count=n))
+                    receive.finish(message.header)
+                    return
+                src = torch.frombuffer(message.data, dtype=torch.uint8, count=n)
+            else:
+                mapped = message.source.map(flat.device.index if flat.device.type == "cuda" else None)
+                src = mapped[message.byte_offset:message.byte_offset + n]
+            device = flat.device if flat.device.type == "cuda" else src.device
+            stream = _copy_stream(device)
+            if receive.posted is not None:
+                stream.wait_event(receive.posted)
+            with torch.cuda.stream(stream):
+                flat[:n].copy_(src, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        except Exception as exc:  # noqa: BLE001 - a failed copy fails the connection, not the thread
+            receive.completion.set()
+            self._fail(exc if isinstance(exc, TransportError) else
+                       TransportError(f"receiving tag {message.tag} from {self.peer} failed: {exc}"))
+            return
+        # src (the mapping) and flat stay referenced until the copy has run.
+        self._transport._copied.submit(copied, functools.partial(self._copied, receive, message, src, flat))
+
+    def _copied(self, receive: _Recv, message: _Offer | _HostMessage, src, flat) -> None:
+        # src and flat are only held: their last references drop after this returns.
+        receive.finish(message.header)
+        if isinstance(message, _Offer):
+            try:
+                self._send_control(_ACK, _U64.pack(message.seq))
+            except TransportError:
+                pass  # the peer is gone; it no longer waits for the acknowledgement
 
     def _release(self) -> None:
-        with self._match_lock:
-            self._mapped.clear()
+        with self._state_lock:
+            pending = list(self._sends.values())
+            pending += [r for waiting in self._waiting.values() for r in waiting]
+            imports = list(self._imports.values())
             self._sends.clear()
             self._waiting.clear()
             self._unmatched.clear()
+            self._imports.clear()
+            self._exports.clear()
+        self._outbox.clear()  # without _out_lock: a writer holding it may be what failed
+        for p in pending:
+            p.completion.set()  # waiters see the connection's error
+        for source in imports:
+            # Queued behind the copies still running from it: never unmapped under a copy.
+            self._transport._copied.submit(None, source.unmap)
 
 
 class IpcTransport(ControlledTransport):
-    """CUDA IPC between processes of one node."""
+    """CUDA IPC between processes of one node. Its capabilities say CUDA only:
+    host messages travel too, but only up to MAX_HOST_BYTES (over the control
+    socket), so a host mirror must choose another backend.
+
+    One ready thread and one completion thread per transport serve all its
+    connections, in order: an offer whose producers are still running delays
+    the offers queued after it, on every connection of this transport."""
 
     capabilities = Capabilities(memory=MemoryKind.CUDA, locality=Locality.SAME_NODE)
 
     def __init__(self, config: IpcConfig):
         super().__init__(config)
         self.config = config
+        # Offers wait for their buckets' producers here; receives' copies are finished here.
+        self._ready = _EventThread("replica-ipc-ready")
+        self._copied = _EventThread("replica-ipc-copied")
 
     def _offer(self, server):
         return b"", None
@@ -226,4 +665,5 @@ class IpcTransport(ControlledTransport):
         return IpcConnection(transport=self, sock=sock, peer=peer, verify=self.config.verify)
 
     def _shutdown(self) -> None:
-        pass
+        self._ready.close()
+        self._copied.close()  # after the connections queued their unmaps

@@ -10,6 +10,7 @@ within milliseconds, and a deadline on every wait catches a frozen one.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from dataclasses import dataclass
 
@@ -46,6 +47,12 @@ class UcxConfig(EndpointConfig):
     # against 5.9-7.9 polling; idle cost 1.5% of a core against 100%.
     polling_progress: bool = False
     epoll_timeout_ms: int = 1
+    # UCX's progress thread queries the CUDA events of its device copies
+    # (cuda_copy, cuda_ipc), which needs a CUDA context current on that thread:
+    # it gets the primary context of the GPU current when the transport is made.
+    # This creates the CUDA context in this process; a host-only process on a
+    # GPU machine may turn it off.
+    cuda_progress_context: bool = True
 
     def __post_init__(self) -> None:
         super(UcxConfig, self).__post_init__()
@@ -64,6 +71,39 @@ def _array(flat: torch.Tensor):
 
     # Zero-copy: numpy view of host memory, __cuda_array_interface__ for CUDA.
     return Array(flat.numpy() if flat.device.type == "cpu" else flat)
+
+
+def _settle(flat: torch.Tensor) -> None:
+    """Wait for the work queued on the buffer's device's current stream.
+
+    torch's ``__cuda_array_interface__`` carries no stream and UCX copies on
+    streams of its own, so without this a send could read a bucket that kernels
+    still write, and a receive could be overwritten by work queued before it.
+    The other direction needs nothing: UCX completes a request only once its
+    copies have run, so work queued after completion sees the bytes.
+    """
+    if flat.device.type == "cuda" and flat.numel():
+        torch.cuda.current_stream(flat.device).synchronize()
+
+
+def _bind_cuda_context(device: int) -> None:
+    """Progress-thread start callback: make ``device``'s primary context current
+    on this thread. Through the driver API, as UCX uses it: torch's set_device
+    skips cudaSetDevice when the thread's device already matches (0 on a new
+    thread), which would leave the thread without a context."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        for name, call in (("cuInit", lambda: cuda.cuInit(0)),
+                           ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), device)),
+                           ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
+                           ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(ctx))):
+            status = call()
+            if status != 0:
+                raise OSError(f"{name} returned CUDA error {status}")
+    except Exception as exc:  # noqa: BLE001 - without it host transfers still work; say why CUDA ones may not
+        logger.warning("UCX progress thread has no CUDA context for cuda:%d (%s); CUDA transfers may fail",
+                       device, exc)
 
 
 class _Requests:
@@ -94,6 +134,7 @@ class UcxConnection(ControlledConnection):
         return _ucx().UCXXTag((conn_id << 48) | (tag << 8) | kind)
 
     def _isend(self, flat, tag, header):
+        _settle(flat)
         ep = self._endpoint
         payload = ep.tag_send(_array(flat), tag=self._tag(self._send_id, tag, _KIND_PAYLOAD))
         header_arr = np.frombuffer(header(), dtype=np.uint8).copy()
@@ -101,6 +142,7 @@ class UcxConnection(ControlledConnection):
         return _Requests([payload, head], (header_arr, flat))
 
     def _irecv(self, flat, tag, header_buf):
+        _settle(flat)
         ep = self._endpoint
         requests = [
             ep.tag_recv(_array(header_buf), tag=self._tag(self._recv_id, tag, _KIND_HEADER)),
@@ -128,6 +170,9 @@ class UcxTransport(ControlledTransport):
         options = {"TLS": config.ucx_transports} if config.ucx_transports else {}
         self._context = ucx.UCXContext(config_dict=options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self._worker = ucx.UCXWorker(self._context)
+        if config.cuda_progress_context and torch.cuda.is_available():
+            self._worker.set_progress_thread_start_callback(_bind_cuda_context,
+                                                            cb_args=(torch.cuda.current_device(),))
         if config.polling_progress:
             self._worker.start_progress_thread(polling_mode=True)
         else:
