@@ -1,6 +1,7 @@
 """Builds the torch extension replica._C; package metadata lives in pyproject.toml."""
 
 import glob
+import os
 import shutil
 
 import torch
@@ -15,11 +16,28 @@ CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-fopenmp"]
 LINK_FLAGS = ["-fopenmp"]
 
 
+def default_cuda_arch_list() -> str | None:
+    """The architectures to build for when the user named none and torch cannot ask a GPU.
+
+    With no GPU visible torch's own detection fails (pytorch#137261), and its
+    fallback list names architectures that CUDA 13 no longer compiles (sm_50 to
+    sm_72). Hopper, and Blackwell with PTX that later GPUs JIT-compile; CUDA
+    before 12.8 knows no sm_100.
+    """
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.is_available():
+        return None
+    major, minor = (int(v) for v in torch.version.cuda.split(".")[:2])
+    return "9.0;10.0+PTX" if (major, minor) >= (12, 8) else "9.0+PTX"
+
+
 def extension():
     sources = sorted(glob.glob("csrc/*.cpp"))
     # CUDAExtension refuses a CPU-only torch, so CUDA sources come only when
     # both torch and the machine can build them.
     if torch.version.cuda is not None and shutil.which("nvcc") is not None:
+        arch_list = default_cuda_arch_list()
+        if arch_list is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
         return cpp_extension.CUDAExtension(
             "replica._C",
             sources + sorted(glob.glob("csrc/cuda/*.cu")),

@@ -4,10 +4,13 @@ and bench/results/pack.md."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
 import random
+import statistics
+import time
 from pathlib import Path
 
 import pytest
@@ -214,71 +217,163 @@ def _cpu_model() -> str:
 
 
 # --- GPU: pack / unpack / checksum of device memory beside a device copy_ ---
+#
+# Two figures per op. wall: the call until torch.cuda.synchronize() returns, host work
+# included, as a caller that waits for the result sees it. device: CUDA events around the
+# call, with a sleep kernel queued first so the GPU is still busy while the host prepares
+# the call; they time only the GPU's own work. host: the time until the call returns.
 
-_gpu_medians: dict[str, tuple[float, int]] = {}
+GPU_TARGETS = {("large", "pack"): 0.85, ("large", "unpack"): 0.85}
+GPU_CASES = {
+    "large": "1,000 mixed tensors, 256 MiB",
+    "small": "10,000 tensors of 256 B to 4 KiB, ~21 MiB",
+}
+GPU_OPS = [("large", op) for op in ("pack", "unpack", "checksum", "copy_")] + [
+    ("small", op) for op in ("pack", "unpack", "checksum", "copy_", "cat")
+]
+
+# (case, op) -> {"wall_s", "device_s", "host_s", "bytes"}
+_gpu_results: dict[tuple[str, str], dict[str, float]] = {}
+
+
+def _nvtx_range(name: str):
+    try:
+        import nvtx
+    except ImportError:
+        return contextlib.nullcontext()
+    return nvtx.annotate(name)
 
 
 @pytest.fixture(scope="module")
 def large_cuda(large):
     tensors, offsets, out, flat = large
-    return [t.cuda() for t in tensors], offsets, out.cuda(), flat.cuda()
+    out, flat = out.cuda(), flat.cuda()
+    return {
+        "tensors": [t.cuda() for t in tensors], "offsets": offsets, "out": out, "flat": flat,
+        "payload": _payload(tensors), "copy_dst": out[: flat.numel()],
+    }
 
 
-def _run_cuda(benchmark, name: str, nbytes: int, fn) -> None:
+@pytest.fixture(scope="module")
+def small_cuda(small):
+    tensors, offsets, out, flat, cat_out, _, payload = small
+    tensors = [t.cuda() for t in tensors]
+    out, flat = out.cuda(), flat.cuda()
+    return {
+        "tensors": tensors, "offsets": offsets, "out": out, "flat": flat, "payload": payload,
+        "copy_dst": out[: flat.numel()], "cat_out": cat_out.cuda(),
+        "views": [t.reshape(-1).view(torch.uint8) for t in tensors],
+    }
+
+
+def _gpu_call(c: dict, op: str):
+    if op == "pack":
+        return lambda: ops.pack(c["tensors"], c["out"], c["offsets"]), c["payload"]
+    if op == "unpack":
+        return lambda: ops.unpack(c["out"], c["tensors"], c["offsets"]), c["payload"]
+    if op == "checksum":
+        return lambda: ops.checksum(c["flat"], CHECKSUM_BLOCK), c["flat"].numel()
+    if op == "copy_":
+        return lambda: c["copy_dst"].copy_(c["flat"]), c["flat"].numel()
+    if op == "cat":
+        return lambda: torch.cat(c["views"], out=c["cat_out"]), c["payload"]
+    raise ValueError(op)
+
+
+def _sleep_cycles_per_second() -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles = 20_000_000
+    torch.cuda._sleep(1000)  # load the kernel before timing it
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
+def _device_and_host_seconds(fn, wall_s: float, rounds: int = 20) -> tuple[float, float]:
+    # The sleep outlasts the host's part of the call (at most the wall time) twice over.
+    cycles = int(max(2 * wall_s, 1e-3) * _sleep_cycles_per_second())
+    device, host = [], []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        end.record()
+        end.synchronize()
+        device.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(device), statistics.median(host)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,op", GPU_OPS, ids=[f"{c}-{o}" for c, o in GPU_OPS])
+def test_gpu(benchmark, request, case, op):
+    c = request.getfixturevalue(f"{case}_cuda")
+    fn, nbytes = _gpu_call(c, op)
+
     def synced():
         fn()
         torch.cuda.synchronize()
 
     benchmark.extra_info["bytes"] = nbytes
-    benchmark.pedantic(synced, rounds=30, warmup_rounds=3, iterations=1)
-    if not benchmark.disabled:
-        _gpu_medians[name] = (benchmark.stats.stats.median, nbytes)
-
-
-@pytest.mark.gpu
-def test_gpu_pack(benchmark, large_cuda):
-    tensors, offsets, out, _ = large_cuda
-    _run_cuda(benchmark, "gpu_pack", _payload(tensors), lambda: ops.pack(tensors, out, offsets))
-
-
-@pytest.mark.gpu
-def test_gpu_unpack(benchmark, large_cuda):
-    tensors, offsets, out, _ = large_cuda
-    _run_cuda(benchmark, "gpu_unpack", _payload(tensors), lambda: ops.unpack(out, tensors, offsets))
-
-
-@pytest.mark.gpu
-def test_gpu_copy(benchmark, large_cuda):
-    _, _, out, flat = large_cuda
-    _run_cuda(benchmark, "gpu_copy_", flat.numel(), lambda: out.copy_(flat))
-
-
-@pytest.mark.gpu
-def test_gpu_checksum(benchmark, large_cuda):
-    _, _, _, flat = large_cuda
-    _run_cuda(benchmark, "gpu_checksum", flat.numel(), lambda: ops.checksum(flat, CHECKSUM_BLOCK))
+    with _nvtx_range(f"bench {case} {op}"):
+        benchmark.pedantic(synced, rounds=30, warmup_rounds=3, iterations=1)
+        if benchmark.disabled:
+            return
+        wall_s = benchmark.stats.stats.median
+        device_s, host_s = _device_and_host_seconds(fn, wall_s)
+    benchmark.extra_info.update(device_s=device_s, host_s=host_s)
+    _gpu_results[(case, op)] = {"wall_s": wall_s, "device_s": device_s, "host_s": host_s, "bytes": nbytes}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report_gpu():
     yield
-    if not {"gpu_pack", "gpu_unpack", "gpu_copy_", "gpu_checksum"} <= _gpu_medians.keys():
-        return
-    gbps = {name: n / s / 1e9 for name, (s, n) in _gpu_medians.items()}
-    limit = gbps["gpu_copy_"]
+    cases = [case for case in GPU_CASES if (case, "copy_") in _gpu_results]
+    if not cases:
+        return  # no GPU, benchmarks disabled, or the baselines deselected
+    figures = {}
+    lines = [
+        f"### GPU ({torch.cuda.get_device_name()}, torch {torch.__version__}): pack / unpack / checksum "
+        "beside one device-to-device copy_ of the same bytes\n",
+        "wall: the call until `torch.cuda.synchronize()` returns, host work included (median of 30); "
+        "device: the GPU's own time, by CUDA events with the GPU kept busy while the host prepares "
+        "the call; host: time until the call returns (medians of 20).\n",
+        "| case | op | wall µs | wall GB/s | vs copy_ | device µs | device GB/s | vs copy_ | host µs | target |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case in cases:
+        base = _gpu_results[(case, "copy_")]
+        base_wall = base["bytes"] / base["wall_s"]
+        base_device = base["bytes"] / base["device_s"]
+        for case_op, r in _gpu_results.items():
+            if case_op[0] != case:
+                continue
+            op = case_op[1]
+            wall_ratio = r["bytes"] / r["wall_s"] / base_wall
+            device_ratio = r["bytes"] / r["device_s"] / base_device
+            target = GPU_TARGETS.get(case_op)
+            verdict = "" if target is None else f">= {target}x: {'yes' if wall_ratio >= target else '**no**'}"
+            figures[f"{case}_{op}"] = {
+                **r,
+                "wall_gbps": r["bytes"] / r["wall_s"] / 1e9,
+                "device_gbps": r["bytes"] / r["device_s"] / 1e9,
+                "wall_vs_copy": wall_ratio,
+                "device_vs_copy": device_ratio,
+                "target_wall_vs_copy": target,
+            }
+            lines.append(
+                f"| {GPU_CASES[case]} | {op} | {r['wall_s'] * 1e6:.0f} | {r['bytes'] / r['wall_s'] / 1e9:.0f} | "
+                f"{wall_ratio:.2f}x | {r['device_s'] * 1e6:.0f} | {r['bytes'] / r['device_s'] / 1e9:.0f} | "
+                f"{device_ratio:.2f}x | {r['host_s'] * 1e6:.0f} | {verdict} |"
+            )
     payload = {
-        "gpu_pack_vs_copy": gbps["gpu_pack"] / limit,
-        "gpu_unpack_vs_copy": gbps["gpu_unpack"] / limit,
-        "gpu_checksum_vs_copy": gbps["gpu_checksum"] / limit,
-        "gbps": gbps,
+        "figures": figures,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
+        "cuda": torch.version.cuda,
     }
-    lines = [
-        f"### GPU ({payload['device']}), 1,000 mixed tensors, 256 MiB; beside one device-to-device copy_ ({limit:.0f} GB/s)\n",
-        "| op | GB/s | vs copy_ |",
-        "|---|---|---|",
-    ]
-    for op in ("pack", "unpack", "checksum"):
-        lines.append(f"| {op} | {gbps['gpu_' + op]:.0f} | {payload[f'gpu_{op}_vs_copy']:.2f}x |")
     write_results("pack_gpu", payload, lines)

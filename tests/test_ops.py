@@ -3,6 +3,9 @@ reference in replica.ops, by round trip, and with torch.library.opcheck."""
 
 import itertools
 import random
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,11 +111,149 @@ def test_views_at_offsets_and_scalars(device):
         assert torch.equal(t, b)
 
 
-def test_empty_list_is_a_no_op():
-    out = torch.full((64,), 3, dtype=torch.uint8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_list_is_a_no_op(device):
+    out = torch.full((64,), 3, dtype=torch.uint8, device=device)
     ops.pack([], out, [])
     ops.unpack(out, [], [])
+    ops.pack([torch.empty(0, device=device)], out, [0])
     assert torch.all(out == 3)
+
+
+# Sizes around the CUDA kernel's edges: its 16-byte vectors, its 4 KiB warp steps, its
+# 16 KiB tiles.
+ODD_SIZES = [1, 7, 15, 16, 17, 31, 100, 1000, 4099, 16384, 16384 + 17, 3 * 16384 + 1, 300_007]
+
+
+def view_at(nbytes: int, shift: int, device: str, gen: torch.Generator) -> torch.Tensor:
+    """A contiguous tensor of `nbytes` whose data starts `shift` bytes into its storage
+    (storages are at least 64-byte aligned), of the widest dtype that allows it."""
+    itemsize = next(s for s in (8, 4, 2, 1) if shift % s == 0 and nbytes % s == 0)
+    dtype = {8: torch.int64, 4: torch.float32, 2: torch.bfloat16, 1: torch.uint8}[itemsize]
+    storage = torch.randint(0, 256, (shift + nbytes,), generator=gen, dtype=torch.uint8).to(device)
+    t = storage[shift:].view(dtype)
+    assert t.data_ptr() % 16 == shift % 16
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_shift", [0, 3, 8])
+@pytest.mark.parametrize("src_shift", [0, 1, 3, 5, 7, 8, 12])
+def test_pack_unpack_at_odd_addresses(device, src_shift, out_shift):
+    """Tensors starting 1..15 bytes past a 16-byte boundary (the byte path, the 8-byte
+    path), into and out of a buffer that is itself a view at an odd address."""
+    gen = torch.Generator().manual_seed(src_shift * 16 + out_shift)
+    tensors = [view_at(n, src_shift, device, gen) for n in ODD_SIZES]
+    offsets, total = ops.aligned_offsets(tensors)
+    base = torch.full((out_shift + total + 64,), 0xA5, dtype=torch.uint8, device=device)
+    out = base[out_shift : out_shift + total]
+    assert out.data_ptr() % 16 == out_shift % 16
+    expected = base.clone()
+    ops.pack(tensors, out, offsets)
+    ops.reference_pack(tensors, expected[out_shift : out_shift + total], offsets)
+    assert torch.equal(base, expected)  # the gaps and the bytes around out untouched too
+
+    dsts = [view_at(t.numel() * t.element_size(), src_shift, device, gen) for t in tensors]
+    want = [d.clone() for d in dsts]
+    ops.unpack(out, dsts, offsets)
+    ops.reference_unpack(out, want, offsets)
+    for d, w, t in zip(dsts, want, tensors, strict=True):  # as bytes: random floats hold NaNs
+        assert torch.equal(d.view(torch.uint8), w.view(torch.uint8))
+        assert torch.equal(d.view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(3))
+def test_pack_unpack_random_addresses(device, seed):
+    """Many segments in one call, each at its own misalignment, sizes up to a few tiles."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [rng.choice([rng.randint(1, 40), rng.randint(1, 5000), rng.randint(1, 70_000)])
+             for _ in range(150)]
+    tensors = [view_at(n, rng.randrange(16), device, gen) for n in sizes]
+    offsets, total = ops.aligned_offsets(tensors)
+    out_shift = rng.randrange(16)
+    base = torch.zeros(out_shift + total, dtype=torch.uint8, device=device)
+    out = base[out_shift:]
+    expected = base.clone()
+    ops.pack(tensors, out, offsets)
+    ops.reference_pack(tensors, expected[out_shift:], offsets)
+    assert torch.equal(base, expected)
+    dsts = [view_at(n, rng.randrange(16), device, gen) for n in sizes]
+    ops.unpack(out, dsts, offsets)
+    for d, t in zip(dsts, tensors, strict=True):
+        assert torch.equal(d.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_cuda_copy_tiles_on_the_host(tmp_path):
+    """The CUDA kernel's per-lane code, run lane by lane on the host (no GPU needed):
+    every alignment, sizes around its vectors and tiles, offsets past 2^31."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    source = Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "copy_tiles_check.cpp"
+    exe = tmp_path / "copy_tiles_check"
+    subprocess.run([nvcc, "-O1", "-std=c++17", str(source), "-o", str(exe)], check=True, timeout=300)
+    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+def _equal_in_chunks(a: torch.Tensor, b: torch.Tensor, chunk: int = 256 * MiB) -> bool:
+    # torch.equal of the whole would allocate a temporary as large as the tensors.
+    assert a.numel() == b.numel()
+    return all(torch.equal(a[i : i + chunk], b[i : i + chunk]) for i in range(0, a.numel(), chunk))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shift", [0, 1])
+def test_cuda_segment_over_2_gib(shift):
+    """Byte offsets past 2^31 inside one segment, both directions."""
+    nbytes = (2 << 30) + 4099
+    free, _ = torch.cuda.mem_get_info()
+    if free < 6 << 30:
+        pytest.skip(f"needs 6 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
+    storage = torch.empty(shift + nbytes, dtype=torch.uint8, device="cuda")
+    big = storage[shift:]
+    big.random_()
+    small = torch.arange(10, dtype=torch.float32, device="cuda")
+    out = torch.zeros(64 + nbytes, dtype=torch.uint8, device="cuda")
+    ops.pack([small, big], out, [0, 64])
+    assert torch.equal(out[:40].view(torch.float32), small) and torch.all(out[40:64] == 0)
+    assert _equal_in_chunks(out[64:], big)
+    big.zero_()
+    small_back = torch.zeros_like(small)
+    ops.unpack(out, [small_back, big], [0, 64])
+    assert torch.equal(small_back, small) and _equal_in_chunks(big, out[64:])
+
+
+@pytest.mark.gpu
+def test_cuda_ops_run_on_the_current_stream():
+    """Work queued on a side stream before the op (a long sleep, then the inputs) must be
+    finished before the op reads its inputs: it runs on that stream, not the default one."""
+    tensors = random_mix(40, 20_000, seed=11, device="cuda")
+    out, offsets = packed(tensors)
+    expected = out.clone()
+    ops.reference_pack(tensors, expected, offsets)
+    sources = [torch.zeros_like(t) for t in tensors]
+    dsts = [torch.zeros_like(t) for t in tensors]
+    staged = torch.zeros_like(out)
+    digests = ops.checksum(expected, 4096)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # ~50 ms of GPU time on the side stream
+        for s, t in zip(sources, tensors, strict=True):
+            s.copy_(t)
+        ops.pack(sources, out, offsets)
+        staged.copy_(out)
+        side_digests = ops.checksum(staged, 4096)
+        ops.unpack(staged, dsts, offsets)
+    assert not side.query(), "the side stream finished within the host's work; the test proves nothing"
+    side.synchronize()
+    assert torch.equal(out, expected)
+    assert torch.equal(side_digests, digests)
+    for d, t in zip(dsts, tensors, strict=True):
+        assert torch.equal(d, t)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -157,9 +298,17 @@ def test_error_mismatched_device():
 
 
 @pytest.mark.gpu
-def test_error_mismatched_device_cuda():
-    msg = _pack_error([torch.ones(3, device="cuda")], torch.empty(256, dtype=torch.uint8), [0])
-    assert "srcs[0] is on cuda:0 but out is on cpu" in msg
+@pytest.mark.parametrize("tensor_device,buffer_device", [("cuda", "cpu"), ("cpu", "cuda")])
+def test_error_mismatched_device_cuda(tensor_device, buffer_device):
+    t = torch.ones(3, device=tensor_device)
+    buf = torch.empty(256, dtype=torch.uint8, device=buffer_device)
+    msg = _pack_error([t], buf, [0])
+    assert f"srcs[0] is on {t.device} but out is on {buf.device}" in msg
+    with pytest.raises(RuntimeError, match=rf"dsts\[0\] is on {t.device} but src is on {buf.device}"):
+        ops.unpack(buf, [t], [0])
+    other = torch.ones(3, device=buffer_device)
+    msg = _pack_error([other, t], buf, [0, 64])
+    assert f"srcs[1] is on {t.device} but out is on {buf.device}" in msg
 
 
 def test_error_unaligned_offset():
@@ -300,6 +449,21 @@ def test_checksum_rejects_non_contiguous():
 def test_cpu_and_cuda_digests_agree():
     buf = torch.randint(0, 256, (5 * MiB + 13,), dtype=torch.uint8)
     assert torch.equal(ops.checksum(buf, MiB), ops.checksum(buf.cuda(), MiB).cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block", [8, 24, 1000, 4104, 33_000, 65_544])
+def test_checksum_blocks_not_multiples_of_32_kib(device, block):
+    """The CUDA kernel slices blocks into 32 KiB pieces; other block sizes, and buffers
+    that end mid-block, give the CPU's and the reference's digests."""
+    gen = torch.Generator().manual_seed(block)
+    for nbytes in [block - 5, block, 3 * block + 5, 200_003]:
+        buf = torch.randint(0, 256, (nbytes + 3,), generator=gen, dtype=torch.uint8)
+        on_device = buf.to(device)
+        for start in (0, 3):  # an 8-byte aligned start and not
+            want = ops.reference_checksum(buf[start : start + nbytes], block)
+            assert torch.equal(ops.checksum(buf[start : start + nbytes], block), want)
+            assert torch.equal(ops.checksum(on_device[start : start + nbytes], block).cpu(), want)
 
 
 def test_aligned_offsets():

@@ -92,7 +92,7 @@ at::Tensor checksum_cuda(const at::Tensor& buf, int64_t block_bytes) {
   const auto* bytes = static_cast<const uint8_t*>(buf.data_ptr());
   const bool aligned = reinterpret_cast<uintptr_t>(bytes) % 8 == 0;
   auto* sums = reinterpret_cast<unsigned long long*>(digests.data_ptr<int64_t>());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(buf.device().index());
   checksum_partial_kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream>>>(
       bytes, nbytes, words_per_block, slices_per_block, aligned, sums);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

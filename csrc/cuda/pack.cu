@@ -1,103 +1,114 @@
 // CUDA pack/unpack: every segment of a call is copied by one kernel launch on
-// the current stream. Segments are cut into chunks of at most kChunkBytes and
-// each warp copies one chunk, so 10,000 tiny tensors and one huge one both
-// fill the GPU.
+// the current stream of the buffer's device. The host sends one table row per
+// segment (not per chunk), so its work and the table's upload grow with the
+// number of tensors, not with their bytes; the kernel cuts segments into tiles
+// (see copy_tiles.cuh), one warp per tile, and the block scheduler balances
+// them over the GPU.
 #include "../replica.h"
+#include "copy_tiles.cuh"
 
-#include <c10/cuda/CUDAStream.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <limits>
 
 namespace replica {
 namespace {
 
-constexpr int64_t kChunkBytes = 32 << 10;
+using cuda_copy::CopySegment;
+
 constexpr int kWarpsPerBlock = 8;
-constexpr int kWarpSize = 32;
+constexpr int kThreads = kWarpsPerBlock * cuda_copy::kWarpSize;
 
-// One chunk to copy: (src address, dst address, length) as int64 triples.
-struct Chunk {
-  int64_t src;
-  int64_t dst;
-  int64_t nbytes;
-};
-
-template <typename T>
-__device__ void copy_as(const uint8_t* src, uint8_t* dst, int64_t nbytes, int lane) {
-  const int64_t n = nbytes / static_cast<int64_t>(sizeof(T));
-  const T* s = reinterpret_cast<const T*>(src);
-  T* d = reinterpret_cast<T*>(dst);
-  for (int64_t i = lane; i < n; i += kWarpSize) {
-    d[i] = s[i];
-  }
-  for (int64_t i = n * sizeof(T) + lane; i < nbytes; i += kWarpSize) {
-    dst[i] = src[i];
-  }
-}
-
-__global__ void copy_chunks_kernel(const Chunk* chunks, int64_t nchunks) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock +
-      threadIdx.x / kWarpSize;
-  if (c >= nchunks) {
+__global__ void __launch_bounds__(kThreads) copy_tiles_kernel(
+    const int64_t* tile_begin, const CopySegment* segments, int64_t nsegments,
+    int64_t ntiles) {
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock +
+      threadIdx.x / cuda_copy::kWarpSize;
+  if (tile >= ntiles) {
     return;
   }
-  const int lane = threadIdx.x % kWarpSize;
-  const Chunk chunk = chunks[c];
-  const auto* src = reinterpret_cast<const uint8_t*>(chunk.src);
-  auto* dst = reinterpret_cast<uint8_t*>(chunk.dst);
-  const auto align = static_cast<uint64_t>(chunk.src | chunk.dst);
-  if (align % 16 == 0) {
-    copy_as<uint4>(src, dst, chunk.nbytes, lane);
-  } else if (align % 8 == 0) {
-    copy_as<uint64_t>(src, dst, chunk.nbytes, lane);
-  } else if (align % 4 == 0) {
-    copy_as<uint32_t>(src, dst, chunk.nbytes, lane);
-  } else {
-    copy_as<uint8_t>(src, dst, chunk.nbytes, lane);
-  }
+  const int lane = static_cast<int>(threadIdx.x % cuda_copy::kWarpSize);
+  const int64_t s = cuda_copy::find_segment(tile_begin, nsegments, tile);
+  cuda_copy::copy_tile(segments[s], tile - tile_begin[s], lane);
 }
 
 void copy_segments_cuda(const std::vector<Segment>& segments, const at::Tensor& buffer) {
-  int64_t nchunks = 0;
+  int64_t nsegments = 0;
   for (const Segment& s : segments) {
-    nchunks += (s.nbytes + kChunkBytes - 1) / kChunkBytes;
+    nsegments += s.nbytes > 0 ? 1 : 0;
   }
-  if (nchunks == 0) {
+  if (nsegments == 0) {
     return;
   }
-  // The chunk table travels host -> device through pinned memory on the
-  // current stream; the caching host allocator keeps it alive until the copy
-  // has run.
-  at::Tensor table = at::empty(
-      {nchunks * 3}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  auto* out = reinterpret_cast<Chunk*>(table.data_ptr<int64_t>());
+  // Table: tile_begin[nsegments + 1], then the segments. It travels host ->
+  // device through pinned memory on the current stream; the caching host
+  // allocator keeps the pinned block until that copy has run (record_event).
+  static_assert(sizeof(CopySegment) == 3 * sizeof(int64_t));
+  const int64_t table_len = nsegments + 1 + 3 * nsegments;
+  at::Tensor table =
+      at::empty({table_len}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* tile_begin = table.data_ptr<int64_t>();
+  auto* rows = reinterpret_cast<CopySegment*>(tile_begin + nsegments + 1);
+  int64_t ntiles = 0;
+  int64_t k = 0;
   for (const Segment& s : segments) {
-    for (int64_t at = 0; at < s.nbytes; at += kChunkBytes) {
-      *out++ = Chunk{
-          reinterpret_cast<int64_t>(s.src + at),
-          reinterpret_cast<int64_t>(s.dst + at),
-          std::min(kChunkBytes, s.nbytes - at)};
+    if (s.nbytes == 0) {
+      continue;
     }
+    rows[k] = CopySegment{
+        reinterpret_cast<int64_t>(s.src), reinterpret_cast<int64_t>(s.dst), s.nbytes};
+    tile_begin[k] = ntiles;
+    ntiles += cuda_copy::tile_count(rows[k]);
+    ++k;
   }
-  at::Tensor device_table = table.to(buffer.device(), /*non_blocking=*/true);
-  const int64_t blocks = (nchunks + kWarpsPerBlock - 1) / kWarpsPerBlock;
-  copy_chunks_kernel<<<
-      static_cast<unsigned int>(blocks), kWarpsPerBlock * kWarpSize, 0,
-      c10::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const Chunk*>(device_table.data_ptr<int64_t>()), nchunks);
+  tile_begin[nsegments] = ntiles;
+
+  const int64_t blocks = (ntiles + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  TORCH_CHECK(
+      blocks <= std::numeric_limits<int32_t>::max(),
+      "replica: ", ntiles * cuda_copy::kTileBytes, " bytes is more than one call can copy");
+
+  // The upload as Tensor::to(device, non_blocking) does it (Copy.cu), without
+  // its dispatch and TensorIterator: every microsecond here is one the GPU
+  // waits. The device table is freed when this returns, which the caching
+  // allocator orders after the kernel on this stream.
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(buffer.device().index());
+  const at::Tensor device_table =
+      at::empty({table_len}, at::TensorOptions().dtype(at::kLong).device(buffer.device()));
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      device_table.data_ptr(), table.data_ptr(), table_len * sizeof(int64_t),
+      cudaMemcpyHostToDevice, stream.stream()));
+  at::getHostAllocator(at::kCUDA)->record_event(
+      table.data_ptr(), table.storage().data_ptr().get_context(), stream.unwrap());
+
+  const int64_t* device_begin = device_table.data_ptr<int64_t>();
+  copy_tiles_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream.stream()>>>(
+      device_begin, reinterpret_cast<const CopySegment*>(device_begin + nsegments + 1),
+      nsegments, ntiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// plan_segments runs before the guard is built: CUDA tensors beside a CPU
+// buffer (or the reverse) dispatch here too, and must get its message naming
+// the tensor, not the guard's.
+void copy_on_device(const std::vector<Segment>& segments, const at::Tensor& buffer) {
+  TORCH_CHECK(
+      buffer.is_cuda(), "replica: the CUDA kernel got a buffer on ", buffer.device());
+  const c10::cuda::CUDAGuard guard(buffer.device());
+  copy_segments_cuda(segments, buffer);
+}
+
 void pack_cuda(at::TensorList srcs, const at::Tensor& out, at::IntArrayRef offsets) {
-  const c10::cuda::CUDAGuard guard(out.device());
-  copy_segments_cuda(plan_segments(srcs, out, offsets, Direction::kPack), out);
+  copy_on_device(plan_segments(srcs, out, offsets, Direction::kPack), out);
 }
 
 void unpack_cuda(const at::Tensor& src, at::TensorList dsts, at::IntArrayRef offsets) {
-  const c10::cuda::CUDAGuard guard(src.device());
-  copy_segments_cuda(plan_segments(dsts, src, offsets, Direction::kUnpack), src);
+  copy_on_device(plan_segments(dsts, src, offsets, Direction::kUnpack), src);
 }
 
 }  // namespace
