@@ -7,8 +7,6 @@ WHAT=${1:-all}; shift || true
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 source tools/gpu_setup.sh || exit 1
-# Without `pip install -e .` (no build backend there), the package-dir mapping as links.
-ln -sfn ../transport replica/transport; ln -sfn ../roles replica/roles
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
 rc=0

@@ -7,11 +7,24 @@ PY=${PY:-python3}
 if ls .whl/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || return 1 2>/dev/null || exit 1
-  export PYTHONPATH=/tmp/site:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}
 fi
+# The repository itself (no `pip install -e .` there: no build backend), its package-dir
+# mapping as links, and the tests' helpers; role processes that `replica launch` starts
+# inherit it.
+export PYTHONPATH=/tmp/site:$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}
+ln -sfn ../transport replica/transport; ln -sfn ../roles replica/roles
+# The image's default /opt/gcc/bin/g++ built a _C whose own error messages segfaulted when
+# they formatted a number (a second copy of libstdc++'s locale machinery inside _C, seen on
+# an H100 in cuda-gdb); the system compiler matches the libstdc++ the process loads.
+if [[ -z ${CXX:-} && -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+echo "gpu_setup: compiler ${CXX:-default}: $(${CXX:-c++} --version | head -1)"
 # UCX from the wheel, not a system one; cuda_copy/cuda_ipc need the wheel's plugins.
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c "import torch; c=torch.cuda.get_device_capability(); print(f'{c[0]}.{c[1]}')")}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 SECONDS=0
-$PY setup.py -q build_ext --inplace > /tmp/build.log 2>&1 || { tail -60 /tmp/build.log; return 1 2>/dev/null || exit 1; }
+if ! $PY setup.py -q build_ext --inplace > /tmp/build.log 2>&1 && [[ ${CXX:-} == /usr/bin/g++ ]]; then
+  echo "gpu_setup: the build with /usr/bin/g++ failed; again with the default compiler"; tail -5 /tmp/build.log
+  unset CXX CC; rm -rf build
+  $PY setup.py -q build_ext --inplace > /tmp/build.log 2>&1
+fi || { tail -60 /tmp/build.log; return 1 2>/dev/null || exit 1; }
 echo "gpu_setup: built replica._C for sm_${TORCH_CUDA_ARCH_LIST} in ${SECONDS} s"
