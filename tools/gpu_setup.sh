@@ -22,9 +22,12 @@ echo "gpu_setup: compiler ${CXX:-default}: $(${CXX:-c++} --version | head -1)"
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c "import torch; c=torch.cuda.get_device_capability(); print(f'{c[0]}.{c[1]}')")}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 SECONDS=0
-if ! $PY setup.py -q build_ext --inplace > /tmp/build.log 2>&1 && [[ ${CXX:-} == /usr/bin/g++ ]]; then
-  echo "gpu_setup: the build with /usr/bin/g++ failed; again with the default compiler"; tail -5 /tmp/build.log
-  unset CXX CC; rm -rf build
-  $PY setup.py -q build_ext --inplace > /tmp/build.log 2>&1
-fi || { tail -60 /tmp/build.log; return 1 2>/dev/null || exit 1; }
+build() { $PY setup.py -q build_ext --inplace > /tmp/build.log 2>&1; }
+if ! build; then
+  if [[ ${CXX:-} == /usr/bin/g++ ]]; then
+    echo "gpu_setup: the build with /usr/bin/g++ failed; again with the default compiler"; tail -5 /tmp/build.log
+    unset CXX CC; rm -rf build
+  fi
+  build || { tail -60 /tmp/build.log; return 1 2>/dev/null || exit 1; }
+fi
 echo "gpu_setup: built replica._C for sm_${TORCH_CUDA_ARCH_LIST} in ${SECONDS} s"
