@@ -36,7 +36,7 @@ def test_build_maps_folders_into_one_package(tmp_path):
     + ["replica.ops", "replica.errors", "replica.testing", "replica.serialize", "replica.rng", "replica.layout", "replica.snapshot",
        "replica.config", "replica.backends", "replica.commit", "replica.protocol", "replica.restore", "replica.stream",
        "replica.replicator", "replica.mirror", "replica.export", "replica.resilient", "replica.registry", "replica.listener",
-       "replica.weights", "replica.vllm_worker",
+       "replica.weights", "replica.vllm_worker", "replica.placement",
        "replica.roles.env", "replica.roles.runtime", "replica.roles.coordinator", "replica.roles.launch",
        "replica.roles.report", "replica.roles.cli", "replica.roles.join", "replica.roles.serve",
        "replica.roles.supervise", "replica.roles.rollouts"]
@@ -83,3 +83,17 @@ def test_layer_check_sees_imports(tmp_path):
     assert {"replica.roles", "replica.roles.x"} <= _replica_imports(tmp_path)
     (tmp_path / "m.py").write_text("from replica import roles\n")
     assert _replica_imports(tmp_path) == {"replica.roles"}
+
+
+def test_extension_does_not_carry_its_own_libstdcxx():
+    """A _C linked with a static copy of libstdc++ (one GPU image's compiler wrapper built it so)
+    holds a second copy of the locale machinery, and its error messages segfault when they
+    format a number (seen on an H100). Build with the system compiler (CXX=/usr/bin/g++)."""
+    from replica import _C
+
+    nm = subprocess.run(["nm", "-C", "--defined-only", _C.__file__], capture_output=True, text=True)
+    if nm.returncode != 0:
+        pytest.skip(f"nm cannot read the extension: {nm.stderr.strip()}")
+    copies = [line for line in nm.stdout.splitlines() if "std::locale::" in line]
+    assert not copies, (f"{_C.__file__} defines {len(copies)} std::locale symbols of its own (libstdc++ linked "
+                        f"statically), e.g. {copies[0]}; rebuild with the system compiler")

@@ -13,10 +13,11 @@ fi
 # inherit it.
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests:$PWD/examples${PYTHONPATH:+:$PYTHONPATH}
 ln -sfn ../transport replica/transport; ln -sfn ../roles replica/roles
-# The image's default /opt/gcc/bin/g++ built a _C whose own error messages segfaulted when
-# they formatted a number (a second copy of libstdc++'s locale machinery inside _C, seen on
-# an H100 in cuda-gdb); the system compiler matches the libstdc++ the process loads.
-if [[ -z ${CXX:-} && -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+# The GPU image's CXX, /opt/gcc/bin/g++, links libstdc++ statically into _C: a second copy of
+# its locale machinery, and _C's own error messages segfaulted when they formatted a number
+# (seen on an H100 in cuda-gdb; tests/test_package.py now refuses such a build). The system
+# compiler links the libstdc++ the process loads. REPLICA_KEEP_CXX=1 keeps the caller's CXX.
+if [[ -z ${REPLICA_KEEP_CXX:-} && -x /usr/bin/g++ ]]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
 echo "gpu_setup: compiler ${CXX:-default}: $(${CXX:-c++} --version | head -1)"
 # UCX from the wheel, not a system one; cuda_copy/cuda_ipc need the wheel's plugins.
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c "import torch; c=torch.cuda.get_device_capability(); print(f'{c[0]}.{c[1]}')")}
