@@ -6,6 +6,7 @@ Backends are imported only when chosen: UCX loads libucx, IPC needs CUDA.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import ipaddress
 
 from replica.config import Config
@@ -14,18 +15,23 @@ from replica.transport import Locality, MemoryKind, Transport, select_transport
 
 __all__ = ["backend_class", "choose_backend", "locality_of", "make_backend"]
 
-# name -> (module, transport class, config class)
+# name -> (module, transport class, config class, the package it needs at run time)
 _BACKENDS = {
-    "ucx": ("replica.transport.ucx", "UcxTransport", "UcxConfig"),
-    "gloo": ("replica.transport.gloo", "GlooTransport", "GlooConfig"),
-    "ipc": ("replica.transport.ipc", "IpcTransport", "IpcConfig"),
+    "ucx": ("replica.transport.ucx", "UcxTransport", "UcxConfig", "ucxx"),
+    "gloo": ("replica.transport.gloo", "GlooTransport", "GlooConfig", None),
+    "ipc": ("replica.transport.ipc", "IpcTransport", "IpcConfig", None),
 }
 
 
 def _load(name: str) -> tuple[type[Transport], type]:
     if name not in _BACKENDS:
         raise ValueError(f"unknown transport backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
-    module, transport, config = _BACKENDS[name]
+    module, transport, config, needs = _BACKENDS[name]
+    # The UCX module loads ucxx only when a transport is built: without this check a machine
+    # without it (ucxx is an extra: replica[cu12] / replica[cu13]) would choose UCX and fail later.
+    if needs is not None and importlib.util.find_spec(needs) is None:
+        raise TransportError(f"transport backend {name!r} is not available: {needs} is not installed "
+                             f"(pip install 'replica[cu12]' or 'replica[cu13]', matching torch.version.cuda)")
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
