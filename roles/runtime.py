@@ -26,6 +26,8 @@ __all__ = ["Job", "init"]
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 0.1
+_HEARTBEAT_IO = timedelta(seconds=2)  # one beat's store call (or reconnect) at most
+_HEARTBEAT_LOG_EVERY = 50  # repeated failures: one warning in 50 (5 s)
 _WAIT = timedelta(seconds=120)
 
 
@@ -146,8 +148,8 @@ class Job:
 
     # --- failover ---
 
-    def _failover_announced(self) -> bool:
-        return int(self.store.get("replica/generation")) > self.group.generation
+    def _failover_announced(self, store: dist.Store | None = None) -> bool:
+        return int((store or self.store).get("replica/generation")) > self.group.generation
 
     def _announced(self) -> tuple[int, int]:
         deadline = time.monotonic() + _WAIT.total_seconds()
@@ -220,18 +222,30 @@ class Job:
         self.store.set("replica/fatal", message)
 
     def _heartbeat(self) -> None:
-        # A counter, not a time: the coordinator times it on its own clock.
-        key = f"replica/hb/{self.member}"
+        """Beat every HEARTBEAT_S on a store connection of its own: a TCPStore client runs one
+        call at a time, and the role's shared one sits in blocking waits (a commit wait, a
+        rendezvous) for seconds, which delayed beats enough to have healthy trainers declared
+        dead on a loaded machine. An error is logged and the beat goes on (reconnecting)."""
+        key = f"replica/hb/{self.member}"  # a counter, not a time: the coordinator times it on its own clock
+        store: dist.Store | None = None
+        failures = 0
         while not self._stop.is_set():
             try:
-                self.store.add(key, 1)
+                if store is None:
+                    store = dist.TCPStore(self.env.store_host, self.env.store_port, is_master=False,
+                                          timeout=_HEARTBEAT_IO)
+                store.add(key, 1)
                 if self.group is not None and self.group.cuda and self.role == "trainer" and \
-                        self.group.errored is None and \
-                        self._failover_announced():
+                        self.group.errored is None and self._failover_announced(store):
                     # NCCL does not fail a collective whose peer died: get this survivor out of it.
                     self.group.abort("the coordinator announced a failover")
-            except Exception:  # noqa: BLE001 - the coordinator is gone: nothing to report to
-                return
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - a beat must never end the thread
+                failures += 1
+                if failures == 1 or failures % _HEARTBEAT_LOG_EVERY == 0:
+                    logger.warning("[%s rank %d] heartbeat failed (%d in a row): %s", self.role, self.rank,
+                                   failures, exc)
+                store = None
             self._stop.wait(HEARTBEAT_S)
 
     def _install_faults(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
