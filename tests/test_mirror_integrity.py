@@ -171,6 +171,9 @@ def _trainer(pipe, port: int, cfg: replica.Config) -> None:
     trained(j, 2, rep)
     rep.wait_committed()
     pipe.send(state_of(j))
+    # Tensors cross the pipe as file descriptors fetched from this process: it must live
+    # until the test has them (a kill right after the send reset that fetch now and then).
+    pipe.recv()
     sent = rep.stream_stats.bytes_sent
     trained(j, 1, rep, first=3)
     while rep.stream_stats.bytes_sent == sent:
@@ -183,6 +186,7 @@ def test_trainer_dying_mid_transfer_leaves_the_mirror_on_its_commit(store):
     with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
             spawn(_trainer, store.port, cfg, name="trainer") as trainer:
         at_two = trainer.recv(120)
+        trainer.send("go")
         trainer.process.join(60)
         assert trainer.process.exitcode == -signal.SIGKILL
         deadline = time.monotonic() + 10
