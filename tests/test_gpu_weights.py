@@ -9,6 +9,7 @@ On the H100: .venv/bin/python -m pytest tests/test_gpu_weights.py -v"""
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 from datetime import timedelta
@@ -20,7 +21,8 @@ from torch import nn
 
 import replica
 from replica.testing import spawn
-from replica.weights import WeightReceiver, WeightSync
+from replica.weights import WeightSync
+from weight_engine import EngineStandIn
 
 pytestmark = pytest.mark.gpu
 
@@ -37,20 +39,7 @@ def make_model(device: str) -> nn.Module:
     return model.to(device)
 
 
-class Engine:
-    """Stands in for an inference engine: a dict of tensors loaded from the views."""
-
-    def __init__(self, store: dist.Store):
-        self.weights: dict[str, torch.Tensor] = {}
-        self.receiver = WeightReceiver(index=0, store=store, config=CONFIG)
-
-    def load(self, views) -> None:
-        for name, t in views:
-            self.weights[name] = t.clone()
-
-    def sync(self, step: int) -> int | None:
-        assert self.receiver.wait_ready(step, timedelta(seconds=60)), f"step {step} never arrived"
-        return self.receiver.apply(self.load)
+Engine = functools.partial(EngineStandIn, 0, config=CONFIG, wait=timedelta(seconds=60))
 
 
 def raw(t: torch.Tensor) -> bytes:

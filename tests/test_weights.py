@@ -4,6 +4,7 @@ hand engines complete versions only."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 import replica
-from replica.weights import WeightReceiver, WeightSync, tensor_buckets, weight_layout
+from replica.weights import WeightSync, tensor_buckets, weight_layout
+from weight_engine import EngineStandIn
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = b"weights-test-token"
@@ -36,20 +38,7 @@ def test_buckets_hold_whole_tensors_and_cover_everything():
     assert [b.end - b.first for b in buckets] == [2, 1, 1, 1, 1]  # t3 and t5 cannot join t4
 
 
-class Engine:
-    """Stands in for an inference engine: a dict of tensors loaded from the views."""
-
-    def __init__(self, index: int, store: dist.Store, **kw):
-        self.weights: dict[str, torch.Tensor] = {}
-        self.receiver = WeightReceiver(index=index, store=store, config=CONFIG, **kw)
-
-    def load(self, views) -> None:
-        for name, t in views:
-            self.weights[name] = t.clone()
-
-    def sync(self, step: int) -> int | None:
-        assert self.receiver.wait_ready(step, timedelta(seconds=30)), f"step {step} never arrived"
-        return self.receiver.apply(self.load)
+Engine = functools.partial(EngineStandIn, config=CONFIG, wait=timedelta(seconds=30))
 
 
 def test_a_held_version_stays_intact_while_newer_ones_arrive():
