@@ -6,8 +6,9 @@ by bucket (FSDP2 ``full_tensor()``, a collective every rank joins; never the
 whole model at once), and the leader rank packs each bucket with ``ops.pack``
 into its retained copy of the packed weights (host memory) and sends it to
 every engine while the next bucket is gathered. CUDA weights are packed on
-their device and brought down through two pinned buffers, one event per
-bucket, so bucket k+1 is gathered, packed and copied while bucket k is sent.
+their device and copied straight into the (then pinned) retained copy, one
+event per bucket, so bucket k+1 is gathered, packed and copied while bucket k
+is sent.
 The retained copy lets the leader resend a bucket that failed its digest and
 bring an engine that joins late up to date without waiting for the trainers.
 
@@ -118,7 +119,7 @@ class SyncStats:
     engines_synced: list[int] = field(default_factory=list)  # of the last push
     engines_skipped: dict[int, str] = field(default_factory=dict)  # of the last push: engine -> why
     push_s: list[float] = field(default_factory=list)
-    staged_buckets: int = 0  # packed on a GPU and brought down through the pinned staging buffers
+    staged_buckets: int = 0  # packed on a GPU and copied down into the pinned retained copy
 
 
 @dataclass(kw_only=True, slots=True)
@@ -161,37 +162,36 @@ def _gather(p) -> torch.Tensor:
 
 
 class _Staging:
-    """Brings CUDA buckets down to the host. A bucket is packed on its device (one
-    kernel on the current stream, after its gathers), copied into one of two
-    pinned host buffers on a stream of its own, and ``start`` returns that host
-    buffer with the event that completes it. Two slots: the caller must be done
-    with a bucket's host buffer before starting the second bucket after it."""
+    """Brings CUDA buckets down into the retained copy (pinned host memory). A
+    bucket is packed on its device (one kernel on the current stream, after its
+    gathers) into one of two device buffers, then copied straight into its place
+    in the retained copy on a stream of its own; ``start`` returns the event that
+    completes it. Two slots: a slot's device buffer is reused only once its copy
+    has read it."""
 
     def __init__(self, device: torch.device, nbytes: int):
         self.device = device
         self._stream = torch.cuda.Stream(device)
         self._device = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        self._host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._slot = 0
 
-    def start(self, full: list[torch.Tensor], offsets: list[int], nbytes: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+    def start(self, full: list[torch.Tensor], offsets: list[int], target: torch.Tensor) -> torch.cuda.Event:
         slot, self._slot = self._slot, self._slot ^ 1
         current = torch.cuda.current_stream(self.device)
         if self._copied[slot] is not None:  # the slot's previous copy has read its device buffer
             current.wait_event(self._copied[slot])
-        staged = self._device[slot][:nbytes]
-        if sum(t.numel() * t.element_size() for t in full) != nbytes:
+        staged = self._device[slot][:target.numel()]
+        if sum(t.numel() * t.element_size() for t in full) != target.numel():
             staged.zero_()  # alignment gaps: the same bytes as a bucket packed on the host
         ops.pack(full, staged, offsets)
-        host = self._host[slot][:nbytes]
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
-            host.copy_(staged, non_blocking=True)
+            target.copy_(staged, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._stream)
         self._copied[slot] = copied
-        return host, copied
+        return copied
 
 
 class WeightSync:
@@ -225,9 +225,12 @@ class WeightSync:
         self._fingerprint = fingerprint_int(self.layout.fingerprint)
         # The leader keeps the last version packed (host memory, the model's full size): for
         # resends, and for engines that join between pushes.
-        self._packed = torch.zeros(self.layout.total_bytes, dtype=torch.uint8) if self.is_leader else None
+        # Pinned for CUDA weights: their buckets are copied down into it directly, asynchronously.
+        on_gpu = torch.cuda.is_available() and any(p.is_cuda for _, p in self._params)
+        self._packed = torch.zeros(self.layout.total_bytes, dtype=torch.uint8,
+                                   pin_memory=on_gpu) if self.is_leader else None
         self._staging: _Staging | None = None  # CUDA weights only
-        self._landing: dict[int, tuple[torch.Tensor, torch.cuda.Event]] = {}  # bucket.lo -> its way down
+        self._landing: dict[int, torch.cuda.Event] = {}  # bucket.lo -> its copy into _packed
         self._step: int | None = None  # the version in _packed
         self._links: dict[int, _Link] = {}
         self._unreachable: set[str] = set()  # registrations that refused or failed a connection
@@ -268,6 +271,7 @@ class WeightSync:
                     self.stats.bytes_sent += bucket.hi - bucket.lo
 
             packed: deque[int] = deque()  # buckets packed, or on their way down from a GPU, not sent yet
+            self._step = None  # _packed is being overwritten: a push cut short leaves no version to refresh
             try:
                 for k, bucket in enumerate(self._buckets):
                     full = [self._full(p) for _, p in self._params[bucket.first:bucket.end]]
@@ -284,7 +288,9 @@ class WeightSync:
                 while packed:
                     send(packed.popleft())
             finally:
-                self._landing.clear()  # a push cut short: nothing half-landed is reused
+                for copied in self._landing.values():  # a push cut short: no copy lands after it returns
+                    copied.synchronize()
+                self._landing.clear()
             while inflight:
                 self._finish(inflight.popleft(), links, skipped)
             self._step = step
@@ -381,16 +387,14 @@ class WeightSync:
             return
         if self._staging is None or self._staging.device != device:
             self._staging = _Staging(device, max(b.hi - b.lo for b in self._buckets))
-        self._landing[bucket.lo] = self._staging.start(full, offsets, bucket.hi - bucket.lo)
+        self._landing[bucket.lo] = self._staging.start(full, offsets, self._packed[bucket.lo:bucket.hi])
 
     def _land(self, bucket: WeightBucket) -> None:
-        """Complete a CUDA bucket's way down into the retained copy (a host bucket is there already)."""
-        landing = self._landing.pop(bucket.lo, None)
-        if landing is None:
+        """Wait until a CUDA bucket is down in the retained copy (a host bucket is there already)."""
+        copied = self._landing.pop(bucket.lo, None)
+        if copied is None:
             return
-        host, copied = landing
         copied.synchronize()
-        self._packed[bucket.lo:bucket.hi].copy_(host)
         self.stats.staged_buckets += 1
 
     def _finish(self, item, links: dict[int, _Link], skipped: dict[int, str]) -> None:

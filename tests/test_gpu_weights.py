@@ -1,5 +1,5 @@
-"""Weight sync from CUDA parameters: packed on the GPU, brought down through the pinned staging
-buffers, sent from the retained host copy. The engines receive exactly the bytes the host path
+"""Weight sync from CUDA parameters: packed on the GPU, copied straight into the pinned retained
+host copy and sent from it. The engines receive exactly the bytes the host path
 sends, the retained copy is byte for byte the host path's (alignment gaps included), and a
 resend or a late engine is served from it. Then an FSDP2 model on CUDA whose full parameters
 are gathered through the resilient group's NCCL generation. The receivers run on the host
