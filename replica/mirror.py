@@ -53,6 +53,7 @@ from replica.protocol import (
 from replica.restore import restore_snapshot
 from replica.snapshot import Snapshot, Stateful
 from replica.transport import Connection, MemoryKind, Transfer
+from replica.transport.base import memory_kind
 
 __all__ = ["Mirror", "MirrorStats", "fetch_mirror"]
 
@@ -66,10 +67,6 @@ class MirrorStats:
     corrupted_buckets: int = 0
     sessions: int = 0
     bytes_received: int = 0
-
-
-def memory_kind_of(device: torch.device) -> MemoryKind:
-    return MemoryKind.CUDA if device.type == "cuda" else MemoryKind.HOST
 
 
 class Mirror(Listener):
@@ -95,7 +92,7 @@ class Mirror(Listener):
         if device is None:  # where the state it restores into lives (a GPU mirror restores by one unpack)
             device = state_device([t for _, t in state_tensors(model, optimizer)]) if model is not None else "cpu"
         self.device = torch.device(device)
-        super().__init__(config=config, memory=memory_kind_of(self.device),
+        super().__init__(config=config, memory=memory_kind(self.device),
                          name=f"standby rank {rank}")
         self.rank = rank
         self.world_size = world_size
@@ -304,9 +301,9 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store, config: Confi
     if device is None:
         device = "cpu" if MemoryKind.HOST in moves else torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
-    if memory_kind_of(device) not in moves:
+    if memory_kind(device) not in moves:
         raise TransportError(f"the standby of rank {rank} listens on {backend}, which cannot move "
-                             f"{memory_kind_of(device).name} memory ({device})")
+                             f"{memory_kind(device).name} memory ({device})")
     with make_backend(backend, config) as transport:
         conn = transport.connect(address, timeout)
         conn.send(as_tensor((-1 if step is None else step).to_bytes(8, "little", signed=True)), tag=FETCH,

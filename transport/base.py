@@ -84,12 +84,14 @@ except ImportError:  # the ranges are for profiles only; nothing depends on them
         return contextlib.nullcontext()
 
 
-def memory_kind(t: torch.Tensor) -> MemoryKind:
-    if t.device.type == "cpu":
+def memory_kind(of: torch.Tensor | torch.device) -> MemoryKind:
+    """The memory a tensor, or a device's tensors, live in."""
+    device = of if isinstance(of, torch.device) else of.device
+    if device.type == "cpu":
         return MemoryKind.HOST
-    if t.device.type == "cuda":
+    if device.type == "cuda":
         return MemoryKind.CUDA
-    raise TransportError(f"cannot transfer tensors on {t.device}")
+    raise TransportError(f"cannot transfer tensors on {device}")
 
 
 def as_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
