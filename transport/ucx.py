@@ -6,17 +6,25 @@ UCX restricts itself to tcp (~1 GB/s here), without it UCX may use shared
 memory (posix/sysv, ~10 GB/s here) on one node and RDMA or cuda_ipc where present.
 Such an endpoint never notices a dead peer by itself; the control socket does,
 within milliseconds, and a deadline on every wait catches a frozen one.
+
+A peer killed while writing into this worker's shared-memory receive FIFO
+leaves a slot that is never completed, and every later message to this worker
+waits behind it. So a connection that ends without the peer's goodbye retires
+the worker it ran on: later connections get a fresh worker (a new address and
+FIFO), and the retired one stops once its last connection is gone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from replica.errors import PeerDisconnectedError, TransportError
 from replica.transport.base import Capabilities, Locality, MemoryKind
 from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
 
@@ -121,10 +129,37 @@ class _Requests:
         return True
 
 
+class _Worker:
+    """One UCX worker and its progress thread, shared by connections until a
+    peer leaves without saying goodbye (see the module docstring)."""
+
+    def __init__(self, context, config: UcxConfig):
+        ucx = _ucx()
+        self.handle = ucx.UCXWorker(context)
+        if config.cuda_progress_context and torch.cuda.is_available():
+            self.handle.set_progress_thread_start_callback(_bind_cuda_context,
+                                                           cb_args=(torch.cuda.current_device(),))
+        if config.polling_progress:
+            self.handle.start_progress_thread(polling_mode=True)
+        else:
+            self.handle.init_blocking_progress_mode()
+            self.handle.start_progress_thread(polling_mode=False, epoll_timeout=config.epoll_timeout_ms)
+        self.address = bytes(self.handle.address.tobytes())
+        self.users = 0  # connections (and handshakes under way) on this worker
+        self.retired = False
+        self.stopped = False
+
+    def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.handle.stop_progress_thread()
+
+
 class UcxConnection(ControlledConnection):
-    def __init__(self, *, endpoint, send_id: int, recv_id: int, **kwargs):
+    def __init__(self, *, endpoint, worker: _Worker, send_id: int, recv_id: int, **kwargs):
         super().__init__(memory=UcxTransport.capabilities.memory, **kwargs)
         self._endpoint = endpoint
+        self._worker = worker
         self._send_id = send_id
         self._recv_id = recv_id
 
@@ -155,6 +190,14 @@ class UcxConnection(ControlledConnection):
             self._endpoint.close()  # cancels this endpoint's requests in flight
         except Exception as exc:  # noqa: BLE001 - a dead peer's endpoint may refuse to close cleanly
             logger.debug("closing UCX endpoint to %s: %s", self.peer, exc)
+        self._transport._leave(self._worker)
+
+    def _fail(self, error: TransportError, *, quiet: bool = False) -> None:
+        # Retire before the error is seen, so a caller that reconnects at once
+        # already gets the fresh worker.
+        if self._error is None and not (isinstance(error, PeerDisconnectedError) and error.graceful):
+            self._transport._retire(self._worker)
+        super()._fail(error, quiet=quiet)
 
 
 class UcxTransport(ControlledTransport):
@@ -169,28 +212,53 @@ class UcxTransport(ControlledTransport):
         self.config = config
         options = {"TLS": config.ucx_transports} if config.ucx_transports else {}
         self._context = ucx.UCXContext(config_dict=options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
-        self._worker = ucx.UCXWorker(self._context)
-        if config.cuda_progress_context and torch.cuda.is_available():
-            self._worker.set_progress_thread_start_callback(_bind_cuda_context,
-                                                            cb_args=(torch.cuda.current_device(),))
-        if config.polling_progress:
-            self._worker.start_progress_thread(polling_mode=True)
-        else:
-            self._worker.init_blocking_progress_mode()
-            self._worker.start_progress_thread(polling_mode=False, epoll_timeout=config.epoll_timeout_ms)
-        self._address = bytes(self._worker.address.tobytes())
+        self._workers_lock = threading.Lock()
+        self._worker = _Worker(self._context, config)
+        self._workers = [self._worker]  # the current one and retired ones still in use
+        self.retired_workers = 0
 
     def _offer(self, server):
-        return self._address, None
+        with self._workers_lock:
+            worker = self._worker
+            worker.users += 1
+        return worker.address, worker
+
+    def _discard_offer(self, state):
+        self._leave(state)
+
+    def _retire(self, worker: _Worker) -> None:
+        """Move new connections off ``worker``; it stops when its last one leaves."""
+        with self._workers_lock:
+            if worker.retired:
+                return
+            worker.retired = True
+            self.retired_workers += 1
+            if worker is self._worker and not self._closed:
+                self._worker = _Worker(self._context, self.config)
+                self._workers.append(self._worker)
+        logger.info("a UCX peer left without a goodbye; new connections use a fresh UCX worker")
+
+    def _leave(self, worker: _Worker) -> None:
+        """A connection (or a failed handshake) stops using ``worker``."""
+        with self._workers_lock:
+            worker.users -= 1
+            done = worker.retired and worker.users == 0 and worker in self._workers
+            if done:
+                self._workers.remove(worker)
+        if done:
+            worker.stop()
 
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
-        endpoint = self._worker.create_endpoint_from_worker_address(
+        endpoint = state.handle.create_endpoint_from_worker_address(
             _ucx().UCXAddress.create_from_buffer(peer_offer), self.config.data_error_handling)
-        conn = UcxConnection(transport=self, sock=sock, peer=peer, endpoint=endpoint, send_id=send_id,
-                             recv_id=recv_id, verify=self.config.verify)
+        conn = UcxConnection(transport=self, sock=sock, peer=peer, endpoint=endpoint, worker=state,
+                             send_id=send_id, recv_id=recv_id, verify=self.config.verify)
         if self.config.data_error_handling:
             endpoint.set_close_callback(conn._peer_lost, cb_args=("UCX endpoint closed",))
         return conn
 
     def _shutdown(self) -> None:
-        self._worker.stop_progress_thread()
+        with self._workers_lock:
+            workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.stop()
