@@ -6,10 +6,13 @@ __all__ = [
     "AuthenticationError",
     "BucketCorruptedError",
     "CommitTimeoutError",
+    "FencedError",
+    "JobStateError",
     "JoinRefusedError",
     "LayoutMismatchError",
     "PeerDisconnectedError",
     "ReplicaError",
+    "SnapshotCorruptedError",
     "StandbyLostError",
     "TransferTimeoutError",
     "TransportError",
@@ -55,7 +58,12 @@ class TransferTimeoutError(TransportError, TimeoutError):
 
 
 class AuthenticationError(ReplicaError):
-    """A peer presented a missing or wrong job token."""
+    """A peer presented a missing or wrong job token.
+
+    Not a TransportError on purpose: trying again will not fix the token. A
+    handshake cut short by EOF or its deadline (a peer that died or stalled)
+    raises PeerDisconnectedError or TransferTimeoutError instead, which callers
+    may retry."""
 
 
 class JoinRefusedError(ReplicaError):
@@ -66,6 +74,18 @@ class LayoutMismatchError(ReplicaError):
     """A mirrored state does not fit the model, optimizer or world it is applied to."""
 
 
+class SnapshotCorruptedError(ReplicaError):
+    """A held version (a standby's, or a trainer's own snapshot) no longer matches
+    the per-bucket digests taken when it was complete: its memory changed at rest.
+    It is never restored, exported or sent. ``buckets`` are the bad indices."""
+
+    def __init__(self, message: str, *, rank: int, step: int | None, buckets: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.step = step
+        self.buckets = buckets
+
+
 class CommitTimeoutError(ReplicaError, TimeoutError):
     """A step was not globally committed in time: some rank's standby is missing or slow."""
 
@@ -73,3 +93,12 @@ class CommitTimeoutError(ReplicaError, TimeoutError):
 class StandbyLostError(ReplicaError):
     """This rank's standby is gone or refused the mirror: the rank is unprotected
     until a standby is attached again."""
+
+
+class JobStateError(ReplicaError):
+    """A value in the job store is unsigned, forged or malformed (it is ignored)."""
+
+
+class FencedError(ReplicaError):
+    """This process's epoch was superseded: the coordinator declared it dead and
+    another process holds its rank now. It must stop."""

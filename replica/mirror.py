@@ -5,6 +5,11 @@ the last global commit intact until a newer one is committed.
 
 Two versions suffice: a trainer sends step N+1 only after N is globally
 committed, so the version being overwritten is never the last commit.
+
+Each version keeps the digests its buckets arrived with: restore, export and
+fetch re-check it first, and a scrub thread re-checks the committed one every
+``Config.scrub_interval``, refusing it once its memory changed and asking the
+trainer to send the bad buckets again (``replica.repair``).
 """
 
 from __future__ import annotations
@@ -21,11 +26,14 @@ import torch.distributed as dist
 
 from replica.backends import backend_class, make_backend
 from replica.commit import CommitRecord
+from replica.jobstate import Epoch, JobStore
 from replica.config import Config, token_from_env
 from replica.errors import (
+    FencedError,
     LayoutMismatchError,
     PeerDisconnectedError,
     ReplicaError,
+    SnapshotCorruptedError,
     TransferTimeoutError,
     TransportError,
 )
@@ -43,13 +51,17 @@ from replica.protocol import (
     Status,
     answer_layout,
     as_tensor,
+    check_epoch,
     fingerprint_int,
     receive_buckets,
+    recv_epoch,
     recv_layout,
     recv_reply,
+    refuse_fenced,
     send_layout,
     send_reply,
 )
+from replica.repair import request_repair
 from replica.restore import restore_snapshot
 from replica.snapshot import Snapshot, Stateful
 from replica.transport import Connection, MemoryKind, Transfer
@@ -67,6 +79,9 @@ class MirrorStats:
     corrupted_buckets: int = 0
     sessions: int = 0
     bytes_received: int = 0
+    scrub_passes: int = 0  # complete re-checks of the committed version
+    scrub_failures: int = 0  # passes that found it changed in memory
+    repaired_buckets: int = 0  # buckets the trainer sent again that verified
 
 
 class Mirror(Listener):
@@ -83,7 +98,7 @@ class Mirror(Listener):
     copies it to the GPU tensor by tensor (``replica.placement``).
     """
 
-    def __init__(self, *, rank: int, world_size: int, store: dist.Store, config: Config | None = None,
+    def __init__(self, *, rank: int, world_size: int, store: dist.Store | JobStore, config: Config | None = None,
                  device: torch.device | str | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None):
         config = config if config is not None else Config(token=token_from_env())
@@ -96,17 +111,24 @@ class Mirror(Listener):
                          name=f"standby rank {rank}")
         self.rank = rank
         self.world_size = world_size
-        self.record = CommitRecord(store, world_size=world_size, prefix=self.config.store_prefix)
+        self.store = JobStore.of(store, token=self.config.token, prefix=self.config.store_prefix)
+        self.record = CommitRecord(self.store, world_size=world_size)
         self.stats = MirrorStats()
         self._layout: StateLayout | None = None
         self._expected: StateLayout | None = None
         self._slots: list[Snapshot] = []
         self._trainer: Connection | None = None  # the current trainer session's connection
         self._receiving = threading.Lock()  # one session at a time writes the versions
+        self._damaged: dict[Snapshot, tuple[int, ...]] = {}  # versions refused until repaired: their bad buckets
+        self._scrubber: threading.Thread | None = None
         if model is not None:  # before anyone can find this mirror: no trainer gets in unchecked
             self.expect(model, optimizer)
         self.record.publish_standby(rank, self.backend, self.address)
         self._start()
+        if self.config.verify and self.config.scrub_interval.total_seconds() > 0:
+            self._scrubber = threading.Thread(target=self._scrub_loop, name=f"replica-{self.name}-scrub",
+                                              daemon=True)
+            self._scrubber.start()
 
     @property
     def layout(self) -> StateLayout | None:
@@ -142,7 +164,7 @@ class Mirror(Listener):
             rank = rank if rank is not None else (dist.get_rank() if live else self.rank)
             world_size = world_size if world_size is not None else (dist.get_world_size() if live else self.world_size)
         with self._cond:
-            snapshot, step = self._version(step)
+            snapshot, step = self._checked_version(step)
             restore_snapshot(snapshot, model, optimizer, dict(extra or {}), rank=rank, world_size=world_size)
         logger.info("[standby rank %d] restored step %d into a fresh model", self.rank, step)
         return step
@@ -150,7 +172,7 @@ class Mirror(Listener):
     def export(self, directory: str | Path, *, step: int | None = None) -> Path:
         """Write the committed version as ``rank{r}.safetensors`` in ``directory``."""
         with self._cond:
-            snapshot, _ = self._version(step)
+            snapshot, _ = self._checked_version(step)
             return write_export(snapshot, export_path(directory, self.rank))
 
     def _version(self, step: int | None) -> tuple[Snapshot, int]:
@@ -163,6 +185,93 @@ class Mirror(Listener):
                 return snapshot, step
         held = sorted(s.step for s in self._slots if s.step is not None)
         raise ReplicaError(f"standby of rank {self.rank} holds steps {held}, not step {step}")
+
+    # --- digests at rest: every use re-checks; the scrub re-checks while idle and asks for repair ---
+
+    def _checked_version(self, step: int | None) -> tuple[Snapshot, int]:
+        """``_version``, re-checked against its kept digests (under ``_cond``): a
+        version whose memory changed since it was received is never used."""
+        snapshot, step = self._version(step)
+        bad = self._damaged.get(snapshot)
+        if bad is None:
+            try:
+                snapshot.verify()
+                return snapshot, step
+            except SnapshotCorruptedError as exc:
+                bad = exc.buckets
+                self._mark_damaged(snapshot, bad, found="before use")
+        raise SnapshotCorruptedError(
+            f"standby of rank {self.rank}: its version of step {step} changed in memory since it was received "
+            f"(bucket(s) {list(bad)} fail their digests); it is not used",
+            rank=self.rank, step=step, buckets=tuple(bad))
+
+    def _mark_damaged(self, snapshot: Snapshot, bad: tuple[int, ...], *, found: str) -> None:
+        self._damaged[snapshot] = tuple(bad)
+        logger.error("[standby rank %d step %s] the held version changed in memory (found %s): bucket(s) %s fail "
+                     "the digests kept since it was received; restore, export and fetch refuse it", self.rank,
+                     snapshot.step, found, list(bad))
+
+    def _scrub_loop(self) -> None:
+        interval = self.config.scrub_interval.total_seconds()
+        while not self._closed.wait(interval):
+            try:
+                self._scrub()
+            except Exception:  # noqa: BLE001 - the scrub must outlive one failed pass (a lost trainer, ...)
+                logger.exception("[standby rank %d] scrub pass failed", self.rank)
+
+    def _scrub(self) -> None:
+        """Re-check the committed version bucket by bucket (the lock is held for one
+        bucket at a time, so receiving and restoring go on between); on a mismatch
+        mark it refused and ask the trainer for the bad buckets again."""
+        commit = self.record.last()
+        with self._cond:
+            snapshot = next((s for s in self._slots if s.step is not None and s.step == commit), None)
+        if snapshot is None or snapshot.digests is None:
+            return
+        bad = []
+        for i in range(len(snapshot.layout.buckets())):
+            if self._closed.is_set():
+                return
+            with self._cond:
+                if snapshot.step != commit:  # staged again: a newer commit replaced it
+                    return
+                bad += snapshot.bad_buckets([i])
+            time.sleep(0)  # let the session thread in between buckets
+        with self._cond:
+            if snapshot.step != commit:
+                return
+            self.stats.scrub_passes += 1
+            if not bad:
+                self._damaged.pop(snapshot, None)
+                return
+            if self._damaged.get(snapshot) != tuple(bad):  # news, not the damage a past pass reported
+                self.stats.scrub_failures += 1
+                self._mark_damaged(snapshot, tuple(bad), found="by the scrub")
+            trainer = self._trainer
+        if trainer is None or not trainer.alive:
+            logger.error("[standby rank %d step %d] no trainer is connected to send bucket(s) %s again: the "
+                         "version stays refused", self.rank, commit, bad)
+            return
+        repaired = request_repair(trainer, snapshot, commit, bad, guard=self._cond, timeout=self.config.timeout,
+                                  who=self.name)
+        with self._cond:
+            if snapshot.step != commit or not repaired:
+                return
+            self.stats.repaired_buckets += len(repaired)
+            still = snapshot.bad_buckets()
+            if still:
+                self._damaged[snapshot] = tuple(still)
+                logger.error("[standby rank %d step %d] after the repair bucket(s) %s still fail their digests",
+                             self.rank, commit, still)
+                return
+            self._damaged.pop(snapshot, None)
+        logger.warning("[standby rank %d step %d] repaired: the trainer sent bucket(s) %s again and the version "
+                       "verifies", self.rank, commit, repaired)
+
+    def close(self) -> None:
+        super().close()
+        if self._scrubber is not None:
+            self._scrubber.join(timeout=self.config.timeout.total_seconds() + 5)
 
     # --- the receiving thread ---
 
@@ -201,7 +310,12 @@ class Mirror(Listener):
         if first is fetch:
             self._serve_fetch(conn, int.from_bytes(wanted.numpy().tobytes(), "little", signed=True))
             return
+        epoch = recv_epoch(conn, timeout)
         layout = recv_layout(conn, timeout, size)
+        try:  # a fenced trainer (declared dead, still running) never displaces the current one
+            check_epoch(epoch, self.record.current_epoch(self.rank), who=self.name)
+        except FencedError as exc:
+            refuse_fenced(conn, -1, exc, timeout)
         # This connection is the rank's trainer now; an older one (dead or not) is dropped.
         with self._cond:
             previous, self._trainer = self._trainer, conn
@@ -218,15 +332,22 @@ class Mirror(Listener):
             begin = Begin.decode(begin_buf.numpy().tobytes())
             if begin.num_buckets != len(buckets):
                 raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has {len(buckets)}")
+            try:  # the coordinator may have moved on since the connection began
+                check_epoch(begin.epoch, self.record.current_epoch(self.rank), who=self.name)
+            except FencedError as exc:
+                refuse_fenced(conn, begin.step, exc, timeout)
             with self._receiving:
-                self._receive(conn, begin.step, buckets, fingerprint)
+                self._receive(conn, begin.step, buckets, fingerprint, begin.epoch)
 
     def _serve_fetch(self, conn: Connection, step: int) -> None:
         """Send a complete version to a process that restores from it (a replacement trainer)."""
         timeout = self.config.timeout
         with self._cond:  # pinned: no step is staged into it while it is sent
             try:
-                snapshot, step = self._version(None if step < 0 else step)
+                snapshot, step = self._checked_version(None if step < 0 else step)
+            except SnapshotCorruptedError as exc:
+                send_reply(conn, Reply(step=exc.step, status=Status.DAMAGED, buckets=exc.buckets), timeout)
+                raise
             except ReplicaError as exc:
                 send_reply(conn, Reply(step=step, status=Status.NOT_HELD), timeout)
                 raise ReplicaError(f"fetch refused: {exc}") from exc
@@ -270,21 +391,24 @@ class Mirror(Listener):
             slot.step = None  # incomplete from here on; restore never picks it
             return slot
 
-    def _receive(self, conn: Connection, step: int, buckets: list[tuple[int, int]], fingerprint: int) -> None:
+    def _receive(self, conn: Connection, step: int, buckets: list[tuple[int, int]], fingerprint: int,
+                 epoch: Epoch) -> None:
         timeout = self.config.timeout
         slot = self._stage()
-        receive_buckets(conn, slot.buffer, buckets, step=step, fingerprint=fingerprint, timeout=timeout,
-                        who=self.name, counts=self.stats)
+        digests = receive_buckets(conn, slot.buffer, buckets, step=step, fingerprint=fingerprint,
+                                  timeout=timeout, who=self.name, counts=self.stats)
         with self._cond:
             slot.step = step
+            slot.digests = digests if self.config.verify else None  # kept: checked before every use
+            self._damaged.pop(slot, None)  # marks of the content this one replaced
             self.stats.acked.append(step)
             self._cond.notify_all()
-        commit = self.record.acknowledge(self.rank, step)
+        commit = self.record.acknowledge(self.rank, step, epoch)
         send_reply(conn, Reply(step=step, status=Status.ACKED), timeout)
         logger.debug("[standby rank %d step %d] acknowledged; global commit %s", self.rank, step, commit)
 
 
-def fetch_mirror(*, rank: int, world_size: int, store: dist.Store, config: Config | None = None,
+def fetch_mirror(*, rank: int, world_size: int, store: dist.Store | JobStore, config: Config | None = None,
                  step: int | None = None, device: torch.device | str | None = None) -> Snapshot:
     """Copy rank ``rank``'s committed version (the last global commit unless
     ``step`` says otherwise) from its standby into a new snapshot on ``device``:
@@ -292,11 +416,13 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store, config: Confi
     checkpoint. ``device`` defaults to the host (pinned when CUDA is present),
     or to the current GPU when the standby's transport moves device memory
     only (CUDA IPC). Restore it with ``replica.restore_snapshot``, into a model
-    on any device. Digests are verified."""
+    on any device. Digests are verified on receipt and kept in the snapshot;
+    a standby whose copy changed in memory refuses (SnapshotCorruptedError)."""
     config = config if config is not None else Config(token=token_from_env())
     timeout = config.timeout
-    record = CommitRecord(store, world_size=world_size, prefix=config.store_prefix)
-    backend, address, _ = record.standby(rank, timeout)
+    record = CommitRecord(JobStore.of(store, token=config.token, prefix=config.store_prefix), world_size=world_size)
+    registration = record.standby(rank, timeout)
+    backend, address = registration.backend, registration.address
     moves = backend_class(backend).capabilities.memory
     if device is None:
         device = "cpu" if MemoryKind.HOST in moves else torch.device("cuda", torch.cuda.current_device())
@@ -309,6 +435,11 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store, config: Confi
         conn.send(as_tensor((-1 if step is None else step).to_bytes(8, "little", signed=True)), tag=FETCH,
                   timeout=timeout)
         reply = recv_reply(conn, timeout)
+        if reply.status == Status.DAMAGED:
+            raise SnapshotCorruptedError(
+                f"the standby of rank {rank} refused to send step {reply.step}: its copy changed in memory since "
+                f"it was received (bucket(s) {list(reply.buckets)} fail their digests)",
+                rank=rank, step=reply.step, buckets=reply.buckets)
         if reply.status != Status.ACCEPTED:
             raise ReplicaError(f"the standby of rank {rank} does not hold step {step if step is not None else 'of the last commit'}")
         layout = recv_layout(conn, timeout)
@@ -318,11 +449,14 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store, config: Confi
         snapshot = Snapshot(layout, device=device, pin_memory=True)
         recvs = [conn.irecv(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i) for i, (lo, hi) in enumerate(layout.buckets())]
         fingerprint = fingerprint_int(layout.fingerprint)
+        digests = []
         for i, transfer in enumerate(recvs):
             header = transfer.wait(timeout)
             if (header.step, header.bucket, header.fingerprint) != (reply.step, i, fingerprint):
                 raise TransportError(f"bucket {i} of the fetch arrived with header {header}")
+            digests.append(header.digest)
         conn.close()
+    snapshot.digests = digests if config.verify else None  # a rollback to it re-checks them
     snapshot.step = reply.step
     logger.info("fetched step %d of rank %d (%d bytes) from %s", reply.step, rank, layout.total_bytes, address)
     return snapshot

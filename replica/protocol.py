@@ -1,12 +1,19 @@
 """Messages between a trainer rank (``Replicator``) and its standby (``Mirror``)
 over one ``replica.transport`` connection. Fixed binary records, no pickle.
 
-Per connection the trainer sends ``LAYOUT_SIZE`` (8 bytes) and ``LAYOUT`` (the
-layout's JSON); the standby answers ``REPLY`` (ACCEPTED or LAYOUT_MISMATCH).
-Per step: ``BEGIN`` (step, bucket count), then bucket i under tag
+Per connection the trainer sends ``EPOCH`` (its generation and member id),
+``LAYOUT_SIZE`` (8 bytes) and ``LAYOUT`` (the layout's JSON); the standby answers
+``REPLY`` (ACCEPTED, LAYOUT_MISMATCH, or FENCED for an epoch that is not the
+rank's current one). Per step: ``BEGIN`` (step, bucket count, epoch), then bucket i under tag
 ``BUCKET_BASE + i``; the standby verifies every digest and answers ``REPLY``:
 ACKED once all are good, or RESEND with the indices of bad buckets, which the
 trainer sends again under the same tags.
+
+Repair, any time on an open session: a standby whose held version of a step
+changed in memory (its scrub found buckets failing their kept digests) sends
+``REPAIR`` (a ``Reply`` of status REPAIR naming the step and buckets); the
+trainer answers ``REPAIR_ANSWER`` (ACCEPTED, or NOT_HELD once it holds that
+step no more), then sends each named bucket in order under ``REPAIR_BUCKET``.
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from typing import Protocol
 
 import torch
 
-from replica.errors import BucketCorruptedError, LayoutMismatchError, TransportError
+from replica.commit import NO_EPOCH
+from replica.errors import BucketCorruptedError, FencedError, LayoutMismatchError, TransportError
+from replica.jobstate import Epoch
 from replica.layout import StateLayout
 from replica.transport import Connection
 
@@ -29,10 +38,14 @@ __all__ = [
     "BEGIN",
     "BUCKET_BASE",
     "Begin",
+    "EPOCH",
     "FETCH",
     "LAYOUT",
     "LAYOUT_SIZE",
     "MAX_REPORTED",
+    "REPAIR",
+    "REPAIR_ANSWER",
+    "REPAIR_BUCKET",
     "REPLY",
     "REPLY_BYTES",
     "ReceiveCounts",
@@ -40,10 +53,14 @@ __all__ = [
     "Status",
     "answer_layout",
     "as_tensor",
+    "check_epoch",
     "fingerprint_int",
     "receive_buckets",
+    "recv_epoch",
     "recv_layout",
+    "refuse_fenced",
     "recv_reply",
+    "send_epoch",
     "send_layout",
     "send_reply",
 ]
@@ -55,13 +72,21 @@ LAYOUT = 2
 BEGIN = 3
 REPLY = 4
 FETCH = 5
+EPOCH = 6
 BUCKET_BASE = 16
 
 REPLY_BYTES = 4096
-_BEGIN = struct.Struct("<qq")
+_BEGIN = struct.Struct("<qqqq")
+_EPOCH = struct.Struct("<qq")
 _REPLY = struct.Struct("<qiI")
 _INDEX = struct.Struct("<I")
 MAX_REPORTED = (REPLY_BYTES - _REPLY.size) // _INDEX.size
+
+# The repair of a version damaged at rest: tags of their own, so a repair never
+# meets a step's stream, which may run on the same connection at the same time.
+REPAIR = 12
+REPAIR_ANSWER = 13
+REPAIR_BUCKET = 14
 
 
 class Status(enum.IntEnum):
@@ -70,6 +95,9 @@ class Status(enum.IntEnum):
     RESEND = 3
     LAYOUT_MISMATCH = 4
     NOT_HELD = 5
+    FENCED = 6
+    REPAIR = 10  # standby -> trainer: re-send these buckets of this step
+    DAMAGED = 11  # the version asked for changed in memory; the buckets named fail their digests
 
 
 def as_tensor(data: bytes) -> torch.Tensor:
@@ -85,14 +113,15 @@ def fingerprint_int(fingerprint: str) -> int:
 class Begin:
     step: int
     num_buckets: int
+    epoch: Epoch = NO_EPOCH
 
     def encode(self) -> bytes:
-        return _BEGIN.pack(self.step, self.num_buckets)
+        return _BEGIN.pack(self.step, self.num_buckets, self.epoch.generation, self.epoch.member)
 
     @classmethod
     def decode(cls, data: bytes) -> Begin:
-        step, num_buckets = _BEGIN.unpack(data)
-        return cls(step=step, num_buckets=num_buckets)
+        step, num_buckets, generation, member = _BEGIN.unpack(data)
+        return cls(step=step, num_buckets=num_buckets, epoch=Epoch(generation=generation, member=member))
 
     @staticmethod
     def size() -> int:
@@ -137,6 +166,32 @@ def recv_reply(conn: Connection, timeout: timedelta) -> Reply:
     return Reply.decode(buf.numpy().tobytes())
 
 
+def send_epoch(conn: Connection, epoch: Epoch, timeout: timedelta) -> None:
+    conn.send(as_tensor(_EPOCH.pack(epoch.generation, epoch.member)), tag=EPOCH, timeout=timeout)
+
+
+def recv_epoch(conn: Connection, timeout: timedelta) -> Epoch:
+    buf = torch.zeros(_EPOCH.size, dtype=torch.uint8)
+    conn.recv(buf, tag=EPOCH, timeout=timeout)
+    generation, member = _EPOCH.unpack(buf.numpy().tobytes())
+    return Epoch(generation=generation, member=member)
+
+
+def check_epoch(epoch: Epoch, current: Epoch | None, *, who: str) -> None:
+    """Refuse a sender whose epoch is not ``current`` (None: no coordinator, any is fine)."""
+    if current is not None and epoch != current:
+        raise FencedError(f"{who}: refused a sender of {epoch}; the current one is {current}")
+
+
+def refuse_fenced(conn: Connection, step: int, exc: FencedError, timeout: timedelta) -> None:
+    """Tell a fenced sender why it is refused, then end its session with ``exc``."""
+    try:
+        send_reply(conn, Reply(step=step, status=Status.FENCED), timeout)
+    except TransportError:
+        pass  # it may be gone already; the refusal stands either way
+    raise exc
+
+
 def send_layout(conn: Connection, layout: StateLayout, timeout: timedelta) -> None:
     text = layout.to_json().encode()
     conn.send(as_tensor(len(text).to_bytes(8, "little")), tag=LAYOUT_SIZE, timeout=timeout)
@@ -162,13 +217,15 @@ class ReceiveCounts(Protocol):
 
 
 def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,
-                    fingerprint: int, timeout: timedelta, who: str, counts: ReceiveCounts) -> None:
+                    fingerprint: int, timeout: timedelta, who: str, counts: ReceiveCounts) -> list[int]:
     """Receive bucket i of ``step`` into ``buffer[lo:hi]`` for every ``(lo, hi)`` of
     ``ranges``, checking each digest and header; buckets that fail their digest
     are asked for again (RESEND) until all are good. ``counts`` is updated as it
     goes (a session cut short still counts what it saw). Used by the standby and
-    the engine receiver alike."""
+    the engine receiver alike. Returns the digest each good bucket's header
+    carried (0s when the connection does not verify), to keep with the version."""
     todo, unreported = list(range(len(ranges))), []
+    digests = [0] * len(ranges)
     while todo:
         transfers = [(i, conn.irecv(buffer[ranges[i][0]:ranges[i][1]], tag=BUCKET_BASE + i)) for i in todo]
         bad = []
@@ -184,10 +241,12 @@ def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tup
                     step, i, ranges[i][0], fingerprint):
                 raise TransportError(f"bucket {i} of step {step} arrived with header {header}")
             counts.bytes_received += header.nbytes
+            digests[i] = header.digest
         bad += unreported
         todo, unreported = bad[:MAX_REPORTED], bad[MAX_REPORTED:]
         if todo:
             send_reply(conn, Reply.resend(step, todo), timeout)
+    return digests
 
 
 def answer_layout(conn: Connection, layout: StateLayout, adopt: Callable[[StateLayout], None],

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 
 from replica import serialize
-from replica.commit import CommitRecord
+from replica.commit import NO_EPOCH, CommitRecord
 from replica.config import Config, token_from_env
-from replica.errors import ReplicaError
+from replica.errors import ReplicaError, SnapshotCorruptedError
+from replica.jobstate import Epoch, JobStore
 from replica.layout import StateLayout, state_tensors
 from replica.placement import state_device
 from replica.resilient import ResilientProcessGroup
@@ -62,21 +63,29 @@ class Replicator:
     torch optimizer whose per-parameter state is tensors, ``extra`` maps names
     to ``Stateful`` objects (LR scheduler, data position, ``replica.RNGState()``).
     ``store`` holds the commit record (the coordinator's store). ``rank`` and
-    ``world_size`` default to the default process group's.
+    ``world_size`` default to the default process group's. ``epoch()`` says which
+    trainer incarnation this is (a coordinator's runtime passes it): standbys
+    refuse streams of a superseded epoch, and ``commit`` raises FencedError once
+    this process's rank belongs to another.
 
     The layout is fixed at the first ``commit`` (optimizers create their state
     in their first step); it must not change afterwards.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 extra: Mapping[str, Stateful] | None = None, *, store: dist.Store, config: Config | None = None,
-                 rank: int | None = None, world_size: int | None = None):
+                 extra: Mapping[str, Stateful] | None = None, *, store: dist.Store | JobStore,
+                 config: Config | None = None, rank: int | None = None, world_size: int | None = None,
+                 epoch: Callable[[], Epoch] | None = None):
         self.model = model
         self.optimizer = optimizer
         self.extra = dict(extra or {})
         self.config = config if config is not None else Config(token=token_from_env())
         self.rank, self.world_size = _rank_and_size(rank, world_size)
-        self.record = CommitRecord(store, world_size=self.world_size, prefix=self.config.store_prefix)
+        self.record = CommitRecord(JobStore.of(store, token=self.config.token, prefix=self.config.store_prefix),
+                                   world_size=self.world_size)
+        #: This trainer's epoch (generation, member) as the coordinator's runtime knows it;
+        #: without a coordinator, NO_EPOCH. Each stream carries the epoch its step ran in.
+        self.epoch = epoch if epoch is not None else (lambda: NO_EPOCH)
         self.stats = CommitStats()
         #: Fault injection for tests: ``faults.corrupt_buckets = k`` damages the next k buckets on the wire.
         self.faults = MirrorFaults()
@@ -141,7 +150,7 @@ class Replicator:
             return False
         self.stats.wait_s.append(packed - start)
         self.stats.pack_s.append(time.perf_counter() - packed)
-        self._stream.submit(snapshot, step)
+        self._stream.submit(snapshot, step, self.epoch())
         self._next ^= 1
         self._last_step = step
         return True
@@ -161,6 +170,10 @@ class Replicator:
         (e.g. rebuilt under a new process group) instead; the replicator then
         mirrors those. ``step`` (default: the last global commit) is the commit a
         coordinator fixed for a failover. Returns the step restored.
+
+        The snapshot is first checked against the digests its stream carried
+        (``Config.verify``): one whose memory changed since raises
+        SnapshotCorruptedError and nothing is restored.
         """
         step = self.last_commit() if step is None else step
         if step is None:
@@ -170,6 +183,7 @@ class Replicator:
             raise ReplicaError(f"rank {self.rank} holds snapshots of steps {sorted(k for k in held if k is not None)}, "
                                f"not of the last global commit {step}")
         snapshot = held[step]
+        self._check_at_rest(snapshot)
         # Restoring into the live objects needs no stream to finish; a later
         # commit still waits for the stream before it reuses the other buffer.
         target_model = self.model if model is None else model
@@ -209,6 +223,18 @@ class Replicator:
         logger.info("[trainer rank %d] snapshot layout: %d tensors, %d bytes, %d buckets, fingerprint %s",
                     self.rank, len(named), self._layout.total_bytes, len(self._layout.buckets()),
                     self._layout.fingerprint)
+
+    def _check_at_rest(self, snapshot: Snapshot) -> None:
+        if snapshot.digests is None:
+            if self.config.verify:  # its stream was cut short before the digests were in
+                logger.warning("[trainer rank %d step %d] the snapshot has no digests to check it against; "
+                               "restoring it unchecked", self.rank, snapshot.step)
+            return
+        try:
+            snapshot.verify()
+        except SnapshotCorruptedError as exc:
+            logger.error("[trainer rank %d] cannot roll back: %s", self.rank, exc)
+            raise
 
     def _failed_generation(self, step: int) -> bool:
         group = dist.group.WORLD if dist.is_initialized() else None

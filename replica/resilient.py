@@ -243,13 +243,21 @@ class ResilientProcessGroup(dist.ProcessGroup):
                 self._works = deque(w for w in self._works if id(w) not in finished)
         return self._error
 
-    def configure(self, generation: int, *, timeout: timedelta | None = None) -> None:
+    def configure(self, generation: int, *, timeout: timedelta | None = None,
+                  ready_timeout: timedelta | None = None) -> None:
         """Connect generation ``generation``: every member calls this with the same
-        number (the coordinator's); blocks until all have joined or ``timeout``."""
+        number (the coordinator's); blocks until all have joined or ``timeout``.
+
+        ``ready_timeout`` first waits (polling, up to that long) until every member
+        has arrived, so a member that is slow to get here (a promoted standby
+        restoring under load) is not failed by the short collective ``timeout``,
+        which also bounds gloo's rendezvous."""
         if generation <= self._generation:
             raise ValueError(f"generation {generation} is not newer than {self._generation}")
         timeout = timeout or self._timeout
         prefix = dist.PrefixStore(f"generation/{generation}", self._store)
+        if ready_timeout is not None:
+            self._arrive(prefix, generation, ready_timeout)
         inners = {"cpu": dist.ProcessGroupGloo(prefix, self.rank(), self.size(), timeout)}
         self._release(timeout)
         if self.cuda:
@@ -259,6 +267,16 @@ class ResilientProcessGroup(dist.ProcessGroup):
             self._works = deque()
         logger.info("[rank %d] process group generation %d connected (%s)", self.rank(), generation,
                     ", ".join(sorted(inners)))
+
+    def _arrive(self, prefix: dist.Store, generation: int, timeout: timedelta) -> None:
+        prefix.set(f"arrived/{self.rank()}", b"1")
+        names = [f"arrived/{r}" for r in range(self.size())]
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not prefix.check(names):  # polled: a blocking wait would hold the store client for everyone
+            if time.monotonic() > deadline:
+                missing = [r for r in range(self.size()) if not prefix.check([f"arrived/{r}"])]
+                raise ReplicaError(f"generation {generation}: ranks {missing} did not arrive within {timeout}")
+            time.sleep(0.01)
 
     def abort(self, reason: str, *, wait: timedelta = timedelta(0)) -> bool:
         """Fail the current generation now: ``errored`` is set before this returns,
@@ -445,13 +463,14 @@ def init_resilient_process_group(*, store: dist.Store, rank: int, world_size: in
     """Initialize torch.distributed's default group as a ResilientProcessGroup and
     connect ``generation`` (None: build it unconnected, as a standby does, which
     may build its FSDP2 model before it joins). ``timeout`` and ``nccl_timeout``
-    as in ``ResilientProcessGroup``."""
+    as in ``ResilientProcessGroup``. The group's keys go into ``store`` as given:
+    pass a prefixed one (a role's ``JobStore.sub("pg")``) to keep them apart."""
     global _is_registered
     with _registered:
         if not _is_registered:
             dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
             _is_registered = True
-    dist.init_process_group(BACKEND_NAME, store=dist.PrefixStore("replica/pg", store), rank=rank,
+    dist.init_process_group(BACKEND_NAME, store=store, rank=rank,
                             world_size=world_size, timeout=timeout)
     group = dist.group.WORLD
     if not isinstance(group, ResilientProcessGroup):

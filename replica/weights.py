@@ -66,6 +66,7 @@ from replica.protocol import (
     send_layout,
     send_reply,
 )
+from replica.jobstate import JobStore, Number, Registration, keys
 from replica.registry import publish, registration
 from replica.stream import MirrorFaults
 from replica.transport import Connection, MemoryKind, Transport
@@ -131,7 +132,7 @@ class ReceiverStats:
 class _Link:
     """The leader's connection to one engine's receiver."""
 
-    def __init__(self, transport: Transport, conn: Connection, registration: str):
+    def __init__(self, transport: Transport, conn: Connection, registration: Registration):
         self.transport, self.conn, self.registration = transport, conn, registration
         self.step: int | None = None  # the version it acknowledged last
 
@@ -204,13 +205,13 @@ class WeightSync:
     bfloat16 for a bfloat16 engine, halving the bytes).
     """
 
-    def __init__(self, model: torch.nn.Module, *, store: dist.Store, num_engines: int, config: Config,
+    def __init__(self, model: torch.nn.Module, *, store: dist.Store | JobStore, num_engines: int, config: Config,
                  rank: int = 0, leader: int = 0, name_map: Callable[[str], str] | None = None,
                  dtype: torch.dtype | None = None, faults: MirrorFaults | None = None):
         if num_engines < 0:
             raise ValueError(f"num_engines must be >= 0, got {num_engines}")
         self.config = config
-        self.store = store
+        self.store = JobStore.of(store, token=config.token, prefix=config.store_prefix)
         self.num_engines = num_engines
         self.is_leader = rank == leader
         self.stats = SyncStats()
@@ -233,7 +234,7 @@ class WeightSync:
         self._landing: dict[int, torch.cuda.Event] = {}  # bucket.lo -> its copy into _packed
         self._step: int | None = None  # the version in _packed
         self._links: dict[int, _Link] = {}
-        self._unreachable: set[str] = set()  # registrations that refused or failed a connection
+        self._unreachable: set[Registration] = set()  # registrations that refused or failed a connection
         self._lock = threading.Lock()  # push and refresh take turns on the links
 
     def push(self, step: int) -> SyncStats:
@@ -338,13 +339,10 @@ class WeightSync:
         full = _gather(p.detach()) if hasattr(p, "full_tensor") else p.detach()
         return full if self._dtype is None or full.dtype == self._dtype else full.to(self._dtype)
 
-    def _key(self, i: int) -> str:
-        return f"{self.config.store_prefix}/engine/{i}"
-
     def _connect_all(self) -> dict[int, _Link]:
         """A link to every engine registered now (reconnecting to replaced ones)."""
         for i in range(self.num_engines):
-            current = registration(self.store, self._key(i))
+            current = registration(self.store, keys.engine(i))
             link = self._links.get(i)
             if link is not None and link.registration == current:
                 continue
@@ -359,8 +357,8 @@ class WeightSync:
                 logger.warning("weight sync: engine %d at %s unreachable: %s", i, current, exc)
         return dict(self._links)
 
-    def _connect(self, current: str) -> _Link:
-        backend, address, _ = current.split(" ")
+    def _connect(self, current: Registration) -> _Link:
+        backend, address = current.backend, current.address
         if memory_kind(self._packed) not in backend_class(backend).capabilities.memory:
             raise TransportError(f"the engine listens on {backend}, which cannot move host memory")
         transport = make_backend(backend, self.config)
@@ -452,16 +450,15 @@ class WeightReceiver(Listener):
     """The engine side: listens, receives versions, verifies them, and hands the
     engine complete versions only (``apply``)."""
 
-    def __init__(self, *, index: int, store: dist.Store, config: Config,
+    def __init__(self, *, index: int, store: dist.Store | JobStore, config: Config,
                  expect: Callable[[StateLayout], None] | None = None,
                  on_ready: Callable[[int], None] | None = None):
         super().__init__(config=config, memory=MemoryKind.HOST, name=f"engine {index}")
         self.index = index
-        self.store = store
+        self.store = JobStore.of(store, token=config.token, prefix=config.store_prefix)
         self.stats = ReceiverStats()
         self._expect = expect
         self._on_ready = on_ready  # called (from the receiving thread) when a version is complete
-        self._key = f"{config.store_prefix}/engine/{index}"
         self._layout: StateLayout | None = None
         self._staging: torch.Tensor | None = None
         self._ready: torch.Tensor | None = None
@@ -471,7 +468,7 @@ class WeightReceiver(Listener):
         self._receiving = threading.Lock()  # one session at a time writes the staging buffer
         self.version: int | None = None  # the version the engine serves (applied)
         self._sender: Connection | None = None  # the current sender's connection
-        self.registration = publish(store, self._key, self.backend, self.address)
+        self.registration = publish(self.store, keys.engine(index), self.backend, self.address)
         self._start()
 
     def ready(self) -> int | None:
@@ -510,7 +507,7 @@ class WeightReceiver(Listener):
     def served(self, step: int) -> None:
         """Record that the engine now serves version ``step`` (and report it in the store)."""
         self.version = step
-        self.store.set(f"{self._key}/version", str(step))
+        self.store.put(keys.engine_version(self.index), Number(value=step))
         logger.info("[engine %d] serving weights of step %d", self.index, step)
 
     def apply(self, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> int | None:

@@ -23,8 +23,10 @@ import torch.distributed as dist
 
 from replica.commit import CommitRecord
 from replica.errors import JoinRefusedError
+from replica.jobstate import Failover as FailoverRecord
+from replica.jobstate import Flag, Generation, JobStore, Promotion, Stamp, Text, keys
 from replica.roles.env import ROLES
-from replica.roles.join import JoinRequest, answer, pending_requests
+from replica.roles.join import JoinRequest, answer, pending_requests, refuse_unsigned
 
 __all__ = ["Coordinator", "Deadlines", "Decision", "Failover", "Member"]
 
@@ -68,7 +70,7 @@ class Member:
     since: float  # when it took its current role (a promoted standby's promotion)
     state: str = "alive"  # alive, done, dead
     # Liveness, on the coordinator's clock only (roles on other machines need not agree on time):
-    beats: int = field(default=0, repr=False)  # the heartbeat counter last read
+    beats: int = field(default=0, repr=False)  # the highest verified heartbeat counter read
     beat_at: float = field(default=0.0, repr=False)  # when it last changed
     lost_base: int = field(default=0, repr=False)  # transport reports of its rank before it took its role
 
@@ -116,8 +118,10 @@ class Coordinator:
                                "(is another coordinator running there?)") from exc
         self._listener.listen(128)
         self.host, self.port = self._listener.getsockname()[:2]
-        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                                   master_listen_fd=self._listener.detach(), timeout=timedelta(seconds=60))
+        raw = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                            master_listen_fd=self._listener.detach(), timeout=timedelta(seconds=60))
+        #: The job state, signed under the token (``replica.jobstate``).
+        self.store = JobStore(raw, token=token)
         self.world_size = world_size
         self.rollouts = rollouts
         self.record = CommitRecord(self.store, world_size=world_size)
@@ -138,7 +142,7 @@ class Coordinator:
         self._nonces: set[str] = set()
         self._numbered_at: dict[int, float] = {}
         self._failed: str | None = None
-        self.store.set("replica/generation", "0")
+        self._publish_generation()
         self._publish_members()
 
     @property
@@ -154,7 +158,7 @@ class Coordinator:
         self._reprotect()
         now = time.time()
         for member in self.alive():
-            if member.role == "trainer" and self.store.check([f"replica/done/{member.rank}"]):
+            if member.role == "trainer" and self.store.has(keys.done(member.rank)):
                 member.state = "done"
                 self._publish_members()
                 continue
@@ -199,7 +203,7 @@ class Coordinator:
             return decisions
         if member.state != "alive":
             return decisions
-        if member.role == "trainer" and self.store.check([f"replica/done/{member.rank}"]):
+        if member.role == "trainer" and self.store.has(keys.done(member.rank)):
             member.state = "done"
             self._publish_members()
             return decisions
@@ -216,7 +220,7 @@ class Coordinator:
             return []
         if member.role == "rollout":
             logger.warning("%s is dead (%s): the next weight sync skips it", member, reason)
-            self.store.set(f"replica/rollout/engine/{member.rank}/dead_since", repr(time.time()))
+            self.store.put(keys.engine_dead_since(member.rank), Stamp(at=time.time()))
             self.rollouts_lost.append({"index": member.rank, "reason": reason, "at": time.time()})
             return [Decision(kind="rollout_lost", rank=member.rank, reason=reason, dead=member)]
         if member.role == "standby":
@@ -248,13 +252,13 @@ class Coordinator:
                          "trainer dies the job fails", rank)
 
     def finish(self) -> None:
-        self.store.set("replica/finished", "1")
+        self.store.put(keys.finished(), Flag())
 
     def finished(self) -> bool:
-        return self.store.check(["replica/finished"])
+        return self.store.has(keys.finished())
 
     def all_done(self) -> bool:
-        return all(self.store.check([f"replica/done/{r}"]) for r in range(self.world_size))
+        return all(self.store.has(keys.done(r)) for r in range(self.world_size))
 
     def alive(self, role: str | None = None) -> list[Member]:
         return [m for m in self.members if m.state == "alive" and role in (None, m.role)]
@@ -272,14 +276,17 @@ class Coordinator:
             self._seen = seq
             try:
                 request = JoinRequest.decode(raw, self._token)
-                refused = self._refusal(request)
-            except JoinRefusedError as exc:
-                request, refused = None, str(exc)
+            except JoinRefusedError as exc:  # its writer cannot verify a signed answer: say why, unsigned
+                logger.warning("refused a join: %s", exc)
+                self.refused.append({"reason": str(exc), "at": time.time()})
+                refuse_unsigned(self.store, seq, str(exc))
+                continue
+            refused = self._refusal(request)
             if refused is not None:
                 # The reason names who asked, never the token presented.
                 logger.warning("refused a join: %s", refused)
                 self.refused.append({"reason": refused, "at": time.time()})
-                answer(self.store, seq, generation=self.generation, refused=refused)
+                answer(self.store, seq, request, generation=self.generation, refused=refused)
                 continue
             self._nonces.add(request.nonce)
             now = time.time()
@@ -289,8 +296,10 @@ class Coordinator:
             self.members.append(member)
             if not self.started and all(self._live("trainer", r) for r in range(self.world_size)):
                 self.started = True
+            if member.role == "trainer":
+                self._publish_generation()  # its epoch exists before it can stream
             self._publish_members()
-            answer(self.store, seq, generation=self.generation)
+            answer(self.store, seq, request, generation=self.generation)
             logger.info("admitted %s", member)
 
     def _refusal(self, request: JoinRequest) -> str | None:
@@ -322,19 +331,19 @@ class Coordinator:
         commit = self.record.last()
         self.generation += 1
         g = self.generation
-        key = f"replica/standby/{rank}"
-        if self.store.check([key]):
-            self.store.delete_key(key)  # the promoted standby's address; its replacement publishes anew
-        self.store.set(f"replica/failover/{g}", str(commit if commit is not None else -1))
-        self.store.set(f"replica/promote/{rank}", str(g))
-        self.store.set("replica/generation", str(g))
+        if self.store.raw.check([self.store.full(keys.standby(rank))]):
+            self.store.delete(keys.standby(rank))  # the promoted standby's address; its replacement publishes anew
         standby.role, standby.since, standby.generation = "trainer", decided, g
+        self.store.put(keys.failover(g), FailoverRecord(generation=g, commit=commit if commit is not None else -1,
+                                                        rank=rank, member=standby.id))
+        self.store.put(keys.promote(rank), Promotion(rank=rank, generation=g, member=standby.id))
+        self._publish_generation()  # last: whoever sees generation g finds its failover record
         standby.lost_base = self.record.lost_reports(rank)
         engine = self._live("rollout", rank)
         if engine is not None:  # the standby's machine hosts rollout `rank`: its resources go to the trainer
-            self.store.set(f"replica/rollout/{rank}/stop", "1")
+            self.store.put(keys.rollout_stop(rank), Flag())
             # Its claims on shards are void from now on: the other engines take them.
-            self.store.set(f"replica/rollout/engine/{rank}/dead_since", repr(time.time()))
+            self.store.put(keys.engine_dead_since(rank), Stamp(at=time.time()))
             self.rollouts_retired.append(rank)
             logger.warning("%s drains and stops: its machine now hosts trainer %d (%d rollouts left)", engine,
                            rank, len(self.alive("rollout")) - 1)
@@ -350,22 +359,29 @@ class Coordinator:
 
     def _check_fatal(self) -> list[Decision]:
         """A role that hit an error no failover can fix (a layout mismatch) reports it here."""
-        if self._failed is None and self.store.check(["replica/fatal"]):
-            return [self._fail(-1, self.store.get("replica/fatal").decode())]
+        fatal = self.store.get(keys.fatal()) if self._failed is None else None
+        if fatal is not None:
+            return [self._fail(-1, fatal.value)]
         return []
 
     def _live(self, role: str, rank: int) -> Member | None:
         return next((m for m in self.members if m.state == "alive" and m.role == role and m.rank == rank), None)
 
     def _last_beat(self, member: Member, now: float) -> float:
-        """When (on this clock) the member's heartbeat counter last moved."""
-        beats = self.store.add(f"replica/hb/{member.id}", 0)
-        if beats != member.beats:
-            member.beats, member.beat_at = beats, now
+        """When (on this clock) the member's signed heartbeat counter last rose
+        (a forged or replayed beat moves nothing)."""
+        beat = self.store.get(keys.heartbeat(member.id))
+        if beat is not None and beat.member == member.id and beat.beat > member.beats:
+            member.beats, member.beat_at = beat.beat, now
         return member.beat_at
 
+    def _publish_generation(self) -> None:
+        """The generation and each rank's trainer in it: the epochs receivers accept."""
+        trainers = tuple(m.id if m is not None else -1 for m in (self._live("trainer", r) for r in range(self.world_size)))
+        self.store.put(keys.generation(), Generation(number=self.generation, trainers=trainers))
+
     def _publish_members(self) -> None:
-        self.store.set("replica/members", json.dumps(self.membership()))
+        self.store.put(keys.members(), Text(value=json.dumps(self.membership())))
 
     def membership(self) -> list[dict]:
         """The membership table: role, rank, host, pid, generation and state of every member."""
@@ -376,8 +392,8 @@ class Coordinator:
 
     def fired(self, fault: str) -> float | None:
         """When an injected fault fired (its process records it just before dying)."""
-        key = f"replica/killed/{fault}"
-        return float(self.store.get(key)) if self.store.check([key]) else None
+        stamp = self.store.get(keys.killed(fault))
+        return None if stamp is None else stamp.at
 
     def observe(self, failover: Failover, faults: list[str]) -> None:
         """Fill in the failover's timeline from what the roles recorded."""
@@ -386,7 +402,8 @@ class Coordinator:
         failover.killed_at = max((k for k in killed if k <= failover.decided_at), default=None)
         t0 = failover.killed_at or failover.decided_at
         failover.timeline_ms["detect"] = (failover.decided_at - t0) * 1e3
-        for name, key in (("promote", f"replica/restored/{g}"), ("reconnect", f"replica/reconnected/{g}"),
-                          ("resumed", f"replica/resumed/{g}")):
-            if self.store.check([key]):
-                failover.timeline_ms[name] = (float(self.store.get(key)) - t0) * 1e3
+        for name, key in (("promote", keys.restored(g)), ("reconnect", keys.reconnected(g)),
+                          ("resumed", keys.resumed(g))):
+            stamp = self.store.get(key)
+            if stamp is not None:
+                failover.timeline_ms[name] = (stamp.at - t0) * 1e3

@@ -1,12 +1,15 @@
 """Joining a job: every role process presents the job's secret token to the
 coordinator, which admits it into the membership table or refuses it.
 
-The job store (a torch.distributed ``TCPStore``) has no authentication of its
-own, so the token never goes into it: a joiner writes its request (role, rank,
-host, pid, a fresh nonce) with an HMAC-SHA256 of it keyed by the token. The
-coordinator recomputes the HMAC, refuses a wrong one (logging who asked, never
-the token) and refuses a replayed nonce. Keys: ``replica/join/seq`` counts
-requests, ``replica/join/{n}`` is request n, ``replica/join/{n}/reply`` the answer.
+The job store has no authentication of its own, so the token never goes into
+it: a joiner writes its request (role, rank, host, pid, a fresh nonce) with an
+HMAC-SHA256 of it keyed by the token, raw under ``join/{n}`` (``n`` from the
+counter ``join/seq``). The coordinator recomputes the HMAC, refuses a wrong one
+(logging who asked, never the token) and refuses a replayed nonce. Its answer,
+``join/{n}/reply``, is a signed ``JoinReply`` bound to the request's nonce: a
+reply written by anyone else is never taken for an admission. A process with
+the wrong token cannot verify even a genuine refusal; the coordinator writes
+that one unsigned, and the joiner reports its reason after a short grace.
 """
 
 from __future__ import annotations
@@ -17,16 +20,19 @@ import json
 import os
 import secrets
 import socket
+import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
-import torch.distributed as dist
+from replica.errors import JobStateError, JoinRefusedError
+from replica.jobstate import JobStore, JoinReply, keys
 
-from replica.errors import JoinRefusedError
+__all__ = ["Admission", "JoinRequest", "answer", "join", "pending_requests", "refuse_unsigned"]
 
-__all__ = ["Admission", "JoinRequest", "answer", "join", "pending_requests"]
-
-_SEQ = "replica/join/seq"
+#: How long a joiner keeps waiting for a signed reply when only an unverifiable one is there.
+_UNSIGNED_GRACE_S = 5.0
+#: At most this many requests are read per call: a forged counter cannot make a poll endless.
+_MAX_PENDING = 64
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -59,7 +65,7 @@ class JoinRequest:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Admission:
-    member: int  # the member's id (its join number): its heartbeat key is replica/hb/{member}
+    member: int  # the member's id (its join number): its heartbeat key is hb/{member}
     generation: int
 
 
@@ -67,29 +73,62 @@ def _mac(token: bytes, body: str) -> str:
     return hmac.new(token, body.encode(), hashlib.sha256).hexdigest()
 
 
-def join(store: dist.Store, *, role: str, rank: int, token: bytes, timeout: timedelta) -> Admission:
+def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timedelta) -> Admission:
     """Ask the coordinator to admit this process; raises JoinRefusedError if refused."""
     request = JoinRequest(role=role, rank=rank, host=socket.gethostname(), pid=os.getpid(), nonce=secrets.token_hex(16))
-    seq = store.add(_SEQ, 1)
-    store.set(f"replica/join/{seq}", request.encode(token))
-    reply_key = f"replica/join/{seq}/reply"
+    seq = store.count(keys.join_seq(), 1)
+    store.raw.set(store.full(keys.join_request(seq)), request.encode(token))
+    key = keys.join_reply(seq)
+    deadline = time.monotonic() + timeout.total_seconds()
+    unsigned_since: float | None = None
+    delay = 1e-3
+    while True:
+        full = store.full(key)
+        if store.raw.check([full]):
+            raw = store.raw.get(full)
+            try:
+                reply = store.verify(key, raw)
+            except JobStateError:
+                unsigned_since = unsigned_since or time.monotonic()
+                if time.monotonic() - unsigned_since > _UNSIGNED_GRACE_S:
+                    raise JoinRefusedError(f"{role} rank {rank} was not admitted: the only reply is not signed with "
+                                           f"this process's token ({_reason(raw)}); is REPLICA_TOKEN the job's?")
+            else:
+                if reply.seq != seq or reply.nonce != request.nonce:
+                    raise JoinRefusedError(f"the reply to the join of {role} rank {rank} answers another request")
+                if not reply.admitted:
+                    raise JoinRefusedError(f"the coordinator refused {role} rank {rank}: {reply.reason}")
+                return Admission(member=seq, generation=reply.generation)
+        if time.monotonic() > deadline:
+            raise JoinRefusedError(f"no coordinator answered the join of {role} rank {rank} within {timeout}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _reason(raw: bytes) -> str:
     try:
-        store.wait([reply_key], timeout)
-    except RuntimeError as exc:  # DistStoreError: "Wait timeout"
-        raise JoinRefusedError(f"no coordinator answered the join of {role} rank {rank} within {timeout}") from exc
-    reply = json.loads(store.get(reply_key))
-    if not reply["admitted"]:
-        raise JoinRefusedError(f"the coordinator refused {role} rank {rank}: {reply['reason']}")
-    return Admission(member=seq, generation=int(reply["generation"]))
+        return str(json.loads(raw.rpartition(b"\n")[0] or raw)["reason"])[:200]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "unreadable"
 
 
-def pending_requests(store: dist.Store, after: int) -> list[tuple[int, bytes | None]]:
-    """Requests numbered above ``after``: (n, raw request, or None while its writer is mid-way)."""
-    last = store.add(_SEQ, 0)
-    return [(n, store.get(f"replica/join/{n}") if store.check([f"replica/join/{n}"]) else None)
-            for n in range(after + 1, last + 1)]
+def pending_requests(store: JobStore, after: int) -> list[tuple[int, bytes | None]]:
+    """Requests numbered above ``after`` (at most _MAX_PENDING): (n, raw request,
+    or None while its writer is mid-way)."""
+    last = min(store.count(keys.join_seq()), after + _MAX_PENDING)
+    out = []
+    for n in range(after + 1, last + 1):
+        full = store.full(keys.join_request(n))
+        out.append((n, store.raw.get(full) if store.raw.check([full]) else None))
+    return out
 
 
-def answer(store: dist.Store, seq: int, *, generation: int, refused: str | None = None) -> None:
-    reply = {"admitted": refused is None, "reason": refused, "generation": generation}
-    store.set(f"replica/join/{seq}/reply", json.dumps(reply))
+def answer(store: JobStore, seq: int, request: JoinRequest, *, generation: int, refused: str | None = None) -> None:
+    store.put(keys.join_reply(seq), JoinReply(seq=seq, nonce=request.nonce, admitted=refused is None,
+                                              reason=refused or "", generation=generation))
+
+
+def refuse_unsigned(store: JobStore, seq: int, reason: str) -> None:
+    """Refuse a request this coordinator cannot authenticate (its writer may hold a
+    wrong token and could not verify a signed answer). Never an admission."""
+    store.raw.set(store.full(keys.join_reply(seq)), json.dumps({"admitted": False, "reason": reason}).encode())

@@ -7,9 +7,9 @@ with a seed per prompt, by whichever engine claims it, so the completions do
 not depend on which engine served them or on how many are alive. An engine
 claims its own shards first (shard k belongs to engine k mod R), then any
 unclaimed one, or one whose claimer died (the coordinator lists dead members in
-``replica/dead/{id}``). Keys, under ``replica/rollout/``: ``seq`` (requests
-posted), ``req/{n}`` (request n, JSON), ``req/{n}/claim/{k}`` and
-``req/{n}/result/{k}`` (JSON token ids)."""
+``rollout/engine/{i}/dead_since``). The keys are ``replica.jobstate.keys``'
+``rollout/...`` ones: ``seq`` (requests posted), ``req/{n}`` (request n, JSON),
+``req/{n}/claim/{k}`` and ``req/{n}/result/{k}`` (JSON token ids); every value is signed."""
 
 from __future__ import annotations
 
@@ -21,16 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
-import torch.distributed as dist
-
 import replica
+from replica.jobstate import JobStore, Number, Stamp, Text, keys
 from replica.vllm_worker import EngineWeights, ReceiverSpec
 
 __all__ = ["RolloutClient", "Sampling", "serve_rollouts", "served_shards"]
 
 logger = logging.getLogger(__name__)
 
-_PREFIX = "replica/rollout"
 _POLL_S = 0.005
 _STEAL_AFTER_S = 0.5  # an unclaimed shard of another engine is taken after this
 
@@ -48,7 +46,7 @@ class RolloutClient:
     (``push`` gathers the parameters collectively); only the leader talks to the
     engines, and every rank gets all completions."""
 
-    def __init__(self, *, store: dist.Store, sync: replica.WeightSync, num_shards: int,
+    def __init__(self, *, store: JobStore, sync: replica.WeightSync, num_shards: int,
                  epoch: Callable[[], int] = lambda: 0, abort: Callable[[], bool] = lambda: False,
                  timeout: timedelta = timedelta(seconds=600)):
         if num_shards < 1:
@@ -64,58 +62,58 @@ class RolloutClient:
     def push(self, step: int) -> int:
         """Send the current weights as a new version (every rank); returns the version id,
         or -1 if the step was aborted (its outputs are discarded, as a failed step's are)."""
-        version = self.store.add(f"{_PREFIX}/version_seq", 1) if self.sync.is_leader else 0
+        version = self.store.count(keys.version_seq(), 1) if self.sync.is_leader else 0
         self.sync.push(version)
-        key = f"{_PREFIX}/version/{self._epoch()}/{step}"
+        key = keys.version(self._epoch(), step)
         if self.sync.is_leader and not self._abort():
-            self.store.set(key, str(version))
+            self.store.put(key, Number(value=version))
         if not self._wait([key]):
             return -1
-        self.version = int(self.store.get(key))
+        self.version = self.store.get(key).value
         return self.version
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, step: int) -> list[list[int]]:
         """Completions (token ids) of ``prompts`` under the version pushed for ``step``.
         If the step is aborted meanwhile, returns placeholder completions of the right
         size (the step is redone after the failover; nothing of it is kept)."""
-        key = f"{_PREFIX}/request/{self._epoch()}/{step}"
+        key = keys.request_of(self._epoch(), step)
         if self.sync.is_leader and self.version is not None and not self._abort():
-            n = self.store.add(f"{_PREFIX}/seq", 1)
+            n = self.store.count(keys.request_seq(), 1)
             shards = [list(range(k, len(prompts), self.num_shards)) for k in range(self.num_shards)]
-            self.store.set(f"{_PREFIX}/req/{n}", json.dumps({
+            self.store.put(keys.request(n), Text(value=json.dumps({
                 "step": step, "version": self.version, "sampling": asdict(sampling),
                 "shards": [[[int(t) for t in prompts[i]] for i in shard] for shard in shards],
-                "index": shards}))
-            self.store.set(key, str(n))
+                "index": shards})))
+            self.store.put(key, Number(value=n))
         placeholder = [[0] * sampling.max_tokens for _ in prompts]
         if not self._wait([key]):
             return placeholder
-        n = int(self.store.get(key))
-        results = [f"{_PREFIX}/req/{n}/result/{k}" for k in range(self.num_shards)]
+        n = self.store.get(key).value
+        results = [keys.result(n, k) for k in range(self.num_shards)]
         if not self._wait(results, refresh=self.sync.is_leader):
             return placeholder
         completions: list[list[int]] = list(placeholder)
-        for k, raw in enumerate(self.store.multi_get(results)):
-            shard = json.loads(raw)
+        for k, text in enumerate(self.store.get_many(results)):
+            shard = json.loads(text.value)
             for i, tokens in zip(range(k, len(prompts), self.num_shards), shard["completions"]):
                 completions[i] = tokens
         return completions
 
-    def _wait(self, keys: list[str], *, refresh: bool = False) -> bool:
+    def _wait(self, wanted: list, *, refresh: bool = False) -> bool:
         """True once every key is set; False if the step was aborted first."""
         deadline = time.monotonic() + self.timeout.total_seconds()
-        while not self.store.check(keys):
+        while not all(v is not None for v in self.store.get_many(wanted)):
             if self._abort():
                 return False
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{keys[0]} and {len(keys) - 1} more not set within {self.timeout}")
+                raise TimeoutError(f"{wanted[0]} and {len(wanted) - 1} more not set within {self.timeout}")
             if refresh:
                 self.sync.refresh()  # an engine that joined since gets this version before it serves
             time.sleep(_POLL_S if not refresh else 0.05)
         return True
 
 
-def serve_rollouts(*, store: dist.Store, index: int, num_engines: int, token: bytes, make_llm: Callable[[], object],
+def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: bytes, make_llm: Callable[[], object],
                    stop: Callable[[], bool], on_shard: Callable[[int], None] | None = None,
                    host: str = "127.0.0.1") -> None:
     """The rollout role: run an engine, take weight versions as they come, serve
@@ -124,22 +122,26 @@ def serve_rollouts(*, store: dist.Store, index: int, num_engines: int, token: by
     from vllm import SamplingParams
 
     llm = make_llm()
-    weights = EngineWeights(llm, ReceiverSpec(index=index, store_host=store.host, store_port=store.port,
-                                              token_hex=token.hex(), host=host))
-    store.set(f"{_PREFIX}/engine/{index}/up", repr(time.time()))
+    weights = EngineWeights(llm, ReceiverSpec(index=index, store_host=store.raw.host, store_port=store.raw.port,
+                                              token_hex=token.hex(), host=host, store_prefix=store.prefix))
+    store.put(keys.engine_up(index), Stamp(at=time.time()))
     seen = 0  # requests fully handled here
     logger.warning("[rollout %d] engine up, serving", index)
     while not stop():
-        posted = store.add(f"{_PREFIX}/seq", 0)
+        posted = store.count(keys.request_seq())
         if seen >= posted:
             weights.update()  # apply a version as soon as it is complete
             time.sleep(_POLL_S)
             continue
         n = seen + 1
-        request = json.loads(store.get(f"{_PREFIX}/req/{n}"))
+        text = store.get(keys.request(n))
+        if text is None:  # numbered, not yet written (or not trustworthy): look again
+            time.sleep(_POLL_S)
+            continue
+        request = json.loads(text.value)
         shard = _claim(store, n, request, index, num_engines)
         if shard is None:
-            if all(store.check([f"{_PREFIX}/req/{n}/result/{k}"]) for k in range(len(request["shards"]))):
+            if all(store.has(keys.result(n, k)) for k in range(len(request["shards"]))):
                 seen = n
             else:
                 time.sleep(_POLL_S)
@@ -157,9 +159,9 @@ def serve_rollouts(*, store: dist.Store, index: int, num_engines: int, token: by
                                  seed=sampling["seed"] + i, detokenize=False, ignore_eos=True)
                   for i in request["index"][shard]]
         outs = llm.generate([{"prompt_token_ids": p} for p in request["shards"][shard]], params, use_tqdm=False)
-        store.set(f"{_PREFIX}/req/{n}/result/{shard}", json.dumps({
+        store.put(keys.result(n, shard), Text(value=json.dumps({
             "engine": index, "pid": os.getpid(), "version": served,
-            "completions": [list(o.outputs[0].token_ids) for o in outs]}))
+            "completions": [list(o.outputs[0].token_ids) for o in outs]})))
     weights.close()
 
 
@@ -177,56 +179,63 @@ def _wait_version(weights: EngineWeights, version: int, stop: Callable[[], bool]
     raise TimeoutError(f"weights of version {version} did not arrive within {timeout}")
 
 
-def _claim(store: dist.Store, n: int, request: dict, index: int, num_engines: int) -> int | None:
+def _claim(store: JobStore, n: int, request: dict, index: int, num_engines: int) -> int | None:
     """A shard of request n for this engine to generate, claimed; None if none is free."""
     me = f"{index}:{time.time()!r}"
     shards = range(len(request["shards"]))
     mine = [k for k in shards if k % max(num_engines, 1) == index]
     others = [k for k in shards if k not in mine]
     for k in mine + others:
-        if store.check([f"{_PREFIX}/req/{n}/result/{k}"]):
+        if store.has(keys.result(n, k)):
             continue
-        key = f"{_PREFIX}/req/{n}/claim/{k}"
-        current = store.get(key).decode() if store.check([key]) else ""
-        if current and not _claimer_dead(store, current):
+        key = keys.claim(n, k)
+        current, raw = store.read(key)
+        if current is not None and not _claimer_dead(store, current.value):
             continue
-        if not current and k not in mine and not _gone(store, k % max(num_engines, 1)) and not _waited(store, n):
+        if current is None and k not in mine and not _gone(store, k % max(num_engines, 1)) and not _waited(store, n):
             continue
-        if store.compare_set(key, current, me).decode() == me:
+        after, _ = store.compare_set(key, raw, Text(value=me))
+        if after is not None and after.value == me:
             return k
     return None
 
 
-def _waited(store: dist.Store, n: int) -> bool:
+def _waited(store: JobStore, n: int) -> bool:
     """Other engines' shards are taken only once they had a moment to claim them."""
-    key = f"{_PREFIX}/req/{n}/seen"
-    store.compare_set(key, "", repr(time.time()))
-    return time.time() - float(store.get(key)) > _STEAL_AFTER_S
+    key = keys.request_seen(n)
+    seen, raw = store.read(key)
+    if seen is None:
+        seen, _ = store.compare_set(key, raw, Stamp(at=time.time()))
+    return seen is not None and time.time() - seen.at > _STEAL_AFTER_S
 
 
-def _gone(store: dist.Store, engine: int) -> bool:
+def _gone(store: JobStore, engine: int) -> bool:
     """Engine ``engine`` died or was retired and no replacement is up: its shards are free at once."""
-    dead, up = f"{_PREFIX}/engine/{engine}/dead_since", f"{_PREFIX}/engine/{engine}/up"
-    if not store.check([dead]):
+    dead = store.get(keys.engine_dead_since(engine))
+    if dead is None:
         return False
-    return not store.check([up]) or float(store.get(dead)) > float(store.get(up))
+    up = store.get(keys.engine_up(engine))
+    return up is None or dead.at > up.at
 
 
-def _claimer_dead(store: dist.Store, claim: str) -> bool:
-    engine = claim.split(":")[0]
-    key = f"{_PREFIX}/engine/{engine}/dead_since"
-    return store.check([key]) and float(store.get(key)) > float(claim.split(":", 1)[1])
+def _claimer_dead(store: JobStore, claim: str) -> bool:
+    engine, _, at = claim.partition(":")
+    dead = store.get(keys.engine_dead_since(int(engine)))
+    return dead is not None and dead.at > float(at)
 
 
-def served_shards(store: dist.Store) -> list[dict]:
+def served_shards(store: JobStore) -> list[dict]:
     """Who served each shard of every request, with which weight version (for reports)."""
     rows = []
-    for n in range(1, store.add(f"{_PREFIX}/seq", 0) + 1):
-        request = json.loads(store.get(f"{_PREFIX}/req/{n}"))
+    for n in range(1, store.count(keys.request_seq()) + 1):
+        text = store.get(keys.request(n))
+        if text is None:
+            continue
+        request = json.loads(text.value)
         for k in range(len(request["shards"])):
-            key = f"{_PREFIX}/req/{n}/result/{k}"
-            if store.check([key]):
-                result = json.loads(store.get(key))
+            result = store.get(keys.result(n, k))
+            if result is not None:
+                result = json.loads(result.value)
                 rows.append({"request": n, "step": request["step"], "shard": k, "needed": request["version"],
                              "engine": result["engine"], "pid": result["pid"], "version": result["version"]})
     return rows

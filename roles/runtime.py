@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 import replica
+from replica.errors import FencedError
+from replica.jobstate import Epoch, Flag, Heartbeat, JobStore, Stamp, Text, keys
 from replica.restore import materialize_optimizer_state
 from replica.roles.env import RoleEnv, configure_logging
 from replica.roles.join import join
@@ -29,6 +31,7 @@ HEARTBEAT_S = 0.1
 _HEARTBEAT_IO = timedelta(seconds=2)  # one beat's store call (or reconnect) at most
 _HEARTBEAT_LOG_EVERY = 50  # repeated failures: one warning in 50 (5 s)
 _WAIT = timedelta(seconds=120)
+_FENCED_EXIT = 75  # the exit code of a trainer that found itself replaced
 
 
 class Job:
@@ -36,7 +39,8 @@ class Job:
         self.env = env
         self.role = env.role
         self.rank = env.rank
-        self.store = dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=_WAIT)
+        self.store = JobStore(dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=_WAIT),
+                              token=env.token)
         # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
         self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=_WAIT).member
         self._since = 0  # the generation this process became the rank's trainer in
@@ -45,7 +49,7 @@ class Job:
         # gloo fails a frozen peer's collective at `timeout`. NCCL's watchdog must never beat the
         # coordinator to declaring a peer dead: 60 s is >= 3x heartbeat deadlines up to 20 s (default 10).
         self.group = None if env.role == "rollout" else replica.init_resilient_process_group(
-            store=dist.PrefixStore("replica/pg", self.store), rank=env.rank, world_size=env.world_size,
+            store=self.store.sub(keys.process_group()), rank=env.rank, world_size=env.world_size,
             timeout=timedelta(seconds=10), nccl_timeout=timedelta(seconds=60),
             generation=0 if env.role == "trainer" else None)
         self._rep: replica.Replicator | None = None
@@ -90,7 +94,7 @@ class Job:
         if self.group.check() is None:
             # One store round trip a step: the loss, when the step ended, the metrics.
             extra = "".join(f" {k}={float(v).hex()}" for k, v in sorted(metrics.items()))
-            self.store.set(f"replica/loss/{self.rank}/{step}", f"{value.hex()} {time.time()!r}{extra}")
+            self.store.put(keys.loss(self.rank, step), Text(value=f"{value.hex()} {time.time()!r}{extra}"))
 
     def rollout_client(self, model: torch.nn.Module, *, num_shards: int, name_map=None,
                        dtype: torch.dtype | None = None) -> RolloutClient:
@@ -106,11 +110,10 @@ class Job:
         """The rollout role: run the engine ``make_llm()`` builds and serve until the job ends."""
         if self.role != "rollout":
             raise replica.ReplicaError(f"serve_rollouts() in a {self.role} process")
-        stop_key = f"replica/rollout/{self.rank}/stop"
         try:
             serve_rollouts(store=self.store, index=self.rank, num_engines=self.env.rollouts, token=self.env.token,
                            make_llm=make_llm, host=self.env.host,
-                           stop=lambda: self.store.check(["replica/finished"]) or self.store.check([stop_key]),
+                           stop=lambda: self.store.has(keys.finished()) or self.store.has(keys.rollout_stop(self.rank)),
                            on_shard=self._rollout_fault)
         finally:
             self.close()
@@ -129,11 +132,11 @@ class Job:
             if self.group.check() is not None or self._failover_announced():
                 step = self._recover() + 1
                 continue
-            if self.group.generation > 0 and not self.store.check([f"replica/resumed/{self.group.generation}"]):
-                self.store.set(f"replica/resumed/{self.group.generation}", repr(time.time()))
+            if self.group.generation > 0 and not self.store.has(keys.resumed(self.group.generation)):
+                self.store.put(keys.resumed(self.group.generation), Stamp(at=time.time()))
             step += 1
         self._rep.wait_committed()
-        self.store.set(f"replica/done/{self.rank}", "1")
+        self.store.put(keys.done(self.rank), Flag())
         self.close()
 
     def close(self) -> None:
@@ -148,46 +151,63 @@ class Job:
 
     # --- failover ---
 
-    def _failover_announced(self, store: dist.Store | None = None) -> bool:
-        return int((store or self.store).get("replica/generation")) > self.group.generation
+    def epoch(self) -> Epoch:
+        """This process's epoch: the generation it trains in and its member id."""
+        return Epoch(generation=self.group.generation, member=self.member)
+
+    def _failover_announced(self, store: JobStore | None = None) -> bool:
+        current = (store or self.store).get(keys.generation())
+        return current is not None and current.number > self.group.generation
+
+    def _superseded(self, store: JobStore | None = None) -> bool:
+        """True when the coordinator gave this trainer's rank to another process."""
+        current = (store or self.store).get(keys.generation())
+        return (self.role == "trainer" and current is not None and self.rank < len(current.trainers)
+                and current.trainers[self.rank] not in (-1, self.member))
 
     def _announced(self) -> tuple[int, int]:
+        """The newer generation and the commit it resumes from. A step that failed
+        without one (a rendezvous or collective timed out on a loaded machine, no
+        one died) waits for the coordinator's decision: a death is announced, or
+        the slow peer catches up and the step is simply redone in a fresh generation."""
         deadline = time.monotonic() + _WAIT.total_seconds()
-        while not self._failover_announced():
+        while True:
+            current = self.store.get(keys.generation())
+            if current is not None and current.number > self.group.generation:
+                failover = self.store.wait(keys.failover(current.number), _WAIT)
+                return current.number, failover.commit
             if time.monotonic() > deadline:
                 raise replica.ReplicaError("the step failed but no coordinator announced a failover")
             time.sleep(0.005)
-        generation = int(self.store.get("replica/generation"))
-        return generation, int(self.store.get(f"replica/failover/{generation}"))
 
     def _recover(self) -> int:
         generation, commit = self._announced()
-        key = f"replica/promote/{self.rank}"
-        if self.store.check([key]) and int(self.store.get(key)) > self._since:
+        if self._superseded():
             # Declared dead (a missed deadline) while alive: its standby has taken the rank over.
             self._stop.set()
-            raise replica.ReplicaError(f"trainer rank {self.rank} was declared dead and replaced by its standby "
-                                       f"in generation {int(self.store.get(key))}; this process must stop")
+            raise FencedError(f"trainer rank {self.rank} was declared dead and replaced by another process in "
+                              f"generation {generation}; this process must stop")
         restored = self._rep.rollback(step=commit)
-        self.group.configure(generation)
+        self.group.configure(generation, ready_timeout=_WAIT)
         logger.warning("[trainer rank %d] survived: rolled back to %d, generation %d", self.rank, restored, generation)
         return restored
 
     def _wait_promotion(self) -> int | None:
-        key = f"replica/promote/{self.rank}"
-        # Only a promotion announced after this standby started is meant for it.
-        started = int(self.store.get("replica/generation"))
-        while not (self.store.check([key]) and int(self.store.get(key)) > started):
-            if self.store.check(["replica/finished"]):
+        key = keys.promote(self.rank)
+        # Only a promotion that names this standby is meant for it.
+        while True:
+            promotion = self.store.get(key)
+            if promotion is not None and promotion.member == self.member:
+                break
+            if self.store.has(keys.finished()):
                 self.close()
                 return None
             for f in self.env.faults:  # a standby's fault fires once its trainer has finished that step
-                if f.role == "standby" and f.rank == self.rank and \
-                        self.store.check([f"replica/loss/{self.rank}/{f.step}"]):
+                if f.role == "standby" and f.rank == self.rank and self.store.has(keys.loss(self.rank, f.step)):
                     self._fault(f.phase, f.step)
             time.sleep(0.01)
-        generation = int(self.store.get(key))
-        commit = int(self.store.get(f"replica/failover/{generation}"))
+        generation = promotion.generation
+        commit = self.store.wait(keys.failover(generation), _WAIT).commit
         model, optimizer, extra = self._bound
         try:
             self._mirror.restore(model, optimizer, extra, step=commit, rank=self.rank,
@@ -196,9 +216,9 @@ class Job:
             self._report_fatal(exc)
             raise
         self._since = generation
-        self.store.set(f"replica/restored/{generation}", repr(time.time()))
-        self.group.configure(generation)
-        self.store.set(f"replica/reconnected/{generation}", repr(time.time()))
+        self.store.put(keys.restored(generation), Stamp(at=time.time()))
+        self.group.configure(generation, ready_timeout=_WAIT)
+        self.store.put(keys.reconnected(generation), Stamp(at=time.time()))
         mirror, self._mirror = self._mirror, None  # not needed any more; closing it waits for its threads
         threading.Thread(target=mirror.close, daemon=True, name="replica-mirror-close").start()
         self.role = "trainer"
@@ -210,7 +230,7 @@ class Job:
     def _start_replicator(self) -> None:
         model, optimizer, extra = self._bound
         self._rep = replica.Replicator(model, optimizer, extra, store=self.store, config=self.config,
-                                       rank=self.rank, world_size=self.env.world_size)
+                                       rank=self.rank, world_size=self.env.world_size, epoch=self.epoch)
         self._rep.interrupted = self._failover_announced
 
     # --- liveness and faults ---
@@ -219,22 +239,26 @@ class Job:
         """An error no failover can fix (the roles disagree on the model): the job must stop."""
         message = f"{self.role} rank {self.rank}: {exc}"
         logger.error("[%s rank %d] fatal: %s", self.role, self.rank, exc)
-        self.store.set("replica/fatal", message)
+        self.store.put(keys.fatal(), Text(value=message))
 
     def _heartbeat(self) -> None:
         """Beat every HEARTBEAT_S on a store connection of its own: a TCPStore client runs one
         call at a time, and the role's shared one sits in blocking waits (a commit wait, a
         rendezvous) for seconds, which delayed beats enough to have healthy trainers declared
-        dead on a loaded machine. An error is logged and the beat goes on (reconnecting)."""
-        key = f"replica/hb/{self.member}"  # a counter, not a time: the coordinator times it on its own clock
-        store: dist.Store | None = None
-        failures = 0
+        dead on a loaded machine. An error is logged and the beat goes on (reconnecting).
+        Each beat is a signed, rising counter; a trainer whose rank the coordinator gave to
+        another process (it was declared dead: frozen, partitioned) stops here by itself."""
+        key = keys.heartbeat(self.member)
+        store: JobStore | None = None
+        failures = beat = 0
         while not self._stop.is_set():
             try:
                 if store is None:
-                    store = dist.TCPStore(self.env.store_host, self.env.store_port, is_master=False,
-                                          timeout=_HEARTBEAT_IO)
-                store.add(key, 1)
+                    store = self.store.reconnect(_HEARTBEAT_IO)
+                beat += 1
+                store.put(key, Heartbeat(member=self.member, beat=beat))
+                if self._superseded(store):
+                    self._fenced_exit()
                 if self.group is not None and self.group.cuda and self.role == "trainer" and \
                         self.group.errored is None and self._failover_announced(store):
                     # NCCL does not fail a collective whose peer died: get this survivor out of it.
@@ -247,6 +271,14 @@ class Job:
                                    failures, exc)
                 store = None
             self._stop.wait(HEARTBEAT_S)
+
+    def _fenced_exit(self) -> None:
+        """This trainer was declared dead and replaced: whatever it does now would be a
+        zombie's. Exit at once (the standbys and engines refuse its epoch anyway)."""
+        logger.error("[trainer rank %d] this process was declared dead and its rank given to another "
+                     "process; it stops now", self.rank)
+        logging.shutdown()
+        os._exit(_FENCED_EXIT)
 
     def _install_faults(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         mine = [f for f in self.env.faults if f.rank == self.rank]
@@ -278,10 +310,10 @@ class Job:
         for f in self.env.faults:
             if f.rank != self.rank or f.role != self.role or f.step != step or f.phase != phase:
                 continue
-            key = f"replica/killed/{f}"
-            if self.store.check([key]):
+            key = keys.killed(str(f))
+            if self.store.has(key):
                 continue  # each fault fires once, not again when the step is redone
-            self.store.set(key, repr(time.time()))
+            self.store.put(key, Stamp(at=time.time()))
             logger.warning("[%s rank %d step %d] injected fault %s fires", self.role, self.rank, step, f)
             if f.action == "stall":
                 time.sleep(f.seconds)

@@ -6,16 +6,20 @@ job, print the failover timeline and write the report."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from replica.jobstate import keys
 from replica.roles.coordinator import Coordinator, Decision
 from replica.roles.env import Fault
 from replica.roles.report import build_report, print_timeline, write_timeline_png
 
 __all__ = ["Agent", "JobSpec", "supervise"]
+
+logger = logging.getLogger(__name__)
 
 _POLL_S = 0.02
 
@@ -54,14 +58,19 @@ class JobSpec:
 def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> int:
     """Run the job to its end; returns the exit status (0: every rank finished)."""
     deadline = time.monotonic() + spec.timeout_s
-    shown = 0
+    shown = errors = 0
     status, failure = 1, None
     while time.monotonic() < deadline:
         decisions = []
-        if agent is not None:
-            for pid, code in agent.exits():
-                decisions += coord.process_exited(pid, code)
-        decisions += coord.poll()
+        try:
+            if agent is not None:
+                for pid, code in agent.exits():
+                    decisions += coord.process_exited(pid, code)
+            decisions += coord.poll()
+        except Exception:  # noqa: BLE001 - nothing in the store may end the job's loop; say what broke
+            errors += 1
+            if errors == 1 or errors % 100 == 0:
+                logger.exception("the coordinator's poll failed (%d times so far); going on", errors)
         for decision in decisions:
             failure = failure or _act(coord, decision, agent, spec)
         if failure is not None:
@@ -123,6 +132,6 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobS
 
 def _progress(coord: Coordinator, total: int, shown: int) -> int:
     step = shown
-    while step < total and coord.store.check([f"replica/loss/0/{step + 1}"]):
+    while step < total and coord.store.has(keys.loss(0, step + 1)):
         step += 1
     return step

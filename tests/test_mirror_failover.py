@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_job import JobShape
-from mirror_roles import standby_main, trainer_main
+from mirror_roles import TOKEN, standby_main, trainer_main
+from replica.jobstate import JobStore, keys
 from replica.testing import spawn
 
 SHAPE = JobShape(total_steps=20)
@@ -53,7 +54,7 @@ def _run(*, kill: bool, replace: str = "promote", resilient: bool = False):
                 victim.process.join(60)
                 events["exitcode"] = victim.process.exitcode
                 events["survivor"] = trainers[1 - KILLED_RANK].recv(60)
-                commit = int(store.get("replica/commit"))
+                commit = JobStore(store, token=TOKEN).get(keys.commit()).step
                 events["commit"] = commit
                 trainers[1 - KILLED_RANK].send("recover", 1)
                 if replace == "promote":  # the standby becomes the trainer; a new standby takes its place

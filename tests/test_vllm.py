@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from replica.jobstate import JobStore, keys
 import replica
 from vllm_engine import greedy, hf_first_logprobs, make_llm, make_model, vllm_available
 
@@ -64,13 +65,13 @@ def test_sync_equals_a_fresh_engine_and_transformers(job):
                            TOKEN.hex())
     fresh = _engine_job(str(root / "seed1"), str(root / "fresh.json"))
     try:
-        store.wait(["replica/engine/1"], timedelta(seconds=240))  # engine 1 is up
+        JobStore(store, token=TOKEN).wait(keys.engine(1), timedelta(seconds=240))  # engine 1 is up
         sync = replica.WeightSync(trained, store=store, num_engines=2, config=CONFIG)
         stats = sync.push(1)
         assert stats.engines_synced == [0, 1] and len(sync._buckets) > 1
         assert weights.wait(1, timedelta(seconds=30)) == 1  # a request that needs version 1
         assert weights.staging == "staged"  # prepared beside the live model, not reloaded in place
-        assert store.get("replica/engine/0/version") == b"1"  # the version it serves, reported
+        assert JobStore(store, token=TOKEN).get(keys.engine_version(0)).value == 1  # the version it serves, reported
         tokens, first = greedy(llm)
         assert tokens != before  # the weights did change
         assert in_place.wait(timeout=300) == 0 and fresh.wait(timeout=300) == 0

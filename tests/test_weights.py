@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from replica.jobstate import JobStore, keys
 import replica
 from replica.weights import WeightSync, tensor_buckets, weight_layout
 from weight_engine import EngineStandIn
@@ -81,7 +82,7 @@ def test_in_process_push_resend_skip_and_late_engine():
         assert e.receiver.apply(e.load) is None  # nothing newer
         for name, p in model.named_parameters():
             assert torch.equal(e.weights[name], p.detach().to(torch.bfloat16))
-    assert store.get("replica/engine/0/version") == b"1"
+    assert JobStore(store, token=TOKEN).get(keys.engine_version(0)).value == 1
 
     # A bad link: three buckets corrupted on the way are caught and resent.
     with torch.no_grad():

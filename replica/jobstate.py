@@ -1,0 +1,562 @@
+"""The job's control state: every key any role or the library reads or writes
+in the job store, with its typed value, and the ``JobStore`` that signs and
+verifies them.
+
+The store (a torch.distributed ``TCPStore``, later etcd) has no authentication of
+its own: anyone who reaches its port can write any key. So every value a role
+acts on is signed: HMAC-SHA256 under a key derived from the job token, over the
+full key and the value (which carries its epoch where it has one). A value that
+fails verification, or does not parse, is ignored and logged (which key, never
+the token): readers see it as absent, and a writer replaces it. Only plain
+counters (``JobStore.count``) are unsigned: they allocate numbers (join
+requests, request ids) and carry nothing a role trusts.
+
+Keys, under ``Config.store_prefix`` (default ``replica``), are built by the
+functions below and nowhere else. Values are frozen dataclasses encoded as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import time
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+import torch.distributed as dist
+
+from replica.errors import JobStateError
+
+__all__ = [
+    "Ack",
+    "Commit",
+    "Epoch",
+    "Failover",
+    "Flag",
+    "Generation",
+    "Heartbeat",
+    "JobStore",
+    "JoinReply",
+    "Key",
+    "LostReports",
+    "Promotion",
+    "Registration",
+    "Stamp",
+    "Text",
+    "Number",
+    "keys",
+]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_MAC_HEX = 64
+_KEY_LABEL = b"replica job store v1"
+
+
+# --- values ---
+
+
+@dataclass(kw_only=True, frozen=True, slots=True, order=True)
+class Epoch:
+    """One trainer incarnation: the process-group generation it trains in and its
+    member id (its join number). Receivers refuse a stream whose epoch is not the
+    rank's current one; acks carry it, and the commit counts only current ones."""
+
+    generation: int
+    member: int
+
+    def __str__(self) -> str:
+        return f"epoch {self.generation}/{self.member}"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Generation:
+    """The current generation and the member id of each rank's trainer in it
+    (-1 for a rank whose trainer has not joined yet). Written by the coordinator only."""
+
+    number: int
+    trainers: tuple[int, ...]
+
+    def epoch(self, rank: int) -> Epoch | None:
+        """The current epoch of ``rank``'s trainer (None while it has none)."""
+        if not 0 <= rank < len(self.trainers) or self.trainers[rank] < 0:
+            return None
+        return Epoch(generation=self.number, member=self.trainers[rank])
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Failover:
+    """Generation ``generation`` resumes from ``commit`` (-1: none) after trainer
+    ``rank`` died; ``member`` is its promoted standby."""
+
+    generation: int
+    commit: int
+    rank: int
+    member: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Promotion:
+    rank: int
+    generation: int
+    member: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Commit:
+    """The global commit: every rank's standby holds ``step``, acknowledged in ``generation``."""
+
+    step: int
+    generation: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Ack:
+    """Rank ``rank``'s standby verified ``step``, streamed by the trainer of ``epoch``."""
+
+    rank: int
+    step: int
+    generation: int
+    member: int
+
+    @property
+    def epoch(self) -> Epoch:
+        return Epoch(generation=self.generation, member=self.member)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Registration:
+    """Where a listener (a standby's mirror, an engine's receiver) accepts
+    connections; ``nonce`` tells a replacement from its predecessor."""
+
+    backend: str
+    address: str
+    nonce: str
+
+    def __str__(self) -> str:
+        return f"{self.backend} {self.address} {self.nonce}"
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Heartbeat:
+    """A member's liveness counter (the coordinator times it on its own clock)."""
+
+    member: int
+    beat: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LostReports:
+    """How many times rank ``rank``'s standby saw its trainer vanish without a goodbye."""
+
+    rank: int
+    count: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class JoinReply:
+    """The coordinator's answer to join request ``seq`` (bound to its nonce)."""
+
+    seq: int
+    nonce: str
+    admitted: bool
+    reason: str
+    generation: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Flag:
+    """A fact that is simply true once written (finished, unprotected, done, stop)."""
+
+    set: bool = True
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Stamp:
+    """When something happened (``time.time()`` of the writer)."""
+
+    at: float
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Number:
+    value: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Text:
+    value: str
+
+
+def _check(cls: type, name: str, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        (item, _) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise JobStateError(f"{cls.__name__}.{name} must be a list")
+        return tuple(_check(cls, name, item, v) for v in value)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        return _check(cls, name, next(o for o in options if o is not type(None)), value)
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise JobStateError(f"{cls.__name__}.{name} must be an object")
+        return value
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is bool and not isinstance(value, bool) or hint is not bool and (
+            isinstance(value, bool) or not isinstance(value, hint)):
+        raise JobStateError(f"{cls.__name__}.{name} must be {hint.__name__}, got {type(value).__name__}")
+    return value
+
+
+def encode_value(value: Any) -> bytes:
+    def plain(v: Any) -> Any:
+        return v.value if isinstance(v, enum.Enum) else v
+
+    body = {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_value(cls: type[T], body: bytes) -> T:
+    """Parse ``body`` as a ``cls``; ``JobStateError`` says what is wrong with it."""
+    try:
+        fields = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise JobStateError(f"not JSON: {exc}") from exc
+    if not isinstance(fields, dict):
+        raise JobStateError("not a JSON object")
+    hints = typing.get_type_hints(cls)
+    expected = {f.name for f in dataclasses.fields(cls)}
+    if set(fields) - expected:
+        raise JobStateError(f"unknown fields {sorted(set(fields) - expected)}")
+    try:
+        return cls(**{name: _check(cls, name, hints[name], v) for name, v in fields.items()})
+    except (TypeError, ValueError) as exc:
+        raise JobStateError(str(exc)) from exc
+
+
+# --- keys ---
+
+
+@dataclass(frozen=True, slots=True)
+class Key(Generic[T]):
+    """A key of the schema (relative to the job's prefix) and the type of its value."""
+
+    path: str
+    value: type[T]
+
+    def __str__(self) -> str:
+        return self.path
+
+
+class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()``
+    """Every key of the job state. Counters (``count``) hold plain integers."""
+
+    # coordinator -> everyone
+    @staticmethod
+    def generation() -> Key[Generation]:
+        return Key("generation", Generation)
+
+    @staticmethod
+    def failover(generation: int) -> Key[Failover]:
+        return Key(f"failover/{generation}", Failover)
+
+    @staticmethod
+    def promote(rank: int) -> Key[Promotion]:
+        return Key(f"promote/{rank}", Promotion)
+
+    @staticmethod
+    def members() -> Key[Text]:
+        return Key("members", Text)  # the membership table as JSON, for people and reports
+
+    @staticmethod
+    def unprotected(rank: int) -> Key[Flag]:
+        return Key(f"unprotected/{rank}", Flag)
+
+    @staticmethod
+    def finished() -> Key[Flag]:
+        return Key("finished", Flag)
+
+    @staticmethod
+    def rollout_stop(index: int) -> Key[Flag]:
+        return Key(f"rollout/{index}/stop", Flag)
+
+    @staticmethod
+    def engine_dead_since(index: int) -> Key[Stamp]:
+        return Key(f"rollout/engine/{index}/dead_since", Stamp)
+
+    # joins (the request carries its own HMAC; see replica.roles.join)
+    @staticmethod
+    def join_seq() -> str:
+        return "join/seq"
+
+    @staticmethod
+    def join_request(seq: int) -> str:
+        return f"join/{seq}"  # raw: the request carries an HMAC of its own
+
+    @staticmethod
+    def join_reply(seq: int) -> Key[JoinReply]:
+        return Key(f"join/{seq}/reply", JoinReply)
+
+    # the commit record
+    @staticmethod
+    def commit() -> Key[Commit]:
+        return Key("commit", Commit)
+
+    @staticmethod
+    def ack(rank: int) -> Key[Ack]:
+        return Key(f"ack/{rank}", Ack)
+
+    @staticmethod
+    def standby(rank: int) -> Key[Registration]:
+        return Key(f"standby/{rank}", Registration)
+
+    @staticmethod
+    def lost(rank: int) -> Key[LostReports]:
+        return Key(f"lost/{rank}", LostReports)
+
+    # roles -> coordinator
+    @staticmethod
+    def heartbeat(member: int) -> Key[Heartbeat]:
+        return Key(f"hb/{member}", Heartbeat)
+
+    @staticmethod
+    def fatal() -> Key[Text]:
+        return Key("fatal", Text)
+
+    @staticmethod
+    def done(rank: int) -> Key[Flag]:
+        return Key(f"done/{rank}", Flag)
+
+    @staticmethod
+    def loss(rank: int, step: int) -> Key[Text]:
+        return Key(f"loss/{rank}/{step}", Text)  # "<loss hex> <time> <name>=<hex> ..."
+
+    @staticmethod
+    def killed(fault: str) -> Key[Stamp]:
+        return Key(f"killed/{fault}", Stamp)
+
+    @staticmethod
+    def restored(generation: int) -> Key[Stamp]:
+        return Key(f"restored/{generation}", Stamp)
+
+    @staticmethod
+    def reconnected(generation: int) -> Key[Stamp]:
+        return Key(f"reconnected/{generation}", Stamp)
+
+    @staticmethod
+    def resumed(generation: int) -> Key[Stamp]:
+        return Key(f"resumed/{generation}", Stamp)
+
+    # weight sync and rollouts
+    @staticmethod
+    def engine(index: int) -> Key[Registration]:
+        return Key(f"engine/{index}", Registration)
+
+    @staticmethod
+    def engine_version(index: int) -> Key[Number]:
+        return Key(f"engine/{index}/version", Number)
+
+    @staticmethod
+    def engine_up(index: int) -> Key[Stamp]:
+        return Key(f"rollout/engine/{index}/up", Stamp)
+
+    @staticmethod
+    def version_seq() -> str:
+        return "rollout/version_seq"
+
+    @staticmethod
+    def request_seq() -> str:
+        return "rollout/seq"
+
+    @staticmethod
+    def version(generation: int, step: int) -> Key[Number]:
+        return Key(f"rollout/version/{generation}/{step}", Number)
+
+    @staticmethod
+    def request_of(generation: int, step: int) -> Key[Number]:
+        return Key(f"rollout/request/{generation}/{step}", Number)
+
+    @staticmethod
+    def request(n: int) -> Key[Text]:
+        return Key(f"rollout/req/{n}", Text)  # the request as JSON
+
+    @staticmethod
+    def claim(n: int, shard: int) -> Key[Text]:
+        return Key(f"rollout/req/{n}/claim/{shard}", Text)  # "<engine>:<time>"
+
+    @staticmethod
+    def result(n: int, shard: int) -> Key[Text]:
+        return Key(f"rollout/req/{n}/result/{shard}", Text)  # the completions as JSON
+
+    @staticmethod
+    def request_seen(n: int) -> Key[Stamp]:
+        return Key(f"rollout/req/{n}/seen", Stamp)
+
+    @staticmethod
+    def process_group() -> str:
+        """The prefix under which the process groups rendezvous (torch's own keys, unsigned)."""
+        return "pg"
+
+
+# --- the store ---
+
+
+class JobStore:
+    """A torch.distributed ``Store`` seen through the schema: values are signed on
+    write and verified on read; the prefix is applied here and nowhere else.
+
+    Reads never raise on what is in the store: a forged, unsigned or malformed
+    value is logged (once per key and value) and read as absent. Waits have
+    deadlines. Thread-safe as far as the underlying store client is; give a
+    thread that must never wait behind another (heartbeats) a store of its own
+    (``reconnect``)."""
+
+    def __init__(self, store: dist.Store, *, token: bytes, prefix: str = "replica"):
+        if not isinstance(token, bytes) or not token:
+            raise ValueError("the job store needs the job's token")
+        self.raw = store
+        self.prefix = prefix
+        self._mac_key = hmac.new(token, _KEY_LABEL, hashlib.sha256).digest()
+        self._token = token
+        self._logged: set[tuple[str, bytes]] = set()
+        self._log_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, store: dist.Store | JobStore, *, token: bytes, prefix: str = "replica") -> JobStore:
+        """``store`` itself if it is a JobStore already, else a view of it."""
+        return store if isinstance(store, JobStore) else cls(store, token=token, prefix=prefix)
+
+    def __repr__(self) -> str:  # never the token
+        return f"JobStore(prefix={self.prefix!r})"
+
+    def reconnect(self, timeout: timedelta) -> JobStore:
+        """The same job store on a TCP connection of its own (TCPStore only)."""
+        raw = dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout)
+        return JobStore(raw, token=self._token, prefix=self.prefix)
+
+    def full(self, key: Key | str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def sub(self, name: str) -> dist.Store:
+        """A raw store under ``{prefix}/{name}`` for torch's own rendezvous (unsigned)."""
+        return dist.PrefixStore(self.full(name), self.raw)
+
+    # signing
+
+    def sign(self, key: Key[T], value: T) -> bytes:
+        if not isinstance(value, key.value):
+            raise TypeError(f"{key.path} holds {key.value.__name__}, not {type(value).__name__}")
+        body = encode_value(value)
+        return body + b"\n" + self._mac(key, body).encode()
+
+    def verify(self, key: Key[T], raw: bytes) -> T:
+        """The value ``raw`` holds under ``key``; JobStateError if unsigned, forged or malformed."""
+        body, sep, mac = raw.rpartition(b"\n")
+        if not sep or len(mac) != _MAC_HEX:
+            raise JobStateError(f"{self.full(key)} is not signed")
+        if not hmac.compare_digest(mac.decode("ascii", "replace"), self._mac(key, body)):
+            raise JobStateError(f"{self.full(key)} carries a wrong signature")
+        return decode_value(key.value, body)
+
+    def _mac(self, key: Key, body: bytes) -> str:
+        return hmac.new(self._mac_key, self.full(key).encode() + b"\0" + body, hashlib.sha256).hexdigest()
+
+    def _ignored(self, key: Key, raw: bytes, exc: JobStateError) -> None:
+        with self._log_lock:
+            if (key.path, raw) in self._logged:
+                return
+            if len(self._logged) > 4096:
+                self._logged.clear()
+            self._logged.add((key.path, raw))
+        logger.warning("ignored a value of %s in the job store: %s", self.full(key), exc)
+
+    # typed access
+
+    def put(self, key: Key[T], value: T) -> None:
+        self.raw.set(self.full(key), self.sign(key, value))
+
+    def read(self, key: Key[T]) -> tuple[T | None, bytes | None]:
+        """(verified value or None, raw bytes or None when absent)."""
+        full = self.full(key)
+        if not self.raw.check([full]):
+            return None, None
+        raw = self.raw.get(full)
+        try:
+            return self.verify(key, raw), raw
+        except JobStateError as exc:
+            self._ignored(key, raw, exc)
+            return None, raw
+
+    def get(self, key: Key[T]) -> T | None:
+        """The verified value under ``key``, or None (absent, or not trustworthy: logged)."""
+        return self.read(key)[0]
+
+    def get_many(self, keys_: Sequence[Key[T]]) -> list[T | None]:
+        full = [self.full(k) for k in keys_]
+        if not self.raw.check(full):
+            return [self.get(k) for k in keys_]
+        out: list[T | None] = []
+        for key, raw in zip(keys_, self.raw.multi_get(full)):
+            try:
+                out.append(self.verify(key, raw))
+            except JobStateError as exc:
+                self._ignored(key, raw, exc)
+                out.append(None)
+        return out
+
+    def has(self, key: Key) -> bool:
+        """True when ``key`` holds a verified value."""
+        return self.get(key) is not None
+
+    def delete(self, key: Key) -> None:
+        self.raw.delete_key(self.full(key))
+
+    def compare_set(self, key: Key[T], expected: bytes | None, value: T) -> tuple[T | None, bytes]:
+        """Write ``value`` if ``key`` still holds ``expected`` (raw bytes as read; None:
+        absent); returns what it holds after, verified (None if not trustworthy) and raw."""
+        new = self.sign(key, value)
+        raw = self.raw.compare_set(self.full(key), b"" if expected is None else expected, new)
+        if raw == new:
+            return value, raw
+        try:
+            return self.verify(key, raw), raw
+        except JobStateError as exc:
+            self._ignored(key, raw, exc)
+            return None, raw
+
+    def wait(self, key: Key[T], timeout: timedelta, *, poll: timedelta = timedelta(milliseconds=5),
+             what: str | None = None) -> T:
+        """Block until ``key`` holds a verified value; TimeoutError after ``timeout``."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        delay = 1e-4
+        while True:
+            value = self.get(key)
+            if value is not None:
+                return value
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no {what or self.full(key)} within {timeout}")
+            time.sleep(delay)
+            delay = min(delay * 2, poll.total_seconds())
+
+    # unsigned counters
+
+    def count(self, name: str, add: int = 0) -> int:
+        """Add to a plain counter (``keys.join_seq()`` ...) and return it."""
+        return self.raw.add(self.full(name), add)
