@@ -42,6 +42,7 @@ class CommitRecord:
         self.store = store
         self.world_size = world_size
         self._last: int | None = None  # the last commit verified here (a forged value does not lower it)
+        self._generation: Generation | None = None  # likewise the newest generation record
         self._lock = threading.Lock()
 
     def publish_standby(self, rank: int, backend: str, address: str) -> Registration:
@@ -57,8 +58,14 @@ class CommitRecord:
         return wait_registration(self.store, keys.standby(rank), timeout, f"standby of rank {rank}")
 
     def generation(self) -> Generation | None:
-        """The coordinator's current generation and trainers (None without a coordinator)."""
-        return self.store.get(keys.generation())
+        """The coordinator's current generation and trainers (None without a coordinator).
+        Once one was verified here, a forged or deleted record never replaces it with an
+        older one or with none: fencing cannot be switched off from the store."""
+        current = self.store.get(keys.generation())
+        with self._lock:
+            if current is not None and (self._generation is None or current.number >= self._generation.number):
+                self._generation = current
+            return self._generation
 
     def current_epoch(self, rank: int) -> Epoch | None:
         """The epoch rank ``rank``'s trainer must stream with now; None when no

@@ -156,6 +156,7 @@ class Coordinator:
         decisions = self._check_fatal()
         self._admit()
         self._reprotect()
+        self._guard_generation()
         now = time.time()
         for member in self.alive():
             if member.role == "trainer" and self.store.has(keys.done(member.rank)):
@@ -374,6 +375,14 @@ class Coordinator:
         if beat is not None and beat.member == member.id and beat.beat > member.beats:
             member.beats, member.beat_at = beat.beat, now
         return member.beat_at
+
+    def _guard_generation(self) -> None:
+        """Put the generation record back if anyone overwrote or deleted it (roles keep the
+        last one they verified meanwhile; newcomers need it to find their epochs)."""
+        current = self.store.get(keys.generation())
+        if current is None or current.number != self.generation:
+            logger.warning("the generation record in the job store was overwritten or removed; publishing it again")
+            self._publish_generation()
 
     def _publish_generation(self) -> None:
         """The generation and each rank's trainer in it: the epochs receivers accept."""

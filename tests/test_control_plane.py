@@ -1,0 +1,166 @@
+"""The control plane cannot be fooled: values in the job store are signed (a
+process that reaches the store without the token changes nothing and crashes
+nothing), and epochs fence a trainer that was declared dead but still runs (it
+cannot reach its standby or move the commit, and its own commit raises)."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import replica
+from fsdp_job import JobShape, build_job, train_step
+from replica.commit import CommitRecord
+from replica.errors import CommitTimeoutError, FencedError, JobStateError
+from replica.jobstate import Commit, Epoch, Generation, Heartbeat, JobStore, keys
+from replica.roles.coordinator import Coordinator, Deadlines
+from replica.roles.join import JoinRequest
+
+TOKEN = b"control-plane-token"
+T = timedelta(seconds=30)
+
+
+def raw_client(port: int) -> dist.TCPStore:
+    """What an attacker has: the store's port, not the token."""
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=T)
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
+
+
+def test_values_are_signed_and_forgeries_read_as_absent(store, caplog):
+    jobs = JobStore(store, token=TOKEN)
+    jobs.put(keys.commit(), Commit(step=4, generation=0))
+    assert jobs.get(keys.commit()) == Commit(step=4, generation=0)
+    raw = store.get("replica/commit")
+    assert TOKEN not in raw  # the token never goes into the store
+    # Another job's token, a tampered value, garbage, and a valid value moved to another key: all refused.
+    other = JobStore(store, token=b"another-job")
+    other.put(keys.commit(), Commit(step=999, generation=0))
+    assert jobs.get(keys.commit()) is None
+    store.set("replica/commit", raw.replace(b'"step":4', b'"step":9'))
+    assert jobs.get(keys.commit()) is None
+    store.set("replica/commit", "x")
+    assert jobs.get(keys.commit()) is None
+    store.set("replica/ack/0", raw)
+    assert jobs.get(keys.ack(0)) is None
+    with pytest.raises(JobStateError):
+        jobs.verify(keys.commit(), b"x")
+    assert "ignored a value of replica/commit" in caplog.text and TOKEN.decode() not in caplog.text
+    # A wrong type is refused on write, before it reaches the store.
+    with pytest.raises(TypeError):
+        jobs.put(keys.commit(), Heartbeat(member=1, beat=1))
+
+
+def test_a_forged_commit_neither_counts_nor_blocks_the_real_one(store):
+    record = CommitRecord(JobStore(store, token=TOKEN), world_size=2)
+    raw_client(store.port).set("replica/commit", "999")
+    raw_client(store.port).set("replica/ack/1", "999")
+    assert record.last() is None
+    with pytest.raises(CommitTimeoutError):
+        record.wait(1, timedelta(milliseconds=200))
+    assert record.acknowledge(0, 3) is None  # rank 1's forged ack is not an ack
+    assert record.acknowledge(1, 2) == 2  # the real commit replaces the forged value
+    assert JobStore(store, token=TOKEN).get(keys.commit()).step == 2
+
+
+def test_acks_of_a_superseded_epoch_do_not_move_the_commit(store):
+    jobs = JobStore(store, token=TOKEN)
+    record = CommitRecord(jobs, world_size=2)
+    jobs.put(keys.generation(), Generation(number=0, trainers=(1, 2)))
+    e0, e1 = record.current_epoch(0), record.current_epoch(1)
+    assert record.acknowledge(0, 5, e0) is None and record.acknowledge(1, 5, e1) == 5
+    # Trainer 1 is declared dead; its standby (member 7) takes rank 1 in generation 1.
+    jobs.put(keys.generation(), Generation(number=1, trainers=(1, 7)))
+    assert record.acknowledge(1, 6, e1) == 5  # the zombie's ack is recorded but never counted
+    assert record.acknowledge(0, 6, record.current_epoch(0)) == 5  # rank 1 has no current-epoch ack of 6
+    assert record.acknowledge(1, 6, record.current_epoch(1)) == 6
+
+
+def _forge_everything(port: int) -> None:
+    """Everything a process without the token tried against the old store."""
+    raw = raw_client(port)
+    for key, value in [("replica/commit", "999"), ("replica/commit", "x"), ("replica/ack/0", "999"),
+                       ("replica/generation", "7"), ("replica/failover/7", "3"), ("replica/promote/0", "7"),
+                       ("replica/fatal", "forged fatal error"), ("replica/finished", "1"), ("replica/done/0", "1"),
+                       ("replica/lost/0", "50"), ("replica/unprotected/0", "1")]:
+        raw.set(key, value)
+    raw.add("replica/hb/1", 1000)
+
+
+def test_the_coordinator_ignores_forged_state_and_survives_garbage():
+    coord = Coordinator(world_size=1, token=TOKEN, deadlines=Deadlines(trainer=2.0))
+    jobs = JobStore(raw_client(coord.port), token=TOKEN)
+    # A real trainer joins (the join protocol by hand: no process needed).
+    request = JoinRequest(role="trainer", rank=0, host="h", pid=12345, nonce="n1")
+    seq = jobs.count(keys.join_seq(), 1)
+    jobs.raw.set(jobs.full(keys.join_request(seq)), request.encode(TOKEN))
+    assert coord.poll() == []
+    assert jobs.get(keys.join_reply(seq)).admitted
+    assert jobs.get(keys.generation()) == Generation(number=0, trainers=(seq,))
+    # A pre-written reply for the next join is not an admission, and a forged join is refused.
+    forged = raw_client(coord.port)
+    nxt = seq + 1
+    forged.set(f"replica/join/{nxt}/reply", json.dumps({"admitted": True, "reason": None, "generation": 0}))
+    assert jobs.get(keys.join_reply(nxt)) is None
+    _forge_everything(coord.port)
+    jobs.put(keys.heartbeat(seq), Heartbeat(member=seq, beat=1))
+    for _ in range(5):
+        assert coord.poll() == []  # no failure, no death, no exception
+        time.sleep(0.05)
+    assert coord.record.last() is None and not coord.finished() and not coord.all_done()
+    # The forged generation record was put back by the coordinator.
+    assert coord.generation == 0 and jobs.get(keys.generation()) == Generation(number=0, trainers=(seq,))
+    assert coord.unprotected == set() and coord.failovers == []
+    # The forged heartbeat counter keeps nothing alive: the trainer is declared dead on its deadline
+    # (before the first commit, which fails the job: the fault fired and was decided on real beats only).
+    deadline = time.monotonic() + 30
+    decisions = []
+    while not decisions and time.monotonic() < deadline:
+        decisions = coord.poll()
+        time.sleep(0.05)
+    assert [d.kind for d in decisions] == ["failed"] and "no heartbeat" in decisions[0].reason
+
+
+def test_a_fenced_trainer_cannot_reach_its_standby_or_commit(store):
+    jobs = JobStore(store, token=TOKEN)
+    cfg = replica.Config(token=TOKEN, timeout=T, commit_timeout=T, bucket_bytes=16 << 10)
+    shape = JobShape(layers=2)
+    old, new = (build_job(shape, rank=0, world_size=1, fsdp=False, seed=0) for _ in range(2))
+    jobs.put(keys.generation(), Generation(number=0, trainers=(1,)))
+    zombie_epoch = Epoch(generation=0, member=1)
+    with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror:
+        with replica.Replicator(old.model, old.optimizer, old.extra, store=store, config=cfg, rank=0,
+                                world_size=1, epoch=lambda: zombie_epoch) as zombie:
+            for step in (1, 2):
+                train_step(old)
+                zombie.commit(step)
+            assert zombie.wait_committed() == 2
+            # Trainer 1 is declared dead while frozen; member 9 now holds rank 0 in generation 1.
+            jobs.put(keys.generation(), Generation(number=1, trainers=(9,)))
+            train_step(old)
+            zombie.commit(3)  # its stream finds itself fenced, and says so to the training loop
+            with pytest.raises(FencedError):
+                zombie.wait_committed(10)
+        assert mirror.held_steps() == [1, 2] and CommitRecord(jobs, world_size=1).last() == 2
+        # A zombie connecting afresh is refused before it can displace anyone.
+        with replica.Replicator(new.model, new.optimizer, new.extra, store=store, config=cfg, rank=0,
+                                world_size=1, epoch=lambda: zombie_epoch) as again:
+            train_step(new)
+            again.commit(3)
+            with pytest.raises(FencedError):
+                again.wait_committed(10)
+        assert mirror.held_steps() == [1, 2]
+        # The rank's current trainer streams and commits as usual.
+        current = Epoch(generation=1, member=9)
+        with replica.Replicator(new.model, new.optimizer, new.extra, store=store, config=cfg, rank=0,
+                                world_size=1, epoch=lambda: current) as rep:
+            train_step(new)
+            rep.commit(3)
+            assert rep.wait_committed() == 3 and mirror.held_steps() == [2, 3]
