@@ -34,6 +34,13 @@ class Config:
     replacement to register (a coordinator starts one), re-sends the last
     snapshot to it and goes on; with 0 (the default) it gives up at once and
     ``commit`` raises StandbyLostError.
+
+    With ``verify`` every bucket's 64-bit digest is checked on receipt and kept
+    with the version it belongs to (digests at rest): restore, rollback, export
+    and fetch re-check a version before using it, and a standby re-checks its
+    committed version every ``scrub_interval`` (0 disables the scrub), asking
+    its trainer to re-send a bucket that changed in memory. Without ``verify``
+    no digest is taken, kept or checked.
     """
 
     token: bytes = field(repr=False)
@@ -47,6 +54,7 @@ class Config:
     timeout: timedelta = timedelta(seconds=30)
     commit_timeout: timedelta = timedelta(seconds=60)
     standby_wait: timedelta = timedelta(0)
+    scrub_interval: timedelta = timedelta(seconds=60)
     store_prefix: str = "replica"
 
     def __post_init__(self) -> None:
@@ -64,6 +72,9 @@ class Config:
             raise ValueError("backends must name at least one transport")
         if not isinstance(self.standby_wait, timedelta) or self.standby_wait < timedelta(0):
             raise ValueError(f"standby_wait must be a non-negative datetime.timedelta, got {self.standby_wait!r}")
+        if not isinstance(self.scrub_interval, timedelta) or self.scrub_interval < timedelta(0):
+            raise ValueError(f"scrub_interval must be a non-negative datetime.timedelta (0 disables the scrub), "
+                             f"got {self.scrub_interval!r}")
         for name in ("timeout", "commit_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value <= timedelta(0):

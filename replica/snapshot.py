@@ -8,18 +8,30 @@ Restoring unpacks in place: no allocation, no network."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
 
-from replica.errors import LayoutMismatchError, ReplicaError
+from replica import ops
+from replica.errors import LayoutMismatchError, ReplicaError, SnapshotCorruptedError
 from replica.layout import StateLayout, dtype_name
 from replica.placement import pack_state, unpack_state
 
-__all__ = ["Snapshot", "Stateful", "apply_extras", "collect_extras"]
+__all__ = ["Snapshot", "Stateful", "apply_extras", "bucket_digests", "collect_extras"]
 
 _LENGTH = struct.Struct("<Q")
+
+
+def bucket_digests(buffer: torch.Tensor, ranges: Iterable[tuple[int, int]]) -> list[int]:
+    """The digest of ``buffer[lo:hi]`` for each range, each equal to the one its
+    bucket carries on the wire (``transport.base.bucket_digest``). The checksum
+    keys every word by its position from the start of the tensor it is given,
+    so each bucket is hashed as a tensor of its own (one call with the bucket
+    size as block would key bucket k by its offset in the whole buffer); the
+    results are read back once, not once per bucket."""
+    parts = [ops.checksum(buffer[lo:hi], -(-(hi - lo) // 8) * 8) for lo, hi in ranges]
+    return [int(d) for d in torch.cat(parts).tolist()] if parts else []
 
 
 class Stateful(Protocol):
@@ -60,6 +72,11 @@ class Snapshot:
     The buffer lives on ``device``; the state tensors may live there or on the
     host (``replica.placement``). ``pin_memory`` pins a host buffer when CUDA is
     present, so copies to and from a GPU run asynchronously at full speed.
+
+    ``digests`` holds one digest per ``layout.buckets()`` entry, taken when the
+    content was complete (received and verified, or sent); ``verify()`` checks
+    the buffer against them before the content is used. None means none were
+    taken (``Config(verify=False)``), and then ``verify()`` checks nothing.
     """
 
     def __init__(self, layout: StateLayout, *, device: torch.device | str = "cpu", pin_memory: bool = False):
@@ -68,6 +85,31 @@ class Snapshot:
         pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
         self.buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self.step: int | None = None
+        self.digests: list[int] | None = None
+
+    def compute_digests(self) -> list[int]:
+        """The digests of every bucket as the buffer is now (to record, not to check)."""
+        return bucket_digests(self.buffer, self.layout.buckets())
+
+    def bad_buckets(self, buckets: Iterable[int] | None = None) -> list[int]:
+        """The indices among ``buckets`` (default: all) whose bytes no longer match
+        their kept digest; none without digests."""
+        if self.digests is None:
+            return []
+        ranges = self.layout.buckets()
+        indices = list(range(len(ranges)) if buckets is None else buckets)
+        now = bucket_digests(self.buffer, [ranges[i] for i in indices])
+        return [i for i, digest in zip(indices, now, strict=True) if digest != self.digests[i]]
+
+    def verify(self) -> None:
+        """Raise SnapshotCorruptedError, naming the rank, step and bad buckets, if the
+        buffer changed since its digests were taken (a bit flip at rest)."""
+        bad = self.bad_buckets()
+        if bad:
+            raise SnapshotCorruptedError(
+                f"rank {self.layout.rank}: the held version of step {self.step} changed in memory since it was "
+                f"complete: bucket(s) {bad} of {len(self.layout.buckets())} fail their digests; it is not used",
+                rank=self.layout.rank, step=self.step, buckets=tuple(bad))
 
     def capture(self, tensors: Sequence[torch.Tensor], extras: bytes, *, step: int) -> None:
         self._check(tensors)
@@ -75,6 +117,7 @@ class Snapshot:
         if len(extras) > room:
             raise ReplicaError(f"the extras need {len(extras)} bytes, the layout reserves {room}; "
                                "build the layout with a larger extras_capacity")
+        self.digests = None  # of the previous content; the caller records the new ones
         pack_state(tensors, self.buffer, self.layout.offsets)
         at = self.layout.extras_offset
         blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
