@@ -20,7 +20,11 @@ __all__ = ["Listener"]
 
 logger = logging.getLogger(__name__)
 
-_ACCEPT_POLL = timedelta(seconds=0.1)  # bounds how long close() waits for the accept loop
+# Bounds how long close() waits for the accept loop. Handshakes run on the
+# transport's own threads under their own deadline (EndpointConfig.handshake_timeout):
+# accept() only hands out connections that finished one, so this poll is never
+# a peer's budget, and a slow or silent peer delays no other.
+_ACCEPT_POLL = timedelta(seconds=0.1)
 
 
 class Listener(ABC):

@@ -4,10 +4,16 @@ kernel closes its socket (milliseconds after ``kill -9``), whatever the data
 path is. UCX's own listener would bind every interface and needs endpoint
 error handling, which rules out its shared-memory transports; this socket binds
 loopback unless configured otherwise, and the data path stays free to be fast.
+
+The accepting side runs each socket's handshake on a thread of its own under
+its own deadline, and ``accept()`` hands out only finished ones (see
+``EndpointConfig``): a slow peer, or a crowd of silent sockets, delays no one.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import hmac
 import itertools
@@ -19,9 +25,16 @@ import threading
 import time
 from abc import abstractmethod
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-from replica.errors import AuthenticationError, PeerDisconnectedError, TransferTimeoutError, TransportError
+from replica.errors import (
+    AuthenticationError,
+    PeerDisconnectedError,
+    ReplicaError,
+    TransferTimeoutError,
+    TransportError,
+)
 from replica.transport import wire
 from replica.transport.base import Connection, Transport
 
@@ -98,33 +111,51 @@ def _read_address(sock, deadline):
     return read
 
 
-def server_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
-                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
-    """Challenge the client for the job token; returns its data address and tag id."""
-    deadline = _Deadline(timeout_s, f"handshake with {peer}")
+def _await_hello(sock: socket.socket, *, peer: str, token: bytes, deadline: _Deadline) -> wire.Hello:
+    """Server side, first half: challenge the client and check its proof of the token.
+
+    Junk or a wrong proof is an AuthenticationError (logged: who, never the token);
+    a client that vanishes or stalls meanwhile is a PeerDisconnectedError or
+    TransferTimeoutError, since that is no evidence of a wrong token."""
     nonce = wire.new_nonce()
     _send_all(sock, wire.encode_challenge(nonce), deadline)
     try:
         hello = wire.Hello.decode(_recv_exact(sock, wire.Hello.fixed_size(), deadline),
                                   _read_address(sock, deadline))
-    except (ValueError, PeerDisconnectedError, TransferTimeoutError) as exc:
+    except ValueError as exc:
         logger.warning("refused connection from %s: no valid job token (%s)", peer, exc)
         raise AuthenticationError(f"{peer} did not present a job token: {exc}") from exc
     if not hmac.compare_digest(hello.proof, wire.proof(token, nonce, b"client")):
-        _send_all(sock, wire.Welcome(accepted=False, proof=bytes(wire.PROOF_BYTES), inbound_id=0,
-                                     address=b"").encode(), deadline)
         logger.warning("refused connection from %s: wrong job token", peer)
+        refusal = wire.Welcome(accepted=False, proof=bytes(wire.PROOF_BYTES), inbound_id=0, address=b"")
+        with contextlib.suppress(TransportError):  # refused either way, even if it is gone already
+            _send_all(sock, refusal.encode(), deadline)
         raise AuthenticationError(f"{peer} presented a wrong job token")
+    return hello
+
+
+def _send_welcome(sock: socket.socket, hello: wire.Hello, *, token: bytes, address: bytes,
+                  inbound_id: int, deadline: _Deadline) -> None:
+    """Server side, second half: prove the token back and tell the client where to send."""
     welcome = wire.Welcome(accepted=True, proof=wire.proof(token, hello.nonce, b"server"),
                            inbound_id=inbound_id, address=address)
     _send_all(sock, welcome.encode(), deadline)
+
+
+def server_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
+                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
+    """Challenge the client for the job token; returns its data address and tag id.
+
+    Raises AuthenticationError for a missing or wrong token; PeerDisconnectedError
+    or TransferTimeoutError (retryable) when the client closes or stalls."""
+    deadline = _Deadline(timeout_s, f"handshake with {peer}")
+    hello = _await_hello(sock, peer=peer, token=token, deadline=deadline)
+    _send_welcome(sock, hello, token=token, address=address, inbound_id=inbound_id, deadline=deadline)
     return hello.address, hello.inbound_id
 
 
-def client_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
-                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
-    """Answer the server's challenge and check its own proof; returns its data address and tag id."""
-    deadline = _Deadline(timeout_s, f"handshake with {peer}")
+def _client_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
+                      inbound_id: int, deadline: _Deadline) -> tuple[bytes, int]:
     try:
         server_nonce = wire.decode_challenge(_recv_exact(sock, wire.CHALLENGE_BYTES, deadline))
     except ValueError as exc:
@@ -133,16 +164,30 @@ def client_handshake(sock: socket.socket, *, peer: str, token: bytes, address: b
     hello = wire.Hello(proof=wire.proof(token, server_nonce, b"client"), nonce=nonce,
                        inbound_id=inbound_id, address=address)
     _send_all(sock, hello.encode(), deadline)
+    # A server that refuses the token says so in its Welcome: an EOF or a stall
+    # here (it died, dropped a stalled handshake, or was at its cap) stays a
+    # PeerDisconnectedError / TransferTimeoutError, which callers may retry.
     try:
         welcome = wire.Welcome.decode(_recv_exact(sock, wire.Welcome.fixed_size(), deadline),
                                       _read_address(sock, deadline))
-    except PeerDisconnectedError as exc:
-        raise AuthenticationError(f"{peer} closed the connection during the handshake") from exc
+    except ValueError as exc:
+        raise TransportError(f"{peer} is not a replica endpoint: {exc}") from exc
     if not welcome.accepted:
         raise AuthenticationError(f"{peer} refused this side's job token")
     if not hmac.compare_digest(welcome.proof, wire.proof(token, nonce, b"server")):
         raise AuthenticationError(f"{peer} could not prove it holds the job token")
     return welcome.address, welcome.inbound_id
+
+
+def client_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
+                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
+    """Answer the server's challenge and check its own proof; returns its data address and tag id.
+
+    Raises AuthenticationError when the server refuses this side's token or cannot
+    prove its own; PeerDisconnectedError or TransferTimeoutError (retryable) when
+    it closes or stalls."""
+    return _client_handshake(sock, peer=peer, token=token, address=address, inbound_id=inbound_id,
+                             deadline=_Deadline(timeout_s, f"handshake with {peer}"))
 
 
 class ControlServer:
@@ -165,6 +210,11 @@ class ControlServer:
             raise TransferTimeoutError(f"no peer connected to {self.address} within {timeout_s:.3f} s") from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock, f"{addr[0]}:{addr[1]}"
+
+    def shutdown(self) -> None:
+        """Wake a thread blocked in ``accept`` (it raises OSError); ``close`` follows."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         self._sock.close()
@@ -255,23 +305,70 @@ class ControlMonitor:
 
 
 _MAX_CONNECTIONS = (1 << 16) - 1
+#: How often the accept thread looks whether the transport closed (close() also wakes it).
+_ACCEPT_SLICE_S = 0.2
+#: How long close() waits for the accept and handshake threads.
+_CLOSE_WAIT_S = 5.0
+#: Junk-socket floods log one line per interval, not one per socket.
+_LOG_INTERVAL_S = 5.0
+
+
+class _RateLimitedLog:
+    """Warns at most once per interval; the next warning counts those left out."""
+
+    def __init__(self, interval_s: float):
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._skipped = 0
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self._skipped += 1
+                return
+            skipped, self._skipped = self._skipped, 0
+            self._next = now + self._interval_s
+        if skipped:
+            msg += f" ({skipped} more like it in the last {self._interval_s:.0f} s)"
+        logger.warning(msg, *args)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class EndpointConfig:
     """What every backend's config has: the job token, where ``listen()`` binds
-    (loopback unless told otherwise), and whether buckets carry digests."""
+    (loopback unless told otherwise), whether buckets carry digests, and how
+    accepted connections authenticate.
+
+    Each accepted connection proves the token and opens its data path on a
+    thread of its own, within ``handshake_timeout`` whatever timeout the caller
+    gives ``accept()``; ``accept()`` only hands out connections that finished,
+    so a slow or silent peer delays no other. One that takes longer is dropped,
+    and its ``connect()`` sees a retryable TransportError. At most
+    ``max_pending_handshakes`` handshakes run at once: a socket accepted beyond
+    that is closed at once (logged at most every few seconds), so idle or junk
+    sockets cannot use up threads; a genuine peer refused that way also sees a
+    retryable PeerDisconnectedError.
+    """
 
     token: bytes
     host: str = "127.0.0.1"
     port: int = 0
     verify: bool = True
+    handshake_timeout: timedelta = timedelta(seconds=10)
+    max_pending_handshakes: int = 64
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, bytes) or not self.token:
             raise ValueError("token must be non-empty bytes (the job's secret)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not isinstance(self.handshake_timeout, timedelta) or self.handshake_timeout <= timedelta(0):
+            raise ValueError(f"handshake_timeout must be a positive timedelta, got {self.handshake_timeout!r}")
+        if isinstance(self.max_pending_handshakes, bool) or not isinstance(self.max_pending_handshakes, int) \
+                or self.max_pending_handshakes < 1:
+            raise ValueError(f"max_pending_handshakes must be an int >= 1, got {self.max_pending_handshakes!r}")
 
     def __repr__(self) -> str:  # never print the token
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.name != "token")
@@ -326,23 +423,54 @@ class ControlledTransport(Transport):
         self._token = config.token
         self._host = config.host
         self._port = config.port
+        self._handshake_timeout_s = config.handshake_timeout.total_seconds()
+        self._max_pending = config.max_pending_handshakes
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._connections: set[ControlledConnection] = set()
         self._monitor = ControlMonitor()
         self._server: ControlServer | None = None
+        self._acceptor: threading.Thread | None = None
+        # Under _lock: the sockets still authenticating and their threads, and
+        # what they produced for accept() (connections, refusals), in order.
+        self._handshakes: dict[socket.socket, threading.Thread] = {}
+        self._arrived = threading.Condition(self._lock)
+        self._finished: collections.deque[ControlledConnection | AuthenticationError] = collections.deque()
+        self._overflow_log = _RateLimitedLog(_LOG_INTERVAL_S)
+        self._failure_log = _RateLimitedLog(_LOG_INTERVAL_S)
         self._closed = False
 
     def _listen(self) -> str:
-        if self._server is None:
-            self._server = ControlServer(self._host, self._port)
+        with self._lock:
+            if self._closed:
+                raise TransportError("listen() on a closed transport")
+            if self._server is None:
+                self._server = ControlServer(self._host, self._port)
+                self._acceptor = threading.Thread(target=self._accept_loop, args=(self._server,),
+                                                  name="replica-control-accept", daemon=True)
+                self._acceptor.start()
         return self._server.address
 
     def _accept(self, timeout_s: float) -> Connection:
+        """The next connection that finished its handshake, or the next refusal
+        (AuthenticationError: a missing or wrong token), oldest first. A handshake
+        cut short by EOF or its deadline is logged, not raised here."""
         if self._server is None:
             raise TransportError("accept() before listen()")
-        sock, peer = self._server.accept(timeout_s)
-        return self._establish(sock, peer, server=True, timeout_s=timeout_s)
+        end = time.monotonic() + timeout_s
+        with self._arrived:
+            while not self._finished:
+                if self._closed:
+                    raise TransportError("accept() on a closed transport")
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeoutError(f"no peer finished a handshake with {self._server.address} "
+                                               f"within {timeout_s:.3f} s")
+                self._arrived.wait(left)
+            item = self._finished.popleft()
+        if isinstance(item, AuthenticationError):
+            raise item
+        return item
 
     def _connect(self, address: str, timeout_s: float) -> Connection:
         host, port = parse_address(address)
@@ -350,28 +478,107 @@ class ControlledTransport(Transport):
             sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
             raise PeerDisconnectedError(f"cannot connect to {address}: {exc}") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return self._establish(sock, address, server=False, timeout_s=timeout_s)
-
-    def _establish(self, sock: socket.socket, peer: str, *, server: bool, timeout_s: float) -> Connection:
-        recv_id = next(self._ids)
-        if recv_id > _MAX_CONNECTIONS:
-            sock.close()
-            raise TransportError(f"more than {_MAX_CONNECTIONS} connections on one transport")
-        handshake = server_handshake if server else client_handshake
-        offer, state = self._offer(server)
         try:
-            peer_offer, send_id = handshake(sock, peer=peer, token=self._token, address=offer,
-                                            inbound_id=recv_id, timeout_s=timeout_s)
-            conn = self._open(sock=sock, peer=peer, peer_offer=peer_offer, send_id=send_id,
-                              recv_id=recv_id, server=server, state=state, timeout_s=timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return self._establish(sock, address, server=False, timeout_s=timeout_s)
         except BaseException:
             sock.close()
+            raise
+
+    def _accept_loop(self, server: ControlServer) -> None:
+        while not self._closed:
+            try:
+                sock, peer = server.accept(_ACCEPT_SLICE_S)
+            except TransferTimeoutError:
+                continue
+            except OSError as exc:
+                if self._closed:
+                    return
+                # Out of descriptors, most likely: say so, and give the process a moment.
+                self._overflow_log.warning("accepting on %s failed: %s", server.address, exc)
+                time.sleep(_ACCEPT_SLICE_S)
+                continue
+            thread = threading.Thread(target=self._handshake, args=(sock, peer), name="replica-handshake",
+                                      daemon=True)
+            with self._lock:
+                refused = self._closed or len(self._handshakes) >= self._max_pending
+                if not refused:
+                    self._handshakes[sock] = thread
+                    thread.start()  # under the lock, so close() never joins an unstarted thread
+            if refused:
+                sock.close()
+                if not self._closed:
+                    self._overflow_log.warning(
+                        "closed the connection from %s at once: %d handshakes are already pending "
+                        "(max_pending_handshakes)", peer, self._max_pending)
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
+        """One accepted socket's handshake, on its own thread, under its own deadline."""
+        try:
+            conn = self._establish(sock, peer, server=True, timeout_s=self._handshake_timeout_s)
+        except BaseException as exc:
+            with self._lock:  # close() shuts down only sockets still listed, never a reused fd
+                self._handshakes.pop(sock, None)
+                sock.close()
+            if isinstance(exc, AuthenticationError):
+                self._deliver(exc)  # logged where it was found
+            elif isinstance(exc, TransportError):
+                if not self._closed:
+                    self._failure_log.warning("handshake with %s failed: %s", peer, exc)
+            elif isinstance(exc, Exception):
+                logger.exception("handshake with %s failed", peer)
+            return
+        with self._lock:
+            self._handshakes.pop(sock, None)
+        self._deliver(conn)
+
+    def _deliver(self, item: ControlledConnection | AuthenticationError) -> None:
+        with self._arrived:
+            if not self._closed:
+                # Refusals are logged already; keep no more than could be pending at once.
+                if isinstance(item, ControlledConnection) or \
+                        sum(isinstance(x, AuthenticationError) for x in self._finished) < self._max_pending:
+                    self._finished.append(item)
+                    self._arrived.notify()
+                return
+        if isinstance(item, ControlledConnection):
+            item.close()
+
+    def _establish(self, sock: socket.socket, peer: str, *, server: bool, timeout_s: float) -> ControlledConnection:
+        """Handshake and open the data path; the caller closes ``sock`` if this raises."""
+        deadline = _Deadline(timeout_s, f"handshake with {peer}")
+        # The server offers (and takes an id) only once the token is proven:
+        # junk sockets cost no backend state.
+        hello = _await_hello(sock, peer=peer, token=self._token, deadline=deadline) if server else None
+        recv_id = next(self._ids)
+        if recv_id > _MAX_CONNECTIONS:
+            raise TransportError(f"more than {_MAX_CONNECTIONS} connections on one transport")
+        offer, state = self._offer(server)
+        try:
+            if hello is not None:
+                _send_welcome(sock, hello, token=self._token, address=offer, inbound_id=recv_id, deadline=deadline)
+                peer_offer, send_id = hello.address, hello.inbound_id
+            else:
+                peer_offer, send_id = _client_handshake(sock, peer=peer, token=self._token, address=offer,
+                                                        inbound_id=recv_id, deadline=deadline)
+            try:
+                conn = self._open(sock=sock, peer=peer, peer_offer=peer_offer, send_id=send_id,
+                                  recv_id=recv_id, server=server, state=state, timeout_s=deadline.remaining())
+            except ReplicaError:
+                raise
+            except Exception as exc:  # a backend's own error (gloo's store, UCX): the peer may try again
+                raise TransportError(f"opening the data path with {peer} failed: {exc}") from exc
+        except BaseException:
             self._discard_offer(state)
             raise
-        with self._lock:
-            self._connections.add(conn)
-        self._monitor.watch(sock, conn)
+        with self._lock:  # close() sees the connection watched, or this sees close()
+            closed = self._closed
+            if not closed:
+                self._connections.add(conn)
+                self._monitor.watch(sock, conn)
+        if closed:
+            conn.close()
+            raise TransportError(f"transport closed during the handshake with {peer}")
         logger.info("connected to %s", peer)
         return conn
 
@@ -381,15 +588,33 @@ class ControlledTransport(Transport):
             self._connections.discard(conn)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            handshakes = list(self._handshakes.values())
+            for sock in self._handshakes:  # wakes each handshake thread; it closes its socket
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            unclaimed = [item for item in self._finished if isinstance(item, ControlledConnection)]
+            self._finished.clear()
+            self._arrived.notify_all()
+        if self._server is not None:
+            self._server.shutdown()
+            if self._acceptor is not None:
+                self._acceptor.join(timeout=_CLOSE_WAIT_S)
+            self._server.close()
+        # A thread still opening a data path (gloo's store) finds the transport
+        # closed when done and closes what it made.
+        end = time.monotonic() + _CLOSE_WAIT_S
+        for thread in handshakes:
+            thread.join(timeout=max(0.0, end - time.monotonic()))
+        for conn in unclaimed:
+            conn.close()
         with self._lock:
             conns = list(self._connections)
         for conn in conns:
             conn.close()
-        if self._server is not None:
-            self._server.close()
         self._monitor.close()
         self._shutdown()
 
@@ -398,12 +623,15 @@ class ControlledTransport(Transport):
         """What this side sends the peer in the handshake (its data address), and local state."""
 
     def _discard_offer(self, state: Any) -> None:
-        """Undo ``_offer`` when the handshake fails."""
+        """Undo ``_offer`` when the handshake fails (or ``_open`` raised)."""
 
     @abstractmethod
     def _open(self, *, sock: socket.socket, peer: str, peer_offer: bytes, send_id: int, recv_id: int,
               server: bool, state: Any, timeout_s: float) -> ControlledConnection:
-        """Build the data path once both sides proved the token."""
+        """Build the data path once both sides proved the token, within ``timeout_s``
+        (what is left of the handshake's deadline). On the accepting side it runs
+        on a handshake thread, concurrently with other handshakes' ``_offer`` and
+        ``_open``; a backend error it raises reaches the peer as a TransportError."""
 
     @abstractmethod
     def _shutdown(self) -> None:

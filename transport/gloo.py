@@ -9,9 +9,11 @@ told over the authenticated channel, and they bind the configured host
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -113,22 +115,38 @@ class GlooTransport(ControlledTransport):
             state.close()
 
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
-        timeout = timedelta(seconds=timeout_s)
+        # Every wait here is bounded by the handshake's deadline: this may run on
+        # the accepting side's handshake thread, and a peer can die at any point.
+        end = time.monotonic() + timeout_s
+
+        def left() -> timedelta:
+            return timedelta(seconds=max(end - time.monotonic(), 1e-3))
+
         if server:
             host, port = state.getsockname()[:2]
             # The store takes the socket and closes it when it dies: detach it
             # so the fd is closed once, never a reused number of someone else's.
-            store = dist.TCPStore(host, port, 2, True, timeout=timeout, wait_for_workers=False,
+            store = dist.TCPStore(host, port, 2, True, timeout=left(), wait_for_workers=False,
                                   master_listen_fd=state.detach())
         else:
             host, port = parse_address(peer_offer.decode())
-            store = dist.TCPStore(host, port, 2, False, timeout=timeout)
+            store = dist.TCPStore(host, port, 2, False, timeout=left())
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.config.host)]
         options._timeout = self.config.op_timeout
         rank = 0 if server else 1
-        group = dist.ProcessGroupGloo(dist.PrefixStore("replica", store), rank, 2, options)
-        group.barrier().wait()
+        store = dist.PrefixStore("replica", store)
+        # gloo's rendezvous waits op_timeout (minutes) for a peer that died after
+        # the handshake; meeting in the store first bounds that by the deadline.
+        store.set(f"arrived/{rank}", b"1")
+        store.wait([f"arrived/{1 - rank}"], left())
+        group = dist.ProcessGroupGloo(store, rank, 2, options)
+        try:
+            group.barrier().wait(left())
+        except Exception:
+            with contextlib.suppress(Exception):
+                group.abort()
+            raise
         return GlooConnection(transport=self, sock=sock, peer=peer, group=group, peer_rank=1 - rank,
                               verify=self.config.verify)
 
