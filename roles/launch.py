@@ -1,23 +1,101 @@
 """``replica launch``: coordinator + N trainers + N standbys as local processes
 running one user script, with fault injection, a progress line, the failover
 timeline (table, JSON, PNG) and a JSON report of every rank's per-step losses
-(exact floats)."""
+(exact floats). Every role process dies with the launcher, even a launcher
+killed with SIGKILL."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
+from typing import TextIO
 
 from replica.roles.coordinator import Coordinator, Deadlines
 from replica.roles.env import configure_logging, parse_faults
 from replica.roles.supervise import JobSpec, supervise
 
-__all__ = ["LocalAgent", "deadline_options", "deadlines_of", "main"]
+__all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main"]
+
+# Run as `python -I -S -c _DIE_WITH_LAUNCHER LAUNCHER_PID ARGV...`, before anything of the job is
+# imported: set PR_SET_PDEATHSIG, then exec ARGV in the same process (the setting survives exec, and
+# the script runs exactly as `python script.py` would). This replaces preexec_fn, which may deadlock
+# in a launcher with threads. The signal comes when the launcher's forking thread exits; one that
+# died before the prctl sends nothing, so the parent is checked after it.
+_DIE_WITH_LAUNCHER = """\
+import ctypes, os, signal, sys
+launcher, argv = int(sys.argv[1]), sys.argv[2:]
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(ctypes.c_int(1), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
+              ctypes.c_ulong(0)) != 0:  # 1: PR_SET_PDEATHSIG
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+if os.getppid() != launcher:
+    os.kill(os.getpid(), signal.SIGKILL)
+os.execv(argv[0], argv)
+"""
+
+
+def die_with_launcher(argv: list[str]) -> list[str]:
+    """``argv`` wrapped so that the process it starts is SIGKILLed when this process
+    dies (Linux; elsewhere ``argv`` unchanged). Start it from the main thread: the
+    signal fires when the thread that started it exits."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *argv]
+
+
+class StatusLines:
+    """The launcher's stdout. Role processes write to the same terminal at any time, so
+    a status line redrawn in place (a write starting with ``\\r``, as the progress line)
+    would run into their output: each becomes a line of its own instead, at most one
+    every ``every_s`` seconds, and the latest one is shown before any other output.
+    A newline that would end a line already ended (the writer's way to close its
+    status line) is dropped."""
+
+    def __init__(self, out: TextIO, *, every_s: float = 5.0):
+        self._out = out
+        self._every_s = every_s
+        self._lock = threading.Lock()
+        self._pending: str | None = None
+        self._shown: str | None = None
+        self._shown_at = float("-inf")
+        self._line_ended = True
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            if text.startswith("\r") and "\n" not in text:
+                self._pending = text.lstrip("\r")
+                if time.monotonic() - self._shown_at >= self._every_s:
+                    self._show()
+                return len(text)
+            if not text:  # print(..., end="") writes its empty end: not output
+                return 0
+            self._show()
+            out = text[1:] if self._line_ended and text.startswith("\n") else text
+            if out:
+                self._out.write(out)
+                self._line_ended = out.endswith("\n")
+            return len(text)
+
+    def _show(self) -> None:
+        if self._pending is not None and self._pending != self._shown:
+            self._out.write(self._pending + "\n")
+            self._shown, self._shown_at = self._pending, time.monotonic()
+            self._line_ended = True
+        self._pending = None
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self._out, name)
 
 
 def deadline_options(p: argparse.ArgumentParser) -> None:
@@ -74,8 +152,11 @@ class LocalAgent:
         self._reported: set[int] = set()
 
     def start(self, role: str, rank: int) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            # PR_SET_PDEATHSIG fires when the forking *thread* exits, not the launcher.
+            raise RuntimeError("LocalAgent.start must be called from the main thread")
         env = dict(self._env, REPLICA_ROLE=role, REPLICA_RANK=str(rank))
-        popen = subprocess.Popen([sys.executable, *self._script], env=env)
+        popen = subprocess.Popen(die_with_launcher([sys.executable, *self._script]), env=env)
         self.procs[popen.pid] = (role, popen)
         return popen.pid
 
@@ -143,7 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
     # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
     # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
-    env = dict({"TORCH_GLOO_LAZY_INIT": "1"}, **os.environ)
+    # UCX prints an error line of its own when an endpoint to a killed peer is closed
+    # ("error during flush: Connection reset by remote peer"): replica reports and handles every
+    # peer death itself. UCX_LOG_LEVEL=error (or any level) set by the user is kept.
+    env = dict({"TORCH_GLOO_LAZY_INIT": "1", "UCX_LOG_LEVEL": "fatal"}, **os.environ)
     env.update(REPLICA_WORLD_SIZE=str(args.trainers), REPLICA_STORE=coord.address, REPLICA_TOKEN=token,
                REPLICA_INJECT=args.inject, REPLICA_STEPS=str(args.steps), REPLICA_ROLLOUTS=str(args.rollouts),
                REPLICA_MIRROR_DEVICE="" if args.mirror_device == "model" else args.mirror_device)
@@ -161,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
         spec = JobSpec(steps=args.steps, faults=faults, timeout_s=args.timeout, report=args.report,
                        timeline_png=timeline, train_while_replacing=args.train_while_replacing)
-        status = supervise(coord, spec, agent)
+        with contextlib.redirect_stdout(StatusLines(sys.stdout)):
+            status = supervise(coord, spec, agent)
     finally:
         agent.stop()
     codes = agent.failed_codes({m.pid for m in coord.members if m.role == "trainer" and m.state == "done"})
