@@ -42,7 +42,8 @@ bench: build
 
 # The failover demo: the same job twice, without and with trainer 1 killed
 # (SIGKILL) in the backward of step DEMO_KILL_STEP; the loss trajectories must
-# be equal bit for bit.
+# be equal bit for bit. Writes demo/failover.png (the failover's timeline) and
+# demo/losses.png (both runs' loss curves, the kill marked).
 DEMO_STEPS ?= 40
 DEMO_KILL_STEP ?= 17
 demo: build
@@ -52,11 +53,12 @@ demo: build
 	@echo "replica demo: 2/2 the same run, trainer 1 killed in the backward of step $(DEMO_KILL_STEP)"
 	$(VENV)/bin/replica launch --steps $(DEMO_STEPS) --inject kill:trainer:1@$(DEMO_KILL_STEP):backward \
 	  --report demo/failover.json examples/train_fsdp.py
-	$(VENV)/bin/replica compare demo/reference.json demo/failover.json
+	$(VENV)/bin/replica compare demo/reference.json demo/failover.json --plot demo/losses.png
 
 # The RL demo: examples/rl_loop.py (vLLM rollouts, FSDP2 GRPO trainers, weights pushed
 # in place each step) twice, without and with trainer 1 killed in backward and rollout
 # 0 killed while it generates; losses and rewards must be equal bit for bit.
+# Writes demo/rl-failover.png (timeline) and demo/rl-losses.png (loss curves).
 DEMO_RL_STEPS ?= 50
 demo-rl: build
 	@mkdir -p demo
@@ -65,7 +67,7 @@ demo-rl: build
 	@echo "replica demo-rl: 2/2 the same run, trainer 1 killed at step 20, rollout 0 at step 30"
 	$(VENV)/bin/replica launch --rollouts 3 --steps $(DEMO_RL_STEPS) \
 	  --inject kill:trainer:1@20:backward,kill:rollout:0@30 --report demo/rl-failover.json examples/rl_loop.py
-	$(VENV)/bin/replica compare demo/rl-reference.json demo/rl-failover.json
+	$(VENV)/bin/replica compare demo/rl-reference.json demo/rl-failover.json --plot demo/rl-losses.png
 
 # Compile-only check of the CUDA sources against torch's headers: keeps the
 # CUDA code compiling on machines without a GPU or a CUDA build of torch.

@@ -8,7 +8,7 @@ __all__ = ["main"]
 
 _USAGE = """usage: replica launch [--trainers N] [--steps N] [--inject SPEC] [--report PATH] SCRIPT [ARGS...]
        replica coordinator --world-size N --steps N [--host H] [--port P] [--report PATH]
-       replica compare REFERENCE.json OTHER.json
+       replica compare REFERENCE.json OTHER.json [--plot LOSSES.png]
 (each command's --help lists its options)"""
 
 
@@ -25,16 +25,27 @@ def main(argv: list[str] | None = None) -> int:
         from replica.roles.serve import main as coordinator
 
         return coordinator(argv[1:])
-    if argv[0] == "compare" and len(argv) == 3:
-        return _compare(*argv[1:])
+    if argv[0] == "compare":
+        return _compare(argv[1:])
     print(f"replica: bad command {' '.join(argv)!r}\n{_USAGE}", file=sys.stderr)
     return 2
 
 
-def _compare(reference: str, other: str) -> int:
-    from replica.roles.report import compare_reports, load_report
+def _compare(argv: list[str]) -> int:
+    import argparse
+    from pathlib import Path
 
-    a, b = load_report(reference), load_report(other)
+    from replica.roles.report import compare_reports, load_report, write_loss_png
+
+    parser = argparse.ArgumentParser(prog="replica compare",
+                                     description="compare two job reports' per-step losses (and metrics) exactly")
+    parser.add_argument("reference", type=Path, help="the report of the failure-free run")
+    parser.add_argument("other", type=Path, help="the report of the run to check (with faults)")
+    parser.add_argument("--plot", type=Path, help="also plot both runs' loss curves, faults marked, as PNG")
+    args = parser.parse_args(argv)
+    a, b = load_report(args.reference), load_report(args.other)
+    if args.plot is not None and write_loss_png(a, b, args.plot, names=(args.reference.stem, args.other.stem)):
+        print(f"replica: loss curves plotted in {args.plot}")
     problems = compare_reports(a, b)
     for line in problems[:20]:
         print(f"replica: {line}")

@@ -1,7 +1,8 @@
 """Job reports (``--report``): every rank's per-step losses as exact floats,
 every fault and when it fired, the failovers and their timelines, the
 membership table; compared exactly by ``replica compare``. The timeline is
-also printed as a table and plotted (PNG, with matplotlib when installed)."""
+also printed as a table and plotted (PNG, with matplotlib when installed), and
+``replica compare --plot`` draws two runs' loss curves with their faults marked."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from replica.jobstate import keys
+from replica.roles.env import parse_faults
 from replica.roles.rollouts import served_shards
 
 if TYPE_CHECKING:
     from replica.roles.coordinator import Coordinator, Failover
 
-__all__ = ["PHASES", "build_report", "compare_reports", "load_report", "print_timeline", "write_timeline_png"]
+__all__ = ["PHASES", "build_report", "compare_reports", "load_report", "print_timeline", "write_loss_png",
+           "write_timeline_png"]
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +30,8 @@ PHASES = ("detect", "promote", "reconnect", "resumed")  # timeline marks, in ms 
 def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: str | None) -> dict:
     losses, times, metrics = {}, {}, {}
     for rank in range(coord.world_size):
-        keys = [f"replica/loss/{rank}/{s}" for s in range(1, steps + 1)]
-        logged = [coord.store.get(k).decode().split(" ") if coord.store.check([k]) else [None, None] for k in keys]
+        texts = coord.store.get_many([keys.loss(rank, s) for s in range(1, steps + 1)])
+        logged = [t.value.split(" ") if t is not None else [None, None] for t in texts]
         losses[str(rank)] = [parts[0] for parts in logged]
         times[str(rank)] = [float(parts[1]) if parts[1] is not None else None for parts in logged]
         metrics[str(rank)] = [dict(p.split("=", 1) for p in parts[2:]) for parts in logged]
@@ -55,8 +59,8 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
 
 def _version(coord: Coordinator, index: int) -> int | None:
     """The weight version rollout engine ``index`` served last."""
-    key = f"replica/engine/{index}/version"
-    return int(coord.store.get(key)) if coord.store.check([key]) else None
+    version = coord.store.get(keys.engine_version(index))
+    return None if version is None else version.value
 
 
 def load_report(path: str | Path) -> dict:
@@ -96,15 +100,29 @@ def print_timeline(failovers: list[Failover]) -> None:
         print(f"| {f.rank} | {f.generation} | {f.commit} | {f.reason} | " + " | ".join(cells) + " |")
 
 
-def write_timeline_png(failovers: list[Failover], path: Path) -> bool:
-    """One horizontal bar per failover, split at each mark; False without matplotlib."""
+def _pyplot(what: str):
+    """matplotlib.pyplot drawing to files, or None (said once) when it is not installed."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("replica: matplotlib is not installed (pip install 'replica[plot]'): no timeline PNG")
+        print(f"replica: matplotlib is not installed (pip install 'replica[plot]'): no {what} PNG")
+        return None
+    return plt
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_timeline_png(failovers: list[Failover], path: Path) -> bool:
+    """One horizontal bar per failover, split at each mark; False without matplotlib."""
+    plt = _pyplot("timeline")
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 1 + 0.6 * len(failovers)))
     colors = ("tab:red", "tab:orange", "tab:blue", "tab:green")
@@ -120,7 +138,49 @@ def write_timeline_png(failovers: list[Failover], path: Path) -> bool:
     ax.set_xlabel("ms after the kill")
     ax.set_title("replica failover timeline")
     ax.legend(loc="lower right", fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, path)
+    return True
+
+
+def _curve(values: list, convert=float.fromhex) -> list[float]:
+    return [float("nan") if v is None else convert(v) for v in values]
+
+
+def write_loss_png(reference: dict, other: dict, path: Path, *, names: tuple[str, str] = ("reference", "run")) -> bool:
+    """Both runs' per-step loss of every rank (top) and seconds per step of rank 0
+    (bottom), with the other run's faults marked at the step they fired in; False
+    without matplotlib."""
+    plt = _pyplot("loss")
+    if plt is None:
+        return False
+    fig, (loss_ax, time_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, height_ratios=(2, 1))
+    for (rank, ref), color in zip(sorted(reference["losses_hex"].items(), key=lambda kv: int(kv[0])),
+                                  ("tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:olive", "tab:cyan")):
+        steps = range(1, len(ref) + 1)
+        # The curves coincide when the runs are equal: the reference wide and pale, the other thin on top.
+        loss_ax.plot(steps, _curve(ref), color=color, linewidth=5, alpha=0.3, label=f"rank {rank}, {names[0]}")
+        loss_ax.plot(steps, _curve(other["losses_hex"].get(rank, [])), color=color, linewidth=1, marker=".",
+                     markersize=4, label=f"rank {rank}, {names[1]}")
+    for report, name, style in ((reference, names[0], dict(linewidth=5, alpha=0.3, color="gray")),
+                                (other, names[1], dict(linewidth=1, marker=".", markersize=4, color="black"))):
+        ends = _curve(report.get("step_end_times", {}).get("0", []), convert=float)
+        if len(ends) > 1:
+            time_ax.plot(range(2, len(ends) + 1), [b - a for a, b in zip(ends, ends[1:])], label=name, **style)
+    for fault in other.get("faults", []):
+        if not fault.get("fired_at"):
+            continue
+        (parsed,) = parse_faults(fault["fault"])
+        color = "tab:red" if parsed.action == "kill" else "tab:orange"
+        loss_ax.axvline(parsed.step, color=color, linestyle="--", linewidth=1, label=f"{fault['fault']} fired")
+        time_ax.axvline(parsed.step, color=color, linestyle="--", linewidth=1)
+    for failover in other.get("failovers", []):
+        loss_ax.axvline(failover["commit"], color="gray", linestyle=":", linewidth=1,
+                        label=f"rank {failover['rank']} failed over to commit {failover['commit']}")
+    loss_ax.set_ylabel("loss")
+    loss_ax.set_title(f"replica: per-step loss, {names[0]} and {names[1]}")
+    loss_ax.legend(loc="best", fontsize="small", ncol=2)
+    time_ax.set_ylabel("s per step (rank 0)")
+    time_ax.set_xlabel("step")
+    time_ax.legend(loc="upper right", fontsize="small")
+    _save(plt, fig, path)
     return True
