@@ -74,10 +74,12 @@ class CommitRecord:
         return None if generation is None else generation.epoch(rank) or Epoch(generation=generation.number,
                                                                                  member=-2)
 
-    def acknowledge(self, rank: int, step: int, epoch: Epoch = NO_EPOCH) -> int | None:
-        """Record that rank ``rank``'s standby holds ``step`` as streamed by the trainer of
-        ``epoch``; returns the global commit after."""
-        self.store.put(keys.ack(rank), Ack(rank=rank, step=step, generation=epoch.generation, member=epoch.member))
+    def acknowledge(self, rank: int, step: int, epoch: Epoch = NO_EPOCH, holder: str = "") -> int | None:
+        """Record that rank ``rank``'s standby (registered with nonce ``holder``; "" for a
+        trainer acknowledging itself) holds ``step`` as streamed by the trainer of ``epoch``;
+        returns the global commit after."""
+        self.store.put(keys.ack(rank), Ack(rank=rank, step=step, generation=epoch.generation, member=epoch.member,
+                                           holder=holder))
         acks = self.store.get_many([keys.ack(r) for r in range(self.world_size)])
         generation = self.generation()
         for r, ack in enumerate(acks):
@@ -91,6 +93,14 @@ class CommitRecord:
         while current is None or current.step < low:
             current, raw = self.store.compare_set(keys.commit(), raw, Commit(step=low, generation=number))
         return self._seen(current.step)
+
+    def standby_holds(self, rank: int, step: int) -> bool:
+        """True when rank ``rank``'s registered standby acknowledged ``step`` or later
+        itself (so it holds ``step``: a standby keeps the commit's version until a newer
+        one is committed)."""
+        registration, ack = self.registration(rank), self.store.get(keys.ack(rank))
+        return (registration is not None and ack is not None and ack.holder == registration.nonce
+                and ack.step >= step)
 
     def report_lost(self, rank: int) -> None:
         """Rank ``rank``'s standby saw its trainer's connection vanish without a goodbye

@@ -123,12 +123,16 @@ class Commit:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Ack:
-    """Rank ``rank``'s standby verified ``step``, streamed by the trainer of ``epoch``."""
+    """Rank ``rank``'s standby verified ``step``, streamed by the trainer of ``epoch``.
+    ``holder`` is the nonce of that standby's registration ("" when an unprotected
+    trainer acknowledged itself): the coordinator promotes only a standby that holds
+    the commit."""
 
     rank: int
     step: int
     generation: int
     member: int
+    holder: str = ""
 
     @property
     def epoch(self) -> Epoch:

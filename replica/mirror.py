@@ -123,7 +123,7 @@ class Mirror(Listener):
         self._scrubber: threading.Thread | None = None
         if model is not None:  # before anyone can find this mirror: no trainer gets in unchecked
             self.expect(model, optimizer)
-        self.record.publish_standby(rank, self.backend, self.address)
+        self._registration = self.record.publish_standby(rank, self.backend, self.address)
         self._start()
         if self.config.verify and self.config.scrub_interval.total_seconds() > 0:
             self._scrubber = threading.Thread(target=self._scrub_loop, name=f"replica-{self.name}-scrub",
@@ -403,7 +403,7 @@ class Mirror(Listener):
             self._damaged.pop(slot, None)  # marks of the content this one replaced
             self.stats.acked.append(step)
             self._cond.notify_all()
-        commit = self.record.acknowledge(self.rank, step, epoch)
+        commit = self.record.acknowledge(self.rank, step, epoch, self._registration.nonce)
         send_reply(conn, Reply(step=step, status=Status.ACKED), timeout)
         logger.debug("[standby rank %d step %d] acknowledged; global commit %s", self.rank, step, commit)
 

@@ -235,6 +235,11 @@ class Coordinator:
         if standby is None:
             return [self._fail(member.rank, f"trainer {member.rank} died ({reason}) and has no standby: rank "
                                             f"{member.rank} was unprotected and its state is lost")]
+        commit = self.record.last()
+        if not self.record.standby_holds(member.rank, commit):
+            return [self._fail(member.rank, f"trainer {member.rank} died ({reason}) and its standby, {standby}, "
+                                            f"does not hold commit {commit} (it has not received the rank's state "
+                                            f"yet): rank {member.rank}'s state is lost")]
         self._promote(standby, reason)
         return [Decision(kind="promoted", rank=member.rank, reason=reason, dead=member)]
 
