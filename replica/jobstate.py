@@ -50,6 +50,7 @@ __all__ = [
     "LostReports",
     "Promotion",
     "Registration",
+    "Regroup",
     "Stamp",
     "Text",
     "Number",
@@ -176,6 +177,15 @@ class JoinReply:
     nonce: str
     admitted: bool
     reason: str
+    generation: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Regroup:
+    """Trainer ``rank`` found generation ``generation`` failed (a collective or
+    rendezvous timed out) with no death announced: it asks for a fresh one."""
+
+    rank: int
     generation: int
 
 
@@ -336,6 +346,10 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key(f"lost/{rank}", LostReports)
 
     # roles -> coordinator
+    @staticmethod
+    def regroup(rank: int) -> Key[Regroup]:
+        return Key(f"regroup/{rank}", Regroup)
+
     @staticmethod
     def heartbeat(member: int) -> Key[Heartbeat]:
         return Key(f"hb/{member}", Heartbeat)

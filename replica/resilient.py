@@ -244,20 +244,21 @@ class ResilientProcessGroup(dist.ProcessGroup):
         return self._error
 
     def configure(self, generation: int, *, timeout: timedelta | None = None,
-                  ready_timeout: timedelta | None = None) -> None:
+                  ready_timeout: timedelta | None = None, ready_abort: Callable[[], bool] | None = None) -> None:
         """Connect generation ``generation``: every member calls this with the same
         number (the coordinator's); blocks until all have joined or ``timeout``.
 
         ``ready_timeout`` first waits (polling, up to that long) until every member
         has arrived, so a member that is slow to get here (a promoted standby
         restoring under load) is not failed by the short collective ``timeout``,
-        which also bounds gloo's rendezvous."""
+        which also bounds gloo's rendezvous. ``ready_abort()`` returning True ends
+        that wait early with ReplicaError (the generation was superseded)."""
         if generation <= self._generation:
             raise ValueError(f"generation {generation} is not newer than {self._generation}")
         timeout = timeout or self._timeout
         prefix = dist.PrefixStore(f"generation/{generation}", self._store)
         if ready_timeout is not None:
-            self._arrive(prefix, generation, ready_timeout)
+            self._arrive(prefix, generation, ready_timeout, ready_abort)
         inners = {"cpu": dist.ProcessGroupGloo(prefix, self.rank(), self.size(), timeout)}
         self._release(timeout)
         if self.cuda:
@@ -268,11 +269,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
         logger.info("[rank %d] process group generation %d connected (%s)", self.rank(), generation,
                     ", ".join(sorted(inners)))
 
-    def _arrive(self, prefix: dist.Store, generation: int, timeout: timedelta) -> None:
+    def _arrive(self, prefix: dist.Store, generation: int, timeout: timedelta,
+                abort: Callable[[], bool] | None) -> None:
         prefix.set(f"arrived/{self.rank()}", b"1")
         names = [f"arrived/{r}" for r in range(self.size())]
         deadline = time.monotonic() + timeout.total_seconds()
         while not prefix.check(names):  # polled: a blocking wait would hold the store client for everyone
+            if abort is not None and abort():
+                raise ReplicaError(f"generation {generation} was superseded before every member arrived")
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.size()) if not prefix.check([f"arrived/{r}"])]
                 raise ReplicaError(f"generation {generation}: ranks {missing} did not arrive within {timeout}")

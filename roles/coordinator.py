@@ -135,6 +135,8 @@ class Coordinator:
         self.unprotected_spans: list[dict] = []  # rank, from_commit, until_commit (None: to the end)
         self._unprotected_reg: dict[int, str | None] = {}  # a rank's standby registration when it lost protection
         self.rollouts_lost: list[dict] = []
+        self.regroups: list[dict] = []  # fresh generations after a step failed with no death
+        self._regroup_asked_at: float | None = None
         self.rollouts_retired: list[int] = []  # engines stopped because their machine took a trainer's place
         self.started = False  # every rank's trainer has joined: no trainer may join any more
         self._token = token
@@ -158,6 +160,7 @@ class Coordinator:
         self._reprotect()
         self._guard_generation()
         now = time.time()
+        self._regroup(now)
         for member in self.alive():
             if member.role == "trainer" and self.store.has(keys.done(member.rank)):
                 member.state = "done"
@@ -380,6 +383,30 @@ class Coordinator:
         if beat is not None and beat.member == member.id and beat.beat > member.beats:
             member.beats, member.beat_at = beat.beat, now
         return member.beat_at
+
+    def _regroup(self, now: float) -> None:
+        """A trainer's step failed in the current generation with no death (a collective or
+        rendezvous timed out on a loaded machine): once a death had its deadline to show,
+        every trainer rolls back to the last commit and redoes the step in a fresh
+        generation, exactly as after a failover but with nobody replaced."""
+        asked = [r for r in range(self.world_size)
+                 if (req := self.store.get(keys.regroup(r))) is not None and req.generation == self.generation]
+        if not asked or self._failed is not None or self.record.last() is None:
+            self._regroup_asked_at = None
+            return
+        if self._regroup_asked_at is None:
+            self._regroup_asked_at = now
+        if now - self._regroup_asked_at < self.deadlines.trainer:
+            return
+        self._regroup_asked_at = None
+        commit = self.record.last()
+        self.generation += 1
+        g = self.generation
+        self.store.put(keys.failover(g), FailoverRecord(generation=g, commit=commit, rank=-1, member=-1))
+        self._publish_generation()
+        self.regroups.append({"generation": g, "commit": commit, "asked_by": asked, "at": now})
+        logger.warning("trainers %s found generation %d failed with no death: generation %d resumes from commit %s "
+                       "with the same trainers", asked, g - 1, g, commit)
 
     def _guard_generation(self) -> None:
         """Put the generation record back if anyone overwrote or deleted it (roles keep the

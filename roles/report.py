@@ -44,6 +44,7 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         "step_end_times": times,
         "faults": [{"fault": f, "fired_at": coord.fired(f)} for f in faults],
         "failovers": [asdict(f) for f in coord.failovers],
+        "regroups": coord.regroups,
         "standbys_replaced": coord.standbys_replaced,
         "unprotected": sorted(coord.unprotected),
         "unprotected_spans": coord.unprotected_spans,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import replica
 from replica.errors import FencedError
-from replica.jobstate import Epoch, Flag, Heartbeat, JobStore, Stamp, Text, keys
+from replica.jobstate import Epoch, Flag, Heartbeat, JobStore, Regroup, Stamp, Text, keys
 from replica.restore import materialize_optimizer_state
 from replica.roles.env import RoleEnv, configure_logging
 from replica.roles.join import join
@@ -44,6 +44,7 @@ class Job:
         # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
         self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=_WAIT).member
         self._since = 0  # the generation this process became the rank's trainer in
+        self._failed_generation = -1  # the newest generation this process could not join
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
         self.config = replica.Config(token=env.token, host=env.host, standby_wait=timedelta(seconds=120))
         # gloo fails a frozen peer's collective at `timeout`. NCCL's watchdog must never beat the
@@ -171,26 +172,50 @@ class Job:
         one died) waits for the coordinator's decision: a death is announced, or
         the slow peer catches up and the step is simply redone in a fresh generation."""
         deadline = time.monotonic() + _WAIT.total_seconds()
+        floor = max(self.group.generation, self._failed_generation)
+        asked = False
         while True:
             current = self.store.get(keys.generation())
-            if current is not None and current.number > self.group.generation:
+            if current is not None and current.number > floor:
                 failover = self.store.wait(keys.failover(current.number), _WAIT)
                 return current.number, failover.commit
+            if current is not None and not asked:  # no death announced (yet): ask for a fresh generation
+                self.store.put(keys.regroup(self.rank), Regroup(rank=self.rank, generation=current.number))
+                asked = True
             if time.monotonic() > deadline:
-                raise replica.ReplicaError("the step failed but no coordinator announced a failover")
+                raise replica.ReplicaError("the step failed but no coordinator announced a failover or a regroup")
             time.sleep(0.005)
 
     def _recover(self) -> int:
-        generation, commit = self._announced()
-        if self._superseded():
-            # Declared dead (a missed deadline) while alive: its standby has taken the rank over.
-            self._stop.set()
-            raise FencedError(f"trainer rank {self.rank} was declared dead and replaced by another process in "
-                              f"generation {generation}; this process must stop")
-        restored = self._rep.rollback(step=commit)
-        self.group.configure(generation, ready_timeout=_WAIT)
+        while True:
+            generation, commit = self._announced()
+            if self._superseded():
+                # Declared dead (a missed deadline) while alive: its standby has taken the rank over.
+                self._stop.set()
+                raise FencedError(f"trainer rank {self.rank} was declared dead and replaced by another process in "
+                                  f"generation {generation}; this process must stop")
+            restored = self._rep.rollback(step=commit)
+            if self._configure(generation):
+                break
         logger.warning("[trainer rank %d] survived: rolled back to %d, generation %d", self.rank, restored, generation)
         return restored
+
+    def _configure(self, generation: int) -> bool:
+        """Join ``generation``; False if it failed or was superseded before every member
+        arrived (the caller then waits for the next one)."""
+        try:
+            self.group.configure(generation, ready_timeout=_WAIT,
+                                 ready_abort=lambda: self._generation_number() > generation)
+            return True
+        except (replica.ReplicaError, RuntimeError) as exc:  # gloo reports a failed rendezvous as RuntimeError
+            self._failed_generation = max(self._failed_generation, generation)
+            logger.warning("[%s rank %d] generation %d could not be joined (%s); waiting for the next", self.role,
+                           self.rank, generation, exc)
+            return False
+
+    def _generation_number(self) -> int:
+        current = self.store.get(keys.generation())
+        return -1 if current is None else current.number
 
     def _wait_promotion(self) -> int | None:
         key = keys.promote(self.rank)
@@ -217,7 +242,10 @@ class Job:
             raise
         self._since = generation
         self.store.put(keys.restored(generation), Stamp(at=time.time()))
-        self.group.configure(generation, ready_timeout=_WAIT)
+        while not self._configure(generation):  # a regroup or another death overtook this generation
+            generation, commit = self._announced()
+            self._mirror.restore(model, optimizer, extra, step=commit, rank=self.rank,
+                                 world_size=self.env.world_size)
         self.store.put(keys.reconnected(generation), Stamp(at=time.time()))
         mirror, self._mirror = self._mirror, None  # not needed any more; closing it waits for its threads
         threading.Thread(target=mirror.close, daemon=True, name="replica-mirror-close").start()

@@ -236,3 +236,16 @@ def test_standalone_coordinator_with_torchrun_style_roles(tmp_path, reference):
     assert result["unprotected"] == [1]
     assert compare_reports(reference, result) == []
     assert result["last_commit"] == STEPS
+
+
+def test_a_step_that_times_out_with_no_death_is_redone_in_a_fresh_generation(tmp_path, reference):
+    """Trainer 0 stalls 14 s in a step (a loaded or slow machine): trainer 1's collective
+    hits gloo's 10 s timeout, but trainer 0 keeps beating, so nobody is dead. The
+    coordinator gives both a fresh generation (a regroup, no promotion); they roll back
+    to the last commit and redo the step, bit-identical to the reference."""
+    code, report, output = launch(tmp_path, "--inject", "stall:trainer:0@3:14")
+    assert code == 0, output[-4000:]
+    assert report["faults"][0]["fired_at"] is not None  # the stall happened ...
+    assert report["failovers"] == [] and report["standbys_replaced"] == []  # ... and was no death
+    assert len(report["regroups"]) >= 1, report["regroups"]  # the timed-out step was redone
+    assert compare_reports(reference, report) == []
