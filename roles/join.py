@@ -30,7 +30,7 @@ from replica.jobstate import JobStore, JoinReply, keys
 __all__ = ["Admission", "JoinRequest", "answer", "join", "pending_requests", "refuse_unsigned"]
 
 #: How long a joiner keeps waiting for a signed reply when only an unverifiable one is there.
-_UNSIGNED_GRACE_S = 5.0
+_UNSIGNED_GRACE_S = 1.0
 #: At most this many requests are read per call: a forged counter cannot make a poll endless.
 _MAX_PENDING = 64
 
@@ -82,17 +82,24 @@ def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timede
     deadline = time.monotonic() + timeout.total_seconds()
     unsigned_since: float | None = None
     delay = 1e-3
+    raw = b""
     while True:
         full = store.full(key)
-        if store.raw.check([full]):
-            raw = store.raw.get(full)
+        try:
+            present = store.raw.check([full])
+            raw = store.raw.get(full) if present else raw
+        except RuntimeError as exc:  # the store went away (the job ended) while this waited
+            if unsigned_since is not None:
+                raise _unsigned(role, rank, raw) from exc
+            raise JoinRefusedError(f"the job store went away before the join of {role} rank {rank} was "
+                                   f"answered: {exc}") from exc
+        if present:
             try:
                 reply = store.verify(key, raw)
             except JobStateError:
                 unsigned_since = unsigned_since or time.monotonic()
                 if time.monotonic() - unsigned_since > _UNSIGNED_GRACE_S:
-                    raise JoinRefusedError(f"{role} rank {rank} was not admitted: the only reply is not signed with "
-                                           f"this process's token ({_reason(raw)}); is REPLICA_TOKEN the job's?")
+                    raise _unsigned(role, rank, raw)
             else:
                 if reply.seq != seq or reply.nonce != request.nonce:
                     raise JoinRefusedError(f"the reply to the join of {role} rank {rank} answers another request")
@@ -103,6 +110,11 @@ def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timede
             raise JoinRefusedError(f"no coordinator answered the join of {role} rank {rank} within {timeout}")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+def _unsigned(role: str, rank: int, raw: bytes) -> JoinRefusedError:
+    return JoinRefusedError(f"{role} rank {rank} was not admitted: the only reply is not signed with this "
+                            f"process's token ({_reason(raw)}); is REPLICA_TOKEN the job's?")
 
 
 def _reason(raw: bytes) -> str:

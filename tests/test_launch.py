@@ -139,13 +139,17 @@ def test_wrong_token_late_trainer_and_second_standby_are_refused(tmp_path, refer
     }
     procs = {name: subprocess.Popen([sys.executable, str(EXAMPLE)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True) for name, env in joiners.items()}
-    outputs = {name: p.communicate(timeout=120)[0] for name, p in procs.items()}
+    try:
+        outputs = {name: p.communicate(timeout=120)[0] for name, p in procs.items()}
+        output = job.communicate(timeout=240)[0]
+    finally:  # a failed check must not leave the job running beside the next tests
+        for p in (job, *procs.values()):
+            p.kill()
     for name, p in procs.items():
         assert p.returncode != 0 and "JoinRefusedError" in outputs[name], (name, outputs[name][-2000:])
     assert "wrong job token" in outputs["wrong token"]
     assert "cannot join late" in outputs["late trainer"]
     assert "already has a live standby" in outputs["second standby"]
-    output = job.communicate(timeout=240)[0]
     assert job.returncode == 0, output[-4000:]
     result = json.loads(report.read_text())
     reasons = [r["reason"] for r in result["refused_joins"]]
