@@ -43,7 +43,6 @@ class Job:
                               token=env.token)
         # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
         self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=_WAIT).member
-        self._since = 0  # the generation this process became the rank's trainer in
         self._failed_generation = -1  # the newest generation this process could not join
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
         self.config = replica.Config(token=env.token, host=env.host, standby_wait=timedelta(seconds=120))
@@ -157,8 +156,7 @@ class Job:
         return Epoch(generation=self.group.generation, member=self.member)
 
     def _failover_announced(self, store: JobStore | None = None) -> bool:
-        current = (store or self.store).get(keys.generation())
-        return current is not None and current.number > self.group.generation
+        return self._generation_number(store) > self.group.generation
 
     def _superseded(self, store: JobStore | None = None) -> bool:
         """True when the coordinator gave this trainer's rank to another process."""
@@ -213,8 +211,9 @@ class Job:
                            self.rank, generation, exc)
             return False
 
-    def _generation_number(self) -> int:
-        current = self.store.get(keys.generation())
+    def _generation_number(self, store: JobStore | None = None) -> int:
+        """The coordinator's current generation (-1 while none is readable)."""
+        current = (store or self.store).get(keys.generation())
         return -1 if current is None else current.number
 
     def _wait_promotion(self) -> int | None:
@@ -240,7 +239,6 @@ class Job:
         except replica.LayoutMismatchError as exc:
             self._report_fatal(exc)
             raise
-        self._since = generation
         self.store.put(keys.restored(generation), Stamp(at=time.time()))
         while not self._configure(generation):  # a regroup or another death overtook this generation
             generation, commit = self._announced()
