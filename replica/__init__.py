@@ -15,6 +15,7 @@ from replica.replicator import Replicator
 from replica.resilient import ResilientProcessGroup, init_resilient_process_group
 from replica.restore import restore_snapshot
 from replica.rng import RNGState
+from replica.snapshot import Snapshot
 from replica.weights import WeightReceiver, WeightSync
 
 __version__ = "0.1.0"
@@ -26,6 +27,7 @@ __all__ = sorted([
     "RNGState",
     "Replicator",
     "ResilientProcessGroup",
+    "Snapshot",
     "StateLayout",
     "WeightReceiver",
     "WeightSync",

@@ -121,6 +121,7 @@ class Mirror(Listener):
         self._receiving = threading.Lock()  # one session at a time writes the versions
         self._damaged: dict[Snapshot, tuple[int, ...]] = {}  # versions refused until repaired: their bad buckets
         self._scrubber: threading.Thread | None = None
+        self._handed_over = False  # the versions belong to the rank's new trainer (hand_over)
         if model is not None:  # before anyone can find this mirror: no trainer gets in unchecked
             self.expect(model, optimizer)
         self._registration = self.record.publish_standby(rank, self.backend, self.address)
@@ -168,6 +169,23 @@ class Mirror(Listener):
             restore_snapshot(snapshot, model, optimizer, dict(extra or {}), rank=rank, world_size=world_size)
         logger.info("[standby rank %d] restored step %d into a fresh model", self.rank, step)
         return step
+
+    def hand_over(self, step: int) -> tuple[Snapshot, Snapshot]:
+        """Give both versions to this rank's new trainer (the promoted standby's own
+        ``Replicator.adopt``): the committed version of ``step``, checked against its
+        digests, and the other one, for its next snapshot. No copy: the mirror stops
+        receiving first (a trainer session still writing is cut off and waited for),
+        and refuses every later session; ``close()`` it after."""
+        with self._cond:
+            committed, step = self._checked_version(step)
+            self._handed_over = True
+            trainer = self._trainer
+        if trainer is not None:
+            trainer.close()
+        with self._receiving:  # a receive in progress has left
+            spare = next(s for s in self._slots if s is not committed)
+        logger.info("[standby rank %d] handed step %d over to the rank's new trainer", self.rank, step)
+        return committed, spare
 
     def export(self, directory: str | Path, *, step: int | None = None) -> Path:
         """Write the committed version as ``rank{r}.safetensors`` in ``directory``."""
@@ -226,19 +244,19 @@ class Mirror(Listener):
         commit = self.record.last()
         with self._cond:
             snapshot = next((s for s in self._slots if s.step is not None and s.step == commit), None)
-        if snapshot is None or snapshot.digests is None:
+        if snapshot is None or snapshot.digests is None or self._handed_over:
             return
         bad = []
         for i in range(len(snapshot.layout.buckets())):
             if self._closed.is_set():
                 return
             with self._cond:
-                if snapshot.step != commit:  # staged again: a newer commit replaced it
+                if snapshot.step != commit or self._handed_over:  # staged again: a newer commit replaced it
                     return
                 bad += snapshot.bad_buckets([i])
             time.sleep(0)  # let the session thread in between buckets
         with self._cond:
-            if snapshot.step != commit:
+            if snapshot.step != commit or self._handed_over:
                 return
             self.stats.scrub_passes += 1
             if not bad:
@@ -382,6 +400,9 @@ class Mirror(Listener):
     def _stage(self) -> Snapshot:
         """The version to receive into: never the one holding the last global commit."""
         with self._cond:
+            if self._handed_over:
+                raise ReplicaError(f"standby of rank {self.rank}: its versions were handed over to the rank's "
+                                   "new trainer; it receives nothing more")
             commit = self.record.last()
             keep = next((s for s in self._slots if s.step is not None and s.step == commit), None)
             if keep is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -198,6 +198,40 @@ class Replicator:
         logger.info("[trainer rank %d] rolled back to commit %d from local memory", self.rank, step)
         return step
 
+    def adopt(self, snapshot: Snapshot, spare: Snapshot | None = None) -> None:
+        """Take ``snapshot``, a complete version of this rank's state at its ``step``
+        (a promoted standby's committed version, already restored into this
+        replicator's objects: ``Mirror.hand_over``), as this rank's own copy of that
+        step, without copying it; ``spare`` (same layout), if given, is the buffer the
+        next ``commit`` packs into. Call before the first ``commit``; then
+        ``rollback(step=...)`` returns to it and ``protect()`` sends it to the rank's
+        new standby, so the commit has two copies again."""
+        if self._layout is not None:
+            raise ReplicaError("adopt() after the first commit()")
+        if snapshot.step is None:
+            raise ReplicaError("adopt() of a snapshot that holds no step")
+        self._check_at_rest(snapshot)
+        if spare is not None:
+            spare.step, spare.digests = None, None
+        self._build([snapshot] if spare is None else [snapshot, spare])
+        self._next = 1
+        self._last_step = snapshot.step
+        logger.info("[trainer rank %d] holds step %d (adopted, not copied)", self.rank, snapshot.step)
+
+    def protect(self) -> bool:
+        """Make sure this rank's standby holds the last global commit: when the commit
+        record says it does not (a new standby, after a promotion or a standby's
+        replacement), stream this rank's copy of the commit to it again, ahead of the
+        next step, in the current epoch. Returns True if a stream was queued."""
+        commit = self.last_commit()
+        held = next((s for s in self._snapshots if commit is not None and s.step == commit), None)
+        if held is None or self.record.standby_holds(self.rank, commit):
+            return False
+        logger.info("[trainer rank %d] the rank's standby does not hold commit %d: sending it first", self.rank,
+                    commit)
+        self._stream.submit(held, commit, self.epoch())
+        return True
+
     def close(self) -> None:
         self._stream.close()
 
@@ -207,19 +241,21 @@ class Replicator:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _build(self) -> None:
+    def _build(self, adopted: Sequence[Snapshot] = ()) -> None:
         named = list(state_tensors(self.model, self.optimizer))
         if not named:
             raise ReplicaError("the model has no state to mirror")
         # A CUDA model's optimizer keeps some state on the host (AdamW's step
         # counters): the snapshot lives on the GPU and those are staged into it.
         device = state_device([t for _, t in named])
-        self._layout = StateLayout.of(self.model, self.optimizer, world_size=self.world_size, rank=self.rank,
-                                      extras_capacity=self.config.extras_capacity,
-                                      bucket_bytes=self.config.bucket_bytes)
+        layout = StateLayout.of(self.model, self.optimizer, world_size=self.world_size, rank=self.rank,
+                                extras_capacity=self.config.extras_capacity, bucket_bytes=self.config.bucket_bytes)
+        for snapshot in adopted:
+            layout.check_matches(snapshot.layout)
+        self._layout = layout
         self._tensors = bind_state(self.model, self.optimizer, rank=self.rank, world_size=self.world_size,
                                    like=self._layout)
-        self._snapshots = [Snapshot(self._layout, device=device) for _ in range(2)]
+        self._snapshots = [*adopted, *(Snapshot(self._layout, device=device) for _ in range(2 - len(adopted)))]
         logger.info("[trainer rank %d] snapshot layout: %d tensors, %d bytes, %d buckets, fingerprint %s",
                     self.rank, len(named), self._layout.total_bytes, len(self._layout.buckets()),
                     self._layout.fingerprint)
@@ -257,7 +293,9 @@ class Replicator:
                 raise _Interrupted
 
         self.record.wait(self._last_step, timeout, abort=abort)
-        if not self._stream.wait_idle(timeout.total_seconds()):
+        # Only the buffer packed next must be free: the other may still be streaming (a
+        # promoted trainer's commit goes to its new standby while it trains on).
+        if not self._stream.wait_released(self._snapshots[self._next], timeout.total_seconds()):
             self._raise_stream_error()
             raise ReplicaError(f"the mirror stream of rank {self.rank} did not finish within {timeout}")
 

@@ -74,7 +74,7 @@ class MirrorStream:
         self._faults = faults
         self._queue: queue.Queue[tuple[Snapshot, int, Epoch] | None] = queue.Queue()
         self._idle = threading.Condition()
-        self._busy = 0
+        self._queued: dict[int, int] = {}  # id(snapshot) -> streams of it queued or in flight
         self._error: ReplicaError | None = None
         self._closing = threading.Event()
         self._transport: Transport | None = None
@@ -97,13 +97,14 @@ class MirrorStream:
     def submit(self, snapshot: Snapshot, step: int, epoch: Epoch = NO_EPOCH) -> None:
         """Queue the stream of ``snapshot`` (step ``step``, computed by the trainer of ``epoch``)."""
         with self._idle:
-            self._busy += 1
+            self._queued[id(snapshot)] = self._queued.get(id(snapshot), 0) + 1
         self._queue.put((snapshot, step, epoch))
 
-    def wait_idle(self, timeout_s: float) -> bool:
-        """True once nothing is queued or in flight (the snapshots are free to overwrite)."""
+    def wait_released(self, snapshot: Snapshot, timeout_s: float) -> bool:
+        """True once no stream of ``snapshot`` is queued or in flight (it is free to
+        overwrite), while streams of the other buffer may still be."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._busy == 0, timeout_s)
+            return self._idle.wait_for(lambda: self._queued.get(id(snapshot), 0) == 0, timeout_s)
 
     def close(self) -> None:
         self._closing.set()
@@ -152,7 +153,7 @@ class MirrorStream:
                 logger.exception("[trainer rank %d step %d] mirror stream failed", self.rank, step)
             finally:
                 with self._idle:
-                    self._busy -= 1
+                    self._queued[id(snapshot)] -= 1
                     self._idle.notify_all()
 
     def _superseded(self, step: int, epoch: Epoch) -> bool:

@@ -16,8 +16,10 @@ PHASES = ("forward", "backward", "reduce-scatter", "optimizer", "mirror", "commi
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Fault:
-    """``kill:ROLE:RANK@STEP[:PHASE]``: SIGKILL that process at that point.
-    ``stall:ROLE:RANK@STEP[:SECONDS]``: a slow but live step (default 3 s)."""
+    """``kill:ROLE:RANK@STEP[:PHASE][:gGEN]``: SIGKILL that process at that point.
+    ``stall:ROLE:RANK@STEP[:SECONDS][:gGEN]``: a slow but live step (default 3 s).
+    ``gGEN`` fires it only in process-group generation GEN (a trainer's step redone
+    after a failover, or a promoted trainer's: ``g1`` is the first failover's)."""
 
     action: str = "kill"
     role: str
@@ -25,11 +27,13 @@ class Fault:
     step: int
     phase: str = "forward"
     seconds: float = 3.0
+    generation: int | None = None
 
     def __str__(self) -> str:
+        when = "" if self.generation is None else f":g{self.generation}"
         if self.action == "stall":
-            return f"stall:{self.role}:{self.rank}@{self.step}:{self.seconds:g}"
-        return f"kill:{self.role}:{self.rank}@{self.step}:{self.phase}"
+            return f"stall:{self.role}:{self.rank}@{self.step}:{self.seconds:g}{when}"
+        return f"kill:{self.role}:{self.rank}@{self.step}:{self.phase}{when}"
 
 
 def parse_faults(spec: str) -> tuple[Fault, ...]:
@@ -38,14 +42,19 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
         try:
             action, role, rest = item.split(":", 2)
             rank, _, when = rest.partition("@")
-            step, _, extra = when.partition(":")
+            step, *extra = when.split(":")
+            generation = int(extra.pop()[1:]) if extra and extra[-1].startswith("g") else None
+            if len(extra) > 1:
+                raise ValueError("too many fields")
             if action == "stall":
-                fault = Fault(action=action, role=role, rank=int(rank), step=int(step), seconds=float(extra or 3))
+                fault = Fault(action=action, role=role, rank=int(rank), step=int(step),
+                              seconds=float(extra[0] if extra else 3), generation=generation)
             else:
-                fault = Fault(action=action, role=role, rank=int(rank), step=int(step), phase=extra or "forward")
+                fault = Fault(action=action, role=role, rank=int(rank), step=int(step),
+                              phase=extra[0] if extra else "forward", generation=generation)
         except ValueError as exc:
-            raise ValueError(f"bad fault {item!r}: expected kill:ROLE:RANK@STEP[:PHASE] "
-                             "or stall:ROLE:RANK@STEP[:SECONDS]") from exc
+            raise ValueError(f"bad fault {item!r}: expected kill:ROLE:RANK@STEP[:PHASE][:gGEN] "
+                             "or stall:ROLE:RANK@STEP[:SECONDS][:gGEN]") from exc
         if action not in ("kill", "stall") or role not in ROLES or fault.phase not in PHASES:
             raise ValueError(f"bad fault {item!r}: action kill|stall, role one of {ROLES}, phase one of {PHASES}")
         faults.append(fault)

@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replacements", type=int, default=-1,
                    help="new standbys the launcher may start for promoted or dead ones (default: no limit)")
     p.add_argument("--steps", type=int, default=20, help="passed to the script as REPLICA_STEPS")
-    p.add_argument("--inject", default="", help="kill:trainer:RANK@STEP[:PHASE],kill:standby:RANK@STEP,"
+    p.add_argument("--inject", default="", help="kill:trainer:RANK@STEP[:PHASE][:gGEN],kill:standby:RANK@STEP,"
                                                 "kill:rollout:INDEX@STEP (while generating for STEP),"
                                                 "stall:trainer:RANK@STEP[:SECONDS] (PHASE: forward, backward, "
                                                 "reduce-scatter, optimizer, mirror, commit)")

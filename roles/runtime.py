@@ -195,6 +195,7 @@ class Job:
             restored = self._rep.rollback(step=commit)
             if self._configure(generation):
                 break
+        self._rep.protect()  # a standby that does not hold the commit (a new one) receives it first
         logger.warning("[trainer rank %d] survived: rolled back to %d, generation %d", self.rank, restored, generation)
         return restored
 
@@ -245,19 +246,25 @@ class Job:
             self._mirror.restore(model, optimizer, extra, step=commit, rank=self.rank,
                                  world_size=self.env.world_size)
         self.store.put(keys.reconnected(generation), Stamp(at=time.time()))
-        mirror, self._mirror = self._mirror, None  # not needed any more; closing it waits for its threads
+        # The committed version restored from stays this rank's copy of the commit (no copy),
+        # the other version takes the next step; closing the mirror waits for its threads.
+        held = self._mirror.hand_over(commit)
+        mirror, self._mirror = self._mirror, None
         threading.Thread(target=mirror.close, daemon=True, name="replica-mirror-close").start()
         self.role = "trainer"
-        self._start_replicator()
+        self._start_replicator(held)
+        self._rep.protect()  # the rank's new standby receives the commit first: it has two copies again
         logger.warning("[standby rank %d] promoted to trainer at commit %d, generation %d", self.rank, commit,
                        generation)
         return commit
 
-    def _start_replicator(self) -> None:
+    def _start_replicator(self, held: tuple[replica.Snapshot, replica.Snapshot] | None = None) -> None:
         model, optimizer, extra = self._bound
         self._rep = replica.Replicator(model, optimizer, extra, store=self.store, config=self.config,
                                        rank=self.rank, world_size=self.env.world_size, epoch=self.epoch)
         self._rep.interrupted = self._failover_announced
+        if held is not None:
+            self._rep.adopt(*held)
 
     # --- liveness and faults ---
 
@@ -335,6 +342,8 @@ class Job:
     def _fault(self, phase: str, step: int) -> None:
         for f in self.env.faults:
             if f.rank != self.rank or f.role != self.role or f.step != step or f.phase != phase:
+                continue
+            if f.generation is not None and (self.group is None or self.group.generation != f.generation):
                 continue
             key = keys.killed(str(f))
             if self.store.has(key):

@@ -92,6 +92,38 @@ def test_trainers_killed_in_each_phase(tmp_path, reference, first, second):
     assert "| detect | promote | reconnect | resumed |" in output
 
 
+def test_a_survivor_dies_right_after_the_first_failover(tmp_path, reference):
+    """Trainer 1 dies at step 3; in the generation that follows (its standby just promoted,
+    rank 1's new standby still starting, so the commit C has one copy on rank 1: the one the
+    promoted trainer took over from its mirror), trainer 0 dies too. The promoted trainer
+    rolls back to C from that copy, trainer 0's standby takes over, and the run is
+    bit-identical (before, the promoted trainer held no snapshot and the job was lost)."""
+    code, report, output = launch(tmp_path, "--inject", "kill:trainer:1@3:forward,kill:trainer:0@4:forward:g1")
+    assert code == 0, output[-4000:]
+    assert all(f["fired_at"] is not None for f in report["faults"])  # both fired, the second in generation 1
+    first, second = report["failovers"]
+    assert (first["rank"], first["generation"], second["rank"], second["generation"]) == (1, 1, 0, 2)
+    assert second["commit"] in (first["commit"], first["commit"] + 1), report["failovers"]
+    assert "[trainer rank 1] survived: rolled back to" in output  # the promoted trainer's own copy
+    assert compare_reports(reference, report) == []
+    assert report["last_commit"] == STEPS
+
+
+def test_fault_specs_round_trip():
+    from replica.roles.env import Fault, parse_faults
+
+    specs = "kill:trainer:0@4:forward:g1,stall:trainer:1@3:14:g2,kill:standby:1@3,stall:trainer:0@2"
+    faults = parse_faults(specs)
+    assert faults[0] == Fault(role="trainer", rank=0, step=4, phase="forward", generation=1)
+    assert faults[1] == Fault(action="stall", role="trainer", rank=1, step=3, seconds=14, generation=2)
+    assert (faults[2].generation, faults[3].seconds) == (None, 3)
+    assert ",".join(map(str, faults)) == "kill:trainer:0@4:forward:g1,stall:trainer:1@3:14:g2," \
+                                         "kill:standby:1@3:forward,stall:trainer:0@2:3"
+    for bad in ("kill:trainer:0@4:forward:g", "kill:trainer:0@4:forward:extra:g1", "kill:trainer:0@4:gx"):
+        with pytest.raises(ValueError, match="bad fault"):
+            parse_faults(bad)
+
+
 def test_bad_inject_spec_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--inject", "explode:trainer:1@3",
                            str(ROOT / "examples" / "train_fsdp.py")], cwd=ROOT, capture_output=True, text=True,

@@ -1,0 +1,112 @@
+"""A promoted standby keeps the commit it was promoted from as its own copy (the
+mirror's committed version is handed over, not copied) and sends it to the rank's
+new standby before anything newer, so the commit has two copies again: a second
+failure right after the first can roll back to it. Real Mirror and Replicator,
+real transports, in one process (world size 1)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+import replica
+from replica.errors import ReplicaError
+from replica.jobstate import JobStore, keys
+from test_mirror_integrity import TOKEN, assert_state_equal, config, job, state_of, trained
+
+T = timedelta(seconds=30)
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_the_promoted_trainer_holds_the_commit_and_its_new_standby_receives_it_first(store):
+    cfg = config(standby_wait=T, scrub_interval=timedelta(0))
+    j = job()
+    standby = replica.Mirror(rank=0, world_size=1, store=store, config=cfg)
+    with replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
+        trained(j, 3, rep)
+        assert rep.wait_committed() == 3
+        wait_for(lambda: rep.stream_stats.acked_step == 3, "the trainer's stream to finish")
+    at_commit = state_of(j)  # the trainer is gone: its state lives on in the standby only
+    rng = replica.RNGState().state_dict()  # process-wide, so the reference run below puts it back
+
+    # The promotion, as the runtime does it: restore, take both versions over, close the mirror.
+    promoted = job(seed=5)
+    assert standby.restore(promoted.model, promoted.optimizer, promoted.extra, step=3) == 3
+    held, spare = standby.hand_over(3)
+    (slot,) = [s for s in standby._slots if s.step == 3]
+    assert held is slot and spare is not slot and held.step == 3
+    standby.close()
+    JobStore.of(store, token=TOKEN).delete(keys.standby(0))  # the coordinator retires its address
+
+    replacement: list[replica.Mirror] = []
+
+    def start_replacement():  # the launcher's new standby, up a moment later
+        time.sleep(0.5)
+        replacement.append(replica.Mirror(rank=0, world_size=1, store=store, config=cfg))
+
+    starter = threading.Thread(target=start_replacement)
+    with replica.Replicator(promoted.model, promoted.optimizer, promoted.extra, store=store, config=cfg, rank=0,
+                            world_size=1) as rep:
+        rep.adopt(held, spare)
+        assert rep._snapshots == [held, spare] and spare.step is None  # no copy; the spare holds no step
+        assert rep._snapshots[0].buffer.data_ptr() == slot.buffer.data_ptr()
+        with pytest.raises(ReplicaError, match="adopt\\(\\) after"):
+            rep.adopt(held, spare)
+        assert rep.rollback(step=3) == 3  # a second failure now would roll back to its own copy
+        assert_state_equal(state_of(promoted), at_commit)
+        assert rep.protect()  # no standby holds commit 3 for this rank now: it is queued first
+        starter.start()
+        # Training goes on meanwhile: step 4 packs into the spare while step 3 waits for the standby.
+        trained(promoted, 1, rep, first=4)
+        starter.join()
+        new_standby = replacement[0]
+        try:
+            assert rep.wait_committed() == 4
+            wait_for(lambda: new_standby.stats.acked[:1] == [3], "the new standby to acknowledge the commit")
+            assert new_standby.stats.acked[0] == 3  # the commit first, then the steps after it
+            assert new_standby.held_steps() == [3, 4]
+            assert not rep.protect()  # it holds the commit now: nothing is sent again
+            fresh = job(seed=7)
+            new_standby.restore(fresh.model, fresh.optimizer, fresh.extra, step=3)
+            assert_state_equal(state_of(fresh), at_commit)
+            new_standby.restore(fresh.model, fresh.optimizer, fresh.extra, step=4)
+            assert_state_equal(state_of(fresh), state_of(promoted))
+        finally:
+            new_standby.close()
+    replica.RNGState().load_state_dict(rng)
+    trained(j, 1, first=4)  # the run that never failed
+    assert_state_equal(state_of(promoted), state_of(j))
+
+
+def test_a_handed_over_mirror_receives_nothing_more(store):
+    cfg = config(scrub_interval=timedelta(0))
+    j = job()
+    standby = replica.Mirror(rank=0, world_size=1, store=store, config=cfg)
+    try:
+        with replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0,
+                                world_size=1) as rep:
+            trained(j, 2, rep)
+            assert rep.wait_committed() == 2
+            held, _ = standby.hand_over(2)
+            trained(j, 1, rep, first=3)  # a zombie of the old trainer streams on: refused
+            with pytest.raises(ReplicaError):
+                rep.wait_committed(timeout_s=3)
+        assert 3 not in standby.held_steps() and held.step == 2  # nothing of step 3 was received
+        held.verify()  # and the handed-over version is intact
+    finally:
+        standby.close()
