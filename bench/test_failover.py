@@ -2,7 +2,10 @@
 
 replica: `replica launch` with trainer 1 SIGKILLed in the backward of step
 KILL_STEP; the timeline (detect, promote, reconnect, resumed) comes from the
-job report, medians over ROUNDS kills. Baseline: the same job on plain gloo
+job report, medians over ROUNDS kills. The same with trainer 1 frozen
+(SIGSTOP: only the heartbeat deadline finds it), the kill again with two busy
+processes per core, and LOADED_RUNS fault-free runs under that load, where any
+failover is a false death. Baseline: the same job on plain gloo
 saving a torch.distributed.checkpoint every CKPT_EVERY steps; rank 1 is
 SIGKILLed at step KILL_STEP, every rank is restarted, loads the newest
 checkpoint and recomputes the lost steps. Both figures are "kill -> step
@@ -20,12 +23,14 @@ from pathlib import Path
 import pytest
 
 from bench_results import machine, write_results
-from replica.testing import free_port
+from replica.roles.coordinator import Deadlines
+from replica.testing import busy_cores, free_port
 from test_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, KILL_STEP, CKPT_EVERY = 16, 9, 5
 ROUNDS = 5
+LOADED_RUNS = 10  # fault-free runs with both cores kept busy: any failover in them is a false death
 _results: dict[str, list[dict]] = {}
 
 
@@ -38,26 +43,66 @@ def _bench_only(benchmark) -> None:
         pytest.skip("runs under `make bench` only")
 
 
+def _failover_run(tmp_path: Path, fault: str, name: str) -> dict:
+    """One `replica launch` with ``fault`` on trainer 1 at KILL_STEP: its timeline."""
+    code, report, output = launch(tmp_path, "--steps", str(STEPS), "--inject", f"{fault}:trainer:1@{KILL_STEP}:backward",
+                                  name=name)
+    assert code == 0 and len(report["failovers"]) == 1, output[-3000:]
+    failover = report["failovers"][0]
+    times = report["step_end_times"]["0"]
+    steady = [b - a for a, b in zip(times[1:KILL_STEP - 2], times[2:KILL_STEP - 1])]
+    return {
+        **failover["timeline_ms"],
+        "kill_to_step_done_ms": (_resumed_at(times) - failover["killed_at"]) * 1e3,
+        "step_ms": statistics.median(steady) * 1e3,
+        "lost_steps": KILL_STEP - 1 - failover["commit"],
+        "max_heartbeat_silence_s": max(m["max_silence_s"] for m in report["members"]),
+    }
+
+
+def _failovers(benchmark, tmp_path: Path, fault: str, name: str) -> list[dict]:
+    _bench_only(benchmark)
+    runs = []
+    benchmark.pedantic(lambda: runs.append(_failover_run(tmp_path, fault, f"{name}{len(runs)}")), rounds=ROUNDS,
+                       iterations=1)
+    return runs
+
+
 def test_replica_failover(benchmark, tmp_path):
+    _results["replica"] = _failovers(benchmark, tmp_path, "kill", "kill")
+
+
+def test_frozen_trainer_failover(benchmark, tmp_path):
+    """Trainer 1 SIGSTOPs itself (a hung machine: no exit, no transport report, its
+    connections stay open): only the heartbeat deadline finds it."""
+    _results["frozen"] = _failovers(benchmark, tmp_path, "freeze", "freeze")
+
+
+def test_replica_failover_under_load(benchmark, tmp_path):
+    """The kill of test_replica_failover with two busy processes per core all along."""
+    with busy_cores() as load:
+        _results["loaded"] = _failovers(benchmark, tmp_path, "kill", "loaded")
+        assert load.all_alive()
+
+
+def test_false_deaths_under_load(benchmark, tmp_path):
+    """LOADED_RUNS fault-free jobs with two busy processes per core all along: every
+    failover, standby replacement or regroup in them is a healthy role taken for dead
+    (or a step redone for nothing). Must be 0."""
     _bench_only(benchmark)
     runs = []
 
-    def one_kill():
-        code, report, output = launch(tmp_path, "--steps", str(STEPS), "--inject",
-                                      f"kill:trainer:1@{KILL_STEP}:backward", name=f"kill{len(runs)}")
-        assert code == 0 and len(report["failovers"]) == 1, output[-3000:]
-        failover = report["failovers"][0]
-        times = report["step_end_times"]["0"]
-        steady = [b - a for a, b in zip(times[1:KILL_STEP - 2], times[2:KILL_STEP - 1])]
-        runs.append({
-            **failover["timeline_ms"],
-            "kill_to_step_done_ms": (_resumed_at(times) - failover["killed_at"]) * 1e3,
-            "step_ms": statistics.median(steady) * 1e3,
-            "lost_steps": KILL_STEP - 1 - failover["commit"],
-        })
+    def one_run():
+        code, report, output = launch(tmp_path, "--steps", str(STEPS), name=f"quiet{len(runs)}")
+        assert code == 0, output[-3000:]
+        runs.append({"false_deaths": len(report["failovers"]) + len(report["standbys_replaced"]),
+                     "regroups": len(report["regroups"]),
+                     "max_heartbeat_silence_s": max(m["max_silence_s"] for m in report["members"])})
 
-    benchmark.pedantic(one_kill, rounds=1 if benchmark.disabled else ROUNDS, iterations=1)
-    _results["replica"] = runs
+    with busy_cores() as load:
+        benchmark.pedantic(one_run, rounds=LOADED_RUNS, iterations=1)
+        assert load.all_alive() and load.cpu_seconds() > 0
+    _results["false_deaths"] = runs
 
 
 def _run_baseline(directory: Path, **env) -> None:
@@ -101,7 +146,7 @@ def test_checkpoint_restart(benchmark, tmp_path):
         runs.append({"kill_to_step_done_ms": (done[KILL_STEP] - killed) * 1e3,
                      "lost_steps": KILL_STEP - 1 - last_checkpoint})
 
-    benchmark.pedantic(one_kill, rounds=1 if benchmark.disabled else ROUNDS, iterations=1)
+    benchmark.pedantic(one_kill, rounds=ROUNDS, iterations=1)
     _results["checkpoint"] = runs
 
 
@@ -115,6 +160,7 @@ def report(request):
         return statistics.median(r[key] for r in runs)
 
     ours, base = _results["replica"], _results["checkpoint"]
+    frozen, loaded, quiet = (_results.get(k, []) for k in ("frozen", "loaded", "false_deaths"))
     result = {
         "detect_ms": median(ours, "detect"),
         "promote_ms": median(ours, "promote"),
@@ -124,9 +170,20 @@ def report(request):
         "lost_steps_replica": median(ours, "lost_steps"),
         "checkpoint_restart_ms": median(base, "kill_to_step_done_ms"),
         "lost_steps_checkpoint_restart": median(base, "lost_steps"),
+        "frozen_detect_ms": median(frozen, "detect") if frozen else None,
+        "frozen_resume_ms": median(frozen, "kill_to_step_done_ms") if frozen else None,
+        "resume_under_load_ms": median(loaded, "kill_to_step_done_ms") if loaded else None,
+        "detect_under_load_ms": median(loaded, "detect") if loaded else None,
+        "false_deaths_under_load": sum(r["false_deaths"] for r in quiet) if quiet else None,
+        "regroups_under_load": sum(r["regroups"] for r in quiet) if quiet else None,
+        "loaded_runs": len(quiet),
+        "max_heartbeat_silence_under_load_s": max((r["max_heartbeat_silence_s"] for r in quiet + loaded),
+                                                  default=None),
+        "heartbeat_deadline_s": Deadlines().trainer,
         "config": {"steps": STEPS, "kill_step": KILL_STEP, "checkpoint_every": CKPT_EVERY, "rounds": len(ours),
-                   "trainers": 2},
-        "runs": {"replica": ours, "checkpoint_restart": base},
+                   "trainers": 2, "load": "2 busy processes per core"},
+        "runs": {"replica": ours, "checkpoint_restart": base, "frozen": frozen, "under_load": loaded,
+                 "quiet_under_load": quiet},
         "machine": machine(),
     }
     result["speedup_vs_checkpoint_restart"] = result["checkpoint_restart_ms"] / result["resume_ms"]
@@ -141,4 +198,16 @@ def report(request):
         f"{r['lost_steps_checkpoint_restart']:g} |",
         f"\nspeedup {r['speedup_vs_checkpoint_restart']:.1f}x (target >= 10x); step time {r['step_ms']:.0f} ms",
     ]
+    if frozen:
+        lines.append(f"frozen (SIGSTOP) trainer: detected in {r['frozen_detect_ms']:.0f} ms (target <= 3000, "
+                     f"deadline {r['heartbeat_deadline_s']:g} s), step finished again {r['frozen_resume_ms']:.0f} ms "
+                     "after the freeze")
+    if loaded:
+        lines.append(f"kill under load (2 busy processes per core): detect {r['detect_under_load_ms']:.0f} ms, step "
+                     f"finished again {r['resume_under_load_ms']:.0f} ms after the kill")
+    if quiet:
+        lines.append(f"false deaths under load: {r['false_deaths_under_load']} in {len(quiet)} fault-free runs "
+                     f"(target 0; regroups {r['regroups_under_load']}); longest heartbeat silence "
+                     f"{r['max_heartbeat_silence_under_load_s']:.2f} s against a {r['heartbeat_deadline_s']:g} s "
+                     "deadline")
     write_results("failover", result, lines)

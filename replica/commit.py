@@ -129,6 +129,11 @@ class CommitRecord:
         commit = self.store.get(keys.commit())
         return self._seen(None if commit is None else commit.step)
 
+    def last_seen(self) -> int | None:
+        """The newest commit verified here, without asking the store (which may be gone)."""
+        with self._lock:
+            return self._last
+
     def _seen(self, step: int | None) -> int | None:
         with self._lock:
             if step is not None and (self._last is None or step > self._last):

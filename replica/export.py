@@ -7,7 +7,9 @@ Readable by any safetensors reader; ``load_export`` turns it back into a
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -16,7 +18,7 @@ from replica.errors import ReplicaError
 from replica.layout import StateLayout, dtype_of
 from replica.snapshot import Snapshot
 
-__all__ = ["EXTRAS_KEY", "export_path", "load_export", "write_export"]
+__all__ = ["EXTRAS_KEY", "export_path", "load_export", "resumable", "step_folder", "write_export"]
 
 EXTRAS_KEY = "replica.extras"
 _DTYPES = {
@@ -32,6 +34,45 @@ def export_path(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"rank{rank:05d}.safetensors"
 
 
+def step_folder(directory: str | Path, step: int) -> Path:
+    """Where a job's export of ``step`` goes inside its export folder (one file per rank)."""
+    return Path(directory) / f"step{step:08d}"
+
+
+def resumable(directory: str | Path, world_size: int) -> tuple[int, Path]:
+    """The newest step of which ``directory`` holds every rank's file, and the folder that
+    holds them: ``directory`` itself (one export) or its newest complete ``step_folder``
+    (a job's export folder, where standbys may have written more than one version).
+    ReplicaError says what is there when no step is complete."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ReplicaError(f"{directory} is not a folder")
+    candidates = [directory, *sorted(directory.glob("step*"), reverse=True)]
+    seen = {}
+    for folder in candidates:
+        files = [export_path(folder, r) for r in range(world_size)]
+        present = [f for f in files if f.exists()]
+        if present:
+            seen[folder.name or str(folder)] = len(present)
+        if len(present) == world_size:
+            steps = {_step_of(f) for f in files}
+            if len(steps) != 1:
+                raise ReplicaError(f"{folder}: the ranks' files hold different steps {sorted(steps)}")
+            return steps.pop(), folder
+    raise ReplicaError(f"{directory} holds no complete export of {world_size} ranks (files found per folder: "
+                       f"{seen or 'none'})")
+
+
+def _step_of(path: Path) -> int:
+    with open(path, "rb") as f:
+        (n,) = _LENGTH.unpack(f.read(_LENGTH.size))
+        header = json.loads(f.read(n))
+    meta = header.get("__metadata__", {})
+    if "replica.step" not in meta:
+        raise ReplicaError(f"{path} is not a replica export (no step in its metadata)")
+    return int(meta["replica.step"])
+
+
 def write_export(snapshot: Snapshot, path: str | Path) -> Path:
     if snapshot.step is None:
         raise ReplicaError("export of a snapshot that holds no state")
@@ -41,6 +82,8 @@ def write_export(snapshot: Snapshot, path: str | Path) -> Path:
     header: dict[str, object] = {
         "__metadata__": {"format": "pt", "replica.layout": layout.to_json(), "replica.step": str(snapshot.step)},
     }
+    if snapshot.digests is not None:  # the bucket digests it was received with: load_export checks them
+        header["__metadata__"]["replica.digests"] = json.dumps(snapshot.digests)
     pieces = []
     end = 0
     for e in layout.entries:
@@ -54,7 +97,7 @@ def write_export(snapshot: Snapshot, path: str | Path) -> Path:
     text += b" " * (-len(text) % 8)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.{threading.get_ident()}.tmp")  # two writers of one file
     with open(tmp, "wb") as f:
         f.write(_LENGTH.pack(len(text)))
         f.write(text)
@@ -66,7 +109,8 @@ def write_export(snapshot: Snapshot, path: str | Path) -> Path:
 
 
 def load_export(path: str | Path) -> Snapshot:
-    """The snapshot stored in an exported file (restore it with ``replica.restore_snapshot``)."""
+    """The snapshot stored in an exported file (restore it with ``replica.restore_snapshot``),
+    checked against the digests written with it (SnapshotCorruptedError if it changed)."""
     data = Path(path).read_bytes()
     (n,) = _LENGTH.unpack_from(data)
     header = json.loads(data[_LENGTH.size:_LENGTH.size + n])
@@ -85,4 +129,7 @@ def load_export(path: str | Path) -> Snapshot:
     extras = view(EXTRAS_KEY, torch.uint8, (-1,)).numpy().tobytes()
     snapshot = Snapshot(layout)
     snapshot.capture(tensors, extras, step=int(meta["replica.step"]))
+    if "replica.digests" in meta:  # a file that changed since it was written is never restored
+        snapshot.digests = [int(d) for d in json.loads(meta["replica.digests"])]
+        snapshot.verify()
     return snapshot

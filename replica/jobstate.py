@@ -40,6 +40,7 @@ __all__ = [
     "Ack",
     "Commit",
     "Epoch",
+    "ExportRequest",
     "Failover",
     "Flag",
     "Generation",
@@ -187,6 +188,15 @@ class Regroup:
 
     rank: int
     generation: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ExportRequest:
+    """The job cannot go on (a rank's state is lost): every standby writes its version of
+    ``commit`` to ``directory`` (``Mirror.export``) before the job ends."""
+
+    commit: int
+    directory: str
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -353,6 +363,14 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
     @staticmethod
     def heartbeat(member: int) -> Key[Heartbeat]:
         return Key(f"hb/{member}", Heartbeat)
+
+    @staticmethod
+    def export() -> Key[ExportRequest]:
+        return Key("export", ExportRequest)
+
+    @staticmethod
+    def exported(rank: int) -> Key[Text]:
+        return Key(f"exported/{rank}", Text)  # the file written, or why not ("error: ...")
 
     @staticmethod
     def fatal() -> Key[Text]:

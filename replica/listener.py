@@ -93,7 +93,9 @@ class Listener(ABC):
             self._session(conn)
         except PeerDisconnectedError as exc:
             if not self._closed.is_set():
-                logger.warning("[%s] peer gone (%s)%s", self.name, exc, self._held())
+                # A peer that said goodbye (its job ended, a newer sender took over) is no news.
+                logger.log(logging.INFO if exc.graceful else logging.WARNING, "[%s] peer gone (%s)%s", self.name,
+                           exc, self._held())
                 self._peer_lost(conn, exc)
         except (ReplicaError, ValueError) as exc:
             logger.error("[%s] session ended: %s%s", self.name, exc, self._held())

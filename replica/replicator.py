@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from replica import serialize
 from replica.commit import NO_EPOCH, CommitRecord
 from replica.config import Config, token_from_env
 from replica.errors import ReplicaError, SnapshotCorruptedError
+from replica.export import export_path, write_export
 from replica.jobstate import Epoch, JobStore
 from replica.layout import StateLayout, state_tensors
 from replica.placement import state_device
@@ -217,6 +219,20 @@ class Replicator:
         self._next = 1
         self._last_step = snapshot.step
         logger.info("[trainer rank %d] holds step %d (adopted, not copied)", self.rank, snapshot.step)
+
+    def held_steps(self) -> list[int]:
+        """Steps of the snapshots this rank holds (the last commit, and a newer one in flight)."""
+        return sorted(s.step for s in self._snapshots if s.step is not None)
+
+    def export(self, directory: str | Path, *, step: int | None = None) -> Path:
+        """Write this rank's snapshot of ``step`` (default: the last global commit) as
+        ``rank{r}.safetensors`` in ``directory``, checked against its digests first."""
+        step = self.last_commit() if step is None else step
+        held = next((s for s in self._snapshots if step is not None and s.step == step), None)
+        if held is None:
+            raise ReplicaError(f"rank {self.rank} holds snapshots of steps {self.held_steps()}, not of step {step}")
+        self._check_at_rest(held)
+        return write_export(held, export_path(directory, self.rank))
 
     def protect(self) -> bool:
         """Make sure this rank's standby holds the last global commit: when the commit

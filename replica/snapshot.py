@@ -122,6 +122,9 @@ class Snapshot:
         at = self.layout.extras_offset
         blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
         self.buffer[at:at + blob.numel()].copy_(blob)
+        # No bytes of a longer previous blob stay behind: the bytes are a function of the state
+        # alone, so an export (which keeps only the blob) loads back to the same digests.
+        self.buffer[at + blob.numel():at + self.layout.extras_capacity].zero_()
         self.step = step
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> bytes:

@@ -8,11 +8,15 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
+import time
 import traceback
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["Child", "ChildFailed", "free_port", "process_state", "spawn"]
+__all__ = ["BusyCores", "Child", "ChildFailed", "busy_cores", "free_port", "process_state", "spawn"]
 
 _CTX = mp.get_context("spawn")
 
@@ -109,3 +113,39 @@ def spawn(target: Callable[..., Any], *args: Any, name: str = "child") -> Iterat
         yield child
     finally:
         child.close()
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class BusyCores:
+    """Processes spinning at normal priority, as a user's loaded machine would have."""
+
+    procs: tuple[subprocess.Popen, ...]
+    started: float
+
+    def all_alive(self) -> bool:
+        """True while every one still runs (the load lasted, for a test to assert)."""
+        return all(p.poll() is None for p in self.procs)
+
+    def cpu_seconds(self) -> float:
+        """CPU time they used so far (from /proc): proof that they competed for the cores."""
+        total = 0.0
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{p.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+
+@contextlib.contextmanager
+def busy_cores(per_core: int = 2) -> Iterator[BusyCores]:
+    """``per_core`` busy-looping processes per core for the whole block, always killed after."""
+    n = per_core * (os.cpu_count() or 1)
+    procs = tuple(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n))
+    try:
+        yield BusyCores(procs=procs, started=time.monotonic())
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from replica.commit import CommitRecord
 from replica.errors import JoinRefusedError
 from replica.jobstate import Failover as FailoverRecord
-from replica.jobstate import Flag, Generation, JobStore, Promotion, Stamp, Text, keys
+from replica.jobstate import Commit, ExportRequest, Flag, Generation, JobStore, Promotion, Stamp, Text, keys
 from replica.roles.env import ROLES
 from replica.roles.join import JoinRequest, answer, pending_requests, refuse_unsigned
 
@@ -39,11 +39,14 @@ _LATE_REPORT_S = 1.0  # a join numbered but never written (its writer died) is s
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Deadlines:
     """Seconds of heartbeat silence before a live process is declared dead, per role
-    (heartbeats come from a thread of their own, so a slow step does not stop
-    them), and the shorter silence that confirms a transport-level report."""
+    (heartbeats come every 0.1 s from a thread and a store connection of their own,
+    so a slow step, a blocking store wait or a loaded machine does not stop them:
+    the longest silence seen with both cores kept busy was 0.65 s), and the shorter
+    silence that confirms a transport-level report. A frozen trainer is declared
+    dead 2.5 s after its last beat."""
 
-    trainer: float = 10.0
-    standby: float = 10.0
+    trainer: float = 2.5
+    standby: float = 2.5
     rollout: float = 60.0  # an engine may be busy in a long generation
     confirm: float = 0.3
 
@@ -73,6 +76,8 @@ class Member:
     beats: int = field(default=0, repr=False)  # the highest verified heartbeat counter read
     beat_at: float = field(default=0.0, repr=False)  # when it last changed
     lost_base: int = field(default=0, repr=False)  # transport reports of its rank before it took its role
+    #: The longest heartbeat silence seen while it was alive (what its deadline is measured against).
+    max_silence_s: float = 0.0
 
     def __str__(self) -> str:
         return f"{self.role} {self.rank} (pid {self.pid} on {self.host})"
@@ -99,11 +104,13 @@ class Decision:
     rank: int
     reason: str
     dead: Member | None = None
+    #: ``failed`` because rank's state is lost: the surviving standbys can still export the commit.
+    state_lost: bool = False
 
 
 class Coordinator:
     def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
-                 deadlines: Deadlines = Deadlines(), rollouts: int = 0):
+                 deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None):
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not token:
@@ -144,6 +151,8 @@ class Coordinator:
         self._nonces: set[str] = set()
         self._numbered_at: dict[int, float] = {}
         self._failed: str | None = None
+        if resume_from is not None:  # the trainers start from an export of that step: it is the first commit
+            self.store.put(keys.commit(), Commit(step=resume_from, generation=0))
         self._publish_generation()
         self._publish_members()
 
@@ -236,13 +245,15 @@ class Coordinator:
                                             "commit: there is no state to resume from; start the job again")]
         standby = self._live("standby", member.rank)
         if standby is None:
-            return [self._fail(member.rank, f"trainer {member.rank} died ({reason}) and has no standby: rank "
-                                            f"{member.rank} was unprotected and its state is lost")]
+            return [self._fail(member.rank, state_lost=True,
+                               reason=f"trainer {member.rank} died ({reason}) and has no standby: rank {member.rank} "
+                                      "was unprotected and its state is lost")]
         commit = self.record.last()
         if not self.record.standby_holds(member.rank, commit):
-            return [self._fail(member.rank, f"trainer {member.rank} died ({reason}) and its standby, {standby}, "
-                                            f"does not hold commit {commit} (it has not received the rank's state "
-                                            f"yet): rank {member.rank}'s state is lost")]
+            return [self._fail(member.rank, state_lost=True,
+                               reason=f"trainer {member.rank} died ({reason}) and its standby, {standby}, does not "
+                                      f"hold commit {commit} (it has not received the rank's state yet): rank "
+                                      f"{member.rank}'s state is lost")]
         self._promote(standby, reason)
         return [Decision(kind="promoted", rank=member.rank, reason=reason, dead=member)]
 
@@ -361,10 +372,23 @@ class Coordinator:
         logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted", rank,
                        reason, g, commit, standby)
 
-    def _fail(self, rank: int, reason: str) -> Decision:
+    def _fail(self, rank: int, reason: str, *, state_lost: bool = False) -> Decision:
         self._failed = reason
         logger.error("the job failed: %s", reason)
-        return Decision(kind="failed", rank=rank, reason=reason)
+        return Decision(kind="failed", rank=rank, reason=reason, state_lost=state_lost)
+
+    def request_export(self, directory: str) -> int | None:
+        """Ask every standby to write its version of the last commit to ``directory``
+        (an absolute path on the standbys' machines); returns that commit."""
+        commit = self.record.last()
+        if commit is not None:
+            self.store.put(keys.export(), ExportRequest(commit=commit, directory=directory))
+        return commit
+
+    def exports(self) -> dict[int, str]:
+        """What each standby answered to the export request: the file, or "error: ..."."""
+        answers = self.store.get_many([keys.exported(r) for r in range(self.world_size)])
+        return {r: a.value for r, a in enumerate(answers) if a is not None}
 
     def _check_fatal(self) -> list[Decision]:
         """A role that hit an error no failover can fix (a layout mismatch) reports it here."""
@@ -381,6 +405,7 @@ class Coordinator:
         (a forged or replayed beat moves nothing)."""
         beat = self.store.get(keys.heartbeat(member.id))
         if beat is not None and beat.member == member.id and beat.beat > member.beats:
+            member.max_silence_s = max(member.max_silence_s, now - member.beat_at)
             member.beats, member.beat_at = beat.beat, now
         return member.beat_at
 
@@ -426,8 +451,9 @@ class Coordinator:
 
     def membership(self) -> list[dict]:
         """The membership table: role, rank, host, pid, generation and state of every member."""
-        shown = ("id", "role", "rank", "host", "pid", "generation", "state")
-        return [{k: v for k, v in asdict(m).items() if k in shown} for m in self.members]
+        shown = ("id", "role", "rank", "host", "pid", "generation", "state", "max_silence_s")
+        return [{k: round(v, 3) if k == "max_silence_s" else v for k, v in asdict(m).items() if k in shown}
+                for m in self.members]
 
     # --- the timeline ---
 

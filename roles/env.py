@@ -8,15 +8,18 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Fault", "PHASES", "ROLES", "RoleEnv", "configure_logging", "parse_faults"]
+__all__ = ["ACTIONS", "Fault", "PHASES", "ROLES", "RoleEnv", "configure_logging", "parse_faults"]
 
 ROLES = ("trainer", "standby", "rollout")
+ACTIONS = ("kill", "freeze", "stall")
 PHASES = ("forward", "backward", "reduce-scatter", "optimizer", "mirror", "commit")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Fault:
     """``kill:ROLE:RANK@STEP[:PHASE][:gGEN]``: SIGKILL that process at that point.
+    ``freeze:ROLE:RANK@STEP[:PHASE][:gGEN]``: SIGSTOP it there (alive but silent, as a
+    hung machine or a partition: only a heartbeat deadline finds it; SIGCONT wakes it).
     ``stall:ROLE:RANK@STEP[:SECONDS][:gGEN]``: a slow but live step (default 3 s).
     ``gGEN`` fires it only in process-group generation GEN (a trainer's step redone
     after a failover, or a promoted trainer's: ``g1`` is the first failover's)."""
@@ -33,7 +36,7 @@ class Fault:
         when = "" if self.generation is None else f":g{self.generation}"
         if self.action == "stall":
             return f"stall:{self.role}:{self.rank}@{self.step}:{self.seconds:g}{when}"
-        return f"kill:{self.role}:{self.rank}@{self.step}:{self.phase}{when}"
+        return f"{self.action}:{self.role}:{self.rank}@{self.step}:{self.phase}{when}"
 
 
 def parse_faults(spec: str) -> tuple[Fault, ...]:
@@ -53,10 +56,11 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
                 fault = Fault(action=action, role=role, rank=int(rank), step=int(step),
                               phase=extra[0] if extra else "forward", generation=generation)
         except ValueError as exc:
-            raise ValueError(f"bad fault {item!r}: expected kill:ROLE:RANK@STEP[:PHASE][:gGEN] "
+            raise ValueError(f"bad fault {item!r}: expected kill|freeze:ROLE:RANK@STEP[:PHASE][:gGEN] "
                              "or stall:ROLE:RANK@STEP[:SECONDS][:gGEN]") from exc
-        if action not in ("kill", "stall") or role not in ROLES or fault.phase not in PHASES:
-            raise ValueError(f"bad fault {item!r}: action kill|stall, role one of {ROLES}, phase one of {PHASES}")
+        if action not in ACTIONS or role not in ROLES or fault.phase not in PHASES:
+            raise ValueError(f"bad fault {item!r}: action one of {ACTIONS}, role one of {ROLES}, phase one of "
+                             f"{PHASES}")
         faults.append(fault)
     return tuple(faults)
 
@@ -73,6 +77,8 @@ class RoleEnv:
     host: str = "127.0.0.1"  # where this role's data-plane listeners bind (a routable address across nodes)
     rollouts: int = 0  # rollout engines in the job
     mirror_device: str = ""  # where a standby holds its mirror: "" = its model's device, or "cpu"
+    export_dir: str = "replica-export"  # where a standby writes its versions when the job cannot go on
+    resume: str = ""  # an export folder (one file per rank, one step) the trainers start from
 
     @classmethod
     def from_environ(cls) -> RoleEnv:
@@ -89,7 +95,8 @@ class RoleEnv:
                    world_size=int(env.get("REPLICA_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
                    store_host=host, store_port=int(port), token=env["REPLICA_TOKEN"].encode(),
                    faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"),
-                   rollouts=int(env.get("REPLICA_ROLLOUTS", "0")), mirror_device=env.get("REPLICA_MIRROR_DEVICE", ""))
+                   rollouts=int(env.get("REPLICA_ROLLOUTS", "0")), mirror_device=env.get("REPLICA_MIRROR_DEVICE", ""),
+                   export_dir=env.get("REPLICA_EXPORT_DIR") or "replica-export", resume=env.get("REPLICA_RESUME", ""))
 
 
 def configure_logging() -> None:

@@ -18,11 +18,14 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from replica.errors import ReplicaError
+from replica.export import resumable
 from replica.roles.coordinator import Coordinator, Deadlines
 from replica.roles.env import configure_logging, parse_faults
 from replica.roles.supervise import JobSpec, supervise
 
-__all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main"]
+__all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main", "resume_point",
+           "state_options"]
 
 # Run as `python -I -S -c _DIE_WITH_LAUNCHER LAUNCHER_PID ARGV...`, before anything of the job is
 # imported: set PR_SET_PDEATHSIG, then exec ARGV in the same process (the setting survives exec, and
@@ -99,11 +102,31 @@ class StatusLines:
 
 
 def deadline_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heartbeat-deadline", type=float, default=10.0,
+    p.add_argument("--heartbeat-deadline", type=float, default=Deadlines().trainer,
                    help="seconds without a heartbeat before a live but silent trainer is declared dead "
                         "(a process that exits is declared dead at once)")
     p.add_argument("--standby-deadline", type=float, default=None,
                    help="the same for standbys (default: --heartbeat-deadline)")
+
+
+def state_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--export-dir", type=Path, default=Path("replica-export"),
+                   help="where the standbys write the last commit when the job cannot go on (a rank's state lost; "
+                        "the job store gone), one folder per step (default: ./replica-export)")
+    p.add_argument("--resume", type=Path, default=None,
+                   help="start from an export: a folder with one file per rank (Mirror.export), or a job's export "
+                        "folder (its newest step of which every rank's file is there)")
+
+
+def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> tuple[int, Path] | None:
+    """The step and folder ``--resume`` names (None without it); a parser error if it holds no complete export."""
+    if args.resume is None:
+        return None
+    try:
+        step, folder = resumable(args.resume, world_size)
+    except ReplicaError as exc:
+        parser.error(f"--resume: {exc}")
+    return step, folder.resolve()
 
 
 def deadlines_of(args: argparse.Namespace) -> Deadlines:
@@ -123,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="passed to the script as REPLICA_STEPS")
     p.add_argument("--inject", default="", help="kill:trainer:RANK@STEP[:PHASE][:gGEN],kill:standby:RANK@STEP,"
                                                 "kill:rollout:INDEX@STEP (while generating for STEP),"
+                                                "freeze:trainer:RANK@STEP[:PHASE] (SIGSTOP), "
                                                 "stall:trainer:RANK@STEP[:SECONDS] (PHASE: forward, backward, "
                                                 "reduce-scatter, optimizer, mirror, commit)")
     p.add_argument("--train-while-replacing", action="store_true",
@@ -138,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="the job store's port (default: any free one)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the whole job is abandoned")
     deadline_options(p)
+    state_options(p)
     return p
 
 
@@ -216,11 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.trainers < 1 or not 0 <= standbys <= args.trainers or args.rollouts < 0:
         parser.error(f"need --trainers >= 1, 0 <= --standbys <= --trainers and --rollouts >= 0, got "
                      f"{args.trainers}, {standbys}, {args.rollouts}")
+    resume = resume_point(parser, args, args.trainers)
     token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
     coord = Coordinator(world_size=args.trainers, token=token.encode(), host=args.host, port=args.port,
-                        deadlines=deadlines, rollouts=args.rollouts)
+                        deadlines=deadlines, rollouts=args.rollouts, resume_from=resume[0] if resume else None)
     print(f"replica: job store at {coord.address}; {args.trainers} trainers, {standbys} standbys, "
-          f"{args.rollouts} rollouts", flush=True)
+          f"{args.rollouts} rollouts" + (f"; resuming from step {resume[0]} in {resume[1]}" if resume else ""),
+          flush=True)
     # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
     # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
     # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
@@ -230,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict({"TORCH_GLOO_LAZY_INIT": "1", "UCX_LOG_LEVEL": "fatal"}, **os.environ)
     env.update(REPLICA_WORLD_SIZE=str(args.trainers), REPLICA_STORE=coord.address, REPLICA_TOKEN=token,
                REPLICA_INJECT=args.inject, REPLICA_STEPS=str(args.steps), REPLICA_ROLLOUTS=str(args.rollouts),
-               REPLICA_MIRROR_DEVICE="" if args.mirror_device == "model" else args.mirror_device)
+               REPLICA_MIRROR_DEVICE="" if args.mirror_device == "model" else args.mirror_device,
+               REPLICA_EXPORT_DIR=str(args.export_dir.resolve()), REPLICA_RESUME=str(resume[1]) if resume else "")
     agent = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=args.replacements)
     for rank in range(standbys, args.trainers):
         coord.set_unprotected(rank)
@@ -244,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             agent.start("trainer", rank)
         timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
         spec = JobSpec(steps=args.steps, faults=faults, timeout_s=args.timeout, report=args.report,
-                       timeline_png=timeline, train_while_replacing=args.train_while_replacing)
+                       timeline_png=timeline, train_while_replacing=args.train_while_replacing,
+                       export_dir=args.export_dir, first_step=resume[0] + 1 if resume else 1)
         with contextlib.redirect_stdout(StatusLines(sys.stdout)):
             status = supervise(coord, spec, agent)
     finally:

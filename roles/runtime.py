@@ -5,12 +5,14 @@ back and joins the next process-group generation inside it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from typing import NoReturn
 from datetime import timedelta
 
 import torch
@@ -19,7 +21,8 @@ import torch.distributed as dist
 import replica
 from replica.errors import FencedError
 from replica.jobstate import Epoch, Flag, Heartbeat, JobStore, Regroup, Stamp, Text, keys
-from replica.restore import materialize_optimizer_state
+from replica.export import export_path, load_export, step_folder
+from replica.restore import materialize_optimizer_state, restore_snapshot
 from replica.roles.env import RoleEnv, configure_logging
 from replica.roles.join import join
 from replica.roles.rollouts import RolloutClient, serve_rollouts
@@ -32,6 +35,8 @@ _HEARTBEAT_IO = timedelta(seconds=2)  # one beat's store call (or reconnect) at 
 _HEARTBEAT_LOG_EVERY = 50  # repeated failures: one warning in 50 (5 s)
 _WAIT = timedelta(seconds=120)
 _FENCED_EXIT = 75  # the exit code of a trainer that found itself replaced
+_COORDINATOR_LOST_EXIT = 76  # the exit code of a role whose job store went away
+_STORE_LOST = timedelta(seconds=10)  # the store unreachable this long: the coordinator is gone
 
 
 class Job:
@@ -44,10 +49,15 @@ class Job:
         # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
         self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=_WAIT).member
         self._failed_generation = -1  # the newest generation this process could not join
+        # Beat from the moment it is a member: the coordinator's deadline runs from the join.
+        self.group: replica.ResilientProcessGroup | None = None
+        self._stop = threading.Event()
+        self._lost = threading.Lock()  # held once the job store is found gone (the role is exiting)
+        threading.Thread(target=self._heartbeat, daemon=True, name="replica-heartbeat").start()
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
         self.config = replica.Config(token=env.token, host=env.host, standby_wait=timedelta(seconds=120))
         # gloo fails a frozen peer's collective at `timeout`. NCCL's watchdog must never beat the
-        # coordinator to declaring a peer dead: 60 s is >= 3x heartbeat deadlines up to 20 s (default 10).
+        # coordinator to declaring a peer dead: 60 s is >= 3x heartbeat deadlines up to 20 s (default 2.5).
         self.group = None if env.role == "rollout" else replica.init_resilient_process_group(
             store=self.store.sub(keys.process_group()), rank=env.rank, world_size=env.world_size,
             timeout=timedelta(seconds=10), nccl_timeout=timedelta(seconds=60),
@@ -56,15 +66,17 @@ class Job:
         self._mirror: replica.Mirror | None = None
         self._bound: tuple | None = None
         self._step = 0
-        self._stop = threading.Event()
-        threading.Thread(target=self._heartbeat, daemon=True, name="replica-heartbeat").start()
+        self._resumed_from = 0  # the step of the export this job started from (--resume)
+        self._exported = False
 
     # --- what the script calls ---
 
     def replicate(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   extra: Mapping[str, object]) -> Job:
         self._bound = (model, optimizer, dict(extra))
-        if self.role == "trainer":
+        if self.role == "trainer" and self.env.resume:
+            self._resume(self.env.resume)
+        elif self.role == "trainer":
             self._start_replicator()
         else:
             # Create the optimizer's state now, while waiting: promotion is then one unpack.
@@ -76,13 +88,27 @@ class Job:
         self._install_faults(model, optimizer)
         return self
 
+    def _resume(self, folder: str) -> None:
+        """Start from an export (``replica launch --resume``): restore this rank's file into
+        the objects, keep it as the rank's copy of that commit and send it to the standby."""
+        snapshot = load_export(export_path(folder, self.rank))
+        model, optimizer, extra = self._bound
+        restore_snapshot(snapshot, model, optimizer, extra, rank=self.rank, world_size=self.env.world_size)
+        self._start_replicator((snapshot, None))
+        self._rep.protect()
+        self._resumed_from = snapshot.step
+        logger.warning("[trainer rank %d] resumed from the export of step %d in %s", self.rank, snapshot.step, folder)
+
     def commit(self, step: int) -> bool:
         self._fault("commit", step)
         try:
-            done = self._rep.commit(step)
+            with self._store_guard():
+                done = self._rep.commit(step)
         except replica.LayoutMismatchError as exc:
             self._report_fatal(exc)
             raise
+        except FencedError:  # its standby or the commit record says the rank belongs to another process
+            self._fenced_exit()
         self._fault("mirror", step)  # the stream of this step is in flight now
         return done
 
@@ -91,6 +117,10 @@ class Job:
         (``reward=...``) for the job report."""
         # Reading the loss waits for the step's kernels, after which NCCL has reported any failure.
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        with self._store_guard():
+            self._log(step, value, metrics)
+
+    def _log(self, step: int, value: float, metrics: Mapping[str, float]) -> None:
         if self.group.check() is None:
             # One store round trip a step: the loss, when the step ended, the metrics.
             extra = "".join(f" {k}={float(v).hex()}" for k, v in sorted(metrics.items()))
@@ -119,7 +149,7 @@ class Job:
             self.close()
 
     def steps(self, total: int) -> Iterator[int]:
-        step = 1
+        step = self._resumed_from + 1
         if self.role == "standby":
             promoted = self._wait_promotion()
             if promoted is None:
@@ -129,14 +159,16 @@ class Job:
             self._step = step
             self._fault("forward", step)
             yield step
-            if self.group.check() is not None or self._failover_announced():
-                step = self._recover() + 1
-                continue
-            if self.group.generation > 0 and not self.store.has(keys.resumed(self.group.generation)):
-                self.store.put(keys.resumed(self.group.generation), Stamp(at=time.time()))
+            with self._store_guard():
+                if self.group.check() is not None or self._failover_announced():
+                    step = self._recover() + 1
+                    continue
+                if self.group.generation > 0 and not self.store.has(keys.resumed(self.group.generation)):
+                    self.store.put(keys.resumed(self.group.generation), Stamp(at=time.time()))
             step += 1
-        self._rep.wait_committed()
-        self.store.put(keys.done(self.rank), Flag())
+        with self._store_guard():
+            self._rep.wait_committed()
+            self.store.put(keys.done(self.rank), Flag())
         self.close()
 
     def close(self) -> None:
@@ -189,9 +221,7 @@ class Job:
             generation, commit = self._announced()
             if self._superseded():
                 # Declared dead (a missed deadline) while alive: its standby has taken the rank over.
-                self._stop.set()
-                raise FencedError(f"trainer rank {self.rank} was declared dead and replaced by another process in "
-                                  f"generation {generation}; this process must stop")
+                self._fenced_exit()
             restored = self._rep.rollback(step=commit)
             if self._configure(generation):
                 break
@@ -221,15 +251,18 @@ class Job:
         key = keys.promote(self.rank)
         # Only a promotion that names this standby is meant for it.
         while True:
-            promotion = self.store.get(key)
-            if promotion is not None and promotion.member == self.member:
-                break
-            if self.store.has(keys.finished()):
-                self.close()
-                return None
-            for f in self.env.faults:  # a standby's fault fires once its trainer has finished that step
-                if f.role == "standby" and f.rank == self.rank and self.store.has(keys.loss(self.rank, f.step)):
-                    self._fault(f.phase, f.step)
+            with self._store_guard():
+                promotion = self.store.get(key)
+                if promotion is not None and promotion.member == self.member:
+                    break
+                if not self._exported and (request := self.store.get(keys.export())) is not None:
+                    self._export(request.directory, [request.commit])  # the job is ending: a rank's state is lost
+                if self.store.has(keys.finished()):
+                    self.close()
+                    return None
+                for f in self.env.faults:  # a standby's fault fires once its trainer has finished that step
+                    if f.role == "standby" and f.rank == self.rank and self.store.has(keys.loss(self.rank, f.step)):
+                        self._fault(f.phase, f.step)
             time.sleep(0.01)
         generation = promotion.generation
         commit = self.store.wait(keys.failover(generation), _WAIT).commit
@@ -258,7 +291,7 @@ class Job:
                        generation)
         return commit
 
-    def _start_replicator(self, held: tuple[replica.Snapshot, replica.Snapshot] | None = None) -> None:
+    def _start_replicator(self, held: tuple[replica.Snapshot, replica.Snapshot | None] | None = None) -> None:
         model, optimizer, extra = self._bound
         self._rep = replica.Replicator(model, optimizer, extra, store=self.store, config=self.config,
                                        rank=self.rank, world_size=self.env.world_size, epoch=self.epoch)
@@ -267,6 +300,69 @@ class Job:
             self._rep.adopt(*held)
 
     # --- liveness and faults ---
+
+    def _export(self, directory: str, steps: list[int]) -> None:
+        """Write this standby's versions of ``steps`` to the job's export folder (one folder
+        per step, ``replica.export.step_folder``), and say in the store what was written."""
+        self._exported = True
+        written = []
+        holder = self._mirror if self._mirror is not None else self._rep
+        for step in steps:
+            try:
+                path = holder.export(step_folder(directory, step), step=step)
+                written.append(str(path))
+                logger.warning("[standby rank %d] exported step %d to %s", self.rank, step, path)
+            except replica.ReplicaError as exc:
+                written.append(f"error: {exc}")
+                logger.error("[standby rank %d] could not export step %d: %s", self.rank, step, exc)
+        with contextlib.suppress(RuntimeError):  # the store may be gone (that may be why it exports)
+            self.store.put(keys.exported(self.rank), Text(value="; ".join(written)))
+
+    def _held_steps(self) -> list[int]:
+        return self._mirror.held_steps() if self._mirror is not None else self._rep.held_steps()
+
+    def _coordinator_lost(self, exc: BaseException) -> NoReturn:
+        """The job store is unreachable (the coordinator died): nobody can decide a failover
+        any more. A standby writes every version it holds to the export folder (the newest
+        step all ranks wrote is where ``replica launch --resume`` starts); every role exits
+        (code 76). Runs once, from whichever thread finds it first."""
+        if not self._lost.acquire(blocking=False):  # another thread is at it, and exits the process
+            while True:
+                time.sleep(1)
+        logger.error("[%s rank %d] the job store is gone (%s): the coordinator died or is cut off; this %s "
+                     "exports the versions it holds to %s and stops", self.role, self.rank, exc, self.role,
+                     self.env.export_dir)
+        if self._mirror is not None or self._rep is not None:
+            self._export(self.env.export_dir, self._held_steps())
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(_COORDINATOR_LOST_EXIT)
+
+    @contextlib.contextmanager
+    def _store_guard(self) -> Iterator[None]:
+        """Store calls of the role's own thread: a failure that is the store going away
+        ends the role as ``_coordinator_lost`` says, not with a traceback."""
+        try:
+            yield
+        except replica.ReplicaError:
+            raise
+        except RuntimeError as exc:  # torch's DistStoreError and DistNetworkError are RuntimeErrors
+            self._store_failed(exc)
+
+    def _store_failed(self, exc: RuntimeError) -> None:
+        """A store call of the role's own thread failed: if the store stays unreachable for
+        _STORE_LOST, the coordinator is gone (``_coordinator_lost``); else ``exc`` was
+        something else, and it is raised again."""
+        deadline = time.monotonic() + _STORE_LOST.total_seconds()
+        while time.monotonic() < deadline:
+            try:
+                self.store.reconnect(_HEARTBEAT_IO).get(keys.generation())
+                raise exc
+            except (RuntimeError, OSError) as probe:
+                if probe is exc:
+                    raise
+            time.sleep(0.2)
+        self._coordinator_lost(exc)
 
     def _report_fatal(self, exc: Exception) -> None:
         """An error no failover can fix (the roles disagree on the model): the job must stop."""
@@ -284,6 +380,7 @@ class Job:
         key = keys.heartbeat(self.member)
         store: JobStore | None = None
         failures = beat = 0
+        failing_since = 0.0
         while not self._stop.is_set():
             try:
                 if store is None:
@@ -299,17 +396,20 @@ class Job:
                 failures = 0
             except Exception as exc:  # noqa: BLE001 - a beat must never end the thread
                 failures += 1
+                failing_since = failing_since if failures > 1 else time.monotonic()
                 if failures == 1 or failures % _HEARTBEAT_LOG_EVERY == 0:
                     logger.warning("[%s rank %d] heartbeat failed (%d in a row): %s", self.role, self.rank,
                                    failures, exc)
                 store = None
+                if time.monotonic() - failing_since > _STORE_LOST.total_seconds():
+                    self._coordinator_lost(exc)
             self._stop.wait(HEARTBEAT_S)
 
     def _fenced_exit(self) -> None:
         """This trainer was declared dead and replaced: whatever it does now would be a
         zombie's. Exit at once (the standbys and engines refuse its epoch anyway)."""
         logger.error("[trainer rank %d] this process was declared dead and its rank given to another "
-                     "process; it stops now", self.rank)
+                     "process; it stops now (exit code %d)", self.rank, _FENCED_EXIT)
         logging.shutdown()
         os._exit(_FENCED_EXIT)
 
@@ -352,6 +452,11 @@ class Job:
             logger.warning("[%s rank %d step %d] injected fault %s fires", self.role, self.rank, step, f)
             if f.action == "stall":
                 time.sleep(f.seconds)
+            elif f.action == "freeze":
+                for handler in logging.getLogger().handlers:  # what it logged is out before it stops
+                    handler.flush()
+                os.kill(os.getpid(), signal.SIGSTOP)
+                logger.warning("[%s rank %d step %d] woke up from the freeze", self.role, self.rank, step)
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from replica.roles.coordinator import Coordinator
 from replica.roles.env import configure_logging, parse_faults
-from replica.roles.launch import deadline_options, deadlines_of
+from replica.roles.launch import deadline_options, deadlines_of, resume_point, state_options
 from replica.roles.supervise import JobSpec, supervise
 
 __all__ = ["main"]
@@ -32,6 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", type=Path)
     p.add_argument("--timeout", type=float, default=3600)
     deadline_options(p)
+    state_options(p)
     return p
 
 
@@ -45,15 +46,20 @@ def main(argv: list[str] | None = None) -> int:
         deadlines = deadlines_of(args)
     except ValueError as exc:
         parser.error(str(exc))
+    resume = resume_point(parser, args, args.world_size)
     configure_logging()
     coord = Coordinator(world_size=args.world_size, token=token.encode(), host=args.host, port=args.port,
-                        deadlines=deadlines, rollouts=args.rollouts)
+                        deadlines=deadlines, rollouts=args.rollouts, resume_from=resume[0] if resume else None)
     print(f"replica: coordinator of {args.world_size} trainer ranks at {coord.address}", flush=True)
+    if resume:
+        print(f"replica: resuming from step {resume[0]}: start the trainers with REPLICA_RESUME={resume[1]}",
+              flush=True)
     timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
     faults = parse_faults(os.environ.get("REPLICA_INJECT", ""))
     return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout_s=args.timeout, report=args.report,
-                                    timeline_png=timeline))
+                                    timeline_png=timeline, export_dir=args.export_dir,
+                                    first_step=resume[0] + 1 if resume else 1))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ __all__ = ["Agent", "JobSpec", "supervise"]
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.02
+_EXPORT_WAIT_S = 60.0  # how long a failing job waits for its standbys' exports
 
 
 class Agent(Protocol):
@@ -53,12 +54,15 @@ class JobSpec:
     # After a promotion or a standby's death, train on unprotected while the new standby starts
     # (False: commit() waits until the rank is protected again, so no new commit has a single copy).
     train_while_replacing: bool = False
+    # Where the standbys write the last commit when a rank's state is lost (None: they do not).
+    export_dir: Path | None = None
+    first_step: int = 1  # a job resumed from an export of step N starts at N + 1
 
 
 def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> int:
     """Run the job to its end; returns the exit status (0: every rank finished)."""
     deadline = time.monotonic() + spec.timeout_s
-    shown = errors = 0
+    shown, errors = spec.first_step - 1, 0
     status, failure = 1, None
     while time.monotonic() < deadline:
         decisions = []
@@ -107,7 +111,8 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> 
 
 def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobSpec) -> str | None:
     if decision.kind == "failed":
-        return f"the job failed: {decision.reason}"
+        exported = _export(coord, spec.export_dir) if decision.state_lost and spec.export_dir is not None else ""
+        return f"the job failed: {decision.reason}{exported}"
     if decision.dead is not None and agent is not None:
         agent.kill(decision.dead.pid)  # a process declared dead on a missed deadline may still run
     if decision.kind == "rollout_lost":
@@ -128,6 +133,31 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobS
         print(f"replica: WARNING rank {decision.rank} is UNPROTECTED: no standby is left for it; if its trainer "
               "dies the job fails", flush=True)
     return None
+
+
+def _export(coord: Coordinator, directory: Path) -> str:
+    """Have every live standby write its version of the last commit to ``directory``
+    (waiting up to _EXPORT_WAIT_S for them); says what was written for the final message."""
+    directory = directory.resolve()
+    commit = coord.request_export(str(directory))
+    if commit is None:
+        return ""
+    print(f"\nreplica: the standbys export commit {commit} to {directory} ...", flush=True)
+    standbys = {m.rank for m in coord.alive("standby")}
+    deadline = time.monotonic() + _EXPORT_WAIT_S
+    while time.monotonic() < deadline and not standbys <= set(coord.exports()):
+        time.sleep(_POLL_S)
+    answers = coord.exports()
+    written = sorted(r for r, answer in answers.items() if not answer.startswith("error"))
+    failed = {r: answer for r, answer in answers.items() if answer.startswith("error")}
+    lost = sorted(set(range(coord.world_size)) - set(answers))
+    text = f"; commit {commit} of rank(s) {written} was exported to {directory}"
+    if failed:
+        text += f"; the export of rank(s) {sorted(failed)} failed ({failed})"
+    if lost:
+        text += (f"; rank(s) {lost} have no copy of it left, so `replica launch --resume {directory}` needs their "
+                 "files from elsewhere")
+    return text
 
 
 def _progress(coord: Coordinator, total: int, shown: int) -> int:

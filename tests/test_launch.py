@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +18,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from replica.export import export_path, load_export, resumable, step_folder
 from replica.roles.report import compare_reports
+from replica.testing import busy_cores, process_state
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_fsdp.py"
@@ -57,6 +60,16 @@ def role_env(port: int, role: str, rank: int, **extra: str) -> dict[str, str]:
     env.update(REPLICA_ROLE=role, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                REPLICA_STORE_PORT=str(port), REPLICA_TOKEN=TOKEN, REPLICA_STEPS=str(STEPS), TORCH_GLOO_LAZY_INIT="1")
     return dict(env, **extra)
+
+
+def start_coordinator(port: int, report: Path, **env: str) -> subprocess.Popen:
+    """`replica coordinator` alone (the multi-node way), its output captured; its store is up on return."""
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps", str(STEPS),
+         "--port", str(port), "--timeout", "240", "--report", str(report)], cwd=ROOT,
+        env=dict(os.environ, REPLICA_TOKEN=TOKEN, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1)
+    return coordinator
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +135,24 @@ def test_fault_specs_round_trip():
     for bad in ("kill:trainer:0@4:forward:g", "kill:trainer:0@4:forward:extra:g1", "kill:trainer:0@4:gx"):
         with pytest.raises(ValueError, match="bad fault"):
             parse_faults(bad)
+
+
+def test_the_fault_matrix_under_load(tmp_path, reference):
+    """Two busy processes per core at normal priority for the whole run, as on a user's
+    machine: trainer 1 killed in its gradient reduce-scatter, standby 0 killed, then
+    trainer 0 killed right after its commit (the replacement standby 0 is promoted).
+    Exactly those die: no healthy role is taken for dead, and the run is bit-identical."""
+    with busy_cores(per_core=2) as load:
+        code, report, output = launch(tmp_path, "--inject",
+                                      "kill:trainer:1@3:reduce-scatter,kill:standby:0@5,kill:trainer:0@8:mirror")
+        assert load.all_alive()  # the load lasted the whole run
+    assert code == 0, output[-4000:]
+    assert all(f["fired_at"] is not None for f in report["faults"])
+    assert [f["rank"] for f in report["failovers"]] == [1, 0], report["failovers"]
+    assert [s["rank"] for s in report["standbys_replaced"]] == [0], report["standbys_replaced"]
+    assert all("exit code -9" in f["reason"] for f in report["failovers"]), report["failovers"]
+    assert compare_reports(reference, report) == []
+    assert report["last_commit"] == STEPS
 
 
 def test_bad_inject_spec_is_refused(tmp_path):
@@ -238,11 +269,21 @@ def test_training_goes_on_while_the_new_standby_starts(tmp_path, reference):
 
 
 def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path):
-    code, report, output = launch(tmp_path, "--standbys", "1", "--inject", "kill:trainer:1@3")
+    """Rank 1's state is lost (no standby): the job ends with one message naming the commit
+    and the export folder, where the surviving standby wrote rank 0's version of it."""
+    export = tmp_path / "export"
+    code, report, output = launch(tmp_path, "--standbys", "1", "--inject", "kill:trainer:1@3", "--export-dir",
+                                  str(export))
     assert code == 1, output[-4000:]
     assert report["faults"][0]["fired_at"] is not None
     assert report["unprotected"] == [1]
-    assert "trainer 1 died" in report["failure"] and "has no standby" in report["failure"], report["failure"]
+    failure = report["failure"]
+    assert "trainer 1 died" in failure and "has no standby" in failure, failure
+    commit = report["last_commit"]
+    assert f"commit {commit} of rank(s) [0] was exported to {export}" in failure, failure
+    assert "rank(s) [1] have no copy of it left" in failure, failure
+    exported = load_export(export_path(step_folder(export, commit), 0))  # checked against its digests
+    assert exported.step == commit and not export_path(step_folder(export, commit), 1).exists()
 
 
 def test_standalone_coordinator_with_torchrun_style_roles(tmp_path, reference):
@@ -252,12 +293,7 @@ def test_standalone_coordinator_with_torchrun_style_roles(tmp_path, reference):
     its silence; with nobody to start a new standby, rank 1 runs unprotected."""
     port, report = free_port(), tmp_path / "run.json"
     inject = {"REPLICA_INJECT": "kill:trainer:1@5:backward"}
-    coordinator = subprocess.Popen(
-        [sys.executable, "-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps", str(STEPS),
-         "--port", str(port), "--timeout", "240", "--report", str(report)], cwd=ROOT,
-        env=dict(os.environ, REPLICA_TOKEN=TOKEN, **inject), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
-    time.sleep(1)  # the coordinator's store is up
+    coordinator = start_coordinator(port, report, **inject)
     roles = [subprocess.Popen([sys.executable, str(EXAMPLE)], env=role_env(port, role, rank, **inject), cwd=ROOT)
              for role in ("standby", "trainer") for rank in (0, 1)]
     output = coordinator.communicate(timeout=240)[0]
@@ -272,6 +308,88 @@ def test_standalone_coordinator_with_torchrun_style_roles(tmp_path, reference):
     assert result["unprotected"] == [1]
     assert compare_reports(reference, result) == []
     assert result["last_commit"] == STEPS
+
+
+def test_a_frozen_trainer_waking_up_after_its_failover_stops_by_itself(tmp_path, reference):
+    """A zombie. Trainer 1 freezes (SIGSTOP) in step 5 of a `replica coordinator` job: no
+    agent kills it, its connections stay open, so only the heartbeat deadline finds it, and
+    its standby is promoted. Once the job has resumed without it, it wakes up (SIGCONT) with
+    its old epoch, gloo connections and mirror stream: it finds its rank given away and exits
+    by itself (code 75) without touching the job, which ends bit-identical."""
+    port, report = free_port(), tmp_path / "run.json"
+    inject = {"REPLICA_INJECT": "freeze:trainer:1@5:backward"}
+    coordinator = start_coordinator(port, report, **inject)
+    roles = [subprocess.Popen([sys.executable, str(EXAMPLE)], env=role_env(port, role, rank, **inject), cwd=ROOT,
+                              stdout=subprocess.PIPE if (role, rank) == ("trainer", 1) else None,
+                              stderr=subprocess.STDOUT if (role, rank) == ("trainer", 1) else None, text=True)
+             for role in ("standby", "trainer") for rank in (0, 1)]
+    zombie = roles[3]
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        wait_for_key(store, "replica/failover/1", coordinator)
+        frozen_when_replaced = process_state(zombie.pid)
+        wait_for_key(store, "replica/resumed/1", coordinator)  # the job goes on without it
+        os.kill(zombie.pid, signal.SIGCONT)
+        zombie_output = zombie.communicate(timeout=30)[0]
+        output = coordinator.communicate(timeout=240)[0]
+        codes = [p.wait(timeout=30) for p in roles[:3]]
+    finally:  # a failed check must not leave the job running beside the next tests
+        for p in (coordinator, *roles):
+            p.kill()
+    assert frozen_when_replaced == "T"  # the freeze fired and lasted past the deadline
+    assert coordinator.returncode == 0, output[-4000:]
+    assert zombie.returncode == 75, zombie_output[-4000:]
+    assert "woke up from the freeze" in zombie_output and "declared dead" in zombie_output, zombie_output[-4000:]
+    assert codes == [0, 0, 0], codes
+    result = json.loads(report.read_text())
+    (failover,) = result["failovers"]
+    assert failover["rank"] == 1 and "no heartbeat" in failover["reason"], failover
+    assert failover["commit"] in (3, 4)  # the step frozen in (5) was never committed by the zombie
+    assert compare_reports(reference, result) == []
+    assert result["last_commit"] == STEPS
+
+
+def test_coordinator_killed_roles_export_and_the_job_resumes_from_the_export(tmp_path, reference):
+    """The coordinator (and with it the job store) is SIGKILLed mid-run. Every role finds
+    the store gone, writes the versions it holds to the export folder and exits (code 76)
+    instead of hanging or dying with a traceback; `replica launch --resume` then continues
+    from the newest step all ranks exported, bit-identical to the run that never failed."""
+    port, report, export = free_port(), tmp_path / "run.json", tmp_path / "export"
+    coordinator = start_coordinator(port, report)
+    roles = [subprocess.Popen([sys.executable, str(EXAMPLE)], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=role_env(port, role, rank, REPLICA_EXPORT_DIR=str(export)))
+             for role in ("standby", "trainer") for rank in (0, 1)]
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        wait_for_key(store, "replica/loss/0/5", coordinator)
+        coordinator.kill()
+        coordinator.wait()
+        outputs = [p.communicate(timeout=120)[0] for p in roles]
+    finally:
+        for p in (coordinator, *roles):
+            p.kill()
+    for p, output in zip(roles, outputs):
+        assert p.returncode == 76, output[-3000:]  # stopped by itself, not hung, no traceback
+        assert "the job store is gone" in output, output[-3000:]
+        assert f'{EXAMPLE.name}", line' not in output, output[-3000:]  # the script did not die of an exception
+    step, folder = resumable(export, 2)
+    assert step >= 4 and folder == step_folder(export, step), (step, folder)
+
+    code, resumed, output = launch(tmp_path, "--resume", str(export), name="resumed")
+    assert code == 0, output[-4000:]
+    assert f"resuming from step {step}" in output
+    assert resumed["last_commit"] == STEPS and resumed["failovers"] == []
+    for rank in ("0", "1"):
+        assert resumed["losses_hex"][rank][:step] == [None] * step  # not run again
+        assert resumed["losses_hex"][rank][step:] == reference["losses_hex"][rank][step:]  # bit for bit
+
+
+def test_resume_refuses_an_incomplete_export(tmp_path):
+    (tmp_path / "step00000003").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--resume", str(tmp_path),
+                           str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "holds no complete export of 2 ranks" in proc.stderr, proc.stderr
 
 
 def test_a_step_that_times_out_with_no_death_is_redone_in_a_fresh_generation(tmp_path, reference):

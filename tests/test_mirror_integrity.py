@@ -261,6 +261,13 @@ def test_export_loads_back(committed_mirror, tmp_path):
     fresh = job(seed=5)
     replica.restore_snapshot(snapshot, fresh.model, fresh.optimizer, fresh.extra, rank=0, world_size=1)
     assert_state_equal(state_of(fresh), state_of(j))
+    assert snapshot.digests is not None and snapshot.digests == [s for s in mirror._slots if s.step == 2][0].digests
+
+    data = bytearray(path.read_bytes())  # a bit flipped in the file on disk
+    data[len(data) // 2] ^= 0x04
+    path.write_bytes(bytes(data))
+    with pytest.raises(replica.SnapshotCorruptedError, match="step 2"):
+        replica.load_export(path)
 
 
 def test_bad_config_and_arguments(store):

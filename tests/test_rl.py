@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from replica.roles.report import compare_reports
+from replica.testing import busy_cores
 from test_launch import ROOT, launch
 from vllm_engine import vllm_available
 
@@ -19,18 +20,28 @@ RL = ROOT / "examples" / "rl_loop.py"
 OPTIONS = ("--rollouts", "3", "--steps", "6")
 
 
-def test_rl_loop_survives_a_trainer_and_a_rollout_kill(tmp_path):
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
     # Which engines serve which shards, and how many there are, does not change a single
     # completion: the reference runs on one engine and no standbys (cheaper).
-    code, reference, output = launch(tmp_path, "--rollouts", "1", "--standbys", "0", "--steps", "6",
-                                     name="reference", script=RL)
+    code, reference, output = launch(tmp_path_factory.mktemp("rl-reference"), "--rollouts", "1", "--standbys", "0",
+                                     "--steps", "6", name="reference", script=RL)
     assert code == 0, output[-4000:]
     assert reference["last_commit"] == 6 and reference["failovers"] == []
     assert all(m.get("reward") for m in reference["metrics_hex"]["0"])  # every step scored its rollouts
+    return reference
 
-    code, report, output = launch(tmp_path, *OPTIONS, "--inject", "kill:rollout:0@2,kill:trainer:1@4:backward",
-                                  script=RL)
+
+@pytest.mark.parametrize("loaded", [False, True], ids=["quiet", "two-busy-processes-per-core"])
+def test_rl_loop_survives_a_trainer_and_a_rollout_kill(tmp_path, reference, loaded):
+    """Loaded: two busy processes per core at normal priority for the whole run, as on a
+    user's machine; no healthy role may be taken for dead."""
+    with busy_cores(per_core=2 if loaded else 0) as load:
+        code, report, output = launch(tmp_path, *OPTIONS, "--inject", "kill:rollout:0@2,kill:trainer:1@4:backward",
+                                      script=RL)
+        assert load.all_alive()  # the load lasted the whole run
     assert code == 0, output[-4000:]
+    assert report["standbys_replaced"] == [], report["standbys_replaced"]  # no false death
     assert all(f["fired_at"] is not None for f in report["faults"])  # both faults fired
     assert [f["rank"] for f in report["failovers"]] == [1]
     assert [r["index"] for r in report["rollouts_lost"]] == [0]

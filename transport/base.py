@@ -293,8 +293,10 @@ class Connection(ABC):
             if self._closed:
                 return
             self._closed = True
-        if not quiet:
-            logger.warning("connection to %s failed: %s", self.peer, error)
+        if not quiet:  # a peer that said goodbye ended it, nothing failed
+            graceful = isinstance(error, PeerDisconnectedError) and error.graceful
+            logger.log(logging.INFO if graceful else logging.WARNING, "connection to %s %s: %s", self.peer,
+                       "ended" if graceful else "failed", error)
         self._abort()
 
     def _guard(self, buf: torch.Tensor, tag: int, what: str) -> torch.Tensor:
