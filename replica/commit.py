@@ -27,10 +27,38 @@ from replica.errors import CommitTimeoutError
 from replica.jobstate import Ack, Commit, Epoch, Flag, Generation, JobStore, LostReports, Registration, keys
 from replica.registry import publish, registration, wait_registration
 
-__all__ = ["CommitRecord"]
+__all__ = ["CommitRecord", "EpochRecord"]
 
 #: The epoch of a library user's trainer that runs without a coordinator (no generation record).
 NO_EPOCH = Epoch(generation=0, member=-1)
+
+
+class EpochRecord:
+    """The epochs receivers accept, from the coordinator's signed generation record:
+    what a standby (the epoch of its rank's trainer) and an engine's weight receiver
+    (the epoch of the trainers' leader rank) fence with. Once a record was verified
+    here, a forged or deleted one never replaces it with an older one or with none:
+    fencing cannot be switched off from the store."""
+
+    def __init__(self, store: JobStore):
+        self.store = store
+        self._generation: Generation | None = None  # the newest generation record verified here
+        self._lock = threading.Lock()
+
+    def generation(self) -> Generation | None:
+        """The coordinator's current generation and trainers (None without a coordinator)."""
+        current = self.store.get(keys.generation())
+        with self._lock:
+            if current is not None and (self._generation is None or current.number >= self._generation.number):
+                self._generation = current
+            return self._generation
+
+    def current_epoch(self, rank: int) -> Epoch | None:
+        """The epoch rank ``rank``'s trainer must send with now; None when no
+        coordinator publishes epochs (every epoch is accepted then)."""
+        generation = self.generation()
+        return None if generation is None else generation.epoch(rank) or Epoch(generation=generation.number,
+                                                                                 member=-2)
 
 
 class CommitRecord:
@@ -42,7 +70,7 @@ class CommitRecord:
         self.store = store
         self.world_size = world_size
         self._last: int | None = None  # the last commit verified here (a forged value does not lower it)
-        self._generation: Generation | None = None  # likewise the newest generation record
+        self.epochs = EpochRecord(store)  # likewise the newest generation record
         self._lock = threading.Lock()
 
     def publish_standby(self, rank: int, backend: str, address: str) -> Registration:
@@ -58,21 +86,12 @@ class CommitRecord:
         return wait_registration(self.store, keys.standby(rank), timeout, f"standby of rank {rank}")
 
     def generation(self) -> Generation | None:
-        """The coordinator's current generation and trainers (None without a coordinator).
-        Once one was verified here, a forged or deleted record never replaces it with an
-        older one or with none: fencing cannot be switched off from the store."""
-        current = self.store.get(keys.generation())
-        with self._lock:
-            if current is not None and (self._generation is None or current.number >= self._generation.number):
-                self._generation = current
-            return self._generation
+        """The coordinator's current generation and trainers (``EpochRecord.generation``)."""
+        return self.epochs.generation()
 
     def current_epoch(self, rank: int) -> Epoch | None:
-        """The epoch rank ``rank``'s trainer must stream with now; None when no
-        coordinator publishes epochs (every epoch is accepted then)."""
-        generation = self.generation()
-        return None if generation is None else generation.epoch(rank) or Epoch(generation=generation.number,
-                                                                                 member=-2)
+        """The epoch rank ``rank``'s trainer must stream with now (``EpochRecord.current_epoch``)."""
+        return self.epochs.current_epoch(rank)
 
     def acknowledge(self, rank: int, step: int, epoch: Epoch = NO_EPOCH, holder: str = "") -> int | None:
         """Record that rank ``rank``'s standby (registered with nonce ``holder``; "" for a

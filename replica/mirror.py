@@ -25,16 +25,15 @@ import torch
 import torch.distributed as dist
 
 from replica.backends import backend_class, make_backend
+from replica.bucketstream import accept_sender, receive_versions, wait_first
 from replica.commit import CommitRecord
 from replica.jobstate import Epoch, JobStore
 from replica.config import Config, token_from_env
 from replica.errors import (
-    FencedError,
     LayoutMismatchError,
     PeerDisconnectedError,
     ReplicaError,
     SnapshotCorruptedError,
-    TransferTimeoutError,
     TransportError,
 )
 from replica.export import export_path, write_export
@@ -42,7 +41,6 @@ from replica.layout import StateLayout, state_tensors
 from replica.listener import Listener
 from replica.placement import state_device
 from replica.protocol import (
-    BEGIN,
     BUCKET_BASE,
     FETCH,
     LAYOUT_SIZE,
@@ -51,20 +49,16 @@ from replica.protocol import (
     Status,
     answer_layout,
     as_tensor,
-    check_epoch,
     fingerprint_int,
-    receive_buckets,
-    recv_epoch,
     recv_layout,
     recv_reply,
-    refuse_fenced,
     send_layout,
     send_reply,
 )
 from replica.repair import request_repair
 from replica.restore import restore_snapshot
 from replica.snapshot import Snapshot, Stateful
-from replica.transport import Connection, MemoryKind, Transfer
+from replica.transport import Connection, MemoryKind
 from replica.transport.base import memory_kind
 
 __all__ = ["Mirror", "MirrorStats", "fetch_mirror"]
@@ -79,6 +73,7 @@ class MirrorStats:
     corrupted_buckets: int = 0
     sessions: int = 0
     bytes_received: int = 0
+    fenced: int = 0  # trainer sessions and steps refused for their epoch
     scrub_passes: int = 0  # complete re-checks of the committed version
     scrub_failures: int = 0  # passes that found it changed in memory
     repaired_buckets: int = 0  # buckets the trainer sent again that verified
@@ -300,62 +295,35 @@ class Mirror(Listener):
         if not exc.graceful and self._trainer is conn:
             self.record.report_lost(self.rank)  # the coordinator weighs it against heartbeats
 
-    def _wait_first(self, conn: Connection, transfers: list[Transfer], deadline: float | None) -> Transfer:
-        """The first of ``transfers`` to finish. Without a deadline (the next step
-        takes as long as it takes) only a dead trainer, a newer one or close() ends the wait."""
-        delay = 50e-6
-        while True:
-            for transfer in transfers:
-                if transfer.done():
-                    transfer.wait(self.config.timeout)  # verifies its digest
-                    return transfer
-            if self._closed.is_set():
-                raise PeerDisconnectedError("mirror closed", graceful=True)
-            if deadline is None and self._trainer is not conn:
-                raise PeerDisconnectedError("a newer trainer connection took over", graceful=True)
-            if deadline is not None and time.monotonic() > deadline:
-                raise TransferTimeoutError("the peer sent nothing after connecting")
-            time.sleep(delay)
-            delay = min(delay * 2, 2e-3)
-
     def _session(self, conn: Connection) -> None:
         """A trainer's session (it sends its layout) or a fetch (a fresh process asks for a version)."""
         timeout = self.config.timeout
         size = torch.zeros(8, dtype=torch.uint8)
         wanted = torch.zeros(8, dtype=torch.uint8)
         layout_size, fetch = conn.irecv(size, tag=LAYOUT_SIZE), conn.irecv(wanted, tag=FETCH)
-        first = self._wait_first(conn, [layout_size, fetch], time.monotonic() + timeout.total_seconds())
+        first = wait_first(conn, [layout_size, fetch], gone=lambda: "mirror closed" if self._closed.is_set() else None,
+                           within=timeout, timeout=timeout)
         if first is fetch:
             self._serve_fetch(conn, int.from_bytes(wanted.numpy().tobytes(), "little", signed=True))
             return
-        epoch = recv_epoch(conn, timeout)
-        layout = recv_layout(conn, timeout, size)
-        try:  # a fenced trainer (declared dead, still running) never displaces the current one
-            check_epoch(epoch, self.record.current_epoch(self.rank), who=self.name)
-        except FencedError as exc:
-            refuse_fenced(conn, -1, exc, timeout)
+        def current_epoch() -> Epoch | None:
+            return self.record.current_epoch(self.rank)
+
+        # A fenced trainer (declared dead, still running) is refused before it displaces the current one.
+        _, layout = accept_sender(conn, current_epoch=current_epoch, who=self.name, timeout=timeout,
+                                  counts=self.stats, size=size)
         # This connection is the rank's trainer now; an older one (dead or not) is dropped.
         with self._cond:
             previous, self._trainer = self._trainer, conn
         if previous is not None:
             logger.warning("[standby rank %d] a new trainer connection replaces the previous one", self.rank)
             previous.close()
-        with self._receiving:  # the previous session has left _receive
+        with self._receiving:  # the previous session has left receive_versions
             answer_layout(conn, layout, self._adopt, timeout)
-        buckets = layout.buckets()
-        fingerprint = fingerprint_int(layout.fingerprint)
-        while True:
-            begin_buf = torch.zeros(Begin.size(), dtype=torch.uint8)
-            self._wait_first(conn, [conn.irecv(begin_buf, tag=BEGIN)], None)
-            begin = Begin.decode(begin_buf.numpy().tobytes())
-            if begin.num_buckets != len(buckets):
-                raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has {len(buckets)}")
-            try:  # the coordinator may have moved on since the connection began
-                check_epoch(begin.epoch, self.record.current_epoch(self.rank), who=self.name)
-            except FencedError as exc:
-                refuse_fenced(conn, begin.step, exc, timeout)
-            with self._receiving:
-                self._receive(conn, begin.step, buckets, fingerprint, begin.epoch)
+        receive_versions(conn, layout.buckets(), fingerprint=fingerprint_int(layout.fingerprint), timeout=timeout,
+                         who=self.name, counts=self.stats, current_epoch=current_epoch,
+                         closed=self._closed, sender=lambda: self._trainer, lock=self._receiving,
+                         stage=lambda begin: self._stage().buffer, complete=self._complete)
 
     def _serve_fetch(self, conn: Connection, step: int) -> None:
         """Send a complete version to a process that restores from it (a replacement trainer)."""
@@ -412,21 +380,18 @@ class Mirror(Listener):
             slot.step = None  # incomplete from here on; restore never picks it
             return slot
 
-    def _receive(self, conn: Connection, step: int, buckets: list[tuple[int, int]], fingerprint: int,
-                 epoch: Epoch) -> None:
-        timeout = self.config.timeout
-        slot = self._stage()
-        digests = receive_buckets(conn, slot.buffer, buckets, step=step, fingerprint=fingerprint,
-                                  timeout=timeout, who=self.name, counts=self.stats)
+    def _complete(self, begin: Begin, buffer: torch.Tensor, digests: list[int]) -> None:
+        """The version staged in ``buffer`` holds ``begin.step`` complete and verified:
+        keep it, acknowledge it."""
         with self._cond:
-            slot.step = step
+            slot = next(s for s in self._slots if s.buffer is buffer)
+            slot.step = begin.step
             slot.digests = digests if self.config.verify else None  # kept: checked before every use
             self._damaged.pop(slot, None)  # marks of the content this one replaced
-            self.stats.acked.append(step)
+            self.stats.acked.append(begin.step)
             self._cond.notify_all()
-        commit = self.record.acknowledge(self.rank, step, epoch, self._registration.nonce)
-        send_reply(conn, Reply(step=step, status=Status.ACKED), timeout)
-        logger.debug("[standby rank %d step %d] acknowledged; global commit %s", self.rank, step, commit)
+        commit = self.record.acknowledge(self.rank, begin.step, begin.epoch, self._registration.nonce)
+        logger.debug("[standby rank %d step %d] acknowledged; global commit %s", self.rank, begin.step, commit)
 
 
 def fetch_mirror(*, rank: int, world_size: int, store: dist.Store | JobStore, config: Config | None = None,

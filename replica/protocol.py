@@ -214,6 +214,7 @@ def recv_layout(conn: Connection, timeout: timedelta, size: torch.Tensor | None 
 class ReceiveCounts(Protocol):
     bytes_received: int
     corrupted_buckets: int
+    fenced: int  # senders refused for their epoch (at connect or at a BEGIN)
 
 
 def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,

@@ -7,28 +7,16 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from replica.backends import backend_class, make_backend
+from replica.bucketstream import RETRY_FIRST, Backoff, MirrorFaults, Outgoing, open_session
 from replica.commit import NO_EPOCH, CommitRecord
 from replica.config import Config
 from replica.errors import FencedError, LayoutMismatchError, ReplicaError, StandbyLostError, TransportError
-from replica.jobstate import Epoch
+from replica.jobstate import Epoch, Registration
 from replica.layout import StateLayout
-from replica.protocol import (
-    BEGIN,
-    BUCKET_BASE,
-    Begin,
-    Reply,
-    Status,
-    as_tensor,
-    fingerprint_int,
-    recv_reply,
-    send_epoch,
-    send_layout,
-)
+from replica.protocol import fingerprint_int
 from replica.repair import serve_repairs
 from replica.snapshot import Snapshot
 from replica.transport import Connection, Transport
@@ -37,16 +25,6 @@ from replica.transport.base import memory_kind
 __all__ = ["MirrorFaults", "MirrorStream", "StreamStats"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class MirrorFaults:
-    """Fault injection for tests: ``corrupt_buckets = k`` flips a byte in each of
-    the next k buckets after their digest is taken, as a bad link would;
-    ``corrupted`` counts how many times that fired."""
-
-    corrupt_buckets: int = 0
-    corrupted: int = 0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -171,58 +149,65 @@ class MirrorStream:
         return True
 
     def _stream_or_reattach(self, snapshot: Snapshot, step: int, epoch: Epoch) -> None:
-        """Stream; if the standby is lost, wait up to ``standby_wait`` for a
-        replacement and send it this snapshot (the one the next commit needs).
-        A rank the coordinator marked unprotected acknowledges its own snapshot.
-        A step of a superseded generation is dropped; a fenced trainer raises."""
+        """Stream to the rank's standby. A standby not registered yet, or one that
+        cannot be reached (or is lost), is waited for: its registration is tried again
+        with backoff, a newer one at once, until ``standby_wait`` runs out (at least
+        ``timeout`` for a first registration); then StandbyLostError. A rank the
+        coordinator marked unprotected acknowledges its own snapshot. A step of a
+        superseded generation is dropped; a fenced trainer raises."""
         if self._superseded(step, epoch):
             return
-        if self._conn is None and self._acknowledge_unprotected(step, epoch):
-            return
-        try:
-            self._stream(snapshot, step, epoch)
-            return
-        except (LayoutMismatchError, StandbyLostError):
-            raise
-        except (FencedError, TransportError) as exc:
-            if self._superseded(step, epoch):  # refused (or cut off) because the job moved on
-                self._drop()
+        retry, tried = Backoff(), None
+        first: TransportError | None = None  # the failure that left the rank unprotected
+        deadline, budget = None, timedelta(0)  # from the first failure, or while none is registered
+        while True:
+            if self._conn is None and self._acknowledge_unprotected(step, epoch):
                 return
-            if isinstance(exc, FencedError):
-                raise
-            self._lost = self._registration
-            self._drop()
-            if self._acknowledge_unprotected(step, epoch):
+            current = self._registration if self._conn is not None else self._record.registration(self.rank)
+            if current is not None and (current != tried or retry.due()):
+                if current != tried:
+                    retry, tried = Backoff(), current
+                try:
+                    self._stream(snapshot, step, epoch, current)
+                except (LayoutMismatchError, StandbyLostError):
+                    raise
+                except (FencedError, TransportError) as exc:
+                    if self._superseded(step, epoch):  # refused (or cut off) because the job moved on
+                        self._drop()
+                        return
+                    if isinstance(exc, FencedError):
+                        raise
+                    self._lost = current
+                    self._drop()
+                    pause = retry.failed()
+                    if first is None:
+                        logger.error("[trainer rank %d step %d] the standby is lost (%s); rank %d is UNPROTECTED "
+                                     "until it is reached again or a replacement registers (waiting up to %s)",
+                                     self.rank, step, exc, self.rank, self._config.standby_wait)
+                        first, budget = exc, self._config.standby_wait
+                        deadline = time.monotonic() + budget.total_seconds()
+                    else:
+                        logger.info("[trainer rank %d step %d] the standby at %s is still unreachable (%s); next "
+                                    "try in %s", self.rank, step, current, exc, pause)
+                    if self._acknowledge_unprotected(step, epoch):
+                        return
+                    if self._config.standby_wait <= timedelta(0):
+                        raise
+                    continue
+                if first is not None:
+                    logger.warning("[trainer rank %d step %d] protected again by the standby at %s", self.rank,
+                                   step, current)
+                    self.stats.reattached += 1
                 return
-            if self._config.standby_wait <= timedelta(0):
-                raise
-            first = exc
-        logger.error("[trainer rank %d step %d] the standby is lost (%s); rank %d is UNPROTECTED until a "
-                     "replacement registers (waiting up to %s)", self.rank, step, first, self.rank,
-                     self._config.standby_wait)
-        deadline = time.monotonic() + self._config.standby_wait.total_seconds()
-        while time.monotonic() < deadline and not self._closing.is_set():
+            if deadline is None:  # no standby registered yet
+                budget = max(self._config.timeout, self._config.standby_wait)
+                deadline = time.monotonic() + budget.total_seconds()
+            if time.monotonic() >= deadline or self._closing.is_set():
+                raise StandbyLostError(f"no standby of rank {self.rank} could be reached within {budget}"
+                                       + (f" after {first}" if first is not None else "")) from first
             if self._superseded(step, epoch):
                 return
-            if self._record.registration(self.rank) not in (None, self._lost):
-                try:
-                    self._stream(snapshot, step, epoch)
-                except (LayoutMismatchError, StandbyLostError, FencedError):
-                    raise
-                except TransportError as exc:  # the replacement died too: keep waiting
-                    self._lost = self._registration
-                    self._drop()
-                    logger.error("[trainer rank %d step %d] replacement standby lost too: %s", self.rank, step, exc)
-                    continue
-                logger.warning("[trainer rank %d step %d] protected again by the standby at %s", self.rank, step,
-                               self._registration)
-                self.stats.reattached += 1
-                return
-            if self._acknowledge_unprotected(step, epoch):
-                return
-            time.sleep(0.05)
-        raise StandbyLostError(f"no standby of rank {self.rank} registered within {self._config.standby_wait} "
-                               f"after {first}") from first
+            time.sleep(RETRY_FIRST.total_seconds())
 
     def _acknowledge_unprotected(self, step: int, epoch: Epoch) -> bool:
         """When the coordinator says no standby will come for this rank (and none has
@@ -245,85 +230,37 @@ class MirrorStream:
             self._transport.close()
         self._conn = self._transport = self._registration = None
 
-    def _connect(self, snapshot: Snapshot, epoch: Epoch) -> Connection:
-        timeout = self._config.timeout
-        self._registration = self._record.standby(self.rank, timeout)
-        backend, address = self._registration.backend, self._registration.address
-        memory = memory_kind(snapshot.buffer)
-        if memory not in backend_class(backend).capabilities.memory:
-            raise TransportError(f"the standby of rank {self.rank} listens on {backend}, which cannot move "
-                                 f"{memory.name} memory")
-        self._transport = make_backend(backend, self._config)
-        conn = self._transport.connect(address, timeout)
-        send_epoch(conn, epoch, timeout)
-        send_layout(conn, snapshot.layout, timeout)
-        reply = self._reply(conn, -1)
-        if reply.status == Status.LAYOUT_MISMATCH:
-            raise LayoutMismatchError(f"the standby of rank {self.rank} refused this trainer's state layout: it "
-                                      "mirrors or would restore into a different model, optimizer or world size "
-                                      "(its log names the first difference)")
-        if reply.status == Status.FENCED:
-            raise FencedError(f"the standby of rank {self.rank} refused {epoch}: it is not the rank's current one")
-        if reply.status != Status.ACCEPTED:
-            raise TransportError(f"standby answered {reply.status.name} to the layout")
+    def _connect(self, registration: Registration, snapshot: Snapshot, epoch: Epoch) -> Connection:
+        self._drop()
+        self._registration = registration
+        self._transport, conn = open_session(
+            registration, memory=memory_kind(snapshot.buffer), config=self._config, epoch=epoch,
+            layout=snapshot.layout, peer=f"the standby of rank {self.rank}",
+            mismatch="this trainer's state layout: it mirrors or would restore into a different model, optimizer "
+                     "or world size (its log names the first difference)")
         logger.info("[trainer rank %d] mirroring %d bytes in %d buckets to %s over %s", self.rank,
-                    snapshot.layout.total_bytes, len(snapshot.layout.buckets()), address, backend)
+                    snapshot.layout.total_bytes, len(snapshot.layout.buckets()), registration.address,
+                    registration.backend)
         return conn
 
-    def _reply(self, conn: Connection, step: int) -> Reply:
-        reply = recv_reply(conn, self._config.timeout)
-        if reply.step != step:
-            raise TransportError(f"standby answered for step {reply.step}, expected {step}")
-        return reply
-
-    def _stream(self, snapshot: Snapshot, step: int, epoch: Epoch) -> None:
+    def _stream(self, snapshot: Snapshot, step: int, epoch: Epoch, registration: Registration) -> None:
         start = time.perf_counter()
         if self._conn is None or self._layout_sent is not snapshot.layout:
-            self._conn = self._connect(snapshot, epoch)
+            self._conn = self._connect(registration, snapshot, epoch)
             self._layout_sent = snapshot.layout
-        conn, layout, timeout = self._conn, snapshot.layout, self._config.timeout
-        buckets = layout.buckets()
-        fingerprint = fingerprint_int(layout.fingerprint)
+        layout = snapshot.layout
         if snapshot not in self._streamed:  # the Replicator's two buffers: a repair may need either
             self._streamed = [*self._streamed[-1:], snapshot]
+        out = Outgoing(self._conn, snapshot.buffer, layout.buckets(), step=step, epoch=epoch,
+                       fingerprint=fingerprint_int(layout.fingerprint), config=self._config, faults=self._faults,
+                       counts=self.stats, peer=f"the standby of rank {self.rank}")
+        out.send_all()
         # The digests the sends take anyway (of the snapshot's bytes, before any fault
-        # injection) are kept with the snapshot: no second pass over it.
-        digests = [0] * len(buckets)
-        conn.send(as_tensor(Begin(step=step, num_buckets=len(buckets), epoch=epoch).encode()), tag=BEGIN,
-                  timeout=timeout)
-        todo = list(range(len(buckets)))
-        for attempt in range(self._config.max_resends + 1):
-            inflight = deque()
-            for i in todo:
-                if len(inflight) >= self._config.num_inflight_buckets:
-                    header = inflight.popleft().wait(timeout)
-                    digests[header.bucket] = header.digest
-                lo, hi = buckets[i]
-                if self._faults.corrupt_buckets > 0:
-                    self._faults.corrupt_buckets -= 1
-                    self._faults.corrupted += 1
-                    conn.faults.corrupt_next = 1
-                inflight.append(conn.isend(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i, step=step, bucket=i,
-                                           offset=lo, fingerprint=fingerprint))
-                self.stats.bytes_sent += hi - lo
-            while inflight:
-                header = inflight.popleft().wait(timeout)
-                digests[header.bucket] = header.digest
-            if attempt == 0 and self._config.verify:  # before the reply: the standby acknowledges first
-                snapshot.digests = digests
-            reply = self._reply(conn, step)
-            if reply.status == Status.ACKED:
-                self.stats.acked_step = step
-                self.stats.num_acked += 1
-                self.stats.stream_s.append(time.perf_counter() - start)
-                return
-            if reply.status == Status.FENCED:
-                raise FencedError(f"the standby of rank {self.rank} refused step {step} of {epoch}")
-            if reply.status != Status.RESEND or not reply.buckets:
-                raise TransportError(f"standby answered {reply.status.name} for step {step}")
-            logger.warning("[trainer rank %d step %d] standby asks again for buckets %s (attempt %d)",
-                           self.rank, step, list(reply.buckets), attempt + 1)
-            self.stats.resent_buckets += len(reply.buckets)
-            todo = list(reply.buckets)
-        raise TransportError(f"step {step}: buckets {todo} still failed their digests after "
-                             f"{self._config.max_resends} resends")
+        # injection) are kept with the snapshot: no second pass over it. Before the
+        # reply: the standby acknowledges first.
+        if self._config.verify:
+            snapshot.digests = out.digests
+        out.settle()
+        self.stats.acked_step = step
+        self.stats.num_acked += 1
+        self.stats.stream_s.append(time.perf_counter() - start)

@@ -19,9 +19,14 @@ the ready version's tensors (``reload_weights`` in vLLM) between generations.
 A sync cut short (the sender dies, the link breaks) never reaches the engine:
 it stays on its previous complete version, never a mix of two.
 
-Per connection the sender sends the weight layout (``send_layout``); per sync
-``BEGIN`` (step, buckets), the buckets under ``BUCKET_BASE + i``, and the receiver
-answers ``REPLY``: ACKED, or RESEND naming bad buckets. Keys in the store:
+The bucket stream is the mirror's (``replica.bucketstream``): per connection the
+sender sends its epoch and the weight layout; per sync ``BEGIN`` (step, buckets,
+epoch), the buckets under ``BUCKET_BASE + i``, and the receiver answers
+``REPLY``: ACKED, RESEND naming bad buckets, or FENCED. A receiver accepts only
+the current epoch of the trainers' ``leader`` rank (any, without a coordinator):
+a leader declared dead while still running (a zombie) cannot push weights. An
+engine that could not be reached is tried again on later pushes, with backoff.
+Keys in the store:
 ``{prefix}/engine/{i}`` (the receiver's registration) and
 ``{prefix}/engine/{i}/version`` (the version it serves).
 """
@@ -41,34 +46,15 @@ import torch
 import torch.distributed as dist
 
 from replica import ops
-from replica.backends import backend_class, make_backend
+from replica.bucketstream import Backoff, MirrorFaults, Outgoing, accept_sender, open_session, receive_versions
+from replica.commit import NO_EPOCH, EpochRecord
 from replica.config import Config
-from replica.errors import (
-    LayoutMismatchError,
-    PeerDisconnectedError,
-    ReplicaError,
-    TransportError,
-)
+from replica.errors import FencedError, LayoutMismatchError, ReplicaError, TransportError
+from replica.jobstate import Epoch, JobStore, Number, Registration, keys
 from replica.layout import StateLayout, dtype_of
 from replica.listener import Listener
-from replica.protocol import (
-    BEGIN,
-    BUCKET_BASE,
-    Begin,
-    Reply,
-    Status,
-    answer_layout,
-    as_tensor,
-    fingerprint_int,
-    receive_buckets,
-    recv_layout,
-    recv_reply,
-    send_layout,
-    send_reply,
-)
-from replica.jobstate import JobStore, Number, Registration, keys
+from replica.protocol import Begin, answer_layout, fingerprint_int
 from replica.registry import publish, registration
-from replica.stream import MirrorFaults
 from replica.transport import Connection, MemoryKind, Transport
 from replica.transport.base import memory_kind
 
@@ -127,6 +113,7 @@ class SyncStats:
 class ReceiverStats:
     bytes_received: int = 0
     corrupted_buckets: int = 0
+    fenced: int = 0  # senders refused for their epoch (a zombie leader), at connect or at a version
 
 
 class _Link:
@@ -202,12 +189,16 @@ class WeightSync:
     (after a commit): the gathers are collectives. Only the ``leader`` rank
     talks to the engines. ``name_map`` renames parameters for the engine (HF
     checkpoint names for vLLM); ``dtype`` casts them on the way (for example
-    bfloat16 for a bfloat16 engine, halving the bytes).
+    bfloat16 for a bfloat16 engine, halving the bytes). ``epoch()`` is the
+    sending trainer's epoch (``replica.jobstate.Epoch``), read at every
+    connection and every push; receivers refuse a superseded one. Without it
+    the leader sends ``NO_EPOCH``, which only a job without a coordinator accepts.
     """
 
     def __init__(self, model: torch.nn.Module, *, store: dist.Store | JobStore, num_engines: int, config: Config,
                  rank: int = 0, leader: int = 0, name_map: Callable[[str], str] | None = None,
-                 dtype: torch.dtype | None = None, faults: MirrorFaults | None = None):
+                 dtype: torch.dtype | None = None, faults: MirrorFaults | None = None,
+                 epoch: Callable[[], Epoch] | None = None):
         if num_engines < 0:
             raise ValueError(f"num_engines must be >= 0, got {num_engines}")
         self.config = config
@@ -223,6 +214,8 @@ class WeightSync:
         meta = [(n, torch.empty(p.shape, dtype=dtype or p.dtype, device="meta")) for n, p in self._params]
         self.layout = weight_layout(meta, bucket_bytes=config.bucket_bytes)
         self._buckets = tensor_buckets(self.layout)
+        self._ranges = [(b.lo, b.hi) for b in self._buckets]
+        self._epoch = epoch if epoch is not None else lambda: NO_EPOCH
         self._fingerprint = fingerprint_int(self.layout.fingerprint)
         # The leader keeps the last version packed (host memory, the model's full size): for
         # resends, and for engines that join between pushes.
@@ -234,42 +227,36 @@ class WeightSync:
         self._landing: dict[int, torch.cuda.Event] = {}  # bucket.lo -> its copy into _packed
         self._step: int | None = None  # the version in _packed
         self._links: dict[int, _Link] = {}
-        self._unreachable: set[Registration] = set()  # registrations that refused or failed a connection
+        self._retry: dict[Registration, Backoff] = {}  # registrations that could not be reached: when to try again
+        self._refused: set[Registration] = set()  # registrations that refused the layout
         self._lock = threading.Lock()  # push and refresh take turns on the links
 
     def push(self, step: int) -> SyncStats:
         """Gather, pack and send the weights of ``step`` to every live engine; an
-        engine that fails is skipped (it keeps its previous version) and named in
-        ``stats.engines_skipped``. Returns the stats."""
+        engine that fails (or refuses this leader's epoch) is skipped (it keeps its
+        previous version), named in ``stats.engines_skipped`` and tried again on a
+        later push. Returns the stats."""
         start = time.perf_counter()
         with self._lock:
-            links = self._connect_all() if self.is_leader else {}
-            skipped: dict[int, str] = {}
-            for i, link in list(links.items()):
+            links, skipped = self._connect_all() if self.is_leader else ({}, {})
+            outs: dict[int, Outgoing] = {}
+            for i, link in links.items():
+                out = self._outgoing(link, step)
                 try:
-                    self._begin(link, step)
+                    out.begin()
                 except TransportError as exc:
                     skipped[i] = self._drop(i, exc)
-                    del links[i]
-            inflight: deque = deque()
+                    continue
+                outs[i] = out
 
             def send(k: int) -> None:
-                bucket = self._buckets[k]
-                self._land(bucket)
-                while len(inflight) > self.config.num_inflight_buckets * max(1, len(links)):
-                    self._finish(inflight.popleft(), links, skipped)
-                for i, link in list(links.items()):
-                    if self.faults.corrupt_buckets > 0:  # tests: a bad link
-                        self.faults.corrupt_buckets -= 1
-                        self.faults.corrupted += 1
-                        link.conn.faults.corrupt_next = 1
+                self._land(self._buckets[k])
+                for i, out in list(outs.items()):
                     try:
-                        inflight.append((i, self._send_bucket(link, k, step)))
+                        out.send(k)
                     except TransportError as exc:
                         skipped[i] = self._drop(i, exc)
-                        del links[i]
-                        continue
-                    self.stats.bytes_sent += bucket.hi - bucket.lo
+                        del outs[i]
 
             packed: deque[int] = deque()  # buckets packed, or on their way down from a GPU, not sent yet
             self._step = None  # _packed is being overwritten: a push cut short leaves no version to refresh
@@ -292,17 +279,14 @@ class WeightSync:
                 for copied in self._landing.values():  # a push cut short: no copy lands after it returns
                     copied.synchronize()
                 self._landing.clear()
-            while inflight:
-                self._finish(inflight.popleft(), links, skipped)
             self._step = step
-            for i, link in links.items():
-                if i not in skipped:
-                    try:
-                        self._settle(link, step)
-                    except TransportError as exc:
-                        skipped[i] = self._drop(i, exc)
+            for i, out in outs.items():
+                try:
+                    self._settle(links[i], out)
+                except (TransportError, FencedError) as exc:
+                    skipped[i] = self._drop(i, exc)
         self.stats.pushes += 1
-        self.stats.engines_synced = sorted(i for i in links if i not in skipped)
+        self.stats.engines_synced = sorted(i for i in outs if i not in skipped)
         self.stats.engines_skipped = skipped
         self.stats.push_s.append(time.perf_counter() - start)
         if skipped:
@@ -316,14 +300,15 @@ class WeightSync:
             return []
         done = []
         with self._lock:
-            for i, link in self._connect_all().items():
+            for i, link in self._connect_all()[0].items():
                 if link.step == self._step:
                     continue
+                out = self._outgoing(link, self._step)
                 try:
-                    self._send_all(link, self._step)
-                    self._settle(link, self._step)
+                    out.send_all()
+                    self._settle(link, out)
                     done.append(i)
-                except TransportError as exc:
+                except (TransportError, FencedError) as exc:
                     self._drop(i, exc)
         return done
 
@@ -339,40 +324,54 @@ class WeightSync:
         full = _gather(p.detach()) if hasattr(p, "full_tensor") else p.detach()
         return full if self._dtype is None or full.dtype == self._dtype else full.to(self._dtype)
 
-    def _connect_all(self) -> dict[int, _Link]:
-        """A link to every engine registered now (reconnecting to replaced ones)."""
+    def _connect_all(self) -> tuple[dict[int, _Link], dict[int, str]]:
+        """A link to every engine registered now (reconnecting to replaced ones), and
+        why each other registered engine has none. A registration that could not be
+        reached is tried again with backoff; one that refused this leader's epoch at
+        the next call (a generation may have changed meanwhile); one that refused the
+        layout, never (a replacement registers anew)."""
+        skipped: dict[int, str] = {}
+        registered = set()
         for i in range(self.num_engines):
             current = registration(self.store, keys.engine(i))
+            registered.add(current)
             link = self._links.get(i)
             if link is not None and link.registration == current:
                 continue
             if link is not None:
                 self._drop(i, TransportError("the engine registered anew"))
-            if current is None or current in self._unreachable:
-                continue  # a registration that failed once is not retried; a replacement registers anew
+            if current is None:
+                continue
+            if current in self._refused:
+                skipped[i] = f"engine {i} at {current.address} refused the weight layout"
+                continue
+            retry = self._retry.get(current)
+            if retry is not None and not retry.due():
+                skipped[i] = f"engine {i} at {current.address} unreachable ({retry.failures} tries); tried again later"
+                continue
             try:
                 self._links[i] = self._connect(current)
-            except (TransportError, LayoutMismatchError) as exc:
-                self._unreachable.add(current)
-                logger.warning("weight sync: engine %d at %s unreachable: %s", i, current, exc)
-        return dict(self._links)
+                self._retry.pop(current, None)
+            except LayoutMismatchError as exc:
+                self._refused.add(current)
+                skipped[i] = str(exc)
+                logger.warning("weight sync: engine %d at %s refused the layout: %s", i, current, exc)
+            except FencedError as exc:
+                skipped[i] = str(exc)
+                logger.warning("weight sync: engine %d at %s refused this leader: %s", i, current, exc)
+            except TransportError as exc:
+                skipped[i] = str(exc)
+                pause = self._retry.setdefault(current, Backoff()).failed()
+                logger.warning("weight sync: engine %d at %s unreachable (%s); next try in %s", i, current, exc,
+                               pause)
+        self._retry = {r: b for r, b in self._retry.items() if r in registered}  # replaced ones are forgotten
+        return dict(self._links), skipped
 
     def _connect(self, current: Registration) -> _Link:
-        backend, address = current.backend, current.address
-        if memory_kind(self._packed) not in backend_class(backend).capabilities.memory:
-            raise TransportError(f"the engine listens on {backend}, which cannot move host memory")
-        transport = make_backend(backend, self.config)
-        try:
-            conn = transport.connect(address, self.config.timeout)
-            send_layout(conn, self.layout, self.config.timeout)
-            reply = recv_reply(conn, self.config.timeout)
-        except Exception:
-            transport.close()
-            raise
-        if reply.status != Status.ACCEPTED:
-            transport.close()
-            raise LayoutMismatchError(f"the engine at {address} refused the weight layout ({reply.status.name}); "
-                                      "its log names the first difference")
+        transport, conn = open_session(current, memory=memory_kind(self._packed), config=self.config,
+                                       epoch=self._epoch(), layout=self.layout,
+                                       peer=f"the engine at {current.address}",
+                                       mismatch="the weight layout (its log names the first difference)")
         return _Link(transport, conn, current)
 
     def _pack(self, full: list[torch.Tensor], bucket: WeightBucket, offsets: list[int]) -> None:
@@ -395,49 +394,15 @@ class WeightSync:
         copied.synchronize()
         self.stats.staged_buckets += 1
 
-    def _finish(self, item, links: dict[int, _Link], skipped: dict[int, str]) -> None:
-        i, transfer = item
-        if i in skipped:
-            return
-        try:
-            transfer.wait(self.config.timeout)
-        except TransportError as exc:
-            skipped[i] = self._drop(i, exc)
-            links.pop(i, None)
+    def _outgoing(self, link: _Link, step: int) -> Outgoing:
+        """Version ``step`` of the retained copy, going out to ``link``'s engine."""
+        return Outgoing(link.conn, self._packed, self._ranges, step=step, epoch=self._epoch(),
+                        fingerprint=self._fingerprint, config=self.config, faults=self.faults, counts=self.stats,
+                        peer=f"the engine at {link.registration.address}")
 
-    def _begin(self, link: _Link, step: int) -> None:
-        link.conn.send(as_tensor(Begin(step=step, num_buckets=len(self._buckets)).encode()), tag=BEGIN,
-                       timeout=self.config.timeout)
-
-    def _send_bucket(self, link: _Link, k: int, step: int):
-        """Start sending bucket ``k`` of the retained copy; returns the transfer."""
-        b = self._buckets[k]
-        return link.conn.isend(self._packed[b.lo:b.hi], tag=BUCKET_BASE + k, step=step, bucket=k, offset=b.lo,
-                               fingerprint=self._fingerprint)
-
-    def _send_all(self, link: _Link, step: int) -> None:
-        self._begin(link, step)
-        for transfer in [self._send_bucket(link, k, step) for k in range(len(self._buckets))]:
-            transfer.wait(self.config.timeout)
-        self.stats.bytes_sent += self.layout.total_bytes
-
-    def _settle(self, link: _Link, step: int) -> None:
-        """The engine's answer to ``step``: ACKED, or resend the buckets it names."""
-        timeout = self.config.timeout
-        for _ in range(self.config.max_resends + 1):
-            reply = recv_reply(link.conn, timeout)
-            if reply.step != step:
-                raise TransportError(f"engine answered for step {reply.step}, expected {step}")
-            if reply.status == Status.ACKED:
-                link.step = step
-                return
-            if reply.status != Status.RESEND:
-                raise TransportError(f"engine answered {reply.status.name} for step {step}")
-            self.stats.resent_buckets += len(reply.buckets)
-            for k in reply.buckets:
-                self._send_bucket(link, k, step).wait(timeout)
-        raise TransportError(f"step {step}: buckets still failed their digests after {self.config.max_resends} "
-                             "resends")
+    def _settle(self, link: _Link, out: Outgoing) -> None:
+        out.settle()
+        link.step = out.step
 
     def _drop(self, i: int, exc: Exception) -> str:
         link = self._links.pop(i, None)
@@ -448,14 +413,18 @@ class WeightSync:
 
 class WeightReceiver(Listener):
     """The engine side: listens, receives versions, verifies them, and hands the
-    engine complete versions only (``apply``)."""
+    engine complete versions only (``apply``). It accepts only a sender of the
+    current epoch of trainer rank ``leader`` (the ``WeightSync`` leader) as the
+    coordinator's generation record names it; without a record, any."""
 
     def __init__(self, *, index: int, store: dist.Store | JobStore, config: Config,
                  expect: Callable[[StateLayout], None] | None = None,
-                 on_ready: Callable[[int], None] | None = None):
+                 on_ready: Callable[[int], None] | None = None, leader: int = 0):
         super().__init__(config=config, memory=MemoryKind.HOST, name=f"engine {index}")
         self.index = index
+        self.leader = leader
         self.store = JobStore.of(store, token=config.token, prefix=config.store_prefix)
+        self.epochs = EpochRecord(self.store)
         self.stats = ReceiverStats()
         self._expect = expect
         self._on_ready = on_ready  # called (from the receiving thread) when a version is complete
@@ -525,9 +494,13 @@ class WeightReceiver(Listener):
     def _held(self) -> str:
         return f"; serving version {self.version}"
 
+    def _current_epoch(self) -> Epoch | None:
+        return self.epochs.current_epoch(self.leader)
+
     def _session(self, conn: Connection) -> None:
         timeout = self.config.timeout
-        layout = recv_layout(conn, timeout)
+        _, layout = accept_sender(conn, current_epoch=self._current_epoch, who=self.name, timeout=timeout,
+                                  counts=self.stats)
 
         def take(layout: StateLayout) -> None:
             if self._expect is not None:  # weights that do not fit are refused before they displace anyone
@@ -541,26 +514,11 @@ class WeightReceiver(Listener):
                 self._adopt(layout)
 
         answer_layout(conn, layout, take, timeout)
-        self._receive_versions(conn, layout)
-
-    def _receive_versions(self, conn: Connection, layout: StateLayout) -> None:
-        timeout = self.config.timeout
-        buckets = tensor_buckets(layout)
-        fingerprint = fingerprint_int(layout.fingerprint)
-        while True:
-            begin_buf = torch.zeros(Begin.size(), dtype=torch.uint8)
-            begin_recv = conn.irecv(begin_buf, tag=BEGIN)
-            while not begin_recv.done():  # the next version comes when it comes
-                if self._closed.is_set() or self._sender is not conn:
-                    raise PeerDisconnectedError("receiver closed or replaced", graceful=True)
-                time.sleep(1e-3)
-            begin_recv.wait(timeout)
-            begin = Begin.decode(begin_buf.numpy().tobytes())
-            if begin.num_buckets != len(buckets):
-                raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has "
-                                     f"{len(buckets)}")
-            with self._receiving:
-                self._receive(conn, begin.step, buckets, fingerprint)
+        receive_versions(conn, [(b.lo, b.hi) for b in tensor_buckets(layout)],
+                         fingerprint=fingerprint_int(layout.fingerprint), timeout=timeout, who=self.name,
+                         counts=self.stats, current_epoch=self._current_epoch, closed=self._closed,
+                         sender=lambda: self._sender, lock=self._receiving, stage=lambda begin: self._staging,
+                         complete=self._complete)
 
     def _adopt(self, layout: StateLayout) -> None:
         with self._cond:
@@ -575,12 +533,11 @@ class WeightReceiver(Listener):
         logger.info("[engine %d] receiving %d tensors, %d bytes", self.index, len(layout.entries),
                     layout.total_bytes)
 
-    def _receive(self, conn: Connection, step: int, buckets: list[WeightBucket], fingerprint: int) -> None:
-        timeout = self.config.timeout
-        receive_buckets(conn, self._staging, [(b.lo, b.hi) for b in buckets], step=step, fingerprint=fingerprint,
-                        timeout=timeout, who=self.name, counts=self.stats)
-        with self._cond:  # complete: it becomes the ready version; the next one goes where nobody reads
-            previous, self._ready, self._ready_step = self._ready, self._staging, step
+    def _complete(self, begin: Begin, buffer: torch.Tensor, digests: list[int]) -> None:
+        """The staging buffer holds version ``begin.step`` complete and verified: it
+        becomes the ready version; the next one goes where nobody reads."""
+        with self._cond:
+            previous, self._ready, self._ready_step = self._ready, buffer, begin.step
             if previous is not self._held_buffer:
                 self._staging = previous
             else:
@@ -589,5 +546,4 @@ class WeightReceiver(Listener):
                 self._staging, self._spare = self._spare, previous
             self._cond.notify_all()
         if self._on_ready is not None:
-            self._on_ready(step)
-        send_reply(conn, Reply(step=step, status=Status.ACKED), timeout)
+            self._on_ready(begin.step)

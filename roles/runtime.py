@@ -131,7 +131,7 @@ class Job:
         """Weight sync to the job's rollout engines and generation requests to them
         (every trainer rank, and every standby, which uses it once promoted)."""
         sync = replica.WeightSync(model, store=self.store, num_engines=self.env.rollouts, config=self.config,
-                                  rank=self.rank, name_map=name_map, dtype=dtype)
+                                  rank=self.rank, name_map=name_map, dtype=dtype, epoch=self.epoch)
         return RolloutClient(store=self.store, sync=sync, num_shards=num_shards,
                              epoch=lambda: self.group.generation,
                              abort=lambda: self.group.errored is not None or self._failover_announced())

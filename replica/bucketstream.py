@@ -1,0 +1,293 @@
+"""The bucket stream, both ends: one implementation of the protocol of
+``replica.protocol`` shared by the mirror (a trainer rank -> its standby) and
+weight sync (the trainers' leader -> every rollout engine).
+
+Sender: ``open_session`` connects to a registration and sends the epoch and
+the layout; per version an ``Outgoing`` sends ``BEGIN`` (step, bucket count,
+epoch), the buckets under ``BUCKET_BASE + i`` with at most
+``Config.num_inflight_buckets`` in flight (keeping the digest each send
+took), and ``settle`` reads the replies: ACKED, RESEND (the named buckets go
+again, at most ``Config.max_resends`` rounds) or FENCED. Weight sync fans one
+version out to many engines with one ``Outgoing`` per link, bucket by bucket.
+
+Receiver: ``accept_sender`` reads the epoch and the layout and refuses
+(FENCED) an epoch that is not the current one; ``receive_versions`` then waits
+for each ``BEGIN`` (until the listener closes or a newer sender replaces this
+one), checks its bucket count and epoch, receives and verifies the buckets and
+acknowledges.
+
+``Backoff`` paces the retries of a registration that could not be reached.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NoReturn, Protocol
+
+import torch
+
+from replica.backends import backend_class, make_backend
+from replica.config import Config
+from replica.errors import FencedError, LayoutMismatchError, PeerDisconnectedError, TransferTimeoutError, TransportError
+from replica.jobstate import Epoch, Registration
+from replica.layout import StateLayout
+from replica.protocol import (
+    BEGIN,
+    BUCKET_BASE,
+    Begin,
+    ReceiveCounts,
+    Reply,
+    Status,
+    as_tensor,
+    check_epoch,
+    receive_buckets,
+    recv_epoch,
+    recv_layout,
+    recv_reply,
+    refuse_fenced,
+    send_epoch,
+    send_layout,
+    send_reply,
+)
+from replica.transport import Connection, MemoryKind, Transfer, Transport
+
+__all__ = [
+    "Backoff",
+    "MirrorFaults",
+    "Outgoing",
+    "SendCounts",
+    "accept_sender",
+    "open_session",
+    "receive_versions",
+    "wait_first",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The first and the longest pause between two tries of a registration that could not be reached.
+RETRY_FIRST = timedelta(milliseconds=50)
+RETRY_MOST = timedelta(seconds=2)
+
+
+@dataclass(kw_only=True, slots=True)
+class MirrorFaults:
+    """Fault injection for tests: ``corrupt_buckets = k`` flips a byte in each of
+    the next k buckets after their digest is taken, as a bad link would;
+    ``corrupted`` counts how many times that fired."""
+
+    corrupt_buckets: int = 0
+    corrupted: int = 0
+
+
+class SendCounts(Protocol):
+    bytes_sent: int
+    resent_buckets: int
+
+
+class Backoff:
+    """When to try a registration again after a failure: ``RETRY_FIRST`` after the
+    first, doubling up to ``RETRY_MOST``."""
+
+    def __init__(self) -> None:
+        self._delay = RETRY_FIRST
+        self._next = 0.0  # time.monotonic() of the next try; due at once before any failure
+        self.failures = 0
+
+    def due(self) -> bool:
+        return time.monotonic() >= self._next
+
+    def failed(self) -> timedelta:
+        """Record a failed try; returns the pause before the next one."""
+        delay = self._delay
+        self._next = time.monotonic() + delay.total_seconds()
+        self._delay = min(delay * 2, RETRY_MOST)
+        self.failures += 1
+        return delay
+
+
+# --- the sender ---
+
+def _expect_reply(conn: Connection, step: int, timeout: timedelta, peer: str) -> Reply:
+    reply = recv_reply(conn, timeout)
+    if reply.step != step:
+        raise TransportError(f"{peer} answered for step {reply.step}, expected {step}")
+    return reply
+
+
+def open_session(registration: Registration, *, memory: MemoryKind, config: Config, epoch: Epoch,
+                 layout: StateLayout, peer: str, mismatch: str) -> tuple[Transport, Connection]:
+    """Connect to the listener of ``registration`` and send ``epoch`` and ``layout``.
+    Raises LayoutMismatchError (``peer`` refused ``mismatch``), FencedError (``epoch``
+    is not the current one there) or TransportError (retryable); nothing stays open then."""
+    backend, address = registration.backend, registration.address
+    if memory not in backend_class(backend).capabilities.memory:
+        raise TransportError(f"{peer} listens on {backend}, which cannot move {memory.name} memory")
+    timeout = config.timeout
+    transport = make_backend(backend, config)
+    try:
+        conn = transport.connect(address, timeout)
+        send_epoch(conn, epoch, timeout)
+        send_layout(conn, layout, timeout)
+        reply = _expect_reply(conn, -1, timeout, peer)
+        if reply.status == Status.LAYOUT_MISMATCH:
+            raise LayoutMismatchError(f"{peer} refused {mismatch}")
+        if reply.status == Status.FENCED:
+            raise FencedError(f"{peer} refused {epoch}: it is not the current one")
+        if reply.status != Status.ACCEPTED:
+            raise TransportError(f"{peer} answered {reply.status.name} to the layout")
+    except BaseException:
+        transport.close()
+        raise
+    return transport, conn
+
+
+class Outgoing:
+    """One version going out on one connection: ``begin``, ``send`` bucket by bucket
+    (or ``send_all``), ``flush``, then ``settle``. ``digests[i]`` is the digest the
+    send of bucket i took (of the buffer's bytes, before any injected fault)."""
+
+    def __init__(self, conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,
+                 epoch: Epoch, fingerprint: int, config: Config, faults: MirrorFaults, counts: SendCounts,
+                 peer: str):
+        self.conn, self.buffer, self.ranges, self.step, self.epoch = conn, buffer, ranges, step, epoch
+        self.digests = [0] * len(ranges)
+        self._fingerprint, self._config, self._faults, self._counts, self._peer = (
+            fingerprint, config, faults, counts, peer)
+        self._inflight: deque[Transfer] = deque()
+
+    def begin(self) -> None:
+        self.conn.send(as_tensor(Begin(step=self.step, num_buckets=len(self.ranges), epoch=self.epoch).encode()),
+                       tag=BEGIN, timeout=self._config.timeout)
+
+    def send(self, i: int) -> None:
+        """Start sending bucket ``i``, first waiting for the oldest send when the window is full."""
+        if len(self._inflight) >= self._config.num_inflight_buckets:
+            self._finish_oldest()
+        lo, hi = self.ranges[i]
+        if self._faults.corrupt_buckets > 0:  # tests: a bad link
+            self._faults.corrupt_buckets -= 1
+            self._faults.corrupted += 1
+            self.conn.faults.corrupt_next = 1
+        self._inflight.append(self.conn.isend(self.buffer[lo:hi], tag=BUCKET_BASE + i, step=self.step, bucket=i,
+                                              offset=lo, fingerprint=self._fingerprint))
+        self._counts.bytes_sent += hi - lo
+
+    def flush(self) -> None:
+        while self._inflight:
+            self._finish_oldest()
+
+    def send_all(self) -> None:
+        self.begin()
+        for i in range(len(self.ranges)):
+            self.send(i)
+        self.flush()
+
+    def _finish_oldest(self) -> None:
+        header = self._inflight.popleft().wait(self._config.timeout)
+        self.digests[header.bucket] = header.digest
+
+    def settle(self) -> None:
+        """Read the receiver's answer to this version: return once ACKED; send the
+        buckets a RESEND names again (at most ``max_resends`` rounds); FencedError
+        for FENCED; TransportError for anything else."""
+        max_resends = self._config.max_resends
+        for attempt in range(max_resends + 1):
+            self.flush()
+            reply = _expect_reply(self.conn, self.step, self._config.timeout, self._peer)
+            if reply.status == Status.ACKED:
+                return
+            if reply.status == Status.FENCED:
+                raise FencedError(f"{self._peer} refused step {self.step} of {self.epoch}: it is not the current "
+                                  "epoch")
+            if reply.status != Status.RESEND or not reply.buckets:
+                raise TransportError(f"{self._peer} answered {reply.status.name} for step {self.step}")
+            if attempt == max_resends:
+                raise TransportError(f"step {self.step}: buckets {list(reply.buckets)} still failed their digests "
+                                     f"after {max_resends} resends")
+            logger.warning("[step %d] %s asks again for buckets %s (attempt %d)", self.step, self._peer,
+                           list(reply.buckets), attempt + 1)
+            self._counts.resent_buckets += len(reply.buckets)
+            for i in reply.buckets:
+                self.send(i)
+
+
+# --- the receiver ---
+
+def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callable[[], str | None],
+               within: timedelta | None, timeout: timedelta) -> Transfer:
+    """The first of ``transfers`` to finish. ``gone()`` names a reason to stop waiting
+    (the listener closed, a newer sender took over) or None; ``within`` bounds the wait
+    (None: the next message comes when it comes)."""
+    deadline = None if within is None else time.monotonic() + within.total_seconds()
+    delay = 50e-6
+    while True:
+        for transfer in transfers:
+            if transfer.done():
+                transfer.wait(timeout)  # verifies its digest
+                return transfer
+        reason = gone()
+        if reason is not None:
+            raise PeerDisconnectedError(reason, graceful=True)
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransferTimeoutError(f"{conn.peer} sent nothing after connecting")
+        time.sleep(delay)
+        delay = min(delay * 2, 2e-3)
+
+
+def _fence(conn: Connection, epoch: Epoch, step: int, current: Epoch | None, *, who: str, timeout: timedelta,
+           counts: ReceiveCounts) -> None:
+    try:
+        check_epoch(epoch, current, who=who)
+    except FencedError as exc:
+        counts.fenced += 1
+        refuse_fenced(conn, step, exc, timeout)
+
+
+def accept_sender(conn: Connection, *, current_epoch: Callable[[], Epoch | None], who: str, timeout: timedelta,
+                  counts: ReceiveCounts, size: torch.Tensor | None = None) -> tuple[Epoch, StateLayout]:
+    """A new sender's epoch and layout (``size``: its LAYOUT_SIZE message, if received
+    already); a sender whose epoch is not ``current_epoch()`` is refused (FENCED) and
+    FencedError raised, before it can displace anyone."""
+    epoch = recv_epoch(conn, timeout)
+    layout = recv_layout(conn, timeout, size)
+    _fence(conn, epoch, -1, current_epoch(), who=who, timeout=timeout, counts=counts)
+    return epoch, layout
+
+
+def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fingerprint: int, timeout: timedelta,
+                     who: str, counts: ReceiveCounts, current_epoch: Callable[[], Epoch | None],
+                     closed: threading.Event, sender: Callable[[], Connection | None], lock: threading.Lock,
+                     stage: Callable[[Begin], torch.Tensor],
+                     complete: Callable[[Begin, torch.Tensor, list[int]], None]) -> NoReturn:
+    """Receive versions from the sender at ``conn`` until it leaves, ``closed`` is
+    set or ``sender()`` is another connection. Per version: its ``BEGIN`` (bucket
+    count and epoch checked; a superseded epoch is refused), then under ``lock``
+    the buckets into ``stage(begin)``, verified (``receive_buckets``), then
+    ``complete(begin, buffer, digests)`` and the ACK."""
+
+    def gone() -> str | None:
+        if closed.is_set():
+            return f"{who} closed"
+        return None if sender() is conn else "a newer sender took over"
+
+    while True:
+        buf = torch.zeros(Begin.size(), dtype=torch.uint8)
+        wait_first(conn, [conn.irecv(buf, tag=BEGIN)], gone=gone, within=None, timeout=timeout)
+        begin = Begin.decode(buf.numpy().tobytes())
+        if begin.num_buckets != len(ranges):
+            raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has "
+                                 f"{len(ranges)}")
+        # The coordinator may have moved on since the connection began.
+        _fence(conn, begin.epoch, begin.step, current_epoch(), who=who, timeout=timeout, counts=counts)
+        with lock:
+            buffer = stage(begin)
+            digests = receive_buckets(conn, buffer, ranges, step=begin.step, fingerprint=fingerprint,
+                                      timeout=timeout, who=who, counts=counts)
+            complete(begin, buffer, digests)
+            send_reply(conn, Reply(step=begin.step, status=Status.ACKED), timeout)
