@@ -29,11 +29,13 @@ class Config:
     ``backends`` lists transports in order of preference; the first whose
     capabilities fit the snapshot's memory and the peer's locality is used.
     Every network wait is bounded by ``timeout``; ``commit_timeout`` bounds
-    how long ``commit(N+1)`` waits for the global commit of N. When a
-    rank's standby is lost, its trainer waits up to ``standby_wait`` for a
-    replacement to register (a coordinator starts one), re-sends the last
-    snapshot to it and goes on; with 0 (the default) it gives up at once and
-    ``commit`` raises StandbyLostError.
+    how long ``commit(N+1)`` waits for the global commit of N. A trainer
+    waits up to ``standby_wait`` for its standby to be reachable: one not
+    registered yet (at least ``timeout``), one it could not connect to (tried
+    again with backoff), one that was lost (until a replacement registers; a
+    coordinator starts one), then re-sends the last snapshot and goes on; with
+    0 (the default) it gives up at the first failed connection and ``commit``
+    raises StandbyLostError.
 
     With ``verify`` every bucket's 64-bit digest is checked on receipt and kept
     with the version it belongs to (digests at rest): restore, rollback, export

@@ -1,5 +1,7 @@
 """Messages between a trainer rank (``Replicator``) and its standby (``Mirror``)
-over one ``replica.transport`` connection. Fixed binary records, no pickle.
+over one ``replica.transport`` connection, and between the trainers' leader
+(``WeightSync``) and an engine (``WeightReceiver``): the same bucket stream,
+implemented once in ``replica.bucketstream``. Fixed binary records, no pickle.
 
 Per connection the trainer sends ``EPOCH`` (its generation and member id),
 ``LAYOUT_SIZE`` (8 bytes) and ``LAYOUT`` (the layout's JSON); the standby answers
