@@ -228,6 +228,7 @@ class WeightSync:
         self._step: int | None = None  # the version in _packed
         self._links: dict[int, _Link] = {}
         self._retry: dict[Registration, Backoff] = {}  # registrations that could not be reached: when to try again
+        self._fenced: dict[Registration, Epoch] = {}  # registrations that refused this leader: the epoch refused
         self._refused: set[Registration] = set()  # registrations that refused the layout
         self._lock = threading.Lock()  # push and refresh take turns on the links
 
@@ -327,9 +328,9 @@ class WeightSync:
     def _connect_all(self) -> tuple[dict[int, _Link], dict[int, str]]:
         """A link to every engine registered now (reconnecting to replaced ones), and
         why each other registered engine has none. A registration that could not be
-        reached is tried again with backoff; one that refused this leader's epoch at
-        the next call (a generation may have changed meanwhile); one that refused the
-        layout, never (a replacement registers anew)."""
+        reached, or that refused this leader's epoch, is tried again with backoff (the
+        latter at once when this leader's epoch changed since: it caught up with a new
+        generation); one that refused the layout, never (a replacement registers anew)."""
         skipped: dict[int, str] = {}
         registered = set()
         for i in range(self.num_engines):
@@ -345,31 +346,34 @@ class WeightSync:
             if current in self._refused:
                 skipped[i] = f"engine {i} at {current.address} refused the weight layout"
                 continue
-            retry = self._retry.get(current)
-            if retry is not None and not retry.due():
-                skipped[i] = f"engine {i} at {current.address} unreachable ({retry.failures} tries); tried again later"
+            retry, epoch = self._retry.get(current), self._epoch()
+            if retry is not None and not retry.due() and self._fenced.get(current, epoch) == epoch:
+                skipped[i] = f"engine {i} at {current.address} refused or unreachable ({retry.failures} tries); " \
+                             "tried again later"
                 continue
             try:
-                self._links[i] = self._connect(current)
+                self._links[i] = self._connect(current, epoch)
                 self._retry.pop(current, None)
+                self._fenced.pop(current, None)
             except LayoutMismatchError as exc:
                 self._refused.add(current)
                 skipped[i] = str(exc)
                 logger.warning("weight sync: engine %d at %s refused the layout: %s", i, current, exc)
-            except FencedError as exc:
-                skipped[i] = str(exc)
-                logger.warning("weight sync: engine %d at %s refused this leader: %s", i, current, exc)
-            except TransportError as exc:
+            except (FencedError, TransportError) as exc:
                 skipped[i] = str(exc)
                 pause = self._retry.setdefault(current, Backoff()).failed()
-                logger.warning("weight sync: engine %d at %s unreachable (%s); next try in %s", i, current, exc,
-                               pause)
-        self._retry = {r: b for r, b in self._retry.items() if r in registered}  # replaced ones are forgotten
+                if isinstance(exc, FencedError):
+                    self._fenced[current] = epoch
+                logger.warning("weight sync: engine %d at %s %s (%s); next try in %s", i, current,
+                               "refused this leader" if isinstance(exc, FencedError) else "unreachable", exc, pause)
+        # Replaced registrations are forgotten.
+        self._retry = {r: b for r, b in self._retry.items() if r in registered}
+        self._fenced = {r: e for r, e in self._fenced.items() if r in registered}
         return dict(self._links), skipped
 
-    def _connect(self, current: Registration) -> _Link:
+    def _connect(self, current: Registration, epoch: Epoch) -> _Link:
         transport, conn = open_session(current, memory=memory_kind(self._packed), config=self.config,
-                                       epoch=self._epoch(), layout=self.layout,
+                                       epoch=epoch, layout=self.layout,
                                        peer=f"the engine at {current.address}",
                                        mismatch="the weight layout (its log names the first difference)")
         return _Link(transport, conn, current)

@@ -8,6 +8,7 @@ synced again once its epoch is current."""
 from __future__ import annotations
 
 import functools
+import time
 from datetime import timedelta
 
 import torch
@@ -61,7 +62,9 @@ def test_an_engine_refuses_a_superseded_leader_and_accepts_the_current_one():
     stats = zombie.push(3)  # connecting afresh: refused before it can displace anyone, and says so
     assert stats.engines_synced == [] and "refused epoch 0/1" in stats.engines_skipped[0]
     assert engine.receiver.stats.fenced == 2
-    assert zombie.refresh() == [] and engine.receiver.stats.fenced == 3  # tried again each time, never let in
+    assert zombie.refresh() == [] and engine.receiver.stats.fenced == 2  # within its backoff: not even tried
+    time.sleep(0.2)  # past the first backoff (50 ms)
+    assert zombie.refresh() == [] and engine.receiver.stats.fenced == 3  # tried again, never let in
     assert not engine.receiver.wait_ready(2, timedelta(seconds=1))
     assert engine.receiver.ready() == 1 and engine.receiver.apply(engine.load) is None  # still version 1
 
@@ -96,7 +99,7 @@ def test_a_leader_racing_a_generation_change_is_skipped_once_then_synced():
     stats = sync.push(4)  # still behind: refused at the connection this time, skipped again
     assert stats.engines_synced == [] and "refused epoch 1/1" in stats.engines_skipped[0]
     assert engine.receiver.stats.fenced == 2
-    generation[0] = 2  # the leader catches up: the very next push reaches the engine again
+    generation[0] = 2  # the leader catches up: the very next push reaches the engine again, backoff or not
     bump(trained)
     stats = sync.push(5)
     assert stats.engines_synced == [0] and stats.engines_skipped == {}
