@@ -122,8 +122,13 @@ void unpack(const at::Tensor& src, py::handle dsts, py::handle offsets) {
 
 }  // namespace
 
+namespace replica {
+void bind_heartbeat(pybind11::module& m);  // heartbeat.cpp
+}  // namespace replica
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "replica's kernels; the ops are torch.ops.replica.{pack,unpack,checksum}";
   m.def("pack", &pack, py::arg("srcs"), py::arg("out"), py::arg("offsets"));
   m.def("unpack", &unpack, py::arg("src"), py::arg("dsts"), py::arg("offsets"));
+  replica::bind_heartbeat(m);
 }

@@ -34,6 +34,7 @@ from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
+from replica import _C
 from replica.errors import JobStateError
 
 __all__ = [
@@ -486,6 +487,16 @@ class JobStore:
         """The same job store on a TCP connection of its own (TCPStore only)."""
         raw = dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout)
         return JobStore(raw, token=self._token, prefix=self.prefix)
+
+    def heartbeat(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta):
+        """Start writing ``Heartbeat(member, beat)`` with a rising ``beat`` every ``period``
+        from a native thread on a TCP connection of its own (TCPStore only), signed as
+        ``put`` signs: it needs no GIL, so a main thread busy in Python does not delay
+        it. It beats while ``touch()`` was called within ``python_grace`` (a hung
+        interpreter is a dead role); ``stop()`` ends it. Returns the ``replica._C.Heartbeat``."""
+        return _C.Heartbeat(host=self.raw.host, port=self.raw.port, key=self.full(keys.heartbeat(member)),
+                            mac_key=self._mac_key, member=member, period_s=period.total_seconds(),
+                            io_timeout_s=io_timeout.total_seconds(), python_grace_s=python_grace.total_seconds())
 
     def full(self, key: Key | str) -> str:
         return f"{self.prefix}/{key}"

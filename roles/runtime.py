@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import replica
 from replica.errors import FencedError
-from replica.jobstate import Epoch, Flag, Heartbeat, JobStore, Regroup, Stamp, Text, keys
+from replica.jobstate import Epoch, Flag, JobStore, Regroup, Stamp, Text, keys
 from replica.export import export_path, load_export, step_folder
 from replica.restore import materialize_optimizer_state, restore_snapshot
 from replica.roles.env import RoleEnv, configure_logging
@@ -32,6 +32,7 @@ __all__ = ["Job", "init"]
 logger = logging.getLogger(__name__)
 HEARTBEAT_S = 0.1
 _HEARTBEAT_IO = timedelta(seconds=2)  # one beat's store call (or reconnect) at most
+_PYTHON_GRACE = timedelta(seconds=30)  # beats stop once the interpreter showed no life this long (a hang)
 _HEARTBEAT_LOG_EVERY = 50  # repeated failures: one warning in 50 (5 s)
 _WAIT = timedelta(seconds=120)
 _FENCED_EXIT = 75  # the exit code of a trainer that found itself replaced
@@ -53,7 +54,7 @@ class Job:
         self.group: replica.ResilientProcessGroup | None = None
         self._stop = threading.Event()
         self._lost = threading.Lock()  # held once the job store is found gone (the role is exiting)
-        threading.Thread(target=self._heartbeat, daemon=True, name="replica-heartbeat").start()
+        threading.Thread(target=self._watch, daemon=True, name="replica-watch").start()
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
         self.config = replica.Config(token=env.token, host=env.host, standby_wait=timedelta(seconds=120))
         # gloo fails a frozen peer's collective at `timeout`. NCCL's watchdog must never beat the
@@ -370,40 +371,51 @@ class Job:
         logger.error("[%s rank %d] fatal: %s", self.role, self.rank, exc)
         self.store.put(keys.fatal(), Text(value=message))
 
-    def _heartbeat(self) -> None:
-        """Beat every HEARTBEAT_S on a store connection of its own: a TCPStore client runs one
-        call at a time, and the role's shared one sits in blocking waits (a commit wait, a
-        rendezvous) for seconds, which delayed beats enough to have healthy trainers declared
-        dead on a loaded machine. An error is logged and the beat goes on (reconnecting).
-        Each beat is a signed, rising counter; a trainer whose rank the coordinator gave to
-        another process (it was declared dead: frozen, partitioned) stops here by itself."""
-        key = keys.heartbeat(self.member)
+    def _watch(self) -> None:
+        """The role's liveness, from the moment it joined. The beat itself comes from a
+        native thread (``JobStore.heartbeat``: a Python thread waiting for the GIL behind
+        a busy main thread was silent for seconds on a loaded machine); this thread tells
+        it the interpreter lives, every HEARTBEAT_S, on a store connection of its own
+        (the role's shared one sits in blocking waits for seconds). It also stops a
+        trainer whose rank the coordinator gave to another process (declared dead:
+        frozen, partitioned), gets a GPU survivor out of a collective with a dead peer,
+        and ends the role when the store stays unreachable (the coordinator is gone).
+        An error is logged and the watch goes on (reconnecting)."""
+        beat = self.store.heartbeat(self.member, period=timedelta(seconds=HEARTBEAT_S), io_timeout=_HEARTBEAT_IO,
+                                    python_grace=_PYTHON_GRACE)
         store: JobStore | None = None
-        failures = beat = 0
+        failures = 0
         failing_since = 0.0
-        while not self._stop.is_set():
-            try:
-                if store is None:
-                    store = self.store.reconnect(_HEARTBEAT_IO)
-                beat += 1
-                store.put(key, Heartbeat(member=self.member, beat=beat))
-                if self._superseded(store):
-                    self._fenced_exit()
-                if self.group is not None and self.group.cuda and self.role == "trainer" and \
-                        self.group.errored is None and self._failover_announced(store):
-                    # NCCL does not fail a collective whose peer died: get this survivor out of it.
-                    self.group.abort("the coordinator announced a failover")
-                failures = 0
-            except Exception as exc:  # noqa: BLE001 - a beat must never end the thread
-                failures += 1
-                failing_since = failing_since if failures > 1 else time.monotonic()
-                if failures == 1 or failures % _HEARTBEAT_LOG_EVERY == 0:
-                    logger.warning("[%s rank %d] heartbeat failed (%d in a row): %s", self.role, self.rank,
-                                   failures, exc)
-                store = None
-                if time.monotonic() - failing_since > _STORE_LOST.total_seconds():
-                    self._coordinator_lost(exc)
-            self._stop.wait(HEARTBEAT_S)
+        beats_failing = False
+        try:
+            while not self._stop.is_set():
+                beat.touch()
+                if (beat.failing_for > _HEARTBEAT_IO.total_seconds()) != beats_failing:
+                    beats_failing = not beats_failing
+                    logger.warning("[%s rank %d] heartbeats %s", self.role, self.rank,
+                                   f"fail: {beat.last_error}" if beats_failing else "get through again")
+                try:
+                    if store is None:
+                        store = self.store.reconnect(_HEARTBEAT_IO)
+                    if self._superseded(store):
+                        self._fenced_exit()
+                    if self.group is not None and self.group.cuda and self.role == "trainer" and \
+                            self.group.errored is None and self._failover_announced(store):
+                        # NCCL does not fail a collective whose peer died: get this survivor out of it.
+                        self.group.abort("the coordinator announced a failover")
+                    failures = 0
+                except Exception as exc:  # noqa: BLE001 - the watch must never end the thread
+                    failures += 1
+                    failing_since = failing_since if failures > 1 else time.monotonic()
+                    if failures == 1 or failures % _HEARTBEAT_LOG_EVERY == 0:
+                        logger.warning("[%s rank %d] the job store does not answer (%d in a row): %s; beats: %s",
+                                       self.role, self.rank, failures, exc, beat.last_error or "getting through")
+                    store = None
+                    if time.monotonic() - failing_since > _STORE_LOST.total_seconds():
+                        self._coordinator_lost(exc)
+                self._stop.wait(HEARTBEAT_S)
+        finally:
+            beat.stop()
 
     def _fenced_exit(self) -> None:
         """This trainer was declared dead and replaced: whatever it does now would be a

@@ -32,7 +32,8 @@ def launch(tmp_path: Path, *options: str, name: str = "run", script: Path = EXAM
            script_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[int, dict, str]:
     report = tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(steps), "--timeout",
-                           "240", "--report", str(report), *options, str(script), *script_args],
+                           "240", "--report", str(report), "--export-dir", str(tmp_path / f"{name}-export"), *options,
+                           str(script), *script_args],
                           cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=None if env is None else dict(os.environ, **env))
     output = proc.stdout + proc.stderr

@@ -1,0 +1,101 @@
+"""The native heartbeat (``JobStore.heartbeat``, csrc/heartbeat.cpp): signed exactly as
+the job store signs, beating while the main thread holds the GIL, stopping when the
+interpreter shows no life, and saying when the store is gone. A real TCPStore."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import hmac
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from replica import _C
+from replica.jobstate import Heartbeat, JobStore, keys
+
+TOKEN = b"heartbeat-test-token"
+PERIOD = timedelta(milliseconds=20)
+IO = timedelta(seconds=2)
+
+
+@pytest.fixture
+def store():
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return JobStore(raw, token=TOKEN)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_the_native_hmac_is_hmac_sha256():
+    for key, message in [(b"k" * 32, b'replica/hb/3\x00{"beat":1,"member":3}'), (b"x" * 100, b""), (b"", b"a" * 200),
+                         (bytes(range(32)), bytes(range(256)) * 3)]:
+        assert _C.hmac_sha256_hex(key, message) == hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def test_beats_are_signed_rising_and_go_on_while_the_gil_is_held(store):
+    beat = store.heartbeat(7, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
+    try:
+        wait_for(lambda: store.get(keys.heartbeat(7)) is not None, "the first beat")
+        first = store.get(keys.heartbeat(7))
+        assert isinstance(first, Heartbeat) and first.member == 7 and first.beat >= 1  # verified as JobStore signs
+        other = JobStore(store.raw, token=b"another job")
+        assert other.get(keys.heartbeat(7)) is None  # another token cannot read it as valid
+
+        before = beat.beats
+        started = time.monotonic()
+        sum(range(40_000_000))  # one C call that holds the GIL throughout
+        held = time.monotonic() - started
+        during = beat.beats - before
+        assert held > 0.1 and during >= 1, (held, during)  # the beats did not wait for the GIL
+        wait_for(lambda: store.get(keys.heartbeat(7)).beat > first.beat, "a later beat in the store")
+    finally:
+        beat.stop()
+    stopped = beat.beats
+    time.sleep(0.2)
+    assert beat.beats == stopped  # stop() stops it
+
+
+def test_beats_stop_when_the_interpreter_shows_no_life(store):
+    beat = store.heartbeat(8, period=PERIOD, io_timeout=IO, python_grace=timedelta(milliseconds=300))
+    try:
+        wait_for(lambda: beat.paused, "the beats to pause without touch()")
+        paused_at = beat.beats
+        time.sleep(0.3)
+        assert beat.paused and beat.beats == paused_at  # a hung interpreter sends nothing
+        for _ in range(20):
+            beat.touch()
+            time.sleep(0.02)
+        assert beat.beats > paused_at  # alive again: beats again
+    finally:
+        beat.stop()
+
+
+def test_a_store_gone_is_reported():
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    beat = JobStore(raw, token=TOKEN).heartbeat(9, period=PERIOD, io_timeout=timedelta(milliseconds=300),
+                                                python_grace=timedelta(seconds=30))
+    try:
+        wait_for(lambda: beat.beats >= 2, "beats")
+        assert beat.failing_for == 0.0 and beat.last_error == ""
+        del raw  # the server goes with its last reference (the coordinator died)
+        gc.collect()
+        wait_for(lambda: beat.failing_for > 0.5, "the beats to fail")
+        assert beat.last_error  # says why
+    finally:
+        beat.stop()
+
+
+def test_bad_arguments_are_refused(store):
+    with pytest.raises(RuntimeError, match="32-byte"):
+        _C.Heartbeat(host="127.0.0.1", port=store.raw.port, key="k", mac_key=b"short", member=1, period_s=0.1,
+                     io_timeout_s=1, python_grace_s=1)
+    with pytest.raises(RuntimeError, match="period must be > 0"):
+        store.heartbeat(1, period=timedelta(0), io_timeout=IO, python_grace=IO)
