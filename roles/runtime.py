@@ -302,42 +302,40 @@ class Job:
 
     # --- liveness and faults ---
 
+    def _holder(self) -> replica.Mirror | replica.Replicator | None:
+        """What holds this role's versions: a standby's mirror, a trainer's replicator."""
+        return self._mirror if self._mirror is not None else self._rep
+
     def _export(self, directory: str, steps: list[int]) -> None:
-        """Write this standby's versions of ``steps`` to the job's export folder (one folder
+        """Write this role's versions of ``steps`` to the job's export folder (one folder
         per step, ``replica.export.step_folder``), and say in the store what was written."""
         self._exported = True
         written = []
-        holder = self._mirror if self._mirror is not None else self._rep
         for step in steps:
             try:
-                path = holder.export(step_folder(directory, step), step=step)
+                path = self._holder().export(step_folder(directory, step), step=step)
                 written.append(str(path))
-                logger.warning("[standby rank %d] exported step %d to %s", self.rank, step, path)
+                logger.warning("[%s rank %d] exported step %d to %s", self.role, self.rank, step, path)
             except replica.ReplicaError as exc:
                 written.append(f"error: {exc}")
-                logger.error("[standby rank %d] could not export step %d: %s", self.rank, step, exc)
+                logger.error("[%s rank %d] could not export step %d: %s", self.role, self.rank, step, exc)
         with contextlib.suppress(RuntimeError):  # the store may be gone (that may be why it exports)
             self.store.put(keys.exported(self.rank), Text(value="; ".join(written)))
 
-    def _held_steps(self) -> list[int]:
-        return self._mirror.held_steps() if self._mirror is not None else self._rep.held_steps()
-
     def _coordinator_lost(self, exc: BaseException) -> NoReturn:
         """The job store is unreachable (the coordinator died): nobody can decide a failover
-        any more. A standby writes every version it holds to the export folder (the newest
-        step all ranks wrote is where ``replica launch --resume`` starts); every role exits
-        (code 76). Runs once, from whichever thread finds it first."""
+        any more. Standbys and trainers write every version they hold to the export folder
+        (the newest step all ranks wrote is where ``replica launch --resume`` starts); every
+        role exits (code 76). Runs once, from whichever thread finds it first."""
         if not self._lost.acquire(blocking=False):  # another thread is at it, and exits the process
             while True:
                 time.sleep(1)
         logger.error("[%s rank %d] the job store is gone (%s): the coordinator died or is cut off; this %s "
                      "exports the versions it holds to %s and stops", self.role, self.rank, exc, self.role,
                      self.env.export_dir)
-        if self._mirror is not None or self._rep is not None:
-            self._export(self.env.export_dir, self._held_steps())
-        for handler in logging.getLogger().handlers:
-            handler.flush()
-        os._exit(_COORDINATOR_LOST_EXIT)
+        if self._holder() is not None:
+            self._export(self.env.export_dir, self._holder().held_steps())
+        _exit_now(_COORDINATOR_LOST_EXIT)
 
     @contextlib.contextmanager
     def _store_guard(self) -> Iterator[None]:
@@ -358,11 +356,10 @@ class Job:
         while time.monotonic() < deadline:
             try:
                 self.store.reconnect(_HEARTBEAT_IO).get(keys.generation())
-                raise exc
-            except (RuntimeError, OSError) as probe:
-                if probe is exc:
-                    raise
-            time.sleep(0.2)
+            except (RuntimeError, OSError):  # still unreachable
+                time.sleep(0.2)
+                continue
+            raise exc  # the store answers: the failure was something else
         self._coordinator_lost(exc)
 
     def _report_fatal(self, exc: Exception) -> None:
@@ -422,8 +419,7 @@ class Job:
         zombie's. Exit at once (the standbys and engines refuse its epoch anyway)."""
         logger.error("[trainer rank %d] this process was declared dead and its rank given to another "
                      "process; it stops now (exit code %d)", self.rank, _FENCED_EXIT)
-        logging.shutdown()
-        os._exit(_FENCED_EXIT)
+        _exit_now(_FENCED_EXIT)
 
     def _install_faults(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         mine = [f for f in self.env.faults if f.rank == self.rank]
@@ -471,6 +467,13 @@ class Job:
                 logger.warning("[%s rank %d step %d] woke up from the freeze", self.role, self.rank, step)
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _exit_now(code: int) -> NoReturn:
+    """End the process at once (whatever thread this is, and whatever the others do), with
+    what was logged written out first."""
+    logging.shutdown()
+    os._exit(code)
 
 
 def init() -> Job:
