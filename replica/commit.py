@@ -1,8 +1,11 @@
 """The commit record: which step every rank's standby holds, in the job store
 (``replica.jobstate`` defines the keys and signs the values).
 
-``standby/{rank}`` is where rank r's standby listens; ``ack/{rank}`` is the last
-step that standby verified, with the epoch of the trainer that streamed it;
+``standby/{rank}`` is where rank r's standby listens; ``ack/{rank}/{holder}`` is the
+last step one standby incarnation (``holder``: its registration's nonce) verified,
+with the epoch of the trainer that streamed it (``ack/{rank}/trainer``: the rank's
+trainer acknowledging itself while unprotected); only the registered standby's
+and the trainer's own count, so a replaced standby that still runs moves nothing;
 ``commit`` is the global commit, the minimum over ranks of ``ack``, only ever
 raised (compare-and-set). When the coordinator has published the generation's
 epochs, only acks of each rank's current epoch count: a fenced trainer (declared
@@ -20,10 +23,10 @@ the rank itself cannot be recovered if it dies).
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable
 from datetime import timedelta
 
-from replica.errors import CommitTimeoutError
+from replica.errors import CommitTimeoutError, StoreWaitTimeoutError
 from replica.jobstate import Ack, Commit, Epoch, Flag, Generation, JobStore, LostReports, Registration, keys
 from replica.registry import publish, registration, wait_registration
 
@@ -31,6 +34,8 @@ __all__ = ["CommitRecord", "EpochRecord"]
 
 #: The epoch of a library user's trainer that runs without a coordinator (no generation record).
 NO_EPOCH = Epoch(generation=0, member=-1)
+_MARKERS_KEPT = 64  # commit_reached markers kept behind the commit
+_RECHECK = timedelta(seconds=1)  # a commit waiter reads the commit itself at least this often
 
 
 class EpochRecord:
@@ -97,29 +102,64 @@ class CommitRecord:
         """Record that rank ``rank``'s standby (registered with nonce ``holder``; "" for a
         trainer acknowledging itself) holds ``step`` as streamed by the trainer of ``epoch``;
         returns the global commit after."""
-        self.store.put(keys.ack(rank), Ack(rank=rank, step=step, generation=epoch.generation, member=epoch.member,
-                                           holder=holder))
-        acks = self.store.get_many([keys.ack(r) for r in range(self.world_size)])
+        self.store.put(keys.ack(rank, holder), Ack(rank=rank, step=step, generation=epoch.generation,
+                                                   member=epoch.member, holder=holder))
         generation = self.generation()
-        for r, ack in enumerate(acks):
-            if ack is None or ack.rank != r:
-                return self.last()
-            if generation is not None and ack.epoch != generation.epoch(r):
-                return self.last()  # not of the current epoch: a fenced stream, or a stale one
+        acks = self._acks(generation)
+        if acks is None:
+            return self.last()
         low = min(a.step for a in acks)
         number = generation.number if generation is not None else 0
         current, raw = self.store.read(keys.commit())
+        below = None if current is None else current.step
         while current is None or current.step < low:
             current, raw = self.store.compare_set(keys.commit(), raw, Commit(step=low, generation=number))
+        if below is None or below < low <= current.step:
+            self._reached(below, low)
         return self._seen(current.step)
+
+    def seed(self, step: int) -> None:
+        """Start the record at ``step`` (a job resumed from an export of that step)."""
+        self.store.put(keys.commit(), Commit(step=step, generation=0))
+        self._reached(None, step)
+
+    def _reached(self, below: int | None, step: int) -> None:
+        """Announce that the commit rose from ``below`` to ``step``: the markers ``wait``
+        blocks on (existence hints; ``wait`` reads the signed commit). The markers of
+        steps _MARKERS_KEPT behind go (a waiter is never that far behind: a trainer
+        packs N+1 only once N is committed)."""
+        first = step if below is None else max(below + 1, step - _MARKERS_KEPT + 1)
+        raw = self.store.raw
+        raw.multi_set([self.store.full(keys.commit_reached(s)) for s in range(first, step + 1)],
+                      [b""] * (step + 1 - first))
+        for old in range(max(0, first - _MARKERS_KEPT), step + 1 - _MARKERS_KEPT):
+            raw.delete_key(self.store.full(keys.commit_reached(old)))
+
+    def _acks(self, generation: Generation | None) -> list[Ack] | None:
+        """Each rank's ack that counts (None while a rank has none): the newest of its
+        registered standby's and its own trainer's (while unprotected), streamed in the
+        rank's current epoch (``generation``'s; any without one). A replaced standby's
+        acks (its own key) and a fenced trainer's (another epoch) never count."""
+        registrations = self.store.get_many([keys.standby(r) for r in range(self.world_size)])
+        holders = [["", *([reg.nonce] if reg is not None else [])] for reg in registrations]
+        flat = self.store.get_many([keys.ack(r, h) for r in range(self.world_size) for h in holders[r]])
+        counted: list[Ack] = []
+        for r in range(self.world_size):
+            mine = [flat.pop(0) for _ in holders[r]]
+            valid = [a for a, h in zip(mine, holders[r]) if a is not None and a.rank == r and a.holder == h
+                     and (generation is None or a.epoch == generation.epoch(r))]
+            if not valid:
+                return None
+            counted.append(max(valid, key=lambda a: a.step))
+        return counted
 
     def standby_holds(self, rank: int, step: int) -> bool:
         """True when rank ``rank``'s registered standby acknowledged ``step`` or later
         itself (so it holds ``step``: a standby keeps the commit's version until a newer
         one is committed)."""
-        registration, ack = self.registration(rank), self.store.get(keys.ack(rank))
-        return (registration is not None and ack is not None and ack.holder == registration.nonce
-                and ack.step >= step)
+        registration = self.registration(rank)
+        ack = None if registration is None else self.store.get(keys.ack(rank, registration.nonce))
+        return ack is not None and ack.rank == rank and ack.holder == registration.nonce and ack.step >= step
 
     def report_lost(self, rank: int) -> None:
         """Rank ``rank``'s standby saw its trainer's connection vanish without a goodbye
@@ -159,19 +199,17 @@ class CommitRecord:
                 self._last = step
             return self._last
 
-    def wait(self, step: int, timeout: timedelta, *, abort=None) -> int:
-        """Block until the global commit is at least ``step``; ``abort()`` may raise to stop early."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        delay = 50e-6
-        while True:
+    def wait(self, step: int, timeout: timedelta, *, abort: Callable[[], None] | None = None) -> int:
+        """Block until the global commit is at least ``step``; ``abort()`` may raise to stop early.
+        Waits on the calling thread's own store connection for the step's marker."""
+        def reached(_: JobStore) -> int | None:
             last = self.last()
-            if last is not None and last >= step:
-                return last
-            if abort is not None:
-                abort()
-            if time.monotonic() >= deadline:
-                raise CommitTimeoutError(
-                    f"step {step} was not globally committed within {timeout} (last commit: {last}); "
-                    "a standby is missing or too slow")
-            time.sleep(delay)
-            delay = min(delay * 2, 2e-3)
+            return last if last is not None and last >= step else None
+
+        try:
+            return self.store.wait_for(reached, wake=lambda: [keys.commit_reached(step)], timeout=timeout,
+                                       what=f"global commit of step {step}", abort=abort, every=_RECHECK)
+        except StoreWaitTimeoutError:
+            raise CommitTimeoutError(
+                f"step {step} was not globally committed within {timeout} (last commit: {self.last()}); "
+                "a standby is missing or too slow") from None

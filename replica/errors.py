@@ -14,6 +14,7 @@ __all__ = [
     "ReplicaError",
     "SnapshotCorruptedError",
     "StandbyLostError",
+    "StoreWaitTimeoutError",
     "TransferTimeoutError",
     "TransportError",
 ]
@@ -86,7 +87,11 @@ class SnapshotCorruptedError(ReplicaError):
         self.buckets = buckets
 
 
-class CommitTimeoutError(ReplicaError, TimeoutError):
+class StoreWaitTimeoutError(ReplicaError, TimeoutError):
+    """A wait on the job store passed its deadline: what it waited for was never written."""
+
+
+class CommitTimeoutError(StoreWaitTimeoutError):
     """A step was not globally committed in time: some rank's standby is missing or slow."""
 
 

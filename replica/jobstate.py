@@ -27,7 +27,7 @@ import threading
 import time
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
@@ -35,7 +35,7 @@ from typing import Any, Generic, TypeVar
 import torch.distributed as dist
 
 from replica import _C
-from replica.errors import JobStateError
+from replica.errors import JobStateError, StoreWaitTimeoutError
 
 __all__ = [
     "Ack",
@@ -64,6 +64,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _MAC_HEX = 64
+_POLL_FIRST = 50e-6  # a poll's first pause (seconds), doubling up to _POLL_MOST
+_POLL_MOST = timedelta(milliseconds=2)
 _KEY_LABEL = b"replica job store v1"
 
 
@@ -345,8 +347,16 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key("commit", Commit)
 
     @staticmethod
-    def ack(rank: int) -> Key[Ack]:
-        return Key(f"ack/{rank}", Ack)
+    def commit_reached(step: int) -> str:
+        """Raw, empty: written once the commit reached ``step`` (what commit waits block on;
+        a hint, never trusted: the waiter reads the signed commit)."""
+        return f"commit/reached/{step}"
+
+    @staticmethod
+    def ack(rank: int, holder: str) -> Key[Ack]:
+        """The acks of one standby incarnation of ``rank`` (``holder``: its registration's
+        nonce; "" for the rank's trainer acknowledging itself while unprotected)."""
+        return Key(f"ack/{rank}/{holder or 'trainer'}", Ack)
 
     @staticmethod
     def standby(rank: int) -> Key[Registration]:
@@ -474,6 +484,7 @@ class JobStore:
         self._token = token
         self._logged: set[tuple[str, bytes]] = set()
         self._log_lock = threading.Lock()
+        self._local = threading.local()  # each thread's own connection (``own``)
 
     @classmethod
     def of(cls, store: dist.Store | JobStore, *, token: bytes, prefix: str = "replica") -> JobStore:
@@ -485,8 +496,7 @@ class JobStore:
 
     def reconnect(self, timeout: timedelta) -> JobStore:
         """The same job store on a TCP connection of its own (TCPStore only)."""
-        raw = dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout)
-        return JobStore(raw, token=self._token, prefix=self.prefix)
+        return self._view(dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout))
 
     def heartbeat(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta):
         """Start writing ``Heartbeat(member, beat)`` with a rising ``beat`` every ``period``
@@ -588,19 +598,83 @@ class JobStore:
             self._ignored(key, raw, exc)
             return None, raw
 
-    def wait(self, key: Key[T], timeout: timedelta, *, poll: timedelta = timedelta(milliseconds=5),
-             what: str | None = None) -> T:
-        """Block until ``key`` holds a verified value; TimeoutError after ``timeout``."""
+    def wait(self, key: Key[T], timeout: timedelta, *, what: str | None = None) -> T:
+        """Block until ``key`` holds a verified value; StoreWaitTimeoutError after ``timeout``.
+        Blocks in the store, on the calling thread's own connection (``wait_for``)."""
+        return self.wait_for(lambda store: store.get(key), wake=lambda: [key], timeout=timeout,
+                             what=what or self.full(key))
+
+    def wait_for(self, ready: Callable[[JobStore], T | None], *, wake: Callable[[], Sequence[Key | str]],
+                 timeout: timedelta, what: str, abort: Callable[[], None] | None = None,
+                 every: timedelta | None = None, poll: timedelta = _POLL_MOST) -> T:
+        """Wait until ``ready(store)`` returns something other than None, and return it.
+
+        ``wake()`` names the keys whose existence announces that ``ready`` may have
+        changed (a new generation's ``failover/{g}``, a step's ``commit_reached``
+        marker): a hint only, never trusted, since ``ready`` reads the signed values.
+        Every store call of the wait goes over the calling thread's own connection
+        (``own``), so a wait never holds a connection another thread is using (a
+        heartbeat behind a blocking wait was a false death).
+
+        Without ``abort`` and ``every`` the wait blocks in the store until the wake
+        keys exist. ``abort()`` (called between checks; it raises to end the wait)
+        and ``every`` (evaluate ``ready`` at least this often: for what no key
+        announces) make it a poll of the wake keys' existence, one ``check`` at a
+        time, pausing up to ``poll`` in between. While the wake keys exist but
+        ``ready`` still says no (a key written ahead of its value, or forged), and
+        with no wake keys at all, ``ready`` itself is polled. StoreWaitTimeoutError
+        after ``timeout``; a store error (the store gone) is raised as it is."""
+        own = self.own()
         deadline = time.monotonic() + timeout.total_seconds()
-        delay = 1e-4
+        blocking = abort is None and every is None
+        delay, most = _POLL_FIRST, poll.total_seconds()
+        woken, evaluated = True, 0.0  # ready() is evaluated first
         while True:
-            value = self.get(key)
-            if value is not None:
-                return value
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no {what or self.full(key)} within {timeout}")
-            time.sleep(delay)
-            delay = min(delay * 2, poll.total_seconds())
+            if woken or (every is not None and time.monotonic() - evaluated >= every.total_seconds()):
+                value = ready(own)
+                if value is not None:
+                    return value
+                evaluated = time.monotonic()
+            if abort is not None:
+                abort()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreWaitTimeoutError(f"no {what} within {timeout}")
+            names = [self.full(k) for k in wake()]
+            if blocking and names and not own.raw.check(names):
+                woken = own._block(names, timedelta(seconds=left))
+                delay = _POLL_FIRST
+                continue
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, most)
+            woken = not names or own.raw.check(names)
+
+    def own(self) -> JobStore:
+        """This job store on the calling thread's own connection (``TCPStore.clone``),
+        made at its first use in the thread. A store without connections (``HashStore``,
+        in-process, whose waits hold no lock) is shared as it is."""
+        own = getattr(self._local, "store", None)
+        if own is None:
+            raw = self.raw.clone() if isinstance(self.raw, dist.TCPStore) else self.raw
+            own = self._local.store = self if raw is self.raw else self._view(raw)
+        return own
+
+    def _view(self, raw: dist.Store) -> JobStore:
+        """The same job (key, prefix, log of ignored values) over another client."""
+        view = object.__new__(JobStore)
+        view.raw, view.prefix, view._mac_key, view._token = raw, self.prefix, self._mac_key, self._token
+        view._logged, view._log_lock = self._logged, self._log_lock
+        view._local = threading.local()
+        view._local.store = view
+        return view
+
+    def _block(self, names: list[str], timeout: timedelta) -> bool:
+        """Block until every key of ``names`` exists; False when ``timeout`` passed first."""
+        try:
+            self.raw.wait(names, timeout)
+            return True
+        except dist.DistStoreError:  # the wait timed out (a lost store is a DistNetworkError)
+            return False
 
     # unsigned counters
 

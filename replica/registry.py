@@ -9,7 +9,7 @@ from __future__ import annotations
 import secrets
 from datetime import timedelta
 
-from replica.errors import CommitTimeoutError
+from replica.errors import CommitTimeoutError, StoreWaitTimeoutError
 from replica.jobstate import JobStore, Key, Registration
 
 __all__ = ["publish", "registration", "wait_registration"]
@@ -29,6 +29,6 @@ def registration(store: JobStore, key: Key[Registration]) -> Registration | None
 def wait_registration(store: JobStore, key: Key[Registration], timeout: timedelta, what: str) -> Registration:
     """The registration under ``key``; waits up to ``timeout`` for one."""
     try:
-        return store.wait(key, timeout, poll=timedelta(milliseconds=20), what=f"{what} registered")
-    except TimeoutError as exc:
+        return store.wait(key, timeout, what=f"{what} registered")
+    except StoreWaitTimeoutError as exc:
         raise CommitTimeoutError(str(exc)) from exc
