@@ -179,7 +179,7 @@ def report(request):
         "loaded_runs": len(quiet),
         "max_heartbeat_silence_under_load_s": max((r["max_heartbeat_silence_s"] for r in quiet + loaded),
                                                   default=None),
-        "heartbeat_deadline_s": Deadlines().trainer,
+        "heartbeat_deadline_s": Deadlines().trainer.total_seconds(),
         "config": {"steps": STEPS, "kill_step": KILL_STEP, "checkpoint_every": CKPT_EVERY, "rounds": len(ours),
                    "trainers": 2, "load": "2 busy processes per core"},
         "runs": {"replica": ours, "checkpoint_restart": base, "frozen": frozen, "under_load": loaded,

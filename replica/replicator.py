@@ -157,11 +157,12 @@ class Replicator:
         self._last_step = step
         return True
 
-    def wait_committed(self, timeout_s: float | None = None) -> int:
-        """Block until the last ``commit`` is globally committed; returns the commit."""
+    def wait_committed(self, timeout: timedelta | None = None) -> int:
+        """Block until the last ``commit`` is globally committed (up to ``timeout``,
+        ``config.commit_timeout`` by default; CommitTimeoutError after); returns the commit."""
         if self._last_step is None:
             raise ReplicaError("wait_committed() before the first commit()")
-        timeout = self.config.commit_timeout if timeout_s is None else timedelta(seconds=timeout_s)
+        timeout = self.config.commit_timeout if timeout is None else timeout
         return self.record.wait(self._last_step, timeout, abort=self._raise_stream_error)
 
     def rollback(self, *, step: int | None = None, model: torch.nn.Module | None = None,
@@ -311,7 +312,7 @@ class Replicator:
         self.record.wait(self._last_step, timeout, abort=abort)
         # Only the buffer packed next must be free: the other may still be streaming (a
         # promoted trainer's commit goes to its new standby while it trains on).
-        if not self._stream.wait_released(self._snapshots[self._next], timeout.total_seconds()):
+        if not self._stream.wait_released(self._snapshots[self._next], timeout):
             self._raise_stream_error()
             raise ReplicaError(f"the mirror stream of rank {self.rank} did not finish within {timeout}")
 

@@ -78,11 +78,12 @@ class MirrorStream:
             self._queued[id(snapshot)] = self._queued.get(id(snapshot), 0) + 1
         self._queue.put((snapshot, step, epoch))
 
-    def wait_released(self, snapshot: Snapshot, timeout_s: float) -> bool:
+    def wait_released(self, snapshot: Snapshot, timeout: timedelta) -> bool:
         """True once no stream of ``snapshot`` is queued or in flight (it is free to
         overwrite), while streams of the other buffer may still be."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._queued.get(id(snapshot), 0) == 0, timeout_s)
+            return self._idle.wait_for(lambda: self._queued.get(id(snapshot), 0) == 0,
+                                       timeout.total_seconds())
 
     def close(self) -> None:
         self._closing.set()

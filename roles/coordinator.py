@@ -12,6 +12,7 @@ silence, or (c) a missed heartbeat deadline, set per role.
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import socket
@@ -24,39 +25,29 @@ import torch.distributed as dist
 from replica.commit import CommitRecord
 from replica.errors import JoinRefusedError
 from replica.jobstate import Failover as FailoverRecord
-from replica.jobstate import Commit, ExportRequest, Flag, Generation, JobStore, Promotion, Stamp, Text, keys
-from replica.roles.env import ROLES
+from replica.jobstate import ExportRequest, Flag, Generation, JobStore, Promotion, Stamp, Text, keys
+from replica.roles import timing
+from replica.roles.env import ROLES, Role
+from replica.roles.timing import Deadlines
 from replica.roles.join import JoinRequest, answer, pending_requests, refuse_unsigned
 
-__all__ = ["Coordinator", "Deadlines", "Decision", "Failover", "Member"]
+__all__ = ["Coordinator", "Deadlines", "Decision", "DecisionKind", "Failover", "Member", "MemberState"]
 
 logger = logging.getLogger(__name__)
 
-_JOIN_STRAGGLE_S = 10.0
-_LATE_REPORT_S = 1.0  # a join numbered but never written (its writer died) is skipped after this
 
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class Deadlines:
-    """Seconds of heartbeat silence before a live process is declared dead, per role
-    (heartbeats come every 0.1 s from a thread and a store connection of their own,
-    so a slow step, a blocking store wait or a loaded machine does not stop them:
-    the longest silence seen with both cores kept busy was 0.65 s), and the shorter
-    silence that confirms a transport-level report. A frozen trainer is declared
-    dead 2.5 s after its last beat."""
+class MemberState(enum.StrEnum):
+    ALIVE = "alive"
+    DONE = "done"  # finished its work (a trainer's last step committed, a rollout told to stop)
+    DEAD = "dead"  # declared dead (exited, lost, or silent past its deadline)
 
-    trainer: float = 2.5
-    standby: float = 2.5
-    rollout: float = 60.0  # an engine may be busy in a long generation
-    confirm: float = 0.3
 
-    def __post_init__(self) -> None:
-        for name in ("trainer", "standby", "rollout", "confirm"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"the {name} deadline must be > 0 s, got {getattr(self, name)}")
-
-    def of(self, role: str) -> float:
-        return getattr(self, role)
+class DecisionKind(enum.StrEnum):
+    PROMOTED = "promoted"  # the rank's standby is its trainer now: start a new standby
+    STANDBY_LOST = "standby_lost"  # start a replacement standby
+    ROLLOUT_LOST = "rollout_lost"  # start a replacement engine
+    FAILED = "failed"  # the job cannot go on
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,14 +55,14 @@ class Member:
     """A row of the membership table."""
 
     id: int
-    role: str
+    role: Role
     rank: int
     host: str
     pid: int
     generation: int
     joined_at: float
     since: float  # when it took its current role (a promoted standby's promotion)
-    state: str = "alive"  # alive, done, dead
+    state: MemberState = MemberState.ALIVE
     # Liveness, on the coordinator's clock only (roles on other machines need not agree on time):
     beats: int = field(default=0, repr=False)  # the highest verified heartbeat counter read
     beat_at: float = field(default=0.0, repr=False)  # when it last changed
@@ -96,11 +87,9 @@ class Failover:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class Decision:
-    """What the coordinator decided, for the agent to act on: ``promoted``
-    (rank's standby is its trainer now; start a new standby), ``standby_lost``
-    or ``rollout_lost`` (start a replacement) or ``failed`` (the job cannot go on)."""
+    """What the coordinator decided, for the agent to act on (``DecisionKind``)."""
 
-    kind: str
+    kind: DecisionKind
     rank: int
     reason: str
     dead: Member | None = None
@@ -152,7 +141,7 @@ class Coordinator:
         self._numbered_at: dict[int, float] = {}
         self._failed: str | None = None
         if resume_from is not None:  # the trainers start from an export of that step: it is the first commit
-            self.store.put(keys.commit(), Commit(step=resume_from, generation=0))
+            self.record.seed(resume_from)
         self._publish_generation()
         self._publish_members()
 
@@ -171,23 +160,23 @@ class Coordinator:
         now = time.time()
         self._regroup(now)
         for member in self.alive():
-            if member.role == "trainer" and self.store.has(keys.done(member.rank)):
-                member.state = "done"
+            if member.role == Role.TRAINER and self.store.has(keys.done(member.rank)):
+                member.state = MemberState.DONE
                 self._publish_members()
                 continue
             silent = now - self._last_beat(member, now)
             lost = False
-            if member.role == "trainer":
+            if member.role == Role.TRAINER:
                 reports = self.record.lost_reports(member.rank)
-                if now - member.since < _LATE_REPORT_S:  # a report may still be about its predecessor
+                if now - member.since < timing.LATE_REPORT.total_seconds():  # a report may still be about its predecessor
                     member.lost_base = reports
                 lost = reports > member.lost_base
-            if lost and silent > self.deadlines.confirm:
+            if lost and silent > self.deadlines.confirm.total_seconds():
                 decisions += self.declare_dead(member, f"its standby saw the connection vanish and it has sent "
                                                        f"no heartbeat for {silent * 1e3:.0f} ms")
-            elif silent > self.deadlines.of(member.role):
+            elif silent > self.deadlines.of(member.role).total_seconds():
                 decisions += self.declare_dead(member, f"no heartbeat for {silent:.1f} s (the {member.role} "
-                                                       f"deadline is {self.deadlines.of(member.role):g} s)")
+                                                       f"deadline is {self.deadlines.of(member.role).total_seconds():g} s)")
         return decisions
 
     def _reprotect(self) -> None:
@@ -195,7 +184,7 @@ class Coordinator:
         mirror (after building its model: until then the trainer would wait on it), not at its join."""
         for rank in sorted(self.unprotected):
             current = self.record.registration(rank)
-            if current is None or current == self._unprotected_reg.get(rank) or not self._live("standby", rank):
+            if current is None or current == self._unprotected_reg.get(rank) or not self._live(Role.STANDBY, rank):
                 continue
             self.unprotected.discard(rank)
             self.record.set_unprotected(rank, False)
@@ -214,36 +203,36 @@ class Coordinator:
             if not self.finished():
                 decisions.append(self._fail(-1, f"process {pid} exited with code {code} before it joined the job"))
             return decisions
-        if member.state != "alive":
+        if member.state != MemberState.ALIVE:
             return decisions
-        if member.role == "trainer" and self.store.has(keys.done(member.rank)):
-            member.state = "done"
+        if member.role == Role.TRAINER and self.store.has(keys.done(member.rank)):
+            member.state = MemberState.DONE
             self._publish_members()
             return decisions
-        if (member.role == "standby" and self.finished()) or (
-                member.role == "rollout" and (code == 0 or self.finished())):
-            member.state = "done"  # a rollout exits 0 when told to stop (finished, or retired)
+        if (member.role == Role.STANDBY and self.finished()) or (
+                member.role == Role.ROLLOUT and (code == 0 or self.finished())):
+            member.state = MemberState.DONE  # a rollout exits 0 when told to stop (finished, or retired)
             return decisions
         return decisions + self.declare_dead(member, f"exit code {code}")
 
     def declare_dead(self, member: Member, reason: str) -> list[Decision]:
-        member.state = "dead"
+        member.state = MemberState.DEAD
         self._publish_members()
         if self._failed is not None:
             return []
-        if member.role == "rollout":
+        if member.role == Role.ROLLOUT:
             logger.warning("%s is dead (%s): the next weight sync skips it", member, reason)
             self.store.put(keys.engine_dead_since(member.rank), Stamp(at=time.time()))
             self.rollouts_lost.append({"index": member.rank, "reason": reason, "at": time.time()})
-            return [Decision(kind="rollout_lost", rank=member.rank, reason=reason, dead=member)]
-        if member.role == "standby":
+            return [Decision(kind=DecisionKind.ROLLOUT_LOST, rank=member.rank, reason=reason, dead=member)]
+        if member.role == Role.STANDBY:
             logger.warning("%s is dead (%s)", member, reason)
             self.standbys_replaced.append({"rank": member.rank, "reason": reason, "at": time.time()})
-            return [Decision(kind="standby_lost", rank=member.rank, reason=reason, dead=member)]
+            return [Decision(kind=DecisionKind.STANDBY_LOST, rank=member.rank, reason=reason, dead=member)]
         if self.record.last() is None:
             return [self._fail(member.rank, f"trainer {member.rank} died ({reason}) before the first global "
                                             "commit: there is no state to resume from; start the job again")]
-        standby = self._live("standby", member.rank)
+        standby = self._live(Role.STANDBY, member.rank)
         if standby is None:
             return [self._fail(member.rank, state_lost=True,
                                reason=f"trainer {member.rank} died ({reason}) and has no standby: rank {member.rank} "
@@ -255,7 +244,7 @@ class Coordinator:
                                       f"hold commit {commit} (it has not received the rank's state yet): rank "
                                       f"{member.rank}'s state is lost")]
         self._promote(standby, reason)
-        return [Decision(kind="promoted", rank=member.rank, reason=reason, dead=member)]
+        return [Decision(kind=DecisionKind.PROMOTED, rank=member.rank, reason=reason, dead=member)]
 
     def set_unprotected(self, rank: int, *, until_standby_joins: bool = False) -> None:
         """No standby protects ``rank`` now: its trainer acknowledges itself until a standby of it
@@ -281,7 +270,7 @@ class Coordinator:
         return all(self.store.has(keys.done(r)) for r in range(self.world_size))
 
     def alive(self, role: str | None = None) -> list[Member]:
-        return [m for m in self.members if m.state == "alive" and role in (None, m.role)]
+        return [m for m in self.members if m.state == MemberState.ALIVE and role in (None, m.role)]
 
     # --- joins ---
 
@@ -289,7 +278,7 @@ class Coordinator:
         for seq, raw in pending_requests(self.store, self._seen):
             if raw is None:  # numbered, not yet written
                 first = self._numbered_at.setdefault(seq, time.monotonic())
-                if time.monotonic() - first < _JOIN_STRAGGLE_S:
+                if time.monotonic() - first < timing.JOIN_STRAGGLE.total_seconds():
                     return
                 self._seen = seq
                 continue
@@ -310,13 +299,13 @@ class Coordinator:
                 continue
             self._nonces.add(request.nonce)
             now = time.time()
-            member = Member(id=seq, role=request.role, rank=request.rank, host=request.host, pid=request.pid,
+            member = Member(id=seq, role=Role(request.role), rank=request.rank, host=request.host, pid=request.pid,
                             generation=self.generation, joined_at=now, since=now, beat_at=now,
                             lost_base=self.record.lost_reports(request.rank))
             self.members.append(member)
-            if not self.started and all(self._live("trainer", r) for r in range(self.world_size)):
+            if not self.started and all(self._live(Role.TRAINER, r) for r in range(self.world_size)):
                 self.started = True
-            if member.role == "trainer":
+            if member.role == Role.TRAINER:
                 self._publish_generation()  # its epoch exists before it can stream
             self._publish_members()
             answer(self.store, seq, request, generation=self.generation)
@@ -328,12 +317,12 @@ class Coordinator:
             return f"replayed join request of {who}"
         if request.role not in ROLES:
             return f"{who}: unknown role {request.role!r} (expected one of {ROLES})"
-        ranks = self.rollouts if request.role == "rollout" else self.world_size
+        ranks = self.rollouts if request.role == Role.ROLLOUT else self.world_size
         if not 0 <= request.rank < ranks:
             return f"{who}: rank {request.rank} is not in [0, {ranks})"
         if self.finished():
             return f"{who}: the job is over"
-        if request.role == "trainer" and self.started:
+        if request.role == Role.TRAINER and self.started:
             return (f"{who}: the job is running (generation {self.generation}); a trainer cannot join late, "
                     f"start a standby for its rank instead")
         holder = self._live(request.role, request.rank)
@@ -353,20 +342,20 @@ class Coordinator:
         g = self.generation
         if self.store.raw.check([self.store.full(keys.standby(rank))]):
             self.store.delete(keys.standby(rank))  # the promoted standby's address; its replacement publishes anew
-        standby.role, standby.since, standby.generation = "trainer", decided, g
+        standby.role, standby.since, standby.generation = Role.TRAINER, decided, g
         self.store.put(keys.failover(g), FailoverRecord(generation=g, commit=commit if commit is not None else -1,
                                                         rank=rank, member=standby.id))
         self.store.put(keys.promote(rank), Promotion(rank=rank, generation=g, member=standby.id))
         self._publish_generation()  # last: whoever sees generation g finds its failover record
         standby.lost_base = self.record.lost_reports(rank)
-        engine = self._live("rollout", rank)
+        engine = self._live(Role.ROLLOUT, rank)
         if engine is not None:  # the standby's machine hosts rollout `rank`: its resources go to the trainer
             self.store.put(keys.rollout_stop(rank), Flag())
             # Its claims on shards are void from now on: the other engines take them.
             self.store.put(keys.engine_dead_since(rank), Stamp(at=time.time()))
             self.rollouts_retired.append(rank)
             logger.warning("%s drains and stops: its machine now hosts trainer %d (%d rollouts left)", engine,
-                           rank, len(self.alive("rollout")) - 1)
+                           rank, len(self.alive(Role.ROLLOUT)) - 1)
         self._publish_members()
         self.failovers.append(Failover(rank=rank, generation=g, commit=commit, reason=reason, decided_at=decided))
         logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted", rank,
@@ -375,7 +364,7 @@ class Coordinator:
     def _fail(self, rank: int, reason: str, *, state_lost: bool = False) -> Decision:
         self._failed = reason
         logger.error("the job failed: %s", reason)
-        return Decision(kind="failed", rank=rank, reason=reason, state_lost=state_lost)
+        return Decision(kind=DecisionKind.FAILED, rank=rank, reason=reason, state_lost=state_lost)
 
     def request_export(self, directory: str) -> int | None:
         """Ask every standby to write its version of the last commit to ``directory``
@@ -398,7 +387,7 @@ class Coordinator:
         return []
 
     def _live(self, role: str, rank: int) -> Member | None:
-        return next((m for m in self.members if m.state == "alive" and m.role == role and m.rank == rank), None)
+        return next((m for m in self.members if m.state == MemberState.ALIVE and m.role == role and m.rank == rank), None)
 
     def _last_beat(self, member: Member, now: float) -> float:
         """When (on this clock) the member's signed heartbeat counter last rose
@@ -421,7 +410,7 @@ class Coordinator:
             return
         if self._regroup_asked_at is None:
             self._regroup_asked_at = now
-        if now - self._regroup_asked_at < self.deadlines.trainer:
+        if now - self._regroup_asked_at < self.deadlines.trainer.total_seconds():
             return
         self._regroup_asked_at = None
         commit = self.record.last()
@@ -443,7 +432,7 @@ class Coordinator:
 
     def _publish_generation(self) -> None:
         """The generation and each rank's trainer in it: the epochs receivers accept."""
-        trainers = tuple(m.id if m is not None else -1 for m in (self._live("trainer", r) for r in range(self.world_size)))
+        trainers = tuple(m.id if m is not None else -1 for m in (self._live(Role.TRAINER, r) for r in range(self.world_size)))
         self.store.put(keys.generation(), Generation(number=self.generation, trainers=trainers))
 
     def _publish_members(self) -> None:

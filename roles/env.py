@@ -4,15 +4,44 @@ never at import."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import logging
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["ACTIONS", "Fault", "PHASES", "ROLES", "RoleEnv", "configure_logging", "parse_faults"]
+__all__ = ["ACTIONS", "Action", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "configure_logging",
+           "parse_faults"]
 
-ROLES = ("trainer", "standby", "rollout")
-ACTIONS = ("kill", "freeze", "stall")
-PHASES = ("forward", "backward", "reduce-scatter", "optimizer", "mirror", "commit")
+
+class Role(enum.StrEnum):
+    TRAINER = "trainer"
+    STANDBY = "standby"
+    ROLLOUT = "rollout"
+
+
+class Action(enum.StrEnum):
+    """What an injected fault does to its process."""
+
+    KILL = "kill"  # SIGKILL
+    FREEZE = "freeze"  # SIGSTOP
+    STALL = "stall"  # a slow step
+
+
+class Phase(enum.StrEnum):
+    """Where in a step a fault fires."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    REDUCE_SCATTER = "reduce-scatter"
+    OPTIMIZER = "optimizer"
+    MIRROR = "mirror"
+    COMMIT = "commit"
+
+
+ROLES = tuple(r.value for r in Role)
+ACTIONS = tuple(a.value for a in Action)
+PHASES = tuple(p.value for p in Phase)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -24,11 +53,11 @@ class Fault:
     ``gGEN`` fires it only in process-group generation GEN (a trainer's step redone
     after a failover, or a promoted trainer's: ``g1`` is the first failover's)."""
 
-    action: str = "kill"
-    role: str
+    action: Action = Action.KILL
+    role: Role
     rank: int
     step: int
-    phase: str = "forward"
+    phase: Phase = Phase.FORWARD
     seconds: float = 3.0
     generation: int | None = None
 
@@ -61,13 +90,13 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
         if action not in ACTIONS or role not in ROLES or fault.phase not in PHASES:
             raise ValueError(f"bad fault {item!r}: action one of {ACTIONS}, role one of {ROLES}, phase one of "
                              f"{PHASES}")
-        faults.append(fault)
+        faults.append(dataclasses.replace(fault, action=Action(action), role=Role(role), phase=Phase(fault.phase)))
     return tuple(faults)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RoleEnv:
-    role: str
+    role: Role
     rank: int
     world_size: int
     store_host: str
@@ -91,7 +120,7 @@ class RoleEnv:
         role = env["REPLICA_ROLE"]
         if role not in ROLES:
             raise RuntimeError(f"REPLICA_ROLE must be one of {ROLES}, got {role!r}")
-        return cls(role=role, rank=int(env.get("REPLICA_RANK", env.get("RANK", "0"))),
+        return cls(role=Role(role), rank=int(env.get("REPLICA_RANK", env.get("RANK", "0"))),
                    world_size=int(env.get("REPLICA_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
                    store_host=host, store_port=int(port), token=env["REPLICA_TOKEN"].encode(),
                    faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"),

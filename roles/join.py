@@ -24,13 +24,12 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
-from replica.errors import JobStateError, JoinRefusedError
+from replica.errors import JobStateError, JoinRefusedError, ReplicaError, StoreWaitTimeoutError
 from replica.jobstate import JobStore, JoinReply, keys
+from replica.roles import timing
 
 __all__ = ["Admission", "JoinRequest", "answer", "join", "pending_requests", "refuse_unsigned"]
 
-#: How long a joiner keeps waiting for a signed reply when only an unverifiable one is there.
-_UNSIGNED_GRACE_S = 1.0
 #: At most this many requests are read per call: a forged counter cannot make a poll endless.
 _MAX_PENDING = 64
 
@@ -79,37 +78,38 @@ def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timede
     seq = store.count(keys.join_seq(), 1)
     store.raw.set(store.full(keys.join_request(seq)), request.encode(token))
     key = keys.join_reply(seq)
-    deadline = time.monotonic() + timeout.total_seconds()
-    unsigned_since: float | None = None
-    delay = 1e-3
-    raw = b""
-    while True:
-        full = store.full(key)
+    unsigned: dict[str, object] = {}  # the last unverifiable reply ("raw") and since when ("at")
+
+    def answered(own: JobStore) -> Admission | None:
+        full = own.full(key)
+        if not own.raw.check([full]):
+            return None
+        raw = own.raw.get(full)
         try:
-            present = store.raw.check([full])
-            raw = store.raw.get(full) if present else raw
-        except RuntimeError as exc:  # the store went away (the job ended) while this waited
-            if unsigned_since is not None:
-                raise _unsigned(role, rank, raw) from exc
-            raise JoinRefusedError(f"the job store went away before the join of {role} rank {rank} was "
-                                   f"answered: {exc}") from exc
-        if present:
-            try:
-                reply = store.verify(key, raw)
-            except JobStateError:
-                unsigned_since = unsigned_since or time.monotonic()
-                if time.monotonic() - unsigned_since > _UNSIGNED_GRACE_S:
-                    raise _unsigned(role, rank, raw)
-            else:
-                if reply.seq != seq or reply.nonce != request.nonce:
-                    raise JoinRefusedError(f"the reply to the join of {role} rank {rank} answers another request")
-                if not reply.admitted:
-                    raise JoinRefusedError(f"the coordinator refused {role} rank {rank}: {reply.reason}")
-                return Admission(member=seq, generation=reply.generation)
-        if time.monotonic() > deadline:
-            raise JoinRefusedError(f"no coordinator answered the join of {role} rank {rank} within {timeout}")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.05)
+            reply = own.verify(key, raw)
+        except JobStateError:  # a refusal for a wrong token (unsigned), or a forgery: wait for a signed one a while
+            unsigned["raw"] = raw
+            if time.monotonic() - unsigned.setdefault("at", time.monotonic()) > timing.UNSIGNED_GRACE.total_seconds():
+                raise _unsigned(role, rank, raw) from None
+            return None
+        if reply.seq != seq or reply.nonce != request.nonce:
+            raise JoinRefusedError(f"the reply to the join of {role} rank {rank} answers another request")
+        if not reply.admitted:
+            raise JoinRefusedError(f"the coordinator refused {role} rank {rank}: {reply.reason}")
+        return Admission(member=seq, generation=reply.generation)
+
+    try:  # blocks in the store until the reply is written
+        return store.wait_for(answered, wake=lambda: [key], timeout=timeout, what=f"answer to the join of {role} "
+                              f"rank {rank}", poll=timing.UNSIGNED_POLL)
+    except StoreWaitTimeoutError:
+        raise JoinRefusedError(f"no coordinator answered the join of {role} rank {rank} within {timeout}") from None
+    except ReplicaError:
+        raise
+    except RuntimeError as exc:  # the store went away (the job ended) while this waited
+        if unsigned:
+            raise _unsigned(role, rank, unsigned["raw"]) from exc
+        raise JoinRefusedError(f"the job store went away before the join of {role} rank {rank} was "
+                               f"answered: {exc}") from exc
 
 
 def _unsigned(role: str, rank: int, raw: bytes) -> JoinRefusedError:

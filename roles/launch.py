@@ -15,14 +15,16 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import TextIO
 
 from replica.errors import ReplicaError
 from replica.export import resumable
-from replica.roles.coordinator import Coordinator, Deadlines
-from replica.roles.env import configure_logging, parse_faults
+from replica.roles.coordinator import Coordinator, MemberState
+from replica.roles.env import Role, configure_logging, parse_faults
 from replica.roles.supervise import JobSpec, supervise
+from replica.roles.timing import Deadlines
 
 __all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main", "resume_point",
            "state_options"]
@@ -102,7 +104,7 @@ class StatusLines:
 
 
 def deadline_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heartbeat-deadline", type=float, default=Deadlines().trainer,
+    p.add_argument("--heartbeat-deadline", type=float, default=Deadlines().trainer.total_seconds(),
                    help="seconds without a heartbeat before a live but silent trainer is declared dead "
                         "(a process that exits is declared dead at once)")
     p.add_argument("--standby-deadline", type=float, default=None,
@@ -130,7 +132,9 @@ def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace, worl
 
 
 def deadlines_of(args: argparse.Namespace) -> Deadlines:
-    return Deadlines(trainer=args.heartbeat_deadline, standby=args.standby_deadline or args.heartbeat_deadline)
+    trainer = timedelta(seconds=args.heartbeat_deadline)
+    return Deadlines(trainer=trainer, standby=timedelta(seconds=args.standby_deadline) if args.standby_deadline
+                     else trainer)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -194,10 +198,10 @@ class LocalAgent:
         return gone
 
     def replace_standby(self, rank: int) -> bool:
-        return self._replace("standby", rank)
+        return self._replace(Role.STANDBY, rank)
 
     def replace_rollout(self, index: int) -> bool:
-        return self._replace("rollout", index)
+        return self._replace(Role.ROLLOUT, index)
 
     def _replace(self, role: str, rank: int) -> bool:
         if self._replacements == 0:
@@ -265,20 +269,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replica: WARNING rank {rank} is UNPROTECTED: it has no standby", flush=True)
     try:
         for index in range(args.rollouts):  # engines start slowest: first
-            agent.start("rollout", index)
+            agent.start(Role.ROLLOUT, index)
         for rank in range(standbys):
-            agent.start("standby", rank)
+            agent.start(Role.STANDBY, rank)
         for rank in range(args.trainers):
-            agent.start("trainer", rank)
+            agent.start(Role.TRAINER, rank)
         timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
-        spec = JobSpec(steps=args.steps, faults=faults, timeout_s=args.timeout, report=args.report,
+        spec = JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                        timeline_png=timeline, train_while_replacing=args.train_while_replacing,
                        export_dir=args.export_dir, first_step=resume[0] + 1 if resume else 1)
         with contextlib.redirect_stdout(StatusLines(sys.stdout)):
             status = supervise(coord, spec, agent)
     finally:
         agent.stop()
-    codes = agent.failed_codes({m.pid for m in coord.members if m.role == "trainer" and m.state == "done"})
+    codes = agent.failed_codes({m.pid for m in coord.members if m.role == Role.TRAINER and m.state == MemberState.DONE})
     if status == 0 and codes:
         print(f"replica: trainers finished but exited with codes {codes}", flush=True)
     return status

@@ -23,14 +23,13 @@ from datetime import timedelta
 
 import replica
 from replica.jobstate import JobStore, Number, Stamp, Text, keys
+from replica.roles import timing
 from replica.vllm_worker import EngineWeights, ReceiverSpec
 
 __all__ = ["RolloutClient", "Sampling", "serve_rollouts", "served_shards"]
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.005
-_STEAL_AFTER_S = 0.5  # an unclaimed shard of another engine is taken after this
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -48,7 +47,7 @@ class RolloutClient:
 
     def __init__(self, *, store: JobStore, sync: replica.WeightSync, num_shards: int,
                  epoch: Callable[[], int] = lambda: 0, abort: Callable[[], bool] = lambda: False,
-                 timeout: timedelta = timedelta(seconds=600)):
+                 timeout: timedelta = timing.ROLLOUT_TIMEOUT):
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
         self.store = store
@@ -100,17 +99,30 @@ class RolloutClient:
         return completions
 
     def _wait(self, wanted: list, *, refresh: bool = False) -> bool:
-        """True once every key is set; False if the step was aborted first."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        while not all(v is not None for v in self.store.get_many(wanted)):
+        """True once every key is set; False if the step was aborted first. Polls the
+        keys' existence on this thread's own store connection; ``refresh``: an engine
+        that joined meanwhile gets the current version before it serves."""
+        refreshed = time.monotonic()
+
+        def abort() -> None:
+            nonlocal refreshed
             if self._abort():
-                return False
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{wanted[0]} and {len(wanted) - 1} more not set within {self.timeout}")
-            if refresh:
-                self.sync.refresh()  # an engine that joined since gets this version before it serves
-            time.sleep(_POLL_S if not refresh else 0.05)
+                raise _Aborted
+            if refresh and time.monotonic() - refreshed > timing.ROLLOUT_REFRESH.total_seconds():
+                self.sync.refresh()
+                refreshed = time.monotonic()
+
+        try:
+            self.store.wait_for(lambda own: all(v is not None for v in own.get_many(wanted)) or None,
+                                wake=lambda: wanted, timeout=self.timeout, abort=abort,
+                                what=f"{wanted[0]} and {len(wanted) - 1} more")
+        except _Aborted:
+            return False
         return True
+
+
+class _Aborted(Exception):
+    """The step failed while a trainer waited for its rollouts (it is redone)."""
 
 
 def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: bytes, make_llm: Callable[[], object],
@@ -131,12 +143,12 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
         posted = store.count(keys.request_seq())
         if seen >= posted:
             weights.update()  # apply a version as soon as it is complete
-            time.sleep(_POLL_S)
+            time.sleep(timing.ROLLOUT_POLL.total_seconds())
             continue
         n = seen + 1
         text = store.get(keys.request(n))
         if text is None:  # numbered, not yet written (or not trustworthy): look again
-            time.sleep(_POLL_S)
+            time.sleep(timing.ROLLOUT_POLL.total_seconds())
             continue
         request = json.loads(text.value)
         shard = _claim(store, n, request, index, num_engines)
@@ -144,7 +156,7 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
             if all(store.has(keys.result(n, k)) for k in range(len(request["shards"]))):
                 seen = n
             else:
-                time.sleep(_POLL_S)
+                time.sleep(timing.ROLLOUT_POLL.total_seconds())
             continue
         if on_shard is not None:
             on_shard(request["step"])
@@ -166,7 +178,7 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
 
 
 def _wait_version(weights: EngineWeights, version: int, stop: Callable[[], bool],
-                  timeout: timedelta = timedelta(seconds=600)) -> int | None:
+                  timeout: timedelta = timing.ROLLOUT_TIMEOUT) -> int | None:
     """Serve ``version`` once it has arrived; None if told to stop first."""
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
@@ -206,7 +218,7 @@ def _waited(store: JobStore, n: int) -> bool:
     seen, raw = store.read(key)
     if seen is None:
         seen, _ = store.compare_set(key, raw, Stamp(at=time.time()))
-    return seen is not None and time.time() - seen.at > _STEAL_AFTER_S
+    return seen is not None and time.time() - seen.at > timing.ROLLOUT_STEAL_AFTER.total_seconds()
 
 
 def _gone(store: JobStore, engine: int) -> bool:

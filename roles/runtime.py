@@ -13,31 +13,26 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import NoReturn
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 import replica
-from replica.errors import FencedError
-from replica.jobstate import Epoch, Flag, JobStore, Regroup, Stamp, Text, keys
+from replica.errors import FencedError, StoreWaitTimeoutError
+from replica.jobstate import Epoch, Flag, JobStore, Promotion, Regroup, Stamp, Text, keys
 from replica.export import export_path, load_export, step_folder
 from replica.restore import materialize_optimizer_state, restore_snapshot
-from replica.roles.env import RoleEnv, configure_logging
+from replica.roles import timing
+from replica.roles.env import Role, RoleEnv, configure_logging
 from replica.roles.join import join
 from replica.roles.rollouts import RolloutClient, serve_rollouts
 
 __all__ = ["Job", "init"]
 
 logger = logging.getLogger(__name__)
-HEARTBEAT_S = 0.1
-_HEARTBEAT_IO = timedelta(seconds=2)  # one beat's store call (or reconnect) at most
-_PYTHON_GRACE = timedelta(seconds=30)  # beats stop once the interpreter showed no life this long (a hang)
 _HEARTBEAT_LOG_EVERY = 50  # repeated failures: one warning in 50 (5 s)
-_WAIT = timedelta(seconds=120)
 _FENCED_EXIT = 75  # the exit code of a trainer that found itself replaced
 _COORDINATOR_LOST_EXIT = 76  # the exit code of a role whose job store went away
-_STORE_LOST = timedelta(seconds=10)  # the store unreachable this long: the coordinator is gone
 
 
 class Job:
@@ -45,10 +40,10 @@ class Job:
         self.env = env
         self.role = env.role
         self.rank = env.rank
-        self.store = JobStore(dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=_WAIT),
+        self.store = JobStore(dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=timing.ROLE_WAIT),
                               token=env.token)
         # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
-        self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=_WAIT).member
+        self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=timing.ROLE_WAIT).member
         self._failed_generation = -1  # the newest generation this process could not join
         # Beat from the moment it is a member: the coordinator's deadline runs from the join.
         self.group: replica.ResilientProcessGroup | None = None
@@ -56,13 +51,12 @@ class Job:
         self._lost = threading.Lock()  # held once the job store is found gone (the role is exiting)
         threading.Thread(target=self._watch, daemon=True, name="replica-watch").start()
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
-        self.config = replica.Config(token=env.token, host=env.host, standby_wait=timedelta(seconds=120))
-        # gloo fails a frozen peer's collective at `timeout`. NCCL's watchdog must never beat the
-        # coordinator to declaring a peer dead: 60 s is >= 3x heartbeat deadlines up to 20 s (default 2.5).
-        self.group = None if env.role == "rollout" else replica.init_resilient_process_group(
+        self.config = replica.Config(token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT)
+        # gloo fails a frozen peer's collective at its timeout; NCCL's watchdog never beats the coordinator.
+        self.group = None if env.role == Role.ROLLOUT else replica.init_resilient_process_group(
             store=self.store.sub(keys.process_group()), rank=env.rank, world_size=env.world_size,
-            timeout=timedelta(seconds=10), nccl_timeout=timedelta(seconds=60),
-            generation=0 if env.role == "trainer" else None)
+            timeout=timing.PROCESS_GROUP_TIMEOUT, nccl_timeout=timing.NCCL_TIMEOUT,
+            generation=0 if env.role == Role.TRAINER else None)
         self._rep: replica.Replicator | None = None
         self._mirror: replica.Mirror | None = None
         self._bound: tuple | None = None
@@ -75,9 +69,9 @@ class Job:
     def replicate(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   extra: Mapping[str, object]) -> Job:
         self._bound = (model, optimizer, dict(extra))
-        if self.role == "trainer" and self.env.resume:
+        if self.role == Role.TRAINER and self.env.resume:
             self._resume(self.env.resume)
-        elif self.role == "trainer":
+        elif self.role == Role.TRAINER:
             self._start_replicator()
         else:
             # Create the optimizer's state now, while waiting: promotion is then one unpack.
@@ -139,7 +133,7 @@ class Job:
 
     def serve_rollouts(self, make_llm) -> None:
         """The rollout role: run the engine ``make_llm()`` builds and serve until the job ends."""
-        if self.role != "rollout":
+        if self.role != Role.ROLLOUT:
             raise replica.ReplicaError(f"serve_rollouts() in a {self.role} process")
         try:
             serve_rollouts(store=self.store, index=self.rank, num_engines=self.env.rollouts, token=self.env.token,
@@ -151,7 +145,7 @@ class Job:
 
     def steps(self, total: int) -> Iterator[int]:
         step = self._resumed_from + 1
-        if self.role == "standby":
+        if self.role == Role.STANDBY:
             promoted = self._wait_promotion()
             if promoted is None:
                 return
@@ -194,28 +188,34 @@ class Job:
     def _superseded(self, store: JobStore | None = None) -> bool:
         """True when the coordinator gave this trainer's rank to another process."""
         current = (store or self.store).get(keys.generation())
-        return (self.role == "trainer" and current is not None and self.rank < len(current.trainers)
+        return (self.role == Role.TRAINER and current is not None and self.rank < len(current.trainers)
                 and current.trainers[self.rank] not in (-1, self.member))
 
     def _announced(self) -> tuple[int, int]:
         """The newer generation and the commit it resumes from. A step that failed
         without one (a rendezvous or collective timed out on a loaded machine, no
         one died) waits for the coordinator's decision: a death is announced, or
-        the slow peer catches up and the step is simply redone in a fresh generation."""
-        deadline = time.monotonic() + _WAIT.total_seconds()
+        the slow peer catches up and the step is simply redone in a fresh generation.
+        Blocks in the store until the next generation's failover record exists."""
         floor = max(self.group.generation, self._failed_generation)
         asked = False
-        while True:
-            current = self.store.get(keys.generation())
+
+        def announced(store: JobStore) -> tuple[int, int] | None:
+            nonlocal asked
+            current = store.get(keys.generation())
             if current is not None and current.number > floor:
-                failover = self.store.wait(keys.failover(current.number), _WAIT)
-                return current.number, failover.commit
+                return current.number, store.wait(keys.failover(current.number), timing.ROLE_WAIT).commit
             if current is not None and not asked:  # no death announced (yet): ask for a fresh generation
-                self.store.put(keys.regroup(self.rank), Regroup(rank=self.rank, generation=current.number))
+                store.put(keys.regroup(self.rank), Regroup(rank=self.rank, generation=current.number))
                 asked = True
-            if time.monotonic() > deadline:
-                raise replica.ReplicaError("the step failed but no coordinator announced a failover or a regroup")
-            time.sleep(0.005)
+            return None
+
+        try:
+            return self.store.wait_for(announced, wake=lambda: [keys.failover(floor + 1)], timeout=timing.ROLE_WAIT,
+                                       what="failover or regroup")
+        except StoreWaitTimeoutError:
+            raise replica.ReplicaError("the step failed but no coordinator announced a failover or a regroup "
+                                       f"within {timing.ROLE_WAIT}") from None
 
     def _recover(self) -> int:
         while True:
@@ -234,7 +234,7 @@ class Job:
         """Join ``generation``; False if it failed or was superseded before every member
         arrived (the caller then waits for the next one)."""
         try:
-            self.group.configure(generation, ready_timeout=_WAIT,
+            self.group.configure(generation, ready_timeout=timing.ROLE_WAIT,
                                  ready_abort=lambda: self._generation_number() > generation)
             return True
         except (replica.ReplicaError, RuntimeError) as exc:  # gloo reports a failed rendezvous as RuntimeError
@@ -249,24 +249,39 @@ class Job:
         return -1 if current is None else current.number
 
     def _wait_promotion(self) -> int | None:
+        """Wait (on a store connection of this thread's own) until the coordinator
+        promotes this standby; None when the job ended first. Meanwhile, export the
+        commit when asked (a rank's state is lost) and fire this standby's faults."""
         key = keys.promote(self.rank)
-        # Only a promotion that names this standby is meant for it.
-        while True:
-            with self._store_guard():
-                promotion = self.store.get(key)
-                if promotion is not None and promotion.member == self.member:
-                    break
-                if not self._exported and (request := self.store.get(keys.export())) is not None:
-                    self._export(request.directory, [request.commit])  # the job is ending: a rank's state is lost
-                if self.store.has(keys.finished()):
-                    self.close()
-                    return None
-                for f in self.env.faults:  # a standby's fault fires once its trainer has finished that step
-                    if f.role == "standby" and f.rank == self.rank and self.store.has(keys.loss(self.rank, f.step)):
-                        self._fault(f.phase, f.step)
-            time.sleep(0.01)
+        faults = [f for f in self.env.faults if f.role == Role.STANDBY and f.rank == self.rank]
+        generation = -1  # the newest generation seen: a promotion comes with the next one
+
+        def promoted(store: JobStore) -> Promotion | Flag | None:
+            nonlocal generation
+            generation = max(generation, self._generation_number(store))
+            promotion = store.get(key)
+            if promotion is not None and promotion.member == self.member:  # meant for this standby only
+                return promotion
+            if not self._exported and (request := store.get(keys.export())) is not None:
+                self._export(request.directory, [request.commit])  # the job is ending: a rank's state is lost
+            if store.has(keys.finished()):
+                return Flag()
+            for f in faults:  # a standby's fault fires once its trainer has finished that step
+                if store.has(keys.loss(self.rank, f.step)):
+                    self._fault(f.phase, f.step)
+            return None
+
+        with self._store_guard():
+            # Woken by the next generation's failover record (written before its promotion);
+            # the job's end and an export request are looked for every timing.STANDBY_LOOK.
+            promotion = self.store.wait_for(
+                promoted, wake=lambda: [keys.failover(generation + 1)], timeout=timing.PROMOTION_WAIT,
+                what="promotion", every=timing.STANDBY_POLL if faults else timing.STANDBY_LOOK, poll=timing.STANDBY_POLL)
+        if isinstance(promotion, Flag):
+            self.close()
+            return None
         generation = promotion.generation
-        commit = self.store.wait(keys.failover(generation), _WAIT).commit
+        commit = self.store.wait(keys.failover(generation), timing.ROLE_WAIT).commit
         model, optimizer, extra = self._bound
         try:
             self._mirror.restore(model, optimizer, extra, step=commit, rank=self.rank,
@@ -285,7 +300,7 @@ class Job:
         held = self._mirror.hand_over(commit)
         mirror, self._mirror = self._mirror, None
         threading.Thread(target=mirror.close, daemon=True, name="replica-mirror-close").start()
-        self.role = "trainer"
+        self.role = Role.TRAINER
         self._start_replicator(held)
         self._rep.protect()  # the rank's new standby receives the commit first: it has two copies again
         logger.warning("[standby rank %d] promoted to trainer at commit %d, generation %d", self.rank, commit,
@@ -350,12 +365,12 @@ class Job:
 
     def _store_failed(self, exc: RuntimeError) -> None:
         """A store call of the role's own thread failed: if the store stays unreachable for
-        _STORE_LOST, the coordinator is gone (``_coordinator_lost``); else ``exc`` was
+        timing.STORE_LOST, the coordinator is gone (``_coordinator_lost``); else ``exc`` was
         something else, and it is raised again."""
-        deadline = time.monotonic() + _STORE_LOST.total_seconds()
+        deadline = time.monotonic() + timing.STORE_LOST.total_seconds()
         while time.monotonic() < deadline:
             try:
-                self.store.reconnect(_HEARTBEAT_IO).get(keys.generation())
+                self.store.reconnect(timing.HEARTBEAT_IO).get(keys.generation())
             except (RuntimeError, OSError):  # still unreachable
                 time.sleep(0.2)
                 continue
@@ -372,14 +387,14 @@ class Job:
         """The role's liveness, from the moment it joined. The beat itself comes from a
         native thread (``JobStore.heartbeat``: a Python thread waiting for the GIL behind
         a busy main thread was silent for seconds on a loaded machine); this thread tells
-        it the interpreter lives, every HEARTBEAT_S, on a store connection of its own
+        it the interpreter lives, every HEARTBEAT_PERIOD, on a store connection of its own
         (the role's shared one sits in blocking waits for seconds). It also stops a
         trainer whose rank the coordinator gave to another process (declared dead:
         frozen, partitioned), gets a GPU survivor out of a collective with a dead peer,
         and ends the role when the store stays unreachable (the coordinator is gone).
         An error is logged and the watch goes on (reconnecting)."""
-        beat = self.store.heartbeat(self.member, period=timedelta(seconds=HEARTBEAT_S), io_timeout=_HEARTBEAT_IO,
-                                    python_grace=_PYTHON_GRACE)
+        beat = self.store.heartbeat(self.member, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
+                                    python_grace=timing.PYTHON_GRACE)
         store: JobStore | None = None
         failures = 0
         failing_since = 0.0
@@ -387,16 +402,16 @@ class Job:
         try:
             while not self._stop.is_set():
                 beat.touch()
-                if (beat.failing_for > _HEARTBEAT_IO.total_seconds()) != beats_failing:
+                if (beat.failing_for > timing.HEARTBEAT_IO.total_seconds()) != beats_failing:
                     beats_failing = not beats_failing
                     logger.warning("[%s rank %d] heartbeats %s", self.role, self.rank,
                                    f"fail: {beat.last_error}" if beats_failing else "get through again")
                 try:
                     if store is None:
-                        store = self.store.reconnect(_HEARTBEAT_IO)
+                        store = self.store.reconnect(timing.HEARTBEAT_IO)
                     if self._superseded(store):
                         self._fenced_exit()
-                    if self.group is not None and self.group.cuda and self.role == "trainer" and \
+                    if self.group is not None and self.group.cuda and self.role == Role.TRAINER and \
                             self.group.errored is None and self._failover_announced(store):
                         # NCCL does not fail a collective whose peer died: get this survivor out of it.
                         self.group.abort("the coordinator announced a failover")
@@ -408,9 +423,9 @@ class Job:
                         logger.warning("[%s rank %d] the job store does not answer (%d in a row): %s; beats: %s",
                                        self.role, self.rank, failures, exc, beat.last_error or "getting through")
                     store = None
-                    if time.monotonic() - failing_since > _STORE_LOST.total_seconds():
+                    if time.monotonic() - failing_since > timing.STORE_LOST.total_seconds():
                         self._coordinator_lost(exc)
-                self._stop.wait(HEARTBEAT_S)
+                self._stop.wait(timing.HEARTBEAT_PERIOD.total_seconds())
         finally:
             beat.stop()
 
@@ -444,7 +459,7 @@ class Job:
         """A rollout's fault fires at the first shard it generates for its step or a later one
         (which engine takes which shard depends on which is up first)."""
         for f in self.env.faults:
-            if f.role == "rollout" and f.rank == self.rank and f.step <= step:
+            if f.role == Role.ROLLOUT and f.rank == self.rank and f.step <= step:
                 self._fault(f.phase, f.step)
 
     def _fault(self, phase: str, step: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 from replica.roles.coordinator import Coordinator
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
     faults = parse_faults(os.environ.get("REPLICA_INJECT", ""))
-    return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout_s=args.timeout, report=args.report,
+    return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                                     timeline_png=timeline, export_dir=args.export_dir,
                                     first_step=resume[0] + 1 if resume else 1))
 

@@ -9,20 +9,20 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
 
 from replica.jobstate import keys
-from replica.roles.coordinator import Coordinator, Decision
-from replica.roles.env import Fault
+from replica.roles.coordinator import Coordinator, Decision, DecisionKind
+from replica.roles import timing
+from replica.roles.env import Fault, Role
 from replica.roles.report import build_report, print_timeline, write_timeline_png
 
 __all__ = ["Agent", "JobSpec", "supervise"]
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.02
-_EXPORT_WAIT_S = 60.0  # how long a failing job waits for its standbys' exports
 
 
 class Agent(Protocol):
@@ -48,7 +48,7 @@ class Agent(Protocol):
 class JobSpec:
     steps: int
     faults: tuple[Fault, ...]
-    timeout_s: float
+    timeout: timedelta
     report: Path | None = None
     timeline_png: Path | None = None
     # After a promotion or a standby's death, train on unprotected while the new standby starts
@@ -61,7 +61,7 @@ class JobSpec:
 
 def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> int:
     """Run the job to its end; returns the exit status (0: every rank finished)."""
-    deadline = time.monotonic() + spec.timeout_s
+    deadline = time.monotonic() + spec.timeout.total_seconds()
     shown, errors = spec.first_step - 1, 0
     status, failure = 1, None
     while time.monotonic() < deadline:
@@ -86,13 +86,13 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> 
             print(f"\rreplica: step {shown}/{spec.steps}  commit {coord.record.last()}  generation "
                   f"{coord.generation}  failovers {len(coord.failovers)}  unprotected "
                   f"{sorted(coord.unprotected) or 'none'}", end="", flush=True)
-        trainers = {m.pid for m in coord.members if m.role == "trainer"}
+        trainers = {m.pid for m in coord.members if m.role == Role.TRAINER}
         if coord.all_done() and (agent is None or not agent.running(trainers)):
             status = 0
             break
-        time.sleep(_POLL_S)
+        time.sleep(timing.SUPERVISE_POLL.total_seconds())
     else:
-        print(f"\nreplica: the job did not finish within {spec.timeout_s:g} s", flush=True)
+        print(f"\nreplica: the job did not finish within {spec.timeout.total_seconds():g} s", flush=True)
     print(flush=True)
     coord.finish()
     faults = [str(f) for f in spec.faults]
@@ -110,17 +110,17 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> 
 
 
 def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobSpec) -> str | None:
-    if decision.kind == "failed":
+    if decision.kind == DecisionKind.FAILED:
         exported = _export(coord, spec.export_dir) if decision.state_lost and spec.export_dir is not None else ""
         return f"the job failed: {decision.reason}{exported}"
     if decision.dead is not None and agent is not None:
         agent.kill(decision.dead.pid)  # a process declared dead on a missed deadline may still run
-    if decision.kind == "rollout_lost":
+    if decision.kind == DecisionKind.ROLLOUT_LOST:
         replaced = agent is not None and agent.replace_rollout(decision.rank)
         print(f"\nreplica: {decision.dead} is dead ({decision.reason}); training goes on without it"
               + ("; a replacement is starting" if replaced else ""), flush=True)
         return None
-    what = "promoted its standby" if decision.kind == "promoted" else "training goes on"
+    what = "promoted its standby" if decision.kind == DecisionKind.PROMOTED else "training goes on"
     print(f"\nreplica: {decision.dead} is dead ({decision.reason}); {what}", flush=True)
     if spec.train_while_replacing:  # before the new standby can join and protect the rank again
         coord.set_unprotected(decision.rank, until_standby_joins=True)
@@ -137,16 +137,16 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobS
 
 def _export(coord: Coordinator, directory: Path) -> str:
     """Have every live standby write its version of the last commit to ``directory``
-    (waiting up to _EXPORT_WAIT_S for them); says what was written for the final message."""
+    (waiting up to EXPORT_WAIT for them); says what was written for the final message."""
     directory = directory.resolve()
     commit = coord.request_export(str(directory))
     if commit is None:
         return ""
     print(f"\nreplica: the standbys export commit {commit} to {directory} ...", flush=True)
-    standbys = {m.rank for m in coord.alive("standby")}
-    deadline = time.monotonic() + _EXPORT_WAIT_S
+    standbys = {m.rank for m in coord.alive(Role.STANDBY)}
+    deadline = time.monotonic() + timing.EXPORT_WAIT.total_seconds()
     while time.monotonic() < deadline and not standbys <= set(coord.exports()):
-        time.sleep(_POLL_S)
+        time.sleep(timing.SUPERVISE_POLL.total_seconds())
     answers = coord.exports()
     written = sorted(r for r, answer in answers.items() if not answer.startswith("error"))
     failed = {r: answer for r, answer in answers.items() if answer.startswith("error")}

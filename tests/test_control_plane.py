@@ -48,8 +48,8 @@ def test_values_are_signed_and_forgeries_read_as_absent(store, caplog):
     assert jobs.get(keys.commit()) is None
     store.set("replica/commit", "x")
     assert jobs.get(keys.commit()) is None
-    store.set("replica/ack/0", raw)
-    assert jobs.get(keys.ack(0)) is None
+    store.set("replica/ack/0/trainer", raw)
+    assert jobs.get(keys.ack(0, "")) is None
     with pytest.raises(JobStateError):
         jobs.verify(keys.commit(), b"x")
     assert "ignored a value of replica/commit" in caplog.text and TOKEN.decode() not in caplog.text
@@ -61,7 +61,7 @@ def test_values_are_signed_and_forgeries_read_as_absent(store, caplog):
 def test_a_forged_commit_neither_counts_nor_blocks_the_real_one(store):
     record = CommitRecord(JobStore(store, token=TOKEN), world_size=2)
     raw_client(store.port).set("replica/commit", "999")
-    raw_client(store.port).set("replica/ack/1", "999")
+    raw_client(store.port).set("replica/ack/1/trainer", "999")
     assert record.last() is None
     with pytest.raises(CommitTimeoutError):
         record.wait(1, timedelta(milliseconds=200))
@@ -83,10 +83,26 @@ def test_acks_of_a_superseded_epoch_do_not_move_the_commit(store):
     assert record.acknowledge(1, 6, record.current_epoch(1)) == 6
 
 
+def test_a_replaced_standby_neither_counts_nor_displaces_its_successor(store):
+    """Acks are kept per standby incarnation: a standby declared dead that still runs
+    (frozen, then woken) acknowledges under its own key, which nothing reads any more.
+    With one key per rank its late ack overwrote its successor's, and the coordinator
+    then refused to promote the successor (it seemed not to hold the commit)."""
+    record = CommitRecord(JobStore(store, token=TOKEN), world_size=1)
+    old = record.publish_standby(0, "ucx", "old-address")
+    assert record.acknowledge(0, 4, holder=old.nonce) == 4 and record.standby_holds(0, 4)
+    new = record.publish_standby(0, "ucx", "new-address")  # its replacement registers
+    assert not record.standby_holds(0, 4)  # it holds nothing yet
+    assert record.acknowledge(0, 5, holder=new.nonce) == 5
+    assert record.acknowledge(0, 9, holder=old.nonce) == 5  # the old one, still running, moves nothing
+    assert record.standby_holds(0, 5) and not record.standby_holds(0, 6)
+    assert record.acknowledge(0, 6, holder="") == 6  # the trainer acknowledging itself (unprotected) counts
+
+
 def _forge_everything(port: int) -> None:
     """Everything a process without the token tried against the old store."""
     raw = raw_client(port)
-    for key, value in [("replica/commit", "999"), ("replica/commit", "x"), ("replica/ack/0", "999"),
+    for key, value in [("replica/commit", "999"), ("replica/commit", "x"), ("replica/ack/0/trainer", "999"),
                        ("replica/generation", "7"), ("replica/failover/7", "3"), ("replica/promote/0", "7"),
                        ("replica/fatal", "forged fatal error"), ("replica/finished", "1"), ("replica/done/0", "1"),
                        ("replica/lost/0", "50"), ("replica/unprotected/0", "1")]:
@@ -95,7 +111,7 @@ def _forge_everything(port: int) -> None:
 
 
 def test_the_coordinator_ignores_forged_state_and_survives_garbage():
-    coord = Coordinator(world_size=1, token=TOKEN, deadlines=Deadlines(trainer=2.0))
+    coord = Coordinator(world_size=1, token=TOKEN, deadlines=Deadlines(trainer=timedelta(seconds=2)))
     jobs = JobStore(raw_client(coord.port), token=TOKEN)
     # A real trainer joins (the join protocol by hand: no process needed).
     request = JoinRequest(role="trainer", rank=0, host="h", pid=12345, nonce="n1")
@@ -147,7 +163,7 @@ def test_a_fenced_trainer_cannot_reach_its_standby_or_commit(store):
             train_step(old)
             zombie.commit(3)  # its stream finds itself fenced, and says so to the training loop
             with pytest.raises(FencedError):
-                zombie.wait_committed(10)
+                zombie.wait_committed(timedelta(seconds=10))
         assert mirror.held_steps() == [1, 2] and CommitRecord(jobs, world_size=1).last() == 2
         # A zombie connecting afresh is refused before it can displace anyone.
         with replica.Replicator(new.model, new.optimizer, new.extra, store=store, config=cfg, rank=0,
@@ -155,7 +171,7 @@ def test_a_fenced_trainer_cannot_reach_its_standby_or_commit(store):
             train_step(new)
             again.commit(3)
             with pytest.raises(FencedError):
-                again.wait_committed(10)
+                again.wait_committed(timedelta(seconds=10))
         assert mirror.held_steps() == [1, 2]
         # The rank's current trainer streams and commits as usual.
         current = Epoch(generation=1, member=9)

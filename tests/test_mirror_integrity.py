@@ -107,7 +107,7 @@ def test_corruption_past_the_resend_limit_is_never_committed(store):
         rep.faults.corrupt_buckets = 1
         trained(j, 1, rep, first=3)
         with pytest.raises(StandbyLostError, match="still failed their digests"):
-            rep.wait_committed(timeout_s=30)
+            rep.wait_committed(timedelta(seconds=30))
         assert rep.faults.corrupted == 1 and mirror.stats.corrupted_buckets == 1
         assert rep.last_commit() == 2
         assert 3 not in mirror.held_steps()
@@ -157,7 +157,7 @@ def test_standby_dying_mid_transfer_keeps_the_last_commit(store):
         standby.kill()  # ... when the standby dies
         assert standby.process.exitcode == -signal.SIGKILL
         with pytest.raises(StandbyLostError, match="unprotected"):
-            rep.wait_committed(timeout_s=30)
+            rep.wait_committed(timedelta(seconds=30))
         assert rep.stream_stats.acked_step == 2
         assert rep.last_commit() == 2
         assert rep.rollback() == 2
@@ -244,7 +244,7 @@ def test_trainer_of_another_layout_is_refused(committed_mirror, store):
                             rank=0, world_size=1) as rep:
         trained(other, 1, rep, first=10)
         with pytest.raises(LayoutMismatchError, match="refused this trainer's state layout"):
-            rep.wait_committed(timeout_s=30)
+            rep.wait_committed(timedelta(seconds=30))
     assert mirror.held_steps() == [1, 2]
 
 

@@ -105,7 +105,7 @@ def test_a_handed_over_mirror_receives_nothing_more(store):
             held, _ = standby.hand_over(2)
             trained(j, 1, rep, first=3)  # a zombie of the old trainer streams on: refused
             with pytest.raises(ReplicaError):
-                rep.wait_committed(timeout_s=3)
+                rep.wait_committed(timedelta(seconds=3))
         assert 3 not in standby.held_steps() and held.step == 2  # nothing of step 3 was received
         held.verify()  # and the handed-over version is intact
     finally:

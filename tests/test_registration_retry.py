@@ -63,7 +63,7 @@ def test_a_standby_registering_after_the_timeout_but_within_standby_wait_is_used
         began = time.monotonic()
         starter.start()
         trained(j, 1, rep)
-        assert rep.wait_committed(timeout_s=60) == 1
+        assert rep.wait_committed(timedelta(seconds=60)) == 1
         assert time.monotonic() - began > cfg.timeout.total_seconds()  # it did wait past the timeout
         starter.join()
         mirror = late[0]
@@ -83,7 +83,7 @@ def test_a_standby_whose_first_connection_failed_is_tried_again():
     with FlakyMirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
             replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
         trained(j, 2, rep)
-        assert rep.wait_committed(timeout_s=60) == 2
+        assert rep.wait_committed(timedelta(seconds=60)) == 2
         assert mirror.dropped == 1  # the fault fired
         assert rep.stream_stats.reattached == 1  # the same registration, reached on a later try
         assert mirror.held_steps() == [1, 2]
