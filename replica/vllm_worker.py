@@ -160,6 +160,11 @@ class ReplicaWorkerExtension:
     def replica_version(self) -> int | None:
         return self._replica_receiver.version
 
+    def replica_served_epoch(self) -> tuple[int, int] | None:
+        """(generation, member) of the leader that sent the served version (None: none served)."""
+        epoch = self._replica_receiver.served_epoch
+        return None if epoch is None else (epoch.generation, epoch.member)
+
     def replica_detach(self) -> None:
         stager = getattr(self, "_replica_stager", None)
         if stager is not None:
@@ -317,6 +322,13 @@ class EngineWeights:
         return self._one(self.llm.collective_rpc("replica_version"))
 
     @property
+    def served_epoch(self) -> tuple[int, int] | None:
+        """(generation, member) of the trainer incarnation that sent the served version:
+        a zombie leader's would show here (the receivers refuse it)."""
+        epoch = self._one(self.llm.collective_rpc("replica_served_epoch"))
+        return None if epoch is None else (int(epoch[0]), int(epoch[1]))  # a list when it crossed processes
+
+    @property
     def staging(self) -> str:
         """How versions are applied: "staged", "in place", or "in place: <why staging was given up>"."""
         return self._one(self.llm.collective_rpc("replica_staging"))
@@ -341,6 +353,6 @@ class EngineWeights:
     @staticmethod
     def _one(results: list):
         """Every worker holds the same version (tensor-parallel workers apply together)."""
-        if len(set(results)) != 1:
+        if not results or any(r != results[0] for r in results):
             raise RuntimeError(f"the engine's workers disagree: {results}")
         return results[0]

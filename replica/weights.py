@@ -61,6 +61,7 @@ from replica.transport.base import memory_kind
 __all__ = ["ReceiverStats", "SyncStats", "WeightBucket", "WeightReceiver", "WeightSync", "tensor_buckets", "weight_layout"]
 
 logger = logging.getLogger(__name__)
+_EPOCHS_KEPT = 8  # a receiver remembers the sender epoch of this many recent versions
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -440,6 +441,8 @@ class WeightReceiver(Listener):
         self._held_buffer: torch.Tensor | None = None
         self._receiving = threading.Lock()  # one session at a time writes the staging buffer
         self.version: int | None = None  # the version the engine serves (applied)
+        self.served_epoch: Epoch | None = None  # the epoch of the leader that sent it
+        self._epochs: dict[int, Epoch] = {}  # the sender's epoch of each recent complete version
         self._sender: Connection | None = None  # the current sender's connection
         self.registration = publish(self.store, keys.engine(index), self.backend, self.address)
         self._start()
@@ -479,9 +482,10 @@ class WeightReceiver(Listener):
 
     def served(self, step: int) -> None:
         """Record that the engine now serves version ``step`` (and report it in the store)."""
-        self.version = step
+        with self._cond:
+            self.version, self.served_epoch = step, self._epochs.get(step)
         self.store.put(keys.engine_version(self.index), Number(value=step))
-        logger.info("[engine %d] serving weights of step %d", self.index, step)
+        logger.info("[engine %d] serving weights of step %d (sent by %s)", self.index, step, self.served_epoch)
 
     def apply(self, load: Callable[[Iterator[tuple[str, torch.Tensor]]], None]) -> int | None:
         """If a newer complete version is ready, call ``load`` with an iterator over
@@ -542,6 +546,9 @@ class WeightReceiver(Listener):
         becomes the ready version; the next one goes where nobody reads."""
         with self._cond:
             previous, self._ready, self._ready_step = self._ready, buffer, begin.step
+            self._epochs[begin.step] = begin.epoch
+            for old in sorted(self._epochs)[:-_EPOCHS_KEPT]:
+                del self._epochs[old]
             if previous is not self._held_buffer:
                 self._staging = previous
             else:

@@ -168,15 +168,16 @@ class Coordinator:
             lost = False
             if member.role == Role.TRAINER:
                 reports = self.record.lost_reports(member.rank)
-                if now - member.since < timing.LATE_REPORT.total_seconds():  # a report may still be about its predecessor
+                # A report this soon after the promotion may still be about its predecessor.
+                if now - member.since < timing.LATE_REPORT.total_seconds():
                     member.lost_base = reports
                 lost = reports > member.lost_base
             if lost and silent > self.deadlines.confirm.total_seconds():
                 decisions += self.declare_dead(member, f"its standby saw the connection vanish and it has sent "
                                                        f"no heartbeat for {silent * 1e3:.0f} ms")
-            elif silent > self.deadlines.of(member.role).total_seconds():
+            elif silent > (deadline := self.deadlines.of(member.role).total_seconds()):
                 decisions += self.declare_dead(member, f"no heartbeat for {silent:.1f} s (the {member.role} "
-                                                       f"deadline is {self.deadlines.of(member.role).total_seconds():g} s)")
+                                                       f"deadline is {deadline:g} s)")
         return decisions
 
     def _reprotect(self) -> None:
@@ -349,7 +350,9 @@ class Coordinator:
         self._publish_generation()  # last: whoever sees generation g finds its failover record
         standby.lost_base = self.record.lost_reports(rank)
         engine = self._live(Role.ROLLOUT, rank)
-        if engine is not None:  # the standby's machine hosts rollout `rank`: its resources go to the trainer
+        if engine is not None and len(self.alive(Role.ROLLOUT)) == 1:  # the job cannot go on without it
+            logger.warning("%s keeps serving beside trainer %d: it is the last engine", engine, rank)
+        elif engine is not None:  # the standby's machine hosts rollout `rank`: its resources go to the trainer
             self.store.put(keys.rollout_stop(rank), Flag())
             # Its claims on shards are void from now on: the other engines take them.
             self.store.put(keys.engine_dead_since(rank), Stamp(at=time.time()))
@@ -387,7 +390,7 @@ class Coordinator:
         return []
 
     def _live(self, role: str, rank: int) -> Member | None:
-        return next((m for m in self.members if m.state == MemberState.ALIVE and m.role == role and m.rank == rank), None)
+        return next((m for m in self.alive(role) if m.rank == rank), None)
 
     def _last_beat(self, member: Member, now: float) -> float:
         """When (on this clock) the member's signed heartbeat counter last rose
@@ -432,7 +435,8 @@ class Coordinator:
 
     def _publish_generation(self) -> None:
         """The generation and each rank's trainer in it: the epochs receivers accept."""
-        trainers = tuple(m.id if m is not None else -1 for m in (self._live(Role.TRAINER, r) for r in range(self.world_size)))
+        live = (self._live(Role.TRAINER, r) for r in range(self.world_size))
+        trainers = tuple(m.id if m is not None else -1 for m in live)
         self.store.put(keys.generation(), Generation(number=self.generation, trainers=trainers))
 
     def _publish_members(self) -> None:

@@ -172,7 +172,7 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
                   for i in request["index"][shard]]
         outs = llm.generate([{"prompt_token_ids": p} for p in request["shards"][shard]], params, use_tqdm=False)
         store.put(keys.result(n, shard), Text(value=json.dumps({
-            "engine": index, "pid": os.getpid(), "version": served,
+            "engine": index, "pid": os.getpid(), "version": served, "epoch": weights.served_epoch,
             "completions": [list(o.outputs[0].token_ids) for o in outs]})))
     weights.close()
 
@@ -249,5 +249,6 @@ def served_shards(store: JobStore) -> list[dict]:
             if result is not None:
                 result = json.loads(result.value)
                 rows.append({"request": n, "step": request["step"], "shard": k, "needed": request["version"],
-                             "engine": result["engine"], "pid": result["pid"], "version": result["version"]})
+                             "engine": result["engine"], "pid": result["pid"], "version": result["version"],
+                             "epoch": result.get("epoch")})
     return rows

@@ -63,11 +63,11 @@ def role_env(port: int, role: str, rank: int, **extra: str) -> dict[str, str]:
     return dict(env, **extra)
 
 
-def start_coordinator(port: int, report: Path, **env: str) -> subprocess.Popen:
+def start_coordinator(port: int, report: Path, *options: str, steps: int = STEPS, **env: str) -> subprocess.Popen:
     """`replica coordinator` alone (the multi-node way), its output captured; its store is up on return."""
     coordinator = subprocess.Popen(
-        [sys.executable, "-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps", str(STEPS),
-         "--port", str(port), "--timeout", "240", "--report", str(report)], cwd=ROOT,
+        [sys.executable, "-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps", str(steps),
+         "--port", str(port), "--timeout", "240", "--report", str(report), *options], cwd=ROOT,
         env=dict(os.environ, REPLICA_TOKEN=TOKEN, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     time.sleep(1)
     return coordinator

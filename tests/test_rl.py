@@ -7,11 +7,19 @@ the per-step losses and rewards bit-identical to the failure-free run."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+
 import pytest
+import torch.distributed as dist
 
 from replica.roles.report import compare_reports
-from replica.testing import busy_cores
-from test_launch import ROOT, launch
+from replica.testing import busy_cores, process_state
+from test_launch import ROOT, free_port, launch, role_env, start_coordinator, wait_for_key
 from vllm_engine import vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
@@ -55,3 +63,62 @@ def test_rl_loop_survives_a_trainer_and_a_rollout_kill(tmp_path, reference, load
     assert {s["step"] for s in shards} == set(range(1, 7))
     assert compare_reports(reference, report) == []  # losses and rewards, bit for bit
     assert report["last_commit"] == 6
+
+
+FROZEN_STEP = 4
+ROLES = (("rollout", 0), ("standby", 0), ("standby", 1), ("trainer", 0), ("trainer", 1))
+
+
+def test_a_frozen_leader_waking_up_after_its_failover_pushes_no_weights(tmp_path, reference):
+    """A zombie leader. Trainer 0 (the one that pushes weights into the engines) freezes
+    (SIGSTOP) at the start of step 4, before that step's push, in a `replica coordinator`
+    job (no agent kills it): the heartbeat deadline finds it, its standby is promoted
+    and pushes from then on. Woken (SIGCONT) once the job resumed, the zombie still holds
+    its old epoch and its engine connection; it must exit by itself (code 75), and no
+    rollout of step 4 or later may be made with weights it sent (each shard records the
+    epoch of the leader that sent the weights it was made with)."""
+    port, report = free_port(), tmp_path / "run.json"
+    steps = {"REPLICA_STEPS": "6", "REPLICA_ROLLOUTS": "1"}
+    inject = {"REPLICA_INJECT": f"freeze:trainer:0@{FROZEN_STEP}:forward"}
+    coordinator = start_coordinator(port, report, "--rollouts", "1", steps=6, **inject)
+    logs = [tmp_path / f"{role}{rank}.log" for role, rank in ROLES]  # files: a full pipe would stall a role
+    roles = [subprocess.Popen([sys.executable, str(RL)], env=role_env(port, role, rank, **steps, **inject), cwd=ROOT,
+                              stdout=log.open("w"), stderr=subprocess.STDOUT)
+             for (role, rank), log in zip(ROLES, logs)]
+    zombie = roles[3]
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        wait_for_key(store, "replica/failover/1", coordinator, timeout_s=240)
+        frozen_when_replaced = process_state(zombie.pid)
+        wait_for_key(store, "replica/resumed/1", coordinator)  # the job goes on without it
+        os.kill(zombie.pid, signal.SIGCONT)
+        zombie.wait(timeout=60)
+        output = coordinator.communicate(timeout=240)[0]
+        codes = [p.wait(timeout=60) for p in roles]
+    finally:  # a failed check must not leave the job running beside the next tests
+        for p in (coordinator, *roles):
+            p.kill()
+    outputs = [log.read_text() for log in logs]
+    zombie_output = outputs[3]
+    assert frozen_when_replaced == "T"  # the freeze fired and lasted past the deadline
+    assert coordinator.returncode == 0, output[-4000:]
+    assert zombie.returncode == 75, zombie_output[-4000:]
+    assert "woke up from the freeze" in zombie_output, zombie_output[-4000:]
+    result = json.loads(report.read_text())
+    (failover,) = result["failovers"]
+    assert failover["rank"] == 0 and "no heartbeat" in failover["reason"], failover
+    assert result["rollouts_retired"] == []  # the only engine keeps serving beside the promoted trainer
+    rank0 = {m["state"]: m["id"] for m in result["members"] if m["role"] == "trainer" and m["rank"] == 0}
+    assert sorted(rank0) == ["dead", "done"], result["members"]  # the zombie, and the standby promoted
+    zombie_id = rank0["dead"]
+    shards = result["rollout_shards"]
+    assert all(s["version"] == s["needed"] for s in shards), shards
+    before = [s for s in shards if s["epoch"][1] == zombie_id]  # made with weights it sent while it led
+    after = [s for s in shards if s["epoch"][1] != zombie_id]
+    assert before and max(s["step"] for s in before) < FROZEN_STEP, shards  # nothing it sent once frozen
+    assert after and max(s["request"] for s in before) < min(s["request"] for s in after), shards
+    assert all(s["epoch"][0] >= 1 for s in after), after  # the promoted leader's generation
+    assert {s["step"] for s in after} >= set(range(FROZEN_STEP, 7))
+    assert compare_reports(reference, result) == []  # losses and rewards, bit for bit
+    assert result["last_commit"] == 6
+    assert codes[:3] + codes[4:] == [0, 0, 0, 0], [o[-2000:] for o in outputs]
