@@ -269,14 +269,19 @@ def test_training_goes_on_while_the_new_standby_starts(tmp_path, reference):
     assert report["last_commit"] == STEPS
 
 
-def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path):
-    """Rank 1's state is lost (no standby): the job ends with one message naming the commit
-    and the export folder, where the surviving standby wrote rank 0's version of it."""
+@pytest.mark.parametrize("options", [
+    ("--standbys", "1", "--inject", "kill:trainer:1@3"),
+    ("--replacements", "0", "--inject", "kill:standby:1@3,kill:trainer:1@4:forward"),
+], ids=["never-had-a-standby", "trainer-killed-right-after-its-standby"])
+def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path, options):
+    """Rank 1's state is lost (it never had a standby; or its standby died and, with no
+    replacement allowed, the trainer died a moment later): the job ends with one message
+    naming the commit and the export folder, where the surviving standby wrote rank 0's
+    version of it."""
     export = tmp_path / "export"
-    code, report, output = launch(tmp_path, "--standbys", "1", "--inject", "kill:trainer:1@3", "--export-dir",
-                                  str(export))
+    code, report, output = launch(tmp_path, *options, "--export-dir", str(export))
     assert code == 1, output[-4000:]
-    assert report["faults"][0]["fired_at"] is not None
+    assert all(f["fired_at"] is not None for f in report["faults"])
     assert report["unprotected"] == [1]
     failure = report["failure"]
     assert "trainer 1 died" in failure and "has no standby" in failure, failure
