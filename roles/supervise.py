@@ -64,17 +64,24 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> 
     deadline = time.monotonic() + spec.timeout.total_seconds()
     shown, errors = spec.first_step - 1, 0
     status, failure = 1, None
+    exits: list[tuple[int, int]] = []  # seen by the agent, not yet taken in (kept until they are)
+    decisions: list[Decision] = []
+
+    def take_exits() -> None:  # one at a time: an exit is never lost to a failure while it is handled
+        while exits:
+            decisions.extend(coord.process_exited(*exits[0]))
+            exits.pop(0)
+
     while time.monotonic() < deadline:
-        decisions = []
-        try:
-            if agent is not None:
-                for pid, code in agent.exits():
-                    decisions += coord.process_exited(pid, code)
-            decisions += coord.poll()
-        except Exception:  # noqa: BLE001 - nothing in the store may end the job's loop; say what broke
-            errors += 1
-            if errors == 1 or errors % 100 == 0:
-                logger.exception("the coordinator's poll failed (%d times so far); going on", errors)
+        decisions.clear()
+        exits.extend(agent.exits() if agent is not None else [])
+        for work in (take_exits, lambda: decisions.extend(coord.poll())):
+            try:
+                work()
+            except Exception:  # noqa: BLE001 - nothing in the store may end the job's loop; say what broke
+                errors += 1
+                if errors == 1 or errors % 100 == 0:
+                    logger.exception("the coordinator's poll failed (%d times so far); going on", errors)
         for decision in decisions:
             failure = failure or _act(coord, decision, agent, spec)
         if failure is not None:
