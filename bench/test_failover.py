@@ -153,7 +153,7 @@ def test_checkpoint_restart(benchmark, tmp_path):
 @pytest.fixture(scope="module", autouse=True)
 def report(request):
     yield
-    if request.config.getoption("benchmark_disable") or set(_results) != {"replica", "checkpoint"}:
+    if request.config.getoption("benchmark_disable") or not {"replica", "checkpoint"} <= set(_results):
         return
 
     def median(runs, key):
