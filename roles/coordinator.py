@@ -131,6 +131,9 @@ class Coordinator:
         self.unprotected_spans: list[dict] = []  # rank, from_commit, until_commit (None: to the end)
         self._unprotected_reg: dict[int, str | None] = {}  # a rank's standby registration when it lost protection
         self.rollouts_lost: list[dict] = []
+        # Exits the agent reported for members already declared dead: a process killed once its
+        # deadline passed, or a death the deadline found before the agent saw the exit (for the report).
+        self.late_exits: list[dict] = []
         self.regroups: list[dict] = []  # fresh generations after a step failed with no death
         self._regroup_asked_at: float | None = None
         self.rollouts_retired: list[int] = []  # engines stopped because their machine took a trainer's place
@@ -199,11 +202,16 @@ class Coordinator:
         decisions = self._check_fatal()
         self._admit()
         host = host or socket.gethostname()
-        member = next((m for m in self.members if m.pid == pid and m.host == host), None)
+        # A live member first: pids are reused (pid_max may be 32768), and a dead member may hold this one.
+        member = next((m for m in self.alive() if m.pid == pid and m.host == host), None) or next(
+            (m for m in self.members if m.pid == pid and m.host == host), None)
         if member is None:
             if not self.finished():
                 decisions.append(self._fail(-1, f"process {pid} exited with code {code} before it joined the job"))
             return decisions
+        if member.state == MemberState.DEAD:
+            self.late_exits.append({"member": member.id, "role": member.role, "rank": member.rank, "code": code,
+                                    "at": time.time()})
         if member.state != MemberState.ALIVE:
             return decisions
         if member.role == Role.TRAINER and self.store.has(keys.done(member.rank)):

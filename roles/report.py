@@ -49,6 +49,7 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         "unprotected": sorted(coord.unprotected),
         "unprotected_spans": coord.unprotected_spans,
         "rollouts_lost": coord.rollouts_lost,
+        "late_exits": coord.late_exits,
         "engine_versions": {str(i): _version(coord, i) for i in range(coord.rollouts)},
         "rollout_shards": served_shards(coord.store) if coord.rollouts else [],
         "rollouts_retired": coord.rollouts_retired,
