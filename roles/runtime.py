@@ -49,7 +49,8 @@ class Job:
         self.group: replica.ResilientProcessGroup | None = None
         self._stop = threading.Event()
         self._lost = threading.Lock()  # held once the job store is found gone (the role is exiting)
-        threading.Thread(target=self._watch, daemon=True, name="replica-watch").start()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="replica-watch")
+        self._watcher.start()
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
         self.config = replica.Config(token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT)
         # gloo fails a frozen peer's collective at its timeout; NCCL's watchdog never beats the coordinator.
@@ -169,6 +170,9 @@ class Job:
     def close(self) -> None:
         """Stop heartbeats, streams and listeners (the script's end does this itself)."""
         self._stop.set()
+        if threading.current_thread() is not self._watcher:
+            # Its native beat thread is joined here, not torn down with the interpreter.
+            self._watcher.join(timeout=(timing.HEARTBEAT_IO + timing.HEARTBEAT_PERIOD).total_seconds() * 2)
         for closeable in (self._rep, self._mirror):
             if closeable is not None:
                 closeable.close()
