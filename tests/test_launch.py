@@ -117,7 +117,9 @@ def test_a_survivor_dies_right_after_the_first_failover(tmp_path, reference):
     assert all(f["fired_at"] is not None for f in report["faults"])  # both fired, the second in generation 1
     first, second = report["failovers"]
     assert (first["rank"], first["generation"], second["rank"], second["generation"]) == (1, 1, 0, 2)
-    assert second["commit"] in (first["commit"], first["commit"] + 1), report["failovers"]
+    # C or later: when the first commit was already late (C = 1), the redone steps may commit
+    # (rank 1's new standby up) before trainer 0 reaches step 4; the rollback is then from that copy.
+    assert second["commit"] >= first["commit"], report["failovers"]
     assert "[trainer rank 1] survived: rolled back to" in output  # the promoted trainer's own copy
     assert compare_reports(reference, report) == []
     assert report["last_commit"] == STEPS
