@@ -142,10 +142,10 @@ class CommitRecord:
         acks (its own key) and a fenced trainer's (another epoch) never count."""
         registrations = self.store.get_many([keys.standby(r) for r in range(self.world_size)])
         holders = [["", *([reg.nonce] if reg is not None else [])] for reg in registrations]
-        flat = self.store.get_many([keys.ack(r, h) for r in range(self.world_size) for h in holders[r]])
+        flat = iter(self.store.get_many([keys.ack(r, h) for r in range(self.world_size) for h in holders[r]]))
         counted: list[Ack] = []
         for r in range(self.world_size):
-            mine = [flat.pop(0) for _ in holders[r]]
+            mine = [next(flat) for _ in holders[r]]
             valid = [a for a, h in zip(mine, holders[r]) if a is not None and a.rank == r and a.holder == h
                      and (generation is None or a.epoch == generation.epoch(r))]
             if not valid:
