@@ -1,5 +1,5 @@
-"""Pack, unpack and checksum throughput beside their baselines and the memcpy
-limit, all measured in one run. `make bench` writes bench/results/pack.json
+"""Pack, unpack, checksum and pack_checksum throughput beside their baselines and
+the memcpy limit, all measured in one run. `make bench` writes bench/results/pack.json
 and bench/results/pack.md."""
 
 from __future__ import annotations
@@ -34,8 +34,12 @@ TARGETS = {
     "unpack_vs_memcpy": 0.9,
     "small_pack_vs_cat": 3.0,
     "small_pack_vs_memcpy": 0.5,
-    "checksum_vs_memcpy": 0.5,
+    "checksum_vs_memcpy": 1.0,
+    "pack_checksum_vs_pack": 0.9,
+    "small_pack_checksum_vs_pack": 0.9,
 }
+# The bucket size the mirror uses by default (Config.bucket_bytes): pack_checksum's blocks.
+PACK_CHECKSUM_BLOCK = 4 * MiB
 
 
 def _mixed_tensors(count: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
@@ -116,12 +120,35 @@ def test_checksum(benchmark, large):
     _run(benchmark, "checksum", flat.numel(), lambda: ops.checksum(flat, CHECKSUM_BLOCK), 15)
 
 
+@pytest.mark.parametrize("build", ops.simd_builds())
+def test_checksum_build(benchmark, large, build):
+    """Each CPU build of the checksum loops (the default one is test_checksum)."""
+    _, _, _, flat = large
+    previous = ops.select_simd_build(build)
+    try:
+        _run(benchmark, f"checksum_{build}", flat.numel(), lambda: ops.checksum(flat, CHECKSUM_BLOCK), 15)
+    finally:
+        ops.select_simd_build(previous)
+
+
+def test_large_pack_checksum(benchmark, large):
+    tensors, offsets, out, _ = large
+    _run(benchmark, "large_pack_checksum", _payload(tensors),
+         lambda: ops.pack_checksum(tensors, out, offsets, PACK_CHECKSUM_BLOCK), 15)
+
+
 # --- small: 10,000 tensors of 256 B to 4 KiB ---
 
 
 def test_small_pack(benchmark, small):
     tensors, offsets, out, _, _, _, payload = small
     _run(benchmark, "small_pack", payload, lambda: ops.pack(tensors, out, offsets), 40)
+
+
+def test_small_pack_checksum(benchmark, small):
+    tensors, offsets, out, _, _, _, payload = small
+    _run(benchmark, "small_pack_checksum", payload,
+         lambda: ops.pack_checksum(tensors, out, offsets, PACK_CHECKSUM_BLOCK), 40)
 
 
 def test_small_cat(benchmark, small):
@@ -160,7 +187,8 @@ def _limit(prefix: str) -> tuple[float, str]:
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    needed = {"large_pack", "large_unpack", "checksum", "small_pack", "small_cat",
+    needed = {"large_pack", "large_unpack", "checksum", "small_pack", "small_cat", "large_pack_checksum",
+              "small_pack_checksum",
               "large_memcpy_copy_", "large_memcpy_memmove", "small_memcpy_copy_", "small_memcpy_memmove"}
     if not needed <= _medians.keys():
         return  # benchmarks disabled (CI smoke run) or some were deselected
@@ -172,6 +200,8 @@ def report():
         "small_pack_vs_cat": _gbps("small_pack") / _gbps("small_cat"),
         "small_pack_vs_memcpy": _gbps("small_pack") / small_limit,
         "checksum_vs_memcpy": _gbps("checksum") / large_limit,
+        "pack_checksum_vs_pack": _gbps("large_pack_checksum") / _gbps("large_pack"),
+        "small_pack_checksum_vs_pack": _gbps("small_pack_checksum") / _gbps("small_pack"),
     }
     rows = [
         ("pack, 1,000 mixed tensors, 256 MiB", "large_pack", f"memcpy limit ({large_how})", large_limit, "pack_vs_memcpy"),
@@ -179,6 +209,10 @@ def report():
         ("pack, 10,000 small tensors, ~21 MiB", "small_pack", "torch.cat(out=)", _gbps("small_cat"), "small_pack_vs_cat"),
         ("pack, same", "small_pack", f"memcpy limit ({small_how})", small_limit, "small_pack_vs_memcpy"),
         ("checksum, 256 MiB in 1 MiB blocks", "checksum", f"memcpy limit ({large_how})", large_limit, "checksum_vs_memcpy"),
+        ("pack_checksum, 1,000 mixed tensors, 4 MiB blocks", "large_pack_checksum", "pack", _gbps("large_pack"),
+         "pack_checksum_vs_pack"),
+        ("pack_checksum, 10,000 small tensors", "small_pack_checksum", "pack", _gbps("small_pack"),
+         "small_pack_checksum_vs_pack"),
     ]
     lines = [
         "| case | replica GB/s | beside | its GB/s | ratio | target | met |",
@@ -195,9 +229,16 @@ def report():
         "processor": _cpu_model(),
         "python": platform.python_version(),
     }
+    builds = [name for name in ops.simd_builds() if f"checksum_{name}" in _medians]
+    if builds:
+        lines.append("")
+        lines.append("checksum by CPU build (256 MiB, 1 MiB blocks; in use: " + ops.simd_build() + "): "
+                     + ", ".join(f"{b} {_gbps(f'checksum_{b}'):.2f} GB/s ({_gbps(f'checksum_{b}') / large_limit:.2f}x "
+                                 "memcpy)" for b in builds))
     payload = {
         **ratios,
         "targets": TARGETS,
+        "simd_build": ops.simd_build(),
         "gbps": {name: _gbps(name) for name in sorted(_medians)},
         "median_s": {name: s for name, (s, _) in sorted(_medians.items())},
         "machine": machine,
@@ -223,13 +264,14 @@ def _cpu_model() -> str:
 # call, with a sleep kernel queued first so the GPU is still busy while the host prepares
 # the call; they time only the GPU's own work. host: the time until the call returns.
 
-GPU_TARGETS = {("large", "pack"): 0.85, ("large", "unpack"): 0.85}
+GPU_TARGETS = {("large", "pack"): 0.85, ("large", "unpack"): 0.85, ("large", "pack_checksum"): 0.85,
+               ("small", "pack_checksum"): 0.85}
 GPU_CASES = {
     "large": "1,000 mixed tensors, 256 MiB",
     "small": "10,000 tensors of 256 B to 4 KiB, ~21 MiB",
 }
-GPU_OPS = [("large", op) for op in ("pack", "unpack", "checksum", "copy_")] + [
-    ("small", op) for op in ("pack", "unpack", "checksum", "copy_", "cat")
+GPU_OPS = [("large", op) for op in ("pack", "unpack", "checksum", "pack_checksum", "copy_")] + [
+    ("small", op) for op in ("pack", "unpack", "checksum", "pack_checksum", "copy_", "cat")
 ]
 
 # (case, op) -> {"wall_s", "device_s", "host_s", "bytes"}
@@ -273,6 +315,8 @@ def _gpu_call(c: dict, op: str):
         return lambda: ops.unpack(c["out"], c["tensors"], c["offsets"]), c["payload"]
     if op == "checksum":
         return lambda: ops.checksum(c["flat"], CHECKSUM_BLOCK), c["flat"].numel()
+    if op == "pack_checksum":
+        return lambda: ops.pack_checksum(c["tensors"], c["out"], c["offsets"], PACK_CHECKSUM_BLOCK), c["payload"]
     if op == "copy_":
         return lambda: c["copy_dst"].copy_(c["flat"]), c["flat"].numel()
     if op == "cat":

@@ -1,5 +1,6 @@
-// CPU kernels: multi-threaded pack/unpack and checksum.
+// CPU kernels: multi-threaded pack/unpack, checksum, and pack fused with checksum.
 #include "replica.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -116,8 +117,47 @@ inline uint64_t load_word(const uint8_t* bytes, int64_t nbytes, int64_t word) {
   return w;
 }
 
-at::Tensor checksum_cpu(const at::Tensor& buf, int64_t block_bytes) {
-  const int64_t nblocks = plan_checksum(buf, block_bytes);
+// Per-block sums of word terms, added by many threads, then finalized in place.
+class BlockSums {
+ public:
+  BlockSums(at::Tensor& digests, int64_t block_bytes)
+      : sums_(reinterpret_cast<uint64_t*>(digests.data_ptr<int64_t>())),
+        nblocks_(digests.numel()),
+        block_bytes_(block_bytes) {
+    std::fill(sums_, sums_ + nblocks_, 0);
+  }
+
+  void add(int64_t block, uint64_t sum) {
+    __atomic_fetch_add(&sums_[block], sum, __ATOMIC_RELAXED);
+  }
+
+  void finalize(int64_t nbytes) {
+    for (int64_t b = 0; b < nblocks_; ++b) {
+      const int64_t len = std::min(block_bytes_, nbytes - b * block_bytes_);
+      sums_[b] = checksum::finalize(sums_[b], static_cast<uint64_t>(len));
+    }
+  }
+
+ private:
+  uint64_t* sums_;
+  int64_t nblocks_;
+  int64_t block_bytes_;
+};
+
+// Sum of the word terms of bytes [lo, hi) of `bytes` (nbytes long); lo is a
+// multiple of 8, hi is one or nbytes, whose last word is zero-padded.
+uint64_t hash_range(const uint8_t* bytes, int64_t nbytes, int64_t lo, int64_t hi, uint64_t word_offset) {
+  const int64_t whole = (hi - lo) / 8;
+  uint64_t sum = simd::active().hash_words(bytes + lo, whole, word_offset + lo / 8);
+  if (lo + whole * 8 < hi) {
+    const int64_t word = lo / 8 + whole;
+    sum += checksum::word_term(load_word(bytes, nbytes, word), word_offset + word);
+  }
+  return sum;
+}
+
+at::Tensor checksum_cpu(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset) {
+  const int64_t nblocks = plan_checksum(buf, block_bytes, word_offset);
   at::Tensor digests = at::empty({nblocks}, buf.options().dtype(at::kLong));
   if (nblocks == 0) {
     return digests;
@@ -126,49 +166,95 @@ at::Tensor checksum_cpu(const at::Tensor& buf, int64_t block_bytes) {
   const int64_t nbytes = buf.numel() * static_cast<int64_t>(buf.element_size());
   const int64_t nwords = (nbytes + 7) / 8;
   const int64_t words_per_block = block_bytes / 8;
-  auto* sums = reinterpret_cast<uint64_t*>(digests.data_ptr<int64_t>());
-  std::fill(sums, sums + nblocks, 0);
-
+  BlockSums sums(digests, block_bytes);
   at::parallel_for(0, nwords, kChecksumGrainWords, [&](int64_t begin, int64_t end) {
-    // The last word may be partial; load it separately so the hot loop does
-    // plain 8-byte loads.
-    const int64_t full_end = std::min(end, nbytes / 8);
-    int64_t w = begin;
-    while (w < end) {
+    for (int64_t w = begin; w < end;) {
       const int64_t block = w / words_per_block;
       const int64_t block_end = std::min(end, (block + 1) * words_per_block);
-      uint64_t acc = 0;
-      uint64_t key = static_cast<uint64_t>(w + 1) * checksum::kKeyStep;
-      const int64_t fast_end = std::min(block_end, full_end);
-      // Four independent words per iteration keep both multipliers busy.
-      uint64_t acc1 = 0, acc2 = 0, acc3 = 0;
-      for (; w + 4 <= fast_end; w += 4) {
-        uint64_t word[4];
-        std::memcpy(word, bytes + w * 8, 32);
-        acc += checksum::mix(word[0] ^ key);
-        acc1 += checksum::mix(word[1] ^ (key + checksum::kKeyStep));
-        acc2 += checksum::mix(word[2] ^ (key + 2 * checksum::kKeyStep));
-        acc3 += checksum::mix(word[3] ^ (key + 3 * checksum::kKeyStep));
-        key += 4 * checksum::kKeyStep;
-      }
-      acc += acc1 + acc2 + acc3;
-      for (; w < fast_end; ++w) {
-        uint64_t word;
-        std::memcpy(&word, bytes + w * 8, 8);
-        acc += checksum::mix(word ^ key);
-        key += checksum::kKeyStep;
-      }
-      for (; w < block_end; ++w) {
-        acc += checksum::word_term(load_word(bytes, nbytes, w), w);
-      }
-      __atomic_fetch_add(&sums[block], acc, __ATOMIC_RELAXED);
+      sums.add(block, hash_range(bytes, nbytes, w * 8, std::min(block_end * 8, nbytes), word_offset));
+      w = block_end;
     }
   });
+  sums.finalize(nbytes);
+  return digests;
+}
 
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t len = std::min(block_bytes, nbytes - b * block_bytes);
-    sums[b] = checksum::finalize(sums[b], static_cast<uint64_t>(len));
+// pack, and the checksum of `out` after it, in one pass: every byte of out is
+// hashed where it is in a register anyway -- as it is copied from its source,
+// or (alignment gaps, and whatever out holds past the sources: bytes pack does
+// not write) read from out. Threads take equal ranges of out's words, so
+// sources and gaps balance as in copy_segments. A segment's last word, when
+// its length is not a multiple of 8, is half source and half gap; it is
+// copied first and then hashed from out. No other segment shares that word:
+// each starts on a 64-byte boundary of out.
+at::Tensor pack_checksum_cpu(
+    at::TensorList srcs, const at::Tensor& out, at::IntArrayRef offsets, int64_t block_bytes,
+    int64_t word_offset) {
+  std::vector<Segment> segments = plan_segments(srcs, out, offsets, Direction::kPack);
+  const int64_t nblocks = plan_checksum(out, block_bytes, word_offset);
+  at::Tensor digests = at::empty({nblocks}, out.options().dtype(at::kLong));
+  if (nblocks == 0) {
+    return digests;
   }
+  std::erase_if(segments, [](const Segment& s) { return s.nbytes == 0; });
+  std::sort(segments.begin(), segments.end(), [](const Segment& a, const Segment& b) { return a.dst < b.dst; });
+  auto* base = static_cast<uint8_t*>(out.data_ptr());
+  const int64_t nbytes = out.numel();
+  std::vector<int64_t> starts(segments.size());  // offsets in out
+  int64_t copied = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    starts[i] = segments[i].dst - base;
+    copied += segments[i].nbytes;
+  }
+  const bool streaming = copied >= kStreamingBytes;
+  const int64_t nwords = (nbytes + 7) / 8;
+  BlockSums sums(digests, block_bytes);
+  at::parallel_for(0, nwords, kCopyGrainBytes / 8, [&](int64_t begin, int64_t end) {
+    int64_t pos = begin * 8;
+    const int64_t stop = std::min(end * 8, nbytes);
+    // The first segment that ends after pos.
+    size_t s = std::upper_bound(starts.begin(), starts.end(), pos) - starts.begin();
+    if (s > 0 && starts[s - 1] + segments[s - 1].nbytes > pos) {
+      --s;
+    }
+    while (pos < stop) {
+      const int64_t block = pos / block_bytes;
+      const int64_t block_end = std::min(stop, (block + 1) * block_bytes);
+      uint64_t acc = 0;
+      while (pos < block_end) {
+        const int64_t seg_lo = s < segments.size() ? starts[s] : nbytes;
+        if (pos < seg_lo) {  // a gap: hashed as out holds it
+          const int64_t hi = std::min(seg_lo, block_end);
+          acc += hash_range(base, nbytes, pos, hi, word_offset);
+          pos = hi;
+          continue;
+        }
+        const Segment& seg = segments[s];
+        const int64_t seg_hi = seg_lo + seg.nbytes;
+        const int64_t whole_end = seg_lo + seg.nbytes / 8 * 8;
+        if (pos < whole_end) {
+          const int64_t hi = std::min(whole_end, block_end);
+          acc += simd::active().copy_and_hash(
+              base + pos, seg.src + (pos - seg_lo), (hi - pos) / 8, word_offset + pos / 8, streaming);
+          pos = hi;
+        } else {  // the segment's last, partial word
+          std::memcpy(base + pos, seg.src + (pos - seg_lo), seg_hi - pos);
+          acc += checksum::word_term(load_word(base, nbytes, pos / 8), word_offset + pos / 8);
+          pos = std::min(pos + 8, nbytes);
+        }
+        if (pos >= seg_hi) {
+          ++s;
+        }
+      }
+      sums.add(block, acc);
+    }
+#if defined(__SSE2__)
+    if (streaming) {
+      _mm_sfence();
+    }
+#endif
+  });
+  sums.finalize(nbytes);
   return digests;
 }
 
@@ -178,6 +264,7 @@ TORCH_LIBRARY_IMPL(replica, CPU, m) {
   m.impl("pack", &pack_cpu);
   m.impl("unpack", &unpack_cpu);
   m.impl("checksum", &checksum_cpu);
+  m.impl("pack_checksum", &pack_checksum_cpu);
 }
 
 }  // namespace replica

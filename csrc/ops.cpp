@@ -11,12 +11,17 @@
 // Device, fake/meta and Python-mode dispatch are unchanged.
 #include <torch/extension.h>
 
+#include "simd.h"
+
 #include <vector>
 
 TORCH_LIBRARY(replica, m) {
   m.def("pack(Tensor[] srcs, Tensor(a!) out, int[] offsets) -> ()");
   m.def("unpack(Tensor src, Tensor(a!)[] dsts, int[] offsets) -> ()");
-  m.def("checksum(Tensor buf, int block_bytes) -> Tensor");
+  m.def("checksum(Tensor buf, int block_bytes, int word_offset=0) -> Tensor");
+  m.def(
+      "pack_checksum(Tensor[] srcs, Tensor(a!) out, int[] offsets, int block_bytes, int word_offset=0) "
+      "-> Tensor");
 }
 
 namespace {
@@ -120,6 +125,36 @@ void unpack(const at::Tensor& src, py::handle dsts, py::handle offsets) {
   }
 }
 
+at::Tensor pack_checksum(
+    py::handle srcs, const at::Tensor& out, py::handle offsets, int64_t block_bytes, int64_t word_offset) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("replica::pack_checksum", "")
+          .typed<at::Tensor(at::TensorList, const at::Tensor&, at::IntArrayRef, int64_t, int64_t)>();
+  const py::tuple items = as_tuple(srcs);
+  const BorrowedTensors tensors(items, "srcs");
+  const std::vector<int64_t> offs = int_list(offsets);
+  at::Tensor digests;
+  {
+    py::gil_scoped_release no_gil;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    digests = op.call(tensors.list(), out, offs, block_bytes, word_offset);
+  }
+  bump_version(out);
+  return digests;
+}
+
+// Without the GIL: a receiver hashes each bucket while its transport's
+// progress thread (Python, for some backends) finishes the next.
+at::Tensor checksum(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("replica::checksum", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  py::gil_scoped_release no_gil;
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(buf, block_bytes, word_offset);
+}
+
 }  // namespace
 
 namespace replica {
@@ -127,8 +162,15 @@ void bind_heartbeat(pybind11::module& m);  // heartbeat.cpp
 }  // namespace replica
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "replica's kernels; the ops are torch.ops.replica.{pack,unpack,checksum}";
+  m.doc() = "replica's kernels; the ops are torch.ops.replica.{pack,unpack,checksum,pack_checksum}";
   m.def("pack", &pack, py::arg("srcs"), py::arg("out"), py::arg("offsets"));
   m.def("unpack", &unpack, py::arg("src"), py::arg("dsts"), py::arg("offsets"));
+  m.def("pack_checksum", &pack_checksum, py::arg("srcs"), py::arg("out"), py::arg("offsets"),
+        py::arg("block_bytes"), py::arg("word_offset") = 0);
+  m.def("checksum", &checksum, py::arg("buf"), py::arg("block_bytes"), py::arg("word_offset") = 0);
+  m.def("simd_builds", &replica::simd::supported, "the CPU checksum builds this CPU runs, best first");
+  m.def("simd_build", [] { return std::string(replica::simd::active().name); }, "the CPU checksum build in use");
+  m.def("select_simd_build", &replica::simd::select, py::arg("name"),
+        "use another CPU checksum build (tests, benchmarks); returns the previous one's name");
   replica::bind_heartbeat(m);
 }

@@ -106,7 +106,7 @@ std::vector<Segment> plan_segments(
   return segments;
 }
 
-int64_t plan_checksum(const at::Tensor& buf, int64_t block_bytes) {
+int64_t plan_checksum(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset) {
   TORCH_CHECK(buf.defined(), "replica: checksum buf is undefined");
   TORCH_CHECK(
       buf.is_contiguous(),
@@ -115,6 +115,7 @@ int64_t plan_checksum(const at::Tensor& buf, int64_t block_bytes) {
       block_bytes > 0 && block_bytes % 8 == 0,
       "replica: checksum block_bytes must be a positive multiple of 8, got ",
       block_bytes);
+  TORCH_CHECK(word_offset >= 0, "replica: checksum word_offset must be non-negative, got ", word_offset);
   const int64_t nbytes = buf.numel() * static_cast<int64_t>(buf.element_size());
   return (nbytes + block_bytes - 1) / block_bytes;
 }

@@ -150,13 +150,16 @@ def open_session(registration: Registration, *, memory: MemoryKind, config: Conf
 class Outgoing:
     """One version going out on one connection: ``begin``, ``send`` bucket by bucket
     (or ``send_all``), ``flush``, then ``settle``. ``digests[i]`` is the digest the
-    send of bucket i took (of the buffer's bytes, before any injected fault)."""
+    send of bucket i took (of the buffer's bytes, before any injected fault).
+    ``digests``, when given, holds each bucket's digest by the time it is sent
+    (taken by ``ops.pack_checksum`` as it was packed); the sends then hash nothing."""
 
     def __init__(self, conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,
                  epoch: Epoch, fingerprint: int, config: Config, faults: MirrorFaults, counts: SendCounts,
-                 peer: str):
+                 peer: str, digests: Sequence[int] | None = None):
         self.conn, self.buffer, self.ranges, self.step, self.epoch = conn, buffer, ranges, step, epoch
         self.digests = [0] * len(ranges)
+        self._known = digests
         self._fingerprint, self._config, self._faults, self._counts, self._peer = (
             fingerprint, config, faults, counts, peer)
         self._inflight: deque[Transfer] = deque()
@@ -175,7 +178,8 @@ class Outgoing:
             self._faults.corrupted += 1
             self.conn.faults.corrupt_next = 1
         self._inflight.append(self.conn.isend(self.buffer[lo:hi], tag=BUCKET_BASE + i, step=self.step, bucket=i,
-                                              offset=lo, fingerprint=self._fingerprint))
+                                              offset=lo, fingerprint=self._fingerprint,
+                                              digest=None if self._known is None else self._known[i]))
         self._counts.bytes_sent += hi - lo
 
     def flush(self) -> None:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from replica.errors import ReplicaError
+from replica.errors import ReplicaError, SnapshotCorruptedError
 from replica.layout import StateLayout, dtype_of
 from replica.snapshot import Snapshot
+from replica.transport.base import bucket_digest
 
 __all__ = ["EXTRAS_KEY", "export_path", "load_export", "resumable", "step_folder", "write_export"]
 
@@ -28,6 +29,8 @@ _DTYPES = {
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
 }
 _LENGTH = struct.Struct("<Q")
+# Digests whose words are keyed from each bucket's offset in the snapshot (protocol 2).
+_KEYED_BY_OFFSET = "offset"
 
 
 def export_path(directory: str | Path, rank: int) -> Path:
@@ -84,6 +87,7 @@ def write_export(snapshot: Snapshot, path: str | Path) -> Path:
     }
     if snapshot.digests is not None:  # the bucket digests it was received with: load_export checks them
         header["__metadata__"]["replica.digests"] = json.dumps(snapshot.digests)
+        header["__metadata__"]["replica.digests_keyed"] = _KEYED_BY_OFFSET
     pieces = []
     end = 0
     for e in layout.entries:
@@ -130,6 +134,16 @@ def load_export(path: str | Path) -> Snapshot:
     snapshot = Snapshot(layout)
     snapshot.capture(tensors, extras, step=int(meta["replica.step"]))
     if "replica.digests" in meta:  # a file that changed since it was written is never restored
-        snapshot.digests = [int(d) for d in json.loads(meta["replica.digests"])]
-        snapshot.verify()
+        written = [int(d) for d in json.loads(meta["replica.digests"])]
+        if meta.get("replica.digests_keyed") == _KEYED_BY_OFFSET:
+            snapshot.digests = written
+            snapshot.verify()
+        else:  # written before protocol 2: each bucket's words were keyed from the bucket's start
+            snapshot.digests = [bucket_digest(snapshot.buffer[lo:hi]) for lo, hi in layout.buckets()]
+            bad = [i for i, (now, then) in enumerate(zip(snapshot.digests, written, strict=True)) if now != then]
+            if bad:
+                raise SnapshotCorruptedError(
+                    f"{path}: bucket(s) {bad} changed since the file was written; it is not used",
+                    rank=layout.rank, step=snapshot.step, buckets=tuple(bad))
+            snapshot.digests = snapshot.compute_digests()
     return snapshot

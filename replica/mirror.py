@@ -340,8 +340,12 @@ class Mirror(Listener):
             send_reply(conn, Reply(step=step, status=Status.ACCEPTED), timeout)
             send_layout(conn, snapshot.layout, timeout)
             fingerprint = fingerprint_int(snapshot.layout.fingerprint)
+            # The digests kept since the version arrived, not new ones: a change in memory
+            # after the check above still fails at the receiver.
+            kept = snapshot.digests
             sends = [conn.isend(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i, step=step, bucket=i, offset=lo,
-                                fingerprint=fingerprint) for i, (lo, hi) in enumerate(snapshot.layout.buckets())]
+                                fingerprint=fingerprint, digest=None if kept is None else kept[i])
+                     for i, (lo, hi) in enumerate(snapshot.layout.buckets())]
             for transfer in sends:
                 transfer.wait(timeout)
         logger.info("[standby rank %d] sent step %d to %s", self.rank, step, conn.peer)

@@ -6,10 +6,15 @@ one flat ``uint8`` buffer at byte offsets that are multiples of
 :data:`ALIGNMENT`; ``unpack`` is its inverse, in place. ``checksum(buf,
 block_bytes)`` returns one int64 digest per block of ``buf`` (the last block
 may be short), so every bucket of a transfer can be verified on its own.
+``pack_checksum(srcs, out, offsets, block_bytes)`` is ``pack`` and then
+``checksum(out, block_bytes)`` in one pass over the bytes: each is hashed as
+it is copied.
 
 The checksum: for each 8-byte little-endian word ``w_i`` of the buffer (``i``
 counted from the buffer's start, the last word zero-padded),
-``t_i = mix(w_i ^ (i + 1) * K)`` where ``mix`` is the splitmix64 finalizer (a
+``t_i = mix(w_i ^ (i + 1) * K)`` (``i`` starts at ``word_offset``, 0 unless
+given: a bucket at byte offset ``o`` of a larger buffer, hashed alone with
+``word_offset = o // 8``, gets the digest its block of the whole buffer has) where ``mix`` is the splitmix64 finalizer (a
 bijection on 64-bit integers); a block's digest is
 ``mix(sum(t_i) ^ len_bytes * L)`` with wrapping 64-bit arithmetic. Why this
 one: because ``t_i`` is a bijection of ``w_i``, any error confined to a single
@@ -17,7 +22,8 @@ word -- every single flipped bit -- is detected with certainty, not just with
 high probability as with a plain hash; the position key makes swapped words
 and swapped blocks visible; the sum is order-free, so CPU threads and CUDA
 blocks reduce in parallel and still agree bit for bit; and it costs two
-multiplications per 8 bytes, so it runs at memory speed. CRC32C would give the
+multiplications per 8 bytes, so it runs at memory speed (vectorized: AVX-512,
+AVX2 or portable code, chosen at run time, see :func:`simd_build`). CRC32C would give the
 same single-bit guarantee but only 32 bits and a serial dependency chain that
 needs hardware instructions to keep up; it is not a defence against an
 adversary (nor is this -- the job token guards the connection).
@@ -36,9 +42,14 @@ __all__ = [
     "aligned_offsets",
     "checksum",
     "pack",
+    "pack_checksum",
     "reference_checksum",
     "reference_pack",
+    "reference_pack_checksum",
     "reference_unpack",
+    "select_simd_build",
+    "simd_build",
+    "simd_builds",
     "unpack",
 ]
 
@@ -77,9 +88,38 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[in
         _C.unpack(src, dsts, offsets)
 
 
-def checksum(buf: torch.Tensor, block_bytes: int) -> torch.Tensor:
+def checksum(buf: torch.Tensor, block_bytes: int, word_offset: int = 0) -> torch.Tensor:
     """One int64 digest per ``block_bytes`` of ``buf`` (a multiple of 8; the last block may be short)."""
-    return torch.ops.replica.checksum.default(buf, block_bytes)
+    if torch.compiler.is_compiling():
+        return torch.ops.replica.checksum.default(buf, block_bytes, word_offset)
+    return _C.checksum(buf, block_bytes, word_offset)  # the same op, without holding the GIL
+
+
+def pack_checksum(srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int], block_bytes: int,
+                  word_offset: int = 0) -> torch.Tensor:
+    """``pack(srcs, out, offsets)``, returning ``checksum(out, block_bytes, word_offset)``
+    of the result (bit for bit), from one pass over the bytes. Bytes of ``out`` that
+    no source covers (alignment gaps, the tail) are hashed as they are."""
+    if torch.compiler.is_compiling():
+        return torch.ops.replica.pack_checksum.default(srcs, out, offsets, block_bytes, word_offset)
+    return _C.pack_checksum(srcs, out, offsets, block_bytes, word_offset)
+
+
+def simd_build() -> str:
+    """The CPU checksum build in use: ``"avx512"``, ``"avx2"`` or ``"portable"`` (the
+    best this CPU runs, unless the environment variable ``REPLICA_SIMD`` names a lesser one)."""
+    return _C.simd_build()
+
+
+def simd_builds() -> list[str]:
+    """The CPU checksum builds this CPU can run, best first."""
+    return list(_C.simd_builds())
+
+
+def select_simd_build(name: str) -> str:
+    """Use the CPU checksum build ``name`` from now on, in this process; returns the
+    previous one. For tests and benchmarks: every build gives the same digests."""
+    return _C.select_simd_build(name)
 
 
 def _check_devices(tensors, buffer, list_name: str, buf_name: str) -> None:
@@ -104,10 +144,22 @@ def _unpack_fake(src, dsts, offsets):
     _check_devices(dsts, src, "dsts", "src")
 
 
-@torch.library.register_fake("replica::checksum")
-def _checksum_fake(buf, block_bytes):
+def _num_blocks(buf, block_bytes) -> int:
+    if block_bytes <= 0 or block_bytes % 8:
+        raise RuntimeError(f"replica: checksum block_bytes must be a positive multiple of 8, got {block_bytes}")
     nbytes = buf.numel() * buf.element_size()
-    return buf.new_empty(((nbytes + block_bytes - 1) // block_bytes,), dtype=torch.int64)
+    return (nbytes + block_bytes - 1) // block_bytes
+
+
+@torch.library.register_fake("replica::checksum")
+def _checksum_fake(buf, block_bytes, word_offset=0):
+    return buf.new_empty((_num_blocks(buf, block_bytes),), dtype=torch.int64)
+
+
+@torch.library.register_fake("replica::pack_checksum")
+def _pack_checksum_fake(srcs, out, offsets, block_bytes, word_offset=0):
+    _check_devices(srcs, out, "srcs", "out")
+    return out.new_empty((_num_blocks(out, block_bytes),), dtype=torch.int64)
 
 
 # --- pure-torch references (slow, obviously correct; used by the tests) ---
@@ -155,7 +207,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def reference_checksum(buf: torch.Tensor, block_bytes: int) -> torch.Tensor:
+def reference_checksum(buf: torch.Tensor, block_bytes: int, word_offset: int = 0) -> torch.Tensor:
     if block_bytes <= 0 or block_bytes % 8:
         raise ValueError(f"block_bytes must be a positive multiple of 8, got {block_bytes}")
     data = _bytes(buf.detach()).cpu()
@@ -165,7 +217,13 @@ def reference_checksum(buf: torch.Tensor, block_bytes: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=buf.device)
     words = torch.cat([data, data.new_zeros(-n % 8)]).view(torch.int64)
     index = torch.arange(words.numel(), dtype=torch.int64)
-    terms = _mix(words ^ ((index + 1) * _KEY_STEP))
+    terms = _mix(words ^ ((index + word_offset + 1) * _KEY_STEP))
     sums = torch.zeros(nblocks, dtype=torch.int64).index_add_(0, index // (block_bytes // 8), terms)
     lengths = (n - torch.arange(nblocks, dtype=torch.int64) * block_bytes).clamp(max=block_bytes)
     return _mix(sums ^ (lengths * _LENGTH_KEY)).to(buf.device)
+
+
+def reference_pack_checksum(srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int],
+                            block_bytes: int, word_offset: int = 0) -> torch.Tensor:
+    reference_pack(srcs, out, offsets)
+    return reference_checksum(out, block_bytes, word_offset)

@@ -66,29 +66,40 @@ def _synchronize(tensors: Sequence[torch.Tensor]) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def pack_state(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, offsets: Sequence[int]) -> None:
+def pack_state(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, offsets: Sequence[int], *,
+               block_bytes: int | None = None) -> torch.Tensor | None:
     """``ops.pack(tensors, buffer, offsets)`` for tensors on the buffer's device and the host.
 
-    A CUDA buffer is complete once the current stream reaches this point (as
-    with ``ops.pack``); a host buffer is complete on return.
+    With ``block_bytes``, returns ``ops.checksum(buffer, block_bytes)`` of the result,
+    taken in the same pass as the copy where it can be (``ops.pack_checksum``). A
+    CUDA buffer (and its digests) is complete once the current stream reaches this
+    point (as with ``ops.pack``); a host buffer is complete on return.
     """
+    def final_pack(srcs: list[torch.Tensor], offs: list[int]) -> torch.Tensor | None:
+        if block_bytes is None:
+            ops.pack(srcs, buffer, offs)
+            return None
+        return ops.pack_checksum(srcs, buffer, offs, block_bytes)
+
     local_t, local_o, foreign_t, foreign_o = _split(tensors, offsets, buffer.device)
     if not foreign_t:
-        ops.pack(local_t, buffer, local_o)
-    elif buffer.is_cuda:  # host tensors into device memory: one staged upload
+        return final_pack(local_t, local_o)
+    if buffer.is_cuda:  # host tensors into device memory: one staged upload
         staged_o, total = ops.aligned_offsets(foreign_t)
         host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         ops.pack(foreign_t, host, staged_o)
         device = host.to(buffer.device, non_blocking=True)
         views = [device[o:o + t.numel() * t.element_size()] for t, o in zip(foreign_t, staged_o)]
-        ops.pack(local_t + views, buffer, local_o + foreign_o)
-    else:  # device tensors into host memory
-        pinned = buffer.is_pinned()
-        for t, o in zip(foreign_t, foreign_o):
-            src = _bytes_of(t, "a state tensor")
-            buffer[o:o + src.numel()].copy_(src, non_blocking=pinned)
-        ops.pack(local_t, buffer, local_o)
-        _synchronize(foreign_t)
+        return final_pack(local_t + views, local_o + foreign_o)
+    # device tensors into host memory: their copies finish after the pack, so the
+    # digests come from a pass of their own once they have
+    pinned = buffer.is_pinned()
+    for t, o in zip(foreign_t, foreign_o):
+        src = _bytes_of(t, "a state tensor")
+        buffer[o:o + src.numel()].copy_(src, non_blocking=pinned)
+    ops.pack(local_t, buffer, local_o)
+    _synchronize(foreign_t)
+    return None if block_bytes is None else ops.checksum(buffer, block_bytes)
 
 
 def unpack_state(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets: Sequence[int]) -> None:

@@ -32,7 +32,8 @@ from replica.protocol import (
     as_tensor,
     fingerprint_int,
 )
-from replica.snapshot import Snapshot, bucket_digests
+from replica.snapshot import Snapshot
+from replica.transport.base import bucket_digest
 from replica.transport import Connection
 
 __all__ = ["request_repair", "serve_repairs"]
@@ -79,7 +80,7 @@ def request_repair(conn: Connection, snapshot: Snapshot, step: int, buckets: Seq
             continue
         if (header.step, header.bucket, header.offset, header.fingerprint) != (step, i, lo, fingerprint):
             raise TransportError(f"repair of bucket {i} of step {step} arrived with header {header}")
-        if bucket_digests(scratch, [(0, hi - lo)])[0] != snapshot.digests[i]:
+        if bucket_digest(scratch, offset=lo) != snapshot.digests[i]:
             logger.error("[%s step %d] the trainer's bucket %d does not match the digest kept for it (its "
                          "snapshot changed since): not used", who, step, i)
             continue

@@ -142,7 +142,7 @@ class Replicator:
         snapshot = self._snapshots[self._next]
         with nvtx_range("replica::pack"):
             extras = serialize.encode(collect_extras(self.optimizer, self.extra))
-            snapshot.capture(self._tensors, extras, step=step)
+            snapshot.capture(self._tensors, extras, step=step, digests=self.config.verify)
             if snapshot.buffer.is_cuda:
                 torch.cuda.current_stream(snapshot.buffer.device).synchronize()
         # NCCL reports a dead peer only once the step's kernels have run: the

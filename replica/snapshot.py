@@ -25,12 +25,11 @@ _LENGTH = struct.Struct("<Q")
 
 def bucket_digests(buffer: torch.Tensor, ranges: Iterable[tuple[int, int]]) -> list[int]:
     """The digest of ``buffer[lo:hi]`` for each range, each equal to the one its
-    bucket carries on the wire (``transport.base.bucket_digest``). The checksum
-    keys every word by its position from the start of the tensor it is given,
-    so each bucket is hashed as a tensor of its own (one call with the bucket
-    size as block would key bucket k by its offset in the whole buffer); the
+    bucket carries on the wire (``transport.base.bucket_digest``): the bucket's
+    words keyed from its offset in ``buffer`` (``word_offset = lo // 8``), which is
+    also the digest of its block in ``ops.checksum(buffer, bucket_bytes)``. The
     results are read back once, not once per bucket."""
-    parts = [ops.checksum(buffer[lo:hi], -(-(hi - lo) // 8) * 8) for lo, hi in ranges]
+    parts = [ops.checksum(buffer[lo:hi], -(-(hi - lo) // 8) * 8, lo // 8) for lo, hi in ranges]
     return [int(d) for d in torch.cat(parts).tolist()] if parts else []
 
 
@@ -89,7 +88,7 @@ class Snapshot:
 
     def compute_digests(self) -> list[int]:
         """The digests of every bucket as the buffer is now (to record, not to check)."""
-        return bucket_digests(self.buffer, self.layout.buckets())
+        return [int(d) for d in ops.checksum(self.buffer, self.layout.bucket_bytes).tolist()]
 
     def bad_buckets(self, buckets: Iterable[int] | None = None) -> list[int]:
         """The indices among ``buckets`` (default: all) whose bytes no longer match
@@ -111,20 +110,27 @@ class Snapshot:
                 f"complete: bucket(s) {bad} of {len(self.layout.buckets())} fail their digests; it is not used",
                 rank=self.layout.rank, step=self.step, buckets=tuple(bad))
 
-    def capture(self, tensors: Sequence[torch.Tensor], extras: bytes, *, step: int) -> None:
+    def capture(self, tensors: Sequence[torch.Tensor], extras: bytes, *, step: int, digests: bool = False) -> None:
+        """Pack ``tensors`` and ``extras`` as the state of ``step``. With ``digests``,
+        ``self.digests`` are those of the new content, taken while it is packed (a
+        CUDA buffer's are read back, so this waits for its stream)."""
         self._check(tensors)
         room = self.layout.extras_capacity - _LENGTH.size
         if len(extras) > room:
             raise ReplicaError(f"the extras need {len(extras)} bytes, the layout reserves {room}; "
                                "build the layout with a larger extras_capacity")
-        self.digests = None  # of the previous content; the caller records the new ones
-        pack_state(tensors, self.buffer, self.layout.offsets)
+        self.digests = None  # of the previous content
+        # The extras first: the pack hashes the whole buffer, the extras region included.
         at = self.layout.extras_offset
         blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
         self.buffer[at:at + blob.numel()].copy_(blob)
         # No bytes of a longer previous blob stay behind: the bytes are a function of the state
         # alone, so an export (which keeps only the blob) loads back to the same digests.
         self.buffer[at + blob.numel():at + self.layout.extras_capacity].zero_()
+        taken = pack_state(tensors, self.buffer, self.layout.offsets,
+                           block_bytes=self.layout.bucket_bytes if digests else None)
+        if taken is not None:
+            self.digests = [int(d) for d in taken.tolist()]
         self.step = step
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> bytes:

@@ -252,14 +252,14 @@ class MirrorStream:
         layout = snapshot.layout
         if snapshot not in self._streamed:  # the Replicator's two buffers: a repair may need either
             self._streamed = [*self._streamed[-1:], snapshot]
+        # The digests the pack took (Snapshot.capture) travel in the bucket headers: no
+        # pass over the bytes here. A snapshot without them has them taken by the sends
+        # and kept, before the reply: the standby acknowledges first.
         out = Outgoing(self._conn, snapshot.buffer, layout.buckets(), step=step, epoch=epoch,
                        fingerprint=fingerprint_int(layout.fingerprint), config=self._config, faults=self._faults,
-                       counts=self.stats, peer=f"the standby of rank {self.rank}")
+                       counts=self.stats, peer=f"the standby of rank {self.rank}", digests=snapshot.digests)
         out.send_all()
-        # The digests the sends take anyway (of the snapshot's bytes, before any fault
-        # injection) are kept with the snapshot: no second pass over it. Before the
-        # reply: the standby acknowledges first.
-        if self._config.verify:
+        if self._config.verify and snapshot.digests is None:
             snapshot.digests = out.digests
         out.settle()
         self.stats.acked_step = step

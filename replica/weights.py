@@ -165,7 +165,11 @@ class _Staging:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._slot = 0
 
-    def start(self, full: list[torch.Tensor], offsets: list[int], target: torch.Tensor) -> torch.cuda.Event:
+    def start(self, full: list[torch.Tensor], offsets: list[int], target: torch.Tensor,
+              word_offset: int | None) -> tuple[torch.cuda.Event, torch.Tensor | None]:
+        """Pack ``full`` and start its copy into ``target``; returns the event that
+        completes the copy and, with ``word_offset``, a pinned host tensor that holds
+        the bucket's digest (``ops.pack_checksum``) once the event has completed."""
         slot, self._slot = self._slot, self._slot ^ 1
         current = torch.cuda.current_stream(self.device)
         if self._copied[slot] is not None:  # the slot's previous copy has read its device buffer
@@ -173,14 +177,22 @@ class _Staging:
         staged = self._device[slot][:target.numel()]
         if sum(t.numel() * t.element_size() for t in full) != target.numel():
             staged.zero_()  # alignment gaps: the same bytes as a bucket packed on the host
-        ops.pack(full, staged, offsets)
+        digest = None
+        if word_offset is None:
+            ops.pack(full, staged, offsets)
+        else:
+            on_device = ops.pack_checksum(full, staged, offsets, -(-staged.numel() // 8) * 8, word_offset)
+            digest = torch.empty(1, dtype=torch.int64, pin_memory=True)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             target.copy_(staged, non_blocking=True)
+            if digest is not None:
+                digest.copy_(on_device, non_blocking=True)
+                on_device.record_stream(self._stream)
             copied = torch.cuda.Event()
             copied.record(self._stream)
         self._copied[slot] = copied
-        return copied
+        return copied, digest
 
 
 class WeightSync:
@@ -225,7 +237,10 @@ class WeightSync:
         self._packed = torch.zeros(self.layout.total_bytes, dtype=torch.uint8,
                                    pin_memory=on_gpu) if self.is_leader else None
         self._staging: _Staging | None = None  # CUDA weights only
-        self._landing: dict[int, torch.cuda.Event] = {}  # bucket.lo -> its copy into _packed
+        # bucket.lo -> the event of its copy into _packed, and where its digest lands
+        self._landing: dict[int, tuple[torch.cuda.Event, torch.Tensor | None]] = {}
+        # Each bucket's digest, taken as it was packed (Config.verify): the sends hash nothing.
+        self._digests: list[int] | None = [0] * len(self._buckets) if self.config.verify else None
         self._step: int | None = None  # the version in _packed
         self._links: dict[int, _Link] = {}
         self._retry: dict[Registration, Backoff] = {}  # registrations that could not be reached: when to try again
@@ -252,7 +267,7 @@ class WeightSync:
                 outs[i] = out
 
             def send(k: int) -> None:
-                self._land(self._buckets[k])
+                self._land(k)
                 for i, out in list(outs.items()):
                     try:
                         out.send(k)
@@ -268,7 +283,7 @@ class WeightSync:
                     if not self.is_leader:
                         continue
                     offsets = [self.layout.entries[j].offset - bucket.lo for j in range(bucket.first, bucket.end)]
-                    self._pack(full, bucket, offsets)
+                    self._pack(k, full, offsets)
                     del full
                     packed.append(k)
                     # A host bucket goes at once; a CUDA one once the next is on its way down, so
@@ -278,7 +293,7 @@ class WeightSync:
                 while packed:
                     send(packed.popleft())
             finally:
-                for copied in self._landing.values():  # a push cut short: no copy lands after it returns
+                for copied, _ in self._landing.values():  # a push cut short: no copy lands after it returns
                     copied.synchronize()
                 self._landing.clear()
             self._step = step
@@ -379,31 +394,42 @@ class WeightSync:
                                        mismatch="the weight layout (its log names the first difference)")
         return _Link(transport, conn, current)
 
-    def _pack(self, full: list[torch.Tensor], bucket: WeightBucket, offsets: list[int]) -> None:
-        """Pack one bucket into the retained host copy. CUDA weights are packed on
-        their device and start their way down (``_Staging``); ``_land`` completes
-        them, waiting for that bucket's copy only."""
+    def _pack(self, k: int, full: list[torch.Tensor], offsets: list[int]) -> None:
+        """Pack bucket ``k`` into the retained host copy, taking its digest in the same
+        pass. CUDA weights are packed on their device and start their way down
+        (``_Staging``); ``_land`` completes them, waiting for that bucket's copy only."""
+        bucket = self._buckets[k]
+        word_offset = None if self._digests is None else bucket.lo // 8
         device = full[0].device
         if device.type == "cpu":
-            ops.pack(full, self._packed[bucket.lo:bucket.hi], offsets)
+            target = self._packed[bucket.lo:bucket.hi]
+            if word_offset is None:
+                ops.pack(full, target, offsets)
+            else:
+                self._digests[k] = int(ops.pack_checksum(full, target, offsets, -(-target.numel() // 8) * 8,
+                                                         word_offset).item())
             return
         if self._staging is None or self._staging.device != device:
             self._staging = _Staging(device, max(b.hi - b.lo for b in self._buckets))
-        self._landing[bucket.lo] = self._staging.start(full, offsets, self._packed[bucket.lo:bucket.hi])
+        self._landing[bucket.lo] = self._staging.start(full, offsets, self._packed[bucket.lo:bucket.hi], word_offset)
 
-    def _land(self, bucket: WeightBucket) -> None:
-        """Wait until a CUDA bucket is down in the retained copy (a host bucket is there already)."""
-        copied = self._landing.pop(bucket.lo, None)
-        if copied is None:
+    def _land(self, k: int) -> None:
+        """Wait until a CUDA bucket is down in the retained copy, with its digest (a
+        host bucket is there already)."""
+        landing = self._landing.pop(self._buckets[k].lo, None)
+        if landing is None:
             return
+        copied, digest = landing
         copied.synchronize()
+        if digest is not None:
+            self._digests[k] = int(digest.item())
         self.stats.staged_buckets += 1
 
     def _outgoing(self, link: _Link, step: int) -> Outgoing:
         """Version ``step`` of the retained copy, going out to ``link``'s engine."""
         return Outgoing(link.conn, self._packed, self._ranges, step=step, epoch=self._epoch(),
                         fingerprint=self._fingerprint, config=self.config, faults=self.faults, counts=self.stats,
-                        peer=f"the engine at {link.registration.address}")
+                        peer=f"the engine at {link.registration.address}", digests=self._digests)
 
     def _settle(self, link: _Link, out: Outgoing) -> None:
         out.settle()

@@ -66,7 +66,9 @@ def test_digests_are_the_wire_digests_and_capture_drops_them():
     snapshot.buffer.copy_(torch.randint(0, 256, snapshot.buffer.shape, dtype=torch.uint8))
     ranges = layout.buckets()
     assert len(ranges) > 2
-    assert snapshot.compute_digests() == [bucket_digest(snapshot.buffer[lo:hi]) for lo, hi in ranges]
+    # A bucket's digest keys its words from its offset: the same as its block of the whole buffer.
+    assert snapshot.compute_digests() == [bucket_digest(snapshot.buffer[lo:hi], offset=lo) for lo, hi in ranges]
+    assert snapshot.compute_digests() == bucket_digests(snapshot.buffer, ranges)
     snapshot.verify()  # no digests: nothing to check
     snapshot.digests = snapshot.compute_digests()
     snapshot.step = 7
@@ -79,6 +81,10 @@ def test_digests_are_the_wire_digests_and_capture_drops_them():
     tensors = [t for _, t in replica.layout.state_tensors(j.model, None)]
     snapshot.capture(tensors, b"", step=8)
     assert snapshot.digests is None  # they described the content the capture replaced
+    # A capture asked for digests takes them while it packs (ops.pack_checksum), extras included.
+    snapshot.capture(tensors, b"some extras", step=9, digests=True)
+    assert snapshot.digests == snapshot.compute_digests()
+    assert snapshot.extras() == b"some extras"
 
 
 def test_scrub_interval_is_validated():

@@ -40,6 +40,7 @@ __all__ = [
     "SendFaults",
     "Transfer",
     "Transport",
+    "MAX_OFFSET",
     "bucket_digest",
     "nvtx_range",
     "select_transport",
@@ -101,12 +102,24 @@ def as_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def bucket_digest(flat: torch.Tensor) -> int:
-    """One 64-bit digest over a whole bucket (0 for an empty one)."""
+#: A bucket's offset (its header's ``offset``) keys its digest: a multiple of 8, below this.
+MAX_OFFSET = 1 << 62
+
+
+def _check_offset(offset: int) -> None:
+    if not 0 <= offset < MAX_OFFSET or offset % 8:
+        raise ValueError(f"a bucket's offset must be a multiple of 8 in [0, 2^62), got {offset}")
+
+
+def bucket_digest(flat: torch.Tensor, *, offset: int = 0) -> int:
+    """One 64-bit digest over a whole bucket (0 for an empty one): its words keyed from
+    ``offset`` (the bucket's place in the buffer it belongs to, a multiple of 8), so it
+    equals that block's digest in ``ops.checksum(buffer, bucket_bytes)`` and a sender
+    that packed the buffer with ``ops.pack_checksum`` has it already."""
     n = flat.numel()
     if n == 0:
         return 0
-    return int(ops.checksum(flat, -(-n // 8) * 8)[0].item())
+    return int(ops.checksum(flat, -(-n // 8) * 8, offset // 8)[0].item())
 
 
 @dataclass(kw_only=True, slots=True)
@@ -233,9 +246,14 @@ class Connection(ABC):
         return self._error is None
 
     def isend(self, buf: torch.Tensor, *, tag: int, step: int = 0, bucket: int = 0,
-              offset: int = 0, fingerprint: int = 0) -> Transfer:
-        """Start sending ``buf`` (contiguous, host or CUDA) under ``tag``; returns at once."""
+              offset: int = 0, fingerprint: int = 0, digest: int | None = None) -> Transfer:
+        """Start sending ``buf`` (contiguous, host or CUDA) under ``tag``; returns at once.
+
+        ``digest``: ``bucket_digest(buf, offset=offset)``, when the caller has it already
+        (``ops.pack_checksum`` took it while packing); otherwise it is computed here
+        while the payload is on its way (when the connection verifies digests)."""
         flat = self._guard(buf, tag, "buf")
+        _check_offset(offset)
         payload = flat
         if self.faults.corrupt_next > 0 and flat.numel() > 0:
             self.faults.corrupt_next -= 1
@@ -249,9 +267,14 @@ class Connection(ABC):
             # Called by the backend once the payload is on its way, so hashing
             # overlaps the transfer; the digest is of the caller's bytes.
             nonlocal header
-            with nvtx_range("replica::digest"):
-                digest = bucket_digest(flat) if self._verify_digests else 0
-            header = dataclasses.replace(header, digest=digest)
+            if not self._verify_digests:
+                value = 0
+            elif digest is not None:
+                value = digest
+            else:
+                with nvtx_range("replica::digest"):
+                    value = bucket_digest(flat, offset=offset)
+            header = dataclasses.replace(header, digest=value)
             return header.encode()
 
         with nvtx_range("replica::post_send"):
@@ -319,7 +342,9 @@ class Connection(ABC):
                 raise TransportError(
                     f"tag {tag} from {self.peer}: sender sent {header.nbytes} bytes into a "
                     f"{flat.numel()}-byte receive buffer")
-            if self._verify_digests and header.digest != bucket_digest(flat):
+            if self._verify_digests and not (0 <= header.offset < MAX_OFFSET and header.offset % 8 == 0):
+                raise TransportError(f"tag {tag} from {self.peer}: a bucket offset of {header.offset} bytes")
+            if self._verify_digests and header.digest != bucket_digest(flat, offset=header.offset):
                 raise BucketCorruptedError(
                     f"bucket {header.bucket} of step {header.step} (tag {tag}) from {self.peer} "
                     "failed its digest; ask for it again",

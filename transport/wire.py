@@ -27,7 +27,7 @@ __all__ = [
 ]
 
 MAGIC = b"RPLC"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a bucket digest keys its words from the bucket's offset (ops.checksum word_offset)
 HEADER_BYTES = 64
 NONCE_BYTES = 32
 PROOF_BYTES = 32

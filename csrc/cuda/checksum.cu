@@ -36,6 +36,7 @@ __global__ void checksum_partial_kernel(
     int64_t words_per_block,
     int64_t slices_per_block,
     bool aligned,
+    uint64_t word_offset,
     unsigned long long* sums) {
   const int64_t block = blockIdx.x / slices_per_block;
   const int64_t slice = blockIdx.x % slices_per_block;
@@ -46,7 +47,7 @@ __global__ void checksum_partial_kernel(
 
   uint64_t acc = 0;
   for (int64_t w = begin + threadIdx.x; w < end; w += kThreads) {
-    acc += checksum::word_term(load_word(bytes, nbytes, w, aligned), w);
+    acc += checksum::word_term(load_word(bytes, nbytes, w, aligned), word_offset + w);
   }
   for (int offset = 16; offset > 0; offset /= 2) {
     acc += __shfl_down_sync(0xffffffffu, acc, offset);
@@ -74,9 +75,9 @@ __global__ void checksum_finalize_kernel(
   }
 }
 
-at::Tensor checksum_cuda(const at::Tensor& buf, int64_t block_bytes) {
+at::Tensor checksum_cuda(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset) {
   const c10::cuda::CUDAGuard guard(buf.device());
-  const int64_t nblocks = plan_checksum(buf, block_bytes);
+  const int64_t nblocks = plan_checksum(buf, block_bytes, word_offset);
   at::Tensor digests = at::zeros({nblocks}, buf.options().dtype(at::kLong));
   if (nblocks == 0) {
     return digests;
@@ -94,7 +95,7 @@ at::Tensor checksum_cuda(const at::Tensor& buf, int64_t block_bytes) {
   auto* sums = reinterpret_cast<unsigned long long*>(digests.data_ptr<int64_t>());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(buf.device().index());
   checksum_partial_kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream>>>(
-      bytes, nbytes, words_per_block, slices_per_block, aligned, sums);
+      bytes, nbytes, words_per_block, slices_per_block, aligned, static_cast<uint64_t>(word_offset), sums);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t finalize_blocks = (nblocks + kThreads - 1) / kThreads;
   checksum_finalize_kernel<<<static_cast<unsigned int>(finalize_blocks), kThreads, 0, stream>>>(

@@ -1,11 +1,13 @@
-// Runs the CUDA pack kernel's per-lane code (copy_tiles.cuh) on the host, lane
-// by lane, tile by tile, so its edges are checked on machines without a GPU:
+// Runs the CUDA pack kernel's per-lane code (copy_tiles.cuh) and the CUDA
+// pack_checksum kernel's (pack_checksum_chunks.cuh) on the host, lane by lane,
+// tile by tile, so its edges are checked on machines without a GPU:
 // every misalignment of source and destination, sizes around the vectors,
 // steps and tiles, and byte offsets past 2^31 in one segment. Lanes of a warp
 // touch disjoint bytes, so running them one after another is what the GPU
 // computes. Built and run by tests/test_ops.py when nvcc is installed; prints
 // "ok" or what went wrong.
 #include "copy_tiles.cuh"
+#include "pack_checksum_chunks.cuh"
 
 #include <sys/mman.h>
 
@@ -151,10 +153,91 @@ bool check_over_2_gib() {
   return true;
 }
 
+
+// pack_checksum's chunks, in the order one lane visits its own (a cursor that
+// only moves forward) and in the order the rows sit: random segments at every
+// source alignment, lengths around words and vectors, gaps of every size, an
+// out that ends anywhere; out's bytes and the digests (summed per block as the
+// kernel's atomics would) must equal pack then a scalar checksum.
+bool check_pack_checksum() {
+  namespace pc = replica::cuda_pack_checksum;
+  std::mt19937_64 rng(3);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int count = static_cast<int>(rng() % 12);
+    std::vector<std::vector<uint8_t>> srcs(count);
+    std::vector<pc::Row> rows;
+    int64_t end = 0;
+    for (int i = 0; i < count; ++i) {
+      const int64_t n = rng() % 3 ? 1 + rng() % 40 : 1 + rng() % 5000;
+      const int64_t shift = rng() % 16;
+      srcs[i].resize((shift + n + 15) / 16 * 16 + 15);
+      for (uint8_t& b : srcs[i]) {
+        b = static_cast<uint8_t>(rng());
+      }
+      end = (end + 63) / 64 * 64 + 64 * static_cast<int64_t>(rng() % 3);
+      rows.push_back({reinterpret_cast<int64_t>(aligned16(srcs[i]) + shift), end, n});
+      end += n;
+    }
+    const int64_t nbytes = end + static_cast<int64_t>(rng() % 100);
+    std::vector<uint8_t> storage(nbytes + 32);
+    uint8_t* out = aligned16(storage);
+    for (int64_t i = 0; i < nbytes; ++i) {
+      out[i] = static_cast<uint8_t>(rng());
+    }
+    std::vector<uint8_t> expected(out, out + nbytes);
+    for (const pc::Row& r : rows) {
+      std::memcpy(expected.data() + r.dst, reinterpret_cast<const uint8_t*>(r.src), r.nbytes);
+    }
+    const int64_t block = 8 * (1 + static_cast<int64_t>(rng() % 100));
+    const uint64_t word_offset = rng() % 1000;
+    const int64_t nblocks = (nbytes + block - 1) / block;
+    std::vector<uint64_t> want(nblocks, 0), got(nblocks, 0);
+    for (int64_t w = 0; w * 8 < nbytes; ++w) {
+      uint64_t word = 0;
+      std::memcpy(&word, expected.data() + 8 * w, static_cast<size_t>(std::min<int64_t>(8, nbytes - 8 * w)));
+      want[8 * w / block] += replica::checksum::word_term(word, word_offset + w);
+    }
+    const pc::Args args{rows.data(), static_cast<int64_t>(rows.size()), out, nbytes, word_offset};
+    // Lanes of a warp start their cursors at the warp's first row and visit
+    // every 32nd chunk; two "lanes" here, so chunks are skipped and revisited.
+    for (int lane = 0; lane < 2; ++lane) {
+      int64_t row = pc::first_row_after(args, 0);
+      for (int64_t at = lane * pc::kChunkBytes; at < nbytes; at += 2 * pc::kChunkBytes) {
+        const pc::Loaded loaded = pc::load_chunk(args, at, row);
+        uint64_t term[2];
+        pc::finish_chunk(args, at, loaded, term);
+        got[at / block] += term[0];
+        if (at + 8 < nbytes) {
+          got[(at + 8) / block] += term[1];
+        } else if (term[1] != 0) {  // the kernel adds both terms of a chunk within one block
+          std::printf("pack_checksum trial %d: a term for the word past out's end\n", trial);
+          return false;
+        }
+      }
+    }
+    if (std::memcmp(out, expected.data(), nbytes) != 0 || got != want) {
+      std::printf("pack_checksum trial %d (%d rows, %lld bytes, %lld-byte blocks): %s differ\n", trial, count,
+                  static_cast<long long>(nbytes), static_cast<long long>(block),
+                  got != want ? "digests" : "bytes");
+      return false;
+    }
+    const int64_t mid = nbytes / 2 / 16 * 16;  // a warp's cursor starts mid-buffer
+    int64_t row = pc::first_row_after(args, mid);
+    for (int64_t r = 0; r < row; ++r) {
+      if (rows[r].dst + rows[r].nbytes > mid) {
+        std::printf("pack_checksum trial %d: first_row_after(%lld) skipped row %lld\n", trial,
+                    static_cast<long long>(mid), static_cast<long long>(r));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 int main() {
-  if (check_funnel() && check_random() && check_over_2_gib()) {
+  if (check_funnel() && check_random() && check_over_2_gib() && check_pack_checksum()) {
     std::printf("ok\n");
     return 0;
   }

@@ -6,14 +6,17 @@
 // them over the GPU.
 #include "../replica.h"
 #include "copy_tiles.cuh"
+#include "pack_checksum_chunks.cuh"
 
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 
 namespace replica {
@@ -37,6 +40,23 @@ __global__ void __launch_bounds__(kThreads) copy_tiles_kernel(
   cuda_copy::copy_tile(segments[s], tile - tile_begin[s], lane);
 }
 
+// A pinned int64 host table, copied to the device on `stream`. The upload as
+// Tensor::to(device, non_blocking) does it (Copy.cu), without its dispatch and
+// TensorIterator: every microsecond here is one the GPU waits. The caching
+// host allocator keeps the pinned block until the copy has run
+// (record_event); the device table, freed when the caller returns, is reused
+// only after the kernel that reads it, the caching allocator ordering both on
+// this stream.
+at::Tensor upload(const at::Tensor& table, c10::Device device, const c10::cuda::CUDAStream& stream) {
+  at::Tensor device_table = at::empty({table.numel()}, at::TensorOptions().dtype(at::kLong).device(device));
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      device_table.data_ptr(), table.data_ptr(), table.numel() * sizeof(int64_t),
+      cudaMemcpyHostToDevice, stream.stream()));
+  at::getHostAllocator(at::kCUDA)->record_event(
+      table.data_ptr(), table.storage().data_ptr().get_context(), stream.unwrap());
+  return device_table;
+}
+
 void copy_segments_cuda(const std::vector<Segment>& segments, const at::Tensor& buffer) {
   int64_t nsegments = 0;
   for (const Segment& s : segments) {
@@ -45,9 +65,8 @@ void copy_segments_cuda(const std::vector<Segment>& segments, const at::Tensor& 
   if (nsegments == 0) {
     return;
   }
-  // Table: tile_begin[nsegments + 1], then the segments. It travels host ->
-  // device through pinned memory on the current stream; the caching host
-  // allocator keeps the pinned block until that copy has run (record_event).
+  // Table: tile_begin[nsegments + 1], then the segments, uploaded through
+  // pinned memory on the current stream.
   static_assert(sizeof(CopySegment) == 3 * sizeof(int64_t));
   const int64_t table_len = nsegments + 1 + 3 * nsegments;
   at::Tensor table =
@@ -73,18 +92,8 @@ void copy_segments_cuda(const std::vector<Segment>& segments, const at::Tensor& 
       blocks <= std::numeric_limits<int32_t>::max(),
       "replica: ", ntiles * cuda_copy::kTileBytes, " bytes is more than one call can copy");
 
-  // The upload as Tensor::to(device, non_blocking) does it (Copy.cu), without
-  // its dispatch and TensorIterator: every microsecond here is one the GPU
-  // waits. The device table is freed when this returns, which the caching
-  // allocator orders after the kernel on this stream.
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(buffer.device().index());
-  const at::Tensor device_table =
-      at::empty({table_len}, at::TensorOptions().dtype(at::kLong).device(buffer.device()));
-  C10_CUDA_CHECK(cudaMemcpyAsync(
-      device_table.data_ptr(), table.data_ptr(), table_len * sizeof(int64_t),
-      cudaMemcpyHostToDevice, stream.stream()));
-  at::getHostAllocator(at::kCUDA)->record_event(
-      table.data_ptr(), table.storage().data_ptr().get_context(), stream.unwrap());
+  const at::Tensor device_table = upload(table, buffer.device(), stream);
 
   const int64_t* device_begin = device_table.data_ptr<int64_t>();
   copy_tiles_kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream.stream()>>>(
@@ -111,11 +120,158 @@ void unpack_cuda(const at::Tensor& src, at::TensorList dsts, at::IntArrayRef off
   copy_on_device(plan_segments(dsts, src, offsets, Direction::kUnpack), src);
 }
 
+
+// --- pack_checksum: pack and checksum(out) in one launch ---
+//
+// One warp per tile of out (see pack_checksum_chunks.cuh); a lane loads
+// kChunksInFlight chunks before it stores and hashes them. Lanes add their
+// word terms up per checksum block: a warp-wide sum and one atomic per block
+// a tile touches, or, in a step that straddles two blocks (block sizes not a
+// multiple of the step), one atomic per word. The last CUDA block to finish
+// finalizes every digest, so the op is one launch after two memsets.
+
+namespace pc = cuda_pack_checksum;
+
+constexpr int kChunksInFlight = 8;
+constexpr int64_t kStepBytes = cuda_copy::kWarpSize * kChunksInFlight * pc::kChunkBytes;
+constexpr int64_t kPackChecksumTileBytes = 2 * kStepBytes;
+
+__device__ inline uint64_t warp_sum(uint64_t v) {
+  for (int offset = cuda_copy::kWarpSize / 2; offset > 0; offset /= 2) {
+    v += __shfl_down_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+__global__ void __launch_bounds__(kThreads) pack_checksum_kernel(
+    pc::Args a, int64_t block_bytes, int64_t ntiles, unsigned long long* sums, int64_t nblocks,
+    unsigned int* finished) {
+  const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / cuda_copy::kWarpSize;
+  const int lane = static_cast<int>(threadIdx.x % cuda_copy::kWarpSize);
+  if (tile < ntiles) {  // warp-uniform
+    const int64_t lo = tile * kPackChecksumTileBytes;
+    const int64_t hi = min(lo + kPackChecksumTileBytes, a.nbytes);
+    int64_t row = pc::first_row_after(a, lo);
+    int64_t block = lo / block_bytes;
+    uint64_t acc = 0;
+    for (int64_t step = lo; step < hi; step += kStepBytes) {
+      const int64_t first_block = step / block_bytes;
+      const int64_t last_block = (min(step + kStepBytes, hi) - 1) / block_bytes;
+      if (first_block != block) {  // warp-uniform: flush the previous block's sum
+        const uint64_t total = warp_sum(acc);
+        if (lane == 0 && total != 0) {
+          atomicAdd(&sums[block], static_cast<unsigned long long>(total));
+        }
+        acc = 0;
+        block = first_block;
+      }
+      pc::Loaded loaded[kChunksInFlight];
+#pragma unroll
+      for (int u = 0; u < kChunksInFlight; ++u) {
+        const int64_t at = step + (static_cast<int64_t>(u) * cuda_copy::kWarpSize + lane) * pc::kChunkBytes;
+        if (at < hi) {
+          loaded[u] = pc::load_chunk(a, at, row);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kChunksInFlight; ++u) {
+        const int64_t at = step + (static_cast<int64_t>(u) * cuda_copy::kWarpSize + lane) * pc::kChunkBytes;
+        if (at >= hi) {
+          continue;
+        }
+        uint64_t term[2];
+        pc::finish_chunk(a, at, loaded[u], term);
+        if (first_block == last_block) {
+          acc += term[0] + term[1];
+        } else {
+          atomicAdd(&sums[at / block_bytes], static_cast<unsigned long long>(term[0]));
+          if (at + 8 < a.nbytes) {
+            atomicAdd(&sums[(at + 8) / block_bytes], static_cast<unsigned long long>(term[1]));
+          }
+        }
+      }
+    }
+    const uint64_t total = warp_sum(acc);
+    if (lane == 0 && total != 0) {
+      atomicAdd(&sums[block], static_cast<unsigned long long>(total));
+    }
+  }
+  // The last block to get here finalizes: every other block's atomics are
+  // visible to it after its fence and theirs.
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    last = atomicAdd(finished, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last) {
+    __threadfence();
+    for (int64_t b = threadIdx.x; b < nblocks; b += blockDim.x) {
+      const uint64_t sum = atomicAdd(&sums[b], 0ull);
+      const int64_t len = min(block_bytes, a.nbytes - b * block_bytes);
+      sums[b] = checksum::finalize(sum, static_cast<uint64_t>(len));
+    }
+  }
+}
+
+at::Tensor checksum_cuda_op(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("replica::checksum", "")
+                       .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
+  return op.call(buf, block_bytes, word_offset);
+}
+
+at::Tensor pack_checksum_cuda(
+    at::TensorList srcs, const at::Tensor& out, at::IntArrayRef offsets, int64_t block_bytes,
+    int64_t word_offset) {
+  std::vector<Segment> segments = plan_segments(srcs, out, offsets, Direction::kPack);
+  const int64_t nblocks = plan_checksum(out, block_bytes, word_offset);
+  TORCH_CHECK(out.is_cuda(), "replica: the CUDA kernel got a buffer on ", out.device());
+  const c10::cuda::CUDAGuard guard(out.device());
+  auto* base = static_cast<uint8_t*>(out.data_ptr());
+  if (nblocks == 0 || reinterpret_cast<uintptr_t>(base) % cuda_copy::kVectorBytes != 0) {
+    // A view of out that starts off a 16-byte boundary: its chunks would not be
+    // vectors. Rare (allocations are 256-byte aligned); two launches instead.
+    copy_segments_cuda(segments, out);
+    return checksum_cuda_op(out, block_bytes, word_offset);
+  }
+  std::erase_if(segments, [](const Segment& s) { return s.nbytes == 0; });
+  std::sort(segments.begin(), segments.end(), [](const Segment& x, const Segment& y) { return x.dst < y.dst; });
+  const auto nrows = static_cast<int64_t>(segments.size());
+  static_assert(sizeof(pc::Row) == 3 * sizeof(int64_t));
+  at::Tensor table = at::empty({std::max<int64_t>(3 * nrows, 1)},
+                               at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  auto* rows = reinterpret_cast<pc::Row*>(table.data_ptr<int64_t>());
+  for (int64_t i = 0; i < nrows; ++i) {
+    rows[i] = pc::Row{reinterpret_cast<int64_t>(segments[i].src), segments[i].dst - base, segments[i].nbytes};
+  }
+  const int64_t nbytes = out.numel();
+  const int64_t ntiles = (nbytes + kPackChecksumTileBytes - 1) / kPackChecksumTileBytes;
+  const int64_t grid = (ntiles + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  TORCH_CHECK(grid <= std::numeric_limits<int32_t>::max(), "replica: ", nbytes, " bytes is more than one call can pack");
+
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(out.device().index());
+  const at::Tensor device_table = upload(table, out.device(), stream);
+  at::Tensor digests = at::empty({nblocks}, out.options().dtype(at::kLong));
+  at::Tensor finished = at::empty({1}, out.options().dtype(at::kInt));
+  C10_CUDA_CHECK(cudaMemsetAsync(digests.data_ptr(), 0, nblocks * sizeof(int64_t), stream.stream()));
+  C10_CUDA_CHECK(cudaMemsetAsync(finished.data_ptr(), 0, sizeof(int32_t), stream.stream()));
+  const pc::Args args{reinterpret_cast<const pc::Row*>(device_table.data_ptr<int64_t>()), nrows, base, nbytes,
+                      static_cast<uint64_t>(word_offset)};
+  pack_checksum_kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream.stream()>>>(
+      args, block_bytes, ntiles, reinterpret_cast<unsigned long long*>(digests.data_ptr<int64_t>()), nblocks,
+      reinterpret_cast<unsigned int*>(finished.data_ptr<int32_t>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return digests;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(replica, CUDA, m) {
   m.impl("pack", &pack_cuda);
   m.impl("unpack", &unpack_cuda);
+  m.impl("pack_checksum", &pack_checksum_cuda);
 }
 
 }  // namespace replica

@@ -1,0 +1,162 @@
+// Builds of simd_body.inc per instruction set, and the run-time choice.
+#include "simd.h"
+
+#include "replica.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace replica {
+namespace simd {
+
+#if defined(__x86_64__)
+
+// One 64-bit lane: SSE2 has no 64-bit multiply, and four scalar chains beat
+// two-lane vectors built from 32-bit ones.
+namespace portable {
+#define REPLICA_LANES 1
+#define REPLICA_UNROLL 4
+#define REPLICA_STREAM(p, v) _mm_stream_si64(reinterpret_cast<long long*>(p), static_cast<long long>((v)[0]))
+#include "simd_body.inc"
+#undef REPLICA_STREAM
+#undef REPLICA_UNROLL
+#undef REPLICA_LANES
+}  // namespace portable
+
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace avx2 {
+#define REPLICA_LANES 4
+#define REPLICA_UNROLL 2
+#define REPLICA_STREAM(p, v) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), (__m256i)(v))
+#include "simd_body.inc"
+#undef REPLICA_STREAM
+#undef REPLICA_UNROLL
+#undef REPLICA_LANES
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq")
+namespace avx512 {
+#define REPLICA_LANES 8
+#define REPLICA_UNROLL 2
+#define REPLICA_STREAM(p, v) _mm512_stream_si512(reinterpret_cast<__m512i*>(p), (__m512i)(v))
+#include "simd_body.inc"
+#undef REPLICA_STREAM
+#undef REPLICA_UNROLL
+#undef REPLICA_LANES
+}  // namespace avx512
+#pragma GCC pop_options
+
+namespace {
+const Kernels kBuilds[] = {
+    {"avx512", &avx512::hash_words, &avx512::copy_and_hash},
+    {"avx2", &avx2::hash_words, &avx2::copy_and_hash},
+    {"portable", &portable::hash_words, &portable::copy_and_hash},
+};
+
+bool runs_here(const Kernels& k) {
+  __builtin_cpu_init();
+  if (std::strcmp(k.name, "avx512") == 0) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  }
+  if (std::strcmp(k.name, "avx2") == 0) {
+    return __builtin_cpu_supports("avx2");
+  }
+  return true;
+}
+}  // namespace
+
+#else  // not x86-64: one portable build
+
+namespace portable {
+#define REPLICA_LANES 1
+#define REPLICA_UNROLL 4
+#define REPLICA_STREAM(p, v) store(p, v)
+#include "simd_body.inc"
+#undef REPLICA_STREAM
+#undef REPLICA_UNROLL
+#undef REPLICA_LANES
+}  // namespace portable
+
+namespace {
+const Kernels kBuilds[] = {{"portable", &portable::hash_words, &portable::copy_and_hash}};
+
+bool runs_here(const Kernels&) {
+  return true;
+}
+}  // namespace
+
+#endif
+
+namespace {
+
+const Kernels* find(const std::string& name) {
+  for (const Kernels& k : kBuilds) {
+    if (name == k.name) {
+      return &k;
+    }
+  }
+  return nullptr;
+}
+
+const Kernels* best() {
+  for (const Kernels& k : kBuilds) {
+    if (runs_here(k)) {
+      return &k;
+    }
+  }
+  return &kBuilds[std::size(kBuilds) - 1];
+}
+
+// REPLICA_SIMD may name a lesser build (to compare, or to avoid AVX-512's clock
+// drop on some CPUs); one the CPU cannot run is refused, not ignored.
+const Kernels* initial() {
+  const char* asked = std::getenv("REPLICA_SIMD");
+  if (asked == nullptr || *asked == '\0') {
+    return best();
+  }
+  const Kernels* k = find(asked);
+  TORCH_CHECK(k != nullptr, "replica: REPLICA_SIMD=", asked, " names no build (have: avx512, avx2, portable)");
+  TORCH_CHECK(runs_here(*k), "replica: REPLICA_SIMD=", asked, " but this CPU cannot run it");
+  return k;
+}
+
+std::atomic<const Kernels*>& current() {
+  static std::atomic<const Kernels*> chosen{initial()};
+  return chosen;
+}
+
+}  // namespace
+
+const Kernels& active() {
+  return *current().load(std::memory_order_relaxed);
+}
+
+std::vector<std::string> supported() {
+  std::vector<std::string> names;
+  for (const Kernels& k : kBuilds) {
+    if (runs_here(k)) {
+      names.emplace_back(k.name);
+    }
+  }
+  return names;
+}
+
+std::string select(const std::string& name) {
+  const Kernels* k = find(name);
+  TORCH_CHECK(k != nullptr, "replica: no checksum build named '", name, "'");
+  TORCH_CHECK(runs_here(*k), "replica: this CPU cannot run the ", name, " build");
+  return current().exchange(k)->name;
+}
+
+}  // namespace simd
+}  // namespace replica

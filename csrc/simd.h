@@ -1,0 +1,32 @@
+// The CPU checksum loops, one build per instruction set, chosen at run time:
+// AVX-512 (F + DQ: 64-bit multiplies in one instruction), AVX2, or portable
+// code, the best the CPU has unless REPLICA_SIMD names a lesser one. All give
+// the same digests bit for bit (simd_body.inc).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace replica {
+namespace simd {
+
+struct Kernels {
+  const char* name;
+  // Sum of checksum::word_term over `nwords` whole words at `bytes`, the first
+  // having index `index` in its buffer.
+  uint64_t (*hash_words)(const uint8_t* bytes, int64_t nwords, uint64_t index);
+  // The same sum, while copying the words to `dst` (streamed when asked).
+  uint64_t (*copy_and_hash)(uint8_t* dst, const uint8_t* bytes, int64_t nwords, uint64_t index, bool streaming);
+};
+
+// The kernels in use.
+const Kernels& active();
+// Names of the builds this CPU can run, best first ("avx512", "avx2", "portable").
+std::vector<std::string> supported();
+// Use the build `name` from now on (tests and benchmarks); returns the previous
+// one's name. Throws c10::Error for a build this CPU cannot run.
+std::string select(const std::string& name);
+
+}  // namespace simd
+}  // namespace replica
