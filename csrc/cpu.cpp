@@ -18,10 +18,17 @@ namespace {
 
 // Below this many bytes per task, thread start-up costs more than it saves.
 constexpr int64_t kCopyGrainBytes = 256 << 10;
-// 4 MiB per thread at least: waking OpenMP workers costs more than hashing a
-// small bucket, badly so when a UCX progress thread is spinning beside them.
-constexpr int64_t kChecksumGrainWords = 512 << 10;
+// 16 MiB per thread at least: waking OpenMP workers costs more than hashing a
+// small bucket, badly so when a UCX progress thread is spinning beside them,
+// and a receiver hashing one piece of a bucket (transport.base.PIECE_BYTES)
+// while the next arrives must leave the other cores to the transport.
+constexpr int64_t kChecksumGrainWords = 2 << 20;
 constexpr size_t kPrefetchAhead = 4;
+// pack_checksum hashes gaps shorter than this (alignment padding: < 64 bytes)
+// inline, word by word.
+constexpr int64_t kShortGapBytes = 256;
+// ... and streams the stores of segments of at least this many bytes only.
+constexpr int64_t kStreamSegmentBytes = 256 << 10;
 constexpr int64_t kPrefetchBytes = 4096;
 
 // Calls that move at least this much use non-temporal stores: the output will
@@ -59,6 +66,18 @@ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, bool streaming) {
   std::memcpy(dst, src, n);
 }
 
+// Small sources lie scattered over the heap; without a prefetch each one
+// starts with a full memory round trip. Called on reaching segment s.
+inline void prefetch_ahead(const std::vector<Segment>& segments, size_t s) {
+  if (s + kPrefetchAhead < segments.size()) {
+    const Segment& next = segments[s + kPrefetchAhead];
+    const int64_t lines = std::min<int64_t>(next.nbytes, kPrefetchBytes);
+    for (int64_t at = 0; at < lines; at += 64) {
+      __builtin_prefetch(next.src + at);
+    }
+  }
+}
+
 // Splits the concatenation of all segments into equal byte ranges, one per
 // thread, so a mix of one huge and many tiny tensors balances as well as one
 // large memcpy would.
@@ -79,15 +98,7 @@ void copy_segments(const std::vector<Segment>& segments) {
     while (pos < end) {
       const int64_t lo = pos - starts[s];
       const int64_t hi = std::min(end, starts[s + 1]) - starts[s];
-      // Small sources lie scattered over the heap; without a prefetch each
-      // one starts with a full memory round trip.
-      if (s + kPrefetchAhead < segments.size()) {
-        const Segment& next = segments[s + kPrefetchAhead];
-        const int64_t lines = std::min<int64_t>(next.nbytes, kPrefetchBytes);
-        for (int64_t at = 0; at < lines; at += 64) {
-          __builtin_prefetch(next.src + at);
-        }
-      }
+      prefetch_ahead(segments, s);
       if (hi > lo) {
         copy_bytes(segments[s].dst + lo, segments[s].src + lo, hi - lo, streaming);
       }
@@ -209,6 +220,7 @@ at::Tensor pack_checksum_cpu(
   const bool streaming = copied >= kStreamingBytes;
   const int64_t nwords = (nbytes + 7) / 8;
   BlockSums sums(digests, block_bytes);
+  const simd::Kernels& kernels = simd::active();
   at::parallel_for(0, nwords, kCopyGrainBytes / 8, [&](int64_t begin, int64_t end) {
     int64_t pos = begin * 8;
     const int64_t stop = std::min(end * 8, nbytes);
@@ -225,17 +237,29 @@ at::Tensor pack_checksum_cpu(
         const int64_t seg_lo = s < segments.size() ? starts[s] : nbytes;
         if (pos < seg_lo) {  // a gap: hashed as out holds it
           const int64_t hi = std::min(seg_lo, block_end);
-          acc += hash_range(base, nbytes, pos, hi, word_offset);
-          pos = hi;
+          if (hi - pos < kShortGapBytes) {  // alignment padding: cheaper word by word than a call
+            for (; pos < hi; pos += 8) {
+              acc += checksum::word_term(load_word(base, nbytes, pos / 8), word_offset + pos / 8);
+            }
+          } else {
+            acc += hash_range(base, nbytes, pos, hi, word_offset);
+          }
+          pos = std::min(hi, nbytes);
           continue;
         }
         const Segment& seg = segments[s];
         const int64_t seg_hi = seg_lo + seg.nbytes;
+        if (pos == seg_lo) {
+          prefetch_ahead(segments, s);
+        }
         const int64_t whole_end = seg_lo + seg.nbytes / 8 * 8;
         if (pos < whole_end) {
           const int64_t hi = std::min(whole_end, block_end);
-          acc += simd::active().copy_and_hash(
-              base + pos, seg.src + (pos - seg_lo), (hi - pos) / 8, word_offset + pos / 8, streaming);
+          // Streamed only when large: the segment's last word and the gap after
+          // it are read back from out, and a load from a line with streamed
+          // stores still in flight waits for them to reach memory.
+          acc += kernels.copy_and_hash(base + pos, seg.src + (pos - seg_lo), (hi - pos) / 8, word_offset + pos / 8,
+                                       streaming && seg.nbytes >= kStreamSegmentBytes);
           pos = hi;
         } else {  // the segment's last, partial word
           std::memcpy(base + pos, seg.src + (pos - seg_lo), seg_hi - pos);

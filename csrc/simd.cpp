@@ -33,13 +33,26 @@ namespace portable {
 #pragma GCC push_options
 #pragma GCC target("avx2")
 namespace avx2 {
+// The low 64 bits of x * c from three instructions' products: x_lo * c_lo
+// (vpmuludq) plus the cross terms x_lo * c_hi + x_hi * c_lo, whose low 32 bits
+// are all that survive the shift and which one 32-bit multiply (vpmulld, on c
+// with its halves swapped) gives side by side. The compiler's generic
+// sequence takes three 64-bit products and rebuilds its constants each loop.
+inline __m256i mul_const(__m256i x, uint64_t c) {
+  const __m256i lo = _mm256_mul_epu32(x, _mm256_set1_epi64x(static_cast<long long>(c)));
+  const __m256i cross = _mm256_mullo_epi32(x, _mm256_set1_epi64x(static_cast<long long>((c << 32) | (c >> 32))));
+  const __m256i sum = _mm256_add_epi64(cross, _mm256_srli_epi64(cross, 32));
+  return _mm256_add_epi64(lo, _mm256_slli_epi64(sum, 32));
+}
+#define REPLICA_MUL(x, c) ((Vec)mul_const((__m256i)(x), (c)))
 #define REPLICA_LANES 4
-#define REPLICA_UNROLL 2
+#define REPLICA_UNROLL 4
 #define REPLICA_STREAM(p, v) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), (__m256i)(v))
 #include "simd_body.inc"
 #undef REPLICA_STREAM
 #undef REPLICA_UNROLL
 #undef REPLICA_LANES
+#undef REPLICA_MUL
 }  // namespace avx2
 #pragma GCC pop_options
 

@@ -41,6 +41,7 @@ __all__ = [
     "ALIGNMENT",
     "aligned_offsets",
     "checksum",
+    "combine_digests",
     "pack",
     "pack_checksum",
     "reference_checksum",
@@ -227,3 +228,47 @@ def reference_pack_checksum(srcs: Sequence[torch.Tensor], out: torch.Tensor, off
                             block_bytes: int, word_offset: int = 0) -> torch.Tensor:
     reference_pack(srcs, out, offsets)
     return reference_checksum(out, block_bytes, word_offset)
+
+
+# --- digests of adjacent blocks, combined without the bytes ---
+
+_M64 = (1 << 64) - 1
+_INV_MUL1 = pow(0xBF58476D1CE4E5B9, -1, 1 << 64)
+_INV_MUL2 = pow(0x94D049BB133111EB, -1, 1 << 64)
+
+
+def _unshift(x: int, s: int) -> int:
+    """The inverse of ``x ^= x >> s`` on 64 bits."""
+    y = x
+    for _ in range(64 // s):
+        y = x ^ (y >> s)
+    return y
+
+
+def _unmix(x: int) -> int:
+    x = _unshift(x, 31)
+    x = (x * _INV_MUL2) & _M64
+    x = _unshift(x, 27)
+    x = (x * _INV_MUL1) & _M64
+    return _unshift(x, 30)
+
+
+def _mix_int(x: int) -> int:
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def combine_digests(digests: Sequence[int], lengths: Sequence[int]) -> int:
+    """The digest of adjacent blocks as one block, from each block's digest and byte
+    length: every block but the last a multiple of 8 bytes long, and each hashed with
+    the ``word_offset`` of its place in the whole. ``finalize`` is a bijection, so each
+    block's sum of word terms is recovered and the sums add up."""
+    total = 0
+    for digest, nbytes in zip(digests, lengths, strict=True):
+        total += _unmix(digest & _M64) ^ ((nbytes * 0xD6E8FEB86659FD93) & _M64)
+    length = sum(lengths)
+    combined = _mix_int((total & _M64) ^ ((length * 0xD6E8FEB86659FD93) & _M64))
+    return combined - (1 << 64) if combined >= 1 << 63 else combined

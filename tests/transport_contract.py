@@ -20,6 +20,7 @@ from replica.errors import (
 )
 from replica.testing import Child, process_state, spawn
 from replica.transport import Transport
+from replica.transport.base import PIECE_BYTES, bucket_digest
 
 MiB = 1 << 20
 T = timedelta(seconds=60)
@@ -79,8 +80,8 @@ def peer_main(pipe, make: MakeTransport, token: bytes, device: str = "cpu") -> N
             n, tag = args
             buf = empty(n, device)
             try:
-                conn.recv(buf, tag=tag, timeout=T)
-                pipe.send(("ok", int(buf.sum())))
+                header = conn.recv(buf, tag=tag, timeout=T)
+                pipe.send(("ok", int(buf.sum()), header.offset, header.nbytes, header.digest))
             except BucketCorruptedError as exc:
                 pipe.send(("BucketCorruptedError", exc.bucket, exc.step))
         elif cmd == "send":
@@ -235,8 +236,34 @@ def check_corrupted_bucket_rejected_and_resent(make: MakeTransport, device: str 
         assert peer.recv() == ("BucketCorruptedError", 4, 9)
         peer.send("recv_verify", data.numel(), 20)  # the same bucket again, clean
         conn.send(data, tag=20, timeout=T, step=9, bucket=4)
-        assert peer.recv() == ("ok", int(data.sum()))
+        assert peer.recv()[:2] == ("ok", int(data.sum()))
         assert conn.faults.corrupted == 1
+
+
+def check_bucket_in_pieces(make: MakeTransport, device: str = "cpu") -> None:
+    """A bucket above PIECE_BYTES travels as pieces: it arrives whole, with the digest of
+    the whole keyed from its offset; a flip in a middle piece fails the bucket only once
+    every piece is in, so the resend and the next bucket on the tag arrive intact."""
+    n = 2 * PIECE_BYTES + 4099  # three pieces, the last of an odd length
+    offset = 8 * 12345
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
+        conn = connected(transport, peer)
+        data = pattern(n, 6, device)
+        for corrupt in (True, False):
+            conn.faults.corrupt_next = int(corrupt)
+            peer.send("recv_verify", n, 25)
+            sent = conn.send(data, tag=25, timeout=T, step=3, bucket=2, offset=offset)
+            got = peer.recv()
+            if corrupt:
+                assert conn.faults.corrupted == 1, "the corruption fault did not fire"
+                assert got == ("BucketCorruptedError", 2, 3)
+            else:
+                assert got == ("ok", int(data.sum()), offset, n, sent.digest)
+                assert sent.digest == bucket_digest(data.cpu(), offset=offset) != 0
+        small = pattern(100, 7, device)
+        peer.send("recv_verify", 100, 25)
+        conn.send(small, tag=25, timeout=T)
+        assert peer.recv()[:2] == ("ok", int(small.sum()))
 
 
 def check_peer_killed_mid_transfer(make: MakeTransport, nbytes: int = 512 * MiB, device: str = "cpu") -> None:
@@ -297,6 +324,7 @@ CHECKS = [
     check_wrong_token_refused,
     check_missing_token_refused,
     check_corrupted_bucket_rejected_and_resent,
+    check_bucket_in_pieces,
     check_peer_killed_mid_transfer,
     check_frozen_peer_times_out,
 ]

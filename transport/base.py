@@ -41,6 +41,7 @@ __all__ = [
     "Transfer",
     "Transport",
     "MAX_OFFSET",
+    "PIECE_BYTES",
     "bucket_digest",
     "nvtx_range",
     "select_transport",
@@ -161,23 +162,43 @@ def _seconds(timeout: timedelta) -> float:
     return timeout.total_seconds()
 
 
+#: Buckets above this many bytes travel as pieces of it (a multiple of 8), each a
+#: message of its own under the bucket's tag (every backend delivers one tag's
+#: messages in order): the receiver hashes piece k while piece k + 1 arrives, so
+#: only the last piece's hash follows the transfer. Both sides split alike.
+PIECE_BYTES = 16 << 20
+
+
+def _pieces(n: int) -> list[tuple[int, int]]:
+    if n <= PIECE_BYTES:
+        return [(0, n)]
+    return [(lo, min(lo + PIECE_BYTES, n)) for lo in range(0, n, PIECE_BYTES)]
+
+
+@dataclass(slots=True)
+class _Piece:
+    pending: Pending
+    flat: torch.Tensor
+    header_buf: torch.Tensor | None  # receives only
+    done: bool = False
+
+
 class Transfer:
     """Handle of one send or receive in flight; ``wait`` finishes it."""
 
-    def __init__(self, conn: Connection, pending: Pending, *, kind: str, tag: int,
-                 buf: torch.Tensor, header: BucketHeader | None, header_buf: torch.Tensor | None):
+    def __init__(self, conn: Connection, pieces: list[_Piece], *, kind: str, tag: int, buf: torch.Tensor,
+                 header: BucketHeader | None):
         self._conn = conn
-        self._pending = pending
+        self._pieces = pieces
         self._kind = kind
         self._tag = tag
         self._buf = buf  # kept alive until the backend is done with it
         self._header = header
-        self._header_buf = header_buf
         self._done = False
 
     def done(self) -> bool:
         """Non-blocking: True when ``wait`` would return without waiting."""
-        return self._done or self._poll()
+        return self._done or all(piece.done or self._poll(piece) for piece in self._pieces)
 
     def wait(self, timeout: timedelta) -> BucketHeader:
         """Block until finished; returns the bucket's header (verified, for receives).
@@ -185,36 +206,46 @@ class Transfer:
         Raises PeerDisconnectedError if the peer died or closed the connection,
         TransferTimeoutError past ``timeout`` (the connection is then closed: its
         buffers may still be written by a late message), BucketCorruptedError if
-        a received bucket fails its digest.
+        a received bucket fails its digest (once all of its pieces are in).
         """
         if self._done:
             return self._header
         deadline = time.monotonic() + _seconds(timeout)
-        completion: threading.Event | None = getattr(self._pending, "completion", None)
+        headers, sums = [], []
         with nvtx_range(f"replica::{self._kind}"):
-            delay = _FIRST_POLL_SLEEP_S
-            while not self._poll():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    self._conn._fail(TransferTimeoutError(
-                        f"{self._kind} of tag {self._tag} to {self._conn.peer} did not finish "
-                        f"within {_seconds(timeout):.3f} s; connection closed"))
-                    raise self._conn._error
-                if completion is not None:
-                    completion.wait(min(left, _COMPLETION_SLICE_S))
-                else:
-                    time.sleep(min(delay, left))
-                    delay = min(delay * 2, _MAX_POLL_SLEEP_S)
+            for piece in self._pieces:
+                self._wait_piece(piece, deadline, timeout)
+                if self._kind == "recv":  # verified while the next pieces arrive
+                    header, term_sum = self._conn._check_piece(self._tag, piece.flat, piece.header_buf)
+                    headers.append(header)
+                    sums.append(term_sum)
         self._done = True
         if self._kind == "recv":
-            self._header = self._conn._verify(self._tag, self._buf, self._header_buf)
+            self._header = self._conn._verify(self._tag, self._buf, headers, sums)
         return self._header
 
-    def _poll(self) -> bool:
+    def _wait_piece(self, piece: _Piece, deadline: float, timeout: timedelta) -> None:
+        completion: threading.Event | None = getattr(piece.pending, "completion", None)
+        delay = _FIRST_POLL_SLEEP_S
+        while not (piece.done or self._poll(piece)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._conn._fail(TransferTimeoutError(
+                    f"{self._kind} of tag {self._tag} to {self._conn.peer} did not finish "
+                    f"within {_seconds(timeout):.3f} s; connection closed"))
+                raise self._conn._error
+            if completion is not None:
+                completion.wait(min(left, _COMPLETION_SLICE_S))
+            else:
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, _MAX_POLL_SLEEP_S)
+
+    def _poll(self, piece: _Piece) -> bool:
         # The transfer's own state first: a bucket that arrived completely
         # before its peer went away is delivered, not lost.
         try:
-            if self._pending.poll():
+            if piece.pending.poll():
+                piece.done = True
                 return True
         except TransportError:
             raise
@@ -251,43 +282,57 @@ class Connection(ABC):
 
         ``digest``: ``bucket_digest(buf, offset=offset)``, when the caller has it already
         (``ops.pack_checksum`` took it while packing); otherwise it is computed here
-        while the payload is on its way (when the connection verifies digests)."""
+        while the payload is on its way (when the connection verifies digests).
+        A bucket above ``PIECE_BYTES`` goes as pieces; the last one's header carries
+        the digest of the whole."""
         flat = self._guard(buf, tag, "buf")
         _check_offset(offset)
+        self._check_bucket(flat)
         payload = flat
         if self.faults.corrupt_next > 0 and flat.numel() > 0:
             self.faults.corrupt_next -= 1
             self.faults.corrupted += 1
             payload = flat.clone()
             payload[flat.numel() // 2] ^= 0xFF
-        header = BucketHeader(step=step, bucket=bucket, offset=offset, nbytes=flat.numel(),
-                              digest=0, fingerprint=fingerprint)
+        whole = BucketHeader(step=step, bucket=bucket, offset=offset, nbytes=flat.numel(), digest=0,
+                             fingerprint=fingerprint)
+        spans = _pieces(flat.numel())
 
-        def finish_header() -> bytes:
-            # Called by the backend once the payload is on its way, so hashing
-            # overlaps the transfer; the digest is of the caller's bytes.
-            nonlocal header
-            if not self._verify_digests:
+        def header_of(lo: int, hi: int) -> Callable[[], bytes]:
+            def finish_header() -> bytes:
+                # Called by the backend once the piece is on its way, so hashing
+                # overlaps the transfer; the digest is of the caller's bytes.
+                nonlocal whole
                 value = 0
-            elif digest is not None:
-                value = digest
-            else:
-                with nvtx_range("replica::digest"):
-                    value = bucket_digest(flat, offset=offset)
-            header = dataclasses.replace(header, digest=value)
-            return header.encode()
+                if self._verify_digests and hi == flat.numel():
+                    if digest is not None:
+                        value = digest
+                    else:
+                        with nvtx_range("replica::digest"):
+                            value = bucket_digest(flat, offset=offset)
+                    whole = dataclasses.replace(whole, digest=value)
+                return dataclasses.replace(whole, offset=offset + lo, nbytes=hi - lo, digest=value).encode()
+            return finish_header
 
+        pieces = []
         with nvtx_range("replica::post_send"):
-            pending = self._isend(payload, tag, finish_header)
-        return Transfer(self, pending, kind="send", tag=tag, buf=payload, header=header, header_buf=None)
+            for lo, hi in spans:
+                part = payload[lo:hi] if len(spans) > 1 else payload
+                pieces.append(_Piece(self._isend(part, tag, header_of(lo, hi)), part, None))
+        # The backends take the last header while posting its piece: `whole` has its digest now.
+        return Transfer(self, pieces, kind="send", tag=tag, buf=payload, header=whole)
 
     def irecv(self, buf: torch.Tensor, *, tag: int) -> Transfer:
         """Start receiving the next bucket sent under ``tag`` directly into ``buf``."""
         flat = self._guard(buf, tag, "buf")
-        header_buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        spans = _pieces(flat.numel())
+        pieces = []
         with nvtx_range("replica::post_recv"):
-            pending = self._irecv(flat, tag, header_buf)
-        return Transfer(self, pending, kind="recv", tag=tag, buf=flat, header=None, header_buf=header_buf)
+            for lo, hi in spans:
+                part = flat[lo:hi] if len(spans) > 1 else flat
+                header_buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+                pieces.append(_Piece(self._irecv(part, tag, header_buf), part, header_buf))
+        return Transfer(self, pieces, kind="recv", tag=tag, buf=flat, header=None)
 
     def send(self, buf: torch.Tensor, *, tag: int, timeout: timedelta, **meta: int) -> BucketHeader:
         return self.isend(buf, tag=tag, **meta).wait(timeout)
@@ -332,7 +377,9 @@ class Connection(ABC):
             raise TransportError(f"this transport cannot move {kind.name} memory ({buf.device})")
         return as_bytes(buf, what)
 
-    def _verify(self, tag: int, flat: torch.Tensor, header_buf: torch.Tensor) -> BucketHeader:
+    def _check_piece(self, tag: int, flat: torch.Tensor, header_buf: torch.Tensor) -> tuple[BucketHeader, int]:
+        """A received piece's header, and its digest (0 when not verifying), taken at
+        once: the next pieces are still arriving."""
         with nvtx_range("replica::verify"):
             try:
                 header = BucketHeader.decode(header_buf.numpy().tobytes())
@@ -342,14 +389,34 @@ class Connection(ABC):
                 raise TransportError(
                     f"tag {tag} from {self.peer}: sender sent {header.nbytes} bytes into a "
                     f"{flat.numel()}-byte receive buffer")
-            if self._verify_digests and not (0 <= header.offset < MAX_OFFSET and header.offset % 8 == 0):
+            if not self._verify_digests:
+                return header, 0
+            if not (0 <= header.offset < MAX_OFFSET and header.offset % 8 == 0):
                 raise TransportError(f"tag {tag} from {self.peer}: a bucket offset of {header.offset} bytes")
-            if self._verify_digests and header.digest != bucket_digest(flat, offset=header.offset):
+            return header, bucket_digest(flat, offset=header.offset)
+
+    def _verify(self, tag: int, flat: torch.Tensor, headers: list[BucketHeader], digests: list[int]) -> BucketHeader:
+        """The bucket's header, from its pieces' (each checked by ``_check_piece``);
+        BucketCorruptedError if their bytes do not make the digest the last one carries."""
+        first, last = headers[0], headers[-1]
+        header = dataclasses.replace(last, offset=first.offset, nbytes=flat.numel())
+        at = first.offset
+        for piece in headers:
+            if (piece.step, piece.bucket, piece.fingerprint, piece.offset) != (
+                    first.step, first.bucket, first.fingerprint, at):
+                raise TransportError(f"tag {tag} from {self.peer}: piece {piece} does not follow {first}")
+            at += piece.nbytes
+        if self._verify_digests:
+            got = digests[0] if len(digests) == 1 else ops.combine_digests(digests, [h.nbytes for h in headers])
+            if got != header.digest:
                 raise BucketCorruptedError(
                     f"bucket {header.bucket} of step {header.step} (tag {tag}) from {self.peer} "
                     "failed its digest; ask for it again",
                     step=header.step, bucket=header.bucket, tag=tag)
         return header
+
+    def _check_bucket(self, flat: torch.Tensor) -> None:
+        """Refuse a bucket this backend cannot send (before any of its pieces goes)."""
 
     @abstractmethod
     def _isend(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> Pending:

@@ -370,12 +370,16 @@ class IpcConnection(ControlledConnection):
             return self._send_host(flat, tag, header)
         return self._send_device(flat, tag, header)
 
-    def _send_host(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> _Send:
+    def _check_bucket(self, flat: torch.Tensor) -> None:
+        # Per bucket, not per piece: a bucket over the limit is refused before any piece goes.
         nbytes = flat.numel()
-        if nbytes > MAX_HOST_BYTES:
+        if flat.device.type == "cpu" and nbytes > MAX_HOST_BYTES:
             raise TransportError(
                 f"a {nbytes}-byte host message is over CUDA IPC's limit of {MAX_HOST_BYTES} bytes "
                 "(host messages ride the control socket); send device memory, or use the UCX transport")
+
+    def _send_host(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> _Send:
+        nbytes = flat.numel()
         head = header()
         data = flat.numpy().tobytes() if nbytes else b""
         frames = [(_HOST, _HOST_FIXED.pack(tag, nbytes) + head + data[:_HOST_FIRST_BYTES])]
