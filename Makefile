@@ -81,7 +81,7 @@ $(CUDA_SHIM):
 	@mkdir -p $(dir $@)
 	@printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > $@
 
-.cuda-check/%.o: csrc/cuda/%.cu csrc/replica.h $(wildcard csrc/cuda/*.cuh) $(VENV)/.deps $(CUDA_SHIM)
+.cuda-check/%.o: csrc/cuda/%.cu csrc/replica.h csrc/checksum_mix.h $(wildcard csrc/cuda/*.cuh) $(VENV)/.deps $(CUDA_SHIM)
 	$(NVCC) -c $< -o $@ -std=c++20 -O3 -arch=$(CUDA_ARCH) --expt-relaxed-constexpr \
 	  -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -I.cuda-check/include \
 	  $(shell $(PY) -c "import sysconfig, torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths() + [sysconfig.get_paths()['include']]))") \

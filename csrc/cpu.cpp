@@ -207,7 +207,8 @@ at::Tensor pack_checksum_cpu(
   if (nblocks == 0) {
     return digests;
   }
-  std::erase_if(segments, [](const Segment& s) { return s.nbytes == 0; });
+  segments.erase(std::remove_if(segments.begin(), segments.end(), [](const Segment& s) { return s.nbytes == 0; }),
+                 segments.end());
   std::sort(segments.begin(), segments.end(), [](const Segment& a, const Segment& b) { return a.dst < b.dst; });
   auto* base = static_cast<uint8_t*>(out.data_ptr());
   const int64_t nbytes = out.numel();

@@ -236,7 +236,8 @@ at::Tensor pack_checksum_cuda(
     copy_segments_cuda(segments, out);
     return checksum_cuda_op(out, block_bytes, word_offset);
   }
-  std::erase_if(segments, [](const Segment& s) { return s.nbytes == 0; });
+  segments.erase(std::remove_if(segments.begin(), segments.end(), [](const Segment& s) { return s.nbytes == 0; }),
+                 segments.end());
   std::sort(segments.begin(), segments.end(), [](const Segment& x, const Segment& y) { return x.dst < y.dst; });
   const auto nrows = static_cast<int64_t>(segments.size());
   static_assert(sizeof(pc::Row) == 3 * sizeof(int64_t));
