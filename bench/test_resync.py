@@ -43,6 +43,9 @@ UCX_PATHS = {
     "ucx_tcp": ("tcp", False),
     "ucx_default": ("^cma,knem,xpmem", False),
     "ucx_default_verified": ("^cma,knem,xpmem", True),
+    # The progress thread spinning instead of sleeping in epoll (UcxConfig.polling_progress).
+    "ucx_default_polling": ("^cma,knem,xpmem", False, True),
+    "ucx_default_polling_verified": ("^cma,knem,xpmem", True, True),
 }
 
 
@@ -75,8 +78,8 @@ def _transport_peer(pipe, make, device: str) -> None:
     transport.close()
 
 
-def _make_ucx(tls: str, verify: bool) -> UcxTransport:
-    return UcxTransport(UcxConfig(token=TOKEN, ucx_transports=tls, verify=verify))
+def _make_ucx(tls: str, verify: bool, polling: bool = False) -> UcxTransport:
+    return UcxTransport(UcxConfig(token=TOKEN, ucx_transports=tls, verify=verify, polling_progress=polling))
 
 
 def _make_ipc() -> Transport:
@@ -240,6 +243,8 @@ def report():
         "ucx_tcp": "replica/UCX, tcp over loopback",
         "ucx_default": "replica/UCX, default (^cma: UCX picks)",
         "ucx_default_verified": "replica/UCX, default, digests on",
+        "ucx_default_polling": "replica/UCX, default, polling progress thread",
+        "ucx_default_polling_verified": "replica/UCX, default, polling progress thread, digests on",
         "gloo": "gloo send/recv",
         "memcpy": "memcpy limit (one copy in one process)",
     }

@@ -7,6 +7,8 @@ flip really changed what the digest sees."""
 
 from __future__ import annotations
 
+import json
+import struct
 import time
 from datetime import timedelta
 
@@ -16,6 +18,7 @@ import torch.distributed as dist
 
 import replica
 from replica.errors import SnapshotCorruptedError
+from replica.export import load_export, write_export
 from replica.snapshot import Snapshot, bucket_digests
 from replica.testing import spawn
 from replica.transport.base import bucket_digest
@@ -203,3 +206,42 @@ def test_a_flip_with_no_trainer_to_repair_it_stays_refused(store):
         fresh = job(seed=5)
         with pytest.raises(SnapshotCorruptedError, match=r"step 3.*\[0\]"):
             mirror.restore(fresh.model, fresh.optimizer, fresh.extra)
+
+
+def _rewrite_metadata(path, change) -> None:
+    """Rewrite the JSON header of an export (safetensors: 8-byte length, header, body)."""
+    data = path.read_bytes()
+    (n,) = struct.unpack_from("<Q", data)
+    header = json.loads(data[8:8 + n])
+    change(header["__metadata__"])
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+
+
+def test_an_export_written_before_offset_keyed_digests_is_still_checked(tmp_path):
+    """Exports of protocol 1 kept digests keyed from each bucket's start: load_export checks
+    those, then keeps the offset-keyed ones; a changed byte is refused either way."""
+    j = job()
+    layout = replica.StateLayout.of(j.model, None, world_size=1, rank=0, extras_capacity=1 << 10,
+                                    bucket_bytes=4 << 10)
+    snapshot = Snapshot(layout)
+    tensors = [t for _, t in replica.layout.state_tensors(j.model, None)]
+    snapshot.capture(tensors, b"extras", step=5, digests=True)
+    path = write_export(snapshot, tmp_path / "rank0.safetensors")
+    old = [bucket_digest(snapshot.buffer[lo:hi]) for lo, hi in layout.buckets()]
+    assert old != snapshot.digests  # the two keyings differ: the test can tell them apart
+
+    def to_protocol_1(meta):
+        del meta["replica.digests_keyed"]
+        meta["replica.digests"] = json.dumps(old)
+
+    _rewrite_metadata(path, to_protocol_1)
+    loaded = load_export(path)
+    assert loaded.digests == snapshot.digests and torch.equal(loaded.buffer, snapshot.buffer)
+
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x01  # a byte of the body (the extras sit last)
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorruptedError, match="changed since the file was written"):
+        load_export(path)
