@@ -34,6 +34,24 @@ def encode(obj: Any) -> bytes:
     return bytes(out)
 
 
+# Where a value sits, for error messages only: the root's name, or (parent, kind, key),
+# turned into text only when something cannot be encoded. Formatting every element's
+# path up front cost more than encoding it (an RNG state is hundreds of ints).
+_ITEM, _KEY, _VALUE = 0, 1, 2
+
+
+def _where(path) -> str:
+    if isinstance(path, str):
+        return path
+    parent, kind, key = path
+    base = _where(parent)
+    if kind == _ITEM:
+        return f"{base}[{key}]"
+    if kind == _KEY:
+        return f"{base}.<key>"
+    return f"{base}[{key!r}]"
+
+
 def decode(data: bytes) -> Any:
     view = memoryview(data)
     obj, at = _decode(view, 0)
@@ -47,7 +65,7 @@ def _put_bytes(out: bytearray, b: bytes) -> None:
     out += b
 
 
-def _encode(obj: Any, out: bytearray, path: str) -> None:
+def _encode(obj: Any, out: bytearray, path) -> None:
     if obj is None:
         out += b"N"
     elif obj is True:
@@ -70,16 +88,16 @@ def _encode(obj: Any, out: bytearray, path: str) -> None:
         out += b"L" if isinstance(obj, list) else b"U"
         out += _U32.pack(len(obj))
         for i, item in enumerate(obj):
-            _encode(item, out, f"{path}[{i}]")
+            _encode(item, out, (path, _ITEM, i))
     elif isinstance(obj, dict):
         out += b"M" + _U32.pack(len(obj))
         for key, value in obj.items():
-            _encode(key, out, f"{path}.<key>")
-            _encode(value, out, f"{path}[{key!r}]")
+            _encode(key, out, (path, _KEY, None))
+            _encode(value, out, (path, _VALUE, key))
     elif isinstance(obj, torch.Tensor):
         name = str(obj.dtype).removeprefix("torch.")
         if name not in _TORCH_DTYPES:
-            raise TypeError(f"{path}: cannot encode a tensor of {obj.dtype}")
+            raise TypeError(f"{_where(path)}: cannot encode a tensor of {obj.dtype}")
         t = obj.detach().cpu().contiguous()
         out += b"X"
         _put_bytes(out, name.encode())
@@ -87,7 +105,7 @@ def _encode(obj: Any, out: bytearray, path: str) -> None:
         _put_bytes(out, t.reshape(-1).view(torch.uint8).numpy().tobytes())
     elif isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
-            raise TypeError(f"{path}: cannot encode a numpy array of Python objects")
+            raise TypeError(f"{_where(path)}: cannot encode a numpy array of Python objects")
         a = np.ascontiguousarray(obj)
         out += b"A"
         _put_bytes(out, a.dtype.str.encode())
@@ -96,7 +114,7 @@ def _encode(obj: Any, out: bytearray, path: str) -> None:
     elif isinstance(obj, np.generic):
         _encode(obj.item(), out, path)
     else:
-        raise TypeError(f"{path}: cannot encode {type(obj).__name__} (only plain data, tensors and arrays)")
+        raise TypeError(f"{_where(path)}: cannot encode {type(obj).__name__} (only plain data, tensors and arrays)")
 
 
 def _get_bytes(view: memoryview, at: int) -> tuple[bytes, int]:

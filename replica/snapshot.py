@@ -15,7 +15,7 @@ import torch
 
 from replica import ops
 from replica.errors import LayoutMismatchError, ReplicaError, SnapshotCorruptedError
-from replica.layout import StateLayout, dtype_name
+from replica.layout import StateLayout, dtype_name, dtype_of
 from replica.placement import pack_state, unpack_state
 
 __all__ = ["Snapshot", "Stateful", "apply_extras", "bucket_digests", "collect_extras"]
@@ -85,6 +85,7 @@ class Snapshot:
         self.buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self.step: int | None = None
         self.digests: list[int] | None = None
+        self._expected: list[tuple[torch.Size, torch.dtype]] | None = None  # per entry, for _check
 
     def compute_digests(self) -> list[int]:
         """The digests of every bucket as the buffer is now (to record, not to check)."""
@@ -153,8 +154,10 @@ class Snapshot:
         entries = self.layout.entries
         if len(tensors) != len(entries):
             raise LayoutMismatchError(f"{len(tensors)} state tensors, the layout has {len(entries)}")
-        for t, e in zip(tensors, entries):
-            if tuple(t.shape) != e.shape or dtype_name(t.dtype) != e.dtype:
+        if self._expected is None:  # every step checks every tensor: compare torch's own objects
+            self._expected = [(torch.Size(e.shape), dtype_of(e.dtype)) for e in entries]
+        for t, (shape, dtype), e in zip(tensors, self._expected, entries):
+            if t.shape != shape or t.dtype != dtype:
                 raise LayoutMismatchError(
-                    f"{e.name}: {t.dtype} {tuple(t.shape)} here, the layout has {e.dtype} {e.shape}")
+                    f"{e.name}: {dtype_name(t.dtype)} {tuple(t.shape)} here, the layout has {e.dtype} {e.shape}")
 
