@@ -13,14 +13,16 @@ engine receives the weights of a Llama-style model
 * reloaded by vLLM from the same weights in safetensors on disk
   (``reload_weights(weights_path=...)``, page cache warm): ``disk_reload_s``,
   and the trainer's save of that file: ``disk_save_s``;
-* as bytes only: a gloo broadcast of the same bytes between two processes, and
-  a memcpy of them (the physical limit here).
+* as bytes only: a gloo broadcast of the same bytes between two processes, raw
+  UCX without digests in the sync's bucket size (``raw_ucx_s``), and a memcpy of
+  them (the physical limit here).
 
 usage: weight_sync_run.py SIZE ROUNDS OUT.json
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -37,6 +39,7 @@ from vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
 import replica  # noqa: E402
 from replica.testing import free_port, spawn  # noqa: E402
+from test_resync import _make_ucx, _transport_path  # noqa: E402  (bench/, the working directory)
 
 SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
           "1GiB": dict(hidden=1024, layers=16, intermediate=4096)}
@@ -148,6 +151,20 @@ def run(size: str, rounds: int, out: Path, work: Path) -> None:
                 gloo_s.append(time.perf_counter() - start)
         peer.send("exit")
         dist.destroy_process_group()
+    # Raw UCX without digests: the same bytes in buckets of the sync's bucket size, all
+    # in flight at once, to another process (the transfer's limit on this transport).
+    ucx_s = []
+    bucket = CONFIG.bucket_bytes
+    with _transport_path("ucx_plain", functools.partial(_make_ucx, "^cma,knem,xpmem", False), "cpu") as path:
+        _, peer, one_round = path
+        assert peer.request("size", nbytes) == ("ok",)
+        peer.send("bucketed_rounds", rounds + 1, bucket)
+        for i in range(rounds + 1):
+            start = time.perf_counter()
+            one_round.bucketed(buf, bucket)
+            if i:
+                ucx_s.append(time.perf_counter() - start)
+        assert peer.recv(timeout=300) == ("ok",)
     dst = torch.empty_like(buf)
     for i in range(rounds + 1):
         start = time.perf_counter()
@@ -161,6 +178,7 @@ def run(size: str, rounds: int, out: Path, work: Path) -> None:
                                "generations_during_sync": med(during),
                                "disk_reload_s": med(disk_s), "disk_save_s": med(save_s),
                                "gloo_broadcast_s": med(gloo_s), "memcpy_s": med(memcpy_s),
+                               "raw_ucx_s": med(ucx_s),
                                "warmup_rounds": WARMUP,
                                "all": {"sync_s": sync_s, "prepare_s": prepare_s, "stall_s": stall_s, "busy_sync_s": busy_s,
                                        "generations_during_sync": during, "disk_reload_s": disk_s}}, indent=2))
