@@ -91,3 +91,65 @@ def test_a_peer_gone_without_goodbye_retires_the_worker():
             assert torch.equal(back, pattern(MiB, 2)) and fresh.recv() == ("ok",)
             conn2.close()  # this side's goodbye: the worker stays in service
         assert transport.retired_workers == 1 and transport._worker is second and not second.stopped
+
+
+def _posts_after_close(pipe) -> None:
+    # Runs in a child: before the fix, UCX took the process down with SIGSEGV here.
+    import threading
+
+    with make_ucx(b"job-token") as server, make_ucx(b"job-token") as client:
+        address = server.listen()
+        accepted = []
+        acceptor = threading.Thread(target=lambda: accepted.append(server.accept(T)))
+        acceptor.start()
+        conn = client.connect(address, T)
+        acceptor.join()
+        data = pattern(4 * MiB, 1)
+        refused = []
+        # The losing side of the race, made certain: the connection closes between
+        # isend's check of the connection and its post to the UCX endpoint.
+        conn.close()
+        for post in (lambda: conn._isend(data, 1, lambda: b"\0" * 64),
+                     lambda: conn._irecv(empty(MiB, "cpu"), 2, empty(64, "cpu"))):
+            try:
+                post()
+            except PeerDisconnectedError as exc:
+                refused.append(str(exc))
+        # And as it happens: posts from two threads while a third closes.
+        racing = []
+        for _ in range(20):
+            accepted.clear()
+            acceptor = threading.Thread(target=lambda: accepted.append(server.accept(T)))
+            acceptor.start()
+            conn = client.connect(address, T)
+            acceptor.join()
+
+            def post_until_refused(conn=conn):
+                while True:
+                    try:
+                        conn.isend(data, tag=1)
+                    except PeerDisconnectedError:
+                        racing.append(1)
+                        return
+
+            posters = [threading.Thread(target=post_until_refused) for _ in range(2)]
+            for p in posters:
+                p.start()
+            time.sleep(0.005)
+            (conn if len(racing) % 4 else accepted[0]).close()  # this side's close, or the peer's goodbye
+            for p in posters:
+                p.join(30)
+            accepted[0].close()
+            conn.close()
+        pipe.send(("ok", refused, len(racing)))
+
+
+def test_posts_racing_a_close_are_refused_not_a_crash():
+    with spawn(_posts_after_close, name="poster") as child:
+        got = child.recv(timeout=120)
+        child.process.join(30)
+    assert got[0] == "ok", got
+    refused, racing = got[1], got[2]
+    assert len(refused) == 2 and all("closed" in r for r in refused), refused
+    assert racing == 40, f"{racing} of 40 posting threads saw the close"
+    assert child.process.exitcode == 0, f"the child died with exit code {child.process.exitcode}"

@@ -19,7 +19,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -114,6 +116,16 @@ def _bind_cuda_context(device: int) -> None:
                        device, exc)
 
 
+def _endpoint_closed(conn_ref: weakref.ref) -> None:
+    """UCX's close callback, run on the progress thread inside UCX's progress: the
+    connection is released on a thread of its own, as releasing waits for posts
+    that may wait for that progress."""
+    conn = conn_ref()
+    if conn is not None and conn.alive:
+        threading.Thread(target=conn._peer_lost, args=("UCX endpoint closed",), daemon=True,
+                         name="replica-ucx-closed").start()
+
+
 class _Requests:
     def __init__(self, requests, keep):
         self._requests = requests
@@ -162,34 +174,47 @@ class UcxConnection(ControlledConnection):
         self._worker = worker
         self._send_id = send_id
         self._recv_id = recv_id
+        # UCX crashes the process on a post to an endpoint closed under it, and the
+        # close comes from other threads (the control socket's, the caller's):
+        # posts and the close take turns on this lock, and nothing is posted after.
+        self._posting = threading.Lock()
+        self._released = False
 
     def _tag(self, conn_id: int, tag: int, kind: int):
         # UCX matches tags per worker, not per endpoint: the top 16 bits say
         # which connection a message belongs to (the receiver chose the id).
         return _ucx().UCXXTag((conn_id << 48) | (tag << 8) | kind)
 
+    def _post(self, post: Callable[[Any], Any]):
+        with self._posting:
+            if self._released:
+                raise self._error or PeerDisconnectedError(f"connection to {self.peer} is closed")
+            return post(self._endpoint)
+
     def _isend(self, flat, tag, header):
         _settle(flat)
-        ep = self._endpoint
-        payload = ep.tag_send(_array(flat), tag=self._tag(self._send_id, tag, _KIND_PAYLOAD))
-        header_arr = np.frombuffer(header(), dtype=np.uint8).copy()
-        head = ep.tag_send(_array(torch.from_numpy(header_arr)), tag=self._tag(self._send_id, tag, _KIND_HEADER))
+        payload = self._post(lambda ep: ep.tag_send(_array(flat), tag=self._tag(self._send_id, tag, _KIND_PAYLOAD)))
+        header_arr = np.frombuffer(header(), dtype=np.uint8).copy()  # outside the lock: it may hash the bucket
+        # Refused when the connection closed meanwhile: the close cancelled the payload.
+        head = self._post(lambda ep: ep.tag_send(_array(torch.from_numpy(header_arr)),
+                                                 tag=self._tag(self._send_id, tag, _KIND_HEADER)))
         return _Requests([payload, head], (header_arr, flat))
 
     def _irecv(self, flat, tag, header_buf):
         _settle(flat)
-        ep = self._endpoint
-        requests = [
-            ep.tag_recv(_array(header_buf), tag=self._tag(self._recv_id, tag, _KIND_HEADER)),
-            ep.tag_recv(_array(flat), tag=self._tag(self._recv_id, tag, _KIND_PAYLOAD)),
-        ]
-        return _Requests(requests, (header_buf, flat))
+
+        def post(ep):
+            return [ep.tag_recv(_array(header_buf), tag=self._tag(self._recv_id, tag, _KIND_HEADER)),
+                    ep.tag_recv(_array(flat), tag=self._tag(self._recv_id, tag, _KIND_PAYLOAD))]
+        return _Requests(self._post(post), (header_buf, flat))
 
     def _release(self) -> None:
-        try:
-            self._endpoint.close()  # cancels this endpoint's requests in flight
-        except Exception as exc:  # noqa: BLE001 - a dead peer's endpoint may refuse to close cleanly
-            logger.debug("closing UCX endpoint to %s: %s", self.peer, exc)
+        with self._posting:
+            self._released = True
+            try:
+                self._endpoint.close()  # cancels this endpoint's requests in flight
+            except Exception as exc:  # noqa: BLE001 - a dead peer's endpoint may refuse to close cleanly
+                logger.debug("closing UCX endpoint to %s: %s", self.peer, exc)
         self._transport._leave(self._worker)
 
     def _fail(self, error: TransportError, *, quiet: bool = False) -> None:
@@ -254,7 +279,7 @@ class UcxTransport(ControlledTransport):
         conn = UcxConnection(transport=self, sock=sock, peer=peer, endpoint=endpoint, worker=state,
                              send_id=send_id, recv_id=recv_id, verify=self.config.verify)
         if self.config.data_error_handling:
-            endpoint.set_close_callback(conn._peer_lost, cb_args=("UCX endpoint closed",))
+            endpoint.set_close_callback(_endpoint_closed, cb_args=(weakref.ref(conn),))
         return conn
 
     def _shutdown(self) -> None:
