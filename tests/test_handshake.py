@@ -499,7 +499,7 @@ class _CountingTransport(ControlledTransport):
         self.fail_open = fail_open
         self.offers = self.discards = 0
 
-    def _offer(self, server):
+    def _offer(self, server, locality):
         self.offers += 1
         return b"", object()
 
@@ -543,3 +543,19 @@ def test_config_checks_the_handshake_settings():
                 {"max_pending_handshakes": 0}, {"max_pending_handshakes": True}):
         with pytest.raises(ValueError):
             EndpointConfig(token=TOKEN, **bad)
+
+
+def test_local_addresses_are_told_from_other_hosts():
+    from replica.transport.control import is_local_address
+
+    assert is_local_address("127.0.0.1") and is_local_address("127.0.0.2")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # this host's address on its default route
+        try:
+            s.connect(("192.0.2.1", 9))
+            own = s.getsockname()[0]
+        except OSError:
+            own = None
+    if own is not None and own != "0.0.0.0":
+        assert is_local_address(own)
+    assert not is_local_address("192.0.2.1")  # TEST-NET-1: never a local interface's
+    assert not is_local_address("not-an-address")

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import dataclasses
 import hmac
+import ipaddress
 import itertools
 import logging
 import selectors
@@ -36,7 +37,7 @@ from replica.errors import (
     TransportError,
 )
 from replica.transport import wire
-from replica.transport.base import Connection, Transport
+from replica.transport.base import Connection, Locality, Transport
 
 __all__ = [
     "BYE",
@@ -47,7 +48,9 @@ __all__ = [
     "EndpointConfig",
     "client_handshake",
     "encode_frame",
+    "is_local_address",
     "parse_address",
+    "peer_locality",
     "server_handshake",
 ]
 
@@ -375,6 +378,33 @@ class EndpointConfig:
         return f"{type(self).__name__}({shown})"
 
 
+def is_local_address(host: str) -> bool:
+    """Whether ``host`` (an IP address) is one of this network namespace's own: a
+    socket can bind it. Peers in other namespaces (other machines, containers,
+    the test cluster's hosts) are not local even when they share /dev/shm."""
+    try:
+        address = ipaddress.ip_address(host.split("%")[0])
+    except ValueError:
+        return False
+    if address.is_loopback:
+        return True
+    with socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((host, 0))
+        except OSError:
+            return False
+    return True
+
+
+def peer_locality(sock: socket.socket) -> Locality:
+    """SAME_NODE when the control socket's peer has an address of this host."""
+    try:
+        host = sock.getpeername()[0]
+    except OSError:
+        return Locality.REMOTE
+    return Locality.SAME_NODE if is_local_address(host) else Locality.REMOTE
+
+
 class ControlledConnection(Connection):
     """A connection whose liveness is its control socket, which can also carry
     small framed messages (``_send_control`` / ``_on_control``)."""
@@ -553,7 +583,7 @@ class ControlledTransport(Transport):
         recv_id = next(self._ids)
         if recv_id > _MAX_CONNECTIONS:
             raise TransportError(f"more than {_MAX_CONNECTIONS} connections on one transport")
-        offer, state = self._offer(server)
+        offer, state = self._offer(server, peer_locality(sock))
         try:
             if hello is not None:
                 _send_welcome(sock, hello, token=self._token, address=offer, inbound_id=recv_id, deadline=deadline)
@@ -619,8 +649,9 @@ class ControlledTransport(Transport):
         self._shutdown()
 
     @abstractmethod
-    def _offer(self, server: bool) -> tuple[bytes, Any]:
-        """What this side sends the peer in the handshake (its data address), and local state."""
+    def _offer(self, server: bool, locality: Locality) -> tuple[bytes, Any]:
+        """What this side sends the peer in the handshake (its data address), and local
+        state; ``locality``: where the peer runs, seen from the control socket."""
 
     def _discard_offer(self, state: Any) -> None:
         """Undo ``_offer`` when the handshake fails (or ``_open`` raised)."""

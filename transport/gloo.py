@@ -101,7 +101,7 @@ class GlooTransport(ControlledTransport):
         super().__init__(config)
         self.config = config
 
-    def _offer(self, server):
+    def _offer(self, server, locality):
         if not server:
             return b"", None
         listener = socket.socket(socket.AF_INET6 if ":" in self.config.host else socket.AF_INET)

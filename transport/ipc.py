@@ -662,7 +662,10 @@ class IpcTransport(ControlledTransport):
         self._ready = _EventThread("replica-ipc-ready")
         self._copied = _EventThread("replica-ipc-copied")
 
-    def _offer(self, server):
+    def _offer(self, server, locality):
+        if locality is not Locality.SAME_NODE:
+            raise TransportError("CUDA IPC reaches processes on this host only; the peer is on another "
+                                 "(use the UCX transport)")
         return b"", None
 
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):

@@ -44,11 +44,16 @@ class UcxConfig(EndpointConfig):
     """Settings of one process's UCX transport. UCX options go to this
     transport's context only; nothing is read from or written to the environment."""
 
-    # UCX_TLS for this context. Without endpoint error handling a failed
+    # UCX_TLS towards peers on this host. Without endpoint error handling a failed
     # process_vm_readv is fatal in UCX's cma transport: a peer killed mid-transfer
     # would abort this process. The shared-memory FIFOs (posix, sysv) have no
     # such call on the peer and measured faster here (~10 vs ~5.5 GB/s).
     ucx_transports: str = "^cma,knem,xpmem"
+    # UCX_TLS towards a peer on another host (its address is not one of this
+    # host's): shared memory and CUDA IPC reach only this host's processes. UCX
+    # tells hosts apart by boot id, which containers and network namespaces on one
+    # machine share: there it would pick shared memory for a "remote" peer.
+    remote_transports: str = "^sm,cuda_ipc"
     data_error_handling: bool = False
     # The progress thread sleeps in epoll and wakes at least every
     # epoll_timeout_ms (a missed wake-up costs at most that); polling burns a
@@ -145,8 +150,9 @@ class _Worker:
     """One UCX worker and its progress thread, shared by connections until a
     peer leaves without saying goodbye (see the module docstring)."""
 
-    def __init__(self, context, config: UcxConfig):
+    def __init__(self, context, config: UcxConfig, locality: Locality):
         ucx = _ucx()
+        self.locality = locality  # of the peers it serves
         self.handle = ucx.UCXWorker(context)
         if config.cuda_progress_context and torch.cuda.is_available():
             self.handle.set_progress_thread_start_callback(_bind_cuda_context,
@@ -226,26 +232,56 @@ class UcxConnection(ControlledConnection):
 
 
 class UcxTransport(ControlledTransport):
-    """One UCX context, worker and progress thread per process; many connections."""
+    """UCX contexts, workers and progress threads of one process; many connections.
+
+    One context for peers on this host and one for peers on other hosts (made at
+    the first), each with the worker its new connections get."""
 
     capabilities = Capabilities(memory=MemoryKind.HOST | MemoryKind.CUDA,
                                 locality=Locality.SAME_NODE | Locality.REMOTE)
 
     def __init__(self, config: UcxConfig):
         super().__init__(config)
-        ucx = _ucx()
         self.config = config
-        options = {"TLS": config.ucx_transports} if config.ucx_transports else {}
-        self._context = ucx.UCXContext(config_dict=options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self._workers_lock = threading.Lock()
-        self._worker = _Worker(self._context, config)
-        self._workers = [self._worker]  # the current one and retired ones still in use
+        # Per peer locality (see UcxConfig.remote_transports), made at the first such peer:
+        # a context, and the worker new connections get.
+        self._contexts: dict[Locality, Any] = {}
+        self._current: dict[Locality, _Worker] = {}
+        self._workers: list[_Worker] = []  # the current ones and retired ones still in use
         self.retired_workers = 0
+        with self._workers_lock:  # fails here, not at the first peer, if UCX cannot start
+            self._new_worker(Locality.SAME_NODE)
 
-    def _offer(self, server):
+    @property
+    def _worker(self) -> _Worker:
+        """The worker new connections from this host's processes get."""
+        return self._current[Locality.SAME_NODE]
+
+    def _worker_for(self, locality: Locality) -> _Worker:
         with self._workers_lock:
-            worker = self._worker
+            worker = self._current.get(locality)
+            if worker is None:
+                worker = self._new_worker(locality)
             worker.users += 1
+            return worker
+
+    def _new_worker(self, locality: Locality) -> _Worker:
+        """Under _workers_lock."""
+        context = self._contexts.get(locality)
+        if context is None:
+            ucx = _ucx()
+            tls = self.config.ucx_transports if locality is Locality.SAME_NODE else self.config.remote_transports
+            context = ucx.UCXContext(config_dict={"TLS": tls} if tls else {},
+                                     feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+            self._contexts[locality] = context
+        worker = _Worker(context, self.config, locality)
+        self._current[locality] = worker
+        self._workers.append(worker)
+        return worker
+
+    def _offer(self, server, locality):
+        worker = self._worker_for(locality)
         return worker.address, worker
 
     def _discard_offer(self, state):
@@ -258,9 +294,8 @@ class UcxTransport(ControlledTransport):
                 return
             worker.retired = True
             self.retired_workers += 1
-            if worker is self._worker and not self._closed:
-                self._worker = _Worker(self._context, self.config)
-                self._workers.append(self._worker)
+            if self._current.get(worker.locality) is worker and not self._closed:
+                self._new_worker(worker.locality)
         logger.info("a UCX peer left without a goodbye; new connections use a fresh UCX worker")
 
     def _leave(self, worker: _Worker) -> None:
@@ -285,5 +320,6 @@ class UcxTransport(ControlledTransport):
     def _shutdown(self) -> None:
         with self._workers_lock:
             workers, self._workers = self._workers, []
+            self._current.clear()
         for worker in workers:
             worker.stop()

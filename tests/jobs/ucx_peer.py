@@ -1,0 +1,38 @@
+"""One side of a UCX transfer between test-cluster hosts (tests/test_hosts.py).
+
+    ucx_peer.py listen HOST NBYTES   -> prints "address A", receives NBYTES, prints "received SUM"
+    ucx_peer.py send ADDRESS NBYTES  -> sends NBYTES of 7s, prints "sent"
+The token comes from REPLICA_TOKEN."""
+
+import os
+import sys
+from datetime import timedelta
+
+import torch
+
+from replica.transport.ucx import UcxConfig, UcxTransport
+
+T = timedelta(seconds=60)
+
+
+def main() -> None:
+    mode, where, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    token = os.environ["REPLICA_TOKEN"].encode()
+    if mode == "listen":
+        with UcxTransport(UcxConfig(token=token, host=where)) as transport:
+            print("address", transport.listen(), flush=True)
+            conn = transport.accept(T)
+            buf = torch.zeros(nbytes, dtype=torch.uint8)
+            conn.recv(buf, tag=1, timeout=T)
+            print("received", int(buf.sum()), flush=True)
+            conn.send(torch.ones(1, dtype=torch.uint8), tag=2, timeout=T)  # so the sender may leave
+    else:
+        with UcxTransport(UcxConfig(token=token)) as transport:
+            conn = transport.connect(where, T)
+            conn.send(torch.full((nbytes,), 7, dtype=torch.uint8), tag=1, timeout=T)
+            conn.recv(torch.empty(1, dtype=torch.uint8), tag=2, timeout=T)
+            print("sent", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Many hosts on one machine: a network-namespace cluster (replica.testcluster),
+its faults, and which way the data plane goes between and within hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from replica import testcluster
+from replica.roles.report import compare_reports
+from replica.testcluster import ClusterConfig, NetnsCluster
+from replica.testing import process_state
+
+from test_launch import EXAMPLE, STEPS, TOKEN, reference, role_env  # noqa: F401 - reference is a fixture
+
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER = ROOT / "tests" / "jobs" / "ucx_peer.py"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with NetnsCluster(ClusterConfig(hosts=5)) as c:
+        yield c
+
+
+def python_on(host, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, REPLICA_TOKEN=TOKEN, UCX_LOG_LEVEL="fatal", PYTHONPATH=str(ROOT)) if env is None else env
+    return host.popen([sys.executable, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
+
+
+def reaches(src, dst, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether a TCP connection from ``src`` to ``dst``'s listener on ``port`` opens."""
+    code = (f"import socket\ntry:\n socket.create_connection(({dst.address!r}, {port}), timeout={timeout_s})\n"
+            f"except OSError:\n raise SystemExit(1)")
+    return subprocess.run(src.command([sys.executable, "-c", code]), timeout=30).returncode == 0
+
+
+def listener_on(host, port: int) -> subprocess.Popen:
+    code = (f"import socket, time\ns = socket.socket(); s.bind(({host.address!r}, {port})); s.listen(16)\n"
+            "print('up', flush=True)\ntime.sleep(600)")
+    proc = host.popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"
+    return proc
+
+
+def test_hosts_have_their_own_addresses_and_links_that_fail(cluster):
+    a, b = cluster.hosts[0], cluster.hosts[1]
+    assert [h.address for h in cluster.hosts] == [f"10.200.0.{i}" for i in range(2, 7)]
+    # A host's address is its own: nobody else can bind it, not even the machine itself.
+    with socket.socket() as s, pytest.raises(OSError):
+        s.bind((a.address, 0))
+    server = listener_on(b, 7001)
+    try:
+        assert reaches(a, b, 7001)
+        b.partition()
+        try:
+            assert not reaches(a, b, 7001, timeout_s=1.0), "a partitioned host was reached"
+        finally:
+            b.heal()
+        assert reaches(a, b, 7001, timeout_s=10.0)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_killing_a_host_kills_everything_on_it(cluster):
+    host = cluster.hosts[4]
+    procs = [host.popen(["sleep", "600"]) for _ in range(3)]
+    assert sorted(p.pid for p in procs) == sorted(host.pids()) or set(p.pid for p in procs) <= set(host.pids())
+    killed = host.kill()
+    assert set(p.pid for p in procs) <= set(killed)
+    assert [p.wait(timeout=10) for p in procs] == [-9, -9, -9]
+    assert host.pids() == []
+
+
+def transfer(src, dst, nbytes: int) -> tuple[int, str]:
+    """Send ``nbytes`` from a process on ``src`` to one on ``dst``; returns the bytes
+    ``src``'s link sent meanwhile, and what the receiver printed."""
+    receiver = python_on(dst, str(PEER), "listen", dst.address, str(nbytes))
+    try:
+        line = receiver.stdout.readline().split()
+        assert line[:1] == ["address"], line
+        before = src.link_bytes()[1]
+        sender = python_on(src, str(PEER), "send", line[1], str(nbytes))
+        out = sender.communicate(timeout=120)[0]
+        assert sender.returncode == 0 and "sent" in out, out[-3000:]
+        received = receiver.communicate(timeout=60)[0]
+        assert receiver.returncode == 0, received[-3000:]
+        return src.link_bytes()[1] - before, received
+    finally:
+        receiver.kill()
+
+
+def test_ucx_between_hosts_crosses_the_link_and_within_a_host_does_not(cluster):
+    """UCX takes namespaces with one boot id for one machine; replica tells hosts apart
+    by address, so bytes for another host go over its link (tcp), and bytes within a
+    host stay off it (shared memory)."""
+    a, b = cluster.hosts[0], cluster.hosts[1]
+    nbytes = 64 * MiB
+    sent, received = transfer(a, b, nbytes)
+    assert f"received {7 * nbytes}" in received
+    assert sent >= nbytes, f"{sent} bytes crossed the link for a {nbytes}-byte transfer to another host"
+    sent, received = transfer(b, b, nbytes)  # to its own routable address
+    assert f"received {7 * nbytes}" in received
+    assert sent < MiB, f"{sent} bytes crossed the link for a transfer within one host"
+
+
+# --- a job across hosts, started as the README's multi-node recipe says ---
+
+STORE_PORT = 29400
+
+
+def start_job(cluster, report: Path, inject: str = ""):
+    """Coordinator on host 0, trainers 0 and 1 on hosts 1 and 2, their standbys on 3 and 4."""
+    coord_host = cluster.hosts[0]
+    extra = {"REPLICA_INJECT": inject} if inject else {}
+    coordinator = python_on(coord_host, "-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps",
+                            str(STEPS), "--host", coord_host.address, "--port", str(STORE_PORT), "--timeout", "240",
+                            "--report", str(report), env=dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
+    time.sleep(1.5)
+    roles = {}
+    for role, first in (("standby", 3), ("trainer", 1)):
+        for rank in (0, 1):
+            host = cluster.hosts[first + rank]
+            env = role_env(STORE_PORT, role, rank, MASTER_ADDR=coord_host.address, REPLICA_HOST=host.address,
+                           GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **extra)
+            roles[role, rank] = host.popen([sys.executable, str(EXAMPLE)], env=env, cwd=ROOT,
+                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return coordinator, roles
+
+
+def finish(coordinator, roles, timeout_s: float = 240) -> tuple[str, dict]:
+    try:
+        output = coordinator.communicate(timeout=timeout_s)[0]
+        outputs = {key: p.communicate(timeout=60)[0] for key, p in roles.items()}
+    finally:
+        for p in (coordinator, *roles.values()):
+            p.kill()
+    return output, outputs
+
+
+def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path, reference):
+    """Trainer 1's machine is lost in step 5 (its link goes silent, then everything on it
+    dies): no connection is reset, so only deadlines find it. Its standby, on another
+    host, is promoted and the job ends bit-identical to the run without the failure."""
+    report = tmp_path / "run.json"
+    standby_rx = cluster.hosts[3].link_bytes()[0]
+    # The trainer stops itself in step 5 so that the machine is lost at a known point.
+    coordinator, roles = start_job(cluster, report, inject="freeze:trainer:1@5:backward")
+    doomed = roles["trainer", 1]
+    try:
+        deadline = time.monotonic() + 180
+        while process_state(doomed.pid) != "T":
+            assert doomed.poll() is None and coordinator.poll() is None, "the job ended before step 5"
+            assert time.monotonic() < deadline, "trainer 1 never reached step 5"
+            time.sleep(0.05)
+        lost = cluster.hosts[2].crash()
+        assert doomed.pid in lost
+        output, outputs = finish(coordinator, {k: p for k, p in roles.items() if p is not doomed})
+    finally:
+        cluster.hosts[2].heal()
+    assert coordinator.returncode == 0, output[-4000:]
+    assert doomed.wait(timeout=10) == -9
+    result = json.loads(report.read_text())
+    (failover,) = result["failovers"]
+    assert failover["rank"] == 1, failover
+    assert failover["timeline_ms"]["detect"] < 5 * 2500 + 5000, failover  # a 2.5 s deadline, 5x
+    assert compare_reports(reference, result) == []
+    assert result["last_commit"] == STEPS
+    # Trainer 0 mirrored every step to its standby over the link, not through shared memory.
+    mirrored = cluster.hosts[3].link_bytes()[0] - standby_rx
+    print(f"failover {failover}; standby 0's host received {mirrored} bytes")
+    assert mirrored > STEPS * MiB, f"standby 0's host received {mirrored} bytes in {STEPS} steps"
