@@ -1,6 +1,6 @@
 """A cluster of hosts on one machine, for tests: each host a Linux network
 namespace with its own address on a private bridge, so processes on different
-hosts talk over a real link (veth) that can be cut, slowed or lost whole.
+hosts talk over a real link (veth) that can be cut or lost whole.
 
 The bridge lives in a namespace of its own: nothing is added to the machine's
 own network, and every address is in ``ClusterConfig.subnet`` (10.200.0.0/24
@@ -128,14 +128,6 @@ class Host:
 
     def heal(self) -> None:
         _run(_IP, "-n", self._switch, "link", "set", self._port, "up")
-
-    def slow_link(self, rate: str = "100mbit") -> None:
-        """Limit what the host sends to ``rate`` (tc tbf; this kernel has no netem)."""
-        _run(_IP, "netns", "exec", self.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-             "rate", rate, "burst", "64kb", "latency", "400ms")
-
-    def fast_link(self) -> None:
-        _run(_IP, "netns", "exec", self.netns, "tc", "qdisc", "del", "dev", "eth0", "root", check=False)
 
     def link_bytes(self) -> tuple[int, int]:
         """(received, sent) bytes on the host's link so far."""
