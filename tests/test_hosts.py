@@ -34,9 +34,9 @@ def cluster():
         yield c
 
 
-def python_on(host, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = dict(os.environ, REPLICA_TOKEN=TOKEN, UCX_LOG_LEVEL="fatal", PYTHONPATH=str(ROOT)) if env is None else env
-    return host.popen([sys.executable, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+def python_on(host, *args: str, stdin=None) -> subprocess.Popen:
+    env = dict(os.environ, REPLICA_TOKEN=TOKEN, UCX_LOG_LEVEL="fatal", PYTHONPATH=str(ROOT))
+    return host.popen([sys.executable, *args], env=env, cwd=ROOT, stdin=stdin, stdout=subprocess.PIPE,
                       stderr=subprocess.STDOUT, text=True)
 
 
@@ -122,58 +122,98 @@ def test_ucx_between_hosts_crosses_the_link_and_within_a_host_does_not(cluster):
 STORE_PORT = 29400
 
 
-def start_job(cluster, report: Path, inject: str = ""):
-    """Coordinator on host 0, trainers 0 and 1 on hosts 1 and 2, their standbys on 3 and 4."""
-    coord_host = cluster.hosts[0]
-    extra = {"REPLICA_INJECT": inject} if inject else {}
-    coordinator = python_on(coord_host, "-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps",
-                            str(STEPS), "--host", coord_host.address, "--port", str(STORE_PORT), "--timeout", "240",
-                            "--report", str(report), env=dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
-    time.sleep(1.5)
-    roles = {}
-    for role, first in (("standby", 3), ("trainer", 1)):
-        for rank in (0, 1):
-            host = cluster.hosts[first + rank]
-            env = role_env(STORE_PORT, role, rank, MASTER_ADDR=coord_host.address, REPLICA_HOST=host.address,
-                           GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **extra)
-            roles[role, rank] = host.popen([sys.executable, str(EXAMPLE)], env=env, cwd=ROOT,
-                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return coordinator, roles
+class Job:
+    """Coordinator on host 0, trainers 0 and 1 on hosts 1 and 2, their standbys on 3 and 4;
+    every process's output in a file of ``folder``."""
 
+    def __init__(self, cluster, folder: Path, inject: str = ""):
+        self.folder, self.report = folder, folder / "run.json"
+        coord_host = cluster.hosts[0]
+        extra = {"REPLICA_EXPORT_DIR": str(folder / "export")}
+        if inject:
+            extra["REPLICA_INJECT"] = inject
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._start("coordinator", coord_host, ["-m", "replica.roles.cli", "coordinator", "--world-size", "2",
+                                                "--steps", str(STEPS), "--host", coord_host.address, "--port",
+                                                str(STORE_PORT), "--timeout", "240", "--report", str(self.report)],
+                    dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
+        self.watcher = python_on(coord_host, str(ROOT / "tests" / "jobs" / "wait_key.py"), coord_host.address,
+                                 str(STORE_PORT), "180", stdin=subprocess.PIPE)
+        assert self._answer() == ["ready"], "the job store did not come up"
+        for role, first in (("standby", 3), ("trainer", 1)):
+            for rank in (0, 1):
+                host = cluster.hosts[first + rank]
+                env = role_env(STORE_PORT, role, rank, MASTER_ADDR=coord_host.address, REPLICA_HOST=host.address,
+                               GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **extra)
+                self._start(f"{role}{rank}", host, [str(EXAMPLE)], env)
 
-def finish(coordinator, roles, timeout_s: float = 240) -> tuple[str, dict]:
-    try:
-        output = coordinator.communicate(timeout=timeout_s)[0]
-        outputs = {key: p.communicate(timeout=60)[0] for key, p in roles.items()}
-    finally:
-        for p in (coordinator, *roles.values()):
-            p.kill()
-    return output, outputs
+    def _start(self, name: str, host, args: list[str], env: dict[str, str]) -> None:
+        with open(self.folder / f"{name}.log", "w") as log:
+            self.procs[name] = host.popen([sys.executable, *args], env=env, cwd=ROOT, stdout=log,
+                                          stderr=subprocess.STDOUT)
+
+    def output(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text(errors="replace")
+
+    def outputs(self) -> str:
+        return "\n".join(f"--- {name} ---\n{self.output(name)[-3000:]}" for name in self.procs)
+
+    def _answer(self) -> list[str]:
+        """The watcher's next line, past torch's warnings."""
+        while line := self.watcher.stdout.readline():
+            if line.split()[:1] in (["ready"], ["ok"], ["timeout"]):
+                return line.split()
+        return []
+
+    def wait_for_key(self, key: str) -> None:
+        """Until ``key`` is in the job store (asked from the coordinator's host)."""
+        self.watcher.stdin.write(key + "\n")
+        self.watcher.stdin.flush()
+        answer = self._answer()
+        assert answer == ["ok", key], f"{key} never appeared ({answer}):\n{self.outputs()}"
+
+    def finish(self, timeout_s: float = 240) -> dict[str, int | None]:
+        """Wait for every process (the coordinator first); kill what is left. Exit codes by name."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            for proc in self.procs.values():
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            self.kill()
+        return {name: p.returncode for name, p in self.procs.items()}
+
+    def kill(self) -> None:
+        for proc in (*self.procs.values(), self.watcher):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
 
 
 def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path, reference):
     """Trainer 1's machine is lost in step 5 (its link goes silent, then everything on it
     dies): no connection is reset, so only deadlines find it. Its standby, on another
     host, is promoted and the job ends bit-identical to the run without the failure."""
-    report = tmp_path / "run.json"
     standby_rx = cluster.hosts[3].link_bytes()[0]
     # The trainer stops itself in step 5 so that the machine is lost at a known point.
-    coordinator, roles = start_job(cluster, report, inject="freeze:trainer:1@5:backward")
-    doomed = roles["trainer", 1]
+    job = Job(cluster, tmp_path, inject="freeze:trainer:1@5:backward")
+    doomed = job.procs["trainer1"]
     try:
         deadline = time.monotonic() + 180
         while process_state(doomed.pid) != "T":
-            assert doomed.poll() is None and coordinator.poll() is None, "the job ended before step 5"
+            assert doomed.poll() is None and job.procs["coordinator"].poll() is None, job.outputs()
             assert time.monotonic() < deadline, "trainer 1 never reached step 5"
             time.sleep(0.05)
         lost = cluster.hosts[2].crash()
         assert doomed.pid in lost
-        output, outputs = finish(coordinator, {k: p for k, p in roles.items() if p is not doomed})
+        codes = job.finish()
     finally:
+        job.kill()
         cluster.hosts[2].heal()
-    assert coordinator.returncode == 0, output[-4000:]
-    assert doomed.wait(timeout=10) == -9
-    result = json.loads(report.read_text())
+    assert codes == {"coordinator": 0, "standby0": 0, "standby1": 0, "trainer0": 0, "trainer1": -9}, \
+        (codes, job.outputs())
+    result = json.loads(job.report.read_text())
     (failover,) = result["failovers"]
     assert failover["rank"] == 1, failover
     assert failover["timeline_ms"]["detect"] < 5 * 2500 + 5000, failover  # a 2.5 s deadline, 5x
@@ -183,3 +223,38 @@ def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path,
     mirrored = cluster.hosts[3].link_bytes()[0] - standby_rx
     print(f"failover {failover}; standby 0's host received {mirrored} bytes")
     assert mirrored > STEPS * MiB, f"standby 0's host received {mirrored} bytes in {STEPS} steps"
+
+
+def test_a_partitioned_trainer_host_is_fenced_and_the_job_ends_bit_identical(cluster, tmp_path, reference):
+    """Trainer 1's host is cut off after step 3 (alive, its processes running, no packet in
+    or out): the coordinator finds it by its heartbeat deadline and promotes its standby.
+    Trainer 1 stops by itself without moving the commit, and the job ends bit-identical."""
+    job = Job(cluster, tmp_path)
+    host = cluster.hosts[2]
+    try:
+        job.wait_for_key("replica/loss/1/3")
+        host.partition()
+        try:
+            job.wait_for_key("replica/failover/1")
+            job.wait_for_key("replica/resumed/1")
+            assert job.procs["trainer1"].poll() is None, "the partitioned trainer died while cut off"
+        finally:
+            host.heal()
+        codes = job.finish()
+    finally:
+        job.kill()
+        host.heal()
+    zombie = job.output("trainer1")
+    # Healed in time, it finds its rank given away (75); cut off for longer than the store's
+    # deadline, it cannot tell a partition from the coordinator's death and stops too (76).
+    assert codes["trainer1"] in (75, 76), (codes, job.outputs())
+    assert ("declared dead" if codes["trainer1"] == 75 else "the job store is gone") in zombie, zombie[-4000:]
+    assert {k: c for k, c in codes.items() if k != "trainer1"} == {
+        "coordinator": 0, "standby0": 0, "standby1": 0, "trainer0": 0}, (codes, job.outputs())
+    result = json.loads(job.report.read_text())
+    (failover,) = result["failovers"]
+    assert failover["rank"] == 1 and "no heartbeat" in failover["reason"], failover
+    assert failover["commit"] >= 2, failover  # what was committed before the cut stays
+    assert compare_reports(reference, result) == []
+    assert result["last_commit"] == STEPS
+    print(f"failover {failover}; trainer 1 exited with {codes['trainer1']}")
