@@ -117,6 +117,34 @@ def test_ucx_between_hosts_crosses_the_link_and_within_a_host_does_not(cluster):
     assert sent < MiB, f"{sent} bytes crossed the link for a transfer within one host"
 
 
+def test_a_peer_host_cut_off_is_found_without_any_traffic(cluster):
+    """An idle connection to a host that is cut off gets no reset and sees no failed
+    send: the control socket's keepalive (EndpointConfig.peer_silence, 5 s) finds it."""
+    a, b = cluster.hosts[0], cluster.hosts[1]
+    listener = python_on(b, str(PEER), "listen", b.address, "0")
+    holder = None
+    try:
+        line = listener.stdout.readline().split()
+        assert line[:1] == ["address"], line
+        holder = python_on(a, str(PEER), "hold", line[1], "0")
+        assert "connected" in holder.stdout.readline()
+        b.partition()
+        cut = time.monotonic()
+        try:
+            out = holder.communicate(timeout=60)[0]
+            found_after = time.monotonic() - cut
+        finally:
+            b.heal()
+        assert holder.returncode == 0 and "lost" in out, out[-3000:]
+        assert found_after < 5 * 5, f"a cut-off peer was found after {found_after:.1f} s"
+        print(f"a cut-off peer was found after {found_after:.1f} s")
+    finally:
+        for proc in (listener, holder):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
+
+
 # --- a job across hosts, started as the README's multi-node recipe says ---
 
 STORE_PORT = 29400

@@ -1,6 +1,7 @@
 """The transport contract against the UCX backend, on shared memory and on tcp."""
 
 import functools
+from datetime import timedelta
 import time
 
 import pytest
@@ -56,6 +57,8 @@ def test_config_hides_token_and_checks_input():
         UcxConfig(token=b"")
     with pytest.raises(ValueError):
         UcxConfig(token=b"x", port=70000)
+    with pytest.raises(ValueError, match="peer_silence"):
+        UcxConfig(token=b"x", peer_silence=timedelta(seconds=1))
 
 
 def test_a_peer_gone_without_goodbye_retires_the_worker():

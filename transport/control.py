@@ -49,6 +49,7 @@ __all__ = [
     "client_handshake",
     "encode_frame",
     "is_local_address",
+    "keep_alive",
     "parse_address",
     "peer_locality",
     "server_handshake",
@@ -361,6 +362,11 @@ class EndpointConfig:
     verify: bool = True
     handshake_timeout: timedelta = timedelta(seconds=10)
     max_pending_handshakes: int = 64
+    # A peer whose machine stops answering (lost, or cut off by a partition: no
+    # reset ever comes) is reported lost after about this long, by the kernel's
+    # TCP keepalive on the control socket (see ``keep_alive``). A live process
+    # that is slow or stopped still answers: its kernel does.
+    peer_silence: timedelta = timedelta(seconds=5)
 
     def __post_init__(self) -> None:
         if not isinstance(self.token, bytes) or not self.token:
@@ -372,10 +378,26 @@ class EndpointConfig:
         if isinstance(self.max_pending_handshakes, bool) or not isinstance(self.max_pending_handshakes, int) \
                 or self.max_pending_handshakes < 1:
             raise ValueError(f"max_pending_handshakes must be an int >= 1, got {self.max_pending_handshakes!r}")
+        if not isinstance(self.peer_silence, timedelta) or self.peer_silence < timedelta(seconds=2):
+            raise ValueError(f"peer_silence must be a timedelta of at least 2 s, got {self.peer_silence!r}")
 
     def __repr__(self) -> str:  # never print the token
         shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.name != "token")
         return f"{type(self).__name__}({shown})"
+
+
+def keep_alive(sock: socket.socket, silence: timedelta) -> None:
+    """Have the kernel fail ``sock`` once its peer's machine has not answered for about
+    ``silence``: keepalive probes each second after a second idle, and a limit on how
+    long sent data may stay unacknowledged. Where the platform lacks an option
+    (not Linux), the one it has stays; heartbeats find the peer all the same."""
+    seconds = max(2, int(silence.total_seconds()))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", seconds - 1),
+                        ("TCP_USER_TIMEOUT", seconds * 1000)):
+        option = getattr(socket, name, None)
+        if option is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
 def is_local_address(host: str) -> bool:
@@ -455,6 +477,7 @@ class ControlledTransport(Transport):
         self._port = config.port
         self._handshake_timeout_s = config.handshake_timeout.total_seconds()
         self._max_pending = config.max_pending_handshakes
+        self._peer_silence = config.peer_silence
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._connections: set[ControlledConnection] = set()
@@ -577,6 +600,7 @@ class ControlledTransport(Transport):
     def _establish(self, sock: socket.socket, peer: str, *, server: bool, timeout_s: float) -> ControlledConnection:
         """Handshake and open the data path; the caller closes ``sock`` if this raises."""
         deadline = _Deadline(timeout_s, f"handshake with {peer}")
+        keep_alive(sock, self._peer_silence)
         # The server offers (and takes an id) only once the token is proven:
         # junk sockets cost no backend state.
         hello = _await_hello(sock, peer=peer, token=self._token, deadline=deadline) if server else None

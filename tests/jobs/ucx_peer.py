@@ -2,10 +2,14 @@
 
     ucx_peer.py listen HOST NBYTES   -> prints "address A", receives NBYTES, prints "received SUM"
     ucx_peer.py send ADDRESS NBYTES  -> sends NBYTES of 7s, prints "sent"
+    ucx_peer.py listen HOST 0        -> prints "address A", accepts one peer and keeps it
+    ucx_peer.py hold ADDRESS 0       -> connects, prints "connected", and "lost" once the
+                                        connection is found dead (nothing is sent on it)
 The token comes from REPLICA_TOKEN."""
 
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -18,10 +22,19 @@ T = timedelta(seconds=60)
 def main() -> None:
     mode, where, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
     token = os.environ["REPLICA_TOKEN"].encode()
-    if mode == "listen":
+    if mode == "hold":
+        with UcxTransport(UcxConfig(token=token)) as transport:
+            conn = transport.connect(where, T)
+            print("connected", flush=True)
+            while conn.alive:
+                time.sleep(0.02)
+            print("lost", flush=True)
+    elif mode == "listen":
         with UcxTransport(UcxConfig(token=token, host=where)) as transport:
             print("address", transport.listen(), flush=True)
             conn = transport.accept(T)
+            if nbytes == 0:
+                time.sleep(3600)
             buf = torch.zeros(nbytes, dtype=torch.uint8)
             conn.recv(buf, tag=1, timeout=T)
             print("received", int(buf.sum()), flush=True)
