@@ -293,7 +293,11 @@ class Mirror(Listener):
 
     def _peer_lost(self, conn: Connection, exc: PeerDisconnectedError) -> None:
         if not exc.graceful and self._trainer is conn:
-            self.record.report_lost(self.rank)  # the coordinator weighs it against heartbeats
+            try:
+                self.record.report_lost(self.rank)  # the coordinator weighs it against heartbeats
+            except Exception as store_exc:  # noqa: BLE001 - cut off from the store too: its deadline finds it
+                logger.warning("[standby rank %d] the trainer's connection vanished and the job store does not "
+                               "answer either (%s); heartbeat deadlines decide", self.rank, store_exc)
 
     def _session(self, conn: Connection) -> None:
         """A trainer's session (it sends its layout) or a fetch (a fresh process asks for a version)."""

@@ -275,6 +275,12 @@ class Coordinator:
     def finished(self) -> bool:
         return self.store.has(keys.finished())
 
+    def still_here(self, quiet: timedelta) -> list[Member]:
+        """Members not declared dead whose heartbeat rose within ``quiet``: not gone yet."""
+        now = time.time()
+        return [m for m in self.members if m.state in (MemberState.ALIVE, MemberState.DONE)
+                and now - self._last_beat(m, now) < quiet.total_seconds()]
+
     def all_done(self) -> bool:
         return all(self.store.has(keys.done(r)) for r in range(self.world_size))
 

@@ -102,6 +102,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> 
         print(f"\nreplica: the job did not finish within {spec.timeout.total_seconds():g} s", flush=True)
     print(flush=True)
     coord.finish()
+    _linger(coord)
     faults = [str(f) for f in spec.faults]
     for failover in coord.failovers:
         coord.observe(failover, faults)
@@ -114,6 +115,21 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> 
         if write_timeline_png(coord.failovers, spec.timeline_png):
             print(f"replica: timeline plotted in {spec.timeline_png}")
     return status
+
+
+def _linger(coord: Coordinator) -> None:
+    """Keep the store up until the roles have seen the end and left (timing.FINISH_LINGER)."""
+    until = time.monotonic() + timing.FINISH_LINGER.total_seconds()
+    while time.monotonic() < until:
+        try:
+            if not coord.still_here(timing.GONE_AFTER):
+                return
+        except Exception as exc:  # noqa: BLE001 - the job is over; only the wait is cut short
+            logger.debug("looking for roles still running after the end: %s", exc)
+            return
+        time.sleep(timing.SUPERVISE_POLL.total_seconds())
+    logger.warning("roles still beat %g s after the job's end; the coordinator stops all the same",
+                   timing.FINISH_LINGER.total_seconds())
 
 
 def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobSpec) -> str | None:

@@ -13,6 +13,8 @@ from datetime import timedelta
 __all__ = [
     "Deadlines",
     "EXPORT_WAIT",
+    "FINISH_LINGER",
+    "GONE_AFTER",
     "HEARTBEAT_IO",
     "HEARTBEAT_PERIOD",
     "JOIN_STRAGGLE",
@@ -87,6 +89,11 @@ SUPERVISE_POLL = timedelta(milliseconds=20)  # its loop: joins, beats, exits, de
 JOIN_STRAGGLE = timedelta(seconds=10)  # a join numbered but never written (its writer died) is skipped after this
 LATE_REPORT = timedelta(seconds=1)  # a transport report this soon after a promotion may be about the predecessor
 EXPORT_WAIT = timedelta(seconds=60)  # how long a failing job waits for its standbys' exports
+# After the job's end the coordinator keeps its store up until every role has seen the end and
+# left (no heartbeat for GONE_AFTER: beats come every 100 ms), FINISH_LINGER at most: a role that
+# found the store gone first would take the end for the coordinator's death (exit code 76).
+FINISH_LINGER = timedelta(seconds=10)
+GONE_AFTER = timedelta(milliseconds=500)
 
 # --- rollouts ---
 ROLLOUT_POLL = timedelta(milliseconds=5)  # an engine looks for requests

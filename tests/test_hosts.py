@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def cluster():
-    with NetnsCluster(ClusterConfig(hosts=5)) as c:
+    with NetnsCluster(ClusterConfig(hosts=6)) as c:
         yield c
 
 
@@ -57,7 +58,7 @@ def listener_on(host, port: int) -> subprocess.Popen:
 
 def test_hosts_have_their_own_addresses_and_links_that_fail(cluster):
     a, b = cluster.hosts[0], cluster.hosts[1]
-    assert [h.address for h in cluster.hosts] == [f"10.200.0.{i}" for i in range(2, 7)]
+    assert [h.address for h in cluster.hosts] == [f"10.200.0.{i}" for i in range(2, 8)]
     # A host's address is its own: nobody else can bind it, not even the machine itself.
     with socket.socket() as s, pytest.raises(OSError):
         s.bind((a.address, 0))
@@ -76,9 +77,12 @@ def test_hosts_have_their_own_addresses_and_links_that_fail(cluster):
 
 
 def test_killing_a_host_kills_everything_on_it(cluster):
-    host = cluster.hosts[4]
+    host = cluster.hosts[5]
     procs = [host.popen(["sleep", "600"]) for _ in range(3)]
-    assert {p.pid for p in procs} <= set(host.pids())
+    deadline = time.monotonic() + 30  # each is in the host once `ip netns exec` has entered it
+    while not {p.pid for p in procs} <= set(host.pids()):
+        assert time.monotonic() < deadline, f"{[p.pid for p in procs]} never all showed in {host.pids()}"
+        time.sleep(0.02)
     killed = host.kill()
     assert {p.pid for p in procs} <= set(killed)
     assert [p.wait(timeout=10) for p in procs] == [-9, -9, -9]
@@ -151,13 +155,14 @@ STORE_PORT = 29400
 
 
 class Job:
-    """Coordinator on host 0, trainers 0 and 1 on hosts 1 and 2, their standbys on 3 and 4;
-    every process's output in a file of ``folder``."""
+    """Coordinator on host 0, trainers 0 and 1 on hosts 1 and 2, their standbys on 3 and 4
+    (host 5 is spare); every process's output in a file of ``folder``."""
 
     def __init__(self, cluster, folder: Path, inject: str = ""):
         self.folder, self.report = folder, folder / "run.json"
         coord_host = cluster.hosts[0]
-        extra = {"REPLICA_EXPORT_DIR": str(folder / "export")}
+        self._coord_address = coord_host.address
+        extra = self._extra = {"REPLICA_EXPORT_DIR": str(folder / "export")}
         if inject:
             extra["REPLICA_INJECT"] = inject
         self.procs: dict[str, subprocess.Popen] = {}
@@ -170,10 +175,13 @@ class Job:
         assert self._answer() == ["ready"], "the job store did not come up"
         for role, first in (("standby", 3), ("trainer", 1)):
             for rank in (0, 1):
-                host = cluster.hosts[first + rank]
-                env = role_env(STORE_PORT, role, rank, MASTER_ADDR=coord_host.address, REPLICA_HOST=host.address,
-                               GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **extra)
-                self._start(f"{role}{rank}", host, [str(EXAMPLE)], env)
+                self.start_role(f"{role}{rank}", role, rank, cluster.hosts[first + rank])
+
+    def start_role(self, name: str, role: str, rank: int, host) -> None:
+        """A role as the README's recipe starts one, on ``host``."""
+        env = role_env(STORE_PORT, role, rank, MASTER_ADDR=self._coord_address, REPLICA_HOST=host.address,
+                       GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **self._extra)
+        self._start(name, host, [str(EXAMPLE)], env)
 
     def _start(self, name: str, host, args: list[str], env: dict[str, str]) -> None:
         with open(self.folder / f"{name}.log", "w") as log:
@@ -211,6 +219,21 @@ class Job:
         finally:
             self.kill()
         return {name: p.returncode for name, p in self.procs.items()}
+
+    def partitioned(self, host, *, after: str, meanwhile: Callable[[], None]) -> dict[str, int | None]:
+        """Cut ``host`` off once ``after`` is in the store, run ``meanwhile``, heal it and
+        finish the job; exit codes by name."""
+        try:
+            self.wait_for_key(after)
+            host.partition()
+            try:
+                meanwhile()
+            finally:
+                host.heal()
+            return self.finish()
+        finally:
+            self.kill()
+            host.heal()
 
     def kill(self) -> None:
         for proc in (*self.procs.values(), self.watcher):
@@ -258,20 +281,13 @@ def test_a_partitioned_trainer_host_is_fenced_and_the_job_ends_bit_identical(clu
     or out): the coordinator finds it by its heartbeat deadline and promotes its standby.
     Trainer 1 stops by itself without moving the commit, and the job ends bit-identical."""
     job = Job(cluster, tmp_path)
-    host = cluster.hosts[2]
-    try:
-        job.wait_for_key("replica/loss/1/3")
-        host.partition()
-        try:
-            job.wait_for_key("replica/failover/1")
-            job.wait_for_key("replica/resumed/1")
-            assert job.procs["trainer1"].poll() is None, "the partitioned trainer died while cut off"
-        finally:
-            host.heal()
-        codes = job.finish()
-    finally:
-        job.kill()
-        host.heal()
+
+    def while_cut_off() -> None:
+        job.wait_for_key("replica/failover/1")
+        job.wait_for_key("replica/resumed/1")
+        assert job.procs["trainer1"].poll() is None, "the partitioned trainer died while cut off"
+
+    codes = job.partitioned(cluster.hosts[2], after="replica/loss/1/3", meanwhile=while_cut_off)
     zombie = job.output("trainer1")
     # Healed in time, it finds its rank given away (75); cut off for longer than the store's
     # deadline, it cannot tell a partition from the coordinator's death and stops too (76).
@@ -286,3 +302,33 @@ def test_a_partitioned_trainer_host_is_fenced_and_the_job_ends_bit_identical(clu
     assert compare_reports(reference, result) == []
     assert result["last_commit"] == STEPS
     print(f"failover {failover}; trainer 1 exited with {codes['trainer1']}")
+
+
+def test_a_partitioned_standby_host_leaves_its_rank_unprotected_until_a_new_standby_joins(
+        cluster, tmp_path, reference):
+    """Standby 1's host is cut off after step 3: its deadline passes, rank 1 trains on
+    unprotected, and a new standby started on the spare host protects it again. Healed,
+    the old standby finds its place taken and stops by itself. Bit-identical throughout."""
+    # Steps 6 and 7 take 8 s more on both trainers: time for the new standby to start and join.
+    job = Job(cluster, tmp_path, inject=",".join(f"stall:trainer:{r}@{s}:8" for r in (0, 1) for s in (6, 7)))
+
+    def while_cut_off() -> None:
+        job.wait_for_key("replica/unprotected/1")
+        job.start_role("standby1-new", "standby", 1, cluster.hosts[5])
+        job.wait_for_key(f"replica/loss/1/{STEPS - 1}")
+
+    codes = job.partitioned(cluster.hosts[4], after="replica/loss/1/3", meanwhile=while_cut_off)
+    old = job.output("standby1")
+    # Healed near the end, it may see the job over (0) before it sees its place taken (75).
+    assert codes["standby1"] in (0, 75, 76), (codes, job.outputs())
+    assert "Exception in thread" not in old, old[-4000:]  # every failure was handled where it happened
+    assert {k: c for k, c in codes.items() if k != "standby1"} == {
+        "coordinator": 0, "standby0": 0, "standby1-new": 0, "trainer0": 0, "trainer1": 0}, (codes, job.outputs())
+    result = json.loads(job.report.read_text())
+    assert result["failovers"] == [], result["failovers"]
+    (span,) = result["unprotected_spans"]
+    assert span["rank"] == 1 and span["until_commit"] is not None, span  # protected again before the end
+    assert result["unprotected"] == []
+    assert compare_reports(reference, result) == []
+    assert result["last_commit"] == STEPS
+    print(f"unprotected {span}; the old standby exited with {codes['standby1']}")

@@ -1,6 +1,7 @@
 """The transport contract against the UCX backend, on shared memory and on tcp."""
 
 import functools
+import os
 from datetime import timedelta
 import time
 
@@ -145,6 +146,10 @@ def _posts_after_close(pipe) -> None:
             accepted[0].close()
             conn.close()
         pipe.send(("ok", refused, len(racing)))
+        # Tearing down workers whose closed endpoints left sends in flight can deadlock in
+        # ucxx 0.52 (~Worker -> InflightRequests::cancelAll; seen in 1 run of ~10): not what
+        # this test is about, so the child leaves without running destructors.
+        os._exit(0)
 
 
 def test_posts_racing_a_close_are_refused_not_a_crash():

@@ -256,7 +256,8 @@ class UcxTransport(ControlledTransport):
     @property
     def _worker(self) -> _Worker:
         """The worker new connections from this host's processes get."""
-        return self._current[Locality.SAME_NODE]
+        with self._workers_lock:
+            return self._current.get(Locality.SAME_NODE) or self._new_worker(Locality.SAME_NODE)
 
     def _worker_for(self, locality: Locality) -> _Worker:
         with self._workers_lock:
@@ -281,7 +282,10 @@ class UcxTransport(ControlledTransport):
         return worker
 
     def _offer(self, server, locality):
-        worker = self._worker_for(locality)
+        try:
+            worker = self._worker_for(locality)
+        except Exception as exc:  # ucxx's own errors: no device while the host's link is down, ...
+            raise TransportError(f"UCX cannot make a worker for peers of locality {locality.name}: {exc}") from exc
         return worker.address, worker
 
     def _discard_offer(self, state):
@@ -294,8 +298,10 @@ class UcxTransport(ControlledTransport):
                 return
             worker.retired = True
             self.retired_workers += 1
-            if self._current.get(worker.locality) is worker and not self._closed:
-                self._new_worker(worker.locality)
+            if self._current.get(worker.locality) is worker:
+                # The next connection makes a fresh one: made here, a failure (no network
+                # device while the link is down) would be this connection's close's.
+                del self._current[worker.locality]
         logger.info("a UCX peer left without a goodbye; new connections use a fresh UCX worker")
 
     def _leave(self, worker: _Worker) -> None:
