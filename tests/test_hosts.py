@@ -19,7 +19,7 @@ from replica.roles.report import compare_reports
 from replica.testcluster import ClusterConfig, NetnsCluster
 from replica.testing import process_state
 
-from test_launch import EXAMPLE, STEPS, TOKEN, reference, role_env  # noqa: F401 - reference is a fixture
+from test_launch import EXAMPLE, STEPS, TOKEN, role_env
 
 pytestmark = [pytest.mark.netns,
               pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]

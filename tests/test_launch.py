@@ -73,14 +73,6 @@ def start_coordinator(port: int, report: Path, *options: str, steps: int = STEPS
     return coordinator
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    code, report, output = launch(tmp_path_factory.mktemp("reference"), name="reference")
-    assert code == 0, output[-4000:]
-    assert report["failovers"] == [] and report["last_commit"] == STEPS
-    return report
-
-
 @pytest.mark.parametrize("first,second", [("forward", "backward"), ("reduce-scatter", "optimizer"),
                                           ("commit", "mirror")])
 def test_trainers_killed_in_each_phase(tmp_path, reference, first, second):

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 
+from replica.errors import PeerDisconnectedError
 from replica.transport.ucx import UcxConfig, UcxTransport
 
 T = timedelta(seconds=60)
@@ -38,12 +39,23 @@ def main() -> None:
             buf = torch.zeros(nbytes, dtype=torch.uint8)
             conn.recv(buf, tag=1, timeout=T)
             print("received", int(buf.sum()), flush=True)
-            conn.send(torch.ones(1, dtype=torch.uint8), tag=2, timeout=T)  # so the sender may leave
+            # Whoever leaves first closes the connection, which fails what the other has not
+            # received yet: the sender's ack is posted before its data, and this side stays
+            # until the sender says it has the ack (or has left, which it does only after).
+            bye = conn.irecv(torch.empty(1, dtype=torch.uint8), tag=3)
+            conn.send(torch.ones(1, dtype=torch.uint8), tag=2, timeout=T)
+            try:
+                bye.wait(T)
+            except PeerDisconnectedError as exc:
+                if not exc.graceful:
+                    raise
     else:
         with UcxTransport(UcxConfig(token=token)) as transport:
             conn = transport.connect(where, T)
+            ack = conn.irecv(torch.empty(1, dtype=torch.uint8), tag=2)
             conn.send(torch.full((nbytes,), 7, dtype=torch.uint8), tag=1, timeout=T)
-            conn.recv(torch.empty(1, dtype=torch.uint8), tag=2, timeout=T)
+            ack.wait(T)
+            conn.send(torch.ones(1, dtype=torch.uint8), tag=3, timeout=T)
             print("sent", flush=True)
 
 
