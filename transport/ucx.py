@@ -260,10 +260,9 @@ class UcxTransport(ControlledTransport):
             return self._current.get(Locality.SAME_NODE) or self._new_worker(Locality.SAME_NODE)
 
     def _worker_for(self, locality: Locality) -> _Worker:
+        """The current worker for ``locality`` (made if none), counted as used."""
         with self._workers_lock:
-            worker = self._current.get(locality)
-            if worker is None:
-                worker = self._new_worker(locality)
+            worker = self._current.get(locality) or self._new_worker(locality)
             worker.users += 1
             return worker
 
