@@ -28,8 +28,21 @@ $(VENV)/.deps: pyproject.toml setup.py
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 	touch $@
 
+# System packages the tests use: etcd (the many-host job store) and nftables (packet loss
+# between test hosts). Installed with apt when this runs as root (CI does); else the tests
+# that need them say so and skip.
+SYSTEM_PACKAGES := etcd-server nftables
+$(VENV)/.system: | $(VENV)/.deps
+	@if command -v etcd >/dev/null && command -v nft >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing $(SYSTEM_PACKAGES) with apt-get"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null || \
+	  { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(SYSTEM_PACKAGES) >/dev/null; }; \
+	else echo "WARNING: $(SYSTEM_PACKAGES) not installed (needs root and apt-get): the etcd tests will skip"; fi
+	touch $@
+
 # Incremental (ninja) rebuild of replica._C in place.
-build: $(VENV)/.deps
+build: $(VENV)/.deps $(VENV)/.system
 	$(PY) setup.py -q build_ext --inplace
 
 test: build

@@ -84,7 +84,7 @@ def run(size: str, rounds: int, out: Path, work: Path) -> None:
     make_model(work / "trained", 1, **SHAPES[size])
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     llm = make_llm(work / "engine")
-    weights = EngineWeights(llm, ReceiverSpec(index=0, store_host="127.0.0.1", store_port=store.port,
+    weights = EngineWeights(llm, ReceiverSpec(index=0, store=f"127.0.0.1:{store.port}",
                                               token_hex=TOKEN.hex(), timeout_s=300))
     sync_s, receive_s, prepare_s, stall_s, disk_s, save_s, gloo_s, memcpy_s = [], [], [], [], [], [], [], []
     generate_s, busy_s, during = [], [], []

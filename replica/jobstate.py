@@ -35,10 +35,13 @@ from typing import Any, Generic, TypeVar
 import torch.distributed as dist
 
 from replica import _C
+from replica.etcd import EtcdStore
 from replica.errors import JobStateError, StoreWaitTimeoutError
 
 __all__ = [
     "Ack",
+    "AgentInfo",
+    "AgentOrder",
     "Commit",
     "Epoch",
     "ExportRequest",
@@ -50,12 +53,15 @@ __all__ = [
     "JoinReply",
     "Key",
     "LostReports",
+    "Number",
+    "OrderKind",
     "Promotion",
     "Registration",
     "Regroup",
+    "RoleExit",
     "Stamp",
     "Text",
-    "Number",
+    "ThreadHeartbeat",
     "keys",
 ]
 
@@ -210,6 +216,40 @@ class Flag:
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
+class AgentInfo:
+    """Host agent ``index`` (``replica agent``): the host it runs on and its address."""
+
+    index: int
+    host: str
+    address: str
+    pid: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RoleExit:
+    """A role process a host agent started exited (``code``: its exit status, -N for signal N)."""
+
+    host: str
+    pid: int
+    code: int
+
+
+class OrderKind(enum.StrEnum):
+    START = "start"  # start a role process (role, rank)
+    KILL = "kill"  # make sure a process declared dead is dead (pid)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class AgentOrder:
+    """What the coordinator asks a host agent to do."""
+
+    kind: OrderKind
+    role: str = ""
+    rank: int = -1
+    pid: int = 0
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
 class Stamp:
     """When something happened (``time.time()`` of the writer)."""
 
@@ -317,6 +357,14 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key(f"unprotected/{rank}", Flag)
 
     @staticmethod
+    def coordinator() -> Key[Text]:
+        return Key("coordinator", Text)  # the active coordinator's claim: every write it makes is fenced by it
+
+    @staticmethod
+    def coordinator_beat() -> Key[Number]:
+        return Key("coordinator/beat", Number)  # the active coordinator's liveness counter
+
+    @staticmethod
     def finished() -> Key[Flag]:
         return Key("finished", Flag)
 
@@ -370,6 +418,30 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
     @staticmethod
     def regroup(rank: int) -> Key[Regroup]:
         return Key(f"regroup/{rank}", Regroup)
+
+    @staticmethod
+    def agent(index: int) -> Key[AgentInfo]:
+        return Key(f"agent/{index}", AgentInfo)
+
+    @staticmethod
+    def agent_beat(index: int) -> Key[Number]:
+        return Key(f"agent/{index}/beat", Number)
+
+    @staticmethod
+    def agent_exits(index: int) -> str:
+        return f"agent/{index}/exits"  # a counter: the number of exits it reported
+
+    @staticmethod
+    def agent_exit(index: int, n: int) -> Key[RoleExit]:
+        return Key(f"agent/{index}/exit/{n}", RoleExit)
+
+    @staticmethod
+    def agent_orders(index: int) -> str:
+        return f"agent/{index}/orders"  # a counter: the number of orders it was given
+
+    @staticmethod
+    def agent_order(index: int, n: int) -> Key[AgentOrder]:
+        return Key(f"agent/{index}/order/{n}", AgentOrder)
 
     @staticmethod
     def heartbeat(member: int) -> Key[Heartbeat]:
@@ -495,7 +567,11 @@ class JobStore:
         return f"JobStore(prefix={self.prefix!r})"
 
     def reconnect(self, timeout: timedelta) -> JobStore:
-        """The same job store on a TCP connection of its own (TCPStore only)."""
+        """The same job store on a connection of its own (a ``TCPStore`` client, or an
+        ``EtcdStore`` whose calls time out after ``timeout``)."""
+        if isinstance(self.raw, EtcdStore):
+            config = dataclasses.replace(self.raw.config, request_timeout=timeout, unreachable_after=timeout)
+            return self._view(EtcdStore(config, fence=self.raw.fence))
         return self._view(dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout))
 
     def heartbeat(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta):
@@ -503,7 +579,13 @@ class JobStore:
         from a native thread on a TCP connection of its own (TCPStore only), signed as
         ``put`` signs: it needs no GIL, so a main thread busy in Python does not delay
         it. It beats while ``touch()`` was called within ``python_grace`` (a hung
-        interpreter is a dead role); ``stop()`` ends it. Returns the ``replica._C.Heartbeat``."""
+        interpreter is a dead role); ``stop()`` ends it. Returns the ``replica._C.Heartbeat``.
+
+        On etcd the beat comes from a Python thread with the same contract
+        (``ThreadHeartbeat``): it waits for the GIL behind a busy main thread, so give
+        roles on etcd deadlines of a few seconds (the README's "Many hosts")."""
+        if isinstance(self.raw, EtcdStore):
+            return ThreadHeartbeat(self.reconnect(io_timeout), member, period=period, python_grace=python_grace)
         return _C.Heartbeat(host=self.raw.host, port=self.raw.port, key=self.full(keys.heartbeat(member)),
                             mac_key=self._mac_key, member=member, period_s=period.total_seconds(),
                             io_timeout_s=io_timeout.total_seconds(), python_grace_s=python_grace.total_seconds())
@@ -659,6 +741,10 @@ class JobStore:
             own = self._local.store = self if raw is self.raw else self._view(raw)
         return own
 
+    def on(self, raw: dist.Store) -> JobStore:
+        """The same job (token, prefix) over another client of its store (a fenced one)."""
+        return self._view(raw)
+
     def _view(self, raw: dist.Store) -> JobStore:
         """The same job (key, prefix, log of ignored values) over another client."""
         view = object.__new__(JobStore)
@@ -681,3 +767,48 @@ class JobStore:
     def count(self, name: str, add: int = 0) -> int:
         """Add to a plain counter (``keys.join_seq()`` ...) and return it."""
         return self.raw.add(self.full(name), add)
+
+
+class ThreadHeartbeat:
+    """``JobStore.heartbeat`` on a Python thread, for stores the native beat does not
+    speak (etcd): the same attributes (``touch``, ``stop``, ``beats``, ``failing_for``,
+    ``paused``, ``last_error``), the same signed ``Heartbeat`` values."""
+
+    def __init__(self, store: JobStore, member: int, *, period: timedelta, python_grace: timedelta):
+        for name, value in (("period", period), ("python_grace", python_grace)):
+            if value <= timedelta(0):
+                raise ValueError(f"the heartbeat's {name} must be > 0, got {value}")
+        self._store, self._member = store, member
+        self._period, self._grace = period.total_seconds(), python_grace.total_seconds()
+        self._touched = time.monotonic()
+        self._stop = threading.Event()
+        self.beats = 0
+        self.paused = False
+        self.last_error = ""
+        self._failing_since = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"replica-heartbeat-{member}", daemon=True)
+        self._thread.start()
+
+    def touch(self) -> None:
+        self._touched = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def failing_for(self) -> float:
+        return time.monotonic() - self._failing_since if self._failing_since else 0.0
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.paused = time.monotonic() - self._touched >= self._grace
+            if not self.paused:
+                try:
+                    self._store.put(keys.heartbeat(self._member), Heartbeat(member=self._member, beat=self.beats + 1))
+                    self.beats += 1
+                    self._failing_since = 0.0
+                except Exception as exc:  # noqa: BLE001 - the beat goes on; failing_for tells the role
+                    self._failing_since = self._failing_since or time.monotonic()
+                    self.last_error = str(exc)
+            self._stop.wait(self._period)

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from replica.testing import TornDown
+
 __all__ = ["ClusterConfig", "Host", "NetnsCluster", "available"]
 
 _IP = "ip"
@@ -85,9 +87,15 @@ class Host:
     def __repr__(self) -> str:
         return f"Host({self.index}, {self.address})"
 
+    @property
+    def hostname(self) -> str:
+        return self.netns
+
     def command(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` as run inside this host."""
-        return [_IP, "netns", "exec", self.netns, *argv]
+        """``argv`` as run inside this host: its network namespace, and a UTS namespace
+        whose hostname is the host's own (roles and agents name their machine by it)."""
+        return [_IP, "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
+                self.hostname, *argv]
 
     def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start a process on this host (``subprocess.Popen`` keywords)."""
@@ -136,7 +144,7 @@ class Host:
         return stats["rx"]["bytes"], stats["tx"]["bytes"]
 
 
-class NetnsCluster:
+class NetnsCluster(TornDown):
     """``config.hosts`` hosts on one bridge; ``hosts[i]`` has address ``subnet + 2 + i``."""
 
     def __init__(self, config: ClusterConfig):
@@ -146,17 +154,6 @@ class NetnsCluster:
         self._prefixlen = net.prefixlen
         self.hosts = [Host(self, i, str(net.network_address + 2 + i)) for i in range(config.hosts)]
         self._made: list[str] = []
-
-    def __enter__(self) -> NetnsCluster:
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def _build(self) -> None:
         _run(_IP, "netns", "add", self.switch)

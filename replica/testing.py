@@ -16,7 +16,29 @@ from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["BusyCores", "Child", "ChildFailed", "busy_cores", "free_port", "process_state", "spawn"]
+__all__ = ["BusyCores", "Child", "ChildFailed", "TornDown", "busy_cores", "free_port", "process_state", "spawn"]
+
+
+class TornDown:
+    """A test resource built on ``__enter__`` (``_build``) and always torn down
+    (``close``), also when building it failed half-way."""
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 _CTX = mp.get_context("spawn")
 

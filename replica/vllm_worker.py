@@ -42,8 +42,7 @@ class ReceiverSpec:
     The token travels to the worker, never to a log."""
 
     index: int
-    store_host: str
-    store_port: int
+    store: str  # the job store's address (``replica.stores.StoreAddress``: HOST:PORT or etcd://...)
     token_hex: str
     host: str = "127.0.0.1"
     store_prefix: str = "replica"
@@ -55,7 +54,7 @@ class ReceiverSpec:
     staged: bool | None = None
 
     def __repr__(self) -> str:
-        return f"ReceiverSpec(index={self.index}, store={self.store_host}:{self.store_port})"
+        return f"ReceiverSpec(index={self.index}, store={self.store})"
 
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
@@ -88,14 +87,12 @@ class ReplicaWorkerExtension:
 
     def replica_attach(self, spec_json: str) -> str:
         """Start this worker's receiver; returns its registration (backend, address, nonce)."""
-        import torch.distributed as dist
-
+        from replica.stores import StoreAddress
         from replica.weights import WeightReceiver
 
         spec = ReceiverSpec(**json.loads(spec_json))
         shapes = checkpoint_shapes(self.vllm_config.model_config.model)
-        store = dist.TCPStore(spec.store_host, spec.store_port, is_master=False,
-                              timeout=timedelta(seconds=spec.timeout_s))
+        store = StoreAddress.parse(spec.store).connect(timeout=timedelta(seconds=spec.timeout_s))
         config = Config(token=bytes.fromhex(spec.token_hex), host=spec.host, store_prefix=spec.store_prefix,
                         timeout=timedelta(seconds=spec.timeout_s))
         self._replica_stager = None

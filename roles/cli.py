@@ -7,7 +7,8 @@ import sys
 __all__ = ["main"]
 
 _USAGE = """usage: replica launch [--trainers N] [--steps N] [--inject SPEC] [--report PATH] SCRIPT [ARGS...]
-       replica coordinator --world-size N --steps N [--host H] [--port P] [--report PATH]
+       replica coordinator --world-size N --steps N [--host H] [--port P] [--store etcd://...] [--agents N]
+       replica agent --store ADDRESS --index N [--address A] [--roles ROLE:RANK,...] SCRIPT [ARGS...]
        replica compare REFERENCE.json OTHER.json [--plot LOSSES.png]
 (each command's --help lists its options)"""
 
@@ -25,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from replica.roles.serve import main as coordinator
 
         return coordinator(argv[1:])
+    if argv[0] == "agent":
+        from replica.roles.agent import main as agent
+
+        return agent(argv[1:])
     if argv[0] == "compare":
         return _compare(argv[1:])
     print(f"replica: bad command {' '.join(argv)!r}\n{_USAGE}", file=sys.stderr)

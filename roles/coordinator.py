@@ -26,6 +26,7 @@ from replica.commit import CommitRecord
 from replica.errors import JoinRefusedError
 from replica.jobstate import Failover as FailoverRecord
 from replica.jobstate import ExportRequest, Flag, Generation, JobStore, Promotion, Stamp, Text, keys
+from replica.stores import StoreAddress, StoreKind
 from replica.roles import timing
 from replica.roles.env import ROLES, Role
 from replica.roles.timing import Deadlines
@@ -99,23 +100,24 @@ class Decision:
 
 class Coordinator:
     def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
-                 deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None):
+                 deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None,
+                 store: StoreAddress | None = None, fence: tuple[str, bytes] | None = None):
+        """Host the job store on ``host:port`` (a ``TCPStore``), or, with ``store`` on etcd,
+        keep the job's state there: if the store holds a running job already (its
+        coordinator died), this one takes over from that state (``takeover``). ``fence``: an
+        elected coordinator's claim (``Leadership.claim``), which fences all its writes."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not token:
             raise ValueError("the coordinator needs the job's token")
-        # TCPStore binds every interface unless handed a socket: bind the configured host.
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._listener.bind((host, port))
-        except OSError as exc:
-            raise RuntimeError(f"cannot host the job store on {host}:{port}: {exc} "
-                               "(is another coordinator running there?)") from exc
-        self._listener.listen(128)
-        self.host, self.port = self._listener.getsockname()[:2]
-        raw = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                            master_listen_fd=self._listener.detach(), timeout=timedelta(seconds=60))
+        if store is not None and store.kind == StoreKind.ETCD:
+            raw = store.connect(timeout=timedelta(seconds=60))
+            if fence is not None:
+                raw = raw.fenced(*fence)
+            self.host, self.port, self._address = store.host, store.port, str(store)
+        else:
+            raw = self._host_store(host, port)
+            self._address = f"{self.host}:{self.port}"
         #: The job state, signed under the token (``replica.jobstate``).
         self.store = JobStore(raw, token=token)
         self.world_size = world_size
@@ -143,14 +145,75 @@ class Coordinator:
         self._nonces: set[str] = set()
         self._numbered_at: dict[int, float] = {}
         self._failed: str | None = None
+        #: When (``at``) and where (``generation``, ``commit``) this coordinator took over a running
+        #: job from the state in the store; None when it started the job.
+        self.takeover: dict | None = None
+        if self.store.get(keys.generation()) is not None and store is not None and store.kind == StoreKind.ETCD:
+            if self.finished():
+                raise RuntimeError(f"the job store {self._address} holds a job that has finished: give each job "
+                                   "a namespace of its own (etcd://HOSTS/NAMESPACE)")
+            self._take_over()
+            return
         if resume_from is not None:  # the trainers start from an export of that step: it is the first commit
             self.record.seed(resume_from)
         self._publish_generation()
         self._publish_members()
 
+    def _host_store(self, host: str, port: int) -> dist.TCPStore:
+        # TCPStore binds every interface unless handed a socket: bind the configured host.
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((host, port))
+        except OSError as exc:
+            listener.close()
+            raise RuntimeError(f"cannot host the job store on {host}:{port}: {exc} "
+                               "(is another coordinator running there?)") from exc
+        listener.listen(128)
+        self.host, self.port = listener.getsockname()[:2]
+        return dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                             master_listen_fd=listener.detach(), timeout=timedelta(seconds=60))
+
+    def _take_over(self) -> None:
+        """Rebuild the coordinator's view from the store: the generation, the membership
+        table (every live member's deadline runs from now), the join requests answered
+        (one its predecessor admitted but did not answer is answered now), the ranks
+        without protection. The failover history before this point stays in the
+        predecessor's report."""
+        now = time.time()
+        generation = self.store.get(keys.generation())
+        self.generation = generation.number
+        self.takeover = {"at": now, "generation": self.generation, "commit": self.record.last()}
+        table = self.store.get(keys.members())
+        for row in json.loads(table.value) if table is not None else []:
+            member = Member(id=int(row["id"]), role=Role(row["role"]), rank=int(row["rank"]), host=str(row["host"]),
+                            pid=int(row["pid"]), generation=int(row["generation"]), joined_at=now, since=now,
+                            state=MemberState(row["state"]), beat_at=now,
+                            lost_base=self.record.lost_reports(int(row["rank"])),
+                            max_silence_s=float(row.get("max_silence_s", 0.0)))
+            beat = self.store.get(keys.heartbeat(member.id))
+            member.beats = beat.beat if beat is not None and beat.member == member.id else 0
+            self.members.append(member)
+        self.started = self.record.last() is not None or all(
+            any(m.role == Role.TRAINER and m.rank == r for m in self.members) for r in range(self.world_size))
+        for member in self.members:
+            self._seen = max(self._seen, member.id)
+            request = self.store.full(keys.join_request(member.id))
+            if not self.store.has(keys.join_reply(member.id)) and self.store.raw.check([request]):
+                # Admitted by the predecessor, which died before it answered.
+                joined = JoinRequest.decode(self.store.raw.get(request), self._token)
+                self._nonces.add(joined.nonce)
+                answer(self.store, member.id, joined, generation=self.generation)
+        for rank in range(self.world_size):
+            if self.store.has(keys.unprotected(rank)):
+                self.unprotected.add(rank)
+                self._unprotected_reg[rank] = self.record.registration(rank)
+        logger.warning("took over the job at generation %d, commit %s, with %d members (%d alive)", self.generation,
+                       self.record.last(), len(self.members), len(self.alive()))
+
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return self._address
 
     # --- the agent's calls ---
 

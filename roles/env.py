@@ -10,6 +10,8 @@ import logging
 import os
 from dataclasses import dataclass, field
 
+from replica.stores import StoreAddress
+
 __all__ = ["ACTIONS", "Action", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "configure_logging",
            "parse_faults"]
 
@@ -23,9 +25,15 @@ class Role(enum.StrEnum):
 class Action(enum.StrEnum):
     """What an injected fault does to its process."""
 
-    KILL = "kill"  # SIGKILL
+    KILL = "kill"  # SIGKILL (a host: every process its agent started, and the agent)
     FREEZE = "freeze"  # SIGSTOP
     STALL = "stall"  # a slow step
+    PARTITION = "partition"  # a host's link down for a while, then up again (its agent does it)
+    SLOW = "slow"  # a host's link slowed to a rate for the rest of the job (tc tbf)
+
+
+HOST = "host"  # the target of host faults (kill, partition, slow): RANK is the host agent's --index
+_HOST_ACTIONS = (Action.KILL, Action.PARTITION, Action.SLOW)
 
 
 class Phase(enum.StrEnum):
@@ -51,10 +59,16 @@ class Fault:
     hung machine or a partition: only a heartbeat deadline finds it; SIGCONT wakes it).
     ``stall:ROLE:RANK@STEP[:SECONDS][:gGEN]``: a slow but live step (default 3 s).
     ``gGEN`` fires it only in process-group generation GEN (a trainer's step redone
-    after a failover, or a promoted trainer's: ``g1`` is the first failover's)."""
+    after a failover, or a promoted trainer's: ``g1`` is the first failover's).
+
+    Host faults, fired by host agent N (``replica agent --index N``) once trainer 0
+    logged step STEP: ``kill:host:N@STEP`` (every process of the agent, and itself),
+    ``partition:host:N@STEP[:SECONDS]`` (the link of the agent's address down that
+    long, default 10 s, then up), ``slow:host:N@STEP[:MBIT]`` (that link limited to
+    MBIT Mbit/s, default 100, until the agent ends). They need root where the agent runs."""
 
     action: Action = Action.KILL
-    role: Role
+    role: Role | str  # a Role, or HOST
     rank: int
     step: int
     phase: Phase = Phase.FORWARD
@@ -63,8 +77,10 @@ class Fault:
 
     def __str__(self) -> str:
         when = "" if self.generation is None else f":g{self.generation}"
-        if self.action == "stall":
-            return f"stall:{self.role}:{self.rank}@{self.step}:{self.seconds:g}{when}"
+        if self.action in ("stall", "partition", "slow"):
+            return f"{self.action}:{self.role}:{self.rank}@{self.step}:{self.seconds:g}{when}"
+        if self.role == HOST:
+            return f"{self.action}:{self.role}:{self.rank}@{self.step}"
         return f"{self.action}:{self.role}:{self.rank}@{self.step}:{self.phase}{when}"
 
 
@@ -78,19 +94,27 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
             generation = int(extra.pop()[1:]) if extra and extra[-1].startswith("g") else None
             if len(extra) > 1:
                 raise ValueError("too many fields")
-            if action == "stall":
+            if action in ("stall", "partition", "slow"):
+                default = {"stall": 3, "partition": 10, "slow": 100}[action]
                 fault = Fault(action=action, role=role, rank=int(rank), step=int(step),
-                              seconds=float(extra[0] if extra else 3), generation=generation)
+                              seconds=float(extra[0] if extra else default), generation=generation)
             else:
                 fault = Fault(action=action, role=role, rank=int(rank), step=int(step),
                               phase=extra[0] if extra else "forward", generation=generation)
         except ValueError as exc:
-            raise ValueError(f"bad fault {item!r}: expected kill|freeze:ROLE:RANK@STEP[:PHASE][:gGEN] "
-                             "or stall:ROLE:RANK@STEP[:SECONDS][:gGEN]") from exc
-        if action not in ACTIONS or role not in ROLES or fault.phase not in PHASES:
-            raise ValueError(f"bad fault {item!r}: action one of {ACTIONS}, role one of {ROLES}, phase one of "
-                             f"{PHASES}")
-        faults.append(dataclasses.replace(fault, action=Action(action), role=Role(role), phase=Phase(fault.phase)))
+            raise ValueError(f"bad fault {item!r}: expected kill|freeze:ROLE:RANK@STEP[:PHASE][:gGEN], "
+                             "stall:ROLE:RANK@STEP[:SECONDS][:gGEN], kill:host:N@STEP, "
+                             "partition:host:N@STEP[:SECONDS] or slow:host:N@STEP[:MBIT]") from exc
+        if action not in ACTIONS or fault.phase not in PHASES or (role not in ROLES and role != HOST):
+            raise ValueError(f"bad fault {item!r}: action one of {ACTIONS}, role one of {ROLES} or {HOST}, phase "
+                             f"one of {PHASES}")
+        if (role == HOST and action not in _HOST_ACTIONS) or (role != HOST and action in ("partition", "slow")):
+            raise ValueError(f"bad fault {item!r}: a host takes kill, partition or slow; partition and slow take "
+                             "only a host")
+        if fault.seconds <= 0:
+            raise ValueError(f"bad fault {item!r}: its duration or rate must be > 0")
+        faults.append(dataclasses.replace(fault, action=Action(action), role=HOST if role == HOST else Role(role),
+                                          phase=Phase(fault.phase)))
     return tuple(faults)
 
 
@@ -99,8 +123,7 @@ class RoleEnv:
     role: Role
     rank: int
     world_size: int
-    store_host: str
-    store_port: int
+    store: StoreAddress  # the job store (``REPLICA_STORE``: HOST:PORT or etcd://HOST:PORT,...)
     token: bytes = field(repr=False)
     faults: tuple[Fault, ...] = ()
     host: str = "127.0.0.1"  # where this role's data-plane listeners bind (a routable address across nodes)
@@ -115,14 +138,14 @@ class RoleEnv:
         missing = [k for k in ("REPLICA_ROLE", "REPLICA_TOKEN") if not env.get(k)]
         if missing:
             raise RuntimeError(f"{', '.join(missing)} not set: start role processes with `replica launch`")
-        host, _, port = env.get("REPLICA_STORE", env.get("MASTER_ADDR", "127.0.0.1") + ":" +
-                                env.get("REPLICA_STORE_PORT", "29400")).rpartition(":")
+        store = StoreAddress.parse(env.get("REPLICA_STORE") or
+                                   env.get("MASTER_ADDR", "127.0.0.1") + ":" + env.get("REPLICA_STORE_PORT", "29400"))
         role = env["REPLICA_ROLE"]
         if role not in ROLES:
             raise RuntimeError(f"REPLICA_ROLE must be one of {ROLES}, got {role!r}")
         return cls(role=Role(role), rank=int(env.get("REPLICA_RANK", env.get("RANK", "0"))),
                    world_size=int(env.get("REPLICA_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
-                   store_host=host, store_port=int(port), token=env["REPLICA_TOKEN"].encode(),
+                   store=store, token=env["REPLICA_TOKEN"].encode(),
                    faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"),
                    rollouts=int(env.get("REPLICA_ROLLOUTS", "0")), mirror_device=env.get("REPLICA_MIRROR_DEVICE", ""),
                    export_dir=env.get("REPLICA_EXPORT_DIR") or "replica-export", resume=env.get("REPLICA_RESUME", ""))

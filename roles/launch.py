@@ -22,7 +22,7 @@ from typing import TextIO
 from replica.errors import ReplicaError
 from replica.export import resumable
 from replica.roles.coordinator import Coordinator, MemberState
-from replica.roles.env import Role, configure_logging, parse_faults
+from replica.roles.env import HOST, Role, configure_logging, parse_faults
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
 
@@ -189,12 +189,12 @@ class LocalAgent:
         self.procs[popen.pid] = (role, popen)
         return popen.pid
 
-    def exits(self) -> list[tuple[int, int]]:
+    def exits(self) -> list[tuple[int, int, None]]:
         gone = []
         for pid, (_, popen) in self.procs.items():
             if pid not in self._reported and popen.poll() is not None:
                 self._reported.add(pid)
-                gone.append((pid, popen.returncode))
+                gone.append((pid, popen.returncode, None))
         return gone
 
     def replace_standby(self, rank: int) -> bool:
@@ -210,12 +210,21 @@ class LocalAgent:
         self.start(role, rank)
         return True
 
-    def kill(self, pid: int) -> None:
+    def kill(self, pid: int, host: str | None = None) -> None:
         if pid in self.procs and self.procs[pid][1].poll() is None:
             os.kill(pid, signal.SIGKILL)
 
     def running(self, pids: set[int]) -> bool:
         return any(self.procs[pid][1].poll() is None for pid in pids if pid in self.procs)
+
+    def wait(self, timeout: timedelta) -> None:
+        """Until every process started here exited by itself, ``timeout`` at most."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        for _, popen in self.procs.values():
+            try:
+                popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                return
 
     def stop(self) -> None:
         """Let standbys see the job's end and exit; kill whatever is left."""
@@ -237,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         faults = parse_faults(args.inject)
+        if any(f.role == HOST for f in faults):
+            raise ValueError("host faults need host agents (`replica agent`): `replica launch` runs on one machine")
         deadlines = deadlines_of(args)
     except ValueError as exc:
         parser.error(str(exc))

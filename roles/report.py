@@ -56,6 +56,7 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         "refused_joins": coord.refused,
         "members": coord.membership(),
         "last_commit": coord.record.last(),
+        "takeover": coord.takeover,  # this coordinator took over from a dead one (None: it ran the whole job)
     }
 
 

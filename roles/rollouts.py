@@ -24,6 +24,7 @@ from datetime import timedelta
 import replica
 from replica.jobstate import JobStore, Number, Stamp, Text, keys
 from replica.roles import timing
+from replica.stores import StoreAddress
 from replica.vllm_worker import EngineWeights, ReceiverSpec
 
 __all__ = ["RolloutClient", "Sampling", "serve_rollouts", "served_shards"]
@@ -134,7 +135,7 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
     from vllm import SamplingParams
 
     llm = make_llm()
-    weights = EngineWeights(llm, ReceiverSpec(index=index, store_host=store.raw.host, store_port=store.raw.port,
+    weights = EngineWeights(llm, ReceiverSpec(index=index, store=str(StoreAddress.of(store.raw)),
                                               token_hex=token.hex(), host=host, store_prefix=store.prefix))
     store.put(keys.engine_up(index), Stamp(at=time.time()))
     seen = 0  # requests fully handled here

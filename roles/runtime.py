@@ -15,7 +15,6 @@ from collections.abc import Iterator, Mapping
 from typing import NoReturn
 
 import torch
-import torch.distributed as dist
 
 import replica
 from replica.errors import FencedError, StoreWaitTimeoutError
@@ -40,8 +39,7 @@ class Job:
         self.env = env
         self.role = env.role
         self.rank = env.rank
-        self.store = JobStore(dist.TCPStore(env.store_host, env.store_port, is_master=False, timeout=timing.ROLE_WAIT),
-                              token=env.token)
+        self.store = JobStore(env.store.connect(timeout=timing.ROLE_WAIT), token=env.token)
         # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
         self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=timing.ROLE_WAIT).member
         self._failed_generation = -1  # the newest generation this process could not join
@@ -52,7 +50,8 @@ class Job:
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="replica-watch")
         self._watcher.start()
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
-        self.config = replica.Config(token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT)
+        self.config = replica.Config(token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT,
+                                     commit_timeout=timing.COMMIT_WAIT)
         # gloo fails a frozen peer's collective at its timeout; NCCL's watchdog never beats the coordinator.
         self.group = None if env.role == Role.ROLLOUT else replica.init_resilient_process_group(
             store=self.store.sub(keys.process_group()), rank=env.rank, world_size=env.world_size,

@@ -13,10 +13,15 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+from replica.errors import FencedError
+from replica.jobstate import JobStore, keys
+from replica.roles.agents import RemoteAgents
 from replica.roles.coordinator import Coordinator
+from replica.roles.election import Leadership
+from replica.stores import StoreAddress, StoreKind
 from replica.roles.env import configure_logging, parse_faults
 from replica.roles.launch import deadline_options, deadlines_of, resume_point, state_options
-from replica.roles.supervise import JobSpec, supervise
+from replica.roles.supervise import DEPOSED_EXIT, JobSpec, supervise
 
 __all__ = ["main"]
 
@@ -29,6 +34,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="where the job store listens (default loopback; a multi-node job binds a routable address)")
     p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--store", default="",
+                   help="keep the job's state in etcd instead of hosting a store: etcd://H1:2379,H2:2379,H3:2379/JOB "
+                        "(credentials in REPLICA_ETCD_USER/REPLICA_ETCD_PASSWORD). Start this command on two or more "
+                        "hosts: one leads, the others take over when it dies")
+    p.add_argument("--agents", type=int, default=0,
+                   help="the number of hosts that run `replica agent` (indices 0 .. N-1): their exit reports are "
+                        "detection signals and they start replacements (default: none)")
+    p.add_argument("--replacements", type=int, default=-1,
+                   help="replacement standbys or engines the agents may start in all (default: no limit)")
     p.add_argument("--report", type=Path)
     p.add_argument("--timeline", type=Path)
     p.add_argument("--timeout", type=float, default=3600)
@@ -48,19 +62,51 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     resume = resume_point(parser, args, args.world_size)
+    try:
+        store = StoreAddress.parse(args.store) if args.store else None
+    except ValueError as exc:
+        parser.error(str(exc))
     configure_logging()
-    coord = Coordinator(world_size=args.world_size, token=token.encode(), host=args.host, port=args.port,
-                        deadlines=deadlines, rollouts=args.rollouts, resume_from=resume[0] if resume else None)
+    leadership = None
+    if store is not None and store.kind == StoreKind.ETCD:
+        leadership = Leadership(JobStore(store.connect(timeout=timedelta(seconds=60)), token=token.encode()))
+        print(f"replica: coordinator candidate ({leadership.name}) for the job in {store}", flush=True)
+        job = leadership.candidate
+        if not leadership.campaign(timeout=timedelta(seconds=args.timeout), give_up=lambda: job.has(keys.finished())):
+            print("replica: the job ended under another coordinator", flush=True)
+            return 0
+        print("replica: this coordinator leads", flush=True)
+    try:
+        coord = Coordinator(world_size=args.world_size, token=token.encode(), host=args.host, port=args.port,
+                            deadlines=deadlines, rollouts=args.rollouts, resume_from=resume[0] if resume else None,
+                            store=store, fence=leadership.claim if leadership is not None else None)
+        return _serve(args, coord, resume, leadership)
+    except FencedError as exc:
+        print(f"replica: another coordinator leads now ({exc}); this one stops", flush=True)
+        return DEPOSED_EXIT
+    finally:
+        if leadership is not None:
+            leadership.resign()
+
+
+def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str] | None,
+           leadership: Leadership | None) -> int:
+    if coord.takeover is not None:
+        print(f"replica: took over the job at generation {coord.generation}, commit {coord.record.last()}",
+              flush=True)
     print(f"replica: coordinator of {args.world_size} trainer ranks at {coord.address}", flush=True)
     if resume:
         print(f"replica: resuming from step {resume[0]}: start the trainers with REPLICA_RESUME={resume[1]}",
               flush=True)
     timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
+    agents = RemoteAgents(coord.store, count=args.agents, replacements=args.replacements,
+                          members=lambda: [(m.role, m.rank, m.host) for m in coord.alive()]) if args.agents else None
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
     faults = parse_faults(os.environ.get("REPLICA_INJECT", ""))
     return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                                     timeline_png=timeline, export_dir=args.export_dir,
-                                    first_step=resume[0] + 1 if resume else 1))
+                                    first_step=resume[0] + 1 if resume else 1),
+                     agents, leading=leadership.leading if leadership is not None else None)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
+from collections.abc import Callable
 
+from replica.errors import FencedError
 from replica.jobstate import keys
 from replica.roles.coordinator import Coordinator, Decision, DecisionKind
 from replica.roles import timing
 from replica.roles.env import Fault, Role
 from replica.roles.report import build_report, print_timeline, write_timeline_png
 
-__all__ = ["Agent", "JobSpec", "supervise"]
+__all__ = ["Agent", "DEPOSED_EXIT", "JobSpec", "supervise"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +30,8 @@ logger = logging.getLogger(__name__)
 class Agent(Protocol):
     """What a local agent does for the loop: report exits, start replacements."""
 
-    def exits(self) -> list[tuple[int, int]]:
-        """(pid, exit code) of role processes that exited since the last call."""
+    def exits(self) -> list[tuple[int, int, str | None]]:
+        """(pid, exit code, host: None for this machine) of role processes that exited since the last call."""
 
     def replace_standby(self, rank: int) -> bool:
         """Start a new standby for ``rank``; False when none may be started."""
@@ -37,7 +39,7 @@ class Agent(Protocol):
     def replace_rollout(self, index: int) -> bool:
         """Start a new rollout engine ``index``; False when none may be started."""
 
-    def kill(self, pid: int) -> None:
+    def kill(self, pid: int, host: str | None = None) -> None:
         """Make sure a process declared dead is dead (fencing)."""
 
     def running(self, pids: set[int]) -> bool:
@@ -59,25 +61,40 @@ class JobSpec:
     first_step: int = 1  # a job resumed from an export of step N starts at N + 1
 
 
-def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None) -> int:
-    """Run the job to its end; returns the exit status (0: every rank finished)."""
+DEPOSED_EXIT = 3  # the exit status of a coordinator that lost its leadership (another one leads)
+
+
+def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
+              leading: Callable[[], bool] | None = None) -> int:
+    """Run the job to its end; returns the exit status (0: every rank finished).
+    ``leading()`` (an elected coordinator's) is asked before every round: once it says
+    no, another coordinator may lead, and this one stops at once, deciding nothing
+    more and leaving the job as it is (DEPOSED_EXIT)."""
     deadline = time.monotonic() + spec.timeout.total_seconds()
     shown, errors = spec.first_step - 1, 0
     status, failure = 1, None
-    exits: list[tuple[int, int]] = []  # seen by the agent, not yet taken in (kept until they are)
+    exits: list[tuple[int, int, str | None]] = []  # seen by the agent, not yet taken in (kept until they are)
     decisions: list[Decision] = []
 
     def take_exits() -> None:  # one at a time: an exit is never lost to a failure while it is handled
         while exits:
-            decisions.extend(coord.process_exited(*exits[0]))
+            pid, code, host = exits[0]
+            decisions.extend(coord.process_exited(pid, code, host=host))
             exits.pop(0)
 
     while time.monotonic() < deadline:
+        if leading is not None and not leading():
+            print("\nreplica: another coordinator leads now (this one was silent or cut off); this one stops",
+                  flush=True)
+            return DEPOSED_EXIT
         decisions.clear()
         exits.extend(agent.exits() if agent is not None else [])
         for work in (take_exits, lambda: decisions.extend(coord.poll())):
             try:
                 work()
+            except FencedError as exc:
+                print(f"\nreplica: another coordinator leads now ({exc}); this one stops", flush=True)
+                return DEPOSED_EXIT
             except Exception:  # noqa: BLE001 - nothing in the store may end the job's loop; say what broke
                 errors += 1
                 if errors == 1 or errors % 100 == 0:
@@ -137,7 +154,7 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobS
         exported = _export(coord, spec.export_dir) if decision.state_lost and spec.export_dir is not None else ""
         return f"the job failed: {decision.reason}{exported}"
     if decision.dead is not None and agent is not None:
-        agent.kill(decision.dead.pid)  # a process declared dead on a missed deadline may still run
+        agent.kill(decision.dead.pid, decision.dead.host)  # declared dead on a missed deadline, it may still run
     if decision.kind == DecisionKind.ROLLOUT_LOST:
         replaced = agent is not None and agent.replace_rollout(decision.rank)
         print(f"\nreplica: {decision.dead} is dead ({decision.reason}); training goes on without it"

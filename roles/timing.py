@@ -12,6 +12,7 @@ from datetime import timedelta
 
 __all__ = [
     "Deadlines",
+    "COMMIT_WAIT",
     "EXPORT_WAIT",
     "FINISH_LINGER",
     "GONE_AFTER",
@@ -79,6 +80,9 @@ UNSIGNED_POLL = timedelta(milliseconds=50)  # looking again meanwhile
 
 # --- a role's data plane, as the runtime configures it ---
 STANDBY_WAIT = timedelta(seconds=120)  # a trainer waits this long for a lost standby's replacement
+# A commit waits on every rank's ack: on a rank waiting for its replacement standby too (seen: a 60 s
+# commit timeout ended a job whose replacement was still on its way).
+COMMIT_WAIT = STANDBY_WAIT + timedelta(seconds=30)
 # gloo fails a frozen peer's collective at this timeout (then the step is redone); NCCL's watchdog must
 # never beat the coordinator to declaring a peer dead: 60 s is >= 3x heartbeat deadlines up to 20 s.
 PROCESS_GROUP_TIMEOUT = timedelta(seconds=10)

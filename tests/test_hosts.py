@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from replica import testcluster
+from replica import testcluster, testetcd
 from replica.roles.report import compare_reports
 from replica.testcluster import ClusterConfig, NetnsCluster
+from replica.testetcd import EtcdCluster
 from replica.testing import process_state
 
 from test_launch import EXAMPLE, STEPS, TOKEN, role_env
@@ -35,8 +36,8 @@ def cluster():
         yield c
 
 
-def python_on(host, *args: str, stdin=None) -> subprocess.Popen:
-    env = dict(os.environ, REPLICA_TOKEN=TOKEN, UCX_LOG_LEVEL="fatal", PYTHONPATH=str(ROOT))
+def python_on(host, *args: str, stdin=None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    env = dict(os.environ, REPLICA_TOKEN=TOKEN, UCX_LOG_LEVEL="fatal", PYTHONPATH=str(ROOT), **(env or {}))
     return host.popen([sys.executable, *args], env=env, cwd=ROOT, stdin=stdin, stdout=subprocess.PIPE,
                       stderr=subprocess.STDOUT, text=True)
 
@@ -156,37 +157,77 @@ STORE_PORT = 29400
 
 class Job:
     """Coordinator on host 0, trainers 0 and 1 on hosts 1 and 2, their standbys on 3 and 4
-    (host 5 is spare); every process's output in a file of ``folder``."""
+    (host 5 is spare); every process's output in a file of ``folder``. With ``etcd`` the
+    job's state lives in that cluster and a second coordinator waits on host 5. With
+    ``agents`` a `replica agent` on each of hosts 1-5 (indices 0-4) starts the roles
+    (host 5's none) and the replacements the coordinator asks for."""
 
-    def __init__(self, cluster, folder: Path, inject: str = ""):
+    def __init__(self, cluster, folder: Path, inject: str = "", etcd: EtcdCluster | None = None,
+                 agents: bool = False):
         self.folder, self.report = folder, folder / "run.json"
         coord_host = cluster.hosts[0]
-        self._coord_address = coord_host.address
         extra = self._extra = {"REPLICA_EXPORT_DIR": str(folder / "export")}
         if inject:
             extra["REPLICA_INJECT"] = inject
+        if etcd is not None:
+            extra.update(etcd.environ())
+            self.store = f"etcd://{etcd.endpoints}/{etcd.namespace}"
+            where = ["--store", self.store]
+        else:
+            self.store = f"{coord_host.address}:{STORE_PORT}"
+            where = ["--host", coord_host.address, "--port", str(STORE_PORT)]
         self.procs: dict[str, subprocess.Popen] = {}
-        self._start("coordinator", coord_host, ["-m", "replica.roles.cli", "coordinator", "--world-size", "2",
-                                                "--steps", str(STEPS), "--host", coord_host.address, "--port",
-                                                str(STORE_PORT), "--timeout", "240", "--report", str(self.report)],
-                    dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
-        self.watcher = python_on(coord_host, str(ROOT / "tests" / "jobs" / "wait_key.py"), coord_host.address,
-                                 str(STORE_PORT), "180", stdin=subprocess.PIPE)
+        coordinators = [("coordinator", coord_host, self.report)]
+        if etcd is not None:
+            coordinators.append(("coordinator-b", cluster.hosts[5], folder / "run-b.json"))
+        for name, host, report in coordinators:
+            self._start(name, host, ["-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps",
+                                     str(STEPS), *where, "--timeout", "240", "--report", str(report),
+                                     *(["--agents", "5"] if agents else [])],
+                        dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
+            if etcd is not None:
+                self.wait_output(name, "this coordinator leads" if name == "coordinator" else "waits to take over")
+        # The watcher runs where no test kills: the coordinator's host, or host 5 beside etcd.
+        self.watcher = python_on(cluster.hosts[5 if etcd is not None else 0],
+                                 str(ROOT / "tests" / "jobs" / "wait_key.py"), self.store, "180",
+                                 stdin=subprocess.PIPE, env=extra)
         assert self._answer() == ["ready"], "the job store did not come up"
+        if agents:
+            for index, roles in enumerate(("trainer:0", "trainer:1", "standby:0", "standby:1", "")):
+                host = cluster.hosts[index + 1]
+                env = role_env(STORE_PORT, "", 0, GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **self._extra)
+                self._start(f"agent{index}", host, ["-m", "replica.roles.cli", "agent", "--store", self.store,
+                                                    "--index", str(index), "--address", host.address,
+                                                    "--roles", roles, str(EXAMPLE)], env)
+            return
         for role, first in (("standby", 3), ("trainer", 1)):
             for rank in (0, 1):
                 self.start_role(f"{role}{rank}", role, rank, cluster.hosts[first + rank])
 
-    def start_role(self, name: str, role: str, rank: int, host) -> None:
-        """A role as the README's recipe starts one, on ``host``."""
-        env = role_env(STORE_PORT, role, rank, MASTER_ADDR=self._coord_address, REPLICA_HOST=host.address,
-                       GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **self._extra)
-        self._start(name, host, [str(EXAMPLE)], env)
+    def wait_output(self, name: str, text: str, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output(name):
+            assert self.procs[name].poll() is None and time.monotonic() < deadline, \
+                f"{name} never said {text!r}:\n{self.outputs()}"
+            time.sleep(0.05)
 
-    def _start(self, name: str, host, args: list[str], env: dict[str, str]) -> None:
+    def start_role(self, name: str, role: str, rank: int, host, *, held: bool = False) -> None:
+        """A role as the README's recipe starts one, on ``host``. ``held``: started now
+        but held after its imports until ``release(name)`` (tests/jobs/held_role.py)."""
+        env = role_env(STORE_PORT, role, rank, REPLICA_STORE=self.store, REPLICA_HOST=host.address,
+                       GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **self._extra)
+        args = [str(ROOT / "tests" / "jobs" / "held_role.py"), str(EXAMPLE)] if held else [str(EXAMPLE)]
+        self._start(name, host, args, env, stdin=subprocess.PIPE if held else None)
+
+    def release(self, name: str) -> None:
+        """Let a held role go on (at once, or as soon as its imports are done)."""
+        self.procs[name].stdin.write(b"go\n")
+        self.procs[name].stdin.flush()
+
+    def _start(self, name: str, host, args: list[str], env: dict[str, str], stdin=None) -> None:
         with open(self.folder / f"{name}.log", "w") as log:
             self.procs[name] = host.popen([sys.executable, *args], env=env, cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT)
+                                          stderr=subprocess.STDOUT, stdin=stdin)
 
     def output(self, name: str) -> str:
         return (self.folder / f"{name}.log").read_text(errors="replace")
@@ -235,6 +276,18 @@ class Job:
             self.kill()
             host.heal()
 
+    def crash_after(self, key: str, host, *, holding: str) -> tuple[float, dict[str, int | None]]:
+        """Lose ``host`` whole once ``key`` is in the store (``holding``: a process that must
+        die with it) and finish the job; when it was lost, and the exit codes by name."""
+        try:
+            self.wait_for_key(key)
+            lost_at = time.time()
+            assert self.procs[holding].pid in host.crash()
+            return lost_at, self.finish()
+        finally:
+            self.kill()
+            host.heal()
+
     def kill(self) -> None:
         for proc in (*self.procs.values(), self.watcher):
             if proc.poll() is None:
@@ -277,31 +330,36 @@ def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path,
 
 
 def test_a_partitioned_trainer_host_is_fenced_and_the_job_ends_bit_identical(cluster, tmp_path, reference):
-    """Trainer 1's host is cut off after step 3 (alive, its processes running, no packet in
-    or out): the coordinator finds it by its heartbeat deadline and promotes its standby.
-    Trainer 1 stops by itself without moving the commit, and the job ends bit-identical."""
-    job = Job(cluster, tmp_path)
-
-    def while_cut_off() -> None:
-        job.wait_for_key("replica/failover/1")
-        job.wait_for_key("replica/resumed/1")
-        assert job.procs["trainer1"].poll() is None, "the partitioned trainer died while cut off"
-
-    codes = job.partitioned(cluster.hosts[2], after="replica/loss/1/3", meanwhile=while_cut_off)
-    zombie = job.output("trainer1")
-    # Healed in time, it finds its rank given away (75); cut off for longer than the store's
-    # deadline, it cannot tell a partition from the coordinator's death and stops too (76).
-    assert codes["trainer1"] in (75, 76), (codes, job.outputs())
-    assert ("declared dead" if codes["trainer1"] == 75 else "the job store is gone") in zombie, zombie[-4000:]
-    assert {k: c for k, c in codes.items() if k != "trainer1"} == {
-        "coordinator": 0, "standby0": 0, "standby1": 0, "trainer0": 0}, (codes, job.outputs())
+    """Trainer 1's host cuts its own link for 8 s after step 3 (``--inject
+    partition:host:1@3:8``, fired by its agent): alive, its processes running, no packet in
+    or out. The coordinator finds it by its heartbeat deadline and promotes its standby;
+    a replacement standby starts on the spare host. Healed, trainer 1 is killed by its agent
+    on the coordinator's order (or, first, finds its rank given away and stops by itself)
+    without having moved the commit; its agent reports its exit. The job ends bit-identical."""
+    job = Job(cluster, tmp_path, inject="partition:host:1@3:8", agents=True)
+    try:
+        codes = job.finish()
+    finally:
+        job.kill()
+    assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": 0, "agent4": 0}, \
+        (codes, job.outputs())
     result = json.loads(job.report.read_text())
+    assert all(f["fired_at"] is not None for f in result["faults"]), result["faults"]
     (failover,) = result["failovers"]
     assert failover["rank"] == 1 and "no heartbeat" in failover["reason"], failover
     assert failover["commit"] >= 2, failover  # what was committed before the cut stays
+    # Healed, its agent kills it as ordered (-9), or it found its rank given away first (75); cut
+    # off for longer than the store's deadline, it could not tell a partition from the
+    # coordinator's death and stopped too (76).
+    (zombie,) = [e for e in result["late_exits"] if e["role"] == "trainer" and e["rank"] == 1]
+    assert zombie["code"] in (-9, 75, 76), result["late_exits"]
+    if zombie["code"] == -9:
+        assert "killed pid" in job.output("agent1"), job.output("agent1")[-4000:]
+    new = [m for m in result["members"] if m["role"] == "standby" and m["rank"] == 1 and m["state"] != "dead"]
+    assert [m["host"] for m in new] == [cluster.hosts[5].hostname], result["members"]
     assert compare_reports(reference, result) == []
     assert result["last_commit"] == STEPS
-    print(f"failover {failover}; trainer 1 exited with {codes['trainer1']}")
+    print(f"failover {failover}; trainer 1 exited with {zombie['code']}")
 
 
 def test_a_partitioned_standby_host_leaves_its_rank_unprotected_until_a_new_standby_joins(
@@ -309,12 +367,14 @@ def test_a_partitioned_standby_host_leaves_its_rank_unprotected_until_a_new_stan
     """Standby 1's host is cut off after step 3: its deadline passes, rank 1 trains on
     unprotected, and a new standby started on the spare host protects it again. Healed,
     the old standby finds its place taken and stops by itself. Bit-identical throughout."""
-    # Steps 6 and 7 take 8 s more on both trainers: time for the new standby to start and join.
+    # Steps 6 and 7 take 8 s more on both trainers: time for the new standby to join and build
+    # its model; it is started ahead (held after its imports), as a scheduler keeps spares warm.
     job = Job(cluster, tmp_path, inject=",".join(f"stall:trainer:{r}@{s}:8" for r in (0, 1) for s in (6, 7)))
+    job.start_role("standby1-new", "standby", 1, cluster.hosts[5], held=True)
 
     def while_cut_off() -> None:
         job.wait_for_key("replica/unprotected/1")
-        job.start_role("standby1-new", "standby", 1, cluster.hosts[5])
+        job.release("standby1-new")
         job.wait_for_key(f"replica/loss/1/{STEPS - 1}")
 
     codes = job.partitioned(cluster.hosts[4], after="replica/loss/1/3", meanwhile=while_cut_off)
@@ -332,3 +392,59 @@ def test_a_partitioned_standby_host_leaves_its_rank_unprotected_until_a_new_stan
     assert compare_reports(reference, result) == []
     assert result["last_commit"] == STEPS
     print(f"unprotected {span}; the old standby exited with {codes['standby1']}")
+
+
+def test_the_active_coordinators_host_lost_with_etcd_another_takes_over(cluster, tmp_path, reference):
+    """The job's state in a 3-member etcd cluster (members on hosts 0, 3, 4), coordinators
+    on hosts 0 and 5. Host 0 is lost whole in step 3, with the active coordinator and an
+    etcd member: the one on host 5 takes over from the state in etcd while training goes
+    on, then handles trainer 1's death in step 8; the run is bit-identical."""
+    if not testetcd.available():
+        pytest.skip("etcd is not installed (make test installs etcd-server)")
+    hosts = [cluster.hosts[i] for i in (0, 3, 4)]
+    with EtcdCluster(addresses=[h.address for h in hosts], base_port=2379, spawns=[h.popen for h in hosts],
+                     via=[h.command for h in hosts]) as etcd:
+        job = Job(cluster, tmp_path, inject="kill:trainer:1@8:backward", etcd=etcd)
+        lost_at, codes = job.crash_after("replica/loss/1/3", cluster.hosts[0], holding="coordinator")
+    assert codes == {"coordinator": -9, "coordinator-b": 0, "standby0": 0, "standby1": 0, "trainer0": 0,
+                     "trainer1": -9}, (codes, job.outputs())
+    result = json.loads((tmp_path / "run-b.json").read_text())
+    takeover = result["takeover"]
+    took = takeover["at"] - lost_at
+    # Commits are raised in the store by the trainers: training went on without a coordinator.
+    gap = [t for t in result["step_end_times"]["0"] if t is not None and lost_at < t < takeover["at"]]
+    print(f"took over {took:.2f} s after host 0 was lost, at {takeover}; {len(gap)} steps ended meanwhile")
+    assert 0 < took < 5 * 5.0, takeover  # the target is 5 s
+    assert result["regroups"] == []  # no step was redone for the coordinator's loss
+    (failover,) = result["failovers"]
+    assert failover["rank"] == 1 and failover["generation"] == takeover["generation"] + 1, failover
+    assert compare_reports(reference, result) == []
+    assert result["last_commit"] == STEPS
+
+
+def test_host_agents_report_exits_and_start_replacements(cluster, tmp_path, reference):
+    """A `replica agent` per host starts its roles. Standby 0's process is killed in step 3:
+    its agent reports the exit at once (no deadline to wait for) and the coordinator has it
+    start a replacement. Standby 1's host is lost whole in step 6, agent included: the
+    deadline finds the standby, and the replacement starts on the spare host's agent.
+    The trainers wait for the replacements (no commit with one copy); the run is bit-identical."""
+    # The spare host's link is slowed to 50 Mbit/s from step 2 on: its new standby's copy crosses it.
+    job = Job(cluster, tmp_path, inject="kill:standby:0@3,slow:host:4@2:50", agents=True)
+    _, codes = job.crash_after("replica/loss/1/6", cluster.hosts[4], holding="agent3")
+    assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": -9, "agent4": 0}, \
+        (codes, job.outputs())
+    result = json.loads(job.report.read_text())
+    first, second = result["standbys_replaced"]
+    assert first["rank"] == 0 and first["reason"] == "exit code -9", first  # reported by its agent
+    assert second["rank"] == 1 and "no heartbeat" in second["reason"], second  # its agent died with it
+    standbys = [m for m in result["members"] if m["role"] == "standby"]
+    hosts = {(m["rank"], m["state"] == "dead"): m["host"] for m in standbys}
+    assert len(standbys) == 4, standbys
+    assert hosts[(0, True)] == hosts[(0, False)] == cluster.hosts[3].hostname, standbys  # same host: it lives
+    assert hosts[(1, True)] == cluster.hosts[4].hostname and hosts[(1, False)] == cluster.hosts[5].hostname, standbys
+    assert result["failovers"] == [] and result["unprotected_spans"] == [] and result["unprotected"] == []
+    assert all(f["fired_at"] is not None for f in result["faults"]), result["faults"]
+    assert "limited to 50 Mbit/s" in job.output("agent4"), job.output("agent4")
+    assert compare_reports(reference, result) == []
+    assert result["last_commit"] == STEPS
+    print(f"replaced {result['standbys_replaced']}")

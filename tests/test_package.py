@@ -36,10 +36,12 @@ def test_build_maps_folders_into_one_package(tmp_path):
     + ["replica.ops", "replica.errors", "replica.testing", "replica.serialize", "replica.rng", "replica.layout", "replica.snapshot",
        "replica.config", "replica.backends", "replica.commit", "replica.protocol", "replica.restore", "replica.stream",
        "replica.replicator", "replica.mirror", "replica.export", "replica.resilient", "replica.registry", "replica.listener",
-       "replica.weights", "replica.vllm_worker", "replica.placement",
+       "replica.weights", "replica.vllm_worker", "replica.placement", "replica.etcd", "replica.stores",
+       "replica.testetcd", "replica.testcluster", "replica.jobstate",
        "replica.roles.env", "replica.roles.runtime", "replica.roles.coordinator", "replica.roles.launch",
        "replica.roles.report", "replica.roles.cli", "replica.roles.join", "replica.roles.serve",
-       "replica.roles.supervise", "replica.roles.rollouts"]
+       "replica.roles.supervise", "replica.roles.rollouts", "replica.roles.agent", "replica.roles.agents",
+       "replica.roles.election"]
     + [f"replica.transport.{p.stem}" for p in sorted((ROOT / "transport").glob("[!_]*.py"))],
 )
 def test_all_is_explicit_sorted_and_resolves(name):

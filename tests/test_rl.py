@@ -40,11 +40,11 @@ def reference(tmp_path_factory):
     return reference
 
 
-@pytest.mark.parametrize("loaded", [False, True], ids=["quiet", "two-busy-processes-per-core"])
-def test_rl_loop_survives_a_trainer_and_a_rollout_kill(tmp_path, reference, loaded):
-    """Loaded: two busy processes per core at normal priority for the whole run, as on a
-    user's machine; no healthy role may be taken for dead."""
-    with busy_cores(per_core=2 if loaded else 0) as load:
+def test_rl_loop_survives_a_trainer_and_a_rollout_kill_under_load(tmp_path, reference):
+    """Two busy processes per core at normal priority for the whole run, as on a user's
+    machine; no healthy role may be taken for dead. (The same run on a quiet machine
+    asserts nothing more and took 2 min of CI's 30: `make demo-rl` runs it.)"""
+    with busy_cores(per_core=2) as load:
         code, report, output = launch(tmp_path, *OPTIONS, "--inject", "kill:rollout:0@2,kill:trainer:1@4:backward",
                                       script=RL)
         assert load.all_alive()  # the load lasted the whole run

@@ -37,7 +37,7 @@ def job(tmp_path_factory):
     make_model(root / "seed0", 0)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     llm = make_llm(root / "seed0")
-    weights = EngineWeights(llm, ReceiverSpec(index=0, store_host="127.0.0.1", store_port=store.port,
+    weights = EngineWeights(llm, ReceiverSpec(index=0, store=f"127.0.0.1:{store.port}",
                                               token_hex=TOKEN.hex()))
     yield root, store, llm, weights
     weights.close()

@@ -24,7 +24,7 @@ if __name__ == "__main__":
         from replica.vllm_worker import EngineWeights, ReceiverSpec
 
         port, index, step, token = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-        weights = EngineWeights(llm, ReceiverSpec(index=index, store_host="127.0.0.1", store_port=port,
+        weights = EngineWeights(llm, ReceiverSpec(index=index, store=f"127.0.0.1:{port}",
                                                   token_hex=token, staged=False))
         out["version"] = weights.wait(step, timedelta(seconds=120))
         out["staging"] = weights.staging

@@ -2,18 +2,21 @@
 (tests/test_hosts.py): for each key read from stdin, print "ok KEY" once it is
 in the store, or "timeout KEY" after TIMEOUT_S.
 
-    wait_key.py HOST PORT TIMEOUT_S"""
+    wait_key.py ADDRESS TIMEOUT_S
+
+ADDRESS as REPLICA_STORE takes it (HOST:PORT, or etcd://... with the etcd
+credentials in the environment)."""
 
 import sys
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
+from replica.stores import StoreAddress
 
 
 def main() -> None:
-    host, port, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    address, timeout_s = StoreAddress.parse(sys.argv[1]), float(sys.argv[2])
+    store = address.connect(timeout=timedelta(seconds=timeout_s))
     print("ready", flush=True)
     for line in sys.stdin:
         key = line.strip()

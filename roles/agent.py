@@ -1,0 +1,260 @@
+"""``replica agent``: one per host of a many-host job. It starts that host's role
+processes (the same script everywhere, as ``replica launch`` does on one machine),
+reports each exit to the coordinator through the job store at once (a dead
+process is found in tens of milliseconds instead of at its heartbeat deadline),
+starts the replacements the coordinator orders and kills what it is told is
+dead. Its children die with it (``PR_SET_PDEATHSIG``): losing the agent is
+losing the host.
+
+    replica agent --store ADDRESS --index N [--address A] [--roles standby:0,rollout:1] -- SCRIPT [ARGS...]
+
+The job's token (``REPLICA_TOKEN``), size (``REPLICA_WORLD_SIZE``) and anything
+else the roles read come from the agent's environment; ``REPLICA_STORE`` and
+``REPLICA_HOST`` (``--address``: the host's routable address, where its roles'
+listeners bind) are set for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+from replica.jobstate import AgentInfo, AgentOrder, JobStore, Number, OrderKind, RoleExit, Stamp, keys
+from replica.roles import timing
+from replica.roles.env import HOST, ROLES, Action, Fault, Role, configure_logging, parse_faults
+from replica.roles.launch import LocalAgent
+from replica.stores import StoreAddress
+
+__all__ = ["HostAgent", "main", "parse_roles"]
+
+logger = logging.getLogger(__name__)
+
+AGENT_BEAT = timedelta(milliseconds=200)
+
+
+def parse_roles(spec: str) -> list[tuple[Role, int]]:
+    """``trainer:0,standby:1`` -> [(trainer, 0), (standby, 1)]."""
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        role, _, rank = item.partition(":")
+        if role not in ROLES or not rank.isdigit():
+            raise ValueError(f"bad role {item!r}: expected ROLE:RANK with ROLE one of {ROLES}")
+        out.append((Role(role), int(rank)))
+    return out
+
+
+class HostAgent:
+    """The agent. Its main thread owns the processes (starts them: ``PR_SET_PDEATHSIG``
+    is tied to the starting thread; reaps them; fires host faults); a talker thread
+    owns the store (reports exits until they are written, fetches orders, beats,
+    watches for the fault steps and the job's end). A talker stuck in a call (a link
+    that was down can hold a TCP store call long after it is back) is replaced by a
+    new one on a new connection after ``STALL``; nothing it held is lost (exits stay
+    queued until written) and nothing is done twice (orders are taken in sequence)."""
+
+    STALL = timedelta(seconds=3)
+
+    def __init__(self, *, store: JobStore, index: int, address: str, local: LocalAgent,
+                 faults: tuple[Fault, ...] = ()):
+        self.store, self.index, self.local, self.address = store, index, local, address
+        self.host = socket.gethostname()
+        self._lock = threading.Lock()
+        self._orders_seen = 0
+        self._orders: list[AgentOrder] = []  # fetched, for the main thread
+        self._faults = [f for f in faults if f.role == HOST and f.rank == index]  # not fired yet
+        self._firing: list[Fault] = []  # their step came: for the main thread
+        self._exits: list[tuple[int, int]] = []  # seen, not yet written (kept through store failures)
+        self._talked_at = time.monotonic()  # the talker's last round that got through
+        self._talker = 0  # the current talker's number; older ones stop
+        self.ended = threading.Event()
+        self._slowed: str | None = None  # the interface a slow fault limited
+        store.put(keys.agent(index), AgentInfo(index=index, host=self.host, address=address, pid=os.getpid()))
+
+    # --- the main thread ---
+
+    def run(self) -> int:
+        """Until the job's end (0), or the store unreachable for STORE_LOST (76)."""
+        self._start_talker()
+        while not self.ended.is_set():
+            exits = [(pid, code) for pid, code, _ in self.local.exits()]
+            with self._lock:
+                self._exits.extend(exits)
+                orders, self._orders = self._orders, []
+                firing, self._firing = self._firing, []
+            for order in orders:
+                self._obey(order)
+            for fault in firing:
+                self._fire(fault)
+            silent = time.monotonic() - self._talked_at
+            if silent > timing.STORE_LOST.total_seconds():
+                # Its roles find the store gone too: they export what they hold and stop by themselves.
+                print(f"replica: agent {self.index}: the job store does not answer ({silent:.0f} s); waiting for "
+                      "the roles to export and stop", flush=True)
+                self.local.wait(timing.EXPORT_WAIT)
+                return 76
+            if silent > self.STALL.total_seconds() and time.monotonic() - self._started_at > self.STALL.total_seconds():
+                logger.warning("[agent %d] the job store has not answered for %.1f s: asking again on a new "
+                               "connection", self.index, silent)
+                self._start_talker()
+            time.sleep(timing.SUPERVISE_POLL.total_seconds())
+        return 0
+
+    def _obey(self, order: AgentOrder) -> None:
+        if order.kind == OrderKind.START and order.role in ROLES:
+            pid = self.local.start(Role(order.role), order.rank)
+            logger.warning("[agent %d] started %s %d (pid %d) as ordered", self.index, order.role, order.rank, pid)
+        elif order.kind == OrderKind.KILL and order.pid in self.local.procs:
+            self.local.kill(order.pid)
+            logger.warning("[agent %d] killed pid %d as ordered (it was declared dead)", self.index, order.pid)
+
+    def _fire(self, fault: Fault) -> None:
+        logger.warning("[agent %d] injected fault %s fires", self.index, fault)
+        device = interface_of(self.address)
+        if fault.action == Action.KILL:
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            for pid in list(self.local.procs):
+                self.local.kill(pid)
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.action == Action.PARTITION:
+            _ip("link", "set", "dev", device, "down")
+            heal = threading.Timer(fault.seconds, _ip, ("link", "set", "dev", device, "up"))
+            heal.daemon = True
+            heal.start()
+        elif fault.action == Action.SLOW:
+            _tc("qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{fault.seconds:g}mbit", "burst", "256kb",
+                "latency", "100ms")
+            self._slowed = device
+            logger.warning("[agent %d] the link of %s (%s) is limited to %g Mbit/s", self.index, self.address, device,
+                           fault.seconds)
+
+    def close(self) -> None:
+        """Stop talking; undo what faults left (a slowed link)."""
+        self._talker += 1
+        if self._slowed is not None:
+            _tc("qdisc", "del", "dev", self._slowed, "root")
+            self._slowed = None
+
+    # --- the talker ---
+
+    def _start_talker(self) -> None:
+        self._talker += 1
+        self._started_at = time.monotonic()
+        threading.Thread(target=self._talk, args=(self._talker,), name=f"replica-agent-talker-{self._talker}",
+                         daemon=True).start()
+
+    def _talk(self, number: int) -> None:
+        store: JobStore | None = None
+        beat, beat_at = 0, 0.0
+        while self._talker == number and not self.ended.is_set():
+            try:
+                store = store or self.store.reconnect(timing.HEARTBEAT_IO)
+                with self._lock:
+                    pending = list(self._exits)
+                for pid, code in pending:
+                    n = store.count(keys.agent_exits(self.index), 1)
+                    store.put(keys.agent_exit(self.index, n), RoleExit(host=self.host, pid=pid, code=code))
+                    with self._lock:
+                        if (pid, code) in self._exits:
+                            self._exits.remove((pid, code))
+                    logger.warning("[agent %d] pid %d exited with %d: reported", self.index, pid, code)
+                while (order := store.get(keys.agent_order(self.index, self._orders_seen + 1))) is not None:
+                    with self._lock:
+                        if self._talker != number:
+                            return  # replaced meanwhile: the new talker takes the orders from here
+                        self._orders_seen += 1
+                        self._orders.append(order)
+                for fault in list(self._faults):
+                    if store.has(keys.loss(0, fault.step)):
+                        fired = store.has(keys.killed(str(fault)))  # by this host's agent before this one
+                        if not fired:
+                            store.put(keys.killed(str(fault)), Stamp(at=time.time()))
+                        with self._lock:
+                            self._faults.remove(fault)
+                            if not fired:
+                                self._firing.append(fault)
+                if time.monotonic() - beat_at >= AGENT_BEAT.total_seconds():
+                    beat += 1
+                    store.put(keys.agent_beat(self.index), Number(value=beat))
+                    beat_at = time.monotonic()
+                if store.has(keys.finished()):
+                    self.ended.set()
+                self._talked_at = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - the next round asks again, on a new connection
+                logger.info("[agent %d] the job store: %s", self.index, exc)
+                store = None
+            time.sleep(timing.SUPERVISE_POLL.total_seconds())
+
+
+def interface_of(address: str) -> str:
+    """The network interface that holds ``address`` on this host."""
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3].split("/")[0] == address:
+            return fields[1]
+    raise RuntimeError(f"no interface of this host holds {address}")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+
+def _tc(*args: str) -> None:
+    subprocess.run(["tc", *args], check=True, capture_output=True, timeout=30)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replica agent", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", required=True, help="the job store: HOST:PORT or etcd://HOST:PORT,.../JOB")
+    p.add_argument("--index", type=int, required=True, help="this host's agent number, 0 .. --agents - 1")
+    p.add_argument("--address", default="127.0.0.1", help="this host's routable address (REPLICA_HOST of its roles)")
+    p.add_argument("--roles", default="", help="roles to start at once, e.g. trainer:0 or standby:1,rollout:1")
+    p.add_argument("script", help="the job's script (the same on every host)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not os.environ.get("REPLICA_TOKEN"):
+        parser.error("set REPLICA_TOKEN to the job's secret token")
+    try:
+        address = StoreAddress.parse(args.store)
+        roles = parse_roles(args.roles)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.index < 0:
+        parser.error(f"--index must be >= 0, got {args.index}")
+    configure_logging()
+    # The coordinator may come up after the agents (ROLE_WAIT); the talker's connections fail fast.
+    store = JobStore(address.connect(timeout=timing.ROLE_WAIT), token=os.environ["REPLICA_TOKEN"].encode())
+    env = dict({"TORCH_GLOO_LAZY_INIT": "1", "UCX_LOG_LEVEL": "fatal"}, **os.environ)
+    env.update(REPLICA_STORE=str(address), REPLICA_HOST=args.address)
+    local = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=0)
+    agent = HostAgent(store=store, index=args.index, address=args.address, local=local,
+                      faults=parse_faults(os.environ.get("REPLICA_INJECT", "")))
+    print(f"replica: agent {args.index} on {agent.host} ({args.address}) for the job at {address}", flush=True)
+    for role, rank in roles:
+        local.start(role, rank)
+    try:
+        status = agent.run()
+    finally:
+        agent.close()
+        local.stop()
+    print(f"replica: agent {args.index}: " + ("the job ended" if status == 0 else "stopped"), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

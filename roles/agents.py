@@ -1,0 +1,120 @@
+"""The coordinator's side of the host agents (``replica agent``): their exit
+reports come in as the local agent's do, replacements and kills go out as
+orders. Which host gets a replacement: a live agent's (its beat rose within
+``AGENT_SILENCE``) whose host runs no trainer (standbys and engines belong on
+rollout machines, and never beside the trainer they protect), the one with the
+fewest live members, then the lowest index."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from replica.jobstate import AgentInfo, AgentOrder, JobStore, OrderKind, keys
+from replica.roles.env import Role
+
+__all__ = ["AGENT_SILENCE", "RemoteAgents"]
+
+logger = logging.getLogger(__name__)
+
+# An agent that has not beaten (every 200 ms) for this long gets no new role: shorter than any
+# role's deadline, so the agent of a host lost with a role is passed over when that role is replaced.
+AGENT_SILENCE = timedelta(seconds=1)
+_WATCH_EVERY_S = 0.1
+
+
+class RemoteAgents:
+    """``supervise.Agent`` for agents on other hosts. ``members()`` gives the live
+    members as (role, rank, host) for placement; ``replacements`` < 0: no limit."""
+
+    def __init__(self, store: JobStore, *, count: int, replacements: int,
+                 members: Callable[[], list[tuple[str, int, str]]]):
+        if count < 0:
+            raise ValueError(f"need count >= 0, got {count}")
+        self._store, self._count, self._replacements, self._members = store, count, replacements, members
+        self._info: dict[int, AgentInfo] = {}
+        self._beats: dict[int, tuple[int, float]] = {}  # index -> (beat, when it last rose, here)
+        self._exits_seen: dict[int, int] = {}
+        self._reported: set[tuple[str, int]] = set()
+        self._watched_at = 0.0
+
+    def agents(self) -> dict[int, AgentInfo]:
+        """The agents registered so far."""
+        for index in range(self._count):
+            if index not in self._info and (info := self._store.get(keys.agent(index))) is not None:
+                if info.index == index:
+                    self._info[index] = info
+                    logger.info("agent %d registered: %s (%s)", index, info.host, info.address)
+        return self._info
+
+    def live(self) -> list[AgentInfo]:
+        """The agents whose beat rose within AGENT_SILENCE (watched since they registered:
+        ``exits()`` looks at the beats every round)."""
+        self._watch_beats()
+        now = time.monotonic()
+        return [info for index, info in self.agents().items()
+                if now - self._beats[index][1] < AGENT_SILENCE.total_seconds()]
+
+    def _watch_beats(self) -> None:
+        now = time.monotonic()
+        for index in self.agents():
+            beat = self._store.get(keys.agent_beat(index))
+            value = beat.value if beat is not None else 0
+            if index not in self._beats or value != self._beats[index][0]:
+                self._beats[index] = (value, now)
+
+    # --- supervise.Agent ---
+
+    def exits(self) -> list[tuple[int, int, str]]:
+        if time.monotonic() - self._watched_at >= _WATCH_EVERY_S:
+            self._watch_beats()
+            self._watched_at = time.monotonic()
+        out = []
+        for index in self.agents():
+            seen = self._exits_seen.get(index, 0)
+            while (report := self._store.get(keys.agent_exit(index, seen + 1))) is not None:
+                seen += 1
+                if (report.host, report.pid) not in self._reported:  # an agent may report an exit twice
+                    self._reported.add((report.host, report.pid))
+                    out.append((report.pid, report.code, report.host))
+            self._exits_seen[index] = seen
+        return out
+
+    def replace_standby(self, rank: int) -> bool:
+        return self._replace(Role.STANDBY, rank)
+
+    def replace_rollout(self, index: int) -> bool:
+        return self._replace(Role.ROLLOUT, index)
+
+    def kill(self, pid: int, host: str | None = None) -> None:
+        for info in self.agents().values():
+            if info.host == host:
+                self._order(info.index, AgentOrder(kind=OrderKind.KILL, pid=pid))
+
+    def running(self, pids: set[int]) -> bool:
+        return False  # none of the job's processes runs on the coordinator's machine
+
+    def _replace(self, role: Role, rank: int) -> bool:
+        if self._replacements == 0:
+            return False
+        members = self._members()
+        trainer_hosts = {host for r, _, host in members if r == Role.TRAINER}
+        load = {}
+        for _, _, host in members:
+            load[host] = load.get(host, 0) + 1
+        candidates = sorted((info for info in self.live() if info.host not in trainer_hosts),
+                            key=lambda info: (load.get(info.host, 0), info.index))
+        if not candidates:
+            logger.warning("no live agent on a host without a trainer can start %s %d", role, rank)
+            return False
+        self._replacements -= 1
+        chosen = candidates[0]
+        self._order(chosen.index, AgentOrder(kind=OrderKind.START, role=str(role), rank=rank))
+        logger.warning("asked agent %d (%s) to start %s %d", chosen.index, chosen.host, role, rank)
+        return True
+
+    def _order(self, index: int, order: AgentOrder) -> None:
+        n = self._store.count(keys.agent_orders(index), 1)
+        self._store.put(keys.agent_order(index, n), order)
