@@ -222,6 +222,11 @@ class _Client:
                 response = conn.getresponse()
                 data = response.read()
                 status = response.status
+            except ssl.SSLCertVerificationError as exc:  # not a member that is down: a wrong CA or address
+                conn.close()
+                conns.pop(endpoint, None)
+                raise EtcdError(f"{endpoint[0]}:{endpoint[1]}: its certificate does not verify against "
+                                f"{self.config.ca_file}: {exc.verify_message}") from None
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 conns.pop(endpoint, None)

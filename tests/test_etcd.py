@@ -91,6 +91,23 @@ def test_a_cluster_that_does_not_answer_is_an_error_within_its_deadline(etcd):
     assert time.monotonic() - started < 5 * 1 + 2
 
 
+def test_tls_when_certificates_are_given(tmp_path):
+    with EtcdCluster(addresses=["127.0.0.1"], base_port=24400, tls=True) as etcd:
+        store = EtcdStore(etcd.config())
+        assert store.config.scheme == "https"
+        store.set("k", b"v")
+        assert store.get("k") == b"v" and store.add("n", 2) == 2
+        fast = {"unreachable_after": timedelta(seconds=1), "request_timeout": timedelta(milliseconds=300)}
+        with pytest.raises(dist.DistNetworkError):  # plain http to a member that speaks https
+            EtcdStore(etcd.config(ca_file="", **fast)).set("k", b"x")
+        other = tmp_path / "other-ca.crt"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / "k"),
+                        "-out", str(other), "-days", "1", "-subj", "/CN=another CA"], check=True, capture_output=True)
+        with pytest.raises(EtcdError, match="does not verify"):
+            EtcdStore(etcd.config(ca_file=str(other), **fast)).set("k", b"x")
+        assert store.get("k") == b"v"
+
+
 def _job(etcd, namespace: str) -> JobStore:
     return JobStore(EtcdStore(etcd.config(namespace=f"{etcd.namespace}{namespace}/")), token=TOKEN)
 
@@ -110,6 +127,23 @@ def test_a_fenced_store_writes_only_while_its_fence_holds(etcd):
             write()
     assert store.multi_get(["a", "n", "c", "m1"]) == [b"1", b"2", b"x", b"1"]  # nothing changed
     assert fenced.get("a") == b"1"  # reads are not fenced
+
+
+def test_tls_when_certificates_are_given(tmp_path):
+    with EtcdCluster(addresses=["127.0.0.1"], base_port=24400, tls=True) as etcd:
+        store = EtcdStore(etcd.config())
+        assert store.config.scheme == "https"
+        store.set("k", b"v")
+        assert store.get("k") == b"v" and store.add("n", 2) == 2
+        fast = {"unreachable_after": timedelta(seconds=1), "request_timeout": timedelta(milliseconds=300)}
+        with pytest.raises(dist.DistNetworkError):  # plain http to a member that speaks https
+            EtcdStore(etcd.config(ca_file="", **fast)).set("k", b"x")
+        other = tmp_path / "other-ca.crt"
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / "k"),
+                        "-out", str(other), "-days", "1", "-subj", "/CN=another CA"], check=True, capture_output=True)
+        with pytest.raises(EtcdError, match="does not verify"):
+            EtcdStore(etcd.config(ca_file=str(other), **fast)).set("k", b"x")
+        assert store.get("k") == b"v"
 
 
 def _job(etcd, namespace: str) -> JobStore:

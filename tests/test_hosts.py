@@ -425,12 +425,16 @@ def test_the_active_coordinators_host_lost_with_etcd_another_takes_over(cluster,
 def test_host_agents_report_exits_and_start_replacements(cluster, tmp_path, reference):
     """A `replica agent` per host starts its roles. Standby 0's process is killed in step 3:
     its agent reports the exit at once (no deadline to wait for) and the coordinator has it
-    start a replacement. Standby 1's host is lost whole in step 6, agent included: the
-    deadline finds the standby, and the replacement starts on the spare host's agent.
+    start a replacement. Standby 1's host is killed whole in step 6 (``kill:host:3@6``: its
+    agent kills every process it started, then itself): the deadline finds the standby, and
+    the replacement starts on the spare host's agent.
     The trainers wait for the replacements (no commit with one copy); the run is bit-identical."""
     # The spare host's link is slowed to 50 Mbit/s from step 2 on: its new standby's copy crosses it.
-    job = Job(cluster, tmp_path, inject="kill:standby:0@3,slow:host:4@2:50", agents=True)
-    _, codes = job.crash_after("replica/loss/1/6", cluster.hosts[4], holding="agent3")
+    job = Job(cluster, tmp_path, inject="kill:standby:0@3,kill:host:3@6,slow:host:4@2:50", agents=True)
+    try:
+        codes = job.finish()
+    finally:
+        job.kill()
     assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": -9, "agent4": 0}, \
         (codes, job.outputs())
     result = json.loads(job.report.read_text())
