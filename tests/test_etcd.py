@@ -129,27 +129,6 @@ def test_a_fenced_store_writes_only_while_its_fence_holds(etcd):
     assert fenced.get("a") == b"1"  # reads are not fenced
 
 
-def test_tls_when_certificates_are_given(tmp_path):
-    with EtcdCluster(addresses=["127.0.0.1"], base_port=24400, tls=True) as etcd:
-        store = EtcdStore(etcd.config())
-        assert store.config.scheme == "https"
-        store.set("k", b"v")
-        assert store.get("k") == b"v" and store.add("n", 2) == 2
-        fast = {"unreachable_after": timedelta(seconds=1), "request_timeout": timedelta(milliseconds=300)}
-        with pytest.raises(dist.DistNetworkError):  # plain http to a member that speaks https
-            EtcdStore(etcd.config(ca_file="", **fast)).set("k", b"x")
-        other = tmp_path / "other-ca.crt"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / "k"),
-                        "-out", str(other), "-days", "1", "-subj", "/CN=another CA"], check=True, capture_output=True)
-        with pytest.raises(EtcdError, match="does not verify"):
-            EtcdStore(etcd.config(ca_file=str(other), **fast)).set("k", b"x")
-        assert store.get("k") == b"v"
-
-
-def _job(etcd, namespace: str) -> JobStore:
-    return JobStore(EtcdStore(etcd.config(namespace=f"{etcd.namespace}{namespace}/")), token=TOKEN)
-
-
 def test_one_coordinator_leads_and_one_that_paused_is_replaced_and_writes_nothing(etcd):
     first, second = Leadership(_job(etcd, "elect1")), Leadership(_job(etcd, "elect1"))
     assert first.campaign(timeout=timedelta(seconds=10)) and first.leading()
