@@ -581,11 +581,18 @@ class JobStore:
         it. It beats while ``touch()`` was called within ``python_grace`` (a hung
         interpreter is a dead role); ``stop()`` ends it. Returns the ``replica._C.Heartbeat``.
 
-        On etcd the beat comes from a Python thread with the same contract
-        (``ThreadHeartbeat``): it waits for the GIL behind a busy main thread, so give
-        roles on etcd deadlines of a few seconds (the README's "Many hosts")."""
-        if isinstance(self.raw, EtcdStore):
+        On etcd the native thread speaks the members' HTTP gateway; over https
+        (``EtcdConfig.ca_file``) the beat comes from a Python thread with the same
+        contract (``ThreadHeartbeat``), which waits for the GIL behind a busy main thread."""
+        if isinstance(self.raw, EtcdStore) and self.raw.config.ca_file:
             return ThreadHeartbeat(self.reconnect(io_timeout), member, period=period, python_grace=python_grace)
+        if isinstance(self.raw, EtcdStore):
+            config, full = self.raw.config, self.full(keys.heartbeat(member))
+            return _C.Heartbeat.on_etcd(endpoints=list(config.endpoints), user=config.user, password=config.password,
+                                        key=full, store_key=config.namespace + full, mac_key=self._mac_key,
+                                        member=member, period_s=period.total_seconds(),
+                                        io_timeout_s=io_timeout.total_seconds(),
+                                        python_grace_s=python_grace.total_seconds())
         return _C.Heartbeat(host=self.raw.host, port=self.raw.port, key=self.full(keys.heartbeat(member)),
                             mac_key=self._mac_key, member=member, period_s=period.total_seconds(),
                             io_timeout_s=io_timeout.total_seconds(), python_grace_s=python_grace.total_seconds())

@@ -2,7 +2,12 @@
 
 import pytest
 
-from test_launch import STEPS, launch
+from replica import testetcd
+from replica.testetcd import EtcdCluster
+from test_launch import ROOT, STEPS, launch
+
+RL = ROOT / "examples" / "rl_loop.py"
+RL_STEPS = 6
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +18,26 @@ def reference(tmp_path_factory):
     assert code == 0, output[-4000:]
     assert report["failovers"] == [] and report["last_commit"] == STEPS
     return report
+
+
+@pytest.fixture(scope="session")
+def rl_reference(tmp_path_factory):
+    """The RL loop (examples/rl_loop.py) without faults, for the runs with faults to match
+    (losses and rewards). Which engines serve which shards, and how many there are, does not
+    change a single completion: it runs on one engine and no standbys (cheaper)."""
+    code, report, output = launch(tmp_path_factory.mktemp("rl-reference"), "--rollouts", "1", "--standbys", "0",
+                                  "--steps", str(RL_STEPS), name="reference", script=RL)
+    assert code == 0, output[-4000:]
+    assert report["last_commit"] == RL_STEPS and report["failovers"] == []
+    assert all(m.get("reward") for m in report["metrics_hex"]["0"])  # every step scored its rollouts
+    return report
+
+
+@pytest.fixture(scope="session")
+def etcd():
+    """A real 3-member etcd cluster on loopback, authentication on, shared by the session
+    (each test takes a namespace of its own where it needs an empty store)."""
+    if not testetcd.available():
+        pytest.skip("etcd is not installed (make test installs etcd-server)")
+    with EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=24200) as cluster:
+        yield cluster

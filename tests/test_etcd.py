@@ -29,12 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = b"etcd-test-token"
 
 
-@pytest.fixture(scope="module")
-def etcd():
-    with EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=24300) as cluster:
-        yield cluster
-
-
 def test_store_addresses_parse():
     tcp = StoreAddress.parse("10.0.0.1:29400")
     assert tcp.kind == StoreKind.TCP and tcp.endpoints == (("10.0.0.1", 29400),) and str(tcp) == "10.0.0.1:29400"
@@ -49,11 +43,11 @@ def test_store_addresses_parse():
 
 
 def test_only_the_job_user_in_its_namespace_gets_in(etcd):
-    good = EtcdStore(etcd.config())
+    good = EtcdStore(etcd.config(namespace=f"{etcd.namespace}auth/"))
     good.set("k", b"v")
     for name, config, why in (
-            ("a wrong password", dataclasses.replace(etcd.config(), password="not-it"), "authentication failed"),
-            ("no credentials", dataclasses.replace(etcd.config(), user="", password=""), "user name is empty"),
+            ("a wrong password", dataclasses.replace(good.config, password="not-it"), "authentication failed"),
+            ("no credentials", dataclasses.replace(good.config, user="", password=""), "user name is empty"),
             ("another namespace", dataclasses.replace(etcd.config(), namespace="elsewhere/"), "permission denied")):
         with pytest.raises(EtcdError, match=why) as caught:
             EtcdStore(config).set("k", b"forged")

@@ -1,6 +1,7 @@
 """The native heartbeat (``JobStore.heartbeat``, csrc/heartbeat.cpp): signed exactly as
 the job store signs, beating while the main thread holds the GIL, stopping when the
-interpreter shows no life, and saying when the store is gone. A real TCPStore."""
+interpreter shows no life, and saying when the store is gone. A real TCPStore, and a
+real 3-member etcd cluster with authentication (the beat speaks its HTTP gateway)."""
 
 from __future__ import annotations
 
@@ -13,17 +14,23 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from replica import _C
-from replica.jobstate import Heartbeat, JobStore, keys
+from replica import _C, testetcd
+from replica.etcd import EtcdStore
+from replica.jobstate import Heartbeat, JobStore, ThreadHeartbeat, keys
+from replica.testetcd import EtcdCluster
 
 TOKEN = b"heartbeat-test-token"
 PERIOD = timedelta(milliseconds=20)
 IO = timedelta(seconds=2)
 
 
-@pytest.fixture
-def store():
-    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+@pytest.fixture(params=["tcp", "etcd"])
+def store(request):
+    if request.param == "tcp":
+        raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    else:
+        etcd = request.getfixturevalue("etcd")
+        raw = EtcdStore(etcd.config(namespace=f"{etcd.namespace}heartbeat/"))
     return JobStore(raw, token=TOKEN)
 
 
@@ -95,7 +102,41 @@ def test_a_store_gone_is_reported():
 
 def test_bad_arguments_are_refused(store):
     with pytest.raises(RuntimeError, match="32-byte"):
-        _C.Heartbeat(host="127.0.0.1", port=store.raw.port, key="k", mac_key=b"short", member=1, period_s=0.1,
+        _C.Heartbeat(host="127.0.0.1", port=29400, key="k", mac_key=b"short", member=1, period_s=0.1,
                      io_timeout_s=1, python_grace_s=1)
+    with pytest.raises(RuntimeError, match="no etcd endpoint"):
+        _C.Heartbeat.on_etcd(endpoints=[], user="", password="", key="k", store_key="k", mac_key=b"k" * 32, member=1,
+                             period_s=0.1, io_timeout_s=1, python_grace_s=1)
     with pytest.raises(RuntimeError, match="period must be > 0"):
         store.heartbeat(1, period=timedelta(0), io_timeout=IO, python_grace=IO)
+
+
+def test_on_etcd_a_lost_member_moves_the_beat_to_another(etcd):
+    store = JobStore(EtcdStore(etcd.config(namespace=f"{etcd.namespace}heartbeat/")), token=TOKEN)
+    beat = store.heartbeat(10, period=PERIOD, io_timeout=timedelta(milliseconds=500),
+                           python_grace=timedelta(seconds=30))
+    assert not isinstance(beat, ThreadHeartbeat)  # the native beat
+    first = etcd.members[0]  # the beat starts with the first member
+    try:
+        wait_for(lambda: beat.beats >= 2, "beats")
+        first.kill()
+        before = beat.beats
+        wait_for(lambda: beat.beats > before + 5, "beats through another member")
+        assert store.get(keys.heartbeat(10)).beat >= before + 5
+    finally:
+        beat.stop()
+        etcd.start(first)
+        etcd.wait_member(first, timedelta(seconds=30))
+
+
+@pytest.mark.skipif(not testetcd.available(), reason="etcd is not installed (make test installs etcd-server)")
+def test_on_etcd_over_https_the_beat_is_a_python_thread(tmp_path):
+    with EtcdCluster(addresses=["127.0.0.1"], base_port=24650, tls=True) as etcd:
+        store = JobStore(EtcdStore(etcd.config()), token=TOKEN)
+        beat = store.heartbeat(11, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
+        try:
+            assert isinstance(beat, ThreadHeartbeat)
+            wait_for(lambda: beat.beats >= 3, "beats")
+            assert store.get(keys.heartbeat(11)).beat >= 3
+        finally:
+            beat.stop()

@@ -19,7 +19,9 @@ from replica.roles.report import compare_reports
 from replica.testcluster import ClusterConfig, NetnsCluster
 from replica.testetcd import EtcdCluster
 from replica.testing import process_state
+from vllm_engine import vllm_available
 
+from conftest import RL, RL_STEPS
 from test_launch import EXAMPLE, STEPS, TOKEN, role_env
 
 pytestmark = [pytest.mark.netns,
@@ -160,13 +162,18 @@ class Job:
     (host 5 is spare); every process's output in a file of ``folder``. With ``etcd`` the
     job's state lives in that cluster and a second coordinator waits on host 5. With
     ``agents`` a `replica agent` on each of hosts 1-5 (indices 0-4) starts the roles
-    (host 5's none) and the replacements the coordinator asks for."""
+    (host 5's none) and the replacements the coordinator asks for. With ``rl`` the job is
+    the RL loop (examples/rl_loop.py, RL_STEPS steps) with a vLLM engine beside each
+    standby and one on host 5, started by the agents."""
 
     def __init__(self, cluster, folder: Path, inject: str = "", etcd: EtcdCluster | None = None,
-                 agents: bool = False):
+                 agents: bool = False, rl: bool = False):
         self.folder, self.report = folder, folder / "run.json"
         coord_host = cluster.hosts[0]
-        extra = self._extra = {"REPLICA_EXPORT_DIR": str(folder / "export")}
+        agents = agents or rl
+        script, steps, rollouts = (RL, RL_STEPS, 3) if rl else (EXAMPLE, STEPS, 0)
+        extra = self._extra = {"REPLICA_EXPORT_DIR": str(folder / "export"), "REPLICA_STEPS": str(steps),
+                               "REPLICA_ROLLOUTS": str(rollouts)}
         if inject:
             extra["REPLICA_INJECT"] = inject
         if etcd is not None:
@@ -182,8 +189,8 @@ class Job:
             coordinators.append(("coordinator-b", cluster.hosts[5], folder / "run-b.json"))
         for name, host, report in coordinators:
             self._start(name, host, ["-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps",
-                                     str(STEPS), *where, "--timeout", "240", "--report", str(report),
-                                     *(["--agents", "5"] if agents else [])],
+                                     str(steps), "--rollouts", str(rollouts), *where, "--timeout", "300", "--report",
+                                     str(report), *(["--agents", "5"] if agents else [])],
                         dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
             if etcd is not None:
                 self.wait_output(name, "this coordinator leads" if name == "coordinator" else "waits to take over")
@@ -193,12 +200,14 @@ class Job:
                                  stdin=subprocess.PIPE, env=extra)
         assert self._answer() == ["ready"], "the job store did not come up"
         if agents:
-            for index, roles in enumerate(("trainer:0", "trainer:1", "standby:0", "standby:1", "")):
+            placed = ("trainer:0", "trainer:1", "standby:0,rollout:0", "standby:1,rollout:1", "rollout:2") if rl \
+                else ("trainer:0", "trainer:1", "standby:0", "standby:1", "")
+            for index, roles in enumerate(placed):
                 host = cluster.hosts[index + 1]
                 env = role_env(STORE_PORT, "", 0, GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **self._extra)
                 self._start(f"agent{index}", host, ["-m", "replica.roles.cli", "agent", "--store", self.store,
                                                     "--index", str(index), "--address", host.address,
-                                                    "--roles", roles, str(EXAMPLE)], env)
+                                                    "--roles", roles, str(script)], env)
             return
         for role, first in (("standby", 3), ("trainer", 1)):
             for rank in (0, 1):
@@ -452,3 +461,32 @@ def test_host_agents_report_exits_and_start_replacements(cluster, tmp_path, refe
     assert compare_reports(reference, result) == []
     assert result["last_commit"] == STEPS
     print(f"replaced {result['standbys_replaced']}")
+
+
+def test_a_rollout_host_lost_whole(cluster, tmp_path, rl_reference):
+    """The RL loop across hosts: FSDP2 trainers on hosts 1 and 2, a vLLM engine beside each
+    standby on hosts 3 and 4 and one on host 5, all started by host agents. Host 4 (standby 1
+    and engine 1) is killed whole in step 3 (``kill:host:3@3``). The other engines take engine
+    1's shards, standby 1's replacement starts on a host without a trainer, and the losses and
+    rewards are bit-identical to the failure-free run."""
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    job = Job(cluster, tmp_path, inject="kill:host:3@3", rl=True)
+    try:
+        codes = job.finish(timeout_s=300)
+    finally:
+        job.kill()
+    assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": -9, "agent4": 0}, \
+        (codes, job.outputs())
+    result = json.loads(job.report.read_text())
+    assert all(f["fired_at"] is not None for f in result["faults"]), result["faults"]
+    assert [r["rank"] for r in result["standbys_replaced"]] == [1], result["standbys_replaced"]
+    new = [m for m in result["members"] if m["role"] == "standby" and m["rank"] == 1 and m["state"] != "dead"]
+    assert [m["host"] for m in new] == [cluster.hosts[5].hostname], result["members"]  # beside engine 2
+    shards = result["rollout_shards"]
+    assert all(s["version"] == s["needed"] for s in shards)  # each made with the weights pushed for it
+    assert {s["step"] for s in shards} == set(range(1, RL_STEPS + 1))
+    assert not any(s["engine"] == 1 and s["step"] > 4 for s in shards), shards  # nothing from the lost host
+    assert compare_reports(rl_reference, result) == []
+    assert result["last_commit"] == RL_STEPS
+    print(f"standby replaced {result['standbys_replaced']}; engines lost {result['rollouts_lost']}")

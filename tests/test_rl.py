@@ -29,15 +29,8 @@ OPTIONS = ("--rollouts", "3", "--steps", "6")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    # Which engines serve which shards, and how many there are, does not change a single
-    # completion: the reference runs on one engine and no standbys (cheaper).
-    code, reference, output = launch(tmp_path_factory.mktemp("rl-reference"), "--rollouts", "1", "--standbys", "0",
-                                     "--steps", "6", name="reference", script=RL)
-    assert code == 0, output[-4000:]
-    assert reference["last_commit"] == 6 and reference["failovers"] == []
-    assert all(m.get("reward") for m in reference["metrics_hex"]["0"])  # every step scored its rollouts
-    return reference
+def reference(rl_reference):
+    return rl_reference
 
 
 def test_rl_loop_survives_a_trainer_and_a_rollout_kill_under_load(tmp_path, reference):

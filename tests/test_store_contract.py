@@ -14,21 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replica import testetcd
 from replica.etcd import EtcdStore
 from replica.jobstate import Commit, JobStore, Text, keys
-from replica.testetcd import EtcdCluster
 
 TOKEN = b"store-contract-token"
-_namespaces = iter(range(10**6))
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    if not testetcd.available():
-        pytest.skip("etcd is not installed (make test installs etcd-server)")
-    with EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=24200) as cluster:
-        yield cluster
+_namespaces = iter(range(10**6))  # the session's etcd cluster (tests/conftest.py) is shared
 
 
 @pytest.fixture(params=["tcp", "etcd"])
