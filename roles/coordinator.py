@@ -199,10 +199,15 @@ class Coordinator:
         for member in self.members:
             self._seen = max(self._seen, member.id)
             request = self.store.full(keys.join_request(member.id))
-            if not self.store.has(keys.join_reply(member.id)) and self.store.raw.check([request]):
-                # Admitted by the predecessor, which died before it answered.
+            if not self.store.raw.check([request]):
+                continue
+            try:
                 joined = JoinRequest.decode(self.store.raw.get(request), self._token)
-                self._nonces.add(joined.nonce)
+            except JoinRefusedError as exc:  # overwritten since: it admits nobody
+                logger.warning("join request %d no longer verifies: %s", member.id, exc)
+                continue
+            self._nonces.add(joined.nonce)  # a replay of an admitted request stays refused
+            if not self.store.has(keys.join_reply(member.id)):  # admitted by the predecessor, which died first
                 answer(self.store, member.id, joined, generation=self.generation)
         for rank in range(self.world_size):
             if self.store.has(keys.unprotected(rank)):
