@@ -43,6 +43,7 @@ from replica.placement import state_device
 from replica.protocol import (
     BUCKET_BASE,
     FETCH,
+    FETCHED,
     LAYOUT_SIZE,
     Begin,
     Reply,
@@ -270,14 +271,17 @@ class Mirror(Listener):
         with self._cond:
             if snapshot.step != commit or not repaired:
                 return
-            self.stats.repaired_buckets += len(repaired)
             still = snapshot.bad_buckets()
             if still:
                 self._damaged[snapshot] = tuple(still)
+            else:
+                self._damaged.pop(snapshot, None)
+            # Counted last: whoever sees the count (unlocked) sees the version's marks settled.
+            self.stats.repaired_buckets += len(repaired)
+            if still:
                 logger.error("[standby rank %d step %d] after the repair bucket(s) %s still fail their digests",
                              self.rank, commit, still)
                 return
-            self._damaged.pop(snapshot, None)
         logger.warning("[standby rank %d step %d] repaired: the trainer sent bucket(s) %s again and the version "
                        "verifies", self.rank, commit, repaired)
 
@@ -352,6 +356,11 @@ class Mirror(Listener):
                      for i, (lo, hi) in enumerate(snapshot.layout.buckets())]
             for transfer in sends:
                 transfer.wait(timeout)
+        try:  # the connection stays open until the fetcher has it all (FETCHED)
+            conn.irecv(torch.zeros(1, dtype=torch.uint8), tag=FETCHED).wait(timeout)
+        except PeerDisconnectedError as exc:
+            if not exc.graceful:
+                raise
         logger.info("[standby rank %d] sent step %d to %s", self.rank, step, conn.peer)
 
     def _adopt(self, layout: StateLayout) -> None:
@@ -449,6 +458,7 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store | JobStore, co
             if (header.step, header.bucket, header.fingerprint) != (reply.step, i, fingerprint):
                 raise TransportError(f"bucket {i} of the fetch arrived with header {header}")
             digests.append(header.digest)
+        conn.send(torch.ones(1, dtype=torch.uint8), tag=FETCHED, timeout=timeout)
         conn.close()
     snapshot.digests = digests if config.verify else None  # a rollback to it re-checks them
     snapshot.step = reply.step

@@ -42,6 +42,7 @@ __all__ = [
     "Begin",
     "EPOCH",
     "FETCH",
+    "FETCHED",
     "LAYOUT",
     "LAYOUT_SIZE",
     "MAX_REPORTED",
@@ -75,6 +76,10 @@ BEGIN = 3
 REPLY = 4
 FETCH = 5
 EPOCH = 6
+# The fetcher got every bucket: the standby may close. A send that completed on the sender
+# (eager over tcp) may still be on its way; closing at once raced it (the fetcher saw the
+# goodbye before the last bucket, under load).
+FETCHED = 7
 BUCKET_BASE = 16
 
 REPLY_BYTES = 4096
