@@ -12,7 +12,7 @@ CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,.cuda-check/%.o,$(CUDA_SOURCES))
 NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 
-.PHONY: test demo demo-rl bench build cuda-check clean
+.PHONY: test test-slow demo demo-rl bench build cuda-check clean
 
 # Dependencies: rebuilt only when the project's metadata changes.
 $(VENV)/.deps: pyproject.toml setup.py
@@ -46,7 +46,11 @@ build: $(VENV)/.deps $(VENV)/.system
 	$(PY) setup.py -q build_ext --inplace
 
 test: build
-	$(PY) -m pytest tests bench --benchmark-disable $(PYTEST_ARGS)
+	$(PY) -m pytest tests bench --benchmark-disable -m "not slow" $(PYTEST_ARGS)
+
+# Tests too long for `make test`'s 30 minutes (vLLM engines on network-namespace hosts).
+test-slow: build
+	$(PY) -m pytest tests -m slow $(PYTEST_ARGS)
 
 bench: build
 	mkdir -p bench/results

@@ -463,6 +463,7 @@ def test_host_agents_report_exits_and_start_replacements(cluster, tmp_path, refe
     print(f"replaced {result['standbys_replaced']}")
 
 
+@pytest.mark.slow
 def test_a_rollout_host_lost_whole(cluster, tmp_path, rl_reference):
     """The RL loop across hosts: FSDP2 trainers on hosts 1 and 2, a vLLM engine beside each
     standby on hosts 3 and 4 and one on host 5, all started by host agents. Host 4 (standby 1

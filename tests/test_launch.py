@@ -29,12 +29,13 @@ TOKEN = "test-job-token-7f3a9c"
 
 
 def launch(tmp_path: Path, *options: str, name: str = "run", script: Path = EXAMPLE, steps: int = STEPS,
-           script_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> tuple[int, dict, str]:
+           script_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+           timeout_s: float = 240) -> tuple[int, dict, str]:
     report = tmp_path / f"{name}.json"
     proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(steps), "--timeout",
-                           "240", "--report", str(report), "--export-dir", str(tmp_path / f"{name}-export"), *options,
+                           str(timeout_s), "--report", str(report), "--export-dir", str(tmp_path / f"{name}-export"), *options,
                            str(script), *script_args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60,
                           env=None if env is None else dict(os.environ, **env))
     output = proc.stdout + proc.stderr
     assert report.exists(), output[-4000:]
