@@ -156,11 +156,15 @@ def test_the_fault_matrix_under_load(tmp_path, reference):
     assert report["last_commit"] == STEPS
 
 
-def test_bad_inject_spec_is_refused(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--inject", "explode:trainer:1@3",
+@pytest.mark.parametrize("spec, why", [("explode:trainer:1@3", "bad fault 'explode:trainer:1@3'"),
+                                       ("partition:trainer:1@3", "partition and slow take only a host"),
+                                       ("slow:host:1@3:0", "must be > 0"),
+                                       ("kill:host:1@3", "host faults need host agents")])
+def test_bad_inject_spec_is_refused(tmp_path, spec, why):
+    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--inject", spec,
                            str(ROOT / "examples" / "train_fsdp.py")], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
-    assert proc.returncode != 0 and "bad fault 'explode:trainer:1@3'" in proc.stderr
+    assert proc.returncode != 0 and why in proc.stderr, proc.stderr
 
 
 def test_second_coordinator_on_the_same_port_is_refused():
