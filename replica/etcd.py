@@ -276,7 +276,7 @@ class EtcdStore(dist.Store):
         if self.fence is None:
             return self._client.call("/v3/kv/txn", {"compare": compare, "success": success, "failure": list(failure)})
         key, value = self.fence
-        guard = {"key": self._key(key), "target": "VALUE", "result": "EQUAL", "value": _b64(value)}
+        guard = self._holds(key, value)
         reply = self._client.call("/v3/kv/txn", {"compare": [guard, *compare], "success": success,
                                                  "failure": [*failure, {"request_range": {"key": self._key(key)}}]})
         if not reply.get("succeeded"):
@@ -284,6 +284,14 @@ class EtcdStore(dist.Store):
             if not kvs or _unb64(kvs[0].get("value")) != value:
                 raise FencedError(f"{key} changed hands: this process no longer leads, and wrote nothing")
         return reply
+
+    def _absent(self, key: str) -> dict:
+        """A transaction's comparison: ``key`` does not exist."""
+        return {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+
+    def _holds(self, key: str, value: bytes) -> dict:
+        """A transaction's comparison: ``key`` holds ``value``."""
+        return {"key": self._key(key), "target": "VALUE", "result": "EQUAL", "value": _b64(value)}
 
     def _put(self, key: str, value: bytes) -> dict:
         return {"request_put": {"key": self._key(key), "value": _b64(value)}}
@@ -310,7 +318,7 @@ class EtcdStore(dist.Store):
         while True:
             kv = self._kv(key)
             if kv is None:
-                compare = {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+                compare = self._absent(key)
                 now = amount
             else:
                 compare = {"key": self._key(key), "target": "MOD", "result": "EQUAL",
@@ -324,9 +332,9 @@ class EtcdStore(dist.Store):
         is absent); returns what it holds after (``expected`` when absent and expected was not)."""
         expected_b, desired_b = _bytes(expected), _bytes(desired)
         if expected_b:
-            compare = {"key": self._key(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected_b)}
+            compare = self._holds(key, expected_b)
         else:
-            compare = {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+            compare = self._absent(key)
         reply = self._txn([compare], [self._put(key, desired_b)], [{"request_range": {"key": self._key(key)}}])
         if reply.get("succeeded"):
             return desired_b
@@ -368,22 +376,13 @@ class EtcdStore(dist.Store):
 
     # --- etcd's own ---
 
-    def read(self, key: str) -> tuple[bytes | None, int]:
-        """(value or None, its mod revision or 0): one linearizable read."""
-        kv = self._kv(key)
-        return (None, 0) if kv is None else (_unb64(kv.get("value")), int(kv["mod_revision"]))
-
-    def replace(self, key: str, expected: bytes | None, value: bytes) -> bool:
-        """Write ``key`` if it holds ``expected`` (None: is absent); True when written."""
-        if expected is None:
-            compare = {"key": self._key(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
-        else:
-            compare = {"key": self._key(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
-        return bool(self._txn([compare], [self._put(key, value)]).get("succeeded"))
+    def read(self, keys: list[str]) -> list[bytes | None]:
+        """The values of ``keys`` (None: absent), in one linearizable read, without waiting."""
+        return self._range_many(keys)
 
     def remove(self, key: str, expected: bytes) -> bool:
         """Delete ``key`` if it holds ``expected``; True when deleted."""
-        compare = {"key": self._key(key), "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
+        compare = self._holds(key, expected)
         return bool(self._txn([compare], [{"request_delete_range": {"key": self._key(key)}}]).get("succeeded"))
 
     def close(self) -> None:

@@ -74,8 +74,7 @@ class Leadership:
         shown = False
         while time.monotonic() < deadline and not give_up():
             try:
-                holder, _ = raw.read(self._key)
-                beat, _ = raw.read(beat_key)
+                holder, beat = raw.read([self._key, beat_key])
                 if (holder, beat) != seen:
                     # It changed after the last read that answered: when etcd did not answer for a
                     # while (its leader lost with the coordinator's host), not at the end of that gap.
@@ -83,7 +82,7 @@ class Leadership:
                 read_at = time.monotonic()
                 silent = read_at - changed_at
                 if holder is None or silent >= SILENCE.total_seconds():
-                    if raw.replace(self._key, holder, self._claim):
+                    if raw.compare_set(self._key, holder or b"", self._claim) == self._claim:
                         if holder is not None:
                             logger.warning("the coordinator that led sent no beat for %.1f s: this one takes over",
                                            silent)
