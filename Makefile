@@ -12,7 +12,7 @@ CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,.cuda-check/%.o,$(CUDA_SOURCES))
 NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 
-.PHONY: test test-slow demo demo-rl bench build cuda-check clean
+.PHONY: test test-slow demo demo-rl bench ettr build cuda-check clean
 
 # Dependencies: rebuilt only when the project's metadata changes.
 $(VENV)/.deps: pyproject.toml setup.py
@@ -56,6 +56,12 @@ bench: build
 	mkdir -p bench/results
 	$(PY) -m pytest bench --benchmark-only --benchmark-json=bench/results/benchmarks.json $(PYTEST_ARGS)
 	@cat bench/results/*.md
+
+# ETTR under random failures, replica against checkpoint-restart (bench/ettr.py: the RL loop
+# on six network-namespace hosts; needs root). Writes bench/results/ettr.{json,md,png}.
+ETTR_ARGS ?=
+ettr: build
+	$(PY) bench/ettr.py $(ETTR_ARGS)
 
 # The failover demo: the same job twice, without and with trainer 1 killed
 # (SIGKILL) in the backward of step DEMO_KILL_STEP; the loss trajectories must

@@ -5,8 +5,14 @@ step; the weights are pushed into the engines in place before every step's
 rollouts. The same file runs as every role (trainer, standby, rollout).
 
     replica launch --trainers 2 --rollouts 2 --steps 50 --report rl.json examples/rl_loop.py
+
+With ``--checkpoint-dir D --checkpoint-every K`` the trainers also save a
+torch.distributed.checkpoint every K steps and start from the newest one in D
+(``replica coordinator --standbys 0 --resume-step STEP``): the checkpoint-restart
+baseline of bench/ettr.py, the same job as users run it today.
 """
 
+import argparse
 import os
 import random
 import tempfile
@@ -16,6 +22,7 @@ import torch
 
 import replica
 import replica.roles
+from dcp_checkpoint import Checkpoints
 from replica.roles.rollouts import Sampling
 
 VOCAB, HIDDEN, LAYERS = 256, 128, 2
@@ -68,8 +75,19 @@ def grpo_loss(model, prompts, completions, advantages) -> torch.Tensor:
     return -(torch.tensor(advantages)[:, None] * logp).mean()
 
 
+def checkpoints_of(argv: list[str] | None = None) -> Checkpoints | None:
+    p = argparse.ArgumentParser(description="the RL loop (see the module's docstring)")
+    p.add_argument("--checkpoint-dir", type=Path, help="save torch.distributed.checkpoints here (shared by all hosts)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+    args = p.parse_args(argv)
+    if (args.checkpoint_dir is None) != (args.checkpoint_every == 0):
+        p.error("--checkpoint-dir and --checkpoint-every go together")
+    return Checkpoints(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    checkpoints = checkpoints_of()
     job = replica.roles.init()
     if job.role == "rollout":
         job.serve_rollouts(make_engine)
@@ -86,7 +104,11 @@ def main() -> None:
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rollouts = job.rollout_client(model, num_shards=SHARDS)
-    job.replicate(model, optimizer, {"rng": replica.RNGState()})
+    extra = {"rng": replica.RNGState()}
+    if checkpoints is not None and job.role == "trainer" and (last := checkpoints.newest()) is not None:
+        checkpoints.load(last, model, optimizer, extra, rank=job.rank)
+        job.restored(last)
+    job.replicate(model, optimizer, extra)
     for step in job.steps(total):
         rollouts.push(step)  # the weights after step - 1, into every engine, in place
         prompts = [p for p in prompts_of(step) for _ in range(GROUP)]
@@ -104,6 +126,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         job.log(step, loss, reward=sum(rewards) / len(rewards))
         job.commit(step)
+        if checkpoints is not None and checkpoints.due(step):
+            checkpoints.save(step, model, optimizer, extra, rank=job.rank)
 
 
 if __name__ == "__main__":

@@ -67,27 +67,48 @@ _FORWARD = {
 
 # Unfinished NCCL works kept per generation before the finished ones are dropped.
 _MAX_TRACKED_WORKS = 1024
+_GLOO_WAIT_SLICE = timedelta(milliseconds=50)  # how often a gloo wait looks for an abort (a finish wakes it at once)
 
 
 class _Work(dist.Work):
     """Waits for the inner work; a failure is recorded on the group instead of raised."""
 
-    def __init__(self, group: ResilientProcessGroup, inner: dist.Work | None, generation: int):
+    def __init__(self, group: ResilientProcessGroup, inner: dist.Work | None, generation: int, *, gloo: bool = False):
         super().__init__()
         self._group = group
         self._inner = inner
         self._generation = generation
+        self._gloo = gloo
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self._inner is not None:
             inner, self._inner = self._inner, None
             try:
-                # gloo: blocks until done. NCCL: makes the current stream wait for the collective and
-                # raises only if a failure is already known; later ones are found by check().
-                inner.wait()
+                # gloo: blocks until done (or aborted). NCCL: makes the current stream wait for the
+                # collective and raises only if a failure is already known; later ones are found by check().
+                if self._gloo:
+                    self._wait_gloo(inner)
+                else:
+                    inner.wait()
             except Exception as exc:  # noqa: BLE001 - a dead peer; the step will be redone
                 self._group._record(exc, self._generation)
         return True
+
+    def _wait_gloo(self, inner: dist.Work) -> None:
+        """gloo waits for its own timeout on a peer that vanished without a reset (a lost or
+        cut-off host); waiting in slices lets ``abort()`` (the coordinator announced the
+        failover) end the wait at once. The abandoned collective ends with the old
+        generation's group, whose shutdown does not wait for it."""
+        while True:
+            try:
+                inner.wait(_GLOO_WAIT_SLICE)
+                return
+            except RuntimeError:
+                if inner.is_completed():
+                    inner.wait()  # finished just after the slice: its own result, or its own error
+                    return
+                if self._group._failed(self._generation):
+                    return  # the failure is recorded: the step is redone in the next generation
 
     def is_completed(self) -> bool:
         return self._inner is None or self._inner.is_completed()
@@ -112,10 +133,10 @@ def _device_type(args: tuple) -> str:
 
 
 def _forward(name: str, target: str):
-    def collective(self: ResilientProcessGroup, *args):
+    def collective(self: ResilientProcessGroup, *args, **kwargs):  # barrier(opts=...) comes as a keyword
         if self.on_collective is not None:
             self.on_collective(name)
-        device = _device_type(args) or "cpu"
+        device = _device_type((*args, *kwargs.values())) or "cpu"
         with self._lock:
             inners, generation = self._inners, self._generation
         inner = inners.get(device, inners.get("cpu")) if inners else None
@@ -124,13 +145,13 @@ def _forward(name: str, target: str):
                 self._record(ReplicaError("collective on a process group with no members configured"), generation)
             return _Work(self, None, generation)
         try:
-            work = getattr(inner, target)(*args)
+            work = getattr(inner, target)(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - posting fails the same way when a peer is gone
             self._record(exc, generation)
             return _Work(self, None, generation)
         if device != "cpu":
             self._track(work, generation)
-        return _Work(self, work, generation)
+        return _Work(self, work, generation, gloo=device == "cpu")
 
     collective.__name__ = name
     return collective
@@ -197,6 +218,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._works: deque = deque()  # the generation's NCCL works not yet seen finished
         self._aborts: list[threading.Event] = []  # set once an old generation's NCCL abort() returned
         self._aborted = -1  # the last generation whose NCCL backend abort() was started for
+        self._drops: list[threading.Thread] = []  # old generations' gloo groups being dropped
         self.on_collective: Callable[[str], None] | None = None  # called with each collective's name (tests)
 
     @property
@@ -260,7 +282,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if ready_timeout is not None:
             self._arrive(prefix, generation, ready_timeout, ready_abort)
         inners = {"cpu": dist.ProcessGroupGloo(prefix, self.rank(), self.size(), timeout)}
-        self._release(timeout)
+        self._release(timeout, background=True)
         if self.cuda:
             inners["cuda"] = _nccl(dist.PrefixStore("nccl", prefix), self.rank(), self.size(), self.nccl_timeout)
         with self._lock:
@@ -285,8 +307,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def abort(self, reason: str, *, wait: timedelta = timedelta(0)) -> bool:
         """Fail the current generation now: ``errored`` is set before this returns,
         and the generation's NCCL communicators are aborted, so a survivor whose
-        GPU spins in a collective with a dead peer gets out (gloo's own timeout and
-        closed connections do it for CPU tensors). The abort runs on a thread of
+        GPU spins in a collective with a dead peer gets out; a survivor waiting in a
+        gloo collective stops waiting (otherwise only gloo's own timeout or a closed
+        connection end it: a lost host closes none). The abort runs on a thread of
         its own (``ncclCommAbort`` may take a while, and the caller may be a
         heartbeat, which must never block); this waits for it at most ``wait``
         and returns whether it finished. The step is then redone in the next
@@ -302,21 +325,30 @@ class ResilientProcessGroup(dist.ProcessGroup):
             self._abort_async(nccl, generation, abort=True)
         return self._join_aborts(wait, warn=False)
 
-    def _release(self, timeout: timedelta) -> None:
+    def _release(self, timeout: timedelta, *, background: bool = False) -> None:
         """Take the current generation out: gloo shut down, NCCL aborted (never shut down
         gracefully: that flushes its collectives, which waits forever on a dead peer);
         waits for the aborts at most ``timeout``, so a new communicator is not made
-        while an old one is being torn down."""
+        while an old one is being torn down. ``background`` (a new generation replaces
+        it): gloo's destructor joins its threads, and so waits for a collective abandoned
+        by an abort (its peer's host lost) until gloo's own timeout; it runs on a thread
+        of its own then, which ``shutdown()`` waits for."""
         with self._lock:
             inners, generation, self._inners = self._inners, self._generation, {}
             self._works = deque()
             aborted = generation == self._aborted
             self._aborted = generation
-        gloo = inners.pop("cpu", None)
+        gloo = [inners.pop("cpu")] if "cpu" in inners else []
         self._abort_async(list(inners.values()), generation, abort=not aborted)
         del inners
-        if gloo is not None:
-            _shutdown(gloo)
+        if gloo and background:
+            drop = threading.Thread(target=_drop_gloo, args=(gloo,), daemon=True,
+                                    name=f"replica-drop-gloo-{generation}")
+            drop.start()
+            self._drops = [d for d in self._drops if d.is_alive()] + [drop]
+        elif gloo:
+            _drop_gloo(gloo)
+        del gloo
         self._join_aborts(timeout)
 
     def _abort_async(self, inners: list, generation: int, *, abort: bool) -> None:
@@ -380,6 +412,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
                     return
                 pending.popleft()
 
+    def _failed(self, generation: int) -> bool:
+        """Whether ``generation`` has failed (or is no longer the current one)."""
+        with self._lock:
+            return self._error is not None or generation != self._generation
+
     def _record(self, exc: Exception, generation: int) -> None:
         with self._lock:
             if generation == self._generation and self._error is None:
@@ -389,19 +426,26 @@ class ResilientProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Release the current generation (NCCL's communicators are aborted, so this
         never waits on a peer; it waits for that at most the group's timeout, as the
-        process may exit right after)."""
+        process may exit right after), and the old generations still being dropped (a
+        process must not exit while a thread destroys a gloo group)."""
         self._release(self._timeout)
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        for drop in self._drops:
+            drop.join(max(0.0, deadline - time.monotonic()))
 
     for _name, _target in _FORWARD.items():
         locals()[_name] = _forward(_name, _target)
     del _name, _target
 
 
-def _shutdown(inner) -> None:
+def _drop_gloo(holder: list) -> None:
+    """Shut an old generation's gloo group down and drop the last reference to it here."""
+    inner = holder.pop()
     try:
         inner.shutdown()
     except Exception as exc:  # noqa: BLE001 - a broken generation may not shut down cleanly
         logger.debug("shutting down an old generation: %s", exc)
+    del inner
 
 
 _ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")

@@ -67,7 +67,9 @@ class HostAgent:
         self.store, self.index, self.local, self.address = store, index, local, address
         self.host = socket.gethostname()
         self._lock = threading.Lock()
-        self._orders_seen = 0
+        # An agent started again on its host (the host came back) takes only new orders: the
+        # earlier ones were for its previous incarnation and its processes, gone with it.
+        self._orders_seen = store.count(keys.agent_orders(index))
         self._orders: list[AgentOrder] = []  # fetched, for the main thread
         self._faults = [f for f in faults if f.role == HOST and f.rank == index]  # not fired yet
         self._firing: list[Fault] = []  # their step came: for the main thread

@@ -96,6 +96,12 @@ class RemoteAgents:
     def running(self, pids: set[int]) -> bool:
         return False  # none of the job's processes runs on the coordinator's machine
 
+    def silent_hosts(self, longer_than: timedelta) -> set[str]:
+        self._watch_beats()
+        now = time.monotonic()
+        return {info.host for index, info in self.agents().items()
+                if index in self._beats and now - self._beats[index][1] > longer_than.total_seconds()}
+
     def _replace(self, role: Role, rank: int) -> bool:
         if self._replacements == 0:
             return False

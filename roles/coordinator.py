@@ -292,6 +292,21 @@ class Coordinator:
             return decisions
         return decisions + self.declare_dead(member, f"exit code {code}")
 
+    def hosts_silent(self, hosts: set[str]) -> list[Decision]:
+        """The agents of ``hosts`` have been silent past the trainer deadline (the host is
+        lost or cut off): its members that are silent that long too are dead. What this
+        changes is the engines' (whose own deadline allows long generations): an engine that
+        comes back finds itself replaced, and any result it writes is the same tokens."""
+        if not hosts:
+            return []
+        now, decisions = time.time(), []
+        deadline = self.deadlines.trainer.total_seconds()
+        for member in self.alive():
+            if member.host in hosts and member.role == Role.ROLLOUT and now - self._last_beat(member, now) > deadline:
+                decisions += self.declare_dead(member, f"its host's agent and it have been silent for more than "
+                                                       f"{deadline:g} s")
+        return decisions
+
     def declare_dead(self, member: Member, reason: str) -> list[Decision]:
         member.state = MemberState.DEAD
         self._publish_members()

@@ -83,6 +83,20 @@ class Job:
         self._install_faults(model, optimizer)
         return self
 
+    def restored(self, step: int) -> Job:
+        """The script restored this trainer's state of ``step`` itself, from a checkpoint of its
+        own (``replica coordinator --resume-step STEP``): ``steps()`` starts at ``step + 1``.
+        Call it before ``replicate()``."""
+        if self.role != Role.TRAINER:
+            raise ValueError(f"only a trainer restores a checkpoint, not a {self.role}")
+        if self._bound is not None:
+            raise ValueError("call restored() before replicate(): the replicator starts from the restored state")
+        if step < 0:
+            raise ValueError(f"need a step >= 0, got {step}")
+        self._resumed_from = step
+        logger.warning("[trainer rank %d] restored step %d from the script's own checkpoint", self.rank, step)
+        return self
+
     def _resume(self, folder: str) -> None:
         """Start from an export (``replica launch --resume``): restore this rank's file into
         the objects, keep it as the rank's copy of that commit and send it to the standby."""
@@ -393,7 +407,7 @@ class Job:
         it the interpreter lives, every HEARTBEAT_PERIOD, on a store connection of its own
         (the role's shared one sits in blocking waits for seconds). It also stops a
         trainer whose rank the coordinator gave to another process (declared dead:
-        frozen, partitioned), gets a GPU survivor out of a collective with a dead peer,
+        frozen, partitioned), gets a survivor out of a collective with a dead peer,
         and ends the role when the store stays unreachable (the coordinator is gone).
         An error is logged and the watch goes on (reconnecting)."""
         beat = self.store.heartbeat(self.member, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
@@ -414,9 +428,10 @@ class Job:
                         store = self.store.reconnect(timing.HEARTBEAT_IO)
                     if self._superseded(store):
                         self._fenced_exit()
-                    if self.group is not None and self.group.cuda and self.role == Role.TRAINER and \
+                    if self.group is not None and self.role == Role.TRAINER and \
                             self.group.errored is None and self._failover_announced(store):
-                        # NCCL does not fail a collective whose peer died: get this survivor out of it.
+                        # NCCL does not fail a collective whose peer died, nor does gloo before its timeout
+                        # when the peer's host is lost (no reset): get this survivor out of it.
                         self.group.abort("the coordinator announced a failover")
                     failures = 0
                 except Exception as exc:  # noqa: BLE001 - the watch must never end the thread

@@ -43,6 +43,15 @@ def _parser() -> argparse.ArgumentParser:
                         "detection signals and they start replacements (default: none)")
     p.add_argument("--replacements", type=int, default=-1,
                    help="replacement standbys or engines the agents may start in all (default: no limit)")
+    p.add_argument("--train-while-replacing", action="store_true",
+                   help="after a failover or a standby's death, train on unprotected while the rank's new standby "
+                        "starts (default: commit() waits until the rank is protected again)")
+    p.add_argument("--standbys", type=int, default=None,
+                   help="ranks 0..K-1 have standbys (default: all); the others are UNPROTECTED: their trainer's "
+                        "death ends the job")
+    p.add_argument("--resume-step", type=int, default=None,
+                   help="the trainers start from the script's own checkpoint of this step (they call "
+                        "job.restored(STEP)): it is the first commit. Not with --resume")
     p.add_argument("--report", type=Path)
     p.add_argument("--timeline", type=Path)
     p.add_argument("--timeout", type=float, default=3600)
@@ -62,6 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     resume = resume_point(parser, args, args.world_size)
+    standbys = args.world_size if args.standbys is None else args.standbys
+    if not 0 <= standbys <= args.world_size:
+        parser.error(f"need 0 <= --standbys <= --world-size, got {standbys}")
+    if args.resume_step is not None:
+        if resume is not None or args.resume_step < 0:
+            parser.error("--resume-step takes a step >= 0 and does not go with --resume")
+        resume = (args.resume_step, "")
     try:
         store = StoreAddress.parse(args.store) if args.store else None
     except ValueError as exc:
@@ -80,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         coord = Coordinator(world_size=args.world_size, token=token.encode(), host=args.host, port=args.port,
                             deadlines=deadlines, rollouts=args.rollouts, resume_from=resume[0] if resume else None,
                             store=store, fence=leadership.claim if leadership is not None else None)
+        if coord.takeover is None:
+            for rank in range(standbys, args.world_size):
+                coord.set_unprotected(rank)
+                print(f"replica: WARNING rank {rank} is UNPROTECTED: it has no standby", flush=True)
         return _serve(args, coord, resume, leadership)
     except FencedError as exc:
         print(f"replica: another coordinator leads now ({exc}); this one stops", flush=True)
@@ -95,8 +115,11 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
         print(f"replica: took over the job at generation {coord.generation}, commit {coord.record.last()}",
               flush=True)
     print(f"replica: coordinator of {args.world_size} trainer ranks at {coord.address}", flush=True)
-    if resume:
+    if resume and resume[1]:
         print(f"replica: resuming from step {resume[0]}: start the trainers with REPLICA_RESUME={resume[1]}",
+              flush=True)
+    elif resume:
+        print(f"replica: resuming from step {resume[0]}: the trainers restore it from their own checkpoint",
               flush=True)
     timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
     agents = RemoteAgents(coord.store, count=args.agents, replacements=args.replacements,
@@ -105,6 +128,7 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
     faults = parse_faults(os.environ.get("REPLICA_INJECT", ""))
     return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                                     timeline_png=timeline, export_dir=args.export_dir,
+                                    train_while_replacing=args.train_while_replacing,
                                     first_step=resume[0] + 1 if resume else 1),
                      agents, leading=leadership.leading if leadership is not None else None)
 

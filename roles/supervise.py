@@ -45,6 +45,9 @@ class Agent(Protocol):
     def running(self, pids: set[int]) -> bool:
         """True while any of these (the trainers') processes still runs here."""
 
+    def silent_hosts(self, longer_than: timedelta) -> set[str]:
+        """Hosts whose agent has not been heard from for longer than this (lost or cut off)."""
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class JobSpec:
@@ -89,7 +92,11 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
             return DEPOSED_EXIT
         decisions.clear()
         exits.extend(agent.exits() if agent is not None else [])
-        for work in (take_exits, lambda: decisions.extend(coord.poll())):
+        def hosts() -> None:
+            if agent is not None:
+                decisions.extend(coord.hosts_silent(agent.silent_hosts(coord.deadlines.trainer)))
+
+        for work in (take_exits, hosts, lambda: decisions.extend(coord.poll())):
             try:
                 work()
             except FencedError as exc:

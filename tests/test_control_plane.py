@@ -180,3 +180,41 @@ def test_a_fenced_trainer_cannot_reach_its_standby_or_commit(store):
             train_step(new)
             rep.commit(3)
             assert rep.wait_committed() == 3 and mirror.held_steps() == [2, 3]
+
+
+def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_deadline():
+    """An engine's own deadline allows long generations (60 s); on a host whose agent has
+    gone silent too (the host is lost or cut off), it is dead at the trainer deadline."""
+    from replica.roles.coordinator import DecisionKind
+    from replica.roles.agents import RemoteAgents
+    from replica.jobstate import AgentInfo, Number
+
+    deadlines = Deadlines(trainer=timedelta(milliseconds=300), rollout=timedelta(seconds=60))
+    coord = Coordinator(world_size=1, token=TOKEN, rollouts=1, deadlines=deadlines)
+    jobs = JobStore(raw_client(coord.port), token=TOKEN)
+    request = JoinRequest(role="rollout", rank=0, host="h2", pid=23456, nonce="e1")
+    seq = jobs.count(keys.join_seq(), 1)
+    jobs.raw.set(jobs.full(keys.join_request(seq)), request.encode(TOKEN))
+    coord.poll()
+    assert jobs.get(keys.join_reply(seq)).admitted
+    jobs.put(keys.agent(0), AgentInfo(index=0, host="h2", address="10.200.0.3", pid=1))
+    jobs.put(keys.agent_beat(0), Number(value=1))
+    agents = RemoteAgents(coord.store, count=1, replacements=0, members=lambda: [])
+    assert agents.silent_hosts(deadlines.trainer) == set()  # its first beat was just seen
+    beat = 1
+    until = time.monotonic() + 1.0
+    while time.monotonic() < until:  # agent and engine beat: nothing happens
+        beat += 1
+        jobs.put(keys.agent_beat(0), Number(value=beat))
+        jobs.put(keys.heartbeat(seq), Heartbeat(member=seq, beat=beat))
+        assert agents.silent_hosts(deadlines.trainer) == set()
+        assert coord.hosts_silent(agents.silent_hosts(deadlines.trainer)) == [] and coord.poll() == []
+        time.sleep(0.05)
+    time.sleep(0.5)  # both silent past the trainer deadline, far inside the engine's own
+    silent = agents.silent_hosts(deadlines.trainer)
+    assert silent == {"h2"}
+    assert coord.hosts_silent({"other-host"}) == []
+    (decision,) = coord.hosts_silent(silent)
+    assert decision.kind == DecisionKind.ROLLOUT_LOST and decision.rank == 0
+    assert "host's agent and it have been silent" in decision.reason
+    assert coord.hosts_silent(silent) == []  # dead once

@@ -55,6 +55,55 @@ def test_generations_abort_and_recovery():
     group.shutdown()
 
 
+def test_barrier_takes_its_options_as_a_keyword():
+    """torch.distributed.barrier() (and so torch.distributed.checkpoint's save) passes opts=."""
+    group = make_group()
+    group.configure(0)
+    group.barrier(opts=dist.BarrierOptions()).wait()
+    assert group.errored is None
+    group.shutdown()
+
+
+def test_an_abort_ends_a_gloo_wait_on_a_silent_peer():
+    """A peer whose host is lost sends no reset, so gloo waits for its own timeout (10 s
+    here); abort() (the coordinator announced the failover) ends the survivor's wait at once,
+    and the group's next generation is built without waiting for the abandoned collective
+    (gloo's destructor would: it joins its threads)."""
+    store = dist.HashStore()
+    groups = [ResilientProcessGroup(store=store, rank=r, world_size=2, timeout=timedelta(seconds=10),
+                                    name=f"test-silent-{r}", cuda=False) for r in range(2)]
+
+    def in_both(fn) -> list:
+        out = [None, None]
+        threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, fn(groups[r], r))) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        return out
+
+    in_both(lambda g, r: g.configure(0))
+    assert [t.item() for t in in_both(lambda g, r: allreduce(g, r + 1.0))] == [3.0, 3.0]  # connected
+    # Rank 1 goes silent: rank 0's next collective has no partner.
+    work = groups[0].allreduce([torch.ones(1)], dist.AllreduceOptions())
+    aborter = threading.Timer(0.3, groups[0].abort, args=("the coordinator announced a failover",))
+    started = time.monotonic()
+    aborter.start()
+    work.wait()
+    waited = time.monotonic() - started
+    assert "aborted: the coordinator announced a failover" in str(groups[0].errored)
+    assert waited < 5.0, f"the aborted wait took {waited:.1f} s (gloo's own timeout is 10 s)"
+    # The next generation (rank 1: the promoted standby, say) is built while the abandoned
+    # collective is still pending in the old one, and works.
+    started = time.monotonic()
+    in_both(lambda g, r: g.configure(1))
+    assert time.monotonic() - started < 5.0, "the old generation's gloo group held up the new one"
+    assert [t.item() for t in in_both(lambda g, r: allreduce(g, 10.0 * (r + 1)))] == [30.0, 30.0]
+    assert all(g.errored is None for g in groups)
+    for group in groups:
+        group.shutdown()
+
+
 def test_device_of_a_collective():
     cpu = torch.zeros(1)
     assert _device_type(([cpu], object())) == "cpu"

@@ -1,0 +1,170 @@
+"""The arithmetic of bench/ettr.py, kept apart from the cluster so it can be
+tested on its own: the failure schedule (Poisson arrivals over the job's
+parts), ETTR and the other figures of a run from its step times, the
+checkpoint interval a user would choose, and the projection to a 256-GPU job.
+
+ETTR (effective training time ratio) = the time spent in the steps that count
+toward the final model / the wall time. A step counts once (a step redone after
+a failure or a restart counts once, in the run that kept it), and is worth the
+step time of the same system without failures (the median of its failure-free
+run: replica's includes its mirroring, the baseline's does not include its
+checkpoint saves, which are not steps); the wall time runs from the end of
+step 1 (both systems start up once, the same way) to the end of the last step.
+Steps slowed by a failure (a resync, a restart, an engine starting beside them)
+count only their failure-free time: what they lost is lost time."""
+
+from __future__ import annotations
+
+import enum
+import random
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Failure", "Projection", "RunFigures", "Target", "TARGETS", "best_interval", "figures", "modelled_ettr",
+           "poisson_schedule", "project", "step_time"]
+
+
+class Target(enum.StrEnum):
+    TRAINER = "trainer"  # the process training rank INDEX (a promoted standby, after a failover)
+    STANDBY = "standby"  # rank INDEX's standby process
+    ROLLOUT = "rollout"  # vLLM engine INDEX's process
+    HOST = "host"  # worker host INDEX + 1, whole: its link cut, then every process on it killed
+
+
+TARGETS: Mapping[Target, int] = {Target.TRAINER: 2, Target.STANDBY: 2, Target.ROLLOUT: 3, Target.HOST: 5}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure:
+    at_s: float  # after the failure clock started (the end of step 1)
+    target: Target
+    index: int
+
+    def __str__(self) -> str:
+        return f"{self.target}:{self.index}@{self.at_s:.1f}s"
+
+
+def poisson_schedule(*, mtbf_s: float, horizon_s: float, seed: int) -> list[Failure]:
+    """Failures arriving as a Poisson process (exponential gaps of mean ``mtbf_s``) up to
+    ``horizon_s``; each picks a kind of target uniformly, then one of that kind."""
+    if mtbf_s <= 0 or horizon_s < 0:
+        raise ValueError(f"need mtbf_s > 0 and horizon_s >= 0, got {mtbf_s}, {horizon_s}")
+    rng, at, out = random.Random(seed), 0.0, []
+    while (at := at + rng.expovariate(1.0 / mtbf_s)) <= horizon_s:
+        target = rng.choice(list(Target))
+        out.append(Failure(at_s=round(at, 3), target=target, index=rng.randrange(TARGETS[target])))
+    return out
+
+
+def step_time(ends: Mapping[int, float], *, skip: set[int] = frozenset()) -> float:
+    """The median gap between consecutive steps' ends (steps in ``skip`` left out: a
+    checkpoint save after them)."""
+    gaps = [ends[s] - ends[s - 1] for s in sorted(ends) if s - 1 in ends and s - 1 not in skip]
+    if not gaps:
+        raise ValueError("need two consecutive steps to measure a step time")
+    return statistics.median(gaps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFigures:
+    ettr: float  # at most 1: the raw ratio can pass 1 where a failure left the rest less to share the cores with
+    raw: float
+    wall_s: float
+    steps_counted: int  # steps 2..last that the final model holds
+    finished: bool
+    recoveries_s: list[float]  # per failure that interrupted: its fault to the next step's end, less a step
+
+
+def figures(*, ends: Mapping[int, float], steps: int, step_s: float, clock_start: float, stopped_at: float,
+            interruptions: Sequence[float]) -> RunFigures:
+    """A run's figures from the end time of each step in the final model (``ends``), the
+    step time that a step is worth, and when it stopped (its last step's end when it
+    finished; else when it was given up). ``interruptions``: when each failure that
+    stopped or rolled back training hit."""
+    finished = all(s in ends for s in range(1, steps + 1))
+    end = ends[steps] if finished else stopped_at
+    counted = sum(1 for s in range(2, steps + 1) if s in ends)
+    wall = end - clock_start
+    if wall <= 0:
+        raise ValueError(f"the run ended ({end}) before its clock started ({clock_start})")
+    recoveries = []
+    for hit in interruptions:
+        after = [t for t in ends.values() if t > hit]
+        if after:
+            recoveries.append(max(0.0, min(after) - hit - step_s))
+    raw = counted * step_s / wall
+    return RunFigures(ettr=min(1.0, raw), raw=raw, wall_s=wall, steps_counted=counted, finished=finished,
+                      recoveries_s=recoveries)
+
+
+def modelled_ettr(*, interval: int, step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> float:
+    """Checkpoint-restart's expected ETTR (first order, Young/Daly): a save of ``save_s``
+    every ``interval`` steps; each failure costs a restart and, on average, half an
+    interval of work redone."""
+    period = interval * step_s + save_s
+    lost = restart_s + period / 2
+    return max(0.0, interval * step_s / period * (1 - lost / mtbf_s))
+
+
+def best_interval(*, step_s: float, save_s: float, restart_s: float, mtbf_s: float, max_interval: int) -> int:
+    """The checkpoint interval (steps) a user would choose: the one with the best
+    modelled ETTR, from the measured step, save and restart times."""
+    return max(range(1, max_interval + 1), key=lambda k: (modelled_ettr(
+        interval=k, step_s=step_s, save_s=save_s, restart_s=restart_s, mtbf_s=mtbf_s), -k))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Projection:
+    """A 256-GPU job, modelled from the parts measured here. Every field is an
+    assumption, stated in the report beside its source."""
+
+    trainer_hosts: int = 32
+    gpus_per_host: int = 8
+    params: float = 32e9  # a 32B dense policy
+    state_bytes_per_param: int = 16  # bf16 weights + fp32 master, Adam m and v (mixed precision)
+    step_s: float = 120.0  # one RL step (rollouts dominate)
+    link_gb_s: float = 25.0  # a 200 Gbit/s NIC per host for the standby's resync
+    storage_gb_s: float = 20.0  # the checkpoint store's aggregate write and read bandwidth
+    restart_fixed_s: float = 300.0  # reschedule every pod, start processes, NCCL init, start vLLM engines
+    detect_s: float = 2.5  # measured: the heartbeat deadline (a lost host)
+    promote_s: float = 0.1  # measured: a standby's unpack
+    reconnect_s: float = 10.0  # measured: gloo's collective timeout after a lost host; NCCL's rebuild at scale assumed alike
+    standby_start_s: float = 30.0  # a new standby's process and model on a rollout host (commits wait for it)
+
+    @property
+    def state_gb(self) -> float:
+        return self.params * self.state_bytes_per_param / 1e9
+
+    def per_host_gb(self) -> float:
+        return self.state_gb / self.trainer_hosts
+
+    def replica_ettr(self, mtbf_s: float) -> float:
+        """Each failure: detect, promote, reconnect, redo the step in flight (half a step on
+        average), and the new standby's start and resync (commits wait for it)."""
+        lost = (self.detect_s + self.promote_s + self.reconnect_s + self.step_s / 2 + self.standby_start_s
+                + self.per_host_gb() / self.link_gb_s)
+        return max(0.0, 1 - lost / mtbf_s)
+
+    def restart_s(self) -> float:
+        return self.restart_fixed_s + self.state_gb / self.storage_gb_s
+
+    def save_s(self) -> float:
+        return self.state_gb / self.storage_gb_s
+
+    def baseline_ettr(self, mtbf_s: float) -> tuple[float, int]:
+        """Checkpoint-restart at its best interval: (ETTR, interval in steps)."""
+        k = best_interval(step_s=self.step_s, save_s=self.save_s(), restart_s=self.restart_s(), mtbf_s=mtbf_s,
+                          max_interval=10_000)
+        return modelled_ettr(interval=k, step_s=self.step_s, save_s=self.save_s(), restart_s=self.restart_s(),
+                             mtbf_s=mtbf_s), k
+
+
+def project(model: Projection, mtbfs_s: Sequence[float]) -> list[dict]:
+    rows = []
+    for mtbf in mtbfs_s:
+        baseline, k = model.baseline_ettr(mtbf)
+        rows.append({"mtbf_s": mtbf, "mtbf_steps": mtbf / model.step_s, "replica": model.replica_ettr(mtbf),
+                     "checkpoint_restart": baseline, "checkpoint_every": k})
+    return rows
+

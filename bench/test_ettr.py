@@ -1,0 +1,74 @@
+"""The arithmetic of the ETTR bench (bench/ettr_model.py); the bench itself runs
+under `make ettr` (a cluster of hosts, tens of minutes)."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+
+from ettr_model import (TARGETS, Projection, Target, best_interval, figures, modelled_ettr, poisson_schedule, project,
+                        step_time)
+
+
+def test_the_schedule_is_poisson_with_the_asked_mean_and_fixed_by_its_seed():
+    schedule = poisson_schedule(mtbf_s=10.0, horizon_s=20_000.0, seed=3)
+    assert schedule == poisson_schedule(mtbf_s=10.0, horizon_s=20_000.0, seed=3)
+    assert schedule != poisson_schedule(mtbf_s=10.0, horizon_s=20_000.0, seed=4)
+    gaps = [b.at_s - a.at_s for a, b in zip(schedule, schedule[1:])]
+    assert 9.0 < statistics.mean(gaps) < 11.0, statistics.mean(gaps)
+    # Exponential gaps: the standard deviation is the mean (a fixed period would give 0).
+    assert 0.85 < statistics.stdev(gaps) / statistics.mean(gaps) < 1.15
+    kinds = {t: sum(1 for f in schedule if f.target == t) / len(schedule) for t in Target}
+    assert all(0.2 < share < 0.3 for share in kinds.values()), kinds
+    assert all(0 <= f.index < TARGETS[f.target] for f in schedule)
+    assert all(0 < f.at_s <= 20_000.0 for f in schedule)
+    with pytest.raises(ValueError):
+        poisson_schedule(mtbf_s=0.0, horizon_s=1.0, seed=0)
+
+
+def test_step_time_is_the_median_gap_and_leaves_out_the_steps_after_a_save():
+    ends = {1: 10.0, 2: 11.0, 3: 12.0, 4: 15.0, 5: 16.0}  # a 2 s checkpoint save after step 3
+    assert step_time(ends, skip={3}) == 1.0
+    assert step_time({1: 0.0, 2: 2.0, 3: 6.0}) == 3.0
+    with pytest.raises(ValueError):
+        step_time({1: 0.0})
+
+
+def test_ettr_counts_each_step_once_at_its_failure_free_time():
+    # 5 steps of 1 s; a failure at 12.5 s costs 4 s (steps 3.. end 4 s later than without it).
+    ends = {1: 10.0, 2: 11.0, 3: 16.0, 4: 17.0, 5: 18.0}
+    fig = figures(ends=ends, steps=5, step_s=1.0, clock_start=10.0, stopped_at=0.0, interruptions=[12.5])
+    assert fig.finished and fig.steps_counted == 4 and fig.wall_s == 8.0
+    assert fig.ettr == pytest.approx(4 / 8)
+    assert fig.recoveries_s == [pytest.approx(16.0 - 12.5 - 1.0)]
+    # Not finished: measured at the stop, over the steps it has.
+    part = figures(ends={1: 10.0, 2: 11.0}, steps=5, step_s=1.0, clock_start=10.0, stopped_at=20.0,
+                   interruptions=[])
+    assert not part.finished and part.ettr == pytest.approx(1 / 10)
+    clean = figures(ends={s: 10.0 + s for s in range(1, 6)}, steps=5, step_s=1.0, clock_start=11.0, stopped_at=0.0,
+                    interruptions=[])
+    assert clean.ettr == 1.0
+
+
+def test_the_best_interval_follows_young_daly():
+    # Young's interval: sqrt(2 * save * mtbf) = sqrt(2 * 2 * 400) = 40 s = 40 steps of 1 s.
+    k = best_interval(step_s=1.0, save_s=2.0, restart_s=10.0, mtbf_s=400.0, max_interval=1000)
+    assert 30 <= k <= 50, k
+    at_k = modelled_ettr(interval=k, step_s=1.0, save_s=2.0, restart_s=10.0, mtbf_s=400.0)
+    for other in (1, k // 4, 4 * k):
+        assert modelled_ettr(interval=other, step_s=1.0, save_s=2.0, restart_s=10.0, mtbf_s=400.0) <= at_k
+    # Failures faster than a restart: nothing counts.
+    assert modelled_ettr(interval=1, step_s=1.0, save_s=0.1, restart_s=60.0, mtbf_s=30.0) == 0.0
+    # Rarer failures: a longer interval.
+    assert best_interval(step_s=1.0, save_s=2.0, restart_s=10.0, mtbf_s=40_000.0, max_interval=10_000) > k
+
+
+def test_the_projection_falls_with_the_failure_rate_and_replica_stays_above():
+    rows = project(Projection(), [3600 * 4, 3600, 900])
+    assert [r["mtbf_s"] for r in rows] == [3600 * 4, 3600, 900]
+    for name in ("replica", "checkpoint_restart"):
+        values = [r[name] for r in rows]
+        assert values == sorted(values, reverse=True) and all(0 <= v <= 1 for v in values)
+    assert all(r["replica"] > r["checkpoint_restart"] for r in rows)
+    assert Projection().per_host_gb() == pytest.approx(32e9 * 16 / 1e9 / 32)
