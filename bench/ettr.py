@@ -36,11 +36,12 @@ import os
 import secrets
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -463,15 +464,25 @@ def table(result: dict) -> list[str]:
 
 def projection(result: dict) -> tuple[dict, list[str]]:
     """The 256-GPU model, with this run's measured restart share where it has one."""
-    model = Projection()
+    timelines = [f["timeline_ms"] for runs in result["runs"].values() for report in
+                 runs.get("replica", {}).get("reports", []) for f in report["failovers"]]
+    measured = {}
+    if timelines:  # promotion and reconnection as measured in this run's failovers (medians)
+        measured = {"promote_s": statistics.median(t["promote"] for t in timelines) / 1e3,
+                    "reconnect_s": statistics.median(t["resumed"] - t["promote"] for t in timelines) / 1e3}
+    model = replace(Projection(), wait_for_standby=not result["train_while_replacing"], **measured)
     mtbfs = [3600 * h for h in (4, 1, 0.5, 0.25)]
     rows = project(model, mtbfs)
+    source = "medians of this run's failovers" if measured else "measured across hosts"
     lines = ["\n**Projection to 256 GPUs: a model, not a measurement.** 32 trainer hosts x 8 GPUs, a 32B dense "
              f"policy ({model.state_gb:.0f} GB of training state, {model.per_host_gb():.0f} GB per host), a "
-             f"{model.step_s:g} s RL step; replica per failure: detection {model.detect_s:g} s, promotion "
-             f"{model.promote_s:g} s, reconnection {model.reconnect_s:g} s (measured here across hosts), half a "
-             f"step redone, a new standby's start ({model.standby_start_s:g} s, assumed) and resync at "
-             f"{model.link_gb_s:g} GB/s; checkpoint-restart: saves and loads at {model.storage_gb_s:g} GB/s "
+             f"{model.step_s:g} s RL step; replica per failure: detection {model.detect_s:g} s (the heartbeat "
+             f"deadline: a lost host), promotion {model.promote_s:.2f} s and reconnection {model.reconnect_s:.1f} s "
+             f"({source}), half a "
+             f"step redone" + (f", a new standby's start ({model.standby_start_s:g} s, assumed) and resync at "
+                              f"{model.link_gb_s:g} GB/s" if model.wait_for_standby else
+                              " (training goes on while the new standby starts)")
+             + f"; checkpoint-restart: saves and loads at {model.storage_gb_s:g} GB/s "
              f"aggregate, a restart of {model.restart_fixed_s:g} s plus the load (assumed), at its best interval.\n",
              "| job MTBF | MTBF (steps) | replica | checkpoint-restart (K) |", "|---|---|---|---|"]
     for row in rows:

@@ -130,7 +130,8 @@ class Projection:
     detect_s: float = 2.5  # measured: the heartbeat deadline (a lost host)
     promote_s: float = 0.1  # measured: a standby's unpack
     reconnect_s: float = 10.0  # measured: gloo's collective timeout after a lost host; NCCL's rebuild at scale assumed alike
-    standby_start_s: float = 30.0  # a new standby's process and model on a rollout host (commits wait for it)
+    standby_start_s: float = 30.0  # a new standby's process and model on a rollout host
+    wait_for_standby: bool = False  # commits wait for the new standby (replica's default; the bench trains on)
 
     @property
     def state_gb(self) -> float:
@@ -141,9 +142,10 @@ class Projection:
 
     def replica_ettr(self, mtbf_s: float) -> float:
         """Each failure: detect, promote, reconnect, redo the step in flight (half a step on
-        average), and the new standby's start and resync (commits wait for it)."""
-        lost = (self.detect_s + self.promote_s + self.reconnect_s + self.step_s / 2 + self.standby_start_s
-                + self.per_host_gb() / self.link_gb_s)
+        average), and, when commits wait for it, the new standby's start and resync."""
+        lost = self.detect_s + self.promote_s + self.reconnect_s + self.step_s / 2
+        if self.wait_for_standby:
+            lost += self.standby_start_s + self.per_host_gb() / self.link_gb_s
         return max(0.0, 1 - lost / mtbf_s)
 
     def restart_s(self) -> float:
