@@ -223,10 +223,10 @@ class Bench:
 
     def run(self, system: str, *, mtbf_steps: float | None, schedule: list[Failure], checkpoint_every: int = 0,
             limit_s: float = 3600.0, title: str = "") -> Run:
-        folder = self.work / f"{system}-{mtbf_steps or 'none'}-k{checkpoint_every}"
+        run = Run(system=system, mtbf_steps=mtbf_steps, schedule=schedule, checkpoint_every=checkpoint_every)
+        folder = self.folder(run)
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        run = Run(system=system, mtbf_steps=mtbf_steps, schedule=schedule, checkpoint_every=checkpoint_every)
         progress = Progress(title or f"{system} mtbf={mtbf_steps}", self.steps)
         down: dict[int, float] = {}  # host -> when it is back
         pending = list(schedule)
@@ -288,6 +288,15 @@ class Bench:
                      f"{run.job_restarts} restarts, {run.attempts} attempts")
         return run
 
+    def folder(self, run: Run) -> Path:
+        return self.work / f"{run.system}-{run.mtbf_steps or 'none'}-k{run.checkpoint_every}"
+
+    def saves(self, run: Run) -> dict[int, float]:
+        """How long each of a run's checkpoint saves took (after that step), by rank 0's measure."""
+        folder = self.folder(run) / "checkpoints"
+        done = [p / ".done" for p in folder.glob("*") if p.name.isdigit()] if folder.exists() else []
+        return {int(d.parent.name): float(d.read_text()) for d in done if d.exists()}
+
     def _launch(self, run: Run, folder: Path, *, down: set[int]) -> Attempt:
         run.attempts += 1
         run.launched_at = run.launched_at or time.time()
@@ -343,6 +352,11 @@ class Bench:
         return f"{failure.target} {failure.index} (pid {pid})"
 
 
+def ends_of(run: Run) -> dict[int, float]:
+    """Each step's end (the final model's: a step's last run), to the millisecond."""
+    return {s: round(v["at"], 3) for s, v in sorted(run.steps.items())}
+
+
 def reference_losses(run: Run) -> dict[int, list]:
     return {s: [v["losses"], v["metrics"]] for s, v in run.steps.items()}
 
@@ -350,10 +364,10 @@ def reference_losses(run: Run) -> dict[int, list]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench/ettr.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300, help="steps of every run (default 300)")
-    p.add_argument("--mtbf", default="1000,400,200,100",
+    p.add_argument("--steps", type=int, default=250, help="steps of every run (default 250)")
+    p.add_argument("--mtbf", default="400,200,100",
                    help="mean times between failures, in failure-free steps of the unprotected job (default "
-                        "1000,400,200,100: a restart of this job costs ~90 of its steps)")
+                        "400,200,100: a restart of this job costs ~100 of its steps)")
     p.add_argument("--seed", type=int, default=0, help="the failure schedules' seed")
     p.add_argument("--reboot", type=float, default=15.0, help="seconds a lost host takes to come back")
     p.add_argument("--cap", type=float, default=3.0, help="stop a run at this many times its failure-free time")
@@ -371,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     if not testcluster.available():
         print("bench/ettr.py needs root and `ip netns` (the test cluster)", file=sys.stderr)
         return 2
+    # A stop (SIGTERM, Ctrl-C) unwinds, so that the cluster is torn down and every process killed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="replica-ettr-"))
     result: dict = {"definition": "time in the steps that count toward the final model (each worth its system's "
                                   "failure-free step time) / wall time from the end of step 1 to the end of the last",
@@ -394,15 +410,14 @@ def main(argv: list[str] | None = None) -> int:
         result["failure_free"] = {s: {"step_s": step_s[s], "wall_s": wall_free[s],
                                       "losses_equal_reference": reference_losses(free[s]) ==
                                       reference_losses(reference),
-                                      # the noise floor: a failure-free run measured as the others
-                                      "ettr": figures(ends=ends[s], steps=args.steps, step_s=step_s[s],
+                                      # a failure-free run measured as the others (the baseline: its saves)
+                                      "ettr": figures(ends=ends[s], steps=args.steps,
                                                       clock_start=free[s].clock_start, stopped_at=0.0,
-                                                      interruptions=[]).raw} for s in systems}
+                                                      interruptions=[], saves=bench.saves(free[s]),
+                                                      fallback_step_s=step_s[s]).ettr,
+                                      "ends": ends_of(free[s])} for s in systems}
         if calib is not None:
-            folder = work / f"checkpoint_restart-none-k{calib.checkpoint_every}" / "checkpoints"
-            save_s = sorted(float((folder / str(k) / ".done").read_text()) for k in saves if
-                            (folder / str(k) / ".done").exists())
-            save_s = save_s[len(save_s) // 2] if save_s else 0.0
+            save_s = statistics.median(bench.saves(calib).values()) if bench.saves(calib) else 0.0
             # A restart costs its launch to the end of its first step, less that step (the restore is
             # of a tiny model here: the processes and the engines' start are most of it).
             restart_s = max(0.0, calib.clock_start - calib.launched_at - step_s["checkpoint_restart"])
@@ -422,14 +437,15 @@ def main(argv: list[str] | None = None) -> int:
                 run = bench.run(system, mtbf_steps=rate, schedule=schedule, checkpoint_every=k,
                                 limit_s=args.cap * wall_free[system] + 300, title=f"{system} mtbf={rate:g} steps"
                                 + (f" K={k}" if k else ""))
-                fig = figures(ends={s: v["at"] for s, v in run.steps.items()}, steps=args.steps, step_s=step_s[system],
-                              clock_start=run.clock_start, stopped_at=run.stopped_at,
-                              interruptions=run.interruptions)
+                fig = figures(ends=ends_of(run), steps=args.steps, clock_start=run.clock_start,
+                              stopped_at=run.stopped_at, interruptions=run.interruptions,
+                              saves=bench.saves(run), fallback_step_s=step_s[system])
                 bit_identical = all(reference_losses(run).get(s) == reference_losses(reference).get(s)
                                     for s in run.steps)
                 result[system][f"{rate:g}"] = fig.ettr
                 result["runs"][str(rate)][system] = {
                     **asdict(fig), "checkpoint_every": k, "bit_identical": bit_identical and fig.finished,
+                    "ends": ends_of(run), "saves": bench.saves(run), "interruptions": run.interruptions,
                     "steps_redone": run.steps_redone, "failovers": run.failovers, "job_restarts": run.job_restarts,
                     "injected": run.injected, "attempts": run.attempts, "reports": run.reports,
                     "mean_recovery_s": sum(fig.recoveries_s) / len(fig.recoveries_s) if fig.recoveries_s else 0.0,

@@ -4,14 +4,15 @@ parts), ETTR and the other figures of a run from its step times, the
 checkpoint interval a user would choose, and the projection to a 256-GPU job.
 
 ETTR (effective training time ratio) = the time spent in the steps that count
-toward the final model / the wall time. A step counts once (a step redone after
-a failure or a restart counts once, in the run that kept it), and is worth the
-step time of the same system without failures (the median of its failure-free
-run: replica's includes its mirroring, the baseline's does not include its
-checkpoint saves, which are not steps); the wall time runs from the end of
-step 1 (both systems start up once, the same way) to the end of the last step.
-Steps slowed by a failure (a resync, a restart, an engine starting beside them)
-count only their failure-free time: what they lost is lost time."""
+toward the final model / the wall time, from the end of step 1 (both systems
+start up once) to the end of the last step. A step counts once, in the run that
+kept it (one redone after a rollback or a restart counts at its last run). A
+step's time is the gap from the previous step's end to its own, less a
+checkpoint save between them (saves are not steps); a gap that a failure fell
+in is worth the run's own median undisturbed step instead (the step, not the
+recovery). Measured against each run's own speed, so two runs on a machine
+whose speed drifts by 15% between them (this one's does) compare what the
+failures cost, not the drift."""
 
 from __future__ import annotations
 
@@ -68,34 +69,48 @@ def step_time(ends: Mapping[int, float], *, skip: set[int] = frozenset()) -> flo
 
 @dataclass(frozen=True, kw_only=True)
 class RunFigures:
-    ettr: float  # at most 1: the raw ratio can pass 1 where a failure left the rest less to share the cores with
-    raw: float
+    ettr: float
     wall_s: float
+    useful_s: float  # the time spent in the steps that count
+    step_s: float  # the run's own median undisturbed step (what a disturbed step is worth)
     steps_counted: int  # steps 2..last that the final model holds
     finished: bool
-    recoveries_s: list[float]  # per failure that interrupted: its fault to the next step's end, less a step
+    recoveries_s: list[float]  # per failure that hit: the gap it fell in, less a step
 
 
-def figures(*, ends: Mapping[int, float], steps: int, step_s: float, clock_start: float, stopped_at: float,
-            interruptions: Sequence[float]) -> RunFigures:
-    """A run's figures from the end time of each step in the final model (``ends``), the
-    step time that a step is worth, and when it stopped (its last step's end when it
-    finished; else when it was given up). ``interruptions``: when each failure that
-    stopped or rolled back training hit."""
+def figures(*, ends: Mapping[int, float], steps: int, clock_start: float, stopped_at: float,
+            interruptions: Sequence[float], saves: Mapping[int, float] | None = None,
+            fallback_step_s: float) -> RunFigures:
+    """A run's figures from the end time of each step in the final model (``ends``; a step
+    redone counts at its last end), when it stopped (its last step's end when it finished;
+    else when it was given up), when each failure hit (``interruptions``) and how long each
+    checkpoint save took (``saves``: after that step). A step's time is the gap from the
+    previous step's end to its own, less a save between them; a gap a failure fell in is
+    worth the run's median undisturbed step instead (the step itself, not the recovery), and
+    so is measured against this run's own speed, not another run's."""
+    saves = saves or {}
     finished = all(s in ends for s in range(1, steps + 1))
     end = ends[steps] if finished else stopped_at
-    counted = sum(1 for s in range(2, steps + 1) if s in ends)
     wall = end - clock_start
     if wall <= 0:
         raise ValueError(f"the run ended ({end}) before its clock started ({clock_start})")
+    gaps: dict[int, float | None] = {}
+    for s in range(2, steps + 1):
+        if s in ends and s - 1 in ends:
+            low, high = ends[s - 1], ends[s]
+            hit = any(low < t <= high for t in interruptions)
+            gaps[s] = None if hit else max(0.0, high - low - saves.get(s - 1, 0.0))
+    clean = [g for g in gaps.values() if g is not None]
+    typical = statistics.median(clean) if len(clean) >= 5 else fallback_step_s
+    useful = sum(typical if g is None else g for g in gaps.values())
     recoveries = []
-    for hit in interruptions:
-        after = [t for t in ends.values() if t > hit]
-        if after:
-            recoveries.append(max(0.0, min(after) - hit - step_s))
-    raw = counted * step_s / wall
-    return RunFigures(ettr=min(1.0, raw), raw=raw, wall_s=wall, steps_counted=counted, finished=finished,
-                      recoveries_s=recoveries)
+    for t in interruptions:
+        before = [e for e in ends.values() if e <= t]
+        after = [e for e in ends.values() if e > t]
+        if before and after:
+            recoveries.append(max(0.0, min(after) - max(before) - typical))
+    return RunFigures(ettr=min(1.0, useful / wall), wall_s=wall, useful_s=useful, step_s=typical,
+                      steps_counted=len(gaps), finished=finished, recoveries_s=recoveries)
 
 
 def modelled_ettr(*, interval: int, step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> float:

@@ -35,19 +35,29 @@ def test_step_time_is_the_median_gap_and_leaves_out_the_steps_after_a_save():
         step_time({1: 0.0})
 
 
-def test_ettr_counts_each_step_once_at_its_failure_free_time():
-    # 5 steps of 1 s; a failure at 12.5 s costs 4 s (steps 3.. end 4 s later than without it).
-    ends = {1: 10.0, 2: 11.0, 3: 16.0, 4: 17.0, 5: 18.0}
-    fig = figures(ends=ends, steps=5, step_s=1.0, clock_start=10.0, stopped_at=0.0, interruptions=[12.5])
-    assert fig.finished and fig.steps_counted == 4 and fig.wall_s == 8.0
-    assert fig.ettr == pytest.approx(4 / 8)
-    assert fig.recoveries_s == [pytest.approx(16.0 - 12.5 - 1.0)]
-    # Not finished: measured at the stop, over the steps it has.
-    part = figures(ends={1: 10.0, 2: 11.0}, steps=5, step_s=1.0, clock_start=10.0, stopped_at=20.0,
-                   interruptions=[])
-    assert not part.finished and part.ettr == pytest.approx(1 / 10)
-    clean = figures(ends={s: 10.0 + s for s in range(1, 6)}, steps=5, step_s=1.0, clock_start=11.0, stopped_at=0.0,
-                    interruptions=[])
+def test_ettr_counts_each_step_once_at_the_runs_own_speed():
+    # 9 steps of 1 s; a failure hits at 14.5 s and step 6 ends 4 s late: the gap it fell in is
+    # worth one step.
+    ends = {s: 9.0 + s for s in range(1, 6)} | {s: 13.0 + s for s in range(6, 10)}
+    fig = figures(ends=ends, steps=9, clock_start=10.0, stopped_at=0.0, interruptions=[14.5], fallback_step_s=9.9)
+    assert fig.finished and fig.steps_counted == 8 and fig.wall_s == 12.0 and fig.step_s == 1.0
+    assert fig.useful_s == 8.0 and fig.ettr == pytest.approx(8 / 12)
+    assert fig.recoveries_s == [pytest.approx(4.0)]  # the 5 s gap, less a step
+    # The same run on a machine twice as slow: the same ETTR (its own speed, not another run's).
+    slow = figures(ends={s: 2 * t for s, t in ends.items()}, steps=9, clock_start=20.0, stopped_at=0.0,
+                   interruptions=[29.0], fallback_step_s=9.9)
+    assert slow.ettr == pytest.approx(fig.ettr) and slow.step_s == 2.0
+    # Checkpoint saves are not steps: 0.5 s after steps 3 and 6 of a clean run.
+    saved = {s: 9.0 + s + 0.5 * (s > 3) + 0.5 * (s > 6) for s in range(1, 10)}
+    fig = figures(ends=saved, steps=9, clock_start=10.0, stopped_at=0.0, interruptions=[], saves={3: 0.5, 6: 0.5},
+                  fallback_step_s=9.9)
+    assert fig.useful_s == pytest.approx(8.0) and fig.ettr == pytest.approx(8 / 9)
+    # Not finished: measured at the stop, over the steps it has; too few steps: the fallback.
+    part = figures(ends={1: 10.0, 2: 11.0}, steps=5, clock_start=10.0, stopped_at=20.0, interruptions=[],
+                   fallback_step_s=9.9)
+    assert not part.finished and part.ettr == pytest.approx(1 / 10) and part.step_s == 9.9
+    clean = figures(ends={s: 10.0 + s for s in range(1, 8)}, steps=7, clock_start=11.0, stopped_at=0.0,
+                    interruptions=[], fallback_step_s=9.9)
     assert clean.ettr == 1.0
 
 

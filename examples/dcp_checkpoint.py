@@ -6,6 +6,7 @@ start from the newest complete checkpoint after a restart."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,13 +16,28 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["Checkpoints"]
+__all__ = ["Checkpoints", "add_arguments"]
 
 _DONE = ".done"  # written by rank 0 once every rank's part is in: holds the save's seconds
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint-dir", type=Path,
+                        help="save a torch.distributed.checkpoint here every --checkpoint-every steps (a folder every "
+                             "host reaches) and start from the newest one (`replica coordinator --standbys 0 "
+                             "--resume-step STEP`: the checkpoint-restart baseline)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
+
+
 class Checkpoints:
     """``root/STEP/``: one DCP checkpoint per saved step, complete once ``.done`` is in it."""
+
+    @classmethod
+    def of(cls, parser: argparse.ArgumentParser, args: argparse.Namespace) -> Checkpoints | None:
+        """From ``add_arguments``' options (None without them)."""
+        if (args.checkpoint_dir is None) != (args.checkpoint_every == 0):
+            parser.error("--checkpoint-dir and --checkpoint-every go together")
+        return cls(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
 
     def __init__(self, root: Path, every: int):
         if every < 1:
@@ -62,6 +78,20 @@ class Checkpoints:
         saved = torch.load(folder / f"extras.{rank}.pt", weights_only=False)
         for name, obj in extra.items():
             obj.load_state_dict(saved[name])
+
+    def restore(self, job, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                extra: Mapping[str, object]) -> None:
+        """A trainer of a ``replica.roles`` job: load the newest checkpoint, if any, and tell
+        the job it starts after it (``job.restored``). Call before ``job.replicate``."""
+        if job.role == "trainer" and (last := self.newest()) is not None:
+            self.load(last, model, optimizer, extra, rank=job.rank)
+            job.restored(last)
+
+    def after(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              extra: Mapping[str, object], *, rank: int) -> None:
+        """Save ``step`` when one is due (after its commit)."""
+        if self.due(step):
+            self.save(step, model, optimizer, extra, rank=rank)
 
     def seconds(self, step: int) -> float:
         """How long saving ``step`` took (rank 0's measure)."""

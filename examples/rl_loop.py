@@ -22,7 +22,7 @@ import torch
 
 import replica
 import replica.roles
-from dcp_checkpoint import Checkpoints
+from dcp_checkpoint import Checkpoints, add_arguments
 from replica.roles.rollouts import Sampling
 
 VOCAB, HIDDEN, LAYERS = 256, 128, 2
@@ -75,19 +75,11 @@ def grpo_loss(model, prompts, completions, advantages) -> torch.Tensor:
     return -(torch.tensor(advantages)[:, None] * logp).mean()
 
 
-def checkpoints_of(argv: list[str] | None = None) -> Checkpoints | None:
-    p = argparse.ArgumentParser(description="the RL loop (see the module's docstring)")
-    p.add_argument("--checkpoint-dir", type=Path, help="save torch.distributed.checkpoints here (shared by all hosts)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
-    args = p.parse_args(argv)
-    if (args.checkpoint_dir is None) != (args.checkpoint_every == 0):
-        p.error("--checkpoint-dir and --checkpoint-every go together")
-    return Checkpoints(args.checkpoint_dir, args.checkpoint_every) if args.checkpoint_dir else None
-
-
 def main() -> None:
     torch.set_num_threads(1)
-    checkpoints = checkpoints_of()
+    parser = argparse.ArgumentParser(description="the RL loop (see the module's docstring)")
+    add_arguments(parser)
+    checkpoints = Checkpoints.of(parser, parser.parse_args())
     job = replica.roles.init()
     if job.role == "rollout":
         job.serve_rollouts(make_engine)
@@ -105,9 +97,8 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rollouts = job.rollout_client(model, num_shards=SHARDS)
     extra = {"rng": replica.RNGState()}
-    if checkpoints is not None and job.role == "trainer" and (last := checkpoints.newest()) is not None:
-        checkpoints.load(last, model, optimizer, extra, rank=job.rank)
-        job.restored(last)
+    if checkpoints is not None:
+        checkpoints.restore(job, model, optimizer, extra)
     job.replicate(model, optimizer, extra)
     for step in job.steps(total):
         rollouts.push(step)  # the weights after step - 1, into every engine, in place
@@ -126,8 +117,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         job.log(step, loss, reward=sum(rewards) / len(rewards))
         job.commit(step)
-        if checkpoints is not None and checkpoints.due(step):
-            checkpoints.save(step, model, optimizer, extra, rank=job.rank)
+        if checkpoints is not None:
+            checkpoints.after(step, model, optimizer, extra, rank=job.rank)
 
 
 if __name__ == "__main__":

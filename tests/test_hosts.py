@@ -448,7 +448,10 @@ def test_host_agents_report_exits_and_start_replacements(cluster, tmp_path, refe
         (codes, job.outputs())
     result = json.loads(job.report.read_text())
     first, second = result["standbys_replaced"]
-    assert first["rank"] == 0 and first["reason"] == "exit code -9", first  # reported by its agent
+    # Reported by its agent (host 3's, agent index 2) at once; on a loaded machine a standby whose
+    # beats were already late when it died can meet its deadline first, which is as good.
+    assert first["rank"] == 0 and (first["reason"] == "exit code -9" or "no heartbeat" in first["reason"]), first
+    assert "exited with -9: reported" in job.output("agent2"), job.output("agent2")
     assert second["rank"] == 1 and "no heartbeat" in second["reason"], second  # its agent died with it
     standbys = [m for m in result["members"] if m["role"] == "standby"]
     hosts = {(m["rank"], m["state"] == "dead"): m["host"] for m in standbys}

@@ -320,6 +320,42 @@ def test_standalone_coordinator_with_torchrun_style_roles(tmp_path, reference):
     assert result["last_commit"] == STEPS
 
 
+def test_trainers_restored_from_their_own_checkpoint_end_bit_identical(tmp_path, reference):
+    """The checkpoint-restart baseline's path (bench/ettr.py): no standbys (``--standbys 0``),
+    a torch.distributed.checkpoint every 3 steps (examples/dcp_checkpoint.py). Trainer 1 is
+    killed in step 5, which ends the job (its rank had no copy). Started again with
+    ``--resume-step 3``, the trainers restore that checkpoint themselves (``Job.restored``),
+    and steps 4.. equal the failure-free run's bit for bit."""
+    folder = tmp_path / "checkpoints"
+    script = [str(EXAMPLE), "--checkpoint-dir", str(folder), "--checkpoint-every", "3"]
+
+    def run(name: str, *options: str, **env: str) -> tuple[subprocess.Popen, str, list[int | None]]:
+        port = free_port()
+        coordinator = start_coordinator(port, tmp_path / f"{name}.json", "--standbys", "0", *options, **env)
+        trainers = [subprocess.Popen([sys.executable, *script], env=role_env(port, "trainer", rank, **env), cwd=ROOT,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for rank in (0, 1)]
+        try:
+            output = coordinator.communicate(timeout=240)[0]
+            return coordinator, output, [p.wait(timeout=60) for p in trainers]
+        finally:
+            for proc in (coordinator, *trainers):
+                proc.kill()
+
+    first, output, codes = run("first", REPLICA_INJECT="kill:trainer:1@5:backward")
+    assert first.returncode != 0 and "rank 1 was unprotected and its state is lost" in output, output[-4000:]
+    assert codes[1] == -9, codes
+    assert sorted(int(p.name) for p in folder.iterdir() if (p / ".done").exists()) == [3]  # step 6 never came
+    second, output, codes = run("second", "--resume-step", "3")
+    assert second.returncode == 0 and codes == [0, 0], (codes, output[-4000:])
+    assert "the trainers restore it from their own checkpoint" in output
+    result = json.loads((tmp_path / "second.json").read_text())
+    assert result["last_commit"] == STEPS
+    for rank, losses in reference["losses_hex"].items():
+        assert result["losses_hex"][rank][:3] == [None, None, None]  # not run again
+        assert result["losses_hex"][rank][3:] == losses[3:], rank
+    assert sorted(int(p.name) for p in folder.iterdir() if (p / ".done").exists()) == [3, 6, 9]
+
+
 def test_a_frozen_trainer_waking_up_after_its_failover_stops_by_itself(tmp_path, reference):
     """A zombie. Trainer 1 freezes (SIGSTOP) in step 5 of a `replica coordinator` job: no
     agent kills it, its connections stay open, so only the heartbeat deadline finds it, and
