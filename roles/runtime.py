@@ -6,6 +6,7 @@ back and joins the next process-group generation inside it."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -510,6 +511,9 @@ def _exit_now(code: int) -> NoReturn:
 
 
 def init() -> Job:
-    """Join the job ``replica launch`` (or a torchrun-style environment) describes."""
+    """Join the job ``replica launch`` (or a torchrun-style environment) describes. A role
+    prints every thread's Python stack to stderr on SIGUSR1 (``kill -USR1 PID``: where is
+    it stuck?)."""
     configure_logging()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     return Job(RoleEnv.from_environ())
