@@ -20,7 +20,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ from datetime import timedelta
 
 from replica.jobstate import AgentInfo, AgentOrder, JobStore, Number, OrderKind, RoleExit, Stamp, keys
 from replica.roles import timing
-from replica.roles.env import HOST, ROLES, Action, Fault, Role, configure_logging, parse_faults
+from replica.roles.env import HOST, ROLES, Action, Fault, Role, configure_logging, host_name, parse_faults
 from replica.roles.launch import LocalAgent
 from replica.stores import StoreAddress
 
@@ -65,7 +64,7 @@ class HostAgent:
     def __init__(self, *, store: JobStore, index: int, address: str, local: LocalAgent,
                  faults: tuple[Fault, ...] = ()):
         self.store, self.index, self.local, self.address = store, index, local, address
-        self.host = socket.gethostname()
+        self.host = host_name()
         self._lock = threading.Lock()
         # An agent started again on its host (the host came back) takes only new orders: the
         # earlier ones were for its previous incarnation and its processes, gone with it.

@@ -6,7 +6,7 @@ import sys
 
 __all__ = ["main"]
 
-_USAGE = """usage: replica launch [--trainers N] [--steps N] [--inject SPEC] [--report PATH] SCRIPT [ARGS...]
+_USAGE = """usage: replica launch [--trainers N] [--steps N] [--inject SPEC] [--report PATH] [--ray ADDRESS] SCRIPT [ARGS...]
        replica coordinator --world-size N --steps N [--host H] [--port P] [--store etcd://...] [--agents N]
        replica agent --store ADDRESS --index N [--address A] [--roles ROLE:RANK,...] SCRIPT [ARGS...]
        replica compare REFERENCE.json OTHER.json [--plot LOSSES.png]
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "launch":
         from replica.roles.launch import main as launch
 
-        return launch(argv[1:])
+        return launch(argv[1:], ray_agents=_ray_agents)
     if argv[0] == "coordinator":
         from replica.roles.serve import main as coordinator
 
@@ -34,6 +34,15 @@ def main(argv: list[str] | None = None) -> int:
         return _compare(argv[1:])
     print(f"replica: bad command {' '.join(argv)!r}\n{_USAGE}", file=sys.stderr)
     return 2
+
+
+def _ray_agents(**kwargs):
+    """``replica launch --ray``'s agent; replica.ray is imported only then (the ray extra)."""
+    try:
+        from replica.ray.launch import ray_agents
+    except ImportError as exc:
+        raise ValueError(f"--ray needs Ray: pip install 'replica[ray]' ({exc})") from exc
+    return ray_agents(**kwargs)
 
 
 def _compare(argv: list[str]) -> int:

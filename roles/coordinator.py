@@ -28,7 +28,7 @@ from replica.jobstate import Failover as FailoverRecord
 from replica.jobstate import ExportRequest, Flag, Generation, JobStore, Promotion, Stamp, Text, keys
 from replica.stores import StoreAddress, StoreKind
 from replica.roles import timing
-from replica.roles.env import ROLES, Role
+from replica.roles.env import ROLES, Role, host_name
 from replica.roles.timing import Deadlines
 from replica.roles.join import JoinRequest, answer, pending_requests, refuse_unsigned
 
@@ -269,7 +269,7 @@ class Coordinator:
         """A local agent saw process ``pid`` exit with ``code``."""
         decisions = self._check_fatal()
         self._admit()
-        host = host or socket.gethostname()
+        host = host or host_name()
         # A live member first: pids are reused (pid_max may be 32768), and a dead member may hold this one.
         member = next((m for m in self.alive() if m.pid == pid and m.host == host), None) or next(
             (m for m in self.members if m.pid == pid and m.host == host), None)

@@ -8,12 +8,13 @@ import dataclasses
 import enum
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 
 from replica.stores import StoreAddress
 
 __all__ = ["ACTIONS", "Action", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "configure_logging",
-           "parse_faults"]
+           "host_name", "parse_faults"]
 
 
 class Role(enum.StrEnum):
@@ -149,6 +150,12 @@ class RoleEnv:
                    faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"),
                    rollouts=int(env.get("REPLICA_ROLLOUTS", "0")), mirror_device=env.get("REPLICA_MIRROR_DEVICE", ""),
                    export_dir=env.get("REPLICA_EXPORT_DIR") or "replica-export", resume=env.get("REPLICA_RESUME", ""))
+
+
+def host_name() -> str:
+    """The name the job knows this machine by: ``REPLICA_HOST_NAME`` where set (Ray sets its
+    node's id, so nodes sharing one machine are told apart), else the hostname."""
+    return os.environ.get("REPLICA_HOST_NAME") or socket.gethostname()
 
 
 def configure_logging() -> None:

@@ -19,7 +19,6 @@ import hmac
 import json
 import os
 import secrets
-import socket
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -27,6 +26,7 @@ from datetime import timedelta
 from replica.errors import JobStateError, JoinRefusedError, ReplicaError, StoreWaitTimeoutError
 from replica.jobstate import JobStore, JoinReply, keys
 from replica.roles import timing
+from replica.roles.env import host_name
 
 __all__ = ["Admission", "JoinRequest", "answer", "join", "pending_requests", "refuse_unsigned"]
 
@@ -74,7 +74,7 @@ def _mac(token: bytes, body: str) -> str:
 
 def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timedelta) -> Admission:
     """Ask the coordinator to admit this process; raises JoinRefusedError if refused."""
-    request = JoinRequest(role=role, rank=rank, host=socket.gethostname(), pid=os.getpid(), nonce=secrets.token_hex(16))
+    request = JoinRequest(role=role, rank=rank, host=host_name(), pid=os.getpid(), nonce=secrets.token_hex(16))
     seq = store.count(keys.join_seq(), 1)
     store.raw.set(store.full(keys.join_request(seq)), request.encode(token))
     key = keys.join_reply(seq)

@@ -17,6 +17,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from collections.abc import Callable
 from typing import TextIO
 
 from replica.errors import ReplicaError
@@ -27,7 +28,7 @@ from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
 
 __all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main", "resume_point",
-           "state_options"]
+           "role_env", "start_roles", "state_options"]
 
 # Run as `python -I -S -c _DIE_WITH_LAUNCHER LAUNCHER_PID ARGV...`, before anything of the job is
 # imported: set PR_SET_PDEATHSIG, then exec ARGV in the same process (the setting survives exec, and
@@ -137,6 +138,23 @@ def deadlines_of(args: argparse.Namespace) -> Deadlines:
                      else trainer)
 
 
+def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int, rollouts: int, mirror_device: str,
+             export_dir: Path, resume: Path | None) -> dict[str, str]:
+    """The environment every role of a launched job starts with (this one's, plus the job's)."""
+    # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
+    # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
+    # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
+    # UCX prints an error line of its own when an endpoint to a killed peer is closed
+    # ("error during flush: Connection reset by remote peer"): replica reports and handles every
+    # peer death itself. UCX_LOG_LEVEL=error (or any level) set by the user is kept.
+    env = dict({"TORCH_GLOO_LAZY_INIT": "1", "UCX_LOG_LEVEL": "fatal"}, **os.environ)
+    env.update(REPLICA_WORLD_SIZE=str(world_size), REPLICA_STORE=store, REPLICA_TOKEN=token,
+               REPLICA_INJECT=inject, REPLICA_STEPS=str(steps), REPLICA_ROLLOUTS=str(rollouts),
+               REPLICA_MIRROR_DEVICE="" if mirror_device == "model" else mirror_device,
+               REPLICA_EXPORT_DIR=str(export_dir.resolve()), REPLICA_RESUME=str(resume) if resume else "")
+    return env
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="replica launch", description=__doc__)
     p.add_argument("script", help="the training script; it runs in every role")
@@ -162,7 +180,16 @@ def _parser() -> argparse.ArgumentParser:
                         "stays free for the standby's rollouts; promotion copies the state to the GPU)")
     p.add_argument("--report", type=Path, help="write the job report (losses, faults, timeline) as JSON")
     p.add_argument("--timeline", type=Path, help="plot the failover timeline as PNG (default: beside --report)")
-    p.add_argument("--host", default="127.0.0.1", help="where the job store listens")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="where the job store listens (on a Ray cluster of several machines: the driver's routable "
+                        "address)")
+    p.add_argument("--ray", default="", metavar="ADDRESS",
+                   help="run every role as a Ray actor on the cluster at ADDRESS ('auto': the one this machine "
+                        "belongs to; needs replica[ray]); standby r is placed on rollout r's node")
+    p.add_argument("--ray-placement", default="", metavar="JSON",
+                   help='Ray resources per role and the spread, e.g. \'{"trainer": {"GPU": 8}, "rollout": {"GPU": 8}, '
+                        '"standby": {"CPU": 1}, "strategy": "STRICT_SPREAD", "timeout_s": 60}\' (default: 1 CPU each, '
+                        'each trainer and rollout machine on its own node)')
     p.add_argument("--port", type=int, default=0, help="the job store's port (default: any free one)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the whole job is abandoned")
     deadline_options(p)
@@ -244,7 +271,23 @@ class LocalAgent:
                 self.procs[pid][1].returncode}
 
 
-def main(argv: list[str] | None = None) -> int:
+def start_roles(coord: Coordinator, agent, *, trainers: int, standbys: int, rollouts: int) -> None:
+    """Start a job's roles through its agent (``start(role, rank)``): engines first (they start
+    slowest), then standbys, then trainers; ranks without a standby are marked unprotected."""
+    for rank in range(standbys, trainers):
+        coord.set_unprotected(rank)
+        print(f"replica: WARNING rank {rank} is UNPROTECTED: it has no standby", flush=True)
+    for index in range(rollouts):
+        agent.start(Role.ROLLOUT, index)
+    for rank in range(standbys):
+        agent.start(Role.STANDBY, rank)
+    for rank in range(trainers):
+        agent.start(Role.TRAINER, rank)
+
+
+def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | None = None) -> int:
+    """``replica launch``; ``ray_agents`` (the `replica` command passes replica.ray's) makes the
+    agent of ``--ray``."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -266,28 +309,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replica: job store at {coord.address}; {args.trainers} trainers, {standbys} standbys, "
           f"{args.rollouts} rollouts" + (f"; resuming from step {resume[0]} in {resume[1]}" if resume else ""),
           flush=True)
-    # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
-    # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
-    # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
-    # UCX prints an error line of its own when an endpoint to a killed peer is closed
-    # ("error during flush: Connection reset by remote peer"): replica reports and handles every
-    # peer death itself. UCX_LOG_LEVEL=error (or any level) set by the user is kept.
-    env = dict({"TORCH_GLOO_LAZY_INIT": "1", "UCX_LOG_LEVEL": "fatal"}, **os.environ)
-    env.update(REPLICA_WORLD_SIZE=str(args.trainers), REPLICA_STORE=coord.address, REPLICA_TOKEN=token,
-               REPLICA_INJECT=args.inject, REPLICA_STEPS=str(args.steps), REPLICA_ROLLOUTS=str(args.rollouts),
-               REPLICA_MIRROR_DEVICE="" if args.mirror_device == "model" else args.mirror_device,
-               REPLICA_EXPORT_DIR=str(args.export_dir.resolve()), REPLICA_RESUME=str(resume[1]) if resume else "")
-    agent = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=args.replacements)
-    for rank in range(standbys, args.trainers):
-        coord.set_unprotected(rank)
-        print(f"replica: WARNING rank {rank} is UNPROTECTED: it has no standby", flush=True)
+    env = role_env(store=coord.address, token=token, world_size=args.trainers, inject=args.inject,
+                   steps=args.steps, rollouts=args.rollouts, mirror_device=args.mirror_device,
+                   export_dir=args.export_dir, resume=resume[1] if resume else None)
+    script = [args.script, *args.script_args]
+    if args.ray:
+        if ray_agents is None:
+            parser.error("--ray: run this through the `replica` command (it needs replica[ray])")
+        try:
+            agent = ray_agents(address=args.ray, placement=args.ray_placement, script=script, env=env,
+                               replacements=args.replacements, trainers=args.trainers, rollouts=args.rollouts,
+                               standbys=standbys)
+        except (ReplicaError, ValueError) as exc:
+            print(f"replica: {exc}", flush=True)
+            return 2
+    else:
+        agent = LocalAgent(script=script, env=env, replacements=args.replacements)
     try:
-        for index in range(args.rollouts):  # engines start slowest: first
-            agent.start(Role.ROLLOUT, index)
-        for rank in range(standbys):
-            agent.start(Role.STANDBY, rank)
-        for rank in range(args.trainers):
-            agent.start(Role.TRAINER, rank)
+        start_roles(coord, agent, trainers=args.trainers, standbys=standbys, rollouts=args.rollouts)
         timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
         spec = JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                        timeline_png=timeline, train_while_replacing=args.train_while_replacing,

@@ -1,0 +1,58 @@
+"""One role of a job as a Ray actor. The actor runs the user's script as a child process,
+exactly as ``replica launch`` and ``replica agent`` do (``python SCRIPT`` with the role's
+environment), so a role behaves the same under every launcher; the child is SIGKILLed
+when its actor's process dies (``ray.kill``, a killed worker, a lost node), so Ray's view
+of the actor and the role's own life agree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import ray
+
+from replica.roles.launch import die_with_launcher
+
+__all__ = ["RoleProcess", "node_host_name"]
+
+
+def node_host_name(node_id: str) -> str:
+    """The host name a role on Ray node ``node_id`` joins the job with (REPLICA_HOST_NAME):
+    the node, not the machine's hostname, which simulated nodes share."""
+    return f"ray-{node_id[:12]}"
+
+
+class RoleProcess:
+    """The body of a role actor (``ray.remote(RoleProcess)``); its methods run one at a
+    time on the worker's main thread, which started the child (PR_SET_PDEATHSIG is tied
+    to the thread that forked)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("a role actor must run its methods on the main thread (max_concurrency=1)")
+        self.node = ray.get_runtime_context().get_node_id()
+        env = {**os.environ, **env, "REPLICA_HOST_NAME": node_host_name(self.node)}
+        # The address its listeners bind: the node's, unless the job pinned one.
+        env.setdefault("REPLICA_HOST", ray.util.get_node_ip_address())
+        self.popen = subprocess.Popen(die_with_launcher([sys.executable, *argv]), env=env)
+
+    def where(self) -> tuple[int, str]:
+        """(the role process's pid, this node's id)."""
+        return self.popen.pid, self.node
+
+    def wait(self, seconds: float) -> int | None:
+        """The role's exit code once it exited, or None after ``seconds``."""
+        try:
+            return self.popen.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, seconds: float) -> int:
+        """Let the role end by itself within ``seconds`` (a standby sees the job's end), then kill it."""
+        code = self.wait(seconds)
+        if code is None:
+            self.popen.kill()
+            code = self.popen.wait()
+        return code

@@ -1,0 +1,282 @@
+"""``supervise.Agent`` on Ray: the job's roles are actors, and Ray's own signals are agent
+reports. An actor's death (``ActorDiedError``: ``ray.kill``, a killed worker, a node
+removed) is the role's exit; an actor Ray cannot reach (``ActorUnavailableError``) or a
+node Ray declared dead makes its host silent, as a host agent that stopped beating
+does. These come beside the job's own signals (transport reports, heartbeats), never
+instead of them.
+
+Placement: one placement group for the job's machines, a bundle per trainer and one per
+rollout machine (rollout r and standby r share bundle r: standbys live on the rollout
+machines), spread over distinct nodes by default. Replacements are new actors pinned to
+a live node that runs no trainer, the replaced role's own node first (a standby killed on
+a healthy node comes back there), else the one with the fewest of the job's roles."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import ray
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from replica.errors import ReplicaError
+from replica.ray.actor import RoleProcess, node_host_name
+from replica.roles.env import Role
+
+__all__ = ["Placement", "PlacementError", "RayAgents"]
+
+logger = logging.getLogger(__name__)
+
+_WAIT_SLICE_S = 1.0  # how long an actor's wait() blocks before it answers "still running"
+_NODES_EVERY_S = 0.5  # how often Ray's node table is read for dead nodes
+_BOOKKEEPING = ("node:", "memory", "object_store_memory", "accelerator_type:")  # resources no role asks for
+
+
+class PlacementError(ReplicaError):
+    """The job's roles cannot be placed on the Ray cluster (within the placement deadline)."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Placement:
+    """Ray resources per role and how the job's machines are spread. ``strategy`` is Ray's
+    placement-group strategy over the bundles (one per trainer, one per rollout machine):
+    ``STRICT_SPREAD`` puts each on its own node, so no standby shares a trainer's fate."""
+
+    trainer: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    rollout: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    standby: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
+    strategy: str = "STRICT_SPREAD"
+    timeout: timedelta = timedelta(seconds=60)  # for the placement group, and for each actor to start
+
+    def bundles(self, *, trainers: int, rollouts: int, standbys: int) -> list[dict[str, float]]:
+        """Bundles 0..trainers-1 for the trainers, then one per rollout machine."""
+        machines = max(rollouts, standbys)
+        return [dict(self.trainer) for _ in range(trainers)] + [
+            _plus(self.rollout if r < rollouts else {}, self.standby if r < standbys else {}) for r in range(machines)]
+
+
+def _plus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
+
+
+def _actor_options(resources: dict[str, float]) -> dict:
+    cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
+    custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
+    return {"num_cpus": cpus, "num_gpus": gpus, **({"resources": custom} if custom else {}), "max_concurrency": 1,
+            "max_restarts": 0}
+
+
+@dataclass(kw_only=True, slots=True)
+class _Actor:
+    role: str
+    rank: int
+    handle: object
+    resources: dict[str, float]
+    started: float
+    pid: int | None = None
+    node: str | None = None
+    code: int | None = None  # its exit code, once reported
+    unavailable_since: float | None = None
+
+    @property
+    def host(self) -> str | None:
+        return node_host_name(self.node) if self.node else None
+
+
+class RayAgents:
+    """Starts the job's roles as Ray actors and reports what Ray sees of them. ``script``:
+    the user's script and its arguments; ``env``: the roles' environment (the job store's
+    address, token, ...); ``replacements`` < 0: no limit."""
+
+    def __init__(self, *, script: list[str], env: dict[str, str], replacements: int, placement: Placement,
+                 trainers: int, rollouts: int, standbys: int):
+        self._script, self._env, self._replacements, self.placement = script, env, replacements, placement
+        self._trainers, self._rollouts, self._standbys = trainers, rollouts, standbys
+        self._remote = ray.remote(RoleProcess)
+        self._actors: list[_Actor] = []
+        self._calls: dict[ray.ObjectRef, _Actor] = {}  # one where() or wait() in flight per live actor
+        self._pg: PlacementGroup | None = None
+        self._dead_nodes: set[str] = set()
+        self._nodes_read = 0.0
+
+    # --- placement ---
+
+    def reserve(self) -> None:
+        """Reserve the job's machines (a placement group); PlacementError if Ray cannot
+        within ``placement.timeout``, naming what was asked and what the cluster has."""
+        bundles = self.placement.bundles(trainers=self._trainers, rollouts=self._rollouts, standbys=self._standbys)
+        self._pg = placement_group(bundles, strategy=self.placement.strategy, name=f"replica-{id(self):x}")
+        if not self._pg.wait(int(self.placement.timeout.total_seconds())):
+            remove_placement_group(self._pg)
+            self._pg = None
+            nodes = [{k: v for k, v in n["Resources"].items() if not k.startswith(_BOOKKEEPING)}
+                     for n in ray.nodes() if n["Alive"]]
+            raise PlacementError(
+                f"the Ray cluster cannot place the job within {self.placement.timeout.total_seconds():g} s: it asks for "
+                f"{len(bundles)} bundles {bundles} with strategy {self.placement.strategy} ({self._trainers} trainers, "
+                f"{max(self._rollouts, self._standbys)} rollout machines); the cluster's {len(nodes)} live nodes have {nodes}")
+
+    def start(self, role: str, rank: int) -> None:
+        """A role in its place: trainer r in bundle r, rollout and standby r in the trainers'
+        count + r (without a reservation, or for a replacement: see ``_replace``)."""
+        resources = {Role.TRAINER: self.placement.trainer, Role.ROLLOUT: self.placement.rollout,
+                     Role.STANDBY: self.placement.standby}[Role(role)]
+        bundle = rank if role == Role.TRAINER else self._trainers + rank
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle)
+        self._launch(role, rank, resources, strategy)
+
+    def _launch(self, role: str, rank: int, resources: dict[str, float], strategy) -> None:
+        env = dict(self._env, REPLICA_ROLE=str(role), REPLICA_RANK=str(rank))
+        handle = self._remote.options(scheduling_strategy=strategy, name=None,
+                                      **_actor_options(resources)).remote(self._script, env)
+        actor = _Actor(role=str(role), rank=rank, handle=handle, resources=resources, started=time.monotonic())
+        self._actors.append(actor)
+        self._calls[handle.where.remote()] = actor
+
+    def wait_started(self, timeout: timedelta) -> None:
+        """Until every actor started so far runs its role; PlacementError after ``timeout``."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while any(a.pid is None and a.code is None for a in self._actors):
+            if time.monotonic() > deadline:
+                late = [f"{a.role} {a.rank}" for a in self._actors if a.pid is None]
+                raise PlacementError(f"roles not started within {timeout.total_seconds():g} s: {', '.join(late)}")
+            self._take(0.05)
+
+    # --- supervise.Agent ---
+
+    def exits(self) -> list[tuple[int, int, str | None]]:
+        return self._take(0.0)
+
+    def _take(self, timeout_s: float) -> list[tuple[int, int, str | None]]:
+        """Collect the answers in: where() gives a role's pid and node, wait() its exit (or
+        None: ask again), an error the actor's death or unreachability."""
+        gone: list[tuple[int, int, str | None]] = []
+        if not self._calls:
+            return gone
+        ready, _ = ray.wait(list(self._calls), num_returns=len(self._calls), timeout=timeout_s)
+        now = time.monotonic()
+        for ref in ready:
+            actor = self._calls.pop(ref)
+            try:
+                answer = ray.get(ref)
+            except ActorUnavailableError:  # not known dead: its node may be lost or cut off; ask again
+                actor.unavailable_since = actor.unavailable_since or now
+                self._ask(actor)
+                continue
+            except RayActorError as exc:
+                actor.code = -9
+                if actor.pid is None:
+                    logger.error("%s %d's actor died before its role started: %s", actor.role, actor.rank, exc)
+                else:
+                    logger.warning("%s %d's actor died (%s): reported as its exit", actor.role, actor.rank,
+                                   type(exc).__name__)
+                    gone.append((actor.pid, -9, actor.host))
+                continue
+            actor.unavailable_since = None
+            if isinstance(answer, tuple):
+                actor.pid, actor.node = answer
+            elif answer is not None:
+                actor.code = answer
+                gone.append((actor.pid, answer, actor.host))
+                continue
+            self._ask(actor)
+        for actor in self._actors:  # an actor never placed (a replacement with nowhere to go) is given up
+            if actor.pid is None and actor.code is None and now - actor.started > self.placement.timeout.total_seconds():
+                logger.error("%s %d could not be started within %g s: given up", actor.role, actor.rank,
+                             self.placement.timeout.total_seconds())
+                actor.code = -1
+                ray.kill(actor.handle, no_restart=True)
+                self._calls = {r: a for r, a in self._calls.items() if a is not actor}
+        return gone
+
+    def _ask(self, actor: _Actor) -> None:
+        self._calls[actor.handle.wait.remote(_WAIT_SLICE_S)] = actor
+
+    def replace_standby(self, rank: int) -> bool:
+        return self._replace(Role.STANDBY, rank, self.placement.standby)
+
+    def replace_rollout(self, index: int) -> bool:
+        return self._replace(Role.ROLLOUT, index, self.placement.rollout)
+
+    def _replace(self, role: str, rank: int, resources: dict[str, float]) -> bool:
+        if self._replacements == 0:
+            return False
+        node = self._node_for(role, rank, resources)
+        if node is None:
+            logger.error("no live Ray node without a trainer has %s for a new %s %d", resources, role, rank)
+            return False
+        self._replacements -= 1
+        self._launch(role, rank, resources, NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+        logger.warning("starting a new %s %d on Ray node %s", role, rank, node[:12])
+        return True
+
+    def _node_for(self, role: str, rank: int, resources: dict[str, float]) -> str | None:
+        live = [a for a in self._actors if a.code is None]
+        trainer_nodes = {a.node for a in live if a.role == Role.TRAINER}
+        load: dict[str, int] = {}
+        for a in live:
+            if a.node:
+                load[a.node] = load.get(a.node, 0) + 1
+        own = [a.node for a in self._actors if a.role == role and a.rank == rank and a.node]
+        candidates = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in trainer_nodes
+                      and n["NodeID"] not in self._dead_nodes
+                      and all(n["Resources"].get(k, 0.0) >= v for k, v in resources.items() if v > 0)]
+        if own and own[-1] in candidates:
+            return own[-1]
+        return min(candidates, key=lambda n: (load.get(n, 0), n), default=None)
+
+    def kill(self, pid: int, host: str | None = None) -> None:
+        for actor in self._actors:
+            if actor.pid == pid and (host is None or actor.host == host) and actor.code is None:
+                ray.kill(actor.handle, no_restart=True)  # the role dies with its actor
+
+    def silent_hosts(self, longer_than: timedelta) -> set[str]:
+        now = time.monotonic()
+        if now - self._nodes_read > _NODES_EVERY_S:
+            self._nodes_read = now
+            self._dead_nodes = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+        silent = {node_host_name(n) for n in self._dead_nodes}
+        silent |= {a.host for a in self._actors if a.host and a.unavailable_since is not None
+                   and now - a.unavailable_since > longer_than.total_seconds()}
+        return silent
+
+    def running(self, pids: set[int]) -> bool:
+        return any(a.code is None for a in self._actors if a.pid in pids)
+
+    # --- the end ---
+
+    def wait(self, timeout: timedelta) -> None:
+        """Until every role ended by itself, ``timeout`` at most."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while any(a.code is None for a in self._actors) and time.monotonic() < deadline:
+            self._take(0.1)
+
+    def stop(self) -> None:
+        """Let the standbys see the job's end and exit (5 s), kill whatever is left, free the machines."""
+        live = [a for a in self._actors if a.code is None]
+        stops = {a.handle.stop.remote(5.0): a for a in live}
+        try:
+            ray.wait(list(stops), num_returns=len(stops), timeout=10.0)
+        except GetTimeoutError:
+            pass
+        for actor in live:
+            ray.kill(actor.handle, no_restart=True)
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+    def failed_codes(self, pids: set[int]) -> dict[int, int]:
+        return {a.pid: a.code for a in self._actors if a.pid in pids and a.code}
+
+    def nodes(self) -> dict[str, str]:
+        """Where each role runs: ``"trainer 0"`` -> Ray node id (live roles)."""
+        return {f"{a.role} {a.rank}": a.node for a in self._actors if a.code is None and a.node}
+
+    def actor(self, role: str, rank: int):
+        """The live actor handle of a role (None if it has none)."""
+        return next((a.handle for a in reversed(self._actors) if a.role == role and a.rank == rank and a.code is None),
+                    None)

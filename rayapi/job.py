@@ -1,0 +1,148 @@
+"""``RayJob``: a replica job driven from Python on a Ray cluster, for an RL framework's
+single controller (verl, OpenRLHF, NeMo-RL style): the driver process hosts the
+coordinator and the job store, the roles run the user's script in Ray actors."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from replica.ray.agents import Placement, RayAgents
+from replica.ray.launch import ray_agents
+from replica.roles.coordinator import Coordinator
+from replica.roles.env import HOST, Role, parse_faults
+from replica.roles.launch import role_env, start_roles
+from replica.roles.supervise import JobSpec, supervise
+from replica.roles.timing import Deadlines
+
+__all__ = ["RayJob", "RayJobConfig"]
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class RayJobConfig:
+    """What ``replica launch`` takes, as a config. ``script``: the user's script and its
+    arguments, run by every role; ``address``: the Ray cluster (None: the one ``ray.init``
+    already joined, else ``"auto"``); ``host``: where the job store listens (on several
+    machines, the driver's routable address)."""
+
+    script: tuple[str, ...]
+    trainers: int = 2
+    standbys: int | None = None  # ranks 0..K-1 have standbys (default: all)
+    rollouts: int = 0
+    steps: int = 20
+    replacements: int = -1  # new standbys or engines Ray may start in all (< 0: no limit)
+    placement: Placement = field(default_factory=Placement)
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    train_while_replacing: bool = False
+    timeout: timedelta = timedelta(minutes=10)
+    inject: str = ""
+    report: Path | None = None
+    export_dir: Path = Path("replica-export")
+    mirror_device: str = "model"
+    address: str | None = None
+    host: str = "127.0.0.1"
+
+    def __post_init__(self):
+        standbys = self.trainers if self.standbys is None else self.standbys
+        if not self.script:
+            raise ValueError("script: the user's script (and its arguments) is required")
+        if self.trainers < 1 or not 0 <= standbys <= self.trainers or self.rollouts < 0 or self.steps < 1:
+            raise ValueError(f"need trainers >= 1, 0 <= standbys <= trainers, rollouts >= 0, steps >= 1; got "
+                             f"{self.trainers}, {standbys}, {self.rollouts}, {self.steps}")
+        if any(f.role == HOST for f in parse_faults(self.inject)):
+            raise ValueError("host faults are for `replica agent` hosts; on Ray, remove or kill a node instead")
+
+
+class RayJob:
+    """Start the job's roles on Ray, watch it from the driver, shut it down. The
+    coordinator's loop runs on a thread of the driver; ``wait`` joins it."""
+
+    def __init__(self, config: RayJobConfig):
+        self.config = config
+        self.coordinator: Coordinator | None = None
+        self.agents: RayAgents | None = None
+        self._thread: threading.Thread | None = None
+        self._status: int | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def standbys(self) -> int:
+        return self.config.trainers if self.config.standbys is None else self.config.standbys
+
+    def start(self) -> None:
+        """Place the job (PlacementError within the placement deadline if the cluster cannot)
+        and start every role; returns once they are started, the job going on."""
+        if self.coordinator is not None:
+            raise RuntimeError("this RayJob was started already")
+        c = self.config
+        token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
+        self.coordinator = Coordinator(world_size=c.trainers, token=token.encode(), host=c.host, port=0,
+                                       deadlines=c.deadlines, rollouts=c.rollouts)
+        env = role_env(store=self.coordinator.address, token=token, world_size=c.trainers, inject=c.inject,
+                       steps=c.steps, rollouts=c.rollouts, mirror_device=c.mirror_device, export_dir=c.export_dir,
+                       resume=None)
+        self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script), env=env,
+                                 replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,
+                                 standbys=self.standbys)
+        start_roles(self.coordinator, self.agents, trainers=c.trainers, standbys=self.standbys, rollouts=c.rollouts)
+        self.agents.wait_started(c.placement.timeout)
+        spec = JobSpec(steps=c.steps, faults=parse_faults(c.inject), timeout=c.timeout, report=c.report,
+                       train_while_replacing=c.train_while_replacing, export_dir=c.export_dir)
+        self._thread = threading.Thread(target=self._supervise, args=(spec,), name="replica-coordinator", daemon=True)
+        self._thread.start()
+
+    def _supervise(self, spec: JobSpec) -> None:
+        try:
+            self._status = supervise(self.coordinator, spec, self.agents)
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            self._error = exc
+
+    def wait(self, timeout: timedelta | None = None) -> int:
+        """The job's exit status once it ended (0: every trainer finished); TimeoutError
+        after ``timeout`` (the job goes on)."""
+        if self._thread is None:
+            raise RuntimeError("start() the job first")
+        self._thread.join(None if timeout is None else timeout.total_seconds())
+        if self._thread.is_alive():
+            raise TimeoutError(f"the job is still running after {timeout}")
+        if self._error is not None:
+            raise self._error
+        return self._status
+
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def commit(self) -> int | None:
+        """The last global commit: the step every rank's state is safe at."""
+        return self.coordinator.record.last() if self.coordinator else None
+
+    def failovers(self) -> list[dict]:
+        """The failovers so far: rank, generation, commit, reason and the timeline (ms)."""
+        return [dataclasses.asdict(f) for f in self.coordinator.failovers] if self.coordinator else []
+
+    def roles(self) -> dict[str, str]:
+        """Where each live role runs: ``"trainer 0"`` -> Ray node id."""
+        return self.agents.nodes() if self.agents else {}
+
+    def actor(self, role: str | Role, rank: int):
+        """A role's live actor (a Ray handle), e.g. to kill it in a test."""
+        return self.agents.actor(str(Role(role)), rank) if self.agents else None
+
+    def shutdown(self) -> None:
+        """End the job: the roles' actors killed, the placement group freed."""
+        if self.agents is not None:
+            self.agents.stop()
+        if self.coordinator is not None and not self.done():
+            self.coordinator.finish()
+
+    def __enter__(self) -> RayJob:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+

@@ -1,0 +1,69 @@
+"""``replica launch --ray ADDRESS``: the same command and script, the roles as Ray actors."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import ray
+
+from replica.ray.agents import Placement, RayAgents
+
+__all__ = ["parse_placement", "ray_agents", "role_env_for_ray"]
+
+# What of the driver's environment the roles take to other nodes: the job's and its libraries'
+# settings, not the driver machine's (paths, credentials of other tools).
+_CARRIED = ("REPLICA_", "UCX_", "TORCH_", "NCCL_", "GLOO_", "OMP_NUM_THREADS", "PYTHONPATH", "HF_", "VLLM_")
+
+
+def role_env_for_ray(env: dict[str, str]) -> dict[str, str]:
+    """The part of a launched job's environment (``launch.role_env``) its Ray actors carry."""
+    return {k: v for k, v in env.items() if k.startswith(_CARRIED)}
+
+
+def parse_placement(text: str) -> Placement:
+    """``--ray-placement``'s JSON (empty: the defaults); ValueError naming what is wrong."""
+    if not text:
+        return Placement()
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--ray-placement is not JSON: {exc}") from exc
+    known = {"trainer", "rollout", "standby", "strategy", "timeout_s"}
+    if not isinstance(spec, dict) or set(spec) - known:
+        raise ValueError(f"--ray-placement takes an object with keys {sorted(known)}, got {text!r}")
+    kwargs: dict = {}
+    for role in ("trainer", "rollout", "standby"):
+        if role in spec:
+            resources = spec[role]
+            if not isinstance(resources, dict) or not all(
+                    isinstance(v, int | float) and v >= 0 for v in resources.values()):
+                raise ValueError(f"--ray-placement: {role} takes resource amounts >= 0, got {resources!r}")
+            kwargs[role] = {str(k): float(v) for k, v in resources.items()}
+    if "strategy" in spec:
+        if spec["strategy"] not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"--ray-placement: strategy is one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD, got "
+                             f"{spec['strategy']!r}")
+        kwargs["strategy"] = spec["strategy"]
+    if "timeout_s" in spec:
+        if not isinstance(spec["timeout_s"], int | float) or spec["timeout_s"] <= 0:
+            raise ValueError(f"--ray-placement: timeout_s must be > 0, got {spec['timeout_s']!r}")
+        kwargs["timeout"] = timedelta(seconds=spec["timeout_s"])
+    return Placement(**kwargs)
+
+
+def ray_agents(*, address: str, placement: str | Placement, script: list[str], env: dict[str, str],
+               replacements: int, trainers: int, rollouts: int, standbys: int) -> RayAgents:
+    """Connect to the Ray cluster at ``address`` and reserve the job's machines (PlacementError
+    if it cannot within the placement's deadline). The script path is made absolute: every
+    node must have it at that path (a shared folder, the image, or Ray's runtime_env)."""
+    if not isinstance(placement, Placement):
+        placement = parse_placement(placement)
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=True)
+    script = [str(Path(script[0]).resolve()), *script[1:]]
+    agents = RayAgents(script=script, env=role_env_for_ray(env), replacements=replacements, placement=placement,
+                       trainers=trainers, rollouts=rollouts, standbys=standbys)
+    agents.reserve()
+    return agents

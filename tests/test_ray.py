@@ -1,0 +1,138 @@
+"""replica on a real Ray cluster (``ray.cluster_utils.Cluster``: a head and simulated nodes,
+each its own raylet, on this machine): the failover demo with a trainer's actor killed, a
+trainer's node removed without notice, and placements the cluster cannot satisfy. Every
+faulty run's losses must equal the failure-free ``replica launch`` run bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="replica[ray] is not installed (make test installs it)")
+
+from ray._private import ray_constants  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from replica.ray import Placement, PlacementError, RayJob, RayJobConfig  # noqa: E402
+from replica.ray.launch import parse_placement  # noqa: E402
+from replica.roles.report import compare_reports, load_report  # noqa: E402
+from test_launch import EXAMPLE, ROOT, STEPS  # noqa: E402
+
+WORKERS = 5  # 2 trainer machines, 2 rollout machines (the standbys), 1 spare
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head that runs nothing of the job (0 CPUs: the driver's machine) and five 2-CPU
+    nodes; health checks tuned so a node killed without notice is declared dead in ~2 s.
+    Ray turns a loopback address into the machine's external one (ray.init, and every
+    node's get_node_ip_address), which this machine cannot reach: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+    keeps every node of this one-machine cluster on loopback (inherited by the nodes and
+    the commands the tests start)."""
+    saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False  # this process read the variable when it imported ray
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "node_ip_address": "127.0.0.1",
+        "_system_config": {"health_check_period_ms": 500, "health_check_timeout_ms": 500,
+                           "health_check_failure_threshold": 3, "prestart_worker_first_driver": False}})
+    for _ in range(WORKERS):
+        c.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    ray.init(address=c.address, log_to_driver=False)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    ray_constants.ENABLE_RAY_CLUSTER = True
+    if saved is None:
+        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    else:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
+
+
+def _job(tmp_path, **overrides) -> RayJob:
+    config = dict(script=(str(EXAMPLE),), trainers=2, steps=STEPS, report=tmp_path / "ray.json",
+                  export_dir=tmp_path / "export", timeout=timedelta(minutes=5))
+    return RayJob(RayJobConfig(**(config | overrides)))
+
+
+def _until(what, check, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        time.sleep(0.05)
+
+
+def test_placement_bundles_and_options():
+    p = Placement(trainer={"GPU": 8}, rollout={"GPU": 8}, standby={"CPU": 1})
+    assert p.bundles(trainers=2, rollouts=2, standbys=1) == [{"GPU": 8}, {"GPU": 8}, {"GPU": 8, "CPU": 1},
+                                                              {"GPU": 8}]
+    assert parse_placement('{"trainer": {"CPU": 2}, "strategy": "SPREAD", "timeout_s": 5}') == Placement(
+        trainer={"CPU": 2.0}, strategy="SPREAD", timeout=timedelta(seconds=5))
+    for bad, why in [("{", "not JSON"), ('{"gpu": {}}', "keys"), ('{"trainer": {"CPU": -1}}', ">= 0"),
+                     ('{"strategy": "RANDOM"}', "strategy"), ('{"timeout_s": 0}', "timeout_s")]:
+        with pytest.raises(ValueError, match=why):
+            parse_placement(bad)
+    with pytest.raises(ValueError, match="host faults"):
+        RayJobConfig(script=("x.py",), inject="kill:host:1@3")
+
+
+def test_failover_demo_on_ray_a_trainer_actor_killed(cluster, tmp_path, reference):
+    """Trainer 1's actor is killed with ray.kill in the job's fourth step: Ray's ActorDiedError
+    is the agent report, standby 1 (on a rollout machine) takes over, losses bit-identical."""
+    with _job(tmp_path) as job:
+        job.start()
+        nodes = job.roles()
+        assert len({nodes["trainer 0"], nodes["trainer 1"], nodes["standby 0"], nodes["standby 1"]}) == 4  # spread
+        _until("commit 3", lambda: (job.commit() or 0) >= 3)
+        ray.kill(job.actor("trainer", 1), no_restart=True)
+        killed = time.time()
+        assert job.wait(timedelta(minutes=4)) == 0
+        failovers = job.failovers()
+    assert [f["rank"] for f in failovers] == [1]  # the kill fired and was seen
+    assert failovers[0]["decided_at"] - killed < 5.0  # target ~1 s; 5x allowed on a loaded machine
+    report = load_report(tmp_path / "ray.json")
+    assert compare_reports(reference, report) == []
+    assert report["last_commit"] == STEPS
+
+
+def test_a_trainer_node_removed_without_notice(cluster, tmp_path, reference):
+    """Trainer 0's node dies whole (its raylet and every process on it, no goodbye): its
+    standby on a rollout node is promoted, a new standby goes to a node without a trainer,
+    losses bit-identical."""
+    with _job(tmp_path) as job:
+        job.start()
+        node_id = job.roles()["trainer 0"]
+        _until("commit 3", lambda: (job.commit() or 0) >= 3)
+        node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+        cluster.remove_node(node, allow_graceful=False)
+        assert job.wait(timedelta(minutes=4)) == 0
+        failovers = job.failovers()
+        placed = job.roles()
+    cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")  # for the module's next test
+    assert [f["rank"] for f in failovers] == [0]
+    assert node_id not in placed.values()
+    report = load_report(tmp_path / "ray.json")
+    assert compare_reports(reference, report) == []
+
+
+def test_a_placement_the_cluster_cannot_satisfy_fails_within_its_deadline(cluster, tmp_path):
+    job = _job(tmp_path, placement=Placement(trainer={"GPU": 1}, timeout=timedelta(seconds=3)))
+    started = time.monotonic()
+    with pytest.raises(PlacementError, match=r"cannot place the job within 3 s.*'GPU': 1.*6 live nodes have .*'CPU': 2\.0"):
+        job.start()
+    assert time.monotonic() - started < 3 * 5
+    assert ray.util.placement_group_table() and all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # nothing left pending
+    # The command line says the same and exits 2.
+    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--ray", cluster.address,
+                           "--ray-placement", json.dumps({"trainer": {"CPU": 64}, "timeout_s": 3}), "--steps", "2",
+                           str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "cannot place the job within 3 s" in proc.stdout
