@@ -12,7 +12,7 @@ CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,.cuda-check/%.o,$(CUDA_SOURCES))
 NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 
-.PHONY: test test-slow demo demo-rl bench ettr build cuda-check clean
+.PHONY: test test-slow demo demo-rl demo-rl-ray bench ettr build cuda-check clean
 
 # Dependencies: rebuilt only when the project's metadata changes.
 $(VENV)/.deps: pyproject.toml setup.py
@@ -91,6 +91,23 @@ demo-rl: build
 	$(VENV)/bin/replica launch --rollouts 3 --steps $(DEMO_RL_STEPS) \
 	  --inject kill:trainer:1@20:backward,kill:rollout:0@30 --report demo/rl-failover.json examples/rl_loop.py
 	$(VENV)/bin/replica compare demo/rl-reference.json demo/rl-failover.json --plot demo/rl-losses.png
+
+# The RL demo on Ray: a one-machine Ray cluster (`ray start --head`), every role a Ray actor
+# (`replica launch --ray auto`, packed on the one node), the same two runs as demo-rl.
+# RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray on loopback (it otherwise advertises the
+# machine's external address, which some sandboxes cannot reach).
+RAY_DEMO := RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+RAY_DEMO_LAUNCH := $(RAY_DEMO) $(VENV)/bin/replica launch --ray auto --ray-placement '{"strategy": "PACK"}' --rollouts 3 --steps $(DEMO_RL_STEPS)
+demo-rl-ray: build
+	@mkdir -p demo
+	$(RAY_DEMO) $(VENV)/bin/ray start --head --num-cpus 16 --include-dashboard=false --disable-usage-stats >/dev/null
+	@echo "replica demo-rl-ray: 1/2 failure-free reference run on Ray ($(DEMO_RL_STEPS) steps)"
+	$(RAY_DEMO_LAUNCH) --report demo/rl-ray-reference.json examples/rl_loop.py || { $(VENV)/bin/ray stop; exit 1; }
+	@echo "replica demo-rl-ray: 2/2 the same run, trainer 1 killed at step 20, rollout 0 at step 30"
+	$(RAY_DEMO_LAUNCH) --inject kill:trainer:1@20:backward,kill:rollout:0@30 --report demo/rl-ray-failover.json \
+	  examples/rl_loop.py || { $(VENV)/bin/ray stop; exit 1; }
+	$(VENV)/bin/ray stop
+	$(VENV)/bin/replica compare demo/rl-ray-reference.json demo/rl-ray-failover.json --plot demo/rl-ray-losses.png
 
 # Compile-only check of the CUDA sources against torch's headers: keeps the
 # CUDA code compiling on machines without a GPU or a CUDA build of torch.

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -258,11 +258,9 @@ class RayAgents:
     def stop(self) -> None:
         """Let the standbys see the job's end and exit (5 s), kill whatever is left, free the machines."""
         live = [a for a in self._actors if a.code is None]
-        stops = {a.handle.stop.remote(5.0): a for a in live}
-        try:
-            ray.wait(list(stops), num_returns=len(stops), timeout=10.0)
-        except GetTimeoutError:
-            pass
+        stops = [a.handle.stop.remote(5.0) for a in live]
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=10.0)
         for actor in live:
             ray.kill(actor.handle, no_restart=True)
         if self._pg is not None:

@@ -371,6 +371,7 @@ def test_a_partitioned_trainer_host_is_fenced_and_the_job_ends_bit_identical(clu
     print(f"failover {failover}; trainer 1 exited with {zombie['code']}")
 
 
+@pytest.mark.slow  # 48 s: `make test-slow` (the partitioned trainer host stays in `make test`)
 def test_a_partitioned_standby_host_leaves_its_rank_unprotected_until_a_new_standby_joins(
         cluster, tmp_path, reference):
     """Standby 1's host is cut off after step 3: its deadline passes, rank 1 trains on

@@ -136,3 +136,31 @@ def test_a_placement_the_cluster_cannot_satisfy_fails_within_its_deadline(cluste
                            str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cannot place the job within 3 s" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cluster, tmp_path, rl_reference):
+    """The RL loop (vLLM engines, 2 trainers, standbys on the rollout machines) on Ray. Rollout
+    machine 2's node (engine 2 only: 2 trainers, 2 standbys) dies whole after the first commit:
+    the other engines take its shards and a new engine is started on a node without a trainer. Trainer 1's actor is killed in step 4: standby 1 takes over (engine 1, on
+    its machine, is retired). Losses and rewards bit-identical to the failure-free run."""
+    from conftest import RL_STEPS
+
+    rl = ROOT / "examples" / "rl_loop.py"
+    cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")  # a spare machine for the new engine
+    with _job(tmp_path, script=(str(rl),), rollouts=3, steps=RL_STEPS, timeout=timedelta(minutes=8)) as job:
+        job.start()
+        engine_node = job.roles()["rollout 2"]
+        _until("commit 1", lambda: (job.commit() or 0) >= 1, timeout_s=300)
+        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == engine_node), allow_graceful=False)
+        _until("commit 3", lambda: (job.commit() or 0) >= 3, timeout_s=300)
+        ray.kill(job.actor("trainer", 1), no_restart=True)
+        assert job.wait(timedelta(minutes=8)) == 0
+        failovers = job.failovers()
+    report = load_report(tmp_path / "ray.json")
+    assert [f["rank"] for f in failovers] == [1]
+    assert 2 in [r["index"] for r in report["rollouts_lost"]]  # the lost node's engine was found dead
+    assert len([m for m in report["members"] if m["role"] == "rollout" and m["rank"] == 2]) == 2  # and replaced
+    assert report["rollouts_retired"] == [1]
+    assert all(s["version"] == s["needed"] for s in report["rollout_shards"])
+    assert compare_reports(rl_reference, report) == []  # losses and rewards, bit for bit

@@ -33,6 +33,7 @@ def reference(rl_reference):
     return rl_reference
 
 
+@pytest.mark.slow  # 3-5 min loaded: `make test-slow`; `make demo-rl` kills the same roles on a quiet machine
 def test_rl_loop_survives_a_trainer_and_a_rollout_kill_under_load(tmp_path, reference):
     """Two busy processes per core at normal priority for the whole run, as on a user's
     machine; no healthy role may be taken for dead. (The same run on a quiet machine
