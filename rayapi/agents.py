@@ -7,15 +7,19 @@ instead of them.
 
 Placement: one placement group for the job's machines, a bundle per trainer and one per
 rollout machine (rollout r and standby r share bundle r: standbys live on the rollout
-machines), spread over distinct nodes by default. Replacements are new actors pinned to
-a live node that runs no trainer, the replaced role's own node first (a standby killed on
-a healthy node comes back there), else the one with the fewest of the job's roles."""
+machines), spread over distinct nodes by default. A replacement goes into a bundle of the
+job's that has room for it (what its live actors leave free) on a node where no trainer
+runs now (the coordinator's members say which: a promoted standby made its rollout machine
+a trainer's): the replaced role's own bundle first, else the least loaded. A bundle whose
+node was lost is moved by Ray to a healthy node once one has room; a machine whose trainer
+died (its node alive) takes a standby or an engine."""
 
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from datetime import timedelta
 
 import ray
@@ -50,7 +54,10 @@ class Placement:
     rollout: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     standby: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     strategy: str = "STRICT_SPREAD"
-    timeout: timedelta = timedelta(seconds=60)  # for the placement group, and for each actor to start
+    timeout: timedelta = timedelta(seconds=60)  # for the placement group to be placed
+    # For each actor to run its role: a new Ray worker imports replica (torch) before it starts
+    # the role, several at once on a loaded machine.
+    start_timeout: timedelta = timedelta(minutes=3)
 
     def bundles(self, *, trainers: int, rollouts: int, standbys: int) -> list[dict[str, float]]:
         """Bundles 0..trainers-1 for the trainers, then one per rollout machine."""
@@ -76,11 +83,13 @@ class _Actor:
     rank: int
     handle: object
     resources: dict[str, float]
+    bundle: int  # its bundle in the job's placement group
     started: float
     pid: int | None = None
     node: str | None = None
     code: int | None = None  # its exit code, once reported
     unavailable_since: float | None = None
+    killed: bool = False  # declared dead and killed: its bundle's share is free for a replacement
 
     @property
     def host(self) -> str | None:
@@ -90,11 +99,14 @@ class _Actor:
 class RayAgents:
     """Starts the job's roles as Ray actors and reports what Ray sees of them. ``script``:
     the user's script and its arguments; ``env``: the roles' environment (the job store's
-    address, token, ...); ``replacements`` < 0: no limit."""
+    address, token, ...); ``replacements`` < 0: no limit; ``members()``: the coordinator's
+    live members as (role, rank, host), which say where trainers run now."""
 
     def __init__(self, *, script: list[str], env: dict[str, str], replacements: int, placement: Placement,
-                 trainers: int, rollouts: int, standbys: int):
+                 trainers: int, rollouts: int, standbys: int,
+                 members: Callable[[], list[tuple[str, int, str]]]):
         self._script, self._env, self._replacements, self.placement = script, env, replacements, placement
+        self._members = members  # the coordinator's live members as (role, rank, host), for placement
         self._trainers, self._rollouts, self._standbys = trainers, rollouts, standbys
         self._remote = ray.remote(RoleProcess)
         self._actors: list[_Actor] = []
@@ -121,30 +133,33 @@ class RayAgents:
                 f"{max(self._rollouts, self._standbys)} rollout machines); the cluster's {len(nodes)} live nodes have {nodes}")
 
     def start(self, role: str, rank: int) -> None:
-        """A role in its place: trainer r in bundle r, rollout and standby r in the trainers'
-        count + r (without a reservation, or for a replacement: see ``_replace``)."""
+        """A role in its bundle (after ``reserve``): trainer r in bundle r, rollout and standby r
+        in bundle trainers + r. Replacements: ``_replace``."""
         resources = {Role.TRAINER: self.placement.trainer, Role.ROLLOUT: self.placement.rollout,
                      Role.STANDBY: self.placement.standby}[Role(role)]
-        bundle = rank if role == Role.TRAINER else self._trainers + rank
-        strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle)
-        self._launch(role, rank, resources, strategy)
+        self._launch(role, rank, resources, rank if role == Role.TRAINER else self._trainers + rank)
 
-    def _launch(self, role: str, rank: int, resources: dict[str, float], strategy) -> None:
+    def _launch(self, role: str, rank: int, resources: dict[str, float], bundle: int | None,
+                node: str | None = None) -> None:
+        """An actor in ``bundle`` of the job's placement group, or (None) pinned to ``node``."""
+        strategy = (PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle)
+                    if bundle is not None else NodeAffinitySchedulingStrategy(node_id=node, soft=False))
         env = dict(self._env, REPLICA_ROLE=str(role), REPLICA_RANK=str(rank))
         handle = self._remote.options(scheduling_strategy=strategy, name=None,
                                       **_actor_options(resources)).remote(self._script, env)
-        actor = _Actor(role=str(role), rank=rank, handle=handle, resources=resources, started=time.monotonic())
+        actor = _Actor(role=str(role), rank=rank, handle=handle, resources=resources, bundle=bundle,
+                       started=time.monotonic())
         self._actors.append(actor)
         self._calls[handle.where.remote()] = actor
 
     def wait_started(self, timeout: timedelta) -> None:
         """Until every actor started so far runs its role; PlacementError after ``timeout``."""
         deadline = time.monotonic() + timeout.total_seconds()
-        while any(a.pid is None and a.code is None for a in self._actors):
-            if time.monotonic() > deadline:
-                late = [f"{a.role} {a.rank}" for a in self._actors if a.pid is None]
-                raise PlacementError(f"roles not started within {timeout.total_seconds():g} s: {', '.join(late)}")
+        while any(a.pid is None and a.code is None for a in self._actors) and time.monotonic() < deadline:
             self._take(0.05)
+        late = [f"{a.role} {a.rank}" for a in self._actors if a.pid is None]
+        if late:
+            raise PlacementError(f"roles not started within {timeout.total_seconds():g} s: {', '.join(late)}")
 
     # --- supervise.Agent ---
 
@@ -185,9 +200,9 @@ class RayAgents:
                 continue
             self._ask(actor)
         for actor in self._actors:  # an actor never placed (a replacement with nowhere to go) is given up
-            if actor.pid is None and actor.code is None and now - actor.started > self.placement.timeout.total_seconds():
+            if actor.pid is None and actor.code is None and now - actor.started > self.placement.start_timeout.total_seconds():
                 logger.error("%s %d could not be started within %g s: given up", actor.role, actor.rank,
-                             self.placement.timeout.total_seconds())
+                             self.placement.start_timeout.total_seconds())
                 actor.code = -1
                 ray.kill(actor.handle, no_restart=True)
                 self._calls = {r: a for r, a in self._calls.items() if a is not actor}
@@ -205,34 +220,63 @@ class RayAgents:
     def _replace(self, role: str, rank: int, resources: dict[str, float]) -> bool:
         if self._replacements == 0:
             return False
-        node = self._node_for(role, rank, resources)
-        if node is None:
-            logger.error("no live Ray node without a trainer has %s for a new %s %d", resources, role, rank)
+        alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        trainer_hosts = {host for r, _, host in self._members() if r == Role.TRAINER}
+        bundle = self._bundle_for(rank, resources, alive, trainer_hosts)
+        node = self._node_for(resources, alive, trainer_hosts) if bundle is None else None
+        if bundle is None and node is None:
+            logger.error("no live Ray node without a trainer has room for a new %s %d (%s): it is not started",
+                         role, rank, resources)
             return False
         self._replacements -= 1
-        self._launch(role, rank, resources, NodeAffinitySchedulingStrategy(node_id=node, soft=False))
-        logger.warning("starting a new %s %d on Ray node %s", role, rank, node[:12])
+        self._launch(role, rank, resources, bundle, node)
+        logger.warning("starting a new %s %d %s", role, rank,
+                       f"in bundle {bundle} of the job's placement group" if bundle is not None else
+                       f"on Ray node {node[:12]} (no bundle of the job's has room)")
         return True
 
-    def _node_for(self, role: str, rank: int, resources: dict[str, float]) -> str | None:
-        live = [a for a in self._actors if a.code is None]
-        trainer_nodes = {a.node for a in live if a.role == Role.TRAINER}
+    def _node_for(self, resources: dict[str, float], alive: dict[str, dict], trainer_hosts: set[str]) -> str | None:
+        """Outside the job's placement group: the live node without a trainer whose resources (in
+        all) cover ``resources`` and that runs the fewest of the job's roles."""
         load: dict[str, int] = {}
-        for a in live:
-            if a.node:
+        for a in self._actors:
+            if a.code is None and not a.killed and a.node:
                 load[a.node] = load.get(a.node, 0) + 1
-        own = [a.node for a in self._actors if a.role == role and a.rank == rank and a.node]
-        candidates = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in trainer_nodes
-                      and n["NodeID"] not in self._dead_nodes
-                      and all(n["Resources"].get(k, 0.0) >= v for k, v in resources.items() if v > 0)]
-        if own and own[-1] in candidates:
-            return own[-1]
+        candidates = [n for n, info in alive.items() if node_host_name(n) not in trainer_hosts
+                      and all(info["Resources"].get(k, 0.0) >= v for k, v in resources.items() if v > 0)]
         return min(candidates, key=lambda n: (load.get(n, 0), n), default=None)
+
+    def _bundle_for(self, rank: int, resources: dict[str, float], alive: dict[str, dict],
+                    trainer_hosts: set[str]) -> int | None:
+        """A bundle with room for ``resources`` (its capacity less its live actors') on a live node
+        that runs no trainer now: the role's own first, else the least loaded."""
+        capacity = self.placement.bundles(trainers=self._trainers, rollouts=self._rollouts, standbys=self._standbys)
+        nodes = ray.util.placement_group_table(self._pg).get("bundles_to_node_id", {}) if self._pg else {}
+        live = [a for a in self._actors if a.code is None and not a.killed]
+
+        def room(b: int) -> bool:
+            used: dict[str, float] = {}
+            for a in live:
+                if a.bundle == b:
+                    used = _plus(used, a.resources)
+            return all(capacity[b].get(k, 0.0) - used.get(k, 0.0) >= v - 1e-9 for k, v in resources.items() if v > 0)
+
+        def usable(b: int) -> bool:  # on a live node (a lost node's bundle waits for Ray to move it) without a trainer
+            node = nodes.get(b)
+            return node in alive and node_host_name(node) not in trainer_hosts
+
+        own = self._trainers + rank
+        fits = [b for b in range(len(capacity)) if usable(b) and room(b)]
+        if own in fits:
+            return own
+        load = {b: sum(1 for a in live if a.bundle == b) for b in fits}
+        return min(fits, key=lambda b: (load[b], b), default=None)
 
     def kill(self, pid: int, host: str | None = None) -> None:
         for actor in self._actors:
             if actor.pid == pid and (host is None or actor.host == host) and actor.code is None:
                 ray.kill(actor.handle, no_restart=True)  # the role dies with its actor
+                actor.killed = True
 
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         now = time.monotonic()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from replica.ray.agents import Placement, RayAgents
+from replica.ray.agents import Placement, PlacementError, RayAgents
 from replica.ray.launch import ray_agents
 from replica.roles.coordinator import Coordinator
 from replica.roles.env import HOST, Role, parse_faults
@@ -68,6 +68,7 @@ class RayJob:
         self.agents: RayAgents | None = None
         self._thread: threading.Thread | None = None
         self._status: int | None = None
+        self._cancel = threading.Event()
         self._error: BaseException | None = None
 
     @property
@@ -88,9 +89,13 @@ class RayJob:
                        resume=None)
         self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script), env=env,
                                  replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,
-                                 standbys=self.standbys)
+                                 standbys=self.standbys, members=self.coordinator.members_for_placement)
         start_roles(self.coordinator, self.agents, trainers=c.trainers, standbys=self.standbys, rollouts=c.rollouts)
-        self.agents.wait_started(c.placement.timeout)
+        try:
+            self.agents.wait_started(c.placement.start_timeout)
+        except PlacementError:
+            self.agents.stop()
+            raise
         spec = JobSpec(steps=c.steps, faults=parse_faults(c.inject), timeout=c.timeout, report=c.report,
                        train_while_replacing=c.train_while_replacing, export_dir=c.export_dir)
         self._thread = threading.Thread(target=self._supervise, args=(spec,), name="replica-coordinator", daemon=True)
@@ -98,7 +103,7 @@ class RayJob:
 
     def _supervise(self, spec: JobSpec) -> None:
         try:
-            self._status = supervise(self.coordinator, spec, self.agents)
+            self._status = supervise(self.coordinator, spec, self.agents, cancel=self._cancel)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             self._error = exc
 
@@ -134,11 +139,13 @@ class RayJob:
         return self.agents.actor(str(Role(role)), rank) if self.agents else None
 
     def shutdown(self) -> None:
-        """End the job: the roles' actors killed, the placement group freed."""
+        """End the job: the coordinator's loop stopped (the end announced, the report written),
+        the roles' actors killed, the placement group freed."""
+        self._cancel.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
         if self.agents is not None:
             self.agents.stop()
-        if self.coordinator is not None and not self.done():
-            self.coordinator.finish()
 
     def __enter__(self) -> RayJob:
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def parse_placement(text: str) -> Placement:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--ray-placement is not JSON: {exc}") from exc
-    known = {"trainer", "rollout", "standby", "strategy", "timeout_s"}
+    known = {"trainer", "rollout", "standby", "strategy", "timeout_s", "start_timeout_s"}
     if not isinstance(spec, dict) or set(spec) - known:
         raise ValueError(f"--ray-placement takes an object with keys {sorted(known)}, got {text!r}")
     kwargs: dict = {}
@@ -46,15 +47,17 @@ def parse_placement(text: str) -> Placement:
             raise ValueError(f"--ray-placement: strategy is one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD, got "
                              f"{spec['strategy']!r}")
         kwargs["strategy"] = spec["strategy"]
-    if "timeout_s" in spec:
-        if not isinstance(spec["timeout_s"], int | float) or spec["timeout_s"] <= 0:
-            raise ValueError(f"--ray-placement: timeout_s must be > 0, got {spec['timeout_s']!r}")
-        kwargs["timeout"] = timedelta(seconds=spec["timeout_s"])
+    for key, field in (("timeout_s", "timeout"), ("start_timeout_s", "start_timeout")):
+        if key in spec:
+            if not isinstance(spec[key], int | float) or spec[key] <= 0:
+                raise ValueError(f"--ray-placement: {key} must be > 0, got {spec[key]!r}")
+            kwargs[field] = timedelta(seconds=spec[key])
     return Placement(**kwargs)
 
 
 def ray_agents(*, address: str, placement: str | Placement, script: list[str], env: dict[str, str],
-               replacements: int, trainers: int, rollouts: int, standbys: int) -> RayAgents:
+               replacements: int, trainers: int, rollouts: int, standbys: int,
+               members: Callable[[], list[tuple[str, int, str]]]) -> RayAgents:
     """Connect to the Ray cluster at ``address`` and reserve the job's machines (PlacementError
     if it cannot within the placement's deadline). The script path is made absolute: every
     node must have it at that path (a shared folder, the image, or Ray's runtime_env)."""
@@ -64,6 +67,6 @@ def ray_agents(*, address: str, placement: str | Placement, script: list[str], e
         ray.init(address=address, log_to_driver=True)
     script = [str(Path(script[0]).resolve()), *script[1:]]
     agents = RayAgents(script=script, env=role_env_for_ray(env), replacements=replacements, placement=placement,
-                       trainers=trainers, rollouts=rollouts, standbys=standbys)
+                       trainers=trainers, rollouts=rollouts, standbys=standbys, members=members)
     agents.reserve()
     return agents

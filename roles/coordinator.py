@@ -367,6 +367,10 @@ class Coordinator:
     def all_done(self) -> bool:
         return all(self.store.has(keys.done(r)) for r in range(self.world_size))
 
+    def members_for_placement(self) -> list[tuple[str, int, str]]:
+        """The live members as (role, rank, host): where agents place replacements (never beside a trainer)."""
+        return [(m.role, m.rank, m.host) for m in self.alive()]
+
     def alive(self, role: str | None = None) -> list[Member]:
         return [m for m in self.members if m.state == MemberState.ALIVE and role in (None, m.role)]
 

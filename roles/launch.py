@@ -188,8 +188,9 @@ def _parser() -> argparse.ArgumentParser:
                         "belongs to; needs replica[ray]); standby r is placed on rollout r's node")
     p.add_argument("--ray-placement", default="", metavar="JSON",
                    help='Ray resources per role and the spread, e.g. \'{"trainer": {"GPU": 8}, "rollout": {"GPU": 8}, '
-                        '"standby": {"CPU": 1}, "strategy": "STRICT_SPREAD", "timeout_s": 60}\' (default: 1 CPU each, '
-                        'each trainer and rollout machine on its own node)')
+                        '"standby": {"CPU": 1}, "strategy": "STRICT_SPREAD", "timeout_s": 60, '
+                        '"start_timeout_s": 180}\' (default: 1 CPU each, each trainer and rollout machine on its own '
+                        'node; timeout_s: for the placement group, start_timeout_s: for each role\'s actor to start)')
     p.add_argument("--port", type=int, default=0, help="the job store's port (default: any free one)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the whole job is abandoned")
     deadline_options(p)
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         try:
             agent = ray_agents(address=args.ray, placement=args.ray_placement, script=script, env=env,
                                replacements=args.replacements, trainers=args.trainers, rollouts=args.rollouts,
-                               standbys=standbys)
+                               standbys=standbys, members=coord.members_for_placement)
         except (ReplicaError, ValueError) as exc:
             print(f"replica: {exc}", flush=True)
             return 2

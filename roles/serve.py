@@ -123,7 +123,7 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
               flush=True)
     timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
     agents = RemoteAgents(coord.store, count=args.agents, replacements=args.replacements,
-                          members=lambda: [(m.role, m.rank, m.host) for m in coord.alive()]) if args.agents else None
+                          members=coord.members_for_placement) if args.agents else None
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
     faults = parse_faults(os.environ.get("REPLICA_INJECT", ""))
     return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -68,11 +69,12 @@ DEPOSED_EXIT = 3  # the exit status of a coordinator that lost its leadership (a
 
 
 def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
-              leading: Callable[[], bool] | None = None) -> int:
+              leading: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> int:
     """Run the job to its end; returns the exit status (0: every rank finished).
     ``leading()`` (an elected coordinator's) is asked before every round: once it says
     no, another coordinator may lead, and this one stops at once, deciding nothing
-    more and leaving the job as it is (DEPOSED_EXIT)."""
+    more and leaving the job as it is (DEPOSED_EXIT). ``cancel`` (set by a driver that
+    shuts the job down) ends the loop as a timeout does: the end is announced, the report written."""
     deadline = time.monotonic() + spec.timeout.total_seconds()
     shown, errors = spec.first_step - 1, 0
     status, failure = 1, None
@@ -86,6 +88,9 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
             exits.pop(0)
 
     while time.monotonic() < deadline:
+        if cancel is not None and cancel.is_set():
+            print("\nreplica: the job was shut down before its end", flush=True)
+            break
         if leading is not None and not leading():
             print("\nreplica: another coordinator leads now (this one was silent or cut off); this one stops",
                   flush=True)

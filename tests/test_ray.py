@@ -69,6 +69,16 @@ def _until(what, check, timeout_s: float = 180) -> None:
         time.sleep(0.05)
 
 
+def _assert_standbys_beside_no_trainer(report: dict) -> None:
+    """Every standby of the job's end, the replacement of a promoted one included, is on a
+    node where no trainer runs (the promoted standby's machine became a trainer's)."""
+    final = [m for m in report["members"] if m["state"] != "dead"]
+    trainers = {m["host"] for m in final if m["role"] == "trainer"}
+    standbys = [m for m in final if m["role"] == "standby"]
+    assert len(standbys) == 2, final  # the replacement came up
+    assert not trainers & {m["host"] for m in standbys}, final
+
+
 def test_placement_bundles_and_options():
     p = Placement(trainer={"GPU": 8}, rollout={"GPU": 8}, standby={"CPU": 1})
     assert p.bundles(trainers=2, rollouts=2, standbys=1) == [{"GPU": 8}, {"GPU": 8}, {"GPU": 8, "CPU": 1},
@@ -98,6 +108,7 @@ def test_failover_demo_on_ray_a_trainer_actor_killed(cluster, tmp_path, referenc
     assert [f["rank"] for f in failovers] == [1]  # the kill fired and was seen
     assert failovers[0]["decided_at"] - killed < 5.0  # target ~1 s; 5x allowed on a loaded machine
     report = load_report(tmp_path / "ray.json")
+    _assert_standbys_beside_no_trainer(report)
     assert compare_reports(reference, report) == []
     assert report["last_commit"] == STEPS
 
@@ -119,6 +130,7 @@ def test_a_trainer_node_removed_without_notice(cluster, tmp_path, reference):
     assert [f["rank"] for f in failovers] == [0]
     assert node_id not in placed.values()
     report = load_report(tmp_path / "ray.json")
+    _assert_standbys_beside_no_trainer(report)
     assert compare_reports(reference, report) == []
 
 
