@@ -194,9 +194,10 @@ class RayAgents:
             actor.unavailable_since = None
             if isinstance(answer, tuple):
                 actor.pid, actor.node = answer
-            elif answer is not None:
+            elif answer is not None:  # the role ended: its actor goes too, freeing its bundle's share
                 actor.code = answer
                 gone.append((actor.pid, answer, actor.host))
+                ray.kill(actor.handle, no_restart=True)
                 continue
             self._ask(actor)
         for actor in self._actors:  # an actor never placed (a replacement with nowhere to go) is given up
