@@ -5,7 +5,21 @@ import pytest
 import torch
 
 
+def _smoke_case(item) -> bool:
+    """Under ``--benchmark-disable`` (``make test``) a benchmark runs as a smoke test of its
+    code, once per case its module names in ``SMOKE_PARAMS`` (parameter -> values kept):
+    each other case starts its own peers for seconds and covers the same code."""
+    keep = getattr(item.module, "SMOKE_PARAMS", None)
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return keep is None or all(params[name] in values for name, values in keep.items() if name in params)
+
+
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("benchmark_disable", False):
+        dropped = [item for item in items if not _smoke_case(item)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if _smoke_case(item)]
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_netns = pytest.mark.skip(reason="needs root and `ip netns`")
     has_netns = os.geteuid() == 0 and shutil.which("ip") is not None

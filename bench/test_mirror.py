@@ -55,6 +55,9 @@ class _Job:
         self.seconds.append(max(took))  # the ranks are in lock step: the slower one is the step
 
 
+SMOKE_PARAMS = {"job": {"mirrored"}}  # `make test`: the mirrored job only (the plain one: `make bench`)
+
+
 @pytest.fixture(scope="module", params=KINDS)
 def job(request):
     mirrored = request.param == "mirrored"

@@ -36,6 +36,10 @@ TOKEN = b"bench-token"
 # path -> size -> median seconds per round
 _medians: dict[str, dict[int, float]] = {}
 
+# `make test` (benchmarks disabled) runs the path with digests only: the others are UCX_TLS
+# variants of the same code (tests/test_transport_ucx.py runs the transport's contract).
+SMOKE_PARAMS = {"ucx_path": {"ucx_default_verified"}}
+
 UCX_PATHS = {
     # name: (UCX_TLS, verify digests)
     "ucx_shm": ("posix,sysv,self", False),

@@ -27,6 +27,7 @@ MiB = 1 << 20
 SIZES = [1 * MiB, 64 * MiB]
 ROUNDS = {1 * MiB: 50, 64 * MiB: 10}
 PATHS = ["tcp", "ucx", "ucx_verified", "gloo"]
+SMOKE_PARAMS = {"pair": {"ucx_verified"}}  # `make test`: one path across the link (the others: `make bench`)
 
 _medians: dict[str, dict[int, float]] = {}
 

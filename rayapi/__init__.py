@@ -8,8 +8,10 @@ From an RL driver::
 
     with RayJob(RayJobConfig(script=["train.py"], trainers=2, rollouts=2, steps=100)) as job:
         job.start()                    # places and starts every role
+        while not job.done():          # the trainers train and push weights to the engines
+            batch = job.generate(prompts, Sampling(max_tokens=64))   # rollouts of the driver's own
+            print(job.commit(), job.weights_version(), batch.versions, job.failovers())
         status = job.wait()            # 0 once every trainer finished
-        print(job.commit(), job.failovers())
 
 From the command line: ``replica launch --ray auto [options] SCRIPT``."""
 

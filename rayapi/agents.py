@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import ray
@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from replica.errors import ReplicaError
 from replica.ray.actor import RoleProcess, node_host_name
+from replica.roles.agents import replacement_site
 from replica.roles.env import Role
 
 __all__ = ["Placement", "PlacementError", "RayAgents"]
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 _WAIT_SLICE_S = 1.0  # how long an actor's wait() blocks before it answers "still running"
 _NODES_EVERY_S = 0.5  # how often Ray's node table is read for dead nodes
+_RETRY_AFTER_S = 1.0  # a replacement whose actor died before it started is placed again after this
 _BOOKKEEPING = ("node:", "memory", "object_store_memory", "accelerator_type:")  # resources no role asks for
 
 
@@ -90,10 +92,16 @@ class _Actor:
     code: int | None = None  # its exit code, once reported
     unavailable_since: float | None = None
     killed: bool = False  # declared dead and killed: its bundle's share is free for a replacement
+    replacement: bool = False  # started by _replace: placed again if its actor dies before its role starts
 
     @property
     def host(self) -> str | None:
         return node_host_name(self.node) if self.node else None
+
+    @property
+    def holds_share(self) -> bool:
+        """Running, as far as the job knows: it counts against its node and bundle."""
+        return self.code is None and not self.killed
 
 
 class RayAgents:
@@ -114,6 +122,7 @@ class RayAgents:
         self._pg: PlacementGroup | None = None
         self._dead_nodes: set[str] = set()
         self._nodes_read = 0.0
+        self._retries: list[tuple[float, _Actor]] = []  # (when, the replacement to place again)
 
     # --- placement ---
 
@@ -140,15 +149,16 @@ class RayAgents:
         self._launch(role, rank, resources, rank if role == Role.TRAINER else self._trainers + rank)
 
     def _launch(self, role: str, rank: int, resources: dict[str, float], bundle: int | None,
-                node: str | None = None) -> None:
-        """An actor in ``bundle`` of the job's placement group, or (None) pinned to ``node``."""
+                node: str | None = None, *, started: float | None = None) -> None:
+        """An actor in ``bundle`` of the job's placement group, or (None) pinned to ``node``;
+        ``started``: a replacement's first try (its start timeout counts from there)."""
         strategy = (PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle)
                     if bundle is not None else NodeAffinitySchedulingStrategy(node_id=node, soft=False))
         env = dict(self._env, REPLICA_ROLE=str(role), REPLICA_RANK=str(rank))
         handle = self._remote.options(scheduling_strategy=strategy, name=None,
                                       **_actor_options(resources)).remote(self._script, env)
         actor = _Actor(role=str(role), rank=rank, handle=handle, resources=resources, bundle=bundle,
-                       started=time.monotonic())
+                       started=started or time.monotonic(), replacement=started is not None)
         self._actors.append(actor)
         self._calls[handle.where.remote()] = actor
 
@@ -164,7 +174,15 @@ class RayAgents:
     # --- supervise.Agent ---
 
     def exits(self) -> list[tuple[int, int, str | None]]:
-        return self._take(0.0)
+        gone = self._take(0.0)
+        now = time.monotonic()
+        due = [a for when, a in self._retries if when <= now]
+        self._retries = [(when, a) for when, a in self._retries if when > now]
+        for actor in due:
+            if (not self._place(actor.role, actor.rank, actor.resources, first_try=actor.started)
+                    and now - actor.started < self.placement.start_timeout.total_seconds()):
+                self._retries.append((now + _RETRY_AFTER_S, actor))  # nowhere yet: a lost node's bundle may move
+        return gone
 
     def _take(self, timeout_s: float) -> list[tuple[int, int, str | None]]:
         """Collect the answers in: where() gives a role's pid and node, wait() its exit (or
@@ -184,7 +202,12 @@ class RayAgents:
                 continue
             except RayActorError as exc:
                 actor.code = -9
-                if actor.pid is None:
+                if actor.pid is None and actor.replacement and now - actor.started < self.placement.start_timeout.total_seconds():
+                    # placed on a node that was dying (Ray had not declared it dead yet): place it again
+                    logger.warning("the new %s %d's actor died before its role started (%s): placing it again",
+                                   actor.role, actor.rank, type(exc).__name__)
+                    self._retries.append((now + _RETRY_AFTER_S, actor))
+                elif actor.pid is None:
                     logger.error("%s %d's actor died before its role started: %s", actor.role, actor.rank, exc)
                 else:
                     logger.warning("%s %d's actor died (%s): reported as its exit", actor.role, actor.rank,
@@ -221,7 +244,16 @@ class RayAgents:
     def _replace(self, role: str, rank: int, resources: dict[str, float]) -> bool:
         if self._replacements == 0:
             return False
-        alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        if not self._place(role, rank, resources, first_try=time.monotonic()):
+            return False
+        self._replacements -= 1
+        return True
+
+    def _place(self, role: str, rank: int, resources: dict[str, float], *, first_try: float) -> bool:
+        """Start a replacement where ``_bundle_for``/``_node_for`` say, on a node Ray has not
+        declared dead and where none of the job's actors is unreachable now."""
+        suspect = {a.node for a in self._actors if a.unavailable_since is not None and a.code is None}
+        alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in suspect}
         trainer_hosts = {host for r, _, host in self._members() if r == Role.TRAINER}
         bundle = self._bundle_for(rank, resources, alive, trainer_hosts)
         node = self._node_for(resources, alive, trainer_hosts) if bundle is None else None
@@ -229,8 +261,7 @@ class RayAgents:
             logger.error("no live Ray node without a trainer has room for a new %s %d (%s): it is not started",
                          role, rank, resources)
             return False
-        self._replacements -= 1
-        self._launch(role, rank, resources, bundle, node)
+        self._launch(role, rank, resources, bundle, node, started=first_try)
         logger.warning("starting a new %s %d %s", role, rank,
                        f"in bundle {bundle} of the job's placement group" if bundle is not None else
                        f"on Ray node {node[:12]} (no bundle of the job's has room)")
@@ -241,11 +272,12 @@ class RayAgents:
         all) cover ``resources`` and that runs the fewest of the job's roles."""
         load: dict[str, int] = {}
         for a in self._actors:
-            if a.code is None and not a.killed and a.node:
+            if a.holds_share and a.node:
                 load[a.node] = load.get(a.node, 0) + 1
-        candidates = [n for n, info in alive.items() if node_host_name(n) not in trainer_hosts
-                      and all(info["Resources"].get(k, 0.0) >= v for k, v in resources.items() if v > 0)]
-        return min(candidates, key=lambda n: (load.get(n, 0), n), default=None)
+        fits = [n for n, info in alive.items()
+                if all(info["Resources"].get(k, 0.0) >= v for k, v in resources.items() if v > 0)]
+        return replacement_site(fits, host=node_host_name, trainer_hosts=trainer_hosts,
+                                load=lambda n: load.get(n, 0), order=lambda n: n)
 
     def _bundle_for(self, rank: int, resources: dict[str, float], alive: dict[str, dict],
                     trainer_hosts: set[str]) -> int | None:
@@ -253,7 +285,7 @@ class RayAgents:
         that runs no trainer now: the role's own first, else the least loaded."""
         capacity = self.placement.bundles(trainers=self._trainers, rollouts=self._rollouts, standbys=self._standbys)
         nodes = ray.util.placement_group_table(self._pg).get("bundles_to_node_id", {}) if self._pg else {}
-        live = [a for a in self._actors if a.code is None and not a.killed]
+        live = [a for a in self._actors if a.holds_share]
 
         def room(b: int) -> bool:
             used: dict[str, float] = {}
@@ -262,16 +294,13 @@ class RayAgents:
                     used = _plus(used, a.resources)
             return all(capacity[b].get(k, 0.0) - used.get(k, 0.0) >= v - 1e-9 for k, v in resources.items() if v > 0)
 
-        def usable(b: int) -> bool:  # on a live node (a lost node's bundle waits for Ray to move it) without a trainer
-            node = nodes.get(b)
-            return node in alive and node_host_name(node) not in trainer_hosts
-
         own = self._trainers + rank
-        fits = [b for b in range(len(capacity)) if usable(b) and room(b)]
-        if own in fits:
-            return own
-        load = {b: sum(1 for a in live if a.bundle == b) for b in fits}
-        return min(fits, key=lambda b: (load[b], b), default=None)
+        # on a live node (a lost node's bundle waits for Ray to move it) with room, without a trainer;
+        # the role's own bundle ranks first
+        fits = [b for b in range(len(capacity)) if nodes.get(b) in alive and room(b)]
+        return replacement_site(fits, host=lambda b: node_host_name(nodes[b]), trainer_hosts=trainer_hosts,
+                                load=lambda b: -1 if b == own else sum(1 for a in live if a.bundle == b),
+                                order=lambda b: b)
 
     def kill(self, pid: int, host: str | None = None) -> None:
         for actor in self._actors:

@@ -5,18 +5,19 @@ coordinator and the job store, the roles run the user's script in Ray actors."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import secrets
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from replica.jobstate import keys
 from replica.ray.agents import Placement, PlacementError, RayAgents
 from replica.ray.launch import ray_agents
 from replica.roles.coordinator import Coordinator
 from replica.roles.env import HOST, Role, parse_faults
-from replica.roles.launch import role_env, start_roles
+from replica.roles.launch import open_job, start_roles
+from replica.roles.rollouts import Rollouts, Sampling, request_rollouts
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
 
@@ -81,12 +82,9 @@ class RayJob:
         if self.coordinator is not None:
             raise RuntimeError("this RayJob was started already")
         c = self.config
-        token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
-        self.coordinator = Coordinator(world_size=c.trainers, token=token.encode(), host=c.host, port=0,
-                                       deadlines=c.deadlines, rollouts=c.rollouts)
-        env = role_env(store=self.coordinator.address, token=token, world_size=c.trainers, inject=c.inject,
-                       steps=c.steps, rollouts=c.rollouts, mirror_device=c.mirror_device, export_dir=c.export_dir,
-                       resume=None)
+        self.coordinator, env = open_job(trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host,
+                                         inject=c.inject, steps=c.steps, mirror_device=c.mirror_device,
+                                         export_dir=c.export_dir)
         self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script), env=env,
                                  replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,
                                  standbys=self.standbys, members=self.coordinator.members_for_placement)
@@ -129,6 +127,28 @@ class RayJob:
     def failovers(self) -> list[dict]:
         """The failovers so far: rank, generation, commit, reason and the timeline (ms)."""
         return [dataclasses.asdict(f) for f in self.coordinator.failovers] if self.coordinator else []
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling = Sampling(), *,
+                 num_shards: int | None = None, timeout: timedelta = timedelta(minutes=2)) -> Rollouts:
+        """Completions (token ids) of ``prompts`` from the job's rollout engines, with the
+        newest weights the trainers pushed (``Rollouts.versions`` says which, per prompt).
+        The trainers push (``rollouts.push(step)`` in the script): the weights go from
+        their shards to the engines, never through the driver. Shards of the request
+        (default: one per engine) go to live engines; an engine that dies meanwhile has its
+        shard served by another. StoreWaitTimeoutError after ``timeout``."""
+        if self.coordinator is None:
+            raise RuntimeError("start() the job first")
+        if self.config.rollouts < 1:
+            raise ValueError("this job has no rollout engines (RayJobConfig.rollouts = 0)")
+        return request_rollouts(self.coordinator.store, prompts, sampling, timeout=timeout,
+                                num_shards=num_shards or self.config.rollouts)
+
+    def weights_version(self) -> int | None:
+        """The newest weight version every trainer pushed to the engines (None before the first)."""
+        if self.coordinator is None:
+            return None
+        latest = self.coordinator.store.own().get(keys.latest_version())
+        return None if latest is None else latest.value
 
     def roles(self) -> dict[str, str]:
         """Where each live role runs: ``"trainer 0"`` -> Ray node id."""

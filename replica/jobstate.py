@@ -509,6 +509,10 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key(f"rollout/version/{generation}/{step}", Number)
 
     @staticmethod
+    def latest_version() -> Key[Number]:
+        return Key("rollout/latest_version", Number)  # the newest version every trainer pushed
+
+    @staticmethod
     def request_of(generation: int, step: int) -> Key[Number]:
         return Key(f"rollout/request/{generation}/{step}", Number)
 

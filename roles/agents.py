@@ -9,15 +9,28 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
+from typing import TypeVar
 
 from replica.jobstate import AgentInfo, AgentOrder, JobStore, OrderKind, keys
 from replica.roles.env import Role
 
-__all__ = ["AGENT_SILENCE", "RemoteAgents"]
+__all__ = ["AGENT_SILENCE", "RemoteAgents", "replacement_site"]
 
 logger = logging.getLogger(__name__)
+
+Site = TypeVar("Site")
+
+
+def replacement_site(sites: Iterable[Site], *, host: Callable[[Site], str], trainer_hosts: set[str],
+                     load: Callable[[Site], int], order: Callable[[Site], object]) -> Site | None:
+    """Where a replacement standby or engine goes, among ``sites`` (hosts' agents, Ray nodes
+    or bundles) that can take it: one on a host that runs no trainer now, the least loaded,
+    then the first in ``order``; None if there is none. The one placement rule of every
+    launcher."""
+    candidates = [s for s in sites if host(s) not in trainer_hosts]
+    return min(candidates, key=lambda s: (load(s), order(s)), default=None)
 
 # An agent that has not beaten (every 200 ms) for this long gets no new role: shorter than any
 # role's deadline, so the agent of a host lost with a role is passed over when that role is replaced.
@@ -110,13 +123,12 @@ class RemoteAgents:
         load = {}
         for _, _, host in members:
             load[host] = load.get(host, 0) + 1
-        candidates = sorted((info for info in self.live() if info.host not in trainer_hosts),
-                            key=lambda info: (load.get(info.host, 0), info.index))
-        if not candidates:
+        chosen = replacement_site(self.live(), host=lambda info: info.host, trainer_hosts=trainer_hosts,
+                                  load=lambda info: load.get(info.host, 0), order=lambda info: info.index)
+        if chosen is None:
             logger.warning("no live agent on a host without a trainer can start %s %d", role, rank)
             return False
         self._replacements -= 1
-        chosen = candidates[0]
         self._order(chosen.index, AgentOrder(kind=OrderKind.START, role=str(role), rank=rank))
         logger.warning("asked agent %d (%s) to start %s %d", chosen.index, chosen.host, role, rank)
         return True

@@ -27,8 +27,8 @@ from replica.roles.env import HOST, Role, configure_logging, parse_faults
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
 
-__all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main", "resume_point",
-           "role_env", "start_roles", "state_options"]
+__all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main", "open_job",
+           "resume_point", "role_env", "start_roles", "state_options"]
 
 # Run as `python -I -S -c _DIE_WITH_LAUNCHER LAUNCHER_PID ARGV...`, before anything of the job is
 # imported: set PR_SET_PDEATHSIG, then exec ARGV in the same process (the setting survives exec, and
@@ -153,6 +153,20 @@ def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int
                REPLICA_MIRROR_DEVICE="" if mirror_device == "model" else mirror_device,
                REPLICA_EXPORT_DIR=str(export_dir.resolve()), REPLICA_RESUME=str(resume) if resume else "")
     return env
+
+
+def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
+             mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None
+             ) -> tuple[Coordinator, dict[str, str]]:
+    """A launched job's coordinator (its job store listening on ``host``) and the environment
+    its roles start with; the job's token is ``REPLICA_TOKEN`` or a fresh one."""
+    token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
+    coord = Coordinator(world_size=trainers, token=token.encode(), host=host, port=port, deadlines=deadlines,
+                        rollouts=rollouts, resume_from=resume[0] if resume else None)
+    env = role_env(store=coord.address, token=token, world_size=trainers, inject=inject, steps=steps,
+                   rollouts=rollouts, mirror_device=mirror_device, export_dir=export_dir,
+                   resume=resume[1] if resume else None)
+    return coord, env
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -304,15 +318,12 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         parser.error(f"need --trainers >= 1, 0 <= --standbys <= --trainers and --rollouts >= 0, got "
                      f"{args.trainers}, {standbys}, {args.rollouts}")
     resume = resume_point(parser, args, args.trainers)
-    token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
-    coord = Coordinator(world_size=args.trainers, token=token.encode(), host=args.host, port=args.port,
-                        deadlines=deadlines, rollouts=args.rollouts, resume_from=resume[0] if resume else None)
+    coord, env = open_job(trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host,
+                          port=args.port, inject=args.inject, steps=args.steps, mirror_device=args.mirror_device,
+                          export_dir=args.export_dir, resume=resume)
     print(f"replica: job store at {coord.address}; {args.trainers} trainers, {standbys} standbys, "
           f"{args.rollouts} rollouts" + (f"; resuming from step {resume[0]} in {resume[1]}" if resume else ""),
           flush=True)
-    env = role_env(store=coord.address, token=token, world_size=args.trainers, inject=args.inject,
-                   steps=args.steps, rollouts=args.rollouts, mirror_device=args.mirror_device,
-                   export_dir=args.export_dir, resume=resume[1] if resume else None)
     script = [args.script, *args.script_args]
     if args.ray:
         if ray_agents is None:

@@ -27,7 +27,8 @@ from replica.roles import timing
 from replica.stores import StoreAddress
 from replica.vllm_worker import EngineWeights, ReceiverSpec
 
-__all__ = ["RolloutClient", "Sampling", "serve_rollouts", "served_shards"]
+__all__ = ["RolloutClient", "Rollouts", "Sampling", "collect_results", "post_request", "request_rollouts",
+           "result_keys", "serve_rollouts", "served_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class RolloutClient:
         key = keys.version(self._epoch(), step)
         if self.sync.is_leader and not self._abort():
             self.store.put(key, Number(value=version))
+            self.store.put(keys.latest_version(), Number(value=version))
         if not self._wait([key]):
             return -1
         self.version = self.store.get(key).value
@@ -78,26 +80,16 @@ class RolloutClient:
         size (the step is redone after the failover; nothing of it is kept)."""
         key = keys.request_of(self._epoch(), step)
         if self.sync.is_leader and self.version is not None and not self._abort():
-            n = self.store.count(keys.request_seq(), 1)
-            shards = [list(range(k, len(prompts), self.num_shards)) for k in range(self.num_shards)]
-            self.store.put(keys.request(n), Text(value=json.dumps({
-                "step": step, "version": self.version, "sampling": asdict(sampling),
-                "shards": [[[int(t) for t in prompts[i]] for i in shard] for shard in shards],
-                "index": shards})))
+            n = post_request(self.store, prompts, sampling, step=step, version=self.version,
+                             num_shards=self.num_shards)
             self.store.put(key, Number(value=n))
         placeholder = [[0] * sampling.max_tokens for _ in prompts]
         if not self._wait([key]):
             return placeholder
         n = self.store.get(key).value
-        results = [keys.result(n, k) for k in range(self.num_shards)]
-        if not self._wait(results, refresh=self.sync.is_leader):
+        if not self._wait(result_keys(n, self.num_shards), refresh=self.sync.is_leader):
             return placeholder
-        completions: list[list[int]] = list(placeholder)
-        for k, text in enumerate(self.store.get_many(results)):
-            shard = json.loads(text.value)
-            for i, tokens in zip(range(k, len(prompts), self.num_shards), shard["completions"]):
-                completions[i] = tokens
-        return completions
+        return collect_results(self.store, n, len(prompts), self.num_shards).completions
 
     def _wait(self, wanted: list, *, refresh: bool = False) -> bool:
         """True once every key is set; False if the step was aborted first. Polls the
@@ -120,6 +112,69 @@ class RolloutClient:
         except _Aborted:
             return False
         return True
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Rollouts:
+    """A request's completions (token ids, in the prompts' order) and the weight version
+    each was generated with."""
+
+    completions: list[list[int]]
+    versions: list[int]
+
+
+def post_request(store: JobStore, prompts: Sequence[Sequence[int]], sampling: Sampling, *, step: int,
+                 version: int, num_shards: int, at_least: bool = False) -> int:
+    """Post a generation request (prompt i in shard i mod ``num_shards``); returns its number.
+    ``at_least``: any engine holding ``version`` or a newer one may serve it (a driver's
+    request, which does not hold the trainers back); else exactly ``version``."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    n = store.count(keys.request_seq(), 1)
+    shards = [list(range(k, len(prompts), num_shards)) for k in range(num_shards)]
+    store.put(keys.request(n), Text(value=json.dumps({
+        "step": step, "version": version, "at_least": at_least, "sampling": asdict(sampling),
+        "shards": [[[int(t) for t in prompts[i]] for i in shard] for shard in shards],
+        "index": shards})))
+    return n
+
+
+def result_keys(n: int, num_shards: int) -> list:
+    return [keys.result(n, k) for k in range(num_shards)]
+
+
+def collect_results(store: JobStore, n: int, num_prompts: int, num_shards: int) -> Rollouts:
+    """The completions of request ``n`` once every shard's result is in the store."""
+    completions: list[list[int]] = [[] for _ in range(num_prompts)]
+    versions = [-1] * num_prompts
+    for k, text in enumerate(store.get_many(result_keys(n, num_shards))):
+        if text is None:
+            raise replica.ReplicaError(f"request {n}: shard {k} has no (verified) result")
+        shard = json.loads(text.value)
+        for i, tokens in zip(range(k, num_prompts, num_shards), shard["completions"]):
+            completions[i], versions[i] = tokens, shard["version"]
+    return Rollouts(completions=completions, versions=versions)
+
+
+def request_rollouts(store: JobStore, prompts: Sequence[Sequence[int]], sampling: Sampling, *, num_shards: int,
+                     timeout: timedelta = timing.ROLLOUT_TIMEOUT) -> Rollouts:
+    """A driver's request (not a trainer's): completions of ``prompts`` from the rollout
+    engines, with the newest weights the trainers have pushed (waits for a first push).
+    Each shard is served by one engine with the version it holds then, so shards may
+    differ in version while the trainers go on pushing; ``Rollouts.versions`` says which.
+    StoreWaitTimeoutError after ``timeout``."""
+    if not prompts:
+        return Rollouts(completions=[], versions=[])
+    store = store.own()  # the caller's thread gets its own connection (the driver's coordinator uses its own)
+    start = time.monotonic()
+    latest = store.wait_for(lambda own: own.get(keys.latest_version()), wake=lambda: [keys.latest_version()],
+                            timeout=timeout, what="a first weight push of the trainers")
+    n = post_request(store, prompts, sampling, step=-1, version=latest.value, num_shards=num_shards, at_least=True)
+    wanted = result_keys(n, num_shards)
+    left = timedelta(seconds=max(timeout.total_seconds() - (time.monotonic() - start), 0.0))
+    store.wait_for(lambda own: all(v is not None for v in own.get_many(wanted)) or None, wake=lambda: wanted,
+                   timeout=left, what=f"the completions of request {n}")
+    return collect_results(store, n, len(prompts), num_shards)
 
 
 class _Aborted(Exception):
@@ -164,7 +219,7 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
         served = _wait_version(weights, request["version"], stop)
         if served is None:
             break  # told to stop (retired) while waiting: another engine takes the shard
-        if served != request["version"]:
+        if served != request["version"] and not (request.get("at_least") and served > request["version"]):
             raise replica.ReplicaError(f"rollout {index} serves version {served}, request {n} needs "
                                        f"{request['version']}")
         sampling = request["sampling"]

@@ -4,10 +4,7 @@ import pytest
 
 from replica import testetcd
 from replica.testetcd import EtcdCluster
-from test_launch import ROOT, STEPS, launch
-
-RL = ROOT / "examples" / "rl_loop.py"
-RL_STEPS = 6
+from test_launch import RL, RL_STEPS, STEPS, launch
 
 
 @pytest.fixture(scope="session")

@@ -218,3 +218,15 @@ def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_dead
     assert decision.kind == DecisionKind.ROLLOUT_LOST and decision.rank == 0
     assert "host's agent and it have been silent" in decision.reason
     assert coord.hosts_silent(silent) == []  # dead once
+
+
+def test_a_replacement_goes_to_the_least_loaded_host_without_a_trainer():
+    from replica.roles.agents import replacement_site
+
+    hosts = {"a": 0, "b": 2, "c": 1, "d": 1}  # host -> its live members
+    pick = lambda trainer_hosts: replacement_site(hosts, host=lambda h: h, trainer_hosts=trainer_hosts,  # noqa: E731
+                                                  load=hosts.get, order=lambda h: h)
+    assert pick(set()) == "a"
+    assert pick({"a"}) == "c"  # c and d are as loaded: the first in order
+    assert pick({"a", "c", "d"}) == "b"
+    assert pick(set(hosts)) is None  # every host runs a trainer: nowhere

@@ -21,8 +21,7 @@ from replica.testetcd import EtcdCluster
 from replica.testing import process_state
 from vllm_engine import vllm_available
 
-from conftest import RL, RL_STEPS
-from test_launch import EXAMPLE, STEPS, TOKEN, role_env
+from test_launch import EXAMPLE, RL, RL_STEPS, STEPS, TOKEN, role_env
 
 pytestmark = [pytest.mark.netns,
               pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]

@@ -25,6 +25,8 @@ from replica.testing import busy_cores, process_state
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_fsdp.py"
 STEPS = 10
+RL = ROOT / "examples" / "rl_loop.py"  # the RL loop, and the steps of its test runs
+RL_STEPS = 6
 TOKEN = "test-job-token-7f3a9c"
 
 
@@ -74,10 +76,10 @@ def start_coordinator(port: int, report: Path, *options: str, steps: int = STEPS
     return coordinator
 
 
-# `make test` runs commit-mirror (the fault matrix below kills in reduce-scatter and mirror too);
-# the other two pairs run in `make test-slow` (CI's 30 minutes).
-@pytest.mark.parametrize("first,second", [pytest.param("forward", "backward", marks=pytest.mark.slow),
-                                          pytest.param("reduce-scatter", "optimizer", marks=pytest.mark.slow),
+# `make test-slow` (CI's 30 minutes): `make test`'s fault matrix below kills in reduce-scatter
+# and mirror, and kills a trainer twice in a row.
+@pytest.mark.slow
+@pytest.mark.parametrize("first,second", [("forward", "backward"), ("reduce-scatter", "optimizer"),
                                           ("commit", "mirror")])
 def test_trainers_killed_in_each_phase(tmp_path, reference, first, second):
     """Two trainers die one after the other, each in a different phase of a step
@@ -178,6 +180,7 @@ def test_second_coordinator_on_the_same_port_is_refused():
         Coordinator(world_size=2, token=b"t", port=first.port)
 
 
+@pytest.mark.slow  # `make test`'s fault matrix kills standby 0, then trainer 0
 def test_standby_killed_then_its_trainer(tmp_path, reference):
     """A dead standby is replaced; its trainer re-sends the last snapshot to the
     replacement, which is later promoted when the trainer dies too."""
@@ -244,6 +247,7 @@ def test_model_differing_between_roles_fails_the_job_clearly(tmp_path):
     assert report["failovers"] == [] and report["last_commit"] is None
 
 
+@pytest.mark.slow  # an unprotected rank: test_unprotected_trainer_dying...
 def test_no_standby_left_keeps_training_unprotected(tmp_path, reference):
     """With no replacement standby allowed, the promoted trainer of rank 1 runs
     unprotected (acknowledging its own snapshots) and the job goes on, bit-identical."""
@@ -256,6 +260,7 @@ def test_no_standby_left_keeps_training_unprotected(tmp_path, reference):
     assert report["last_commit"] == STEPS
 
 
+@pytest.mark.slow  # `make ettr` runs every replica run this way
 def test_training_goes_on_while_the_new_standby_starts(tmp_path, reference):
     """--train-while-replacing: after trainer 1 is killed, the promoted trainer
     commits unprotected while its new standby starts (no pause in commit()); once
@@ -278,7 +283,8 @@ def test_training_goes_on_while_the_new_standby_starts(tmp_path, reference):
 
 @pytest.mark.parametrize("options", [
     ("--standbys", "1", "--inject", "kill:trainer:1@3"),
-    ("--replacements", "0", "--inject", "kill:standby:1@3,kill:trainer:1@4:forward"),
+    pytest.param(("--replacements", "0", "--inject", "kill:standby:1@3,kill:trainer:1@4:forward"),
+                 marks=pytest.mark.slow),
 ], ids=["never-had-a-standby", "trainer-killed-right-after-its-standby"])
 def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path, options):
     """Rank 1's state is lost (it never had a standby; or its standby died and, with no
@@ -299,6 +305,7 @@ def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path, options):
     assert exported.step == commit and not export_path(step_folder(export, commit), 1).exists()
 
 
+@pytest.mark.slow  # tests/test_rl.py and tests/test_hosts.py start roles by hand beside `replica coordinator`
 def test_standalone_coordinator_with_torchrun_style_roles(tmp_path, reference):
     """The multi-node way: `replica coordinator` alone, roles started by hand from
     torchrun-style variables. No local agent watches the processes, so the killed
@@ -360,6 +367,7 @@ def test_trainers_restored_from_their_own_checkpoint_end_bit_identical(tmp_path,
     assert sorted(int(p.name) for p in folder.iterdir() if (p / ".done").exists()) == [3, 6, 9]
 
 
+@pytest.mark.slow  # tests/test_rl.py's frozen leader is the same zombie, with weights
 def test_a_frozen_trainer_waking_up_after_its_failover_stops_by_itself(tmp_path, reference):
     """A zombie. Trainer 1 freezes (SIGSTOP) in step 5 of a `replica coordinator` job: no
     agent kills it, its connections stay open, so only the heartbeat deadline finds it, and

@@ -88,7 +88,9 @@ def reference():
     return losses
 
 
-@pytest.mark.parametrize("replace", ["promote", "fresh"])
+# `make test` promotes; a fresh replacement (`make test-slow`) is what tests/test_launch.py's
+# fault matrix starts after a standby dies.
+@pytest.mark.parametrize("replace", ["promote", pytest.param("fresh", marks=pytest.mark.slow)])
 def test_failover_losses_are_bit_identical(reference, replace):
     losses, events = _run(kill=True, replace=replace)
     # The fault fired: the trainer died by SIGKILL mid-step, and the survivor noticed.

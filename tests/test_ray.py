@@ -22,6 +22,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from replica.ray import Placement, PlacementError, RayJob, RayJobConfig  # noqa: E402
 from replica.ray.launch import parse_placement  # noqa: E402
 from replica.roles.report import compare_reports, load_report  # noqa: E402
+from replica.roles.rollouts import Sampling  # noqa: E402
 from test_launch import EXAMPLE, ROOT, STEPS  # noqa: E402
 
 WORKERS = 5  # 2 trainer machines, 2 rollout machines (the standbys), 1 spare
@@ -159,7 +160,7 @@ def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cl
     machine 2's node (engine 2 only: 2 trainers, 2 standbys) dies whole after the first commit:
     the other engines take its shards and a new engine is started on a node without a trainer. Trainer 1's actor is killed in step 4: standby 1 takes over (engine 1, on
     its machine, is retired). Losses and rewards bit-identical to the failure-free run."""
-    from conftest import RL_STEPS
+    from test_launch import RL_STEPS
 
     rl = ROOT / "examples" / "rl_loop.py"
     cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")  # a spare machine for the new engine
@@ -167,6 +168,10 @@ def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cl
         job.start()
         engine_node = job.roles()["rollout 2"]
         _until("commit 1", lambda: (job.commit() or 0) >= 1, timeout_s=300)
+        pushed = job.weights_version()
+        asked = job.generate([[5, 6, 7], [8, 9], [10]], Sampling(max_tokens=4, seed=3))  # the driver asks too
+        assert pushed is not None and min(asked.versions) >= pushed
+        assert [len(c) for c in asked.completions] == [4, 4, 4]
         cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == engine_node), allow_graceful=False)
         _until("commit 3", lambda: (job.commit() or 0) >= 3, timeout_s=300)
         ray.kill(job.actor("trainer", 1), no_restart=True)
@@ -177,5 +182,7 @@ def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cl
     assert 2 in [r["index"] for r in report["rollouts_lost"]]  # the lost node's engine was found dead
     assert len([m for m in report["members"] if m["role"] == "rollout" and m["rank"] == 2]) == 2  # and replaced
     assert report["rollouts_retired"] == [1]
-    assert all(s["version"] == s["needed"] for s in report["rollout_shards"])
+    trainers_asked = [s for s in report["rollout_shards"] if s["step"] >= 0]
+    assert trainers_asked and all(s["version"] == s["needed"] for s in trainers_asked)
+    assert [s["version"] >= s["needed"] for s in report["rollout_shards"] if s["step"] < 0] == [True] * 3
     assert compare_reports(rl_reference, report) == []  # losses and rewards, bit for bit

@@ -1,0 +1,77 @@
+"""A driver's rollout request (``request_rollouts``, what ``RayJob.generate`` calls) over a
+real job store. The engine's side here is a few lines that answer the request as
+``serve_rollouts`` does (a stand-in: a vLLM engine is what the Ray RL test runs, in
+``make test-slow``); what is tested is the driver's half of the protocol."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from replica.errors import StoreWaitTimeoutError
+from replica.jobstate import JobStore, Number, Text, keys
+from replica.roles.rollouts import Sampling, request_rollouts
+
+TOKEN = b"rollout-requests"
+
+
+@pytest.fixture
+def store():
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    return JobStore(raw, token=TOKEN)
+
+
+def _answer(store: JobStore, n: int, serves: int) -> None:
+    """Engine k answers shard k of request n with version ``serves``: each completion is its
+    prompt reversed."""
+    own = store.own()
+    request = json.loads(own.wait_for(lambda s: s.get(keys.request(n)), wake=lambda: [keys.request(n)],
+                                      timeout=timedelta(seconds=20), what="the request").value)
+    assert request["at_least"] is True and request["step"] == -1
+    for k, shard in enumerate(request["shards"]):
+        own.put(keys.result(n, k), Text(value=json.dumps({"engine": k, "pid": 0, "version": serves,
+                                                          "completions": [p[::-1] for p in shard]})))
+
+
+def test_a_driver_request_waits_for_the_first_push_and_gets_completions_in_order(store):
+    prompts = [[1, 2], [3, 4, 5], [6], [7, 8]]
+
+    def trainers_and_engines():
+        time.sleep(0.3)
+        store.own().put(keys.latest_version(), Number(value=5))  # the trainers' first push
+        _answer(store, 1, serves=6)
+
+    helper = threading.Thread(target=trainers_and_engines)
+    helper.start()
+    got = request_rollouts(store, prompts, Sampling(max_tokens=3), num_shards=3, timeout=timedelta(seconds=20))
+    helper.join()
+    assert got.completions == [p[::-1] for p in prompts]
+    assert got.versions == [6, 6, 6, 6]
+    request = json.loads(store.get(keys.request(1)).value)
+    assert request["version"] == 5 and request["index"] == [[0, 3], [1], [2]]
+
+
+def test_a_driver_request_nobody_serves_times_out_naming_it(store):
+    store.put(keys.latest_version(), Number(value=1))
+    start = time.monotonic()
+    with pytest.raises(StoreWaitTimeoutError, match="completions of request 1"):
+        request_rollouts(store, [[1]], Sampling(), num_shards=2, timeout=timedelta(seconds=1))
+    assert time.monotonic() - start < 5 * 1 + 5
+
+
+def test_without_a_push_a_driver_request_times_out_naming_the_push(store):
+    with pytest.raises(StoreWaitTimeoutError, match="first weight push"):
+        request_rollouts(store, [[1]], Sampling(), num_shards=1, timeout=timedelta(seconds=0.5))
+    assert store.get(keys.request(1)) is None  # nothing was posted
+
+
+def test_bad_shard_counts_are_refused(store):
+    store.put(keys.latest_version(), Number(value=1))
+    with pytest.raises(ValueError, match="num_shards"):
+        request_rollouts(store, [[1]], Sampling(), num_shards=0)
+    assert request_rollouts(store, [], Sampling(), num_shards=2).completions == []
