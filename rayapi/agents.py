@@ -257,6 +257,15 @@ class RayAgents:
         trainer_hosts = {host for r, _, host in self._members() if r == Role.TRAINER}
         bundle = self._bundle_for(rank, resources, alive, trainer_hosts)
         node = self._node_for(resources, alive, trainer_hosts) if bundle is None else None
+        if bundle is None and node is None and self.placement.strategy != "STRICT_SPREAD":
+            # The job was placed sharing nodes (PACK, SPREAD: a one-node cluster, say): beside a
+            # trainer is better than nothing: it survives a process's death, not the node's.
+            bundle = self._bundle_for(rank, resources, alive, set())
+            node = self._node_for(resources, alive, set()) if bundle is None else None
+            if bundle is not None or node is not None:
+                logger.warning("no live Ray node without a trainer has room for a new %s %d: it shares a trainer's "
+                               "node (placement strategy %s), and does not survive that node's loss",
+                               role, rank, self.placement.strategy)
         if bundle is None and node is None:
             logger.error("no live Ray node without a trainer has room for a new %s %d (%s): it is not started",
                          role, rank, resources)

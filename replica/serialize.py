@@ -9,7 +9,9 @@ IEEE bits, so a learning rate comes back bit for bit.
 
 from __future__ import annotations
 
+import array
 import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -84,6 +86,10 @@ def _encode(obj: Any, out: bytearray, path) -> None:
     elif isinstance(obj, (bytes, bytearray)):
         out += b"B"
         _put_bytes(out, bytes(obj))
+    elif isinstance(obj, (list, tuple)) and (words := _words(obj)) is not None:
+        # A run of 32-bit unsigned ints (Python's random.getstate() holds 625): one array,
+        # instead of an encoded int each (which cost ~0.5 ms of every commit).
+        out += (b"w" if isinstance(obj, list) else b"W") + _U32.pack(len(words)) + words.tobytes()
     elif isinstance(obj, (list, tuple)):
         out += b"L" if isinstance(obj, list) else b"U"
         out += _U32.pack(len(obj))
@@ -115,6 +121,25 @@ def _encode(obj: Any, out: bytearray, path) -> None:
         _encode(obj.item(), out, path)
     else:
         raise TypeError(f"{_where(path)}: cannot encode {type(obj).__name__} (only plain data, tensors and arrays)")
+
+
+_WORDS_AT_LEAST = 16  # shorter sequences of ints are encoded an int at a time
+_BIG_ENDIAN = sys.byteorder == "big"
+assert array.array("I").itemsize == 4, "array('I') must hold 32-bit words"
+
+
+def _words(items: list | tuple) -> array.array | None:
+    """``items`` as little-endian 32-bit words if each is a plain int (not a bool) in
+    [0, 2**32) and there are enough of them; else None."""
+    if len(items) < _WORDS_AT_LEAST or set(map(type, items)) != {int}:
+        return None
+    try:
+        words = array.array("I", items)
+    except OverflowError:  # negative, or wider than 32 bits
+        return None
+    if _BIG_ENDIAN:  # pragma: no cover - the wire is little-endian
+        words.byteswap()
+    return words
 
 
 def _get_bytes(view: memoryview, at: int) -> tuple[bytes, int]:
@@ -159,6 +184,16 @@ def _decode(view: memoryview, at: int) -> tuple[Any, int]:
             item, at = _decode(view, at)
             items.append(item)
         return (items if kind == b"L" else tuple(items)), at
+    if kind in (b"w", b"W"):
+        (n,) = _U32.unpack_from(view, at)
+        at += _U32.size
+        if at + 4 * n > len(view):
+            raise ValueError("encoded state is truncated")
+        words = array.array("I")
+        words.frombytes(bytes(view[at:at + 4 * n]))
+        if _BIG_ENDIAN:  # pragma: no cover
+            words.byteswap()
+        return (words.tolist() if kind == b"w" else tuple(words)), at + 4 * n
     if kind == b"M":
         (n,) = _U32.unpack_from(view, at)
         at += _U32.size

@@ -40,6 +40,20 @@ def test_round_trip_is_exact():
     assert math.isnan(nan)
 
 
+def test_runs_of_32_bit_words_travel_as_one_array_and_come_back_exactly():
+    state = random.getstate()  # (3, 625 ints, None)
+    data = serialize.encode(state)
+    assert len(data) < 4 * 625 + 64  # 4 bytes a word, not an encoded int each
+    assert serialize.decode(data) == state and type(serialize.decode(data)[1]) is tuple
+    for value in ([7] * 20, list(range((1 << 32) - 20, 1 << 32)), [True] * 20, [1 << 32] * 20, [-1] * 20, [1.0] * 20,
+                  [0] * 15, [1, True] * 10, (5,) * 16):
+        back = serialize.decode(serialize.encode(value))
+        assert back == value and type(back) is type(value)
+        assert [type(x) for x in back] == [type(x) for x in value]  # a bool stays a bool
+    with pytest.raises(ValueError, match="truncated"):
+        serialize.decode(serialize.encode([1] * 20)[:-1])
+
+
 def test_refuses_arbitrary_objects_with_their_path():
     with pytest.raises(TypeError, match=r"state\['sched'\]\[1\]: cannot encode object"):
         serialize.encode({"sched": [1, object()]})
