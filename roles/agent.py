@@ -37,6 +37,7 @@ __all__ = ["HostAgent", "main", "parse_roles"]
 logger = logging.getLogger(__name__)
 
 AGENT_BEAT = timedelta(milliseconds=200)
+_TALKER_JOIN = timedelta(seconds=15)  # at close, for a talker's store call in progress to end
 
 
 def parse_roles(spec: str) -> list[tuple[Role, int]]:
@@ -75,6 +76,7 @@ class HostAgent:
         self._exits: list[tuple[int, int]] = []  # seen, not yet written (kept through store failures)
         self._talked_at = time.monotonic()  # the talker's last round that got through
         self._talker = 0  # the current talker's number; older ones stop
+        self._talkers: list[threading.Thread] = []  # joined at close(): none may be inside the store's C++ at exit
         self.ended = threading.Event()
         self._slowed: str | None = None  # the interface a slow fault limited
         store.put(keys.agent(index), AgentInfo(index=index, host=self.host, address=address, pid=os.getpid()))
@@ -138,8 +140,15 @@ class HostAgent:
                            fault.seconds)
 
     def close(self) -> None:
-        """Stop talking; undo what faults left (a slowed link)."""
+        """Stop talking; undo what faults left (a slowed link). The talkers are joined (a
+        store connect in progress ends within its timeout): a thread still inside c10d's
+        TCPStore constructor when the interpreter exits aborts the process."""
         self._talker += 1
+        deadline = time.monotonic() + _TALKER_JOIN.total_seconds()
+        for thread in self._talkers:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        if any(t.is_alive() for t in self._talkers):
+            logger.warning("[agent %d] a talker is still in a store call after %s", self.index, _TALKER_JOIN)
         if self._slowed is not None:
             _tc("qdisc", "del", "dev", self._slowed, "root")
             self._slowed = None
@@ -149,8 +158,10 @@ class HostAgent:
     def _start_talker(self) -> None:
         self._talker += 1
         self._started_at = time.monotonic()
-        threading.Thread(target=self._talk, args=(self._talker,), name=f"replica-agent-talker-{self._talker}",
-                         daemon=True).start()
+        thread = threading.Thread(target=self._talk, args=(self._talker,), name=f"replica-agent-talker-{self._talker}",
+                                  daemon=True)
+        thread.start()
+        self._talkers = [t for t in self._talkers if t.is_alive()] + [thread]
 
     def _talk(self, number: int) -> None:
         store: JobStore | None = None

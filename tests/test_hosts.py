@@ -303,6 +303,7 @@ class Job:
             proc.wait()
 
 
+@pytest.mark.slow  # CI's 30 minutes; `make test`'s partitioned trainer host is found by the same deadline
 def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path, reference):
     """Trainer 1's machine is lost in step 5 (its link goes silent, then everything on it
     dies): no connection is reset, so only deadlines find it. Its standby, on another

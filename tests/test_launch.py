@@ -193,6 +193,7 @@ def test_standby_killed_then_its_trainer(tmp_path, reference):
     assert compare_reports(reference, report) == []
 
 
+@pytest.mark.slow  # CI's 30 minutes; refused joins: tests/test_control_plane.py, wrong tokens: tests/test_handshake.py
 def test_wrong_token_late_trainer_and_second_standby_are_refused(tmp_path, reference):
     """While a job runs (held in a 6 s stall of trainer 0, a straggler: slow but
     alive, so a 1 s heartbeat deadline must not take it for dead), three processes

@@ -109,6 +109,7 @@ def test_failover_losses_are_bit_identical(reference, replace):
     assert len({float(reference[0, s]) for s in range(1, SHAPE.total_steps + 1)}) == SHAPE.total_steps
 
 
+@pytest.mark.slow  # CI's 30 minutes; every launcher failover in `make test` runs over the resilient group
 def test_resilient_group_survivor_keeps_its_module(reference):
     """Over a ResilientProcessGroup the survivor keeps its process group and FSDP2
     module: its errored step finishes without raising, is discarded, the state is
