@@ -25,5 +25,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from replica.ray.agents import Placement, PlacementError, RayAgents
 from replica.ray.job import RayJob, RayJobConfig
 from replica.ray.launch import ray_agents, role_env_for_ray
+from replica.roles.rollouts import Rollouts, Sampling
 
-__all__ = ["Placement", "PlacementError", "RayAgents", "RayJob", "RayJobConfig", "ray_agents", "role_env_for_ray"]
+__all__ = ["Placement", "PlacementError", "RayAgents", "RayJob", "RayJobConfig", "Rollouts", "Sampling", "ray_agents",
+           "role_env_for_ray"]
