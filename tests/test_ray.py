@@ -19,10 +19,9 @@ ray = pytest.importorskip("ray", reason="replica[ray] is not installed (make tes
 from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from replica.ray import Placement, PlacementError, RayJob, RayJobConfig  # noqa: E402
+from replica.ray import Placement, PlacementError, RayJob, RayJobConfig, Sampling  # noqa: E402
 from replica.ray.launch import parse_placement  # noqa: E402
 from replica.roles.report import compare_reports, load_report  # noqa: E402
-from replica.ray import Sampling  # noqa: E402  (re-exported)
 from test_launch import EXAMPLE, ROOT, STEPS  # noqa: E402
 
 WORKERS = 5  # 2 trainer machines, 2 rollout machines (the standbys), 1 spare
