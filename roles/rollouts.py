@@ -106,8 +106,7 @@ class RolloutClient:
                 refreshed = time.monotonic()
 
         try:
-            self.store.wait_for(lambda own: all(v is not None for v in own.get_many(wanted)) or None,
-                                wake=lambda: wanted, timeout=self.timeout, abort=abort,
+            self.store.wait_for(_all_set(wanted), wake=lambda: wanted, timeout=self.timeout, abort=abort,
                                 what=f"{wanted[0]} and {len(wanted) - 1} more")
         except _Aborted:
             return False
@@ -143,6 +142,11 @@ def result_keys(n: int, num_shards: int) -> list:
     return [keys.result(n, k) for k in range(num_shards)]
 
 
+def _all_set(wanted: list) -> Callable[[JobStore], bool | None]:
+    """A ``wait_for`` condition: every key of ``wanted`` holds a (verified) value."""
+    return lambda own: all(v is not None for v in own.get_many(wanted)) or None
+
+
 def collect_results(store: JobStore, n: int, num_prompts: int, num_shards: int) -> Rollouts:
     """The completions of request ``n`` once every shard's result is in the store."""
     completions: list[list[int]] = [[] for _ in range(num_prompts)]
@@ -172,8 +176,7 @@ def request_rollouts(store: JobStore, prompts: Sequence[Sequence[int]], sampling
     n = post_request(store, prompts, sampling, step=-1, version=latest.value, num_shards=num_shards, at_least=True)
     wanted = result_keys(n, num_shards)
     left = timedelta(seconds=max(timeout.total_seconds() - (time.monotonic() - start), 0.0))
-    store.wait_for(lambda own: all(v is not None for v in own.get_many(wanted)) or None, wake=lambda: wanted,
-                   timeout=left, what=f"the completions of request {n}")
+    store.wait_for(_all_set(wanted), wake=lambda: wanted, timeout=left, what=f"the completions of request {n}")
     return collect_results(store, n, len(prompts), num_shards)
 
 
