@@ -12,9 +12,10 @@ from datetime import timedelta
 from pathlib import Path
 
 from replica.jobstate import keys
-from replica.ray.agents import Placement, PlacementError, RayAgents
+from replica.ray.agents import Placement, RayAgents
 from replica.ray.launch import ray_agents
 from replica.roles.coordinator import Coordinator
+from replica.roles.election import Leadership
 from replica.roles.env import HOST, Role, parse_faults
 from replica.roles.launch import open_job, start_roles
 from replica.roles.rollouts import Rollouts, Sampling, request_rollouts
@@ -29,7 +30,10 @@ class RayJobConfig:
     """What ``replica launch`` takes, as a config. ``script``: the user's script and its
     arguments, run by every role; ``address``: the Ray cluster (None: the one ``ray.init``
     already joined, else ``"auto"``); ``host``: where the job store listens (on several
-    machines, the driver's routable address)."""
+    machines, the driver's routable address); ``store``: keep the job's state in etcd
+    instead (``etcd://H1:2379,H2:2379,H3:2379/NAMESPACE``, credentials in
+    ``REPLICA_ETCD_USER``/``REPLICA_ETCD_PASSWORD``, ``REPLICA_ETCD_CA`` at the same path on
+    every node); the namespace must hold no other job."""
 
     script: tuple[str, ...]
     trainers: int = 2
@@ -47,6 +51,7 @@ class RayJobConfig:
     mirror_device: str = "model"
     address: str | None = None
     host: str = "127.0.0.1"
+    store: str = ""  # etcd://HOSTS/NAMESPACE: the job's state in etcd (default: a store hosted by the driver)
 
     def __post_init__(self):
         standbys = self.trainers if self.standbys is None else self.standbys
@@ -71,6 +76,7 @@ class RayJob:
         self._status: int | None = None
         self._cancel = threading.Event()
         self._error: BaseException | None = None
+        self._leadership: Leadership | None = None
 
     @property
     def standbys(self) -> int:
@@ -82,17 +88,18 @@ class RayJob:
         if self.coordinator is not None:
             raise RuntimeError("this RayJob was started already")
         c = self.config
-        self.coordinator, env = open_job(trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host,
-                                         inject=c.inject, steps=c.steps, mirror_device=c.mirror_device,
-                                         export_dir=c.export_dir)
-        self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script), env=env,
-                                 replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,
-                                 standbys=self.standbys, members=self.coordinator.members_for_placement)
-        start_roles(self.coordinator, self.agents, trainers=c.trainers, standbys=self.standbys, rollouts=c.rollouts)
+        self.coordinator, env, self._leadership = open_job(
+            trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host, inject=c.inject,
+            steps=c.steps, mirror_device=c.mirror_device, export_dir=c.export_dir, store=c.store)
         try:
+            self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script),
+                                     env=env, replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,
+                                     standbys=self.standbys, members=self.coordinator.members_for_placement)
+            start_roles(self.coordinator, self.agents, trainers=c.trainers, standbys=self.standbys,
+                        rollouts=c.rollouts)
             self.agents.wait_started(c.placement.start_timeout)
-        except PlacementError:
-            self.agents.stop()
+        except BaseException:
+            self.shutdown()
             raise
         spec = JobSpec(steps=c.steps, faults=parse_faults(c.inject), timeout=c.timeout, report=c.report,
                        train_while_replacing=c.train_while_replacing, export_dir=c.export_dir)
@@ -101,7 +108,8 @@ class RayJob:
 
     def _supervise(self, spec: JobSpec) -> None:
         try:
-            self._status = supervise(self.coordinator, spec, self.agents, cancel=self._cancel)
+            leading = self._leadership.leading if self._leadership is not None else None
+            self._status = supervise(self.coordinator, spec, self.agents, cancel=self._cancel, leading=leading)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             self._error = exc
 
@@ -166,6 +174,8 @@ class RayJob:
             self._thread.join(timeout=60)
         if self.agents is not None:
             self.agents.stop()
+        if self._leadership is not None:
+            self._leadership.resign()
 
     def __enter__(self) -> RayJob:
         return self

@@ -8,6 +8,7 @@ __all__ = [
     "CommitTimeoutError",
     "FencedError",
     "JobStateError",
+    "JobStoreInUseError",
     "JoinRefusedError",
     "LayoutMismatchError",
     "PeerDisconnectedError",
@@ -17,6 +18,7 @@ __all__ = [
     "StoreWaitTimeoutError",
     "TransferTimeoutError",
     "TransportError",
+    "VersionNotReadyError",
 ]
 
 
@@ -104,6 +106,16 @@ class JobStateError(ReplicaError):
     """A value in the job store is unsigned, forged or malformed (it is ignored)."""
 
 
+class JobStoreInUseError(ReplicaError):
+    """A launcher was pointed at a job store that holds another job, or that another
+    coordinator leads: each job takes a namespace of its own (etcd://HOSTS/NAMESPACE)."""
+
+
 class FencedError(ReplicaError):
     """This process's epoch was superseded: the coordinator declared it dead and
     another process holds its rank now. It must stop."""
+
+
+class VersionNotReadyError(ReplicaError):
+    """The weight version an engine was asked to serve has not arrived complete (or a newer
+    one displaced it): the engine keeps serving the one it had."""

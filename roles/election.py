@@ -28,11 +28,12 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from replica.errors import FencedError
+from replica.errors import FencedError, JobStoreInUseError
 from replica.etcd import EtcdStore
 from replica.jobstate import JobStore, Number, Text, keys
+from replica.stores import StoreAddress
 
-__all__ = ["BEAT", "Leadership", "SILENCE"]
+__all__ = ["BEAT", "Leadership", "SILENCE", "lead_new_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,3 +137,18 @@ class Leadership:
                 return
             except Exception as exc:  # noqa: BLE001 - the next beat tries again
                 logger.warning("the coordinator's beat failed: %s", exc)
+
+
+def lead_new_job(address: StoreAddress, token: bytes, *, connect: timedelta = timedelta(seconds=60)) -> Leadership:
+    """Claim the lead of a new job in an etcd namespace, for a launcher (which starts the
+    job's roles, so it never takes over a running job). JobStoreInUseError if the namespace
+    holds a job already (running or finished) or another coordinator leads it (its beat
+    is heard for ``SILENCE``). The caller resigns when the job ends."""
+    leadership = Leadership(JobStore(address.connect(timeout=connect), token=token))
+    if leadership.candidate.has(keys.generation()):
+        raise JobStoreInUseError(f"the job store {address} holds a job already: give each job a namespace of its "
+                                 "own (etcd://HOSTS/NAMESPACE); `replica coordinator --store` takes over a running one")
+    if not leadership.campaign(timeout=SILENCE * 2):
+        raise JobStoreInUseError(f"another coordinator leads the job store {address}: give each job a namespace of "
+                                 "its own (etcd://HOSTS/NAMESPACE)")
+    return leadership

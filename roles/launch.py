@@ -23,9 +23,11 @@ from typing import TextIO
 from replica.errors import ReplicaError
 from replica.export import resumable
 from replica.roles.coordinator import Coordinator, MemberState
+from replica.roles.election import Leadership, lead_new_job
 from replica.roles.env import HOST, Role, configure_logging, parse_faults
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
+from replica.stores import StoreAddress, StoreKind
 
 __all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main", "open_job",
            "resume_point", "role_env", "start_roles", "state_options"]
@@ -156,17 +158,32 @@ def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int
 
 
 def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
-             mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None
-             ) -> tuple[Coordinator, dict[str, str]]:
-    """A launched job's coordinator (its job store listening on ``host``) and the environment
-    its roles start with; the job's token is ``REPLICA_TOKEN`` or a fresh one."""
+             mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None, store: str = ""
+             ) -> tuple[Coordinator, dict[str, str], Leadership | None]:
+    """A launched job's coordinator and the environment its roles start with; the job's token
+    is ``REPLICA_TOKEN`` or a fresh one. The job store is hosted by the coordinator on
+    ``host:port``, or, with ``store`` (``etcd://HOSTS/NAMESPACE``), kept in etcd: then the
+    coordinator leads by an election claim that fences its writes (the Leadership returned;
+    resign it when the job ends) and the namespace must hold no other job
+    (JobStoreInUseError). ValueError for a bad ``store``."""
     token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
-    coord = Coordinator(world_size=trainers, token=token.encode(), host=host, port=port, deadlines=deadlines,
-                        rollouts=rollouts, resume_from=resume[0] if resume else None)
+    address = StoreAddress.parse(store) if store else None
+    if address is not None and address.kind != StoreKind.ETCD:
+        raise ValueError(f"the job store {store!r}: a launcher hosts its own store (--host/--port) or keeps the job "
+                         "in etcd (etcd://HOSTS/NAMESPACE)")
+    leadership = lead_new_job(address, token.encode()) if address is not None else None
+    try:
+        coord = Coordinator(world_size=trainers, token=token.encode(), host=host, port=port, deadlines=deadlines,
+                            rollouts=rollouts, resume_from=resume[0] if resume else None, store=address,
+                            fence=leadership.claim if leadership is not None else None)
+    except BaseException:
+        if leadership is not None:
+            leadership.resign()
+        raise
     env = role_env(store=coord.address, token=token, world_size=trainers, inject=inject, steps=steps,
                    rollouts=rollouts, mirror_device=mirror_device, export_dir=export_dir,
                    resume=resume[1] if resume else None)
-    return coord, env
+    return coord, env, leadership
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -206,6 +223,10 @@ def _parser() -> argparse.ArgumentParser:
                         '"start_timeout_s": 180}\' (default: 1 CPU each, each trainer and rollout machine on its own '
                         'node; timeout_s: for the placement group, start_timeout_s: for each role\'s actor to start)')
     p.add_argument("--port", type=int, default=0, help="the job store's port (default: any free one)")
+    p.add_argument("--store", default="", metavar="etcd://H1:2379,H2:2379,H3:2379/JOB",
+                   help="keep the job's state in etcd instead of hosting a store (credentials in "
+                        "REPLICA_ETCD_USER/REPLICA_ETCD_PASSWORD, REPLICA_ETCD_CA: the roles read them too); the "
+                        "namespace must hold no other job")
     p.add_argument("--timeout", type=float, default=600, help="seconds before the whole job is abandoned")
     deadline_options(p)
     state_options(p)
@@ -318,16 +339,35 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         parser.error(f"need --trainers >= 1, 0 <= --standbys <= --trainers and --rollouts >= 0, got "
                      f"{args.trainers}, {standbys}, {args.rollouts}")
     resume = resume_point(parser, args, args.trainers)
-    coord, env = open_job(trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host,
-                          port=args.port, inject=args.inject, steps=args.steps, mirror_device=args.mirror_device,
-                          export_dir=args.export_dir, resume=resume)
+    try:
+        coord, env, leadership = open_job(
+            trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host, port=args.port,
+            inject=args.inject, steps=args.steps, mirror_device=args.mirror_device, export_dir=args.export_dir,
+            resume=resume, store=args.store)
+    except ValueError as exc:
+        parser.error(str(exc))
+    except ReplicaError as exc:
+        print(f"replica: {exc}", flush=True)
+        return 2
+    try:
+        return _run(args, coord, env, standbys=standbys, faults=faults, resume=resume, ray_agents=ray_agents,
+                    leading=leadership.leading if leadership is not None else None)
+    finally:
+        if leadership is not None:
+            leadership.resign()
+
+
+def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, standbys: int, faults: list,
+         resume: tuple[int, Path] | None, ray_agents: Callable[..., object] | None,
+         leading: Callable[[], bool] | None) -> int:
     print(f"replica: job store at {coord.address}; {args.trainers} trainers, {standbys} standbys, "
           f"{args.rollouts} rollouts" + (f"; resuming from step {resume[0]} in {resume[1]}" if resume else ""),
           flush=True)
     script = [args.script, *args.script_args]
     if args.ray:
         if ray_agents is None:
-            parser.error("--ray: run this through the `replica` command (it needs replica[ray])")
+            print("replica: --ray: run this through the `replica` command (it needs replica[ray])", flush=True)
+            return 2
         try:
             agent = ray_agents(address=args.ray, placement=args.ray_placement, script=script, env=env,
                                replacements=args.replacements, trainers=args.trainers, rollouts=args.rollouts,
@@ -344,7 +384,7 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
                        timeline_png=timeline, train_while_replacing=args.train_while_replacing,
                        export_dir=args.export_dir, first_step=resume[0] + 1 if resume else 1)
         with contextlib.redirect_stdout(StatusLines(sys.stdout)):
-            status = supervise(coord, spec, agent)
+            status = supervise(coord, spec, agent, leading=leading)
     finally:
         agent.stop()
     codes = agent.failed_codes({m.pid for m in coord.members if m.role == Role.TRAINER and m.state == MemberState.DONE})

@@ -186,3 +186,42 @@ def test_a_waiting_coordinator_takes_over_when_the_leader_dies(etcd):
     finally:
         leader.kill()
         leader.wait()
+
+
+def test_a_launcher_keeps_its_job_in_etcd_and_never_shares_a_namespace(etcd, monkeypatch, tmp_path):
+    """``open_job(store=etcd://...)`` (``replica launch --store``, ``RayJobConfig.store``): the
+    coordinator leads by a claim that fences its writes and the roles are pointed at etcd;
+    a namespace that holds a job, or that another coordinator leads, is refused with a clear
+    error, on the command line too (exit 2, nothing started)."""
+    from replica.errors import JobStoreInUseError
+    from replica.roles.launch import open_job
+    from replica.roles.timing import Deadlines
+
+    for name, value in etcd.environ().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("REPLICA_TOKEN", TOKEN.decode())
+    store = f"etcd://{etcd.endpoints}/{etcd.namespace}launch1/"
+    common = dict(trainers=2, rollouts=0, deadlines=Deadlines(), host="127.0.0.1", inject="", steps=3,
+                  mirror_device="model", export_dir=tmp_path)
+    coord, env, leadership = open_job(store=store, **common)
+    try:
+        assert leadership.leading() and coord.address == env["REPLICA_STORE"] == str(StoreAddress.parse(store))
+        assert _job(etcd, "launch1").get(keys.generation()) is not None  # the job's state is in etcd
+        with pytest.raises(JobStoreInUseError, match="holds a job already"):
+            open_job(store=store, **common)
+        proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--store", store, "--steps", "2",
+                               str(ROOT / "examples" / "train_fsdp.py")], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2 and "holds a job already" in proc.stdout, proc.stdout[-2000:] + proc.stderr
+        assert etcd.password not in proc.stdout + proc.stderr
+    finally:
+        leadership.resign()
+    other = Leadership(_job(etcd, "launch2"))  # a coordinator leads a namespace that holds no job yet
+    assert other.campaign(timeout=timedelta(seconds=10))
+    try:
+        with pytest.raises(JobStoreInUseError, match="another coordinator leads"):
+            open_job(store=f"etcd://{etcd.endpoints}/{etcd.namespace}launch2/", **common)
+    finally:
+        other.resign()
+    with pytest.raises(ValueError, match="etcd://HOSTS/NAMESPACE"):
+        open_job(store="tcp://127.0.0.1:1", **common)
