@@ -23,15 +23,19 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import torch
+
 from replica.config import Config
-from replica.errors import LayoutMismatchError
+from replica.errors import LayoutMismatchError, VersionNotReadyError
 from replica.layout import StateLayout
 
-__all__ = ["EngineWeights", "ReceiverSpec", "ReplicaWorkerExtension", "checkpoint_shapes"]
+__all__ = ["EngineWeights", "ReceiverSpec", "ReplicaWorkerExtension", "WorkerWeights", "check_fits",
+           "checkpoint_shapes"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class ReceiverSpec:
     # linear weight; in place on GPUs, where a reload is device copies and a second copy of the
     # weights would take memory vLLM budgeted for the KV cache.
     staged: bool | None = None
+    leader: int = 0  # the trainer rank whose epoch the receiver accepts (WeightSync's leader)
 
     def __repr__(self) -> str:
         return f"ReceiverSpec(index={self.index}, store={self.store})"
@@ -81,96 +86,137 @@ def check_fits(layout: StateLayout, shapes: dict[str, tuple[int, ...]]) -> None:
                                       f"{shapes[e.name]}")
 
 
-class ReplicaWorkerExtension:
-    """Mixed into vLLM's worker class; its methods are called through
-    ``LLM.collective_rpc``. Uses the worker's ``model_runner`` and ``vllm_config``."""
+class WorkerWeights:
+    """A vLLM worker's receiver and how it applies versions: the one implementation behind
+    ``ReplicaWorkerExtension`` and the ``replica`` weight-transfer backend
+    (``replica.vllm_transfer``). ``reload(views)`` loads a version in place (vLLM's
+    ``reload_weights``); staged, versions are prepared beside the live model instead."""
 
-    def replica_attach(self, spec_json: str) -> str:
-        """Start this worker's receiver; returns its registration (backend, address, nonce)."""
+    def __init__(self, spec: ReceiverSpec, *, token: bytes, vllm_config, model,
+                 reload: Callable[[Iterator[tuple[str, torch.Tensor]]], None]):
         from replica.stores import StoreAddress
         from replica.weights import WeightReceiver
 
-        spec = ReceiverSpec(**json.loads(spec_json))
-        shapes = checkpoint_shapes(self.vllm_config.model_config.model)
+        self.index = spec.index
+        self._reload = reload
+        shapes = checkpoint_shapes(vllm_config.model_config.model)
         store = StoreAddress.parse(spec.store).connect(timeout=timedelta(seconds=spec.timeout_s))
-        config = Config(token=bytes.fromhex(spec.token_hex), host=spec.host, store_prefix=spec.store_prefix,
+        config = Config(token=token, host=spec.host, store_prefix=spec.store_prefix,
                         timeout=timedelta(seconds=spec.timeout_s))
-        self._replica_stager = None
-        self._replica_receiver = WeightReceiver(index=spec.index, store=store, config=config,
-                                                expect=lambda layout: check_fits(layout, shapes),
-                                                on_ready=self._replica_kick)
-        on_cpu = self.vllm_config.device_config.device_type == "cpu"
+        self._stager: _Stager | None = None
+        self.receiver = WeightReceiver(index=spec.index, store=store, config=config, leader=spec.leader,
+                                       expect=lambda layout: check_fits(layout, shapes), on_ready=self._kick)
+        on_cpu = vllm_config.device_config.device_type == "cpu"
         staged = on_cpu if spec.staged is None else spec.staged
         if staged:
             if on_cpu:
                 _reuse_freed_memory()
-            self._replica_stager = _Stager(self._replica_receiver, self.model_runner.get_model(), spec.index)
-        logger.info("[engine %d] weight receiver at %s (%s)", spec.index, self._replica_receiver.address,
+            self._stager = _Stager(self.receiver, model, spec.index)
+        logger.info("[engine %d] weight receiver at %s (%s)", spec.index, self.receiver.address,
                     "staged" if staged else "in place")
-        return self._replica_receiver.registration
 
-    def _replica_kick(self, step: int) -> None:
-        stager = getattr(self, "_replica_stager", None)
+    def _kick(self, step: int) -> None:
+        stager = self._stager
         if stager is not None:
             stager.kick()
 
-    def replica_ready(self) -> int | None:
-        return self._replica_receiver.ready()
+    @property
+    def staging(self) -> str:
+        """How versions are applied: "staged", "in place", or why staging was given up."""
+        if self._stager is None:
+            return "in place"
+        return "staged" if self._stager.active else f"in place: {self._stager.unsupported}"
 
-    def replica_wait(self, step: int, timeout_s: float) -> bool:
+    def wait(self, step: int, timeout: timedelta) -> bool:
         """Block until version >= ``step`` can be applied at once (received, and prepared when staged)."""
-        stager = self._replica_stager
+        stager = self._stager
         if stager is not None and stager.active:
-            return stager.wait(step, timedelta(seconds=timeout_s))
-        return self._replica_receiver.wait_ready(step, timedelta(seconds=timeout_s))
+            return stager.wait(step, timeout)
+        return self.receiver.wait_ready(step, timeout)
 
-    def replica_apply(self) -> int | None:
-        """Serve the newest complete version; returns its step (None: nothing new).
-        Staged: switch to the prepared version (milliseconds). Otherwise, or when
-        staging does not cover this model: vLLM's ``reload_weights`` in place."""
-        receiver = self._replica_receiver
-        stager = self._replica_stager
+    def apply(self, exactly: int | None = None) -> int | None:
+        """Serve the newest complete version (or, with ``exactly``, that version: a
+        VersionNotReadyError if it is not the newest complete one); returns its step (None:
+        nothing new). Staged: switch to the prepared version (milliseconds). Otherwise, or
+        when staging does not cover this model: vLLM's ``reload_weights`` in place."""
+        receiver, stager = self.receiver, self._stager
+        if exactly is not None and receiver.version == exactly:
+            return None  # served already
         if stager is not None and stager.active:
-            prepared = stager.take(receiver.version)
+            prepared = stager.take(receiver.version, exactly=exactly)
             if prepared is None:
+                if exactly is not None:
+                    raise VersionNotReadyError(f"engine {self.index}: version {exactly} is not prepared "
+                                               f"(received: {receiver.ready()}, served: {receiver.version})")
                 return None
             prepared.swap()
             receiver.served(prepared.step)
             stager.retire(prepared.retired)  # the old kernel handles are freed off the engine's thread
             return prepared.step
+        with receiver.hold() as got:
+            if got is None or (exactly is not None and got[0] != exactly):
+                if exactly is not None:
+                    raise VersionNotReadyError(f"engine {self.index}: version {exactly} is not the newest complete "
+                                               f"one (received: {receiver.ready()}, served: {receiver.version})")
+                return None
+            step, views = got
+            self._reload(views)
+        receiver.served(step)
+        return step
 
-        from vllm.config import set_current_vllm_config
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        self.receiver.close()
 
-        def load(views) -> None:
+
+class ReplicaWorkerExtension:
+    """Mixed into vLLM's worker class; its methods are called through
+    ``LLM.collective_rpc``. Uses the worker's ``model_runner`` and ``vllm_config``."""
+
+    _replica: WorkerWeights | None = None
+
+    def replica_attach(self, spec_json: str) -> str:
+        """Start this worker's receiver; returns its registration (backend, address, nonce)."""
+        spec = ReceiverSpec(**json.loads(spec_json))
+
+        def reload(views) -> None:
+            from vllm.config import set_current_vllm_config
+
             with set_current_vllm_config(self.vllm_config):
                 self.model_runner.reload_weights(weights_iterator=views, is_checkpoint_format=True)
 
-        return receiver.apply(load)
+        self._replica = WorkerWeights(spec, token=bytes.fromhex(spec.token_hex), vllm_config=self.vllm_config,
+                                      model=self.model_runner.get_model(), reload=reload)
+        return self._replica.receiver.registration
+
+    def replica_ready(self) -> int | None:
+        return self._replica.receiver.ready()
+
+    def replica_wait(self, step: int, timeout_s: float) -> bool:
+        """Block until version >= ``step`` can be applied at once (received, and prepared when staged)."""
+        return self._replica.wait(step, timedelta(seconds=timeout_s))
+
+    def replica_apply(self) -> int | None:
+        """Serve the newest complete version; returns its step (None: nothing new)."""
+        return self._replica.apply()
 
     def replica_staging(self) -> str:
-        """How versions are applied: "staged", "in place", or why staging was given up."""
-        stager = self._replica_stager
-        if stager is None:
-            return "in place"
-        return "staged" if stager.active else f"in place: {stager.unsupported}"
+        return self._replica.staging
 
     def replica_version(self) -> int | None:
-        return self._replica_receiver.version
+        return self._replica.receiver.version
 
     def replica_served_epoch(self) -> tuple[int, int] | None:
         """(generation, member) of the leader that sent the served version (None: none served)."""
-        epoch = self._replica_receiver.served_epoch
+        epoch = self._replica.receiver.served_epoch
         return None if epoch is None else (epoch.generation, epoch.member)
 
     def replica_detach(self) -> None:
-        stager = getattr(self, "_replica_stager", None)
-        if stager is not None:
-            stager.close()
-            self._replica_stager = None
-        receiver = getattr(self, "_replica_receiver", None)
-        if receiver is not None:
-            receiver.close()
-            self._replica_receiver = None
+        if self._replica is not None:
+            self._replica.close()
+            self._replica = None
 
 
 def _reuse_freed_memory() -> None:
@@ -228,11 +274,13 @@ class _Stager:
             self._retired.append(things)
             self._cond.notify_all()
 
-    def take(self, served: int | None):
-        """The prepared version if it is newer than ``served`` (and it is handed over), else None."""
+    def take(self, served: int | None, exactly: int | None = None):
+        """The prepared version if it is newer than ``served`` (and, with ``exactly``, is that
+        version) and it is handed over, else None."""
         with self._cond:
             prepared = self._prepared
-            if prepared is None or (served is not None and prepared.step <= served):
+            if (prepared is None or (served is not None and prepared.step <= served)
+                    or (exactly is not None and prepared.step != exactly)):
                 return None
             self._prepared = None
             return prepared

