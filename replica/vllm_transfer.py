@@ -36,15 +36,16 @@ from replica.config import Config, token_from_env
 from replica.errors import VersionNotReadyError
 from replica.jobstate import Epoch
 from replica.stores import StoreAddress
-from replica.vllm_plugin import BACKEND
+from replica.vllm_plugin import BACKEND, register
 from replica.vllm_worker import ReceiverSpec, WorkerWeights
 from replica.weights import SyncStats, WeightSource, WeightSync
 
+from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeightTransferEngine,
                                                    VLLMWeightSyncClient, WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-__all__ = ["BACKEND", "LLMClient", "ReplicaInitInfo", "ReplicaTrainerEngine", "ReplicaTrainerInitInfo",
+__all__ = ["BACKEND", "LLMClient", "ReplicaInitInfo", "ServerClient", "ReplicaTrainerEngine", "ReplicaTrainerInitInfo",
            "ReplicaUpdateInfo", "ReplicaWeightTransferEngine"]
 
 logger = logging.getLogger(__name__)
@@ -274,3 +275,18 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
         self.llm.reset_prefix_cache()
+
+
+class ServerClient(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP client for the OpenAI-compatible server's weight-transfer routes (mounted
+    with ``VLLM_SERVER_DEV_MODE=1``), which also resets the server's prefix cache after each
+    version (``/reset_prefix_cache``)."""
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        super().finish_weight_update(weight_version)
+        self._post("reset_prefix_cache")
+
+
+# A trainer is no vLLM process (vLLM loads its plugins in its own): importing this module makes
+# the backend known to WeightTransferTrainerFactory here too.
+register()

@@ -28,7 +28,7 @@ from replica.stores import StoreAddress
 from replica.vllm_worker import EngineWeights, ReceiverSpec
 
 __all__ = ["RolloutClient", "Rollouts", "Sampling", "collect_results", "post_request", "request_rollouts",
-           "result_keys", "serve_rollouts", "served_shards"]
+           "result_keys", "serve_rollouts", "served_shards", "superseded"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +222,12 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
         served = _wait_version(weights, request["version"], stop)
         if served is None:
             break  # told to stop (retired) while waiting: another engine takes the shard
-        if served != request["version"] and not (request.get("at_least") and served > request["version"]):
-            raise replica.ReplicaError(f"rollout {index} serves version {served}, request {n} needs "
-                                       f"{request['version']}")
+        if superseded(request, served):
+            logger.warning("[rollout %d] request %d (step %s) needs version %d, superseded by version %d: its step "
+                           "was redone after a failover; skipped", index, n, request["step"], request["version"],
+                           served)
+            seen = n
+            continue
         sampling = request["sampling"]
         params = [SamplingParams(temperature=sampling["temperature"], max_tokens=sampling["max_tokens"],
                                  seed=sampling["seed"] + i, detokenize=False, ignore_eos=True)
@@ -234,6 +237,20 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
             "engine": index, "pid": os.getpid(), "version": served, "epoch": weights.served_epoch,
             "completions": [list(o.outputs[0].token_ids) for o in outs]})))
     weights.close()
+
+
+def superseded(request: dict, served: int) -> bool:
+    """Whether ``request`` is obsolete for an engine that serves version ``served`` (>= the
+    version it needs: the engine waited for that). Versions are numbered in push order, and
+    the trainers push a new one only after they have every completion of their last request
+    or gave its step up (a failover: the step is redone with a new push). So a request for
+    exactly an older version is finished or abandoned: nobody waits for it, and no engine
+    goes back to an older version to serve it. A driver's request (``at_least``) takes any
+    newer version."""
+    needed = request["version"]
+    if served < needed:
+        raise replica.ReplicaError(f"an engine serves version {served}, below the {needed} it waited for")
+    return served > needed and not request.get("at_least")
 
 
 def _wait_version(weights: EngineWeights, version: int, stop: Callable[[], bool],

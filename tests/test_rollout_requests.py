@@ -75,3 +75,18 @@ def test_bad_shard_counts_are_refused(store):
     with pytest.raises(ValueError, match="num_shards"):
         request_rollouts(store, [[1]], Sampling(), num_shards=0)
     assert request_rollouts(store, [], Sampling(), num_shards=2).completions == []
+
+
+def test_an_engine_skips_a_request_a_failover_made_obsolete():
+    """Request 5 asked for exactly version 4 (step 4, generation 0); trainer 1 died, step 4 was
+    redone with version 5, which the engine serves now: request 5 is skipped, never an error
+    (seen under load on Ray: every engine died on it, again and again). A driver's request
+    takes the newer version; an engine below the version it waited for is a bug."""
+    from replica.errors import ReplicaError
+    from replica.roles.rollouts import superseded
+
+    assert superseded({"version": 4, "step": 4}, 5)
+    assert not superseded({"version": 5, "step": 4}, 5)
+    assert not superseded({"version": 4, "step": -1, "at_least": True}, 5)
+    with pytest.raises(ReplicaError, match="below"):
+        superseded({"version": 6, "step": 5}, 5)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
+import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -210,3 +213,62 @@ def test_a_tensor_parallel_multiprocess_engine_each_worker_receives(models):
     expected = json.loads((root / "fresh_tp2.json").read_text())
     assert result["tokens"] == expected["tokens"]
     assert result["first"] == expected["first"]
+
+
+def test_the_openai_server_is_synced_through_its_weight_transfer_routes(models, tmp_path):
+    """`vllm serve` (the OpenAI-compatible server, multi-process) with the replica backend,
+    synced by a trainer over its HTTP routes (vLLM's HTTP client): its completions equal a
+    fresh engine's tokens and log-probabilities, and /weight_info names the version."""
+    import requests
+
+    from replica.vllm_transfer import ReplicaTrainerInitInfo, ServerClient  # registers the trainer side here
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm_engine import MAX_TOKENS, PROMPTS
+
+    root, trained, fresh = models
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", REPLICA_TOKEN=TOKEN, VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    log = (tmp_path / "server.log").open("w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "seed0"), "--host",
+         "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32",
+         "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
+         "--weight-transfer-config", json.dumps({"backend": "replica"})], env=env, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30))
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            ReplicaTrainerInitInfo(rank=0, store=f"127.0.0.1:{store.port}", engines=1, config=config),
+            client=ServerClient(url), source=trained)
+        assert trainer.send_weights(7).engines_synced == [0]
+        assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "7"
+        answer = requests.post(f"{url}/v1/completions", timeout=120, json={
+            "model": str(root / "seed0"), "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 5, "return_token_ids": True, "return_tokens_as_token_ids": True}).json()
+        trainer.shutdown()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    choices = sorted(answer["choices"], key=lambda c: c["index"])
+    expected = _fresh(root, fresh)
+    assert [c["token_ids"] for c in choices] == expected["tokens"]
+    first = [{int(k.removeprefix("token_id:")): v for k, v in c["logprobs"]["top_logprobs"][0].items()}
+             for c in choices]
+    assert first == [dict(f) for f in expected["first"]]
