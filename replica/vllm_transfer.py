@@ -64,13 +64,16 @@ class ReplicaInitInfo(WeightTransferInitInfo):
     timeout_s: float = 60.0
     staged: bool | None = None  # as ReceiverSpec.staged (None: staged on CPU, in place on GPUs)
     leader: int = 0  # the trainer rank whose epoch the receivers accept
+    # Receive buffers: 1 (the model's size: each version is applied by the update that follows its
+    # push) or 2 (versions may arrive while one waits to be applied).
+    buffers: int = 1
     token_hex: str | None = field(default=None, repr=False)  # None: REPLICA_TOKEN of the engine's environment
 
     def __post_init__(self):
         StoreAddress.parse(self.store)  # ValueError naming what is wrong
-        if self.index_base < 0 or self.timeout_s <= 0 or self.leader < 0:
-            raise ValueError(f"need index_base >= 0, timeout_s > 0 and leader >= 0; got {self.index_base}, "
-                             f"{self.timeout_s}, {self.leader}")
+        if self.index_base < 0 or self.timeout_s <= 0 or self.leader < 0 or self.buffers not in (1, 2):
+            raise ValueError(f"need index_base >= 0, timeout_s > 0, leader >= 0 and buffers 1 or 2; got "
+                             f"{self.index_base}, {self.timeout_s}, {self.leader}, {self.buffers}")
         if self.token_hex is not None:
             try:
                 if not bytes.fromhex(self.token_hex):
@@ -120,7 +123,7 @@ class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaU
         token = bytes.fromhex(init_info.token_hex) if init_info.token_hex else token_from_env()
         spec = ReceiverSpec(index=self.index, store=init_info.store, token_hex="", host=init_info.host,
                             store_prefix=init_info.store_prefix, timeout_s=init_info.timeout_s,
-                            staged=init_info.staged, leader=init_info.leader)
+                            staged=init_info.staged, leader=init_info.leader, buffers=init_info.buffers)
         self._weights = WorkerWeights(spec, token=token, vllm_config=self.vllm_config, model=self.model,
                                       reload=self._reload)
 
@@ -185,6 +188,7 @@ class ReplicaTrainerInitInfo(TrainerInitInfo):
     store_prefix: str = "replica"
     timeout_s: float = 60.0
     staged: bool | None = None
+    buffers: int = 1  # the engines' receive buffers (ReplicaInitInfo.buffers)
     config: Config | None = None  # the sender's transfer settings (default: the job token from REPLICA_TOKEN)
     epoch: Callable[[], Epoch] | None = None  # the trainer's epoch (replica.Job): receivers refuse a superseded one
     send_token: bool = False  # False: the engines read REPLICA_TOKEN themselves; True: it goes in the init info
@@ -223,7 +227,8 @@ class ReplicaTrainerEngine(TrainerWeightTransferEngine[ReplicaTrainerInitInfo]):
                           epoch=init_info.epoch)
         if init_info.is_sender:
             worker = dict(store=init_info.store, index_base=init_info.index_base, host=init_info.host,
-                          store_prefix=config.store_prefix, timeout_s=init_info.timeout_s, staged=init_info.staged)
+                          store_prefix=config.store_prefix, timeout_s=init_info.timeout_s, staged=init_info.staged,
+                          buffers=init_info.buffers)
             if init_info.send_token:
                 worker["token_hex"] = config.token.hex()
             client.init_weight_transfer_engine(worker)

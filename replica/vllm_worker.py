@@ -57,6 +57,7 @@ class ReceiverSpec:
     # weights would take memory vLLM budgeted for the KV cache.
     staged: bool | None = None
     leader: int = 0  # the trainer rank whose epoch the receiver accepts (WeightSync's leader)
+    buffers: int = 2  # receive buffers (the model's size each): 1 when each version is applied as it arrives
 
     def __repr__(self) -> str:
         return f"ReceiverSpec(index={self.index}, store={self.store})"
@@ -105,7 +106,8 @@ class WorkerWeights:
                         timeout=timedelta(seconds=spec.timeout_s))
         self._stager: _Stager | None = None
         self.receiver = WeightReceiver(index=spec.index, store=store, config=config, leader=spec.leader,
-                                       expect=lambda layout: check_fits(layout, shapes), on_ready=self._kick)
+                                       buffers=spec.buffers, expect=lambda layout: check_fits(layout, shapes),
+                                       on_ready=self._kick)
         on_cpu = vllm_config.device_config.device_type == "cpu"
         staged = on_cpu if spec.staged is None else spec.staged
         if staged:

@@ -510,7 +510,9 @@ class WeightReceiver(Listener):
 
     def __init__(self, *, index: int, store: dist.Store | JobStore, config: Config,
                  expect: Callable[[StateLayout], None] | None = None,
-                 on_ready: Callable[[int], None] | None = None, leader: int = 0):
+                 on_ready: Callable[[int], None] | None = None, leader: int = 0, buffers: int = 2):
+        if buffers not in (1, 2):
+            raise ValueError(f"buffers is 1 or 2, got {buffers}")
         super().__init__(config=config, memory=MemoryKind.HOST, name=f"engine {index}")
         self.index = index
         self.leader = leader
@@ -518,6 +520,9 @@ class WeightReceiver(Listener):
         self.epochs = EpochRecord(self.store)
         self.stats = ReceiverStats()
         self._expect = expect
+        # 2: a version arrives while the last one is ready (applied when the engine likes); 1: one
+        # buffer, the model's size (a version that starts arriving displaces an unapplied ready one).
+        self._buffers = buffers
         self._on_ready = on_ready  # called (from the receiving thread) when a version is complete
         self._layout: StateLayout | None = None
         self._staging: torch.Tensor | None = None
@@ -611,7 +616,7 @@ class WeightReceiver(Listener):
         receive_versions(conn, [(b.lo, b.hi) for b in tensor_buckets(layout)],
                          fingerprint=fingerprint_int(layout.fingerprint), timeout=timeout, who=self.name,
                          counts=self.stats, current_epoch=self._current_epoch, closed=self._closed,
-                         sender=lambda: self._sender, lock=self._receiving, stage=lambda begin: self._staging,
+                         sender=lambda: self._sender, lock=self._receiving, stage=self._stage,
                          complete=self._complete)
 
     def _adopt(self, layout: StateLayout) -> None:
@@ -622,20 +627,35 @@ class WeightReceiver(Listener):
                 self._layout.check_matches(layout)
             self._layout = layout
             self._staging = torch.empty(layout.total_bytes, dtype=torch.uint8)
-            self._ready = torch.empty(layout.total_bytes, dtype=torch.uint8)
+            self._ready = torch.empty(layout.total_bytes, dtype=torch.uint8) if self._buffers == 2 else None
+            self._ready_step = None if self._buffers == 1 else self._ready_step
             self._spare = None
         logger.info("[engine %d] receiving %d tensors, %d bytes", self.index, len(layout.entries),
                     layout.total_bytes)
 
+    def _stage(self, begin: Begin) -> torch.Tensor:
+        """Where version ``begin.step`` is received. With one buffer: once nobody holds the
+        ready version in it (an apply in progress finishes first), which is then no longer ready."""
+        with self._cond:
+            if self._buffers == 1:
+                if not self._cond.wait_for(lambda: self._held_buffer is not self._staging or self._closed.is_set(),
+                                           self.config.timeout.total_seconds()):
+                    raise TransportError(f"{self.name}: the ready version was held for over {self.config.timeout}")
+                if self._ready is self._staging:
+                    self._ready, self._ready_step = None, None
+            return self._staging
+
     def _complete(self, begin: Begin, buffer: torch.Tensor, digests: list[int]) -> None:
         """The staging buffer holds version ``begin.step`` complete and verified: it
-        becomes the ready version; the next one goes where nobody reads."""
+        becomes the ready version; the next one goes where nobody reads (with two buffers)."""
         with self._cond:
             previous, self._ready, self._ready_step = self._ready, buffer, begin.step
             self._epochs[begin.step] = begin.epoch
             for old in sorted(self._epochs)[:-_EPOCHS_KEPT]:
                 del self._epochs[old]
-            if previous is not self._held_buffer:
+            if self._buffers == 1:
+                pass  # the next version waits in _stage until this one is let go
+            elif previous is not self._held_buffer:
                 self._staging = previous
             else:
                 if self._spare is None:

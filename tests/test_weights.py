@@ -184,3 +184,38 @@ def test_a_weight_source_is_pushed_in_its_metadatas_order_and_checked():
         WeightSync(Reversed(model), store=store, num_engines=1, config=CONFIG).push(2)
     assert engine.receiver.ready() == 1
     engine.receiver.close()
+
+
+def test_one_receive_buffer_holds_one_version_and_waits_for_its_apply():
+    """``WeightReceiver(buffers=1)`` (the vLLM backend's default: live weights plus one copy):
+    one buffer of the model's size; a version that starts arriving while the ready one is
+    being applied waits for the apply, then displaces it; a push cut short is never applied."""
+    import threading
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 8))
+    store = dist.HashStore()
+    engine = Engine(0, store, buffers=1)
+    sync = WeightSync(model, store=store, num_engines=1, config=CONFIG)
+    assert sync.push(1).engines_synced == [0] and engine.sync(1) == 1
+    assert engine.receiver._ready is engine.receiver._staging and engine.receiver._spare is None  # one buffer
+
+    bump = lambda: [p.data.add_(1.0) for p in model.parameters()]  # noqa: E731
+    bump()
+    assert sync.push(2).engines_synced == [0]
+    pushed: list[int] = []
+    with engine.receiver.hold() as got:  # version 2 is being applied...
+        assert got is not None and got[0] == 2
+        bump()
+        pusher = threading.Thread(target=lambda: pushed.extend(sync.push(3).engines_synced))
+        pusher.start()
+        pusher.join(timeout=1.0)
+        assert pusher.is_alive()  # ...so version 3 waits: the buffer is not overwritten under the apply
+        engine.load(got[1])
+    engine.receiver.served(2)
+    pusher.join(timeout=30)
+    assert pushed == [0] and engine.sync(3) == 3
+    assert all(torch.equal(engine.weights[n], p.detach()) for n, p in model.named_parameters())
+    with pytest.raises(ValueError, match="buffers is 1 or 2"):
+        Engine(1, store, buffers=3)
+    engine.receiver.close()
+    sync.close()
