@@ -41,6 +41,29 @@ def test_weight_sync(benchmark, tmp_path, size):
         _results[size] = result
 
 
+BACKEND_MODES = ["in_place", "staged"]
+BACKEND_SYNCS = 15
+_backend: dict[str, dict] = {}
+
+
+@pytest.mark.parametrize("mode", BACKEND_MODES)
+def test_weight_transfer_backend(benchmark, tmp_path, mode):
+    """The same 1 GiB model through vLLM's weight-transfer API with the replica backend
+    (transfer_run.py): sync time, the update_weights stall, and the engine's RSS over 15
+    syncs in multiples of the weights (target <= 2.2x). vLLM's own ipc and nccl backends need
+    CUDA (IPC handles, NCCL): neither runs on a CPU engine, so they are not beside it here."""
+    if benchmark.disabled:
+        pytest.skip("runs under `make bench` only (tests/test_vllm_transfer.py covers the path)")
+    out = tmp_path / f"{mode}.json"
+    subprocess.run([sys.executable, str(HERE / "transfer_run.py"), "1GiB", str(BACKEND_SYNCS), mode, str(out)],
+                   check=True, timeout=1800, cwd=HERE)
+    result = json.loads(out.read_text())
+    assert result["sync_s"] > 0 and result["rss_peak_x_weights"] > 0
+    benchmark.extra_info.update({k: v for k, v in result.items() if k != "all"})
+    benchmark.pedantic(lambda: None, rounds=1, iterations=1)
+    _backend[mode] = result
+
+
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
@@ -64,8 +87,12 @@ def report():
         # the transfer (gather, pack with digests, send, verify: until the version is complete in
         # the engine's receiver) against raw UCX without digests of the same bytes
         "transfer_vs_raw_ucx": big["raw_ucx_s"] / big["receive_s"],
-        "targets": {"speedup_vs_disk_reload": 3.0, "transfer_vs_raw_ucx": 0.8},
+        "targets": {"speedup_vs_disk_reload": 3.0, "transfer_vs_raw_ucx": 0.8, "engine_rss_x_weights": 2.2},
     }
+    if set(_backend) == set(BACKEND_MODES):
+        summary["vllm_backend"] = _backend
+        # the engine's memory above its start, over the syncs, in multiples of the weights: the backend's default
+        summary["engine_rss_x_weights"] = _backend["in_place"]["rss_peak_x_weights"]
     lines = ["| model | bytes | sync = receive + prepare + switch | engine stalled | disk reload (engine stalled) |"
              " disk save + reload | gloo broadcast | memcpy | sync vs disk reload | stall vs disk reload |"
              " sync while the engine generates (batches meanwhile; one batch alone) |",
@@ -80,4 +107,8 @@ def report():
     lines.append(f"\ntransfer (until complete in the engine's receiver) vs raw UCX without digests, "
                  f"{big['bytes'] / 2**20:.0f} MiB: {big['raw_ucx_s']:.3f} s / {big['receive_s']:.3f} s = "
                  f"{summary['transfer_vs_raw_ucx']:.2f}x (target >= 0.8)")
+    for mode, r in _backend.items():
+        lines.append(f"\nvLLM weight-transfer API, replica backend, {mode}: sync {r['sync_s']:.3f} s, update_weights "
+                     f"(the stall) {r['update_s']:.3f} s, engine RSS peak +{r['rss_peak_x_weights']:.2f}x the weights "
+                     f"over {r['syncs']} syncs (+{r['rss_end_x_weights']:.2f}x at the end; target <= 2.2x)")
     write_results("weight_sync", summary, lines)

@@ -62,7 +62,9 @@ class ReplicaInitInfo(WeightTransferInitInfo):
     host: str = "127.0.0.1"  # where the receivers listen
     store_prefix: str = "replica"
     timeout_s: float = 60.0
-    staged: bool | None = None  # as ReceiverSpec.staged (None: staged on CPU, in place on GPUs)
+    # True: each version is prepared beside the live model first (ReceiverSpec.staged). No gain through
+    # this API, whose update waits for the preparation, at 4x the memory: in place by default.
+    staged: bool | None = False
     leader: int = 0  # the trainer rank whose epoch the receivers accept
     # Receive buffers: 1 (the model's size: each version is applied by the update that follows its
     # push) or 2 (versions may arrive while one waits to be applied).
@@ -187,7 +189,7 @@ class ReplicaTrainerInitInfo(TrainerInitInfo):
     host: str = "127.0.0.1"  # where the engines' receivers listen
     store_prefix: str = "replica"
     timeout_s: float = 60.0
-    staged: bool | None = None
+    staged: bool | None = False  # ReplicaInitInfo.staged
     buffers: int = 1  # the engines' receive buffers (ReplicaInitInfo.buffers)
     config: Config | None = None  # the sender's transfer settings (default: the job token from REPLICA_TOKEN)
     epoch: Callable[[], Epoch] | None = None  # the trainer's epoch (replica.Job): receivers refuse a superseded one

