@@ -22,7 +22,7 @@ from replica.roles import timing
 from replica.roles.env import Fault, Role
 from replica.roles.report import build_report, print_timeline, write_timeline_png
 
-__all__ = ["Agent", "DEPOSED_EXIT", "JobSpec", "supervise"]
+__all__ = ["Agent", "DEPOSED_EXIT", "JobSpec", "ReplacementWatch", "supervise"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,36 @@ class JobSpec:
 DEPOSED_EXIT = 3  # the exit status of a coordinator that lost its leadership (another one leads)
 
 
+class ReplacementWatch:
+    """Ranks whose training waits for a new standby: one not up (no new registration) within
+    ``wait`` has its rank marked unprotected until it comes, so training goes on unprotected
+    instead of its trainer giving up on it (StandbyLostError after ``timing.STANDBY_WAIT``)
+    and the job failing. Seen: a replacement's Ray worker, started at niceness 15 on a loaded
+    machine, took over 2 minutes."""
+
+    def __init__(self, coord: Coordinator, wait: timedelta = timing.REPLACEMENT_WAIT):
+        self._coord, self._wait = coord, wait
+        self._waiting: dict[int, tuple[float, object]] = {}  # rank -> (deadline, the registration then)
+
+    def started(self, rank: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._waiting[rank] = (now + self._wait.total_seconds(), self._coord.record.registration(rank))
+
+    def check(self, now: float | None = None) -> list[int]:
+        """Mark the overdue ranks unprotected (until their standby joins); returns them."""
+        now = time.monotonic() if now is None else now
+        overdue = []
+        for rank, (deadline, before) in list(self._waiting.items()):
+            current = self._coord.record.registration(rank)
+            if (current is not None and current != before) or rank in self._coord.unprotected:
+                del self._waiting[rank]  # up (or unprotected already: nothing to wait for)
+            elif now >= deadline:
+                del self._waiting[rank]
+                self._coord.set_unprotected(rank, until_standby_joins=True)
+                overdue.append(rank)
+        return overdue
+
+
 def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
               leading: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> int:
     """Run the job to its end; returns the exit status (0: every rank finished).
@@ -80,6 +110,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     status, failure = 1, None
     exits: list[tuple[int, int, str | None]] = []  # seen by the agent, not yet taken in (kept until they are)
     decisions: list[Decision] = []
+    replacing = ReplacementWatch(coord)
 
     def take_exits() -> None:  # one at a time: an exit is never lost to a failure while it is handled
         while exits:
@@ -101,7 +132,13 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
             if agent is not None:
                 decisions.extend(coord.hosts_silent(agent.silent_hosts(coord.deadlines.trainer)))
 
-        for work in (take_exits, hosts, lambda: decisions.extend(coord.poll())):
+        def overdue() -> None:
+            for rank in replacing.check():
+                print(f"\nreplica: WARNING rank {rank}'s new standby is not up after "
+                      f"{timing.REPLACEMENT_WAIT.total_seconds():g} s: rank {rank} trains UNPROTECTED until it is",
+                      flush=True)
+
+        for work in (take_exits, hosts, lambda: decisions.extend(coord.poll()), overdue):
             try:
                 work()
             except FencedError as exc:
@@ -112,7 +149,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
                 if errors == 1 or errors % 100 == 0:
                     logger.exception("the coordinator's poll failed (%d times so far); going on", errors)
         for decision in decisions:
-            failure = failure or _act(coord, decision, agent, spec)
+            failure = failure or _act(coord, decision, agent, spec, replacing)
         if failure is not None:
             print(f"\nreplica: {failure}", flush=True)
             break
@@ -161,7 +198,8 @@ def _linger(coord: Coordinator) -> None:
                    timing.FINISH_LINGER.total_seconds())
 
 
-def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobSpec) -> str | None:
+def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobSpec,
+         replacing: ReplacementWatch) -> str | None:
     if decision.kind == DecisionKind.FAILED:
         exported = _export(coord, spec.export_dir) if decision.state_lost and spec.export_dir is not None else ""
         return f"the job failed: {decision.reason}{exported}"
@@ -178,8 +216,10 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobS
         coord.set_unprotected(decision.rank, until_standby_joins=True)
     if agent is not None and agent.replace_standby(decision.rank):
         print(f"replica: rank {decision.rank} is unprotected until its new standby is up; "
-              + ("training goes on meanwhile" if spec.train_while_replacing else "training waits for it"),
-              flush=True)
+              + ("training goes on meanwhile" if spec.train_while_replacing else
+                 f"training waits for it (up to {timing.REPLACEMENT_WAIT.total_seconds():g} s)"), flush=True)
+        if not spec.train_while_replacing:
+            replacing.started(decision.rank)
     else:
         coord.set_unprotected(decision.rank)
         print(f"replica: WARNING rank {decision.rank} is UNPROTECTED: no standby is left for it; if its trainer "

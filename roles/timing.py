@@ -31,6 +31,7 @@ __all__ = [
     "ROLLOUT_STEAL_AFTER",
     "STANDBY_LOOK",
     "STANDBY_POLL",
+    "REPLACEMENT_WAIT",
     "STANDBY_WAIT",
     "STORE_LOST",
     "SUPERVISE_POLL",
@@ -80,6 +81,9 @@ UNSIGNED_POLL = timedelta(milliseconds=50)  # looking again meanwhile
 
 # --- a role's data plane, as the runtime configures it ---
 STANDBY_WAIT = timedelta(seconds=120)  # a trainer waits this long for a lost standby's replacement
+# The coordinator lets a rank train unprotected when its new standby is not up after this long (a
+# replacement slow to start on a loaded machine), before its trainer's STANDBY_WAIT would end the job.
+REPLACEMENT_WAIT = STANDBY_WAIT - timedelta(seconds=30)
 # A commit waits on every rank's ack: on a rank waiting for its replacement standby too (seen: a 60 s
 # commit timeout ended a job whose replacement was still on its way).
 COMMIT_WAIT = STANDBY_WAIT + timedelta(seconds=30)

@@ -17,6 +17,7 @@ from fsdp_job import JobShape, build_job, train_step
 from replica.commit import CommitRecord
 from replica.errors import CommitTimeoutError, FencedError, JobStateError
 from replica.jobstate import Commit, Epoch, Generation, Heartbeat, JobStore, keys
+from replica.roles import timing
 from replica.roles.coordinator import Coordinator, Deadlines
 from replica.roles.join import JoinRequest
 
@@ -230,3 +231,25 @@ def test_a_replacement_goes_to_the_least_loaded_host_without_a_trainer():
     assert pick({"a"}) == "c"  # c and d are as loaded: the first in order
     assert pick({"a", "c", "d"}) == "b"
     assert pick(set(hosts)) is None  # every host runs a trainer: nowhere
+
+
+def test_a_replacement_standby_late_to_start_leaves_its_rank_training_unprotected():
+    """After a failover training waits for the rank's new standby; one not up within the
+    coordinator's REPLACEMENT_WAIT (shorter than the trainer's own STANDBY_WAIT, after which
+    the trainer would give up and the job fail) has its rank marked unprotected until it
+    joins: training goes on. A standby that registers in time is simply waited for."""
+    from replica.registry import publish
+    from replica.roles.supervise import ReplacementWatch
+
+    assert timing.REPLACEMENT_WAIT < timing.STANDBY_WAIT
+    coord = Coordinator(world_size=2, token=TOKEN)
+    watch = ReplacementWatch(coord, wait=timedelta(seconds=90))
+    old = publish(coord.store, keys.standby(0), "ucx", "127.0.0.1:1")  # rank 0's standby died, still registered
+    watch.started(0, now=0.0)
+    watch.started(1, now=0.0)  # rank 1's standby was promoted: no registration
+    assert watch.check(now=89.0) == [] and not coord.unprotected
+    publish(coord.store, keys.standby(1), "ucx", "127.0.0.1:2")  # rank 1's new standby is up in time
+    assert coord.record.registration(0) == old
+    assert watch.check(now=91.0) == [0]  # rank 0's stale registration is not a new standby: overdue
+    assert coord.unprotected == {0} and coord.record.unprotected(0)
+    assert watch.check(now=500.0) == []  # each rank once
