@@ -491,6 +491,9 @@ class Job:
             if self.store.has(key):
                 continue  # each fault fires once, not again when the step is redone
             self.store.put(key, Stamp(at=time.time()))
+            # A round trip on the same connection: the stamp is in the store before this process stops (a
+            # TCPStore set is not acknowledged, and a SIGKILL with unread replies resets the connection).
+            self.store.has(key)
             logger.warning("[%s rank %d step %d] injected fault %s fires", self.role, self.rank, step, f)
             if f.action == "stall":
                 time.sleep(f.seconds)
