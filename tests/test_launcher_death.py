@@ -131,7 +131,8 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job):
             assert launcher.poll() is None, "the launcher ended early:\n" + "".join(output)[-4000:]
             assert time.monotonic() < deadline, "the job never got going:\n" + "".join(output)[-4000:]
             time.sleep(0.2)
-        children = _children(launcher.pid)
+        # The roles: the children running the script (not a short-lived helper the launcher may run).
+        children = {pid: v for pid, v in _children(launcher.pid).items() if str(script) in _cmdline(pid)}
         assert sorted(_role(pid) for pid in children) == ["standby 0", "standby 1", "trainer 0", "trainer 1"]
         assert all(_alive(pid, started) for pid, (_, started) in children.items())
 
