@@ -78,6 +78,7 @@ class ReplacementWatch:
     def __init__(self, coord: Coordinator, wait: timedelta = timing.REPLACEMENT_WAIT):
         self._coord, self._wait = coord, wait
         self._waiting: dict[int, tuple[float, object]] = {}  # rank -> (deadline, the registration then)
+        self._next_look = 0.0
 
     def started(self, rank: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -86,6 +87,9 @@ class ReplacementWatch:
     def check(self, now: float | None = None) -> list[int]:
         """Mark the overdue ranks unprotected (until their standby joins); returns them."""
         now = time.monotonic() if now is None else now
+        if not self._waiting or now < self._next_look:
+            return []
+        self._next_look = now + 1.0  # a store read per waiting rank, once a second (not every round)
         overdue = []
         for rank, (deadline, before) in list(self._waiting.items()):
             current = self._coord.record.registration(rank)
