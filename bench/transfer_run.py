@@ -32,13 +32,10 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
-import replica  # noqa: E402
 from replica.testing import spawn  # noqa: E402
+from weight_sync_run import SHAPES, _sender  # noqa: E402  (bench/, the working directory)
 
-SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
-          "1GiB": dict(hidden=1024, layers=16, intermediate=4096)}
 TOKEN = "bench-transfer-token"
-CONFIG = replica.Config(token=TOKEN.encode(), timeout=timedelta(seconds=300))
 
 
 def _rss() -> int:
@@ -65,23 +62,6 @@ class _Sampler:
         return max(self.peak, _rss())
 
 
-def _sender(pipe, folder: str, port: int) -> None:
-    from transformers import LlamaForCausalLM
-
-    torch.set_num_threads(1)
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    sync = replica.WeightSync(model, store=store, num_engines=1, config=CONFIG)
-    pipe.send(("ready", sync.layout.total_bytes))
-    while (cmd := pipe.recv())[0] == "push":
-        with torch.no_grad():  # a new version each time: the weights change as training does
-            for p in model.parameters():
-                p.mul_(-1.0)
-        stats = sync.push(cmd[1])
-        pipe.send(("pushed", stats.engines_synced))
-    sync.close()
-
-
 def main(size: str, syncs: int, mode: str, out: Path) -> None:
     if mode not in ("in_place", "staged"):
         raise SystemExit(f"mode is in_place or staged, not {mode!r}")
@@ -96,7 +76,7 @@ def main(size: str, syncs: int, mode: str, out: Path) -> None:
                                                        "buffers": 1 if mode == "in_place" else 2}})
         greedy(llm)
         sync_s, update_s, rss_after = [], [], []
-        with spawn(_sender, str(Path(work) / "trained"), store.port, name="trainer") as trainer:
+        with spawn(_sender, str(Path(work) / "trained"), store.port, TOKEN.encode(), True, name="trainer") as trainer:
             _, nbytes = trainer.recv(timeout=300)
             before = _rss()
             sampler = _Sampler()

@@ -22,6 +22,7 @@ usage: weight_sync_run.py SIZE ROUNDS OUT.json
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import statistics
@@ -48,15 +49,21 @@ WARMUP = 3  # rounds: an engine syncs every step for hours, the steady state is 
 CONFIG = replica.Config(token=TOKEN, timeout=timedelta(seconds=300))
 
 
-def _sender(pipe, folder: str, port: int) -> None:
+def _sender(pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = False) -> None:
+    """The trainer: pushes the model's weights on each "push" (``change``: negated first, so
+    every version differs, as training makes them)."""
     from transformers import LlamaForCausalLM
 
     torch.set_num_threads(1)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    sync = replica.WeightSync(model, store=store, num_engines=1, config=CONFIG)
+    sync = replica.WeightSync(model, store=store, num_engines=1, config=dataclasses.replace(CONFIG, token=token))
     pipe.send(("ready", sync.layout.total_bytes))
     while (cmd := pipe.recv())[0] == "push":
+        if change:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1.0)
         stats = sync.push(cmd[1])
         pipe.send(("pushed", stats.engines_synced))
     sync.close()
