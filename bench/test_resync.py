@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from bench_results import machine, write_results
-from replica.testing import free_port, spawn
+from replica.testing import free_port, receive_bucketed, send_bucketed, spawn
 from replica.transport import Transport
 from replica.transport.base import bucket_digest
 from replica.transport.ucx import UcxConfig, UcxTransport
@@ -71,11 +71,7 @@ def _transport_peer(pipe, make, device: str) -> None:
         elif cmd[0] == "bucketed_rounds":  # the buffer as buckets of cmd[2] bytes, all posted at once
             rounds, bucket = cmd[1], cmd[2]
             for _ in range(rounds):
-                receives = [conn.irecv(buf[lo:lo + bucket], tag=16 + i)
-                            for i, lo in enumerate(range(0, buf.numel(), bucket))]
-                for receive in receives:
-                    receive.wait(T)
-                conn.send(ack, tag=2, timeout=T)
+                receive_bucketed(conn, buf, bucket, ack=ack, timeout=T)
             pipe.send(("ok",))
         else:
             break
@@ -104,18 +100,8 @@ def _transport_path(name: str, make, device: str):
             conn.send(buf, tag=1, timeout=T, digest=digest)
             got.wait(T)
 
-        one_round.bucketed = functools.partial(_bucketed_round, conn, ack)
+        one_round.bucketed = lambda buf, bucket: send_bucketed(conn, buf, bucket, ack=ack, timeout=T)
         yield name, peer, one_round
-
-
-def _bucketed_round(conn, ack, buf: torch.Tensor, bucket: int) -> None:
-    """``buf`` as buckets of ``bucket`` bytes, all in flight at once (the peer runs
-    "bucketed_rounds"), then the peer's acknowledgement."""
-    got = conn.irecv(ack, tag=2)
-    sends = [conn.isend(buf[lo:lo + bucket], tag=16 + i) for i, lo in enumerate(range(0, buf.numel(), bucket))]
-    for send in sends:
-        send.wait(T)
-    got.wait(T)
 
 
 def _gloo_peer(pipe, port: int) -> None:

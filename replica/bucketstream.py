@@ -163,10 +163,13 @@ class Outgoing:
         self._fingerprint, self._config, self._faults, self._counts, self._peer = (
             fingerprint, config, faults, counts, peer)
         self._inflight: deque[Transfer] = deque()
+        self._begin: Transfer | None = None
 
     def begin(self) -> None:
-        self.conn.send(as_tensor(Begin(step=self.step, num_buckets=len(self.ranges), epoch=self.epoch).encode()),
-                       tag=BEGIN, timeout=self._config.timeout)
+        """Start sending ``BEGIN``; ``flush`` waits for it (the buckets need not: the
+        transport delivers in order, and the receiver posts them once it has ``BEGIN``)."""
+        self._begin = self.conn.isend(
+            as_tensor(Begin(step=self.step, num_buckets=len(self.ranges), epoch=self.epoch).encode()), tag=BEGIN)
 
     def send(self, i: int) -> None:
         """Start sending bucket ``i``, first waiting for the oldest send when the window is full."""
@@ -183,6 +186,9 @@ class Outgoing:
         self._counts.bytes_sent += hi - lo
 
     def flush(self) -> None:
+        if self._begin is not None:
+            self._begin.wait(self._config.timeout)
+            self._begin = None
         while self._inflight:
             self._finish_oldest()
 
@@ -223,6 +229,12 @@ class Outgoing:
 
 # --- the receiver ---
 
+# The longest sleep of a receiver between two looks for its sender's next message: the
+# latency a new version may wait before its receives are posted, against ~2,000 wake-ups a
+# second of an idle standby (~1% of a core).
+_MAX_IDLE_POLL_S = 0.5e-3
+
+
 def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callable[[], str | None],
                within: timedelta | None, timeout: timedelta) -> Transfer:
     """The first of ``transfers`` to finish. ``gone()`` names a reason to stop waiting
@@ -241,7 +253,7 @@ def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callabl
         if deadline is not None and time.monotonic() > deadline:
             raise TransferTimeoutError(f"{conn.peer} sent nothing after connecting")
         time.sleep(delay)
-        delay = min(delay * 2, 2e-3)
+        delay = min(delay * 2, _MAX_IDLE_POLL_S)
 
 
 def _fence(conn: Connection, epoch: Epoch, step: int, current: Epoch | None, *, who: str, timeout: timedelta,
@@ -268,12 +280,15 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
                      who: str, counts: ReceiveCounts, current_epoch: Callable[[], Epoch | None],
                      closed: threading.Event, sender: Callable[[], Connection | None], lock: threading.Lock,
                      stage: Callable[[Begin], torch.Tensor],
-                     complete: Callable[[Begin, torch.Tensor, list[int]], None]) -> NoReturn:
+                     complete: Callable[[Begin, torch.Tensor, list[int]], None],
+                     acknowledged: Callable[[Begin], None] | None = None) -> NoReturn:
     """Receive versions from the sender at ``conn`` until it leaves, ``closed`` is
     set or ``sender()`` is another connection. Per version: its ``BEGIN`` (bucket
     count and epoch checked; a superseded epoch is refused), then under ``lock``
     the buckets into ``stage(begin)``, verified (``receive_buckets``), then
-    ``complete(begin, buffer, digests)`` and the ACK."""
+    ``complete(begin, buffer, digests)``, the ACK, and ``acknowledged(begin)``:
+    what need not hold the sender back (the mirror's store acknowledgement, which
+    the sender's next commit waits for anyway) goes there."""
 
     def gone() -> str | None:
         if closed.is_set():
@@ -295,3 +310,5 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
                                       timeout=timeout, who=who, counts=counts)
             complete(begin, buffer, digests)
             send_reply(conn, Reply(step=begin.step, status=Status.ACKED), timeout)
+            if acknowledged is not None:
+                acknowledged(begin)

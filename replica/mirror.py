@@ -331,7 +331,8 @@ class Mirror(Listener):
         receive_versions(conn, layout.buckets(), fingerprint=fingerprint_int(layout.fingerprint), timeout=timeout,
                          who=self.name, counts=self.stats, current_epoch=current_epoch,
                          closed=self._closed, sender=lambda: self._trainer, lock=self._receiving,
-                         stage=lambda begin: self._stage().buffer, complete=self._complete)
+                         stage=lambda begin: self._stage().buffer, complete=self._complete,
+                         acknowledged=self._acknowledge)
 
     def _serve_fetch(self, conn: Connection, step: int) -> None:
         """Send a complete version to a process that restores from it (a replacement trainer)."""
@@ -388,18 +389,22 @@ class Mirror(Listener):
             if self._handed_over:
                 raise ReplicaError(f"standby of rank {self.rank}: its versions were handed over to the rank's "
                                    "new trainer; it receives nothing more")
-            commit = self.record.last()
-            keep = next((s for s in self._slots if s.step is not None and s.step == commit), None)
-            if keep is None:
-                held = [s for s in self._slots if s.step is not None]
-                keep = max(held, key=lambda s: s.step) if held else None
+            held = [s for s in self._slots if s.step is not None]
+            newest = max(held, key=lambda s: s.step) if held else None
+            seen = self.record.last_seen()
+            if len(held) == 2 and seen is not None and newest.step <= seen:
+                # Commits only move forward: the last one is the newest version here or later,
+                # and the older version is never needed again. No store read on the way.
+                keep = newest
+            else:
+                commit = self.record.last()
+                keep = next((s for s in held if s.step == commit), newest)
             slot = self._slots[1] if keep is self._slots[0] else self._slots[0]
             slot.step = None  # incomplete from here on; restore never picks it
             return slot
 
     def _complete(self, begin: Begin, buffer: torch.Tensor, digests: list[int]) -> None:
-        """The version staged in ``buffer`` holds ``begin.step`` complete and verified:
-        keep it, acknowledge it."""
+        """The version staged in ``buffer`` holds ``begin.step`` complete and verified: keep it."""
         with self._cond:
             slot = next(s for s in self._slots if s.buffer is buffer)
             slot.step = begin.step
@@ -407,6 +412,10 @@ class Mirror(Listener):
             self._damaged.pop(slot, None)  # marks of the content this one replaced
             self.stats.acked.append(begin.step)
             self._cond.notify_all()
+
+    def _acknowledge(self, begin: Begin) -> None:
+        """Acknowledge a kept version in the job store, after the trainer's stream was
+        answered: the global commit needs it, the trainer's next stream does not."""
         commit = self.record.acknowledge(self.rank, begin.step, begin.epoch, self._registration.nonce)
         logger.debug("[standby rank %d step %d] acknowledged; global commit %s", self.rank, begin.step, commit)
 

@@ -41,9 +41,13 @@ logger = logging.getLogger(__name__)
 @dataclass(kw_only=True, slots=True)
 class CommitStats:
     """Per ``commit`` call: seconds waiting for the previous global commit
-    (the mirror's overhead on the training loop) and seconds packing."""
+    (the mirror's overhead on the training loop), seconds collecting and
+    encoding the extras (optimizer scalars, RNG states, ``extra`` objects:
+    Python work whose cost does not grow with the model) and seconds packing
+    the state tensors with their digests (``Snapshot.capture``)."""
 
     wait_s: list[float] = field(default_factory=list)
+    extras_s: list[float] = field(default_factory=list)
     pack_s: list[float] = field(default_factory=list)
 
 
@@ -142,6 +146,7 @@ class Replicator:
         snapshot = self._snapshots[self._next]
         with nvtx_range("replica::pack"):
             extras = serialize.encode(collect_extras(self.optimizer, self.extra))
+            encoded = time.perf_counter()
             snapshot.capture(self._tensors, extras, step=step, digests=self.config.verify)
             if snapshot.buffer.is_cuda:
                 torch.cuda.current_stream(snapshot.buffer.device).synchronize()
@@ -151,7 +156,8 @@ class Replicator:
             snapshot.step = None  # never a rollback target; the other buffer holds the last commit
             return False
         self.stats.wait_s.append(packed - start)
-        self.stats.pack_s.append(time.perf_counter() - packed)
+        self.stats.extras_s.append(encoded - packed)
+        self.stats.pack_s.append(time.perf_counter() - encoded)
         self._stream.submit(snapshot, step, self.epoch())
         self._next ^= 1
         self._last_step = step

@@ -11,6 +11,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from replica import ops
@@ -86,6 +87,7 @@ class Snapshot:
         self.step: int | None = None
         self.digests: list[int] | None = None
         self._expected: list[tuple[torch.Size, torch.dtype]] | None = None  # per entry, for _check
+        self._host: np.ndarray | None = None  # a numpy view of a host buffer, made at the first capture
 
     def compute_digests(self) -> list[int]:
         """The digests of every bucket as the buffer is now (to record, not to check)."""
@@ -122,17 +124,29 @@ class Snapshot:
                                "build the layout with a larger extras_capacity")
         self.digests = None  # of the previous content
         # The extras first: the pack hashes the whole buffer, the extras region included.
-        at = self.layout.extras_offset
-        blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
-        self.buffer[at:at + blob.numel()].copy_(blob)
-        # No bytes of a longer previous blob stay behind: the bytes are a function of the state
-        # alone, so an export (which keeps only the blob) loads back to the same digests.
-        self.buffer[at + blob.numel():at + self.layout.extras_capacity].zero_()
+        self._write_extras(extras)
         taken = pack_state(tensors, self.buffer, self.layout.offsets,
                            block_bytes=self.layout.bucket_bytes if digests else None)
         if taken is not None:
             self.digests = [int(d) for d in taken.tolist()]
         self.step = step
+
+    def _write_extras(self, extras: bytes) -> None:
+        """The extras region: the blob's length, the blob, then zeros. No bytes of a
+        longer previous blob stay behind: the bytes are a function of the state alone,
+        so an export (which keeps only the blob) loads back to the same digests."""
+        at, end = self.layout.extras_offset, self.layout.extras_offset + self.layout.extras_capacity
+        n = at + _LENGTH.size + len(extras)
+        if self.buffer.device.type == "cpu":  # through numpy: a few microseconds, not torch's tens
+            if self._host is None:
+                self._host = self.buffer.numpy()
+            self._host[at:at + _LENGTH.size] = np.frombuffer(_LENGTH.pack(len(extras)), dtype=np.uint8)
+            self._host[at + _LENGTH.size:n] = np.frombuffer(extras, dtype=np.uint8)
+            self._host[n:end] = 0
+            return
+        blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
+        self.buffer[at:n].copy_(blob)
+        self.buffer[n:end].zero_()
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> bytes:
         """Write the captured state into ``tensors`` in place; returns the extras."""

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["BusyCores", "Child", "ChildFailed", "TornDown", "busy_cores", "free_port", "process_state", "spawn"]
+__all__ = ["BusyCores", "Child", "ChildFailed", "TornDown", "busy_cores", "free_port", "process_state",
+           "receive_bucketed", "send_bucketed", "spawn"]
 
 
 class TornDown:
@@ -112,6 +113,36 @@ class Child:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout)
+
+
+# The raw-transport baseline of the benchmarks: one buffer as buckets, all in flight at once,
+# then an 8-byte acknowledgement. What a bucket stream would move with nothing of its own.
+_BUCKET_TAG, _ACK_TAG = 16, 2
+
+
+def _bucket_views(buf, bucket_bytes: int) -> list:
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    return [buf[lo:lo + bucket_bytes] for lo in range(0, buf.numel(), bucket_bytes)]
+
+
+def send_bucketed(conn, buf, bucket_bytes: int, *, ack, timeout) -> None:
+    """Send ``buf`` (a flat uint8 tensor) over the transport connection ``conn`` as
+    buckets of ``bucket_bytes``, every one in flight at once, and wait for the
+    receiver's acknowledgement into ``ack`` (8 bytes); the peer runs ``receive_bucketed``."""
+    got = conn.irecv(ack, tag=_ACK_TAG)
+    sends = [conn.isend(view, tag=_BUCKET_TAG + i) for i, view in enumerate(_bucket_views(buf, bucket_bytes))]
+    for send in sends:
+        send.wait(timeout)
+    got.wait(timeout)
+
+
+def receive_bucketed(conn, buf, bucket_bytes: int, *, ack, timeout) -> None:
+    """The other end of ``send_bucketed``: every bucket's receive posted at once, then the ack."""
+    receives = [conn.irecv(view, tag=_BUCKET_TAG + i) for i, view in enumerate(_bucket_views(buf, bucket_bytes))]
+    for receive in receives:
+        receive.wait(timeout)
+    conn.send(ack, tag=_ACK_TAG, timeout=timeout)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

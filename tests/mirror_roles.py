@@ -5,6 +5,7 @@ test plays coordinator.)"""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -15,12 +16,15 @@ import torch
 import torch.distributed as dist
 
 import replica
+from replica.testing import receive_bucketed, send_bucketed
+from replica.transport.ucx import UcxConfig, UcxTransport
 from fsdp_job import Job, JobShape, build_job, train_step
 
 __all__ = ["standby_main", "trainer_main"]
 
 TOKEN = b"mirror-test-token"
 GROUP_TIMEOUT = timedelta(seconds=20)
+RAW_TIMEOUT = timedelta(seconds=120)
 
 
 def _store(port: int) -> dist.TCPStore:
@@ -48,9 +52,58 @@ def _die_in_backward(loss: torch.Tensor) -> None:
     loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
 
 
+class _Probe:
+    """The benchmark's baselines, measured in a trainer's own process: a memcpy of
+    a snapshot's bytes, and raw UCX (no digests) to its standby's process."""
+
+    def __init__(self) -> None:
+        self._src = self._dst = None
+        self._transport = self._conn = None
+
+    def memcpy(self, nbytes: int) -> float:
+        if self._src is None or self._src.numel() != nbytes:
+            self._src = torch.empty(nbytes, dtype=torch.uint8)
+            self._dst = torch.zeros(nbytes, dtype=torch.uint8)
+        # As the pack finds them: a source just written (the optimizer's step), a target
+        # last written a step ago.
+        self._src.fill_(1)
+        start = time.perf_counter()
+        ctypes.memmove(self._dst.data_ptr(), self._src.data_ptr(), nbytes)
+        return time.perf_counter() - start
+
+    def raw_send(self, address: str, nbytes: int, bucket: int, rounds: int) -> list[float]:
+        if self._conn is None:
+            self._transport = UcxTransport(UcxConfig(token=TOKEN, verify=False))
+            self._conn = self._transport.connect(address, RAW_TIMEOUT)
+        buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        ack = torch.zeros(8, dtype=torch.uint8)
+        seconds = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            send_bucketed(self._conn, buf, bucket, ack=ack, timeout=RAW_TIMEOUT)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _serve_raw(pipe, nbytes: int, bucket: int, rounds: int, transport: UcxTransport, conns: list) -> None:
+    if not conns:
+        conns.append(transport.accept(RAW_TIMEOUT))
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    ack = torch.zeros(8, dtype=torch.uint8)
+    for _ in range(rounds):
+        receive_bucketed(conns[0], buf, bucket, ack=ack, timeout=RAW_TIMEOUT)
+    pipe.send(("ok",))
+
+
 def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, world_size, shape,
                  resilient: bool = False) -> None:
-    """Run commands: ("step", s, die) / ("recover", generation) / ("stats",) / ("exit",)."""
+    """Run commands: ("step", s, die) / ("recover", generation) / ("stats",) / ("exit",),
+    and the benchmark's probes."""
+    probe = _Probe()
     while True:
         cmd = pipe.recv()
         if cmd[0] == "step":
@@ -80,12 +133,18 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
             pipe.send(("recovered", step))
         elif cmd[0] == "wait_committed":
             pipe.send(("committed", rep.wait_committed()))
+        elif cmd[0] == "probe_memcpy":  # benchmark: memcpy of a snapshot's bytes, hot source, cold target
+            pipe.send(("memcpy", probe.memcpy(cmd[1])))
+        elif cmd[0] == "raw_send":  # benchmark: raw UCX to a standby's raw listener (see _serve_raw)
+            _, address, nbytes, bucket, rounds = cmd
+            pipe.send(("raw", probe.raw_send(address, nbytes, bucket, rounds)))
         elif cmd[0] == "stats":
             pipe.send(("stats", {
-                "wait_s": list(rep.stats.wait_s), "pack_s": list(rep.stats.pack_s),
+                "wait_s": list(rep.stats.wait_s), "extras_s": list(rep.stats.extras_s), "pack_s": list(rep.stats.pack_s),
                 "stream_s": list(rep.stream_stats.stream_s), "snapshot_bytes": rep.layout.total_bytes,
             } if rep is not None else {}))
         elif cmd[0] == "exit":
+            probe.close()
             if rep is not None:
                 rep.close()
             dist.destroy_process_group()
@@ -127,9 +186,15 @@ def standby_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, c
     config = replica.Config(token=TOKEN, **config_kwargs)
     mirror = replica.Mirror(rank=rank, world_size=world_size, store=store, config=config)
     pipe.send(("ready", mirror.address))
+    raw, raw_conns = None, []  # the benchmark's raw UCX listener
     while True:
         cmd = pipe.recv()
-        if cmd[0] == "held":
+        if cmd[0] == "raw_listen":
+            raw = raw or UcxTransport(UcxConfig(token=TOKEN, verify=False))
+            pipe.send(("raw", raw.listen()))
+        elif cmd[0] == "raw_receive":
+            _serve_raw(pipe, *cmd[1:], raw, raw_conns)
+        elif cmd[0] == "held":
             pipe.send(("held", mirror.held_steps(), mirror.stats.corrupted_buckets))
         elif cmd[0] == "export":
             pipe.send(("exported", str(mirror.export(cmd[1]))))
@@ -143,6 +208,8 @@ def standby_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, c
             _serve_steps(pipe, job, rep, store, rank, world_size, shape)
             return
         elif cmd[0] == "exit":
+            if raw is not None:
+                raw.close()
             mirror.close()
             pipe.send(("bye",))
             return
