@@ -23,6 +23,13 @@ prepared.
 What it does not cover (``StagingUnsupported``, and the caller falls back to
 ``reload_weights``): a version that loads a module only in part, and modules
 vLLM processes only after all others (attention with KV-cache scales).
+
+This module is the only one of replica that reaches into vLLM's reload
+internals (``LAYERWISE_INFO``, ``materialize_meta_tensor``,
+``layer_ref_sentinel``, ``is_deferred_attention_layer``). ``check_vllm`` says
+whether the running vLLM is a release it was tested with and has them; on any
+other, staging is refused (``StagingUnsupported``) and versions are applied in
+place through vLLM's public ``reload_weights``.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from replica.errors import ReplicaError
 
-__all__ = ["PreparedWeights", "StagingUnsupported", "prepare"]
+__all__ = ["TESTED_VLLM", "PreparedWeights", "StagingUnsupported", "check_vllm", "prepare"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,39 @@ _TREE = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
 
 class StagingUnsupported(ReplicaError):
     """This model or version cannot be prepared beside the live one; load it in place instead."""
+
+
+#: The vLLM releases (major.minor) whose reload internals this module was written against and
+#: tested with: tests/test_vllm.py runs staging on each.
+TESTED_VLLM = ("0.32",)
+
+#: The internals used here, as (module, name): all must exist.
+_INTERNALS = (
+    ("vllm.model_executor.model_loader.reload.layerwise", "LAYERWISE_INFO"),
+    ("vllm.model_executor.model_loader.reload.meta", "materialize_meta_tensor"),
+    ("vllm.model_executor.model_loader.reload.sanitize", "layer_ref_sentinel"),
+    ("vllm.model_executor.layers.attention", "is_deferred_attention_layer"),
+    ("vllm.model_executor.layers.quantization.base_config", "QuantizeMethodBase"),
+)
+
+
+def check_vllm(version: str | None = None) -> None:
+    """Raise StagingUnsupported, saying why, unless vLLM ``version`` (default: the one
+    installed) is a release in ``TESTED_VLLM`` and has every internal staging uses."""
+    import importlib
+
+    if version is None:
+        import vllm
+
+        version = getattr(vllm, "__version__", "unknown")
+    if not any(version == v or version.startswith(v + ".") for v in TESTED_VLLM):
+        raise StagingUnsupported(f"vLLM {version} is not a release staging was tested with "
+                                 f"({', '.join(TESTED_VLLM)})")
+    for module, name in _INTERNALS:
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise StagingUnsupported(f"vLLM {version} has no {module}.{name}") from exc
 
 
 @dataclass(kw_only=True, slots=True)

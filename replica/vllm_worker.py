@@ -262,6 +262,16 @@ class _Stager:
         self._thread = threading.Thread(target=self._run, name=f"replica-stage-{index}", daemon=True)
         self._thread.start()
 
+    def _run(self) -> None:
+        from replica.vllm_staging import StagingUnsupported, check_vllm, prepare
+
+        try:
+            check_vllm()
+        except StagingUnsupported as exc:
+            self._give_up(str(exc))
+            return
+        self._serve(prepare)
+
     @property
     def active(self) -> bool:
         return self.unsupported is None
@@ -307,8 +317,8 @@ class _Stager:
             self._cond.notify_all()
         self._thread.join(timeout=60)
 
-    def _run(self) -> None:
-        from replica.vllm_staging import StagingUnsupported, prepare
+    def _serve(self, prepare) -> None:
+        from replica.vllm_staging import StagingUnsupported
 
         while True:
             with self._cond:

