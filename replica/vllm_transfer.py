@@ -45,8 +45,8 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    VLLMWeightSyncClient, WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-__all__ = ["BACKEND", "LLMClient", "ReplicaInitInfo", "ServerClient", "ReplicaTrainerEngine", "ReplicaTrainerInitInfo",
-           "ReplicaUpdateInfo", "ReplicaWeightTransferEngine"]
+__all__ = ["BACKEND", "EnginesClient", "LLMClient", "ReplicaInitInfo", "ReplicaTrainerEngine", "ReplicaTrainerInitInfo",
+           "ReplicaUpdateInfo", "ReplicaWeightTransferEngine", "ServerClient"]
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +282,78 @@ class LLMClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.llm.finish_weight_update(weight_version)
         self.llm.reset_prefix_cache()
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says an engine cannot be reached (its process is gone), not that it
+    refused a call (an HTTP error status, a VersionNotReadyError: those are raised)."""
+    if isinstance(exc, ConnectionError):
+        return True
+    try:
+        import requests
+    except ImportError:
+        return False
+    return isinstance(exc, (requests.exceptions.ConnectionError, requests.exceptions.Timeout))
+
+
+class EnginesClient:
+    """vLLM's ``VLLMWeightSyncClient`` over several engines, each through a client of its own
+    (``LLMClient``, ``ServerClient``, ...): every call goes to every engine. Engine ``k``'s
+    workers are receivers ``index_base + k * workers`` on (``init_weight_transfer_engine``'s
+    ``index_base`` is set per engine; ``ReplicaTrainerInitInfo.engines`` counts them all).
+
+    An engine that cannot be reached (its process died: a connection error, not a refusal)
+    is left out, with a warning, until ``replace(k, client)`` puts a new one in its place: the
+    push that finds it gone skips it and the others apply the version (``if_ready``); the
+    replacement is initialized at once and the next push refreshes it."""
+
+    def __init__(self, clients, *, workers: int = 1):
+        if not clients or workers < 1:
+            raise ValueError(f"need at least one client and workers >= 1; got {len(clients)}, {workers}")
+        self._clients = list(clients)
+        self._workers = workers
+        self._init: dict[str, Any] | None = None
+        self.down: set[int] = set()  # engines left out (unreachable) until replaced
+
+    def _info(self, k: int) -> dict[str, Any]:
+        return {**self._init, "index_base": self._init.get("index_base", 0) + k * self._workers}
+
+    def _each(self, call: Callable[[Any], None], what: str) -> None:
+        for k, client in enumerate(self._clients):
+            if k in self.down:
+                continue
+            try:
+                call(client)
+            except Exception as exc:
+                if not _unreachable(exc):
+                    raise
+                self.down.add(k)
+                logger.warning("engine %d cannot be reached (%s: %s): left out of %s and every later call "
+                               "until it is replaced", k, type(exc).__name__, exc, what)
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._init = dict(init_info)
+        for k, client in enumerate(self._clients):
+            if k not in self.down:
+                client.init_weight_transfer_engine(self._info(k))  # a new job: every engine must take it
+
+    def replace(self, k: int, client) -> None:
+        """Engine ``k`` is ``client``'s from now on (a replacement for one that died)."""
+        if not 0 <= k < len(self._clients):
+            raise ValueError(f"no engine {k}: there are {len(self._clients)}")
+        if self._init is not None:
+            client.init_weight_transfer_engine(self._info(k))
+        self._clients[k] = client
+        self.down.discard(k)
+
+    def start_weight_update(self) -> None:
+        self._each(lambda c: c.start_weight_update(), "start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._each(lambda c: c.update_weights(update_info), "update_weights")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._each(lambda c: c.finish_weight_update(weight_version), "finish_weight_update")
 
 
 class ServerClient(HTTPVLLMWeightSyncClient):

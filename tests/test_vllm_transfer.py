@@ -8,10 +8,12 @@ multi-process engine (vLLM's default) with tensor parallelism 2 receives in each
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -79,6 +81,60 @@ def _trainer(store, llm, model, **info):
     return WeightTransferTrainerFactory.trainer_init(
         ReplicaTrainerInitInfo(rank=0, store=f"127.0.0.1:{store.port}", engines=1, config=config, **info),
         client=LLMClient(llm), source=model)
+
+
+def _serve(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """`vllm serve MODEL` (the OpenAI-compatible server, multi-process) with the replica
+    backend and its weight-transfer routes, in a session of its own; once it is healthy."""
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", REPLICA_TOKEN=TOKEN, VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
+             "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32",
+             "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
+             "--weight-transfer-config", json.dumps({"backend": "replica"})], env=env, stdout=out, stderr=out,
+            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            _stop(server)
+            raise AssertionError(f"vllm serve did not come up: {log.read_text()[-3000:]}")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return server, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(1)
+
+
+def _stop(server: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    """``sig`` to the server's whole session (its engine core and workers too), then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, sig)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+
+
+def _completions(url: str, model: Path) -> list[list[int]]:
+    import requests
+
+    from vllm_engine import MAX_TOKENS, PROMPTS
+
+    answer = requests.post(f"{url}/v1/completions", timeout=120, json={
+        "model": str(model), "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True}).json()
+    return [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
 
 
 def test_the_plugin_registers_the_backend_in_vllms_processes(engine):
@@ -266,29 +322,9 @@ def test_the_openai_server_is_synced_through_its_weight_transfer_routes(models, 
     from vllm_engine import MAX_TOKENS, PROMPTS
 
     root, trained, fresh = models
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", REPLICA_TOKEN=TOKEN, VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="1")
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(root / "seed0"), "--host",
-         "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32",
-         "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
-         "--weight-transfer-config", json.dumps({"backend": "replica"})], env=env, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    server, url = _serve(root / "seed0", tmp_path / "server.log")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-3000:]
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
         config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30))
         trainer = WeightTransferTrainerFactory.trainer_init(
             ReplicaTrainerInitInfo(rank=0, store=f"127.0.0.1:{store.port}", engines=1, config=config),
@@ -300,15 +336,70 @@ def test_the_openai_server_is_synced_through_its_weight_transfer_routes(models, 
             "ignore_eos": True, "logprobs": 5, "return_token_ids": True, "return_tokens_as_token_ids": True}).json()
         trainer.shutdown()
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        _stop(server)
     choices = sorted(answer["choices"], key=lambda c: c["index"])
     expected = _fresh(root, fresh)
     assert [c["token_ids"] for c in choices] == expected["tokens"]
     first = [{int(k.removeprefix("token_id:")): v for k, v in c["logprobs"]["top_logprobs"][0].items()}
              for c in choices]
     assert first == [dict(f) for f in expected["first"]]
+
+
+def test_a_killed_engine_is_skipped_and_its_replacement_refreshed(engine, models, tmp_path):
+    """Two engines behind one EnginesClient: this process's (receiver 0) and a `vllm serve`
+    (receiver 1). The server's processes are killed (SIGKILL to its session): the next push
+    skips it and engine 0 applies the version; a replacement server takes its place
+    (EnginesClient.replace) and the push after refreshes it: it then serves the newest version,
+    generating exactly what engine 0 does."""
+    import requests
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from replica.vllm_transfer import EnginesClient, LLMClient, ReplicaTrainerInitInfo, ServerClient
+
+    llm, store = engine
+    root, trained, _ = models
+    jobs = JobStore(store, token=TOKEN.encode())
+
+    def version(url: str) -> str:
+        return requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
+
+    server, url = _serve(root / "seed0", tmp_path / "first.log")
+    replacement = None
+    try:
+        client = EnginesClient([LLMClient(llm), ServerClient(url)])
+        config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30))
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            ReplicaTrainerInitInfo(rank=0, store=f"127.0.0.1:{store.port}", engines=2, config=config),
+            client=client, source=trained)
+        try:
+            assert trainer.send_weights(60).engines_synced == [0, 1]
+            assert version(url) == "60" and llm.get_weight_version() == "60"
+            served = _completions(url, root / "seed0")
+            assert served == greedy(llm)[0]
+
+            _stop(server, signal.SIGKILL)
+            with torch.no_grad():
+                for p in trained.parameters():
+                    p.mul_(-1.0)
+            stats = trainer.send_weights(61)
+            assert stats.engines_synced == [0] and list(stats.engines_skipped) == [1]  # the dead engine was found
+            assert client.down == {1}
+            assert jobs.get(keys.engine_version(0)).value == 61 and llm.get_weight_version() == "60"  # label kept
+            now = greedy(llm)[0]
+            assert now != served  # engine 0 applied version 61
+
+            replacement, url = _serve(root / "seed0", tmp_path / "replacement.log")
+            client.replace(1, ServerClient(url))
+            assert client.down == set()
+            assert trainer.send_weights(62).engines_synced == [0, 1]
+            assert version(url) == "62" and llm.get_weight_version() == "62"
+            assert _completions(url, root / "seed0") == now == greedy(llm)[0]  # refreshed: the newest weights
+        finally:
+            trainer.shutdown()
+            with torch.no_grad():
+                for p in trained.parameters():
+                    p.mul_(-1.0)
+    finally:
+        _stop(server, signal.SIGKILL)
+        if replacement is not None:
+            _stop(replacement)
