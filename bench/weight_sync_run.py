@@ -43,6 +43,7 @@ from replica.testing import free_port, spawn  # noqa: E402
 from test_resync import _make_ucx, _transport_path  # noqa: E402  (bench/, the working directory)
 
 SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
+          "256MiB": dict(hidden=768, layers=8, intermediate=3072),  # tests/test_vllm_transfer.py's memory bound
           "1GiB": dict(hidden=1024, layers=16, intermediate=4096)}
 TOKEN = b"bench-weights-token"
 WARMUP = 3  # rounds: an engine syncs every step for hours, the steady state is what counts

@@ -403,3 +403,18 @@ def test_a_killed_engine_is_skipped_and_its_replacement_refreshed(engine, models
         _stop(server, signal.SIGKILL)
         if replacement is not None:
             _stop(replacement)
+
+
+def test_the_engines_memory_stays_bounded_over_syncs(tmp_path):
+    """The backend's default (in place, one receive buffer) holds the live weights, one receive
+    buffer and a fixed overhead: asserted loosely here, the engine process's RSS above its start
+    stays under 2.5x the weights over 8 syncs of a 270 MB model (each a new version: the trainer
+    negates its weights), and no sync leaks a copy (that would pass 2.5x within 8). `make bench`
+    measures it on the 950 MB model against the 2.2x target (bench/transfer_run.py)."""
+    out = tmp_path / "rss.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer_run.py"), "256MiB", "8", "in_place",
+                           str(out)], cwd=ROOT / "bench", capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["syncs"] == 8 and result["bytes"] > 200e6, result
+    assert 0 < result["rss_peak_x_weights"] < 2.5, result
