@@ -59,7 +59,7 @@ def make_engine():
     from replica.vllm_worker import EngineWeights
 
     return LLM(model=str(folder), skip_tokenizer_init=True, dtype="float32", block_size=32, enforce_eager=True,
-               max_model_len=64, max_num_seqs=PROMPTS * GROUP, seed=0, worker_extension_cls=EngineWeights.EXTENSION)
+               max_model_len=64, max_num_seqs=PROMPTS * GROUP, seed=0, **EngineWeights.ENGINE_ARGS)
 
 
 def prompts_of(step: int) -> list[list[int]]:

@@ -86,15 +86,17 @@ class ReplicaInitInfo(WeightTransferInitInfo):
 
 @dataclass(kw_only=True)
 class ReplicaUpdateInfo(WeightTransferUpdateInfo):
-    """``update_weights``' ``update_info``: serve exactly ``version``."""
+    """``update_weights``' ``update_info``: serve exactly ``version`` (None: the newest
+    complete version, if it is newer than the served one: what an engine that applies
+    versions as they come asks, ``replica.vllm_worker.EngineWeights``)."""
 
-    version: int
+    version: int | None = None
     wait_s: float = 60.0  # how long a version that arrived may take to be prepared (staged)
     if_ready: bool = False  # True: a worker without the version keeps its own (the push skipped it)
 
     def __post_init__(self):
-        if self.version < 0 or self.wait_s < 0:
-            raise ValueError(f"need version >= 0 and wait_s >= 0; got {self.version}, {self.wait_s}")
+        if (self.version is not None and self.version < 0) or self.wait_s < 0:
+            raise ValueError(f"need version >= 0 (or None) and wait_s >= 0; got {self.version}, {self.wait_s}")
 
 
 class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaUpdateInfo]):
@@ -148,6 +150,9 @@ class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaU
     def receive_weights(self, update_info: ReplicaUpdateInfo) -> None:
         weights = self.weights
         version = update_info.version
+        if version is None:
+            weights.apply()
+            return
         if weights.receiver.version == version:
             return
         received = weights.receiver.ready()

@@ -1,30 +1,31 @@
 """vLLM integration: weights pushed by ``replica.WeightSync`` land in a running
 engine in place, without re-creating it and without touching disk.
 
-``ReplicaWorkerExtension`` is a vLLM worker extension
-(``LLM(..., worker_extension_cls="replica.vllm_worker.ReplicaWorkerExtension")``):
-inside each worker it runs a ``WeightReceiver`` that receives and verifies
-versions in the background, and loads a complete one on request through the
-model runner's ``reload_weights`` (the CPU backend repacks its linear weights
-after loading, so a plain ``model.load_weights`` after start-up fails there).
-``EngineWeights`` drives it from the process that owns the ``LLM``: ``update()``
-between generations applies the newest complete version and resets the prefix
-cache (cached KV blocks were computed by the old weights).
+Inside each worker the ``replica`` backend of vLLM's weight-transfer API
+(``replica.vllm_transfer``) runs a ``WeightReceiver`` (``WorkerWeights``) that
+receives and verifies versions in the background and applies a complete one
+when ``update_weights`` asks: prepared beside the live model and switched in
+(staged), or through the model runner's ``reload_weights`` (the CPU backend
+repacks its linear weights after loading, so a plain ``model.load_weights``
+after start-up fails there). ``EngineWeights`` drives it from the process that
+owns the ``LLM`` through vLLM's own calls: ``update()`` between generations
+applies the newest complete version and resets the prefix cache (cached KV
+blocks were computed by the old weights); ``ReplicaWorkerExtension`` answers
+the queries vLLM's API has no call for.
 
 A reload that fails half-way leaves a vLLM engine broken, so every version's
 names and shapes are checked against the checkpoint the engine was started from
 before anything is loaded. Only the names, shapes and step travel through
-``collective_rpc``; the weights themselves arrive over ``replica.transport``.
+vLLM's RPCs; the weights themselves arrive over ``replica.transport``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -129,6 +130,14 @@ class WorkerWeights:
             return "in place"
         return "staged" if self._stager.active else f"in place: {self._stager.unsupported}"
 
+    def pending(self) -> bool:
+        """Whether ``apply()`` would serve a newer version at once (prepared when staged)."""
+        served, stager = self.receiver.version, self._stager
+        if stager is not None and stager.active:
+            return stager.ready_step() is not None and (served is None or stager.ready_step() > served)
+        ready = self.receiver.ready()
+        return ready is not None and (served is None or ready > served)
+
     def wait(self, step: int, timeout: timedelta) -> bool:
         """Block until version >= ``step`` can be applied at once (received, and prepared when staged)."""
         stager = self._stager
@@ -174,35 +183,33 @@ class WorkerWeights:
 
 
 class ReplicaWorkerExtension:
-    """Mixed into vLLM's worker class; its methods are called through
-    ``LLM.collective_rpc``. Uses the worker's ``model_runner`` and ``vllm_config``."""
+    """Mixed into vLLM's worker class (``worker_extension_cls``) beside the ``replica``
+    weight-transfer backend: queries of its receiver that vLLM's API has no call for (what
+    arrived, what is served, by which trainer, how versions are applied), called through
+    ``LLM.collective_rpc``. The receiver itself is the backend's (``replica.vllm_transfer``),
+    started by ``init_weight_transfer_engine`` and applied by ``update_weights``."""
 
-    _replica: WorkerWeights | None = None
+    @property
+    def _replica(self) -> WorkerWeights:
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "weights"):
+            raise RuntimeError("the engine has no replica weight-transfer backend: start it with "
+                               "EngineWeights.ENGINE_ARGS (weight_transfer_config={'backend': 'replica'})")
+        return engine.weights
 
-    def replica_attach(self, spec_json: str) -> str:
-        """Start this worker's receiver; returns its registration (backend, address, nonce)."""
-        spec = ReceiverSpec(**json.loads(spec_json))
-
-        def reload(views) -> None:
-            from vllm.config import set_current_vllm_config
-
-            with set_current_vllm_config(self.vllm_config):
-                self.model_runner.reload_weights(weights_iterator=views, is_checkpoint_format=True)
-
-        self._replica = WorkerWeights(spec, token=bytes.fromhex(spec.token_hex), vllm_config=self.vllm_config,
-                                      model=self.model_runner.get_model(), reload=reload)
+    def replica_registration(self) -> str:
         return self._replica.receiver.registration
 
     def replica_ready(self) -> int | None:
         return self._replica.receiver.ready()
 
+    def replica_pending(self) -> bool:
+        """Whether ``update_weights`` with no version would apply a newer one at once."""
+        return self._replica.pending()
+
     def replica_wait(self, step: int, timeout_s: float) -> bool:
         """Block until version >= ``step`` can be applied at once (received, and prepared when staged)."""
         return self._replica.wait(step, timedelta(seconds=timeout_s))
-
-    def replica_apply(self) -> int | None:
-        """Serve the newest complete version; returns its step (None: nothing new)."""
-        return self._replica.apply()
 
     def replica_staging(self) -> str:
         return self._replica.staging
@@ -214,11 +221,6 @@ class ReplicaWorkerExtension:
         """(generation, member) of the leader that sent the served version (None: none served)."""
         epoch = self._replica.receiver.served_epoch
         return None if epoch is None else (epoch.generation, epoch.member)
-
-    def replica_detach(self) -> None:
-        if self._replica is not None:
-            self._replica.close()
-            self._replica = None
 
 
 def _reuse_freed_memory() -> None:
@@ -285,6 +287,11 @@ class _Stager:
         with self._cond:
             self._retired.append(things)
             self._cond.notify_all()
+
+    def ready_step(self) -> int | None:
+        """The step of the version prepared and not yet taken (None: none)."""
+        with self._cond:
+            return None if self._prepared is None else self._prepared.step
 
     def take(self, served: int | None, exactly: int | None = None):
         """The prepared version if it is newer than ``served`` (and, with ``exactly``, is that
@@ -360,19 +367,29 @@ class _Stager:
 
 
 class EngineWeights:
-    """The driver's handle on an engine's weights: ``attach`` once, ``update()``
-    between generations, ``wait(step)`` when a request needs a version."""
+    """The driver's handle on an engine's weights, a thin user of vLLM's weight-transfer API
+    with the ``replica`` backend: the engine is started with ``ENGINE_ARGS``; ``update()``
+    between generations applies the newest complete version, ``wait(step)`` when a request
+    needs a version. Applying goes through vLLM's own ``start_weight_update`` ->
+    ``update_weights`` -> ``finish_weight_update``; the worker extension only answers queries."""
 
     EXTENSION = f"{__name__}.ReplicaWorkerExtension"
+    #: What ``vllm.LLM(...)`` takes for an engine driven by EngineWeights.
+    ENGINE_ARGS = {"worker_extension_cls": EXTENSION, "weight_transfer_config": {"backend": "replica"}}
 
     def __init__(self, llm, spec: ReceiverSpec):
         self.llm = llm
         self.spec = spec
-        self.registrations = llm.collective_rpc("replica_attach", args=(json.dumps(asdict(spec)),))
+        info = {"store": spec.store, "index_base": spec.index, "host": spec.host, "store_prefix": spec.store_prefix,
+                "timeout_s": spec.timeout_s, "staged": spec.staged, "leader": spec.leader, "buffers": spec.buffers,
+                "token_hex": spec.token_hex}
+        llm.init_weight_transfer_engine({"init_info": info})
+        self.registrations = llm.collective_rpc("replica_registration")
         if len(self.registrations) != 1:
             self.close()
             raise NotImplementedError(f"an engine with {len(self.registrations)} workers (tensor parallel): each "
-                                      "worker would need its own receiver registration; only one is supported yet")
+                                      "worker is a receiver of its own; drive it with vLLM's weight-transfer API "
+                                      "(replica.vllm_transfer) and count its workers as engines")
 
     @property
     def version(self) -> int | None:
@@ -392,9 +409,16 @@ class EngineWeights:
 
     def update(self) -> int | None:
         """Apply the newest complete version, if any; returns it (None: unchanged)."""
-        applied = self._one(self.llm.collective_rpc("replica_apply"))
-        if applied is not None:
-            self.llm.reset_prefix_cache()  # KV blocks cached under the old weights are stale
+        if not any(self.llm.collective_rpc("replica_pending")):
+            return None
+        before = self.version
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": {"version": None}})
+        self.llm.finish_weight_update()
+        applied = self.version
+        if applied == before:
+            return None
+        self.llm.reset_prefix_cache()  # KV blocks cached under the old weights are stale
         return applied
 
     def wait(self, step: int, timeout: timedelta) -> int:
@@ -405,7 +429,7 @@ class EngineWeights:
         return self.version
 
     def close(self) -> None:
-        self.llm.collective_rpc("replica_detach")
+        self.llm.shutdown_weight_transfer_engine()
 
     @staticmethod
     def _one(results: list):

@@ -50,7 +50,7 @@ def make_llm(folder: Path, **kw):
     from replica.vllm_worker import EngineWeights
 
     return LLM(model=str(folder), skip_tokenizer_init=True, dtype="float32", block_size=32, enforce_eager=True,
-               max_model_len=256, max_num_seqs=8, seed=0, worker_extension_cls=EngineWeights.EXTENSION, **kw)
+               max_model_len=256, max_num_seqs=8, seed=0, **{**EngineWeights.ENGINE_ARGS, **kw})
 
 
 def greedy(llm) -> tuple[list[list[int]], list[dict[int, float]]]:
