@@ -133,9 +133,7 @@ class WorkerWeights:
     def pending(self) -> bool:
         """Whether ``apply()`` would serve a newer version at once (prepared when staged)."""
         served, stager = self.receiver.version, self._stager
-        if stager is not None and stager.active:
-            return stager.ready_step() is not None and (served is None or stager.ready_step() > served)
-        ready = self.receiver.ready()
+        ready = stager.ready_step() if stager is not None and stager.active else self.receiver.ready()
         return ready is not None and (served is None or ready > served)
 
     def wait(self, step: int, timeout: timedelta) -> bool:
@@ -264,16 +262,6 @@ class _Stager:
         self._thread = threading.Thread(target=self._run, name=f"replica-stage-{index}", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
-        from replica.vllm_staging import StagingUnsupported, check_vllm, prepare
-
-        try:
-            check_vllm()
-        except StagingUnsupported as exc:
-            self._give_up(str(exc))
-            return
-        self._serve(prepare)
-
     @property
     def active(self) -> bool:
         return self.unsupported is None
@@ -324,9 +312,14 @@ class _Stager:
             self._cond.notify_all()
         self._thread.join(timeout=60)
 
-    def _serve(self, prepare) -> None:
-        from replica.vllm_staging import StagingUnsupported
+    def _run(self) -> None:
+        from replica.vllm_staging import StagingUnsupported, check_vllm, prepare
 
+        try:
+            check_vllm()
+        except StagingUnsupported as exc:
+            self._give_up(str(exc))
+            return
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._kicked or self._closed or self._retired)
