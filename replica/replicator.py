@@ -35,6 +35,10 @@ from replica.transport.base import nvtx_range
 
 __all__ = ["CommitStats", "Replicator"]
 
+#: How late a global commit may be before a waiting trainer asks whether its step's
+#: answer was lost (a normal commit takes a few store round trips after the answer).
+_RESEND_LOOK = timedelta(seconds=1)
+
 logger = logging.getLogger(__name__)
 
 
@@ -169,7 +173,7 @@ class Replicator:
         if self._last_step is None:
             raise ReplicaError("wait_committed() before the first commit()")
         timeout = self.config.commit_timeout if timeout is None else timeout
-        return self.record.wait(self._last_step, timeout, abort=self._raise_stream_error)
+        return self.record.wait(self._last_step, timeout, abort=self._watch(interruptible=False))
 
     def rollback(self, *, step: int | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, extra: Mapping[str, Stateful] | None = None) -> int:
@@ -310,17 +314,31 @@ class Replicator:
             return
         timeout = self.config.commit_timeout
 
-        def abort() -> None:
-            self._raise_stream_error()
-            if self.interrupted is not None and self.interrupted():
-                raise _Interrupted
-
-        self.record.wait(self._last_step, timeout, abort=abort)
+        self.record.wait(self._last_step, timeout, abort=self._watch(interruptible=True))
         # Only the buffer packed next must be free: the other may still be streaming (a
         # promoted trainer's commit goes to its new standby while it trains on).
         if not self._stream.wait_released(self._snapshots[self._next], timeout):
             self._raise_stream_error()
             raise ReplicaError(f"the mirror stream of rank {self.rank} did not finish within {timeout}")
+
+    def _watch(self, *, interruptible: bool) -> Callable[[], None]:
+        """What a wait for the last step's global commit calls between looks: raises the
+        stream's error (and, when ``interruptible``, _Interrupted once a failover was
+        announced), and once the commit is late, sends the step again if the standby that
+        received it left before recording it (``MirrorStream.resend_unrecorded``)."""
+        step, snapshot = self._last_step, self._snapshots[self._next ^ 1]
+        look = time.monotonic() + _RESEND_LOOK.total_seconds()
+
+        def abort() -> None:
+            nonlocal look
+            self._raise_stream_error()
+            if interruptible and self.interrupted is not None and self.interrupted():
+                raise _Interrupted
+            if time.monotonic() >= look and snapshot.step == step:
+                self._stream.resend_unrecorded(snapshot, step, self.epoch())
+                look = time.monotonic() + _RESEND_LOOK.total_seconds()
+
+        return abort
 
     def _raise_stream_error(self) -> None:
         if self._stream.error is not None:

@@ -39,6 +39,7 @@ class StreamStats:
     unprotected_steps: int = 0  # steps acknowledged by the trainer itself, with no standby
     stream_s: list[float] = field(default_factory=list)
     repaired_buckets: int = 0  # buckets sent again because the standby found them changed in its memory
+    resent_steps: int = 0  # steps sent again: the standby that answered left before recording them
 
 
 class MirrorStream:
@@ -62,6 +63,7 @@ class MirrorStream:
         self._layout_sent: StateLayout | None = None
         self._streamed: list[Snapshot] = []  # the snapshots streamed (the Replicator's two): repairs come from them
         self._current: Snapshot | None = None  # the one the stream thread works on
+        self._answered: tuple[int, str] | None = None  # (step, nonce): the last ACKED and the standby that sent it
         self._thread = threading.Thread(target=self._run, name=f"replica-mirror-stream-{rank}", daemon=True)
         self._thread.start()
         self._repairs = threading.Thread(target=self._serve_repairs, name=f"replica-mirror-repair-{rank}",
@@ -77,6 +79,29 @@ class MirrorStream:
         with self._idle:
             self._queued[id(snapshot)] = self._queued.get(id(snapshot), 0) + 1
         self._queue.put((snapshot, step, epoch))
+
+    def resend_unrecorded(self, snapshot: Snapshot, step: int, epoch: Epoch = NO_EPOCH) -> bool:
+        """Queue ``snapshot`` (step ``step``) again when its stream was answered but the
+        answer never reached the job store: a standby acknowledges in the store only after
+        its ACKED, so one that dies in between leaves a step no standby records. That is
+        so when the rank's standby does not hold ``step`` and is not the one that answered
+        (a replacement registered) or the rank was marked unprotected. Nothing while a
+        stream of ``snapshot`` is queued or in flight, or after a stream error. Returns
+        True if a stream was queued."""
+        with self._idle:
+            if self._queued.get(id(snapshot), 0) or self._error is not None:
+                return False
+        answered = self._answered
+        if answered is None or answered[0] != step or self._record.standby_holds(self.rank, step):
+            return False
+        current = self._record.registration(self.rank)
+        if current is not None and current.nonce == answered[1] and not self._record.unprotected(self.rank):
+            return False  # the standby that answered is only slow to record it
+        logger.warning("[trainer rank %d step %d] the standby that received the step left before recording it; "
+                       "sending the step again", self.rank, step)
+        self.stats.resent_steps += 1
+        self.submit(snapshot, step, epoch)
+        return True
 
     def wait_released(self, snapshot: Snapshot, timeout: timedelta) -> bool:
         """True once no stream of ``snapshot`` is queued or in flight (it is free to
@@ -262,6 +287,7 @@ class MirrorStream:
         if self._config.verify and snapshot.digests is None:
             snapshot.digests = out.digests
         out.settle()
+        self._answered = (step, registration.nonce)
         self.stats.acked_step = step
         self.stats.num_acked += 1
         self.stats.stream_s.append(time.perf_counter() - start)

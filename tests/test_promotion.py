@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 import replica
-from replica.errors import ReplicaError
+from replica.errors import CommitTimeoutError, ReplicaError
 from replica.jobstate import JobStore, keys
 from test_mirror_integrity import TOKEN, assert_state_equal, config, job, state_of, trained
 
@@ -112,3 +112,45 @@ def test_a_handed_over_mirror_receives_nothing_more(store):
         held.verify()  # and the handed-over version is intact
     finally:
         standby.close()
+
+
+def test_a_step_answered_but_never_recorded_goes_to_the_replacement(store):
+    """A standby answers ACKED before it records the step in the store: one that dies in
+    between leaves a step its trainer thinks delivered and no standby records. The
+    trainer waiting for that step's global commit sends it to the replacement."""
+    cfg = config(standby_wait=T, scrub_interval=timedelta(0))
+    j = job()
+    standby = replica.Mirror(rank=0, world_size=1, store=store, config=cfg)
+    record, skipped = standby._acknowledge, []
+
+    def dies_before_recording(begin):  # the fault: step 2 is answered, then the standby is gone
+        if begin.step == 2:
+            skipped.append(begin.step)
+            return
+        record(begin)
+
+    standby._acknowledge = dies_before_recording
+    new_standby = None
+    try:
+        with replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0,
+                                world_size=1) as rep:
+            trained(j, 2, rep)
+            wait_for(lambda: rep.stream_stats.acked_step == 2, "the answer to step 2")
+            assert skipped == [2]  # the fault fired: answered, never recorded
+            standby.close()
+            # The standby that answered is still the registered one: it may only be slow,
+            # so nothing is sent again (the coordinator replaces a dead one).
+            with pytest.raises(CommitTimeoutError):
+                rep.wait_committed(timedelta(seconds=2.5))
+            assert rep.stream_stats.resent_steps == 0 and rep.last_commit() == 1
+            new_standby = replica.Mirror(rank=0, world_size=1, store=store, config=cfg)
+            assert rep.wait_committed() == 2  # sent again to the replacement, which records it
+            assert rep.stream_stats.resent_steps == 1
+            assert new_standby.held_steps() == [2]
+            fresh = job(seed=7)
+            new_standby.restore(fresh.model, fresh.optimizer, fresh.extra, step=2)
+            assert_state_equal(state_of(fresh), state_of(j))
+    finally:
+        for m in (standby, new_standby):
+            if m is not None:
+                m.close()
