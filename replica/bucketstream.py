@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -281,14 +282,16 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
                      closed: threading.Event, sender: Callable[[], Connection | None], lock: threading.Lock,
                      stage: Callable[[Begin], torch.Tensor],
                      complete: Callable[[Begin, torch.Tensor, list[int]], None],
-                     acknowledged: Callable[[Begin], None] | None = None) -> NoReturn:
+                     acknowledged: Callable[[Begin], None] | None = None, fence_late: bool = False) -> NoReturn:
     """Receive versions from the sender at ``conn`` until it leaves, ``closed`` is
     set or ``sender()`` is another connection. Per version: its ``BEGIN`` (bucket
     count and epoch checked; a superseded epoch is refused), then under ``lock``
     the buckets into ``stage(begin)``, verified (``receive_buckets``), then
     ``complete(begin, buffer, digests)``, the ACK, and ``acknowledged(begin)``:
     what need not hold the sender back (the mirror's store acknowledgement, which
-    the sender's next commit waits for anyway) goes there."""
+    the sender's next commit waits for anyway) goes there. ``fence_late``: check the
+    epoch while the buckets arrive, not before (its store read leaves the stream's
+    path), for a receiver whose ``stage`` loses nothing it needs to a refused version."""
 
     def gone() -> str | None:
         if closed.is_set():
@@ -303,11 +306,28 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
             raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has "
                                  f"{len(ranges)}")
         # The coordinator may have moved on since the connection began.
-        _fence(conn, begin.epoch, begin.step, current_epoch(), who=who, timeout=timeout, counts=counts)
+        def fence(current: Epoch | None) -> None:
+            _fence(conn, begin.epoch, begin.step, current, who=who, timeout=timeout, counts=counts)
+
+        if not fence_late:
+            fence(current_epoch())
         with lock:
             buffer = stage(begin)
+            # fence_late: the epoch is read while the buckets arrive, and the refusal waits
+            # for them (receives left posted would write into the next sender's staging).
+            read: Future[Epoch | None] = Future()
+
+            def read_epoch() -> None:
+                try:
+                    read.set_result(current_epoch())
+                except Exception as exc:  # noqa: BLE001 - raised once the buckets are in
+                    read.set_exception(exc)
+
             digests = receive_buckets(conn, buffer, ranges, step=begin.step, fingerprint=fingerprint,
-                                      timeout=timeout, who=who, counts=counts)
+                                      timeout=timeout, who=who, counts=counts,
+                                      posted=read_epoch if fence_late else None)
+            if fence_late:
+                fence(read.result())
             complete(begin, buffer, digests)
             send_reply(conn, Reply(step=begin.step, status=Status.ACKED), timeout)
             if acknowledged is not None:

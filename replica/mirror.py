@@ -332,7 +332,7 @@ class Mirror(Listener):
                          who=self.name, counts=self.stats, current_epoch=current_epoch,
                          closed=self._closed, sender=lambda: self._trainer, lock=self._receiving,
                          stage=lambda begin: self._stage().buffer, complete=self._complete,
-                         acknowledged=self._acknowledge)
+                         acknowledged=self._acknowledge, fence_late=True)
 
     def _serve_fetch(self, conn: Connection, step: int) -> None:
         """Send a complete version to a process that restores from it (a replacement trainer)."""

@@ -225,17 +225,22 @@ class ReceiveCounts(Protocol):
 
 
 def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,
-                    fingerprint: int, timeout: timedelta, who: str, counts: ReceiveCounts) -> list[int]:
+                    fingerprint: int, timeout: timedelta, who: str, counts: ReceiveCounts,
+                    posted: Callable[[], None] | None = None) -> list[int]:
     """Receive bucket i of ``step`` into ``buffer[lo:hi]`` for every ``(lo, hi)`` of
     ``ranges``, checking each digest and header; buckets that fail their digest
     are asked for again (RESEND) until all are good. ``counts`` is updated as it
     goes (a session cut short still counts what it saw). Used by the standby and
     the engine receiver alike. Returns the digest each good bucket's header
-    carried (0s when the connection does not verify), to keep with the version."""
+    carried (0s when the connection does not verify), to keep with the version.
+    ``posted()`` runs once the first receives are posted, while the bytes arrive."""
     todo, unreported = list(range(len(ranges))), []
     digests = [0] * len(ranges)
     while todo:
         transfers = [(i, conn.irecv(buffer[ranges[i][0]:ranges[i][1]], tag=BUCKET_BASE + i)) for i in todo]
+        if posted is not None:
+            posted()
+            posted = None
         bad = []
         for i, transfer in transfers:
             try:
