@@ -5,9 +5,13 @@ pushed by a trainer process (``WeightSync``, the backend's sender), then applies
 through vLLM's own calls (``start_weight_update`` / ``update_weights`` /
 ``finish_weight_update``, what ``ReplicaTrainerEngine.send_weights`` drives through its client).
 
-Per mode (``in_place``: one receive buffer and vLLM's ``reload_weights``, no allocator
-changes; ``staged``: prepared beside the live model): ``sync_s`` (push until the engine serves
-the version), ``update_s`` (the ``update_weights`` call: the engine's stall) and the engine
+Per mode (``in_place``: one receive buffer and vLLM's ``reload_weights``; ``staged``: one
+receive buffer, each version prepared beside the live model while the engine generates, its
+received bytes returned to the OS as they are copied out; ``staged_2``: the same with two receive
+buffers, nothing returned; no allocator settings in any): ``sync_s`` (push until the engine
+serves the version), ``prepare_s`` (staged: from the push's end until the version is prepared,
+which the engine spends generating), ``update_s`` (the ``update_weights`` call: the engine's
+stall) and the engine
 process's RSS over ``SYNCS`` syncs, sampled every 5 ms: ``rss_peak_x_weights`` (the peak above
 the RSS before the first sync, in multiples of the weights' bytes) and ``rss_end_x_weights``.
 
@@ -62,9 +66,19 @@ class _Sampler:
         return max(self.peak, _rss())
 
 
+#: mode -> (ReplicaInitInfo.staged, ReplicaInitInfo.buffers)
+_MODES = {"in_place": (False, 1), "staged": (True, 1), "staged_2": (True, 2)}
+
+
+def _prepared(worker, step: int) -> bool:
+    """Run in the engine's worker (``collective_rpc``): wait until version ``step`` is prepared."""
+    return worker.weight_transfer_engine.weights.wait(step, timedelta(seconds=300))
+
+
 def main(size: str, syncs: int, mode: str, out: Path) -> None:
-    if mode not in ("in_place", "staged"):
-        raise SystemExit(f"mode is in_place or staged, not {mode!r}")
+    if mode not in _MODES:
+        raise SystemExit(f"mode is one of {', '.join(_MODES)}, not {mode!r}")
+    staged, buffers = _MODES[mode]
     os.environ["REPLICA_TOKEN"] = TOKEN
     with tempfile.TemporaryDirectory(prefix="replica-bench-transfer-") as work:
         make_model(Path(work) / "engine", 0, **SHAPES[size])
@@ -72,10 +86,9 @@ def main(size: str, syncs: int, mode: str, out: Path) -> None:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         llm = make_llm(Path(work) / "engine", weight_transfer_config={"backend": "replica"})
         llm.init_weight_transfer_engine({"init_info": {"store": f"127.0.0.1:{store.port}", "timeout_s": 300,
-                                                       "staged": mode == "staged",
-                                                       "buffers": 1 if mode == "in_place" else 2}})
+                                                       "staged": staged, "buffers": buffers}})
         greedy(llm)
-        sync_s, update_s, rss_after = [], [], []
+        sync_s, prepare_s, update_s, rss_after = [], [], [], []
         with spawn(_sender, str(Path(work) / "trained"), store.port, TOKEN.encode(), True, name="trainer") as trainer:
             _, nbytes = trainer.recv(timeout=300)
             before = _rss()
@@ -84,6 +97,10 @@ def main(size: str, syncs: int, mode: str, out: Path) -> None:
                 start = time.perf_counter()
                 trainer.send("push", step)
                 assert trainer.recv(timeout=300)[1] == [0]  # acknowledged: complete and verified in the engine
+                if staged:  # the engine would go on generating meanwhile
+                    pushed = time.perf_counter()
+                    assert llm.collective_rpc(_prepared, args=(step,)) == [True]
+                    prepare_s.append(time.perf_counter() - pushed)
                 llm.start_weight_update()
                 applying = time.perf_counter()
                 llm.update_weights({"update_info": {"version": step, "wait_s": 300}})
@@ -98,9 +115,10 @@ def main(size: str, syncs: int, mode: str, out: Path) -> None:
         greedy(llm)
     med = statistics.median
     out.write_text(json.dumps({
-        "size": size, "mode": mode, "bytes": nbytes, "syncs": syncs, "sync_s": med(sync_s), "update_s": med(update_s),
+        "size": size, "mode": mode, "bytes": nbytes, "syncs": syncs, "sync_s": med(sync_s),
+        "prepare_s": med(prepare_s) if prepare_s else None, "update_s": med(update_s),
         "rss_peak_x_weights": peak / nbytes, "rss_end_x_weights": rss_after[-1] / nbytes,
-        "all": {"sync_s": sync_s, "update_s": update_s, "rss_after_x_weights": [r / nbytes for r in rss_after]}},
+        "all": {"sync_s": sync_s, "prepare_s": prepare_s, "update_s": update_s, "rss_after_x_weights": [r / nbytes for r in rss_after]}},
         indent=2))
 
 

@@ -35,6 +35,7 @@ place through vLLM's public ``reload_weights``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import MethodType
 
@@ -122,22 +123,28 @@ class PreparedWeights:
         self._pairs = []  # the shadow's memory goes with it
 
 
-def prepare(model: torch.nn.Module, weights, step: int) -> PreparedWeights:
+def prepare(model: torch.nn.Module, weights, step: int, *,
+            processed: Callable[[int], None] | None = None) -> PreparedWeights:
     """Load ``weights`` (an iterator of ``(checkpoint name, tensor)``) into a
     shadow of ``model`` and process it; the live model is only read. Like vLLM's
     own reload, a module is processed as soon as all of it is loaded, so its
-    checkpoint-shaped tensors are freed (and their memory reused) before the next."""
+    checkpoint-shaped tensors are freed (and their memory reused) before the next.
+    ``processed(nbytes)`` hears of each module processed, with the bytes it loaded."""
     shadows: list[tuple[torch.nn.Module, torch.nn.Module]] = []
     root = _shadow(model, shadows)
     counter = _CopyCounter()
     pending = [(live, shadow, fresh) for live, shadow in shadows
                if (fresh := [t for t in shadow._parameters.values() if t is not None and getattr(t, "_replica_fresh", False)])]
+    if not pending:  # found before anything is read: a consuming caller keeps its version
+        raise StagingUnsupported("vLLM recorded no reload metadata for any module of this model")
     pairs: list[_Pair] = []
 
     def process_loaded() -> None:
         for item in [item for item in pending if all(counter.numel(t) >= _load_numel(t) for t in item[2])]:
             pending.remove(item)
             pairs.append(_process(*item[:2]))
+            if processed is not None:
+                processed(sum(t.numel() * t.element_size() for t in item[2]))
 
     def feed():
         for named in weights:
@@ -180,6 +187,8 @@ def _process(live: torch.nn.Module, shadow: torch.nn.Module) -> _Pair:
 
 
 _MISSING = object()
+#: The name of the loaders vLLM's in-place reload wraps parameters' own in (reload.layerwise).
+_ONLINE_LOADER = "online_process_loader"
 
 
 def _shadow(module: torch.nn.Module, out: list) -> torch.nn.Module:
@@ -218,9 +227,14 @@ def _private(tensor: torch.Tensor, module, clone) -> torch.Tensor:
 
 
 def _rebind(tensor: torch.Tensor, module, clone) -> torch.Tensor:
-    """Weight loaders bound to the live module (or to vLLM's placeholder for it) load into the clone."""
+    """Weight loaders bound to the live module (or to vLLM's placeholder for it) load into the
+    clone. A loader an in-place reload wrapped (vLLM's ``online_process_loader``, which buffers
+    into the live layer's reload state) is unwrapped to the loader it wraps."""
     from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
+    loader = tensor.__dict__.get("weight_loader")
+    while getattr(loader, "__name__", None) == _ONLINE_LOADER and hasattr(loader, "__wrapped__"):
+        loader = tensor.__dict__["weight_loader"] = loader.__wrapped__
     for key, value in list(tensor.__dict__.items()):
         if isinstance(value, MethodType) and (value.__self__ is module or value.__self__ is layer_ref_sentinel):
             tensor.__dict__[key] = value.__func__.__get__(clone)

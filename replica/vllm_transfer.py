@@ -62,8 +62,10 @@ class ReplicaInitInfo(WeightTransferInitInfo):
     host: str = "127.0.0.1"  # where the receivers listen
     store_prefix: str = "replica"
     timeout_s: float = 60.0
-    # True: each version is prepared beside the live model first (ReceiverSpec.staged). No gain through
-    # this API, whose update waits for the preparation, at 4x the memory: in place by default.
+    # True: each version is prepared beside the live model while the engine generates
+    # (ReceiverSpec.staged); with buffers=1 the engine holds the live weights and one more copy. An
+    # update then switches in milliseconds, but one asking for a version just pushed waits for its
+    # preparation (longer than an in-place reload): in place by default.
     staged: bool | None = False
     leader: int = 0  # the trainer rank whose epoch the receivers accept
     # Receive buffers: 1 (the model's size: each version is applied by the update that follows its
@@ -155,7 +157,7 @@ class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaU
             return
         if weights.receiver.version == version:
             return
-        received = weights.receiver.ready()
+        received = weights.newest()
         if received is not None and received >= version and update_info.wait_s > 0:
             # Arrived (the push returns once every engine has it whole): staged, let it be prepared.
             weights.wait(version, timedelta(seconds=update_info.wait_s))

@@ -108,13 +108,11 @@ class WorkerWeights:
         self._stager: _Stager | None = None
         self.receiver = WeightReceiver(index=spec.index, store=store, config=config, leader=spec.leader,
                                        buffers=spec.buffers, expect=lambda layout: check_fits(layout, shapes),
-                                       on_ready=self._kick)
+                                       on_ready=self._kick, on_receiving=self._superseding)
         on_cpu = vllm_config.device_config.device_type == "cpu"
         staged = on_cpu if spec.staged is None else spec.staged
         if staged:
-            if on_cpu:
-                _reuse_freed_memory()
-            self._stager = _Stager(self.receiver, model, spec.index)
+            self._stager = _Stager(self.receiver, model, spec.index, consume=spec.buffers == 1)
         logger.info("[engine %d] weight receiver at %s (%s)", spec.index, self.receiver.address,
                     "staged" if staged else "in place")
 
@@ -123,6 +121,11 @@ class WorkerWeights:
         if stager is not None:
             stager.kick()
 
+    def _superseding(self, step: int) -> None:
+        stager = self._stager
+        if stager is not None:
+            stager.superseded(step)
+
     @property
     def staging(self) -> str:
         """How versions are applied: "staged", "in place", or why staging was given up."""
@@ -130,11 +133,23 @@ class WorkerWeights:
             return "in place"
         return "staged" if self._stager.active else f"in place: {self._stager.unsupported}"
 
+    @property
+    def dropped_versions(self) -> int:
+        """Prepared versions dropped before the engine switched to them (staged with one
+        receive buffer: a newer version started arriving)."""
+        return 0 if self._stager is None else self._stager.dropped
+
     def pending(self) -> bool:
         """Whether ``apply()`` would serve a newer version at once (prepared when staged)."""
         served, stager = self.receiver.version, self._stager
         ready = stager.ready_step() if stager is not None and stager.active else self.receiver.ready()
         return ready is not None and (served is None or ready > served)
+
+    def newest(self) -> int | None:
+        """The newest version this worker has whole: received, or prepared when staged."""
+        stager, received = self._stager, self.receiver.ready()
+        prepared = stager.ready_step() if stager is not None and stager.active else None
+        return max((v for v in (received, prepared) if v is not None), default=None)
 
     def wait(self, step: int, timeout: timedelta) -> bool:
         """Block until version >= ``step`` can be applied at once (received, and prepared when staged)."""
@@ -221,38 +236,43 @@ class ReplicaWorkerExtension:
         return None if epoch is None else (epoch.generation, epoch.member)
 
 
-def _reuse_freed_memory() -> None:
-    """Keep freed buffers in the process for reuse (glibc ``mallopt``) instead of
-    returning them to the OS: every staged version allocates a model's worth of
-    new buffers while the old ones are still in use, and fresh pages from the OS
-    cost a page fault each (about half of the preparation time measured here).
-    tcmalloc and jemalloc, which vLLM's CPU guide recommends preloading, behave
-    this way already. The process keeps its peak memory: with the receive buffers,
-    about five to six times the weights' size (measured: 7.9 GiB for 950 MB)."""
+def _return_freed_memory() -> None:
+    """Give the memory freed by a replaced version back to the OS now (glibc
+    ``malloc_trim``): its tensors were many allocations below glibc's mmap threshold,
+    whose pages the allocator would otherwise keep. A no-op on other allocators."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = getattr(libc, "mallopt", None)
+        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
     except OSError:
-        mallopt = None
-    if mallopt is None:  # not glibc: its allocator decides
-        return
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_trim_threshold, ctypes.c_int(2**31 - 1))
-    mallopt(m_mmap_threshold, ctypes.c_int(2**30))
+        trim = None
+    if trim is not None:
+        trim(0)
+
+
+#: How much a consuming stager loads between two ``malloc_trim`` calls (each costs a walk of the
+#: allocator's free lists: ~ms).
+_TRIM_BYTES = 64 << 20
 
 
 class _Stager:
     """Prepares each complete version beside the live model, in a thread of its
-    own, so the engine keeps generating until it switches (``take``)."""
+    own, so the engine keeps generating until it switches (``take``).
 
-    def __init__(self, receiver, model, index: int):
+    ``consume`` (a receiver with one buffer): the engine holds the live weights and one
+    more copy at most. The received bytes go back to the OS as preparation copies them
+    out (``WeightReceiver.hold(consume=True)``), and a prepared version not yet switched
+    to is dropped once a newer one starts arriving (``superseded``)."""
+
+    def __init__(self, receiver, model, index: int, *, consume: bool = False):
         self._receiver = receiver
         self._model = model
         self._index = index
+        self._consume = consume
+        self.dropped = 0  # prepared versions dropped unused (a newer one arrived first)
+        self._untrimmed = 0  # bytes loaded since memory was last given back
         self._cond = threading.Condition()
         self._prepared = None
         self._kicked = receiver.ready() is not None
@@ -275,6 +295,23 @@ class _Stager:
         with self._cond:
             self._retired.append(things)
             self._cond.notify_all()
+
+    def superseded(self, step: int) -> None:
+        """Version ``step`` starts arriving: with ``consume``, a prepared version the engine has
+        not switched to goes (freed on the stager's thread), unless it is newer (a step redone
+        after a failover arrives again under the same number: it replaces the prepared one)."""
+        if not self._consume:
+            return
+        with self._cond:
+            prepared = self._prepared
+            if prepared is None or prepared.step > step:
+                return
+            self._prepared = None
+            self._retired.append([prepared])
+            self.dropped += 1
+            self._cond.notify_all()
+        logger.info("[engine %d] prepared version %d dropped unused: version %d is arriving", self._index,
+                    prepared.step, step)
 
     def ready_step(self) -> int | None:
         """The step of the version prepared and not yet taken (None: none)."""
@@ -312,6 +349,17 @@ class _Stager:
             self._cond.notify_all()
         self._thread.join(timeout=60)
 
+    def _processed(self, nbytes: int) -> None:
+        """With ``consume``: every ``_TRIM_BYTES`` loaded, the memory that loading and
+        processing freed (checkpoint-shaped tensors, the received bytes) goes back to the OS,
+        so the engine's peak stays near the live weights and one copy."""
+        if not self._consume:
+            return
+        self._untrimmed += nbytes
+        if self._untrimmed >= _TRIM_BYTES:
+            self._untrimmed = 0
+            _return_freed_memory()
+
     def _run(self) -> None:
         from replica.vllm_staging import StagingUnsupported, check_vllm, prepare
 
@@ -328,18 +376,24 @@ class _Stager:
                     return
                 kicked, self._kicked = self._kicked, False
                 floor = None if self._prepared is None else self._prepared.step
-            del retired  # frees what the last switch replaced, here rather than on the engine's thread
+            if retired:
+                del retired  # what the last switch replaced, freed here rather than on the engine's thread
+                _return_freed_memory()
             if not kicked:
                 continue
             try:
-                with self._receiver.hold(newer_than=floor) as got:
+                with self._receiver.hold(newer_than=floor, consume=self._consume) as got:
                     if got is None:
                         continue
                     step, views = got
                     start = time.perf_counter()
-                    prepared = prepare(self._model, views, step)
-                logger.info("[engine %d] weights of step %d prepared in %.3f s", self._index, step,
-                            time.perf_counter() - start)
+                    prepared = prepare(self._model, views, step, processed=self._processed)
+                if self._consume:
+                    _return_freed_memory()
+                logger.info("[engine %d] weights of step %d prepared in %.3f s%s", self._index, step,
+                            time.perf_counter() - start,
+                            f"; {self._receiver.released_bytes / 2**20:.0f} MiB of the received bytes returned to "
+                            "the OS" if self._consume else "")
             except StagingUnsupported as exc:
                 self._give_up(str(exc))
                 return
@@ -353,6 +407,9 @@ class _Stager:
 
     def _give_up(self, why: str) -> None:
         logger.warning("[engine %d] weights are applied in place from now on (staging: %s)", self._index, why)
+        if self._consume and self._receiver.released_bytes:
+            logger.error("[engine %d] the version being prepared gave its memory back as it was read: it is "
+                         "lost here, and this engine serves the next version pushed", self._index)
         with self._cond:
             self.unsupported = why
             self._prepared = None

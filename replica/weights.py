@@ -54,6 +54,7 @@ from replica.errors import FencedError, LayoutMismatchError, ReplicaError, Trans
 from replica.jobstate import Epoch, JobStore, Number, Registration, keys
 from replica.layout import StateLayout, dtype_of
 from replica.listener import Listener
+from replica.pagebuffer import PageBuffer
 from replica.protocol import Begin, answer_layout, fingerprint_int
 from replica.registry import publish, registration
 from replica.transport import Connection, MemoryKind, Transport
@@ -139,6 +140,14 @@ def tensor_buckets(layout: StateLayout) -> list[WeightBucket]:
 def _views(buffer: torch.Tensor, layout: StateLayout) -> Iterator[tuple[str, torch.Tensor]]:
     for e in layout.entries:
         yield e.name, buffer[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+
+
+def _consumable_views(page: PageBuffer, layout: StateLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """``_views`` whose pages go back to the OS once a loader is done with them (PageBuffer)."""
+    entries = list(layout.entries)
+    spans = page.consumable((e.offset, e.offset + e.nbytes) for e in entries)
+    for e, (_, _, view) in zip(entries, spans):
+        yield e.name, view.view(dtype_of(e.dtype)).view(e.shape)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -510,7 +519,8 @@ class WeightReceiver(Listener):
 
     def __init__(self, *, index: int, store: dist.Store | JobStore, config: Config,
                  expect: Callable[[StateLayout], None] | None = None,
-                 on_ready: Callable[[int], None] | None = None, leader: int = 0, buffers: int = 2):
+                 on_ready: Callable[[int], None] | None = None, leader: int = 0, buffers: int = 2,
+                 on_receiving: Callable[[int], None] | None = None):
         if buffers not in (1, 2):
             raise ValueError(f"buffers is 1 or 2, got {buffers}")
         super().__init__(config=config, memory=MemoryKind.HOST, name=f"engine {index}")
@@ -524,6 +534,8 @@ class WeightReceiver(Listener):
         # buffer, the model's size (a version that starts arriving displaces an unapplied ready one).
         self._buffers = buffers
         self._on_ready = on_ready  # called (from the receiving thread) when a version is complete
+        self._on_receiving = on_receiving  # called (from the receiving thread) when a version starts to arrive
+        self._page: PageBuffer | None = None  # the one buffer (buffers=1): its pages can go back to the OS
         self._layout: StateLayout | None = None
         self._staging: torch.Tensor | None = None
         self._ready: torch.Tensor | None = None
@@ -543,6 +555,11 @@ class WeightReceiver(Listener):
         with self._cond:
             return self._ready_step
 
+    @property
+    def released_bytes(self) -> int:
+        """Of the version last held with ``consume``, the bytes whose memory went back to the OS."""
+        return 0 if self._page is None else self._page.dropped_bytes
+
     def wait_ready(self, step: int, timeout: timedelta) -> bool:
         """Block until a complete version >= ``step`` has been received."""
         with self._cond:
@@ -550,11 +567,17 @@ class WeightReceiver(Listener):
                                        timeout.total_seconds())
 
     @contextmanager
-    def hold(self, newer_than: int | None = None) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]] | None]:
+    def hold(self, newer_than: int | None = None, *,
+             consume: bool = False) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]] | None]:
         """The newest complete version newer than ``newer_than`` (and than the
         served one) as ``(step, views)``, or None. Its buffer stays untouched
-        while held: a version completing meanwhile goes to a spare buffer, so
-        holding never delays the sender."""
+        while held: with two buffers, a version completing meanwhile goes to a
+        spare buffer, so holding never delays the sender; with one, the next
+        version waits. ``consume`` (one buffer only): each view's memory goes back
+        to the OS once the caller is done with it (``PageBuffer``), so the version
+        is no longer ready after the hold."""
+        if consume and self._buffers != 1:
+            raise ValueError("consume needs a receiver with one buffer")
         with self._cond:
             step = self._ready_step
             floor = max(v for v in (newer_than, self.version, -1) if v is not None)
@@ -562,13 +585,17 @@ class WeightReceiver(Listener):
                 got = None
             else:
                 self._held_buffer = self._ready
-                got = (step, _views(self._ready, self._layout))
+                views = (_consumable_views(self._page, self._layout) if consume
+                         else _views(self._ready, self._layout))
+                got = (step, views)
         try:
             yield got
         finally:
             if got is not None:
                 with self._cond:
                     self._held_buffer = None
+                    if consume and self._ready_step == step:
+                        self._ready, self._ready_step = None, None  # its bytes are gone
                     self._cond.notify_all()
 
     def served(self, step: int) -> None:
@@ -626,7 +653,9 @@ class WeightReceiver(Listener):
                     return
                 self._layout.check_matches(layout)
             self._layout = layout
-            self._staging = torch.empty(layout.total_bytes, dtype=torch.uint8)
+            self._page = PageBuffer(layout.total_bytes) if self._buffers == 1 else None
+            self._staging = (self._page.tensor if self._page is not None
+                             else torch.empty(layout.total_bytes, dtype=torch.uint8))
             self._ready = torch.empty(layout.total_bytes, dtype=torch.uint8) if self._buffers == 2 else None
             self._ready_step = None if self._buffers == 1 else self._ready_step
             self._spare = None
@@ -635,7 +664,8 @@ class WeightReceiver(Listener):
 
     def _stage(self, begin: Begin) -> torch.Tensor:
         """Where version ``begin.step`` is received. With one buffer: once nobody holds the
-        ready version in it (an apply in progress finishes first), which is then no longer ready."""
+        ready version in it (an apply in progress finishes first), which is then no longer ready.
+        ``on_receiving`` hears of it (a prepared version it supersedes can go)."""
         with self._cond:
             if self._buffers == 1:
                 if not self._cond.wait_for(lambda: self._held_buffer is not self._staging or self._closed.is_set(),
@@ -643,7 +673,10 @@ class WeightReceiver(Listener):
                     raise TransportError(f"{self.name}: the ready version was held for over {self.config.timeout}")
                 if self._ready is self._staging:
                     self._ready, self._ready_step = None, None
-            return self._staging
+            staging = self._staging
+        if self._on_receiving is not None:
+            self._on_receiving(begin.step)
+        return staging
 
     def _complete(self, begin: Begin, buffer: torch.Tensor, digests: list[int]) -> None:
         """The staging buffer holds version ``begin.step`` complete and verified: it

@@ -219,3 +219,53 @@ def test_one_receive_buffer_holds_one_version_and_waits_for_its_apply():
         Engine(1, store, buffers=3)
     engine.receiver.close()
     sync.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_consumed_version_gives_its_memory_back_as_it_is_copied_out():
+    """``hold(consume=True)`` (one buffer): each tensor's pages go back to the OS once the
+    loader is done with it, whatever it derived from the view; a view still referenced keeps
+    its bytes; the version is not ready after; the next version arrives whole."""
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(24)))  # ~100 MB
+    store = dist.HashStore()
+    engine = Engine(0, store, buffers=1)
+    sync = WeightSync(model, store=store, num_engines=1, config=CONFIG)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    try:
+        assert sync.push(1).engines_synced == [0] and engine.receiver.wait_ready(1, timedelta(seconds=30))
+        start = _rss()
+        kept, highest = {}, start
+        with engine.receiver.hold(consume=True) as got:
+            step, views = got
+            for name, view in views:
+                engine.weights[name] = view.t().clone()  # a derived view, copied out
+                if name == "5.weight":
+                    kept[name] = view[::2]  # still referenced when the hold ends
+                highest = max(highest, _rss())
+        assert step == 1 and engine.receiver.ready() is None  # its bytes are gone
+        assert engine.receiver.released_bytes > 0.9 * nbytes
+        # The copies took the weights' size; the buffer gave it back as they were made.
+        assert highest - start < 0.3 * nbytes and _rss() - start < 0.3 * nbytes, (highest - start, nbytes)
+        assert torch.equal(kept["5.weight"], model[5].weight.detach()[::2])  # referenced: intact
+        for name, p in model.named_parameters():
+            assert torch.equal(engine.weights[name].t(), p.detach()), name
+        with torch.no_grad():
+            for p in model.parameters():
+                p.neg_()
+        assert sync.push(2).engines_synced == [0] and engine.sync(2) == 2  # the pages fault back in
+        for name, p in model.named_parameters():
+            assert torch.equal(engine.weights[name], p.detach()), name
+    finally:
+        sync.close()
+        engine.receiver.close()
+    two = Engine(1, store, buffers=2)
+    try:
+        with pytest.raises(ValueError, match="consume needs a receiver with one buffer"):
+            with two.receiver.hold(consume=True):
+                pass
+    finally:
+        two.receiver.close()
