@@ -58,7 +58,10 @@ class ReceiverSpec:
     # weights would take memory vLLM budgeted for the KV cache.
     staged: bool | None = None
     leader: int = 0  # the trainer rank whose epoch the receiver accepts (WeightSync's leader)
-    buffers: int = 2  # receive buffers (the model's size each): 1 when each version is applied as it arrives
+    # Receive buffers (the model's size each). 1: staged, the received bytes go back to the OS as the
+    # version is prepared and the engine holds the live weights and one more copy; a version arriving
+    # while the last is prepared waits for it. 2: versions arrive while one is prepared or applied.
+    buffers: int = 1
 
     def __repr__(self) -> str:
         return f"ReceiverSpec(index={self.index}, store={self.store})"
