@@ -235,12 +235,11 @@ class ReplicaTrainerEngine(TrainerWeightTransferEngine[ReplicaTrainerInitInfo]):
                           num_engines=init_info.engines, config=config, rank=init_info.rank, leader=0,
                           epoch=init_info.epoch)
         if init_info.is_sender:
-            worker = dict(store=init_info.store, index_base=init_info.index_base, host=init_info.host,
-                          store_prefix=config.store_prefix, timeout_s=init_info.timeout_s, staged=init_info.staged,
-                          buffers=init_info.buffers)
-            if init_info.send_token:
-                worker["token_hex"] = config.token.hex()
-            client.init_weight_transfer_engine(worker)
+            spec = ReceiverSpec(index=init_info.index_base, store=init_info.store,
+                                token_hex=config.token.hex() if init_info.send_token else "", host=init_info.host,
+                                store_prefix=config.store_prefix, timeout_s=init_info.timeout_s,
+                                staged=init_info.staged, buffers=init_info.buffers)
+            client.init_weight_transfer_engine(spec.init_info())
         return cls(client=client, source=source, sync=sync, info=init_info)
 
     def send_weights(self, step: int | None = None) -> SyncStats:

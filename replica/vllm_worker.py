@@ -66,6 +66,16 @@ class ReceiverSpec:
     def __repr__(self) -> str:
         return f"ReceiverSpec(index={self.index}, store={self.store})"
 
+    def init_info(self) -> dict:
+        """``init_weight_transfer_engine``'s ``init_info`` for an engine whose first worker is
+        receiver ``index`` (``replica.vllm_transfer.ReplicaInitInfo``); the token goes in only
+        when this spec carries one."""
+        info = {"store": self.store, "index_base": self.index, "host": self.host, "store_prefix": self.store_prefix,
+                "timeout_s": self.timeout_s, "staged": self.staged, "leader": self.leader, "buffers": self.buffers}
+        if self.token_hex:
+            info["token_hex"] = self.token_hex
+        return info
+
 
 def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
     """Tensor names and shapes of a safetensors checkpoint folder, from the file headers only."""
@@ -433,10 +443,7 @@ class EngineWeights:
     def __init__(self, llm, spec: ReceiverSpec):
         self.llm = llm
         self.spec = spec
-        info = {"store": spec.store, "index_base": spec.index, "host": spec.host, "store_prefix": spec.store_prefix,
-                "timeout_s": spec.timeout_s, "staged": spec.staged, "leader": spec.leader, "buffers": spec.buffers,
-                "token_hex": spec.token_hex}
-        llm.init_weight_transfer_engine({"init_info": info})
+        llm.init_weight_transfer_engine({"init_info": spec.init_info()})
         self.registrations = llm.collective_rpc("replica_registration")
         if len(self.registrations) != 1:
             self.close()
