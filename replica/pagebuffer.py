@@ -25,6 +25,7 @@ import torch
 __all__ = ["PageBuffer"]
 
 _PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = 23  # linux/mman.h; not in Python's mmap module
 
 
 class PageBuffer:
@@ -41,6 +42,15 @@ class PageBuffer:
         self._starts: list[int] = []  # consumed spans since the last reset, merged, sorted
         self._ends: list[int] = []
         self.dropped_bytes = 0  # pages dropped since the last reset (what the resident memory fell by)
+
+    def populate(self) -> bool:
+        """Fault every page in now (``MADV_POPULATE_WRITE``, Linux 5.14+; contents kept), so
+        the next writer does not take a fault per page; False where the kernel cannot."""
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE, 0, self.nbytes)
+        except OSError:
+            return False
+        return True
 
     def consumable(self, spans: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int, torch.Tensor]]:
         """For each ``(lo, hi)`` of ``spans``, ``(lo, hi, view)``: a uint8 tensor over those

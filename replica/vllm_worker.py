@@ -392,6 +392,8 @@ class _Stager:
             if retired:
                 del retired  # what the last switch replaced, freed here rather than on the engine's thread
                 _return_freed_memory()
+                if self._consume:  # the receive buffer's memory back now, while the engine generates
+                    self._receiver.prefault()
             if not kicked:
                 continue
             try:

@@ -555,6 +555,13 @@ class WeightReceiver(Listener):
         with self._cond:
             return self._ready_step
 
+    def prefault(self) -> bool:
+        """With one buffer whose memory went back to the OS: take it again now, off the
+        receive's path (each page faulted in by the transfer costs it time). Contents kept;
+        False where the kernel cannot (the receive then faults the pages in)."""
+        page = self._page
+        return page is not None and page.populate()
+
     @property
     def released_bytes(self) -> int:
         """Of the version last held with ``consume``, the bytes whose memory went back to the OS."""
