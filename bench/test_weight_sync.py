@@ -41,7 +41,7 @@ def test_weight_sync(benchmark, tmp_path, size):
         _results[size] = result
 
 
-BACKEND_MODES = ["in_place", "staged"]
+BACKEND_MODES = ["in_place", "staged", "staged_2"]  # transfer_run._MODES
 BACKEND_SYNCS = 15
 _backend: dict[str, dict] = {}
 
@@ -93,6 +93,10 @@ def report():
         summary["vllm_backend"] = _backend
         # the engine's memory above its start, over the syncs, in multiples of the weights: the backend's default
         summary["engine_rss_x_weights"] = _backend["in_place"]["rss_peak_x_weights"]
+        # the mode meant to meet both targets: staged with one receive buffer
+        summary["engine_rss_x_weights_staged"] = _backend["staged"]["rss_peak_x_weights"]
+        summary["engine_stall_s_staged"] = _backend["staged"]["update_s"]
+        summary["targets"]["engine_stall_s_staged"] = 0.010
     lines = ["| model | bytes | sync = receive + prepare + switch | engine stalled | disk reload (engine stalled) |"
              " disk save + reload | gloo broadcast | memcpy | sync vs disk reload | stall vs disk reload |"
              " sync while the engine generates (batches meanwhile; one batch alone) |",
