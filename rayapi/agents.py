@@ -317,6 +317,9 @@ class RayAgents:
                 ray.kill(actor.handle, no_restart=True)  # the role dies with its actor
                 actor.killed = True
 
+    def unaware_of_end(self) -> set[str]:
+        return set()  # Ray's actors are this process's: nothing on the nodes waits for the store
+
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         now = time.monotonic()
         if now - self._nodes_read > _NODES_EVERY_S:

@@ -428,6 +428,11 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key(f"agent/{index}/beat", Number)
 
     @staticmethod
+    def agent_ended(index: int) -> Key[Flag]:
+        """Host agent ``index`` saw the job's end (the coordinator keeps the store up until then)."""
+        return Key(f"agent/{index}/ended", Flag)
+
+    @staticmethod
     def agent_exits(index: int) -> str:
         return f"agent/{index}/exits"  # a counter: the number of exits it reported
 

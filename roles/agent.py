@@ -26,7 +26,7 @@ import threading
 import time
 from datetime import timedelta
 
-from replica.jobstate import AgentInfo, AgentOrder, JobStore, Number, OrderKind, RoleExit, Stamp, keys
+from replica.jobstate import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, RoleExit, Stamp, keys
 from replica.roles import timing
 from replica.roles.env import HOST, ROLES, Action, Fault, Role, configure_logging, host_name, parse_faults
 from replica.roles.launch import LocalAgent
@@ -74,6 +74,7 @@ class HostAgent:
         self._faults = [f for f in faults if f.role == HOST and f.rank == index]  # not fired yet
         self._firing: list[Fault] = []  # their step came: for the main thread
         self._exits: list[tuple[int, int]] = []  # seen, not yet written (kept through store failures)
+        self._killing: set[int] = set()  # pids killed as ordered whose exit was not seen yet
         self._talked_at = time.monotonic()  # the talker's last round that got through
         self._talker = 0  # the current talker's number; older ones stop
         self._talkers: list[threading.Thread] = []  # joined at close(): none may be inside the store's C++ at exit
@@ -90,6 +91,7 @@ class HostAgent:
             exits = [(pid, code) for pid, code, _ in self.local.exits()]
             with self._lock:
                 self._exits.extend(exits)
+                self._killing -= {pid for pid, _ in exits}
                 orders, self._orders = self._orders, []
                 firing, self._firing = self._firing, []
             for order in orders:
@@ -115,6 +117,9 @@ class HostAgent:
             pid = self.local.start(Role(order.role), order.rank)
             logger.warning("[agent %d] started %s %d (pid %d) as ordered", self.index, order.role, order.rank, pid)
         elif order.kind == OrderKind.KILL and order.pid in self.local.procs:
+            if self.local.procs[order.pid][1].poll() is None:  # its exit is still to come
+                with self._lock:
+                    self._killing.add(order.pid)
             self.local.kill(order.pid)
             logger.warning("[agent %d] killed pid %d as ordered (it was declared dead)", self.index, order.pid)
 
@@ -198,7 +203,13 @@ class HostAgent:
                     store.put(keys.agent_beat(self.index), Number(value=beat))
                     beat_at = time.monotonic()
                 if store.has(keys.finished()):
-                    self.ended.set()
+                    # The end: once what the coordinator ordered is done and every exit it caused is
+                    # reported (a zombie of a partition, killed once back), the coordinator may stop.
+                    with self._lock:
+                        settled = not self._orders and not self._exits and not self._killing
+                    if settled:
+                        store.put(keys.agent_ended(self.index), Flag())
+                        self.ended.set()
                 self._talked_at = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the next round asks again, on a new connection
                 logger.info("[agent %d] the job store: %s", self.index, exc)

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import TypeVar
 
 from replica.jobstate import AgentInfo, AgentOrder, JobStore, OrderKind, keys
+from replica.roles import timing
 from replica.roles.env import Role
 
 __all__ = ["AGENT_SILENCE", "RemoteAgents", "replacement_site"]
@@ -108,6 +109,16 @@ class RemoteAgents:
 
     def running(self, pids: set[int]) -> bool:
         return False  # none of the job's processes runs on the coordinator's machine
+
+    def unaware_of_end(self) -> set[str]:
+        """Hosts whose agent has not written that it saw the end, among those heard from within
+        STORE_LOST (an agent silent longer has given the store up and stopped by itself)."""
+        self._watch_beats()
+        now, agents = time.monotonic(), self.agents()
+        ended = self._store.get_many([keys.agent_ended(index) for index in agents])
+        return {info.host for (index, info), flag in zip(agents.items(), ended)
+                if flag is None and index in self._beats
+                and now - self._beats[index][1] < timing.STORE_LOST.total_seconds()}
 
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         self._watch_beats()

@@ -278,8 +278,7 @@ class Coordinator:
                 decisions.append(self._fail(-1, f"process {pid} exited with code {code} before it joined the job"))
             return decisions
         if member.state == MemberState.DEAD:
-            self.late_exits.append({"member": member.id, "role": member.role, "rank": member.rank, "code": code,
-                                    "at": time.time()})
+            self._late_exit(member, code)
         if member.state != MemberState.ALIVE:
             return decisions
         if member.role == Role.TRAINER and self.store.has(keys.done(member.rank)):
@@ -291,6 +290,19 @@ class Coordinator:
             member.state = MemberState.DONE  # a rollout exits 0 when told to stop (finished, or retired)
             return decisions
         return decisions + self.declare_dead(member, f"exit code {code}")
+
+    def exited_after_end(self, pid: int, code: int, *, host: str | None = None) -> None:
+        """An exit reported after the job's end: a dead member's (a zombie killed once its host
+        was back) is recorded in ``late_exits``; nothing is decided any more."""
+        host = host or host_name()
+        member = next((m for m in self.members if m.pid == pid and m.host == host and m.state == MemberState.DEAD),
+                      None)
+        if member is not None:
+            self._late_exit(member, code)
+
+    def _late_exit(self, member: Member, code: int) -> None:
+        self.late_exits.append({"member": member.id, "role": member.role, "rank": member.rank, "code": code,
+                                "at": time.time()})
 
     def hosts_silent(self, hosts: set[str]) -> list[Decision]:
         """The agents of ``hosts`` have been silent past the trainer deadline (the host is

@@ -280,6 +280,9 @@ class LocalAgent:
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         return set()  # one machine: its processes' exits are seen at once
 
+    def unaware_of_end(self) -> set[str]:
+        return set()  # this agent is the coordinator's own process
+
     def running(self, pids: set[int]) -> bool:
         return any(self.procs[pid][1].poll() is None for pid in pids if pid in self.procs)
 

@@ -49,6 +49,9 @@ class Agent(Protocol):
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         """Hosts whose agent has not been heard from for longer than this (lost or cut off)."""
 
+    def unaware_of_end(self) -> set[str]:
+        """Hosts whose agent has not seen the job's end yet (none where the agent is this process)."""
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class JobSpec:
@@ -172,7 +175,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
         print(f"\nreplica: the job did not finish within {spec.timeout.total_seconds():g} s", flush=True)
     print(flush=True)
     coord.finish()
-    _linger(coord)
+    _linger(coord, agent)
     faults = [str(f) for f in spec.faults]
     for failover in coord.failovers:
         coord.observe(failover, faults)
@@ -187,19 +190,27 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     return status
 
 
-def _linger(coord: Coordinator) -> None:
-    """Keep the store up until the roles have seen the end and left (timing.FINISH_LINGER)."""
+def _linger(coord: Coordinator, agent: Agent | None) -> None:
+    """Keep the store up until the roles have seen the end and left, and every host agent has
+    seen it (one cut off when the job ended learns of it once back), timing.FINISH_LINGER at
+    most: a role or agent that found the store gone first would take the end for the
+    coordinator's death (exit code 76)."""
     until = time.monotonic() + timing.FINISH_LINGER.total_seconds()
+    waiting: set[str] = set()
     while time.monotonic() < until:
         try:
-            if not coord.still_here(timing.GONE_AFTER):
-                return
+            for pid, code, host in agent.exits() if agent is not None else ():
+                coord.exited_after_end(pid, code, host=host)
+            waiting = {str(m) for m in coord.still_here(timing.GONE_AFTER)}
+            waiting |= {f"the agent of {host}" for host in (agent.unaware_of_end() if agent is not None else ())}
         except Exception as exc:  # noqa: BLE001 - the job is over; only the wait is cut short
             logger.debug("looking for roles still running after the end: %s", exc)
             return
+        if not waiting:
+            return
         time.sleep(timing.SUPERVISE_POLL.total_seconds())
-    logger.warning("roles still beat %g s after the job's end; the coordinator stops all the same",
-                   timing.FINISH_LINGER.total_seconds())
+    logger.warning("%s did not see the job's end within %g s; the coordinator stops all the same",
+                   ", ".join(sorted(waiting)), timing.FINISH_LINGER.total_seconds())
 
 
 def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobSpec,
