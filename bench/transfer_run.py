@@ -118,7 +118,8 @@ def main(size: str, syncs: int, mode: str, out: Path) -> None:
         "size": size, "mode": mode, "bytes": nbytes, "syncs": syncs, "sync_s": med(sync_s),
         "prepare_s": med(prepare_s) if prepare_s else None, "update_s": med(update_s),
         "rss_peak_x_weights": peak / nbytes, "rss_end_x_weights": rss_after[-1] / nbytes,
-        "all": {"sync_s": sync_s, "prepare_s": prepare_s, "update_s": update_s, "rss_after_x_weights": [r / nbytes for r in rss_after]}},
+        "all": {"sync_s": sync_s, "prepare_s": prepare_s, "update_s": update_s,
+                "rss_after_x_weights": [r / nbytes for r in rss_after]}},
         indent=2))
 
 

@@ -25,8 +25,8 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn, Protocol

@@ -52,10 +52,10 @@ class PageBuffer:
             return False
         return True
 
-    def consumable(self, spans: Iterator[tuple[int, int]]) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """For each ``(lo, hi)`` of ``spans``, ``(lo, hi, view)``: a uint8 tensor over those
-        bytes whose pages (with those of spans gone before) are dropped once the view and
-        everything derived from it are gone. Starts a fresh account of what was consumed."""
+    def consumable(self, spans: Iterator[tuple[int, int]]) -> Iterator[torch.Tensor]:
+        """For each ``(lo, hi)`` of ``spans``, a uint8 tensor over those bytes whose pages
+        (with those of spans gone before) are dropped once the view and everything derived
+        from it are gone. Starts a fresh account of what was consumed."""
         with self._lock:
             self._starts, self._ends, self.dropped_bytes = [], [], 0
         for lo, hi in spans:
@@ -63,7 +63,7 @@ class PageBuffer:
                 raise ValueError(f"span {lo}:{hi} is outside the buffer of {self.nbytes} bytes")
             array = np.frombuffer(self._map, dtype=np.uint8, count=hi - lo, offset=lo)
             weakref.finalize(array, self._consumed, lo, hi)
-            yield lo, hi, torch.from_numpy(array)  # the tensor's storage holds the array
+            yield torch.from_numpy(array)  # the tensor's storage holds the array
 
     def _consumed(self, lo: int, hi: int) -> None:
         if lo == hi:

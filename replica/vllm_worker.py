@@ -21,6 +21,7 @@ vLLM's RPCs; the weights themselves arrive over ``replica.transport``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -253,16 +254,22 @@ def _return_freed_memory() -> None:
     """Give the memory freed by a replaced version back to the OS now (glibc
     ``malloc_trim``): its tensors were many allocations below glibc's mmap threshold,
     whose pages the allocator would otherwise keep. A no-op on other allocators."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, looked up once (``find_library`` runs ``ldconfig``); None elsewhere."""
     import ctypes
     import ctypes.util
 
     name = ctypes.util.find_library("c")
     try:
-        trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
     except OSError:
-        trim = None
-    if trim is not None:
-        trim(0)
+        return None
 
 
 #: How much a consuming stager loads between two ``malloc_trim`` calls (each costs a walk of the

@@ -146,7 +146,7 @@ def _consumable_views(page: PageBuffer, layout: StateLayout) -> Iterator[tuple[s
     """``_views`` whose pages go back to the OS once a loader is done with them (PageBuffer)."""
     entries = list(layout.entries)
     spans = page.consumable((e.offset, e.offset + e.nbytes) for e in entries)
-    for e, (_, _, view) in zip(entries, spans):
+    for e, view in zip(entries, spans):
         yield e.name, view.view(dtype_of(e.dtype)).view(e.shape)
 
 
