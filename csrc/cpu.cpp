@@ -124,6 +124,10 @@ void unpack_cpu(const at::Tensor& src, at::TensorList dsts, at::IntArrayRef offs
 inline uint64_t load_word(const uint8_t* bytes, int64_t nbytes, int64_t word) {
   uint64_t w = 0;
   const int64_t at = word * 8;
+  if (at + 8 <= nbytes) {
+    std::memcpy(&w, bytes + at, 8);
+    return w;
+  }
   std::memcpy(&w, bytes + at, static_cast<size_t>(std::min<int64_t>(8, nbytes - at)));
   return w;
 }
@@ -254,13 +258,23 @@ at::Tensor pack_checksum_cpu(
           prefetch_ahead(segments, s);
         }
         const int64_t whole_end = seg_lo + seg.nbytes / 8 * 8;
-        if (pos < whole_end) {
+        // The segment and the alignment gap after it, up to the next window
+        // boundary: one call when they lie whole in this block, not vectors,
+        // then words, then the gap word by word.
+        const int64_t window_end = seg_lo + (seg.nbytes + simd::kWindowBytes - 1) / simd::kWindowBytes *
+            simd::kWindowBytes;
+        const bool stream_segment = streaming && seg.nbytes >= kStreamSegmentBytes;
+        if (pos == seg_lo && !stream_segment && window_end <= block_end &&
+            window_end <= (s + 1 < segments.size() ? starts[s + 1] : nbytes)) {
+          acc += kernels.copy_segment_and_hash(base + pos, seg.src, seg.nbytes, word_offset + pos / 8);
+          pos = window_end;
+        } else if (pos < whole_end) {
           const int64_t hi = std::min(whole_end, block_end);
           // Streamed only when large: the segment's last word and the gap after
           // it are read back from out, and a load from a line with streamed
           // stores still in flight waits for them to reach memory.
           acc += kernels.copy_and_hash(base + pos, seg.src + (pos - seg_lo), (hi - pos) / 8, word_offset + pos / 8,
-                                       streaming && seg.nbytes >= kStreamSegmentBytes);
+                                       stream_segment);
           pos = hi;
         } else {  // the segment's last, partial word
           std::memcpy(base + pos, seg.src + (pos - seg_lo), seg_hi - pos);

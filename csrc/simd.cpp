@@ -57,8 +57,9 @@ inline __m256i mul_const(__m256i x, uint64_t c) {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512dq")
+#pragma GCC target("avx512f,avx512dq,avx512bw")
 namespace avx512 {
+#define REPLICA_MASKED_WINDOW 1
 #define REPLICA_LANES 8
 #define REPLICA_UNROLL 2
 #define REPLICA_STREAM(p, v) _mm512_stream_si512(reinterpret_cast<__m512i*>(p), (__m512i)(v))
@@ -66,20 +67,22 @@ namespace avx512 {
 #undef REPLICA_STREAM
 #undef REPLICA_UNROLL
 #undef REPLICA_LANES
+#undef REPLICA_MASKED_WINDOW
 }  // namespace avx512
 #pragma GCC pop_options
 
 namespace {
 const Kernels kBuilds[] = {
-    {"avx512", &avx512::hash_words, &avx512::copy_and_hash},
-    {"avx2", &avx2::hash_words, &avx2::copy_and_hash},
-    {"portable", &portable::hash_words, &portable::copy_and_hash},
+    {"avx512", &avx512::hash_words, &avx512::copy_and_hash, &avx512::copy_segment_and_hash},
+    {"avx2", &avx2::hash_words, &avx2::copy_and_hash, &avx2::copy_segment_and_hash},
+    {"portable", &portable::hash_words, &portable::copy_and_hash, &portable::copy_segment_and_hash},
 };
 
 bool runs_here(const Kernels& k) {
   __builtin_cpu_init();
   if (std::strcmp(k.name, "avx512") == 0) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512bw");
   }
   if (std::strcmp(k.name, "avx2") == 0) {
     return __builtin_cpu_supports("avx2");
@@ -101,7 +104,7 @@ namespace portable {
 }  // namespace portable
 
 namespace {
-const Kernels kBuilds[] = {{"portable", &portable::hash_words, &portable::copy_and_hash}};
+const Kernels kBuilds[] = {{"portable", &portable::hash_words, &portable::copy_and_hash, &portable::copy_segment_and_hash}};
 
 bool runs_here(const Kernels&) {
   return true;

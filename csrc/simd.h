@@ -11,6 +11,10 @@
 namespace replica {
 namespace simd {
 
+// copy_segment_and_hash hashes whole windows of this many bytes: the alignment
+// of a packed buffer's segments (kSegmentAlignment in replica.h).
+constexpr int64_t kWindowBytes = 64;
+
 struct Kernels {
   const char* name;
   // Sum of checksum::word_term over `nwords` whole words at `bytes`, the first
@@ -18,6 +22,9 @@ struct Kernels {
   uint64_t (*hash_words)(const uint8_t* bytes, int64_t nwords, uint64_t index);
   // The same sum, while copying the words to `dst` (streamed when asked).
   uint64_t (*copy_and_hash)(uint8_t* dst, const uint8_t* bytes, int64_t nwords, uint64_t index, bool streaming);
+  // Copies nbytes (> 0) from `src` to `dst`, and returns the sum over dst's
+  // bytes up to nbytes rounded up to kWindowBytes, the first with index `index`.
+  uint64_t (*copy_segment_and_hash)(uint8_t* dst, const uint8_t* src, int64_t nbytes, uint64_t index);
 };
 
 // The kernels in use.

@@ -2,6 +2,8 @@
 build of the checksum loops (AVX-512, AVX2, portable: whichever this CPU runs),
 each against the pure-torch references in replica.ops, and by opcheck."""
 
+import ctypes
+import mmap
 import random
 from pathlib import Path
 
@@ -29,7 +31,7 @@ def test_the_best_build_this_cpu_runs_is_in_use():
         flags = set()
     if "avx2" in flags:
         assert "avx2" in BUILDS
-    if {"avx512f", "avx512dq"} <= flags:
+    if {"avx512f", "avx512dq", "avx512bw"} <= flags:
         assert BUILDS[0] == "avx512"
 
 
@@ -116,8 +118,46 @@ def test_pack_checksum_matches_pack_then_checksum(device, seed, block, build):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_pack_checksum_10_000_small_tensors(device):
+def test_pack_checksum_10_000_small_tensors(device, build):
     _case(random_mix(10_000, 1024, 7, device), 0x5A, 64 * 1024, word_offset=17)
+
+
+@pytest.mark.parametrize("block", [8, 64, 72, 200, 4096])
+def test_pack_checksum_small_segments_spaced_apart(build, block):
+    """Segments of 1 to 200 bytes at offsets with gaps of 0 to 3 alignment units
+    between them: a segment's last window and its gap are hashed in one step
+    only when both lie in one block, and word by word when a block ends inside."""
+    rng = random.Random(block)
+    tensors = [torch.randint(0, 256, (rng.randint(1, 200),), dtype=torch.uint8) for _ in range(300)]
+    offsets, at = [], 64 * rng.randint(0, 2)
+    for t in tensors:
+        offsets.append(at)
+        at += (t.numel() + 63) // 64 * 64 + 64 * rng.randint(0, 3)
+    out = torch.full((at + rng.randint(0, 100),), 0x77, dtype=torch.uint8)
+    expected = out.clone()
+    want = ops.reference_pack_checksum(tensors, expected, offsets, block, 3)
+    assert torch.equal(ops.pack_checksum(tensors, out, offsets, block, 3), want)
+    assert torch.equal(out, expected)
+
+
+def test_pack_checksum_reads_no_source_byte_past_its_end(build):
+    """A source ending right before a page that cannot be read: the last partial
+    window is copied with a masked load (AVX-512) or a short memcpy, never a whole
+    vector's read."""
+    page = mmap.PAGESIZE
+    region = mmap.mmap(-1, 2 * page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    libc = ctypes.CDLL(None, use_errno=True)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    assert libc.mprotect(ctypes.c_void_p(addr + page), page, 0) == 0, ctypes.get_errno()
+    try:
+        whole = torch.frombuffer(region, dtype=torch.uint8, count=page)
+        whole.copy_(torch.randint(0, 256, (page,), dtype=torch.uint8))
+        for n in (1, 7, 63, 65, 100, 4000):
+            tensors = [whole[page - n :], torch.arange(5, dtype=torch.uint8)]
+            _case(tensors, 0x99, 128)
+        del whole, tensors
+    finally:
+        libc.mprotect(ctypes.c_void_p(addr + page), page, mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 @pytest.mark.parametrize("device", DEVICES)
