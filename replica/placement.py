@@ -27,7 +27,7 @@ import torch
 from replica import ops
 from replica.errors import ReplicaError
 
-__all__ = ["pack_state", "state_device", "unpack_state"]
+__all__ = ["on_device", "pack_state", "state_device", "unpack_state"]
 
 
 def state_device(tensors: Sequence[torch.Tensor]) -> torch.device:
@@ -38,6 +38,12 @@ def state_device(tensors: Sequence[torch.Tensor]) -> torch.device:
         raise ReplicaError(f"state tensors live on several accelerators {[str(d) for d in accelerators]}; "
                            "a snapshot is packed on one")
     return accelerators[0] if accelerators else torch.device("cpu")
+
+
+def on_device(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
+    """Whether every one of ``tensors`` lives on ``device`` (then ``pack_state`` and
+    ``unpack_state`` need no staging)."""
+    return all(t.device == device for t in tensors)
 
 
 def _bytes_of(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -67,13 +73,16 @@ def _synchronize(tensors: Sequence[torch.Tensor]) -> None:
 
 
 def pack_state(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, offsets: Sequence[int], *,
-               block_bytes: int | None = None) -> torch.Tensor | None:
+               block_bytes: int | None = None, same_device: bool = False) -> torch.Tensor | None:
     """``ops.pack(tensors, buffer, offsets)`` for tensors on the buffer's device and the host.
 
     With ``block_bytes``, returns ``ops.checksum(buffer, block_bytes)`` of the result,
     taken in the same pass as the copy where it can be (``ops.pack_checksum``). A
     CUDA buffer (and its digests) is complete once the current stream reaches this
     point (as with ``ops.pack``); a host buffer is complete on return.
+    ``same_device``: the caller knows every tensor is on the buffer's device
+    (``on_device``), so they go to the kernel without a look at each; one that is
+    not raises RuntimeError before any byte is written.
     """
     def final_pack(srcs: list[torch.Tensor], offs: list[int]) -> torch.Tensor | None:
         if block_bytes is None:
@@ -81,6 +90,8 @@ def pack_state(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, offsets: S
             return None
         return ops.pack_checksum(srcs, buffer, offs, block_bytes)
 
+    if same_device:
+        return final_pack(tensors, offsets)
     local_t, local_o, foreign_t, foreign_o = _split(tensors, offsets, buffer.device)
     if not foreign_t:
         return final_pack(local_t, local_o)

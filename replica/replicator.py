@@ -224,8 +224,10 @@ class Replicator:
         if snapshot.step is None:
             raise ReplicaError("adopt() of a snapshot that holds no step")
         self._check_at_rest(snapshot)
+        snapshot.written_elsewhere()  # received: the next capture into it must not trust its extras region
         if spare is not None:
             spare.step, spare.digests = None, None
+            spare.written_elsewhere()
         self._build([snapshot] if spare is None else [snapshot, spare])
         self._next = 1
         self._last_step = snapshot.step

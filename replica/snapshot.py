@@ -17,7 +17,7 @@ import torch
 from replica import ops
 from replica.errors import LayoutMismatchError, ReplicaError, SnapshotCorruptedError
 from replica.layout import StateLayout, dtype_name, dtype_of
-from replica.placement import pack_state, unpack_state
+from replica.placement import on_device, pack_state, unpack_state
 
 __all__ = ["Snapshot", "Stateful", "apply_extras", "bucket_digests", "collect_extras"]
 
@@ -88,6 +88,13 @@ class Snapshot:
         self.digests: list[int] | None = None
         self._expected: list[tuple[torch.Size, torch.dtype]] | None = None  # per entry, for _check
         self._host: np.ndarray | None = None  # a numpy view of a host buffer, made at the first capture
+        # Where the extras region holds zeros only, from there to its end, as the
+        # last capture left it; None once anything else may have written the
+        # buffer (a receive, a repair): the next capture zeroes the whole region.
+        self._zeros_from: int | None = None
+        # Whether every state tensor lives on the buffer's device, as the first
+        # capture found them (then one kernel call packs them all).
+        self._same_device: bool | None = None
 
     def compute_digests(self) -> list[int]:
         """The digests of every bucket as the buffer is now (to record, not to check)."""
@@ -116,37 +123,66 @@ class Snapshot:
     def capture(self, tensors: Sequence[torch.Tensor], extras: bytes, *, step: int, digests: bool = False) -> None:
         """Pack ``tensors`` and ``extras`` as the state of ``step``. With ``digests``,
         ``self.digests`` are those of the new content, taken while it is packed (a
-        CUDA buffer's are read back, so this waits for its stream)."""
-        self._check(tensors)
+        CUDA buffer's are read back, so this waits for its stream). On an error the
+        snapshot holds no step.
+
+        Right after a training step the tensors' Python and C++ objects are out of
+        the cache: every pass over them costs a memory round trip per object, more
+        than the bytes' copy. So the pack goes first (it validates before it writes),
+        straight to the kernel when every tensor lives on the buffer's device, and
+        the layout check follows over objects the pack has just brought in.
+        """
         room = self.layout.extras_capacity - _LENGTH.size
         if len(extras) > room:
             raise ReplicaError(f"the extras need {len(extras)} bytes, the layout reserves {room}; "
                                "build the layout with a larger extras_capacity")
-        self.digests = None  # of the previous content
+        self.digests, self.step = None, None  # of the previous content
         # The extras first: the pack hashes the whole buffer, the extras region included.
         self._write_extras(extras)
-        taken = pack_state(tensors, self.buffer, self.layout.offsets,
-                           block_bytes=self.layout.bucket_bytes if digests else None)
+        block_bytes = self.layout.bucket_bytes if digests else None
+        self._check_count(tensors)
+        if self._same_device is None:
+            self._same_device = on_device(tensors, self.buffer.device)
+        try:
+            taken = pack_state(tensors, self.buffer, self.layout.offsets, block_bytes=block_bytes,
+                               same_device=self._same_device)
+        except RuntimeError:
+            self._check(tensors)  # a tensor unlike the layout's entry: name it
+            if not self._same_device or on_device(tensors, self.buffer.device):
+                raise
+            self._same_device = False  # a tensor moved: stage it from now on
+            taken = pack_state(tensors, self.buffer, self.layout.offsets, block_bytes=block_bytes)
+        self._check(tensors)
         if taken is not None:
             self.digests = [int(d) for d in taken.tolist()]
         self.step = step
 
+    def written_elsewhere(self) -> None:
+        """Note that something other than ``capture`` wrote the buffer (a receive, a
+        repair): the next capture zeroes all of the extras region past its blob, not
+        only what the last capture's blob left behind."""
+        self._zeros_from = None
+
     def _write_extras(self, extras: bytes) -> None:
         """The extras region: the blob's length, the blob, then zeros. No bytes of a
         longer previous blob stay behind: the bytes are a function of the state alone,
-        so an export (which keeps only the blob) loads back to the same digests."""
+        so an export (which keeps only the blob) loads back to the same digests. Only
+        what the last capture's blob covered is zeroed again (the region is 1 MiB by
+        default, and zeroing it all each step cost a third of the pack)."""
         at, end = self.layout.extras_offset, self.layout.extras_offset + self.layout.extras_capacity
         n = at + _LENGTH.size + len(extras)
+        dirty_to = end if self._zeros_from is None else max(self._zeros_from, n)
         if self.buffer.device.type == "cpu":  # through numpy: a few microseconds, not torch's tens
             if self._host is None:
                 self._host = self.buffer.numpy()
-            self._host[at:at + _LENGTH.size] = np.frombuffer(_LENGTH.pack(len(extras)), dtype=np.uint8)
-            self._host[at + _LENGTH.size:n] = np.frombuffer(extras, dtype=np.uint8)
-            self._host[n:end] = 0
-            return
-        blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
-        self.buffer[at:n].copy_(blob)
-        self.buffer[n:end].zero_()
+            self._host[at:n] = np.frombuffer(_LENGTH.pack(len(extras)) + extras, dtype=np.uint8)
+            if dirty_to > n:
+                self._host[n:dirty_to] = 0
+        else:
+            blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
+            self.buffer[at:n].copy_(blob)
+            self.buffer[n:dirty_to].zero_()
+        self._zeros_from = n
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> bytes:
         """Write the captured state into ``tensors`` in place; returns the extras."""
@@ -164,10 +200,13 @@ class Snapshot:
             raise ReplicaError("the snapshot's extras region is corrupt")
         return bytes(self.buffer[at + _LENGTH.size:at + _LENGTH.size + n].cpu().numpy())
 
+    def _check_count(self, tensors: Sequence[torch.Tensor]) -> None:
+        if len(tensors) != len(self.layout.entries):
+            raise LayoutMismatchError(f"{len(tensors)} state tensors, the layout has {len(self.layout.entries)}")
+
     def _check(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._check_count(tensors)
         entries = self.layout.entries
-        if len(tensors) != len(entries):
-            raise LayoutMismatchError(f"{len(tensors)} state tensors, the layout has {len(entries)}")
         if self._expected is None:  # every step checks every tensor: compare torch's own objects
             self._expected = [(torch.Size(e.shape), dtype_of(e.dtype)) for e in entries]
         for t, (shape, dtype), e in zip(tensors, self._expected, entries):

@@ -68,3 +68,35 @@ def test_capture_checks_shapes_and_room():
         snap.capture(tensors[:-1], b"", step=1)
     snap.capture(tensors, b"xyz", step=1)
     assert snap.extras() == b"xyz"
+    # A shape that differs with the same bytes passes the pack; the check after it
+    # still refuses, and the snapshot then holds no step.
+    first = tensors[0]
+    with pytest.raises(LayoutMismatchError, match="model.0.weight"):
+        snap.capture([first.view(-1)] + tensors[1:], b"", step=2)
+    assert snap.step is None and snap.digests is None
+
+
+def test_extras_region_is_a_function_of_the_state_alone():
+    """Only what the last capture's blob covered is zeroed again; a longer blob
+    then a shorter one leaves the bytes a fresh buffer would hold, and a buffer
+    written by something else (a receive) is zeroed whole at the next capture."""
+    model, opt, sched = setup()
+    train_step(model, opt, sched)
+    tensors = [t for _, t in state_tensors(model, opt)]
+    layout = StateLayout.build(list(state_tensors(model, opt)), world_size=1, rank=0, extras_capacity=4096,
+                               bucket_bytes=1024)
+    at, end = layout.extras_offset, layout.extras_offset + layout.extras_capacity
+
+    def captured(snap: Snapshot, extras: bytes) -> torch.Tensor:
+        snap.capture(tensors, extras, step=1, digests=True)
+        assert snap.digests == snap.compute_digests()
+        return snap.buffer.clone()
+
+    fresh = captured(Snapshot(layout), b"\x07" * 10)
+    reused = Snapshot(layout)
+    for blob in (b"\xff" * 3000, b"\x01" * 50, b"\x07" * 10):
+        last = captured(reused, blob)
+    assert torch.equal(last, fresh)
+    reused.buffer[at:end].fill_(0xEE)  # as a receive of another rank's bytes would
+    reused.written_elsewhere()
+    assert torch.equal(captured(reused, b"\x07" * 10), fresh)
