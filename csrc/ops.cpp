@@ -13,6 +13,7 @@
 
 #include "simd.h"
 
+#include <algorithm>
 #include <vector>
 
 TORCH_LIBRARY(replica, m) {
@@ -155,6 +156,44 @@ at::Tensor checksum(const at::Tensor& buf, int64_t block_bytes, int64_t word_off
   return op.call(buf, block_bytes, word_offset);
 }
 
+// The shapes and dtypes a list of tensors must have, checked in one C++ pass:
+// a snapshot checks every state tensor at every step, right after its pack has
+// brought their TensorImpls into the cache, where Python's t.shape and t.dtype
+// (a torch.Size built per tensor) cost ~0.5 us each.
+class ShapeCheck {
+ public:
+  explicit ShapeCheck(py::handle like) {
+    const py::tuple items = as_tuple(like);
+    const BorrowedTensors tensors(items, "like");
+    for (const at::Tensor& t : tensors.list()) {
+      sizes_.emplace_back(t.sizes().vec());
+      dtypes_.push_back(t.scalar_type());
+    }
+  }
+
+  // The index of the first of `tensors` whose shape or dtype differs, the
+  // count if there are fewer or more of them, or -1 when all match.
+  int64_t first_mismatch(py::handle tensors) const {
+    const py::tuple items = as_tuple(tensors);
+    const auto n = static_cast<size_t>(PyTuple_GET_SIZE(items.ptr()));
+    for (size_t i = 0; i < std::min(n, sizes_.size()); ++i) {
+      PyObject* item = PyTuple_GET_ITEM(items.ptr(), i);
+      if (!THPVariable_Check(item)) {
+        return static_cast<int64_t>(i);
+      }
+      const at::Tensor& t = THPVariable_Unpack(item);
+      if (t.scalar_type() != dtypes_[i] || t.sizes() != c10::IntArrayRef(sizes_[i])) {
+        return static_cast<int64_t>(i);
+      }
+    }
+    return n == sizes_.size() ? -1 : static_cast<int64_t>(std::min(n, sizes_.size()));
+  }
+
+ private:
+  std::vector<std::vector<int64_t>> sizes_;
+  std::vector<at::ScalarType> dtypes_;
+};
+
 }  // namespace
 
 namespace replica {
@@ -172,5 +211,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("simd_build", [] { return std::string(replica::simd::active().name); }, "the CPU checksum build in use");
   m.def("select_simd_build", &replica::simd::select, py::arg("name"),
         "use another CPU checksum build (tests, benchmarks); returns the previous one's name");
+  py::class_<ShapeCheck>(m, "ShapeCheck", "the shapes and dtypes of `like`, to check other tensors against")
+      .def(py::init<py::handle>(), py::arg("like"))
+      .def("first_mismatch", &ShapeCheck::first_mismatch, py::arg("tensors"),
+           "index of the first tensor unlike its counterpart (or the shorter count), -1 if none");
   replica::bind_heartbeat(m);
 }

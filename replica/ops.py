@@ -39,6 +39,7 @@ from replica import _C  # importing it registers torch.ops.replica.*
 
 __all__ = [
     "ALIGNMENT",
+    "ShapeCheck",
     "aligned_offsets",
     "checksum",
     "combine_digests",
@@ -56,6 +57,12 @@ __all__ = [
 
 #: Every segment of a packed buffer starts at a multiple of this many bytes.
 ALIGNMENT = 64
+
+#: ``ShapeCheck(like)``: the shapes and dtypes of the tensors ``like`` (meta tensors
+#: will do); ``.first_mismatch(tensors)`` is the index of the first of ``tensors``
+#: unlike its counterpart (or the shorter list's length), -1 when all match. One C++
+#: pass: per tensor, a fraction of Python's ``t.shape``.
+ShapeCheck = _C.ShapeCheck
 
 
 def aligned_offsets(

@@ -86,7 +86,7 @@ class Snapshot:
         self.buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
         self.step: int | None = None
         self.digests: list[int] | None = None
-        self._expected: list[tuple[torch.Size, torch.dtype]] | None = None  # per entry, for _check
+        self._expected: ops.ShapeCheck | None = None  # the entries' shapes and dtypes, for _check
         self._host: np.ndarray | None = None  # a numpy view of a host buffer, made at the first capture
         # Where the extras region holds zeros only, from there to its end, as the
         # last capture left it; None once anything else may have written the
@@ -207,10 +207,12 @@ class Snapshot:
     def _check(self, tensors: Sequence[torch.Tensor]) -> None:
         self._check_count(tensors)
         entries = self.layout.entries
-        if self._expected is None:  # every step checks every tensor: compare torch's own objects
-            self._expected = [(torch.Size(e.shape), dtype_of(e.dtype)) for e in entries]
-        for t, (shape, dtype), e in zip(tensors, self._expected, entries):
-            if t.shape != shape or t.dtype != dtype:
-                raise LayoutMismatchError(
-                    f"{e.name}: {dtype_name(t.dtype)} {tuple(t.shape)} here, the layout has {e.dtype} {e.shape}")
+        if self._expected is None:  # every step checks every tensor: in C++, against meta tensors
+            self._expected = ops.ShapeCheck([torch.empty(e.shape, dtype=dtype_of(e.dtype), device="meta")
+                                             for e in entries])
+        bad = self._expected.first_mismatch(tensors)
+        if bad >= 0:
+            t, e = tensors[bad], entries[bad]
+            raise LayoutMismatchError(
+                f"{e.name}: {dtype_name(t.dtype)} {tuple(t.shape)} here, the layout has {e.dtype} {e.shape}")
 

@@ -519,3 +519,18 @@ def test_restore_into_parameters_under_no_grad():
     with torch.no_grad():
         ops.unpack(buf, [param], offsets)
     assert torch.equal(param.detach(), torch.arange(4.0)) and param.requires_grad
+
+
+def test_shape_check_finds_the_first_tensor_unlike_its_counterpart():
+    like = [torch.empty(3, 4, device="meta"), torch.empty(5, dtype=torch.bfloat16, device="meta"),
+            torch.empty((), dtype=torch.int64, device="meta")]
+    check = ops.ShapeCheck(like)
+    same = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.bfloat16), torch.tensor(7)]
+    assert check.first_mismatch(same) == -1
+    assert check.first_mismatch(tuple(same)) == -1
+    assert check.first_mismatch([same[0].view(12)] + same[1:]) == 0  # same bytes, other shape
+    assert check.first_mismatch([same[0], same[1].half(), same[2]]) == 1  # same bytes, other dtype
+    assert check.first_mismatch(same[:2]) == 2  # fewer
+    assert check.first_mismatch(same + [torch.zeros(1)]) == 3  # more
+    assert check.first_mismatch([same[0], "x", same[2]]) == 1
+    assert ops.ShapeCheck([]).first_mismatch([]) == -1
