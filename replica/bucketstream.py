@@ -47,6 +47,7 @@ from replica.protocol import (
     Status,
     as_tensor,
     check_epoch,
+    post_buckets,
     receive_buckets,
     recv_epoch,
     recv_layout,
@@ -237,10 +238,10 @@ _MAX_IDLE_POLL_S = 0.5e-3
 
 
 def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callable[[], str | None],
-               within: timedelta | None, timeout: timedelta) -> Transfer:
+               within: timedelta | None, timeout: timedelta, idle: Callable[[], None] | None = None) -> Transfer:
     """The first of ``transfers`` to finish. ``gone()`` names a reason to stop waiting
     (the listener closed, a newer sender took over) or None; ``within`` bounds the wait
-    (None: the next message comes when it comes)."""
+    (None: the next message comes when it comes); ``idle()`` runs between looks."""
     deadline = None if within is None else time.monotonic() + within.total_seconds()
     delay = 50e-6
     while True:
@@ -253,6 +254,8 @@ def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callabl
             raise PeerDisconnectedError(reason, graceful=True)
         if deadline is not None and time.monotonic() > deadline:
             raise TransferTimeoutError(f"{conn.peer} sent nothing after connecting")
+        if idle is not None:
+            idle()
         time.sleep(delay)
         delay = min(delay * 2, _MAX_IDLE_POLL_S)
 
@@ -282,7 +285,8 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
                      closed: threading.Event, sender: Callable[[], Connection | None], lock: threading.Lock,
                      stage: Callable[[Begin], torch.Tensor],
                      complete: Callable[[Begin, torch.Tensor, list[int]], None],
-                     acknowledged: Callable[[Begin], None] | None = None, fence_late: bool = False) -> NoReturn:
+                     acknowledged: Callable[[Begin], None] | None = None, fence_late: bool = False,
+                     prestage: Callable[[], torch.Tensor | None] | None = None) -> NoReturn:
     """Receive versions from the sender at ``conn`` until it leaves, ``closed`` is
     set or ``sender()`` is another connection. Per version: its ``BEGIN`` (bucket
     count and epoch checked; a superseded epoch is refused), then under ``lock``
@@ -291,7 +295,16 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
     what need not hold the sender back (the mirror's store acknowledgement, which
     the sender's next commit waits for anyway) goes there. ``fence_late``: check the
     epoch while the buckets arrive, not before (its store read leaves the stream's
-    path), for a receiver whose ``stage`` loses nothing it needs to a refused version."""
+    path), for a receiver whose ``stage`` loses nothing it needs to a refused version.
+
+    ``prestage()`` (``fence_late`` only): a buffer the next version may land in
+    before its ``BEGIN`` is seen, or None while there is none yet; it is asked
+    again between looks for ``BEGIN``. Once it gives one, every bucket's receive is
+    posted at once (under ``lock``, held until the version is done), so the bytes
+    flow as soon as they are sent instead of after this thread wakes to ``BEGIN``,
+    and ``stage`` is not asked."""
+    if prestage is not None and not fence_late:
+        raise ValueError("prestage needs fence_late: a refusal must not leave receives posted")
 
     def gone() -> str | None:
         if closed.is_set():
@@ -300,19 +313,42 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
 
     while True:
         buf = torch.zeros(Begin.size(), dtype=torch.uint8)
-        wait_first(conn, [conn.irecv(buf, tag=BEGIN)], gone=gone, within=None, timeout=timeout)
-        begin = Begin.decode(buf.numpy().tobytes())
-        if begin.num_buckets != len(ranges):
-            raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has "
-                                 f"{len(ranges)}")
-        # The coordinator may have moved on since the connection began.
-        def fence(current: Epoch | None) -> None:
-            _fence(conn, begin.epoch, begin.step, current, who=who, timeout=timeout, counts=counts)
+        begin_recv = conn.irecv(buf, tag=BEGIN)
+        early: tuple[torch.Tensor, list[tuple[int, Transfer]]] | None = None
+        locked = False
 
-        if not fence_late:
-            fence(current_epoch())
-        with lock:
-            buffer = stage(begin)
+        def post_early() -> None:
+            nonlocal early, locked
+            if prestage is None or early is not None or not lock.acquire(blocking=False):
+                return
+            try:
+                buffer = prestage()
+                if buffer is not None:
+                    early = buffer, post_buckets(conn, buffer, ranges, range(len(ranges)))
+            finally:
+                locked = early is not None
+                if not locked:
+                    lock.release()
+
+        try:
+            post_early()
+            wait_first(conn, [begin_recv], gone=gone, within=None, timeout=timeout, idle=post_early)
+            begin = Begin.decode(buf.numpy().tobytes())
+            if begin.num_buckets != len(ranges):
+                raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has "
+                                     f"{len(ranges)}")
+            # The coordinator may have moved on since the connection began.
+            def fence(current: Epoch | None) -> None:
+                _fence(conn, begin.epoch, begin.step, current, who=who, timeout=timeout, counts=counts)
+
+            if not fence_late:
+                fence(current_epoch())
+            if not locked:
+                lock.acquire()
+                locked = True
+            buffer, first = early if early is not None else (stage(begin), None)
+            if early is not None:
+                counts.prestaged += 1
             # fence_late: the epoch is read while the buckets arrive, and the refusal waits
             # for them (receives left posted would write into the next sender's staging).
             read: Future[Epoch | None] = Future()
@@ -325,10 +361,13 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
 
             digests = receive_buckets(conn, buffer, ranges, step=begin.step, fingerprint=fingerprint,
                                       timeout=timeout, who=who, counts=counts,
-                                      posted=read_epoch if fence_late else None)
+                                      posted=read_epoch if fence_late else None, first=first)
             if fence_late:
                 fence(read.result())
             complete(begin, buffer, digests)
             send_reply(conn, Reply(step=begin.step, status=Status.ACKED), timeout)
             if acknowledged is not None:
                 acknowledged(begin)
+        finally:
+            if locked:
+                lock.release()

@@ -66,6 +66,11 @@ __all__ = ["Mirror", "MirrorStats", "fetch_mirror"]
 
 logger = logging.getLogger(__name__)
 
+# The first and the longest pause between two reads of the global commit by a standby
+# that waits to learn its newest version is committed, so it can post the next one's
+# receives early (Mirror._prestage); the pause doubles from the first.
+_COMMIT_READ_PAUSES = (1e-3, 0.1)
+
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,6 +80,7 @@ class MirrorStats:
     sessions: int = 0
     bytes_received: int = 0
     fenced: int = 0  # trainer sessions and steps refused for their epoch
+    prestaged: int = 0  # versions whose receives were posted before their BEGIN arrived
     scrub_passes: int = 0  # complete re-checks of the committed version
     scrub_failures: int = 0  # passes that found it changed in memory
     repaired_buckets: int = 0  # buckets the trainer sent again that verified
@@ -118,6 +124,9 @@ class Mirror(Listener):
         self._damaged: dict[Snapshot, tuple[int, ...]] = {}  # versions refused until repaired: their bad buckets
         self._scrubber: threading.Thread | None = None
         self._handed_over = False  # the versions belong to the rank's new trainer (hand_over)
+        # _prestage's reads of the global commit: the next one's time, and the pause after it.
+        self._next_commit_read = 0.0
+        self._commit_pause = _COMMIT_READ_PAUSES[0] / 2
         if model is not None:  # before anyone can find this mirror: no trainer gets in unchecked
             self.expect(model, optimizer)
         self._registration = self.record.publish_standby(rank, self.backend, self.address)
@@ -332,7 +341,7 @@ class Mirror(Listener):
                          who=self.name, counts=self.stats, current_epoch=current_epoch,
                          closed=self._closed, sender=lambda: self._trainer, lock=self._receiving,
                          stage=lambda begin: self._stage().buffer, complete=self._complete,
-                         acknowledged=self._acknowledge, fence_late=True)
+                         acknowledged=self._acknowledge, fence_late=True, prestage=self._prestage)
 
     def _serve_fetch(self, conn: Connection, step: int) -> None:
         """Send a complete version to a process that restores from it (a replacement trainer)."""
@@ -403,6 +412,46 @@ class Mirror(Listener):
             slot.step = None  # incomplete from here on; restore never picks it
             return slot
 
+    def _prestage(self) -> torch.Tensor | None:
+        """The slot the next version may land in before its BEGIN arrives, or None
+        while it is not known to be free: a slot holding nothing, or the older version
+        once the global commit covers the newer (commits only move forward, so
+        nothing needs the older one again; it is released here). The commit is read
+        from the store at most every ``_COMMIT_READ_PAUSES`` step, from the newest
+        version's arrival on: the trainer sends the next version only once that
+        commit exists, so the reads stop after a few."""
+        def free_slot() -> Snapshot | None:  # under _cond
+            if self._handed_over:
+                return None
+            held = [s for s in self._slots if s.step is not None]
+            if len(held) < 2:
+                return next(s for s in self._slots if s.step is None)
+            newest = max(held, key=lambda s: s.step)
+            seen = self.record.last_seen()
+            if seen is None or newest.step > seen:
+                return None
+            return self._slots[1] if newest is self._slots[0] else self._slots[0]
+
+        with self._cond:
+            slot = free_slot()
+            if slot is None:
+                if self._handed_over or time.monotonic() < self._next_commit_read:
+                    return None
+                self._commit_pause = min(self._commit_pause * 2, _COMMIT_READ_PAUSES[1])
+                self._next_commit_read = time.monotonic() + self._commit_pause
+        if slot is None:
+            try:
+                self.record.last()  # outside the lock: a store round trip
+            except Exception as exc:  # noqa: BLE001 - the version is staged when it arrives instead
+                logger.debug("[standby rank %d] reading the commit to post early: %s", self.rank, exc)
+                return None
+            with self._cond:
+                slot = free_slot()
+        if slot is not None:
+            with self._cond:
+                slot.step = None  # incomplete from here on; restore never picks it
+        return None if slot is None else slot.buffer
+
     def _complete(self, begin: Begin, buffer: torch.Tensor, digests: list[int]) -> None:
         """The version staged in ``buffer`` holds ``begin.step`` complete and verified: keep it."""
         with self._cond:
@@ -410,6 +459,8 @@ class Mirror(Listener):
             slot.step = begin.step
             slot.digests = digests if self.config.verify else None  # kept: checked before every use
             self._damaged.pop(slot, None)  # marks of the content this one replaced
+            self._commit_pause = _COMMIT_READ_PAUSES[0] / 2  # its commit is read soon (_prestage)
+            self._next_commit_read = 0.0
             self.stats.acked.append(begin.step)
             self._cond.notify_all()
 

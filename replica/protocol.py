@@ -34,7 +34,7 @@ from replica.commit import NO_EPOCH
 from replica.errors import BucketCorruptedError, FencedError, LayoutMismatchError, TransportError
 from replica.jobstate import Epoch
 from replica.layout import StateLayout
-from replica.transport import Connection
+from replica.transport import Connection, Transfer
 
 __all__ = [
     "BEGIN",
@@ -58,6 +58,7 @@ __all__ = [
     "as_tensor",
     "check_epoch",
     "fingerprint_int",
+    "post_buckets",
     "receive_buckets",
     "recv_epoch",
     "recv_layout",
@@ -222,22 +223,31 @@ class ReceiveCounts(Protocol):
     bytes_received: int
     corrupted_buckets: int
     fenced: int  # senders refused for their epoch (at connect or at a BEGIN)
+    prestaged: int  # versions whose receives were posted before their BEGIN
+
+
+def post_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]],
+                 indices: Sequence[int]) -> list[tuple[int, Transfer]]:
+    """Post the receive of bucket i into ``buffer[lo:hi]`` for each i of ``indices``."""
+    return [(i, conn.irecv(buffer[ranges[i][0]:ranges[i][1]], tag=BUCKET_BASE + i)) for i in indices]
 
 
 def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,
                     fingerprint: int, timeout: timedelta, who: str, counts: ReceiveCounts,
-                    posted: Callable[[], None] | None = None) -> list[int]:
+                    posted: Callable[[], None] | None = None,
+                    first: list[tuple[int, Transfer]] | None = None) -> list[int]:
     """Receive bucket i of ``step`` into ``buffer[lo:hi]`` for every ``(lo, hi)`` of
     ``ranges``, checking each digest and header; buckets that fail their digest
     are asked for again (RESEND) until all are good. ``counts`` is updated as it
     goes (a session cut short still counts what it saw). Used by the standby and
     the engine receiver alike. Returns the digest each good bucket's header
     carried (0s when the connection does not verify), to keep with the version.
-    ``posted()`` runs once the first receives are posted, while the bytes arrive."""
+    ``posted()`` runs once the first receives are posted, while the bytes arrive.
+    ``first``: every bucket's receive, posted already (``post_buckets``)."""
     todo, unreported = list(range(len(ranges))), []
     digests = [0] * len(ranges)
     while todo:
-        transfers = [(i, conn.irecv(buffer[ranges[i][0]:ranges[i][1]], tag=BUCKET_BASE + i)) for i in todo]
+        transfers, first = first or post_buckets(conn, buffer, ranges, todo), None
         if posted is not None:
             posted()
             posted = None

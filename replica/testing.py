@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 __all__ = ["BusyCores", "Child", "ChildFailed", "TornDown", "busy_cores", "free_port", "process_state",
-           "receive_bucketed", "send_bucketed", "spawn"]
+           "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
 
 
 class TornDown:
@@ -143,6 +143,15 @@ def receive_bucketed(conn, buf, bucket_bytes: int, *, ack, timeout) -> None:
     for receive in receives:
         receive.wait(timeout)
     conn.send(ack, tag=_ACK_TAG, timeout=timeout)
+
+
+def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``predicate()`` every 10 ms until it is true; AssertionError naming ``what``
+    after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -168,6 +168,7 @@ class ReceiverStats:
     bytes_received: int = 0
     corrupted_buckets: int = 0
     fenced: int = 0  # senders refused for their epoch (a zombie leader), at connect or at a version
+    prestaged: int = 0  # versions received into buffers posted before their BEGIN (none here)
 
 
 class _Link:

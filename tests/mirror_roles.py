@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import replica
+from replica import ops
 from replica.testing import receive_bucketed, send_bucketed
 from replica.transport.ucx import UcxConfig, UcxTransport
 from fsdp_job import Job, JobShape, build_job, train_step
@@ -60,7 +61,9 @@ class _Probe:
         self._src = self._dst = None
         self._transport = self._conn = None
 
-    def memcpy(self, nbytes: int) -> float:
+    def memcpy(self, nbytes: int, block_bytes: int) -> tuple[float, float]:
+        """Seconds of a memcpy of ``nbytes``, and of the checksum of the copy (its
+        digests per ``block_bytes``: what a pack with digests does besides the copy)."""
         if self._src is None or self._src.numel() != nbytes:
             self._src = torch.empty(nbytes, dtype=torch.uint8)
             self._dst = torch.zeros(nbytes, dtype=torch.uint8)
@@ -69,7 +72,9 @@ class _Probe:
         self._src.fill_(1)
         start = time.perf_counter()
         ctypes.memmove(self._dst.data_ptr(), self._src.data_ptr(), nbytes)
-        return time.perf_counter() - start
+        copied = time.perf_counter()
+        ops.checksum(self._dst, block_bytes)
+        return copied - start, time.perf_counter() - copied
 
     def raw_send(self, address: str, nbytes: int, bucket: int, rounds: int) -> list[float]:
         if self._conn is None:
@@ -134,7 +139,7 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
         elif cmd[0] == "wait_committed":
             pipe.send(("committed", rep.wait_committed()))
         elif cmd[0] == "probe_memcpy":  # benchmark: memcpy of a snapshot's bytes, hot source, cold target
-            pipe.send(("memcpy", probe.memcpy(cmd[1])))
+            pipe.send(("memcpy", *probe.memcpy(cmd[1], cmd[2])))
         elif cmd[0] == "raw_send":  # benchmark: raw UCX to a standby's raw listener (see _serve_raw)
             _, address, nbytes, bucket, rounds = cmd
             pipe.send(("raw", probe.raw_send(address, nbytes, bucket, rounds)))

@@ -18,6 +18,7 @@ from replica import _C, testetcd
 from replica.etcd import EtcdStore
 from replica.jobstate import Heartbeat, JobStore, ThreadHeartbeat, keys
 from replica.testetcd import EtcdCluster
+from replica.testing import wait_for
 
 TOKEN = b"heartbeat-test-token"
 PERIOD = timedelta(milliseconds=20)
@@ -32,13 +33,6 @@ def store(request):
         etcd = request.getfixturevalue("etcd")
         raw = EtcdStore(etcd.config(namespace=f"{etcd.namespace}heartbeat/"))
     return JobStore(raw, token=TOKEN)
-
-
-def wait_for(predicate, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def test_the_native_hmac_is_hmac_sha256():

@@ -86,7 +86,7 @@ def test_a_standby_whose_first_connection_failed_is_tried_again():
         assert rep.wait_committed(timedelta(seconds=60)) == 2
         assert mirror.dropped == 1  # the fault fired
         assert rep.stream_stats.reattached == 1  # the same registration, reached on a later try
-        assert mirror.held_steps() == [1, 2]
+        assert mirror.held_steps() in ([1, 2], [2])  # 1 is released once the commit covers 2
 
 
 def test_an_engine_whose_first_connection_failed_is_synced_on_a_later_push():
