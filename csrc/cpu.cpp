@@ -66,6 +66,11 @@ void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, bool streaming) {
   std::memcpy(dst, src, n);
 }
 
+// `nbytes` rounded up to whole checksum windows (simd::kWindowBytes).
+inline int64_t window_bytes(int64_t nbytes) {
+  return (nbytes + simd::kWindowBytes - 1) / simd::kWindowBytes * simd::kWindowBytes;
+}
+
 // Small sources lie scattered over the heap; without a prefetch each one
 // starts with a full memory round trip. Called on reaching segment s.
 inline void prefetch_ahead(const std::vector<Segment>& segments, size_t s) {
@@ -258,17 +263,29 @@ at::Tensor pack_checksum_cpu(
           prefetch_ahead(segments, s);
         }
         const int64_t whole_end = seg_lo + seg.nbytes / 8 * 8;
-        // The segment and the alignment gap after it, up to the next window
-        // boundary: one call when they lie whole in this block, not vectors,
-        // then words, then the gap word by word.
-        const int64_t window_end = seg_lo + (seg.nbytes + simd::kWindowBytes - 1) / simd::kWindowBytes *
-            simd::kWindowBytes;
         const bool stream_segment = streaming && seg.nbytes >= kStreamSegmentBytes;
-        if (pos == seg_lo && !stream_segment && window_end <= block_end &&
-            window_end <= (s + 1 < segments.size() ? starts[s + 1] : nbytes)) {
-          acc += kernels.copy_segment_and_hash(base + pos, seg.src, seg.nbytes, word_offset + pos / 8);
-          pos = window_end;
-        } else if (pos < whole_end) {
+        // A run of segments that each lie whole in this block with the alignment gap
+        // after them, up to the next window boundary, where the next one starts: one
+        // call, not vectors, then words, then the gap word by word, per segment.
+        size_t run = s;
+        int64_t run_end = pos;
+        while (pos == seg_lo && run < segments.size() && run_end == starts[run]) {
+          const int64_t window_end = starts[run] + window_bytes(segments[run].nbytes);
+          const int64_t next = run + 1 < segments.size() ? starts[run + 1] : nbytes;
+          if ((streaming && segments[run].nbytes >= kStreamSegmentBytes) || window_end > block_end ||
+              window_end > next) {
+            break;
+          }
+          run_end = window_end;
+          ++run;
+        }
+        if (run > s) {
+          acc += kernels.copy_segments_and_hash(&segments[s], static_cast<int64_t>(run - s), base, word_offset);
+          pos = run_end;
+          s = run;
+          continue;
+        }
+        if (pos < whole_end) {
           const int64_t hi = std::min(whole_end, block_end);
           // Streamed only when large: the segment's last word and the gap after
           // it are read back from out, and a load from a line with streamed

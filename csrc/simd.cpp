@@ -73,9 +73,9 @@ namespace avx512 {
 
 namespace {
 const Kernels kBuilds[] = {
-    {"avx512", &avx512::hash_words, &avx512::copy_and_hash, &avx512::copy_segment_and_hash},
-    {"avx2", &avx2::hash_words, &avx2::copy_and_hash, &avx2::copy_segment_and_hash},
-    {"portable", &portable::hash_words, &portable::copy_and_hash, &portable::copy_segment_and_hash},
+    {"avx512", &avx512::hash_words, &avx512::copy_and_hash, &avx512::copy_segments_and_hash},
+    {"avx2", &avx2::hash_words, &avx2::copy_and_hash, &avx2::copy_segments_and_hash},
+    {"portable", &portable::hash_words, &portable::copy_and_hash, &portable::copy_segments_and_hash},
 };
 
 bool runs_here(const Kernels& k) {
@@ -104,7 +104,7 @@ namespace portable {
 }  // namespace portable
 
 namespace {
-const Kernels kBuilds[] = {{"portable", &portable::hash_words, &portable::copy_and_hash, &portable::copy_segment_and_hash}};
+const Kernels kBuilds[] = {{"portable", &portable::hash_words, &portable::copy_and_hash, &portable::copy_segments_and_hash}};
 
 bool runs_here(const Kernels&) {
   return true;

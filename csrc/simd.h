@@ -9,9 +9,12 @@
 #include <vector>
 
 namespace replica {
+
+struct Segment;  // replica.h
+
 namespace simd {
 
-// copy_segment_and_hash hashes whole windows of this many bytes: the alignment
+// copy_segments_and_hash hashes whole windows of this many bytes: the alignment
 // of a packed buffer's segments (kSegmentAlignment in replica.h).
 constexpr int64_t kWindowBytes = 64;
 
@@ -22,9 +25,11 @@ struct Kernels {
   uint64_t (*hash_words)(const uint8_t* bytes, int64_t nwords, uint64_t index);
   // The same sum, while copying the words to `dst` (streamed when asked).
   uint64_t (*copy_and_hash)(uint8_t* dst, const uint8_t* bytes, int64_t nwords, uint64_t index, bool streaming);
-  // Copies nbytes (> 0) from `src` to `dst`, and returns the sum over dst's
-  // bytes up to nbytes rounded up to kWindowBytes, the first with index `index`.
-  uint64_t (*copy_segment_and_hash)(uint8_t* dst, const uint8_t* src, int64_t nbytes, uint64_t index);
+  // Copies each of `count` segments (nbytes > 0) to its dst; returns the sum over
+  // each one's dst up to nbytes rounded up to kWindowBytes, word indices counted
+  // from `base` plus `word_offset`.
+  uint64_t (*copy_segments_and_hash)(const Segment* segments, int64_t count, const uint8_t* base,
+                                     uint64_t word_offset);
 };
 
 // The kernels in use.
