@@ -48,10 +48,10 @@ from replica.protocol import (
     as_tensor,
     check_epoch,
     post_buckets,
+    post_reply,
     receive_buckets,
     recv_epoch,
     recv_layout,
-    recv_reply,
     refuse_fenced,
     send_epoch,
     send_layout,
@@ -115,8 +115,10 @@ class Backoff:
 
 # --- the sender ---
 
-def _expect_reply(conn: Connection, step: int, timeout: timedelta, peer: str) -> Reply:
-    reply = recv_reply(conn, timeout)
+def _expect_reply(conn: Connection, step: int, timeout: timedelta, peer: str,
+                  posted: Callable[[timedelta], Reply] | None = None) -> Reply:
+    """The peer's reply for ``step`` (``posted``: its receive, posted already by ``post_reply``)."""
+    reply = (posted or post_reply(conn))(timeout)
     if reply.step != step:
         raise TransportError(f"{peer} answered for step {reply.step}, expected {step}")
     return reply
@@ -166,10 +168,14 @@ class Outgoing:
             fingerprint, config, faults, counts, peer)
         self._inflight: deque[Transfer] = deque()
         self._begin: Transfer | None = None
+        self._reply: Callable[[timedelta], Reply] | None = None  # the next reply's receive, posted
 
     def begin(self) -> None:
         """Start sending ``BEGIN``; ``flush`` waits for it (the buckets need not: the
-        transport delivers in order, and the receiver posts them once it has ``BEGIN``)."""
+        transport delivers in order, and the receiver posts them once it has ``BEGIN``).
+        The reply's receive is posted first: a receiver that refuses the version and
+        closes the connection at once must not leave its FENCED unread."""
+        self._reply = post_reply(self.conn)
         self._begin = self.conn.isend(
             as_tensor(Begin(step=self.step, num_buckets=len(self.ranges), epoch=self.epoch).encode()), tag=BEGIN)
 
@@ -211,7 +217,8 @@ class Outgoing:
         max_resends = self._config.max_resends
         for attempt in range(max_resends + 1):
             self.flush()
-            reply = _expect_reply(self.conn, self.step, self._config.timeout, self._peer)
+            posted, self._reply = self._reply, None
+            reply = _expect_reply(self.conn, self.step, self._config.timeout, self._peer, posted)
             if reply.status == Status.ACKED:
                 return
             if reply.status == Status.FENCED:
@@ -225,6 +232,7 @@ class Outgoing:
             logger.warning("[step %d] %s asks again for buckets %s (attempt %d)", self.step, self._peer,
                            list(reply.buckets), attempt + 1)
             self._counts.resent_buckets += len(reply.buckets)
+            self._reply = post_reply(self.conn)
             for i in reply.buckets:
                 self.send(i)
 

@@ -413,44 +413,42 @@ class Mirror(Listener):
             return slot
 
     def _prestage(self) -> torch.Tensor | None:
-        """The slot the next version may land in before its BEGIN arrives, or None
-        while it is not known to be free: a slot holding nothing, or the older version
-        once the global commit covers the newer (commits only move forward, so
-        nothing needs the older one again; it is released here). The commit is read
-        from the store at most every ``_COMMIT_READ_PAUSES`` step, from the newest
-        version's arrival on: the trainer sends the next version only once that
-        commit exists, so the reads stop after a few."""
-        def free_slot() -> Snapshot | None:  # under _cond
-            if self._handed_over:
+        """The slot the next version may land in before its BEGIN arrives (its step
+        cleared: restore never picks it), or None while none is known to be free: a
+        slot holding nothing, or the older version once the global commit covers the
+        newer (commits only move forward, so nothing needs the older one again).
+        Until then the commit is read from the store, the pauses between reads
+        doubling from the first to the longest of ``_COMMIT_READ_PAUSES`` after each
+        version's arrival: the trainer sends the next version only once that commit
+        exists, so a few reads do."""
+        def take() -> torch.Tensor | None:  # under _cond
+            if self._handed_over or not self._slots:
                 return None
             held = [s for s in self._slots if s.step is not None]
             if len(held) < 2:
-                return next(s for s in self._slots if s.step is None)
-            newest = max(held, key=lambda s: s.step)
-            seen = self.record.last_seen()
-            if seen is None or newest.step > seen:
-                return None
-            return self._slots[1] if newest is self._slots[0] else self._slots[0]
+                slot = next(s for s in self._slots if s.step is None)
+            else:
+                newest = max(held, key=lambda s: s.step)
+                seen = self.record.last_seen()
+                if seen is None or newest.step > seen:
+                    return None
+                slot = self._slots[1] if newest is self._slots[0] else self._slots[0]
+            slot.step = None
+            return slot.buffer
 
         with self._cond:
-            slot = free_slot()
-            if slot is None:
-                if self._handed_over or time.monotonic() < self._next_commit_read:
-                    return None
-                self._commit_pause = min(self._commit_pause * 2, _COMMIT_READ_PAUSES[1])
-                self._next_commit_read = time.monotonic() + self._commit_pause
-        if slot is None:
-            try:
-                self.record.last()  # outside the lock: a store round trip
-            except Exception as exc:  # noqa: BLE001 - the version is staged when it arrives instead
-                logger.debug("[standby rank %d] reading the commit to post early: %s", self.rank, exc)
-                return None
-            with self._cond:
-                slot = free_slot()
-        if slot is not None:
-            with self._cond:
-                slot.step = None  # incomplete from here on; restore never picks it
-        return None if slot is None else slot.buffer
+            buffer = take()
+            if buffer is not None or self._handed_over or time.monotonic() < self._next_commit_read:
+                return buffer
+            self._commit_pause = min(self._commit_pause * 2, _COMMIT_READ_PAUSES[1])
+            self._next_commit_read = time.monotonic() + self._commit_pause
+        try:
+            self.record.last()  # outside the lock: a store round trip
+        except Exception as exc:  # noqa: BLE001 - the version is staged when it arrives instead
+            logger.debug("[standby rank %d] reading the commit to post early: %s", self.rank, exc)
+            return None
+        with self._cond:
+            return take()
 
     def _complete(self, begin: Begin, buffer: torch.Tensor, digests: list[int]) -> None:
         """The version staged in ``buffer`` holds ``begin.step`` complete and verified: keep it."""

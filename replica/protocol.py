@@ -59,6 +59,7 @@ __all__ = [
     "check_epoch",
     "fingerprint_int",
     "post_buckets",
+    "post_reply",
     "receive_buckets",
     "recv_epoch",
     "recv_layout",
@@ -168,10 +169,23 @@ def send_reply(conn: Connection, reply: Reply, timeout: timedelta) -> None:
     conn.send(as_tensor(reply.encode()), tag=REPLY, timeout=timeout)
 
 
-def recv_reply(conn: Connection, timeout: timedelta) -> Reply:
+def post_reply(conn: Connection) -> Callable[[timedelta], Reply]:
+    """Post the receive of the peer's next REPLY now; returns what waits for it and
+    decodes it. Posted before the peer can answer, a reply sent just before the peer
+    closed the connection (a FENCED refusal) is still delivered: a transfer that
+    finished counts before the connection's end does."""
     buf = torch.zeros(REPLY_BYTES, dtype=torch.uint8)
-    conn.recv(buf, tag=REPLY, timeout=timeout)
-    return Reply.decode(buf.numpy().tobytes())
+    transfer = conn.irecv(buf, tag=REPLY)
+
+    def wait(timeout: timedelta) -> Reply:
+        transfer.wait(timeout)
+        return Reply.decode(buf.numpy().tobytes())
+
+    return wait
+
+
+def recv_reply(conn: Connection, timeout: timedelta) -> Reply:
+    return post_reply(conn)(timeout)
 
 
 def send_epoch(conn: Connection, epoch: Epoch, timeout: timedelta) -> None:

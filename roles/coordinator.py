@@ -231,9 +231,7 @@ class Coordinator:
         now = time.time()
         self._regroup(now)
         for member in self.alive():
-            if member.role == Role.TRAINER and self.store.has(keys.done(member.rank)):
-                member.state = MemberState.DONE
-                self._publish_members()
+            if self._mark_done(member):
                 continue
             silent = now - self._last_beat(member, now)
             lost = False
@@ -281,9 +279,7 @@ class Coordinator:
             self._late_exit(member, code)
         if member.state != MemberState.ALIVE:
             return decisions
-        if member.role == Role.TRAINER and self.store.has(keys.done(member.rank)):
-            member.state = MemberState.DONE
-            self._publish_members()
+        if self._mark_done(member):
             return decisions
         if (member.role == Role.STANDBY and self.finished()) or (
                 member.role == Role.ROLLOUT and (code == 0 or self.finished())):
@@ -365,7 +361,20 @@ class Coordinator:
                          "trainer dies the job fails", rank)
 
     def finish(self) -> None:
+        # The last trainers' done keys may have come after this loop's last poll (the
+        # supervisor ends on all_done()): their members are done, not left alive.
+        for member in self.alive():
+            self._mark_done(member)
         self.store.put(keys.finished(), Flag())
+
+    def _mark_done(self, member: Member) -> bool:
+        """Mark ``member`` done when it is a trainer whose rank finished (its last step
+        committed: the rank's done key); True if it was."""
+        if member.role != Role.TRAINER or not self.store.has(keys.done(member.rank)):
+            return False
+        member.state = MemberState.DONE
+        self._publish_members()
+        return True
 
     def finished(self) -> bool:
         return self.store.has(keys.finished())

@@ -259,3 +259,24 @@ def test_a_replacement_standby_late_to_start_leaves_its_rank_training_unprotecte
     assert watch.check(now=91.0) == [0]  # rank 0's stale registration is not a new standby: overdue
     assert coord.unprotected == {0} and coord.record.unprotected(0)
     assert watch.check(now=500.0) == []  # each rank once
+
+
+def test_trainers_whose_done_keys_came_after_the_last_poll_finish_done():
+    """The supervisor ends its loop on all_done(): the last trainers' done keys may come
+    after its last poll, which marks members done. finish() marks them; they were left
+    alive in the report (seen once in CI: both ranks finished within a millisecond)."""
+    from replica.jobstate import Flag
+    from replica.roles.coordinator import MemberState
+
+    coord = Coordinator(world_size=1, token=TOKEN)
+    jobs = JobStore(raw_client(coord.port), token=TOKEN)
+    request = JoinRequest(role="trainer", rank=0, host="h1", pid=34567, nonce="t0")
+    seq = jobs.count(keys.join_seq(), 1)
+    jobs.raw.set(jobs.full(keys.join_request(seq)), request.encode(TOKEN))
+    coord.poll()
+    assert jobs.get(keys.join_reply(seq)).admitted
+    (member,) = coord.members
+    jobs.put(keys.done(0), Flag())  # after the last poll
+    assert coord.all_done() and member.state == MemberState.ALIVE
+    coord.finish()
+    assert member.state == MemberState.DONE and coord.finished()
