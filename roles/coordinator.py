@@ -537,6 +537,11 @@ class Coordinator:
             self._regroup_asked_at = now
         if now - self._regroup_asked_at < self.deadlines.trainer.total_seconds():
             return
+        # A trainer silent now may be dead: its own deadline decides, and a failover regroups
+        # every trainer anyway. (A coordinator that just took over starts both clocks at once,
+        # the request's and the silence's: the request's first look came a poll earlier.)
+        if any(now - self._last_beat(m, now) > timing.GONE_AFTER.total_seconds() for m in self.alive(Role.TRAINER)):
+            return
         self._regroup_asked_at = None
         commit = self.record.last()
         self.generation += 1

@@ -280,3 +280,47 @@ def test_trainers_whose_done_keys_came_after_the_last_poll_finish_done():
     assert coord.all_done() and member.state == MemberState.ALIVE
     coord.finish()
     assert member.state == MemberState.DONE and coord.finished()
+
+
+def test_a_regroup_waits_while_a_trainer_is_silent_and_its_death_decides():
+    """A trainer asks for a regroup (its collective failed) while its peer has gone silent:
+    the regroup's grace ends first, but the silent peer's deadline decides: a failover,
+    not a regroup "with no death" followed by one (seen in CI right after a coordinator
+    took over: both clocks started together, the request's one poll earlier)."""
+    from replica.jobstate import Regroup
+    from replica.roles.coordinator import DecisionKind
+
+    coord = Coordinator(world_size=2, token=TOKEN, deadlines=Deadlines(trainer=timedelta(seconds=1)))
+    jobs = JobStore(raw_client(coord.port), token=TOKEN)
+    seqs = []
+    for rank in (0, 1):
+        seq = jobs.count(keys.join_seq(), 1)
+        request = JoinRequest(role="trainer", rank=rank, host="h1", pid=45670 + rank, nonce=f"t{rank}")
+        jobs.raw.set(jobs.full(keys.join_request(seq)), request.encode(TOKEN))
+        seqs.append(seq)
+    coord.poll()
+    assert all(jobs.get(keys.join_reply(s)).admitted for s in seqs)
+    jobs.put(keys.commit(), Commit(step=3, generation=0))
+    beats = {s: 1 for s in seqs}
+
+    def beat(*which: int) -> None:
+        for s in which:
+            beats[s] += 1
+            jobs.put(keys.heartbeat(s), Heartbeat(member=s, beat=beats[s]))
+
+    beat(*seqs)
+    assert coord.poll() == []
+    jobs.put(keys.regroup(0), Regroup(rank=0, generation=coord.generation))
+    assert coord.poll() == []  # the regroup's grace starts here
+    time.sleep(0.2)
+    beat(*seqs)  # rank 1's last beat, after the grace started
+    decisions = []
+    until = time.monotonic() + 5
+    while not decisions and time.monotonic() < until:
+        beat(seqs[0])
+        decisions = coord.poll()
+        time.sleep(0.02)
+    (decision,) = decisions
+    # No standby here: the death fails the job; what matters is that it decides, not a regroup.
+    assert decision.kind == DecisionKind.FAILED and decision.rank == 1 and "no heartbeat" in decision.reason
+    assert coord.regroups == []
