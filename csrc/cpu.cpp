@@ -23,13 +23,11 @@ constexpr int64_t kCopyGrainBytes = 256 << 10;
 // and a receiver hashing one piece of a bucket (transport.base.PIECE_BYTES)
 // while the next arrives must leave the other cores to the transport.
 constexpr int64_t kChecksumGrainWords = 2 << 20;
-constexpr size_t kPrefetchAhead = 4;
 // pack_checksum hashes gaps shorter than this (alignment padding: < 64 bytes)
 // inline, word by word.
 constexpr int64_t kShortGapBytes = 256;
 // ... and streams the stores of segments of at least this many bytes only.
 constexpr int64_t kStreamSegmentBytes = 256 << 10;
-constexpr int64_t kPrefetchBytes = 4096;
 
 // Calls that move at least this much use non-temporal stores: the output will
 // not be read again soon (it is sent, or it is the model), and bypassing the
@@ -71,15 +69,11 @@ inline int64_t window_bytes(int64_t nbytes) {
   return (nbytes + simd::kWindowBytes - 1) / simd::kWindowBytes * simd::kWindowBytes;
 }
 
-// Small sources lie scattered over the heap; without a prefetch each one
-// starts with a full memory round trip. Called on reaching segment s.
+// simd::prefetch_source of the segment kPrefetchSegmentsAhead on; called on reaching segment s.
 inline void prefetch_ahead(const std::vector<Segment>& segments, size_t s) {
-  if (s + kPrefetchAhead < segments.size()) {
-    const Segment& next = segments[s + kPrefetchAhead];
-    const int64_t lines = std::min<int64_t>(next.nbytes, kPrefetchBytes);
-    for (int64_t at = 0; at < lines; at += 64) {
-      __builtin_prefetch(next.src + at);
-    }
+  const size_t next = s + simd::kPrefetchSegmentsAhead;
+  if (next < segments.size()) {
+    simd::prefetch_source(segments[next].src, segments[next].nbytes);
   }
 }
 
@@ -259,9 +253,6 @@ at::Tensor pack_checksum_cpu(
         }
         const Segment& seg = segments[s];
         const int64_t seg_hi = seg_lo + seg.nbytes;
-        if (pos == seg_lo) {
-          prefetch_ahead(segments, s);
-        }
         const int64_t whole_end = seg_lo + seg.nbytes / 8 * 8;
         const bool stream_segment = streaming && seg.nbytes >= kStreamSegmentBytes;
         // A run of segments that each lie whole in this block with the alignment gap
@@ -284,6 +275,9 @@ at::Tensor pack_checksum_cpu(
           pos = run_end;
           s = run;
           continue;
+        }
+        if (pos == seg_lo) {  // (a run's kernel fetches ahead itself)
+          prefetch_ahead(segments, s);
         }
         if (pos < whole_end) {
           const int64_t hi = std::min(whole_end, block_end);

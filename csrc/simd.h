@@ -1,5 +1,5 @@
 // The CPU checksum loops, one build per instruction set, chosen at run time:
-// AVX-512 (F + DQ: 64-bit multiplies in one instruction), AVX2, or portable
+// AVX-512 (F + DQ: 64-bit multiplies in one instruction; BW: byte masks), AVX2, or portable
 // code, the best the CPU has unless REPLICA_SIMD names a lesser one. All give
 // the same digests bit for bit (simd_body.inc).
 #pragma once
@@ -17,6 +17,19 @@ namespace simd {
 // copy_segments_and_hash hashes whole windows of this many bytes: the alignment
 // of a packed buffer's segments (kSegmentAlignment in replica.h).
 constexpr int64_t kWindowBytes = 64;
+
+// Small sources lie scattered over the heap; without a prefetch each one starts
+// with a full memory round trip. Copies over a list of segments fetch the first
+// kPrefetchSourceBytes of the source kPrefetchSegmentsAhead segments on.
+constexpr int64_t kPrefetchSegmentsAhead = 4;
+constexpr int64_t kPrefetchSourceBytes = 4096;
+
+inline void prefetch_source(const uint8_t* src, int64_t nbytes) {
+  const int64_t bytes = nbytes < kPrefetchSourceBytes ? nbytes : kPrefetchSourceBytes;
+  for (int64_t at = 0; at < bytes; at += 64) {
+    __builtin_prefetch(src + at);
+  }
+}
 
 struct Kernels {
   const char* name;

@@ -398,43 +398,40 @@ class Mirror(Listener):
             if self._handed_over:
                 raise ReplicaError(f"standby of rank {self.rank}: its versions were handed over to the rank's "
                                    "new trainer; it receives nothing more")
-            held = [s for s in self._slots if s.step is not None]
-            newest = max(held, key=lambda s: s.step) if held else None
-            seen = self.record.last_seen()
-            if len(held) == 2 and seen is not None and newest.step <= seen:
-                # Commits only move forward: the last one is the newest version here or later,
-                # and the older version is never needed again. No store read on the way.
-                keep = newest
-            else:
-                commit = self.record.last()
-                keep = next((s for s in held if s.step == commit), newest)
-            slot = self._slots[1] if keep is self._slots[0] else self._slots[0]
-            slot.step = None  # incomplete from here on; restore never picks it
-            return slot
+            return self._take_slot(ask_store=True)
+
+    def _take_slot(self, *, ask_store: bool) -> Snapshot | None:
+        """Under _cond: the slot the next version goes into, its step cleared (restore
+        never picks it), never the one holding the last global commit. A free slot, or
+        the older version once the commit seen here covers the newer (commits only move
+        forward: nothing needs the older one again) are known without the store; else
+        the store's commit decides (``ask_store``), or None."""
+        held = [s for s in self._slots if s.step is not None]
+        newest = max(held, key=lambda s: s.step) if held else None
+        seen = self.record.last_seen()
+        if len(held) < 2 or (seen is not None and newest.step <= seen):
+            keep = newest
+        elif not ask_store:
+            return None
+        else:
+            commit = self.record.last()
+            keep = next((s for s in held if s.step == commit), newest)
+        slot = self._slots[1] if keep is self._slots[0] else self._slots[0]
+        slot.step = None
+        return slot
 
     def _prestage(self) -> torch.Tensor | None:
-        """The slot the next version may land in before its BEGIN arrives (its step
-        cleared: restore never picks it), or None while none is known to be free: a
-        slot holding nothing, or the older version once the global commit covers the
-        newer (commits only move forward, so nothing needs the older one again).
-        Until then the commit is read from the store, the pauses between reads
+        """The slot the next version may land in before its BEGIN arrives
+        (``_take_slot`` without the store), or None while none is known to be free.
+        Until one is, the commit is read from the store, the pauses between reads
         doubling from the first to the longest of ``_COMMIT_READ_PAUSES`` after each
         version's arrival: the trainer sends the next version only once that commit
         exists, so a few reads do."""
         def take() -> torch.Tensor | None:  # under _cond
             if self._handed_over or not self._slots:
                 return None
-            held = [s for s in self._slots if s.step is not None]
-            if len(held) < 2:
-                slot = next(s for s in self._slots if s.step is None)
-            else:
-                newest = max(held, key=lambda s: s.step)
-                seen = self.record.last_seen()
-                if seen is None or newest.step > seen:
-                    return None
-                slot = self._slots[1] if newest is self._slots[0] else self._slots[0]
-            slot.step = None
-            return slot.buffer
+            slot = self._take_slot(ask_store=False)
+            return None if slot is None else slot.buffer
 
         with self._cond:
             buffer = take()

@@ -28,7 +28,7 @@ from replica.jobstate import JobStore, JoinReply, keys
 from replica.roles import timing
 from replica.roles.env import host_name
 
-__all__ = ["Admission", "JoinRequest", "answer", "join", "pending_requests", "refuse_unsigned"]
+__all__ = ["Admission", "JoinRequest", "answer", "join", "pending_requests", "post_request", "refuse_unsigned"]
 
 #: At most this many requests are read per call: a forged counter cannot make a poll endless.
 _MAX_PENDING = 64
@@ -72,11 +72,18 @@ def _mac(token: bytes, body: str) -> str:
     return hmac.new(token, body.encode(), hashlib.sha256).hexdigest()
 
 
+def post_request(store: JobStore, request: JoinRequest, token: bytes) -> int:
+    """Number ``request`` and write it, signed, for the coordinator; returns its number
+    (its reply comes under ``keys.join_reply`` of it)."""
+    seq = store.count(keys.join_seq(), 1)
+    store.raw.set(store.full(keys.join_request(seq)), request.encode(token))
+    return seq
+
+
 def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timedelta) -> Admission:
     """Ask the coordinator to admit this process; raises JoinRefusedError if refused."""
     request = JoinRequest(role=role, rank=rank, host=host_name(), pid=os.getpid(), nonce=secrets.token_hex(16))
-    seq = store.count(keys.join_seq(), 1)
-    store.raw.set(store.full(keys.join_request(seq)), request.encode(token))
+    seq = post_request(store, request, token)
     key = keys.join_reply(seq)
     unsigned: dict[str, object] = {}  # the last unverifiable reply ("raw") and since when ("at")
 

@@ -19,7 +19,7 @@ from replica.errors import CommitTimeoutError, FencedError, JobStateError
 from replica.jobstate import Commit, Epoch, Generation, Heartbeat, JobStore, keys
 from replica.roles import timing
 from replica.roles.coordinator import Coordinator, Deadlines
-from replica.roles.join import JoinRequest
+from replica.roles.join import JoinRequest, post_request
 
 TOKEN = b"control-plane-token"
 T = timedelta(seconds=30)
@@ -116,8 +116,7 @@ def test_the_coordinator_ignores_forged_state_and_survives_garbage():
     jobs = JobStore(raw_client(coord.port), token=TOKEN)
     # A real trainer joins (the join protocol by hand: no process needed).
     request = JoinRequest(role="trainer", rank=0, host="h", pid=12345, nonce="n1")
-    seq = jobs.count(keys.join_seq(), 1)
-    jobs.raw.set(jobs.full(keys.join_request(seq)), request.encode(TOKEN))
+    seq = post_request(jobs, request, TOKEN)
     assert coord.poll() == []
     assert jobs.get(keys.join_reply(seq)).admitted
     assert jobs.get(keys.generation()) == Generation(number=0, trainers=(seq,))
@@ -200,8 +199,7 @@ def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_dead
     coord = Coordinator(world_size=1, token=TOKEN, rollouts=1, deadlines=deadlines)
     jobs = JobStore(raw_client(coord.port), token=TOKEN)
     request = JoinRequest(role="rollout", rank=0, host="h2", pid=23456, nonce="e1")
-    seq = jobs.count(keys.join_seq(), 1)
-    jobs.raw.set(jobs.full(keys.join_request(seq)), request.encode(TOKEN))
+    seq = post_request(jobs, request, TOKEN)
     coord.poll()
     assert jobs.get(keys.join_reply(seq)).admitted
     jobs.put(keys.agent(0), AgentInfo(index=0, host="h2", address="10.200.0.3", pid=1))
@@ -271,8 +269,7 @@ def test_trainers_whose_done_keys_came_after_the_last_poll_finish_done():
     coord = Coordinator(world_size=1, token=TOKEN)
     jobs = JobStore(raw_client(coord.port), token=TOKEN)
     request = JoinRequest(role="trainer", rank=0, host="h1", pid=34567, nonce="t0")
-    seq = jobs.count(keys.join_seq(), 1)
-    jobs.raw.set(jobs.full(keys.join_request(seq)), request.encode(TOKEN))
+    seq = post_request(jobs, request, TOKEN)
     coord.poll()
     assert jobs.get(keys.join_reply(seq)).admitted
     (member,) = coord.members
@@ -294,10 +291,8 @@ def test_a_regroup_waits_while_a_trainer_is_silent_and_its_death_decides():
     jobs = JobStore(raw_client(coord.port), token=TOKEN)
     seqs = []
     for rank in (0, 1):
-        seq = jobs.count(keys.join_seq(), 1)
         request = JoinRequest(role="trainer", rank=rank, host="h1", pid=45670 + rank, nonce=f"t{rank}")
-        jobs.raw.set(jobs.full(keys.join_request(seq)), request.encode(TOKEN))
-        seqs.append(seq)
+        seqs.append(post_request(jobs, request, TOKEN))
     coord.poll()
     assert all(jobs.get(keys.join_reply(s)).admitted for s in seqs)
     jobs.put(keys.commit(), Commit(step=3, generation=0))
