@@ -45,8 +45,14 @@ REPLICA_HOST_DEVICE inline uint64_t mix(uint64_t x) {
   return x;
 }
 
+// The key of word `word_index`. Keys of successive words differ by kKeyStep,
+// so a loop over words can add instead of multiply: key(i + n) = key(i) + n * kKeyStep.
+REPLICA_HOST_DEVICE inline uint64_t word_key(uint64_t word_index) {
+  return (word_index + 1) * kKeyStep;
+}
+
 REPLICA_HOST_DEVICE inline uint64_t word_term(uint64_t word, uint64_t word_index) {
-  return mix(word ^ ((word_index + 1) * kKeyStep));
+  return mix(word ^ word_key(word_index));
 }
 
 REPLICA_HOST_DEVICE inline uint64_t finalize(uint64_t sum, uint64_t block_bytes) {

@@ -154,27 +154,49 @@ bool check_over_2_gib() {
 }
 
 
-// pack_checksum's chunks, in the order one lane visits its own (a cursor that
-// only moves forward) and in the order the rows sit: random segments at every
-// source alignment, lengths around words and vectors, gaps of every size, an
-// out that ends anywhere; out's bytes and the digests (summed per block as the
-// kernel's atomics would) must equal pack then a scalar checksum.
+// pack_checksum as the kernel runs it: every tile of out, every lane of its
+// warp one after another (lanes write disjoint bytes and read only sources and
+// gap bytes nobody writes), their terms summed per block as the kernel's
+// atomics would. Random segments at every source alignment, lengths around
+// words, vectors and steps, gaps of every size, an out that ends anywhere,
+// blocks that are and are not multiples of a step, any word offset; out's bytes
+// and the digests must equal pack then a scalar checksum, and large segments
+// must take the whole-step path at both source alignments.
+struct HostSums {
+  std::vector<uint64_t>& sums;
+  int64_t (&whole_steps)[2];  // lane-steps from an aligned source, from a shifted one
+  void flush(int64_t block, uint64_t lane_sum) { sums[block] += lane_sum; }
+  void add(int64_t block, uint64_t term) { sums[block] += term; }
+  void whole_step(const uint8_t* src) { ++whole_steps[reinterpret_cast<uintptr_t>(src) % 16 != 0]; }
+};
+
 bool check_pack_checksum() {
   namespace pc = replica::cuda_pack_checksum;
   std::mt19937_64 rng(3);
-  for (int trial = 0; trial < 300; ++trial) {
+  int64_t whole_steps[2] = {0, 0};  // aligned source, shifted source
+  for (int trial = 0; trial < 400; ++trial) {
     const int count = static_cast<int>(rng() % 12);
+    const bool large = trial % 4 == 0;
     std::vector<std::vector<uint8_t>> srcs(count);
     std::vector<pc::Row> rows;
     int64_t end = 0;
     for (int i = 0; i < count; ++i) {
-      const int64_t n = rng() % 3 ? 1 + rng() % 40 : 1 + rng() % 5000;
-      const int64_t shift = rng() % 16;
+      end = (end + 63) / 64 * 64 + 64 * static_cast<int64_t>(rng() % 3);
+      int64_t n = large ? pc::kStepBytes * static_cast<int64_t>(rng() % 10) + static_cast<int64_t>(rng() % 300)
+                        : rng() % 3 ? 1 + rng() % 40 : 1 + rng() % 5000;
+      if (large && rng() % 2) {  // ending within a few bytes of a step's end
+        const int64_t step_end = (end + pc::kStepBytes * static_cast<int64_t>(1 + rng() % 4)) / pc::kStepBytes *
+                                 pc::kStepBytes;
+        n = step_end - end + static_cast<int64_t>(rng() % 35) - 17;
+      }
+      if (n <= 0) {
+        continue;
+      }
+      const int64_t shift = rng() % 4 == 0 ? 0 : rng() % 16;
       srcs[i].resize((shift + n + 15) / 16 * 16 + 15);
       for (uint8_t& b : srcs[i]) {
         b = static_cast<uint8_t>(rng());
       }
-      end = (end + 63) / 64 * 64 + 64 * static_cast<int64_t>(rng() % 3);
       rows.push_back({reinterpret_cast<int64_t>(aligned16(srcs[i]) + shift), end, n});
       end += n;
     }
@@ -188,8 +210,9 @@ bool check_pack_checksum() {
     for (const pc::Row& r : rows) {
       std::memcpy(expected.data() + r.dst, reinterpret_cast<const uint8_t*>(r.src), r.nbytes);
     }
-    const int64_t block = 8 * (1 + static_cast<int64_t>(rng() % 100));
-    const uint64_t word_offset = rng() % 1000;
+    const int64_t block = rng() % 2 ? 8 * (1 + static_cast<int64_t>(rng() % 100))
+                                    : pc::kStepBytes * (1 + static_cast<int64_t>(rng() % 3));
+    const uint64_t word_offset = rng() % 2 ? rng() : rng() % 1000;
     const int64_t nblocks = (nbytes + block - 1) / block;
     std::vector<uint64_t> want(nblocks, 0), got(nblocks, 0);
     for (int64_t w = 0; w * 8 < nbytes; ++w) {
@@ -198,21 +221,11 @@ bool check_pack_checksum() {
       want[8 * w / block] += replica::checksum::word_term(word, word_offset + w);
     }
     const pc::Args args{rows.data(), static_cast<int64_t>(rows.size()), out, nbytes, word_offset};
-    // Lanes of a warp start their cursors at the warp's first row and visit
-    // every 32nd chunk; two "lanes" here, so chunks are skipped and revisited.
-    for (int lane = 0; lane < 2; ++lane) {
-      int64_t row = pc::first_row_after(args, 0);
-      for (int64_t at = lane * pc::kChunkBytes; at < nbytes; at += 2 * pc::kChunkBytes) {
-        const pc::Loaded loaded = pc::load_chunk(args, at, row);
-        uint64_t term[2];
-        pc::finish_chunk(args, at, loaded, term);
-        got[at / block] += term[0];
-        if (at + 8 < nbytes) {
-          got[(at + 8) / block] += term[1];
-        } else if (term[1] != 0) {  // the kernel adds both terms of a chunk within one block
-          std::printf("pack_checksum trial %d: a term for the word past out's end\n", trial);
-          return false;
-        }
+    HostSums sink{got, whole_steps};
+    const int64_t ntiles = (nbytes + pc::kTileBytes - 1) / pc::kTileBytes;
+    for (int64_t tile = 0; tile < ntiles; ++tile) {
+      for (int lane = 0; lane < cc::kWarpSize; ++lane) {
+        pc::pack_checksum_tile(args, block, tile, lane, sink);
       }
     }
     if (std::memcmp(out, expected.data(), nbytes) != 0 || got != want) {
@@ -222,7 +235,7 @@ bool check_pack_checksum() {
       return false;
     }
     const int64_t mid = nbytes / 2 / 16 * 16;  // a warp's cursor starts mid-buffer
-    int64_t row = pc::first_row_after(args, mid);
+    const int64_t row = pc::first_row_after(args, mid);
     for (int64_t r = 0; r < row; ++r) {
       if (rows[r].dst + rows[r].nbytes > mid) {
         std::printf("pack_checksum trial %d: first_row_after(%lld) skipped row %lld\n", trial,
@@ -230,6 +243,11 @@ bool check_pack_checksum() {
         return false;
       }
     }
+  }
+  if (whole_steps[0] == 0 || whole_steps[1] == 0) {
+    std::printf("pack_checksum: the whole-step path never ran (aligned %lld, shifted %lld)\n",
+                static_cast<long long>(whole_steps[0]), static_cast<long long>(whole_steps[1]));
+    return false;
   }
   return true;
 }

@@ -123,18 +123,14 @@ void unpack_cuda(const at::Tensor& src, at::TensorList dsts, at::IntArrayRef off
 
 // --- pack_checksum: pack and checksum(out) in one launch ---
 //
-// One warp per tile of out (see pack_checksum_chunks.cuh); a lane loads
-// kChunksInFlight chunks before it stores and hashes them. Lanes add their
-// word terms up per checksum block: a warp-wide sum and one atomic per block
-// a tile touches, or, in a step that straddles two blocks (block sizes not a
-// multiple of the step), one atomic per word. The last CUDA block to finish
-// finalizes every digest, so the op is one launch after two memsets.
+// One warp per tile of out (pack_checksum_tile in pack_checksum_chunks.cuh).
+// Lanes add their word terms up per checksum block: a warp-wide sum and one
+// atomic per block a tile touches, or, in a step that straddles two blocks
+// (block sizes not a multiple of the step), one atomic per word. The last CUDA
+// block to finish finalizes every digest, so the op is one launch after one
+// memset.
 
 namespace pc = cuda_pack_checksum;
-
-constexpr int kChunksInFlight = 8;
-constexpr int64_t kStepBytes = cuda_copy::kWarpSize * kChunksInFlight * pc::kChunkBytes;
-constexpr int64_t kPackChecksumTileBytes = 2 * kStepBytes;
 
 __device__ inline uint64_t warp_sum(uint64_t v) {
   for (int offset = cuda_copy::kWarpSize / 2; offset > 0; offset /= 2) {
@@ -143,58 +139,30 @@ __device__ inline uint64_t warp_sum(uint64_t v) {
   return v;
 }
 
+// Where a warp's lanes put their terms: per-block sums in global memory.
+struct AtomicSums {
+  unsigned long long* sums;
+  int lane;
+  __device__ void flush(int64_t block, uint64_t lane_sum) const {  // every lane of the warp calls it
+    const uint64_t total = warp_sum(lane_sum);
+    if (lane == 0 && total != 0) {
+      atomicAdd(&sums[block], static_cast<unsigned long long>(total));
+    }
+  }
+  __device__ void add(int64_t block, uint64_t term) const {
+    atomicAdd(&sums[block], static_cast<unsigned long long>(term));
+  }
+  __device__ void whole_step(const uint8_t* /*src*/) const {}
+};
+
 __global__ void __launch_bounds__(kThreads) pack_checksum_kernel(
     pc::Args a, int64_t block_bytes, int64_t ntiles, unsigned long long* sums, int64_t nblocks,
     unsigned int* finished) {
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / cuda_copy::kWarpSize;
   const int lane = static_cast<int>(threadIdx.x % cuda_copy::kWarpSize);
   if (tile < ntiles) {  // warp-uniform
-    const int64_t lo = tile * kPackChecksumTileBytes;
-    const int64_t hi = min(lo + kPackChecksumTileBytes, a.nbytes);
-    int64_t row = pc::first_row_after(a, lo);
-    int64_t block = lo / block_bytes;
-    uint64_t acc = 0;
-    for (int64_t step = lo; step < hi; step += kStepBytes) {
-      const int64_t first_block = step / block_bytes;
-      const int64_t last_block = (min(step + kStepBytes, hi) - 1) / block_bytes;
-      if (first_block != block) {  // warp-uniform: flush the previous block's sum
-        const uint64_t total = warp_sum(acc);
-        if (lane == 0 && total != 0) {
-          atomicAdd(&sums[block], static_cast<unsigned long long>(total));
-        }
-        acc = 0;
-        block = first_block;
-      }
-      pc::Loaded loaded[kChunksInFlight];
-#pragma unroll
-      for (int u = 0; u < kChunksInFlight; ++u) {
-        const int64_t at = step + (static_cast<int64_t>(u) * cuda_copy::kWarpSize + lane) * pc::kChunkBytes;
-        if (at < hi) {
-          loaded[u] = pc::load_chunk(a, at, row);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kChunksInFlight; ++u) {
-        const int64_t at = step + (static_cast<int64_t>(u) * cuda_copy::kWarpSize + lane) * pc::kChunkBytes;
-        if (at >= hi) {
-          continue;
-        }
-        uint64_t term[2];
-        pc::finish_chunk(a, at, loaded[u], term);
-        if (first_block == last_block) {
-          acc += term[0] + term[1];
-        } else {
-          atomicAdd(&sums[at / block_bytes], static_cast<unsigned long long>(term[0]));
-          if (at + 8 < a.nbytes) {
-            atomicAdd(&sums[(at + 8) / block_bytes], static_cast<unsigned long long>(term[1]));
-          }
-        }
-      }
-    }
-    const uint64_t total = warp_sum(acc);
-    if (lane == 0 && total != 0) {
-      atomicAdd(&sums[block], static_cast<unsigned long long>(total));
-    }
+    AtomicSums sink{sums, lane};
+    pc::pack_checksum_tile(a, block_bytes, tile, lane, sink);
   }
   // The last block to get here finalizes: every other block's atomics are
   // visible to it after its fence and theirs.
@@ -238,7 +206,10 @@ at::Tensor pack_checksum_cuda(
   }
   segments.erase(std::remove_if(segments.begin(), segments.end(), [](const Segment& s) { return s.nbytes == 0; }),
                  segments.end());
-  std::sort(segments.begin(), segments.end(), [](const Segment& x, const Segment& y) { return x.dst < y.dst; });
+  const auto by_dst = [](const Segment& x, const Segment& y) { return x.dst < y.dst; };
+  if (!std::is_sorted(segments.begin(), segments.end(), by_dst)) {  // offsets usually come in order
+    std::sort(segments.begin(), segments.end(), by_dst);
+  }
   const auto nrows = static_cast<int64_t>(segments.size());
   static_assert(sizeof(pc::Row) == 3 * sizeof(int64_t));
   at::Tensor table = at::empty({std::max<int64_t>(3 * nrows, 1)},
@@ -248,21 +219,22 @@ at::Tensor pack_checksum_cuda(
     rows[i] = pc::Row{reinterpret_cast<int64_t>(segments[i].src), segments[i].dst - base, segments[i].nbytes};
   }
   const int64_t nbytes = out.numel();
-  const int64_t ntiles = (nbytes + kPackChecksumTileBytes - 1) / kPackChecksumTileBytes;
+  const int64_t ntiles = (nbytes + pc::kTileBytes - 1) / pc::kTileBytes;
   const int64_t grid = (ntiles + kWarpsPerBlock - 1) / kWarpsPerBlock;
   TORCH_CHECK(grid <= std::numeric_limits<int32_t>::max(), "replica: ", nbytes, " bytes is more than one call can pack");
 
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(out.device().index());
   const at::Tensor device_table = upload(table, out.device(), stream);
-  at::Tensor digests = at::empty({nblocks}, out.options().dtype(at::kLong));
-  at::Tensor finished = at::empty({1}, out.options().dtype(at::kInt));
-  C10_CUDA_CHECK(cudaMemsetAsync(digests.data_ptr(), 0, nblocks * sizeof(int64_t), stream.stream()));
-  C10_CUDA_CHECK(cudaMemsetAsync(finished.data_ptr(), 0, sizeof(int32_t), stream.stream()));
+  // The digests and the kernel's count of finished blocks, zeroed by one memset.
+  at::Tensor sums = at::empty({nblocks + 1}, out.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(sums.data_ptr(), 0, (nblocks + 1) * sizeof(int64_t), stream.stream()));
+  at::Tensor digests = sums.narrow(0, 0, nblocks);
+  auto* finished = reinterpret_cast<unsigned int*>(sums.data_ptr<int64_t>() + nblocks);
   const pc::Args args{reinterpret_cast<const pc::Row*>(device_table.data_ptr<int64_t>()), nrows, base, nbytes,
                       static_cast<uint64_t>(word_offset)};
   pack_checksum_kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream.stream()>>>(
       args, block_bytes, ntiles, reinterpret_cast<unsigned long long*>(digests.data_ptr<int64_t>()), nblocks,
-      reinterpret_cast<unsigned int*>(finished.data_ptr<int32_t>()));
+      finished);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return digests;
 }

@@ -56,13 +56,12 @@ __host__ __device__ inline int64_t first_row_after(const Args& a, int64_t at) {
 enum class Kind : int { kHashed, kSource, kGap };
 
 // A chunk between its load and its store: `v` holds its 16 bytes (kSource,
-// kGap), or the chunk was done byte by byte and `term` holds its word terms
+// kGap), or the chunk was done byte by byte and `v` holds its two word terms
 // (kHashed). Loads of several chunks are issued before the first store, so a
-// lane keeps several in flight.
+// lane keeps several in flight; five registers each.
 struct Loaded {
   Kind kind;
   ulonglong2 v;
-  uint64_t term[2];
 };
 
 // Loads chunk `at` of out (a multiple of 16 below a.nbytes). `row` is a
@@ -111,8 +110,8 @@ __host__ __device__ inline Loaded load_chunk(const Args& a, int64_t at, int64_t&
     }
     w[i / 8] |= static_cast<uint64_t>(byte) << (8 * (i % 8));
   }
-  l.term[0] = checksum::word_term(w[0], first);
-  l.term[1] = end - at > 8 ? checksum::word_term(w[1], first + 1) : 0;
+  l.v.x = checksum::word_term(w[0], first);
+  l.v.y = end - at > 8 ? checksum::word_term(w[1], first + 1) : 0;
   l.kind = Kind::kHashed;
   return l;
 }
@@ -121,8 +120,8 @@ __host__ __device__ inline Loaded load_chunk(const Args& a, int64_t at, int64_t&
 // term[0] for word at/8, term[1] for the next (0 past out's end).
 __host__ __device__ inline void finish_chunk(const Args& a, int64_t at, const Loaded& l, uint64_t term[2]) {
   if (l.kind == Kind::kHashed) {
-    term[0] = l.term[0];
-    term[1] = l.term[1];
+    term[0] = l.v.x;
+    term[1] = l.v.y;
     return;
   }
   if (l.kind == Kind::kSource) {
@@ -131,6 +130,149 @@ __host__ __device__ inline void finish_chunk(const Args& a, int64_t at, const Lo
   const uint64_t first = a.word_offset + static_cast<uint64_t>(at / 8);
   term[0] = checksum::word_term(l.v.x, first);
   term[1] = checksum::word_term(l.v.y, first + 1);
+}
+
+
+// --- one warp's tile ---
+//
+// A warp takes tiles of out, kTileBytes each, in steps of kStepBytes: in a
+// step, lane L handles chunks L, L + 32, ... (kChunksPerStep of them), so each
+// of its loads is part of a 512-byte coalesced access. Almost every step of a
+// large pack lies inside one source and one checksum block; such a step is
+// copied and hashed as straight vectors, its keys added rather than
+// multiplied (copy_hash_step). The others (segment ends, gaps, out's end, a
+// block edge inside the step) go chunk by chunk through load_chunk.
+
+constexpr int kChunksPerStep = 8;
+constexpr int64_t kStepBytes = cuda_copy::kWarpSize * kChunksPerStep * kChunkBytes;  // 4 KiB
+// Four steps: the tile's binary search for its first row is paid once per
+// 16 KiB, and a 256 MiB call still makes 16,384 warps' worth of tiles.
+constexpr int64_t kTileBytes = 4 * kStepBytes;
+
+// Key distance between a lane's chunk u and chunk u + 1 of a step (32 chunks,
+// 64 words further on).
+constexpr uint64_t kChunkRowKey = 2 * cuda_copy::kWarpSize * checksum::kKeyStep;
+
+__host__ __device__ inline uint64_t pair_terms(ulonglong2 v, uint64_t key) {
+  return checksum::mix(v.x ^ key) + checksum::mix(v.y ^ (key + checksum::kKeyStep));
+}
+
+// Lane `lane`'s share of one whole step whose kStepBytes all come from `src`
+// (any alignment) to the 16-byte aligned `dst`: it stores them and returns the
+// sum of their word terms. `key` is the key of the lane's first word.
+__host__ __device__ inline uint64_t copy_hash_step(const uint8_t* src, uint8_t* dst, int lane, uint64_t key) {
+  auto* d = reinterpret_cast<ulonglong2*>(dst);
+  const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src) % cuda_copy::kVectorBytes);
+  uint64_t acc = 0;
+  if (shift == 0) {
+    const auto* s = reinterpret_cast<const ulonglong2*>(src);
+    ulonglong2 v[kChunksPerStep];
+#pragma unroll
+    for (int u = 0; u < kChunksPerStep; ++u) {
+      v[u] = cuda_copy::load16(s + u * cuda_copy::kWarpSize + lane);
+    }
+#pragma unroll
+    for (int u = 0; u < kChunksPerStep; ++u) {
+      cuda_copy::store16(d + u * cuda_copy::kWarpSize + lane, v[u]);
+      acc += pair_terms(v[u], key + u * kChunkRowKey);
+    }
+    return acc;
+  }
+  // Chunk i takes bytes from aligned words i and i + 1 of the source; each
+  // holds at least one source byte, so neither load leaves its pages. Half the
+  // chunks in flight at a time: two loads each.
+  const auto* words = reinterpret_cast<const ulonglong2*>(src - shift);
+  constexpr int kHalf = kChunksPerStep / 2;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    ulonglong2 lo[kHalf];
+    ulonglong2 hi[kHalf];
+#pragma unroll
+    for (int u = 0; u < kHalf; ++u) {
+      const int i = (half * kHalf + u) * cuda_copy::kWarpSize + lane;
+      lo[u] = cuda_copy::load16(words + i);
+      hi[u] = cuda_copy::load16(words + i + 1);
+    }
+#pragma unroll
+    for (int u = 0; u < kHalf; ++u) {
+      const int i = (half * kHalf + u) * cuda_copy::kWarpSize + lane;
+      const ulonglong2 v = cuda_copy::funnel(lo[u], hi[u], shift);
+      cuda_copy::store16(d + i, v);
+      acc += pair_terms(v, key + (half * kHalf + u) * kChunkRowKey);
+    }
+  }
+  return acc;
+}
+
+// Lane `lane`'s share of tile `tile`. The sink takes the lane's word terms:
+// sink.flush(block, sum) with the lane's sum over a run of steps inside
+// checksum block `block` (called at the same points by every lane of the warp,
+// so a warp-wide reduction may sit in it), and sink.add(block, term) for a
+// single word of a step that straddles two blocks. sink.whole_step(src) marks a
+// step done as straight vectors from src (host checks count them; the kernel's
+// does nothing).
+template <typename Sink>
+__host__ __device__ inline void pack_checksum_tile(const Args& a, int64_t block_bytes, int64_t tile, int lane,
+                                                   Sink& sink) {
+  const int64_t lo = tile * kTileBytes;
+  const int64_t hi = lo + kTileBytes < a.nbytes ? lo + kTileBytes : a.nbytes;
+  int64_t row = first_row_after(a, lo);  // warp-uniform: the first row that ends after the step
+  int64_t block = lo / block_bytes;
+  uint64_t acc = 0;
+  for (int64_t step = lo; step < hi; step += kStepBytes) {
+    const int64_t step_end = step + kStepBytes < hi ? step + kStepBytes : hi;
+    const int64_t first_block = step / block_bytes;
+    const bool one_block = (step_end - 1) / block_bytes == first_block;
+    if (first_block != block) {
+      sink.flush(block, acc);
+      acc = 0;
+      block = first_block;
+    }
+    while (row < a.nrows && a.rows[row].dst + a.rows[row].nbytes <= step) {
+      ++row;
+    }
+    if (one_block && step_end - step == kStepBytes && row < a.nrows && a.rows[row].dst <= step &&
+        a.rows[row].dst + a.rows[row].nbytes >= step_end) {
+      const Row& r = a.rows[row];
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(r.src) + (step - r.dst);
+      const uint64_t key = checksum::word_key(a.word_offset + static_cast<uint64_t>(step / 8) + 2 * lane);
+      acc += copy_hash_step(src, a.out + step, lane, key);
+      sink.whole_step(src);
+      continue;
+    }
+    int64_t cursor = row;  // this lane's: its chunks lie at or after the step
+    // Half the step's chunks in flight at a time: this path is rare, and its
+    // registers would otherwise cap the kernel's occupancy.
+    constexpr int kInFlight = kChunksPerStep / 2;
+    for (int half = 0; half < kChunksPerStep / kInFlight; ++half) {
+      Loaded loaded[kInFlight];
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int64_t at = step + (static_cast<int64_t>(half * kInFlight + u) * cuda_copy::kWarpSize + lane) * kChunkBytes;
+        if (at < step_end) {
+          loaded[u] = load_chunk(a, at, cursor);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int64_t at = step + (static_cast<int64_t>(half * kInFlight + u) * cuda_copy::kWarpSize + lane) * kChunkBytes;
+        if (at >= step_end) {
+          continue;
+        }
+        uint64_t term[2];
+        finish_chunk(a, at, loaded[u], term);
+        if (one_block) {
+          acc += term[0] + term[1];
+        } else {
+          sink.add(at / block_bytes, term[0]);
+          if (at + 8 < a.nbytes) {
+            sink.add((at + 8) / block_bytes, term[1]);
+          }
+        }
+      }
+    }
+  }
+  sink.flush(block, acc);
 }
 
 }  // namespace cuda_pack_checksum
