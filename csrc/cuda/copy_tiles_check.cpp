@@ -222,10 +222,11 @@ bool check_pack_checksum() {
     }
     const pc::Args args{rows.data(), static_cast<int64_t>(rows.size()), out, nbytes, word_offset};
     HostSums sink{got, whole_steps};
-    const int64_t ntiles = (nbytes + pc::kTileBytes - 1) / pc::kTileBytes;
+    const int64_t tile_bytes = pc::kStepBytes * (1 + trial / 4 % pc::kMaxTileSteps);
+    const int64_t ntiles = (nbytes + tile_bytes - 1) / tile_bytes;
     for (int64_t tile = 0; tile < ntiles; ++tile) {
       for (int lane = 0; lane < cc::kWarpSize; ++lane) {
-        pc::pack_checksum_tile(args, block, tile, lane, sink);
+        pc::pack_checksum_tile(args, block, tile_bytes, tile, lane, sink);
       }
     }
     if (std::memcmp(out, expected.data(), nbytes) != 0 || got != want) {
@@ -243,6 +244,12 @@ bool check_pack_checksum() {
         return false;
       }
     }
+  }
+  // Tile sizes: every multiprocessor gets its warps, then tiles grow to the most.
+  if (pc::tile_steps(21 << 20, 132, 32) != 1 || pc::tile_steps(256 << 20, 132, 32) != pc::kMaxTileSteps ||
+      pc::tile_steps(1, 132, 32) != 1 || pc::tile_steps(int64_t{3} * pc::kStepBytes * 132 * 32, 132, 32) != 3) {
+    std::printf("pack_checksum: tile_steps wrong\n");
+    return false;
   }
   if (whole_steps[0] == 0 || whole_steps[1] == 0) {
     std::printf("pack_checksum: the whole-step path never ran (aligned %lld, shifted %lld)\n",

@@ -156,13 +156,13 @@ struct AtomicSums {
 };
 
 __global__ void __launch_bounds__(kThreads) pack_checksum_kernel(
-    pc::Args a, int64_t block_bytes, int64_t ntiles, unsigned long long* sums, int64_t nblocks,
-    unsigned int* finished) {
+    pc::Args a, int64_t block_bytes, int64_t tile_bytes, int64_t ntiles, unsigned long long* sums,
+    int64_t nblocks, unsigned int* finished) {
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / cuda_copy::kWarpSize;
   const int lane = static_cast<int>(threadIdx.x % cuda_copy::kWarpSize);
   if (tile < ntiles) {  // warp-uniform
     AtomicSums sink{sums, lane};
-    pc::pack_checksum_tile(a, block_bytes, tile, lane, sink);
+    pc::pack_checksum_tile(a, block_bytes, tile_bytes, tile, lane, sink);
   }
   // The last block to get here finalizes: every other block's atomics are
   // visible to it after its fence and theirs.
@@ -219,7 +219,11 @@ at::Tensor pack_checksum_cuda(
     rows[i] = pc::Row{reinterpret_cast<int64_t>(segments[i].src), segments[i].dst - base, segments[i].nbytes};
   }
   const int64_t nbytes = out.numel();
-  const int64_t ntiles = (nbytes + pc::kTileBytes - 1) / pc::kTileBytes;
+  // Four blocks' worth of warps per multiprocessor at least (three fit at once), then longer tiles.
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, out.device().index()));
+  const int64_t tile_bytes = pc::kStepBytes * pc::tile_steps(nbytes, sms, 4 * kWarpsPerBlock);
+  const int64_t ntiles = (nbytes + tile_bytes - 1) / tile_bytes;
   const int64_t grid = (ntiles + kWarpsPerBlock - 1) / kWarpsPerBlock;
   TORCH_CHECK(grid <= std::numeric_limits<int32_t>::max(), "replica: ", nbytes, " bytes is more than one call can pack");
 
@@ -233,7 +237,7 @@ at::Tensor pack_checksum_cuda(
   const pc::Args args{reinterpret_cast<const pc::Row*>(device_table.data_ptr<int64_t>()), nrows, base, nbytes,
                       static_cast<uint64_t>(word_offset)};
   pack_checksum_kernel<<<static_cast<unsigned int>(grid), kThreads, 0, stream.stream()>>>(
-      args, block_bytes, ntiles, reinterpret_cast<unsigned long long*>(digests.data_ptr<int64_t>()), nblocks,
+      args, block_bytes, tile_bytes, ntiles, reinterpret_cast<unsigned long long*>(digests.data_ptr<int64_t>()), nblocks,
       finished);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return digests;

@@ -145,9 +145,18 @@ __host__ __device__ inline void finish_chunk(const Args& a, int64_t at, const Lo
 
 constexpr int kChunksPerStep = 8;
 constexpr int64_t kStepBytes = cuda_copy::kWarpSize * kChunksPerStep * kChunkBytes;  // 4 KiB
-// Four steps: the tile's binary search for its first row is paid once per
-// 16 KiB, and a 256 MiB call still makes 16,384 warps' worth of tiles.
-constexpr int64_t kTileBytes = 4 * kStepBytes;
+// A tile is 1 to kMaxTileSteps steps (tile_steps): the more, the fewer binary
+// searches for a tile's first row; the fewer, the more warps a small call
+// spreads over the GPU.
+constexpr int64_t kMaxTileSteps = 4;
+
+// Steps per tile for `nbytes` of out on a GPU of `sms` multiprocessors: as
+// many as still leave every multiprocessor `warps_per_sm` warps' worth of tiles.
+__host__ __device__ inline int64_t tile_steps(int64_t nbytes, int64_t sms, int64_t warps_per_sm) {
+  const int64_t steps = (nbytes + kStepBytes - 1) / kStepBytes;
+  const int64_t per_tile = steps / (sms * warps_per_sm);
+  return per_tile < 1 ? 1 : per_tile > kMaxTileSteps ? kMaxTileSteps : per_tile;
+}
 
 // Key distance between a lane's chunk u and chunk u + 1 of a step (32 chunks,
 // 64 words further on).
@@ -204,7 +213,8 @@ __host__ __device__ inline uint64_t copy_hash_step(const uint8_t* src, uint8_t* 
   return acc;
 }
 
-// Lane `lane`'s share of tile `tile`. The sink takes the lane's word terms:
+// Lane `lane`'s share of tile `tile` (tiles of tile_bytes, a multiple of
+// kStepBytes). The sink takes the lane's word terms:
 // sink.flush(block, sum) with the lane's sum over a run of steps inside
 // checksum block `block` (called at the same points by every lane of the warp,
 // so a warp-wide reduction may sit in it), and sink.add(block, term) for a
@@ -212,10 +222,10 @@ __host__ __device__ inline uint64_t copy_hash_step(const uint8_t* src, uint8_t* 
 // step done as straight vectors from src (host checks count them; the kernel's
 // does nothing).
 template <typename Sink>
-__host__ __device__ inline void pack_checksum_tile(const Args& a, int64_t block_bytes, int64_t tile, int lane,
-                                                   Sink& sink) {
-  const int64_t lo = tile * kTileBytes;
-  const int64_t hi = lo + kTileBytes < a.nbytes ? lo + kTileBytes : a.nbytes;
+__host__ __device__ inline void pack_checksum_tile(const Args& a, int64_t block_bytes, int64_t tile_bytes,
+                                                   int64_t tile, int lane, Sink& sink) {
+  const int64_t lo = tile * tile_bytes;
+  const int64_t hi = lo + tile_bytes < a.nbytes ? lo + tile_bytes : a.nbytes;
   int64_t row = first_row_after(a, lo);  // warp-uniform: the first row that ends after the step
   int64_t block = lo / block_bytes;
   uint64_t acc = 0;
