@@ -23,6 +23,9 @@ constexpr int64_t kCopyGrainBytes = 256 << 10;
 // and a receiver hashing one piece of a bucket (transport.base.PIECE_BYTES)
 // while the next arrives must leave the other cores to the transport.
 constexpr int64_t kChecksumGrainWords = 2 << 20;
+// checksum_cpu_threads: 2 MiB per thread at least (~0.1 ms of hashing, well
+// above what waking a thread costs).
+constexpr int64_t kChecksumThreadMinWords = 256 << 10;
 // pack_checksum hashes gaps shorter than this (alignment padding: < 64 bytes)
 // inline, word by word.
 constexpr int64_t kShortGapBytes = 256;
@@ -170,7 +173,9 @@ uint64_t hash_range(const uint8_t* bytes, int64_t nbytes, int64_t lo, int64_t hi
   return sum;
 }
 
-at::Tensor checksum_cpu(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset) {
+// The digests of buf, its words' ranges handed out by for_ranges(nwords, body).
+template <typename ForRanges>
+at::Tensor checksum_with(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset, ForRanges for_ranges) {
   const int64_t nblocks = plan_checksum(buf, block_bytes, word_offset);
   at::Tensor digests = at::empty({nblocks}, buf.options().dtype(at::kLong));
   if (nblocks == 0) {
@@ -181,7 +186,7 @@ at::Tensor checksum_cpu(const at::Tensor& buf, int64_t block_bytes, int64_t word
   const int64_t nwords = (nbytes + 7) / 8;
   const int64_t words_per_block = block_bytes / 8;
   BlockSums sums(digests, block_bytes);
-  at::parallel_for(0, nwords, kChecksumGrainWords, [&](int64_t begin, int64_t end) {
+  for_ranges(nwords, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end;) {
       const int64_t block = w / words_per_block;
       const int64_t block_end = std::min(end, (block + 1) * words_per_block);
@@ -191,6 +196,12 @@ at::Tensor checksum_cpu(const at::Tensor& buf, int64_t block_bytes, int64_t word
   });
   sums.finalize(nbytes);
   return digests;
+}
+
+at::Tensor checksum_cpu(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset) {
+  return checksum_with(buf, block_bytes, word_offset, [](int64_t nwords, const auto& body) {
+    at::parallel_for(0, nwords, kChecksumGrainWords, body);
+  });
 }
 
 // pack, and the checksum of `out` after it, in one pass: every byte of out is
@@ -309,6 +320,24 @@ at::Tensor pack_checksum_cpu(
 }
 
 }  // namespace
+
+at::Tensor checksum_cpu_threads(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset, int64_t threads) {
+  TORCH_CHECK(threads >= 1, "replica: threads must be >= 1, got ", threads);
+  TORCH_CHECK(buf.device().is_cpu(), "replica: checksum threads are for CPU buffers, got one on ", buf.device());
+  return checksum_with(buf, block_bytes, word_offset, [threads](int64_t nwords, const auto& body) {
+    const int64_t chunks = std::clamp<int64_t>((nwords + kChecksumThreadMinWords - 1) / kChecksumThreadMinWords, 1,
+                                               threads);
+    if (chunks == 1) {
+      body(0, nwords);
+      return;
+    }
+    const int64_t per_chunk = (nwords + chunks - 1) / chunks;
+#pragma omp parallel for num_threads(static_cast<int>(chunks)) schedule(static, 1)
+    for (int64_t c = 0; c < chunks; ++c) {
+      body(c * per_chunk, std::min(nwords, (c + 1) * per_chunk));
+    }
+  });
+}
 
 TORCH_LIBRARY_IMPL(replica, CPU, m) {
   m.impl("pack", &pack_cpu);

@@ -11,6 +11,7 @@
 // Device, fake/meta and Python-mode dispatch are unchanged.
 #include <torch/extension.h>
 
+#include "replica.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -146,13 +147,17 @@ at::Tensor pack_checksum(
 }
 
 // Without the GIL: a receiver hashes each bucket while its transport's
-// progress thread (Python, for some backends) finishes the next.
-at::Tensor checksum(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset) {
+// progress thread (Python, for some backends) finishes the next. threads > 0
+// on a CPU buffer: that many threads of its own (replica::checksum_cpu_threads).
+at::Tensor checksum(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset, int64_t threads) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("replica::checksum", "")
                        .typed<at::Tensor(const at::Tensor&, int64_t, int64_t)>();
   py::gil_scoped_release no_gil;
   at::AutoDispatchBelowADInplaceOrView below_autograd;
+  if (threads > 0 && buf.device().is_cpu()) {
+    return replica::checksum_cpu_threads(buf, block_bytes, word_offset, threads);
+  }
   return op.call(buf, block_bytes, word_offset);
 }
 
@@ -206,7 +211,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("unpack", &unpack, py::arg("src"), py::arg("dsts"), py::arg("offsets"));
   m.def("pack_checksum", &pack_checksum, py::arg("srcs"), py::arg("out"), py::arg("offsets"),
         py::arg("block_bytes"), py::arg("word_offset") = 0);
-  m.def("checksum", &checksum, py::arg("buf"), py::arg("block_bytes"), py::arg("word_offset") = 0);
+  m.def("checksum", &checksum, py::arg("buf"), py::arg("block_bytes"), py::arg("word_offset") = 0,
+        py::arg("threads") = 0);
   m.def("simd_builds", &replica::simd::supported, "the CPU checksum builds this CPU runs, best first");
   m.def("simd_build", [] { return std::string(replica::simd::active().name); }, "the CPU checksum build in use");
   m.def("select_simd_build", &replica::simd::select, py::arg("name"),

@@ -67,4 +67,5 @@ def choose_backend(config: Config, memory: MemoryKind, locality: Locality) -> st
 
 def make_backend(name: str, config: Config) -> Transport:
     transport, backend_config = _load(name)
-    return transport(backend_config(token=config.token, host=config.host, verify=config.verify))
+    return transport(backend_config(token=config.token, host=config.host, verify=config.verify,
+                                    verify_threads=config.verify_threads))

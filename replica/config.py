@@ -42,7 +42,9 @@ class Config:
     and fetch re-check a version before using it, and a standby re-checks its
     committed version every ``scrub_interval`` (0 disables the scrub), asking
     its trainer to re-send a bucket that changed in memory. Without ``verify``
-    no digest is taken, kept or checked.
+    no digest is taken, kept or checked. A receiver hashes each piece of a
+    host-memory bucket on ``verify_threads`` threads while the next arrives (0,
+    the default: every core the process may run on but two, at least one).
     """
 
     token: bytes = field(repr=False)
@@ -53,6 +55,7 @@ class Config:
     num_inflight_buckets: int = 8
     max_resends: int = 3
     verify: bool = True
+    verify_threads: int = 0
     timeout: timedelta = timedelta(seconds=30)
     commit_timeout: timedelta = timedelta(seconds=60)
     standby_wait: timedelta = timedelta(0)
@@ -70,6 +73,9 @@ class Config:
             raise ValueError(f"num_inflight_buckets must be >= 1, got {self.num_inflight_buckets}")
         if self.max_resends < 0:
             raise ValueError(f"max_resends must be >= 0, got {self.max_resends}")
+        if isinstance(self.verify_threads, bool) or not isinstance(self.verify_threads, int) \
+                or self.verify_threads < 0:
+            raise ValueError(f"verify_threads must be an int >= 0 (0: automatic), got {self.verify_threads!r}")
         if not self.backends:
             raise ValueError("backends must name at least one transport")
         if not isinstance(self.standby_wait, timedelta) or self.standby_wait < timedelta(0):

@@ -96,11 +96,17 @@ def unpack(src: torch.Tensor, dsts: Sequence[torch.Tensor], offsets: Sequence[in
         _C.unpack(src, dsts, offsets)
 
 
-def checksum(buf: torch.Tensor, block_bytes: int, word_offset: int = 0) -> torch.Tensor:
-    """One int64 digest per ``block_bytes`` of ``buf`` (a multiple of 8; the last block may be short)."""
+def checksum(buf: torch.Tensor, block_bytes: int, word_offset: int = 0, *, threads: int | None = None) -> torch.Tensor:
+    """One int64 digest per ``block_bytes`` of ``buf`` (a multiple of 8; the last block may be short).
+
+    ``threads``: on a CPU buffer, hash on up to this many threads of the call's own (at
+    least 2 MiB each), whatever ``torch.set_num_threads`` says; the digests are the same.
+    None: torch's intra-op threads, 16 MiB each at least. Ignored for CUDA buffers."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be an int >= 1 or None, got {threads!r}")
     if torch.compiler.is_compiling():
         return torch.ops.replica.checksum.default(buf, block_bytes, word_offset)
-    return _C.checksum(buf, block_bytes, word_offset)  # the same op, without holding the GIL
+    return _C.checksum(buf, block_bytes, word_offset, threads or 0)  # the same op, without holding the GIL
 
 
 def pack_checksum(srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int], block_bytes: int,

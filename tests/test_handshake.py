@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import socket
 import threading
@@ -543,9 +544,21 @@ def test_config_checks_the_handshake_settings():
     assert config.handshake_timeout == timedelta(seconds=10) and config.max_pending_handshakes == 64
     assert "job-token" not in repr(UcxConfig(token=TOKEN, handshake_timeout=timedelta(seconds=3)))
     for bad in ({"handshake_timeout": timedelta(0)}, {"handshake_timeout": 5.0},
-                {"max_pending_handshakes": 0}, {"max_pending_handshakes": True}):
+                {"max_pending_handshakes": 0}, {"max_pending_handshakes": True},
+                {"verify_threads": -1}, {"verify_threads": True}, {"verify_threads": 2.0}):
         with pytest.raises(ValueError):
             EndpointConfig(token=TOKEN, **bad)
+
+
+def test_receivers_verify_on_all_cores_but_two_unless_told():
+    from replica.transport.base import resolve_verify_threads
+
+    cores = len(os.sched_getaffinity(0))
+    assert resolve_verify_threads(0) == max(1, cores - 2)
+    assert resolve_verify_threads(5) == 5
+    conn = _FakeConnection(transport=None, sock=None, peer="p", memory=MemoryKind.HOST, verify=True,
+                           verify_threads=0)
+    assert conn._verify_threads == max(1, cores - 2)
 
 
 def test_local_addresses_are_told_from_other_hosts():

@@ -234,3 +234,28 @@ def test_opcheck(device):
     torch.library.opcheck(torch.ops.replica.pack_checksum.default, (tensors, out, offsets, 64))
     torch.library.opcheck(torch.ops.replica.pack_checksum.default, (tensors, out, offsets, 4096, 9))
     torch.library.opcheck(torch.ops.replica.checksum.default, (out, 64, 5))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_checksum_on_threads_of_its_own_gives_the_same_digests(threads):
+    """ops.checksum(threads=k): the call's own k threads (2 MiB each at least), whatever
+    torch's setting; blocks that straddle the threads' ranges, a short last word, any
+    word offset."""
+    buf = torch.randint(0, 256, (5 * 2 * MiB + 13,), dtype=torch.uint8, generator=torch.Generator().manual_seed(threads))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for block, word_offset in ((8, 0), (3 * MiB + 8, 12345), (buf.numel() + 3 & ~7, 7), (MiB, 0)):
+            assert torch.equal(ops.checksum(buf, block, word_offset, threads=threads),
+                               ops.checksum(buf, block, word_offset)), (block, word_offset)
+        small = buf[: 3 * MiB + 5]
+        assert torch.equal(ops.checksum(small, 4096, 3, threads=threads), ops.reference_checksum(small, 4096, 3))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_checksum_threads_must_be_a_positive_int():
+    buf = torch.zeros(64, dtype=torch.uint8)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(ValueError, match="threads"):
+            ops.checksum(buf, 64, threads=bad)

@@ -1,29 +1,56 @@
 #!/usr/bin/env bash
 # Everything replica checks on a GPU machine, in one run (device time is scarce): set up
-# (tools/gpu_setup.sh), the GPU tests, then the GPU benchmarks. Logs and result tables
-# go to ${OUT:-gpu-out}. Usage: tools/gpu_check.sh [tests|bench|all] [extra pytest args]
+# (tools/gpu_setup.sh), then phases in order of value -- kernels, the pack benchmark, an ncu
+# profile of the pack kernels, the GPU tests, the GPU mirror and weight-sync benchmarks --
+# each cut to what is left of BUDGET seconds (default 540), so a run that runs out still
+# says the most. Logs go to /tmp/gpu-logs and, packed, to ${OUT:-gpu-out}/logs.tgz beside the
+# result tables (a device call returns at most 8 files).
+# Usage: tools/gpu_check.sh [tests|bench|all] [extra pytest args]
 set -u -o pipefail
 WHAT=${1:-all}; shift || true
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+BUDGET=${BUDGET:-540}
 export PYTHONUNBUFFERED=1
-source tools/gpu_setup.sh || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/device.txt"
+START=$SECONDS
+L=/tmp/gpu-logs; mkdir -p $L
+finish() { cp bench/results/*gpu*.json bench/results/*gpu*.md "$OUT"/ 2>/dev/null; tar czf "$OUT/logs.tgz" -C /tmp gpu-logs; }
+trap finish EXIT
+left() { echo $(( BUDGET - (SECONDS - START) )); }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $L/device.txt
+source tools/gpu_setup.sh > $L/setup.log 2>&1 || { tail -60 $L/setup.log; exit 1; }
+tail -1 $L/setup.log
+P="python3 -X faulthandler -m pytest -p no:cacheprovider -q -rfEs --tb=short"
 rc=0
+phase() {  # name seconds-wanted command...
+  local n=$1 want=$2; shift 2
+  local l; l=$(left)
+  (( l < 20 )) && { echo "== skip $n (${l} s left)"; rc=1; return; }
+  (( want > l - 5 )) && want=$((l - 5))
+  local S=$SECONDS; timeout $want "$@" > $L/$n.log 2>&1; local r=$?
+  (( r == 0 )) || rc=1
+  echo "== $n rc=$r $((SECONDS - S)) s: $(tail -1 $L/$n.log)"; grep -E "^(FAILED|ERROR)" $L/$n.log | head -8
+}
 if [[ $WHAT == tests || $WHAT == all ]]; then
-  SECONDS=0
-  # The paths most worth the device time first; a run cut short by its limit still says the most.
-  FILES=${GPU_TESTS:-"tests/test_transport_gpu.py tests/test_gpu_placement.py tests/test_gpu_failover.py
-    tests/test_gpu_resilient.py tests/test_gpu_weights.py tests/test_ops.py"}
-  python3 -m pytest -m gpu $FILES -p no:cacheprovider --timeout 300 -q -rfEs "$@" 2>&1 | tee "$OUT/gpu_tests.log" \
-    | grep -v "^PASSED" | tail -60 || rc=1
-  echo "gpu tests: ${SECONDS} s"
+  phase ops 90 $P -m gpu tests/test_ops.py tests/test_pack_checksum.py --timeout 60 "$@"
 fi
 if [[ $WHAT == bench || $WHAT == all ]]; then
-  SECONDS=0
-  python3 -m pytest -m gpu bench -p no:cacheprovider --benchmark-only --timeout 400 -q -rfEs "$@" 2>&1 \
-    | tee "$OUT/gpu_bench.log" | grep -v "^test_\|^---\|^Name\|^Legend\|^  " | tail -30 || rc=1
-  cat bench/results/*gpu*.md 2>/dev/null | tee "$OUT/gpu_results.md"
-  echo "gpu benchmarks: ${SECONDS} s"
+  phase bench_pack 90 $P -m gpu bench/test_pack.py --benchmark-only --timeout 80 "$@"
+  grep -E "^\| " bench/results/pack_gpu.md
+  phase ncu 60 ncu --clock-control none --kernel-name regex:"pack_checksum_kernel|copy_tiles_kernel|checksum_partial" \
+    --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    python3 tools/ncu_pack.py
+  grep -E "_kernel|Duration|DRAM Throughput|Compute \(SM\)|Occupancy|Registers Per" $L/ncu.log | head -30
 fi
+if [[ $WHAT == tests || $WHAT == all ]]; then
+  for f in ${GPU_TESTS:-tests/test_gpu_failover.py tests/test_gpu_weights.py tests/test_gpu_resilient.py
+      tests/test_gpu_placement.py tests/test_transport_gpu.py}; do
+    phase "$(basename $f .py)" 300 $P -m gpu $f --timeout 150 "$@"
+  done
+fi
+if [[ $WHAT == bench || $WHAT == all ]]; then
+  phase bench_mirror 200 $P -m gpu bench/test_gpu_mirror.py --benchmark-only --timeout 190 "$@"
+  grep -E "^\| " bench/results/mirror_gpu.md 2>/dev/null
+  phase bench_weights 150 $P -m gpu bench/test_gpu_weight_sync.py --benchmark-only --timeout 140 "$@"
+fi
+echo "total $((SECONDS - START)) s"
 exit $rc

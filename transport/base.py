@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -44,6 +45,7 @@ __all__ = [
     "Transport",
     "bucket_digest",
     "nvtx_range",
+    "resolve_verify_threads",
     "select_transport",
 ]
 
@@ -112,15 +114,28 @@ def _check_offset(offset: int) -> None:
         raise ValueError(f"a bucket's offset must be a multiple of 8 in [0, 2^62), got {offset}")
 
 
-def bucket_digest(flat: torch.Tensor, *, offset: int = 0) -> int:
+def bucket_digest(flat: torch.Tensor, *, offset: int = 0, threads: int | None = None) -> int:
     """One 64-bit digest over a whole bucket (0 for an empty one): its words keyed from
     ``offset`` (the bucket's place in the buffer it belongs to, a multiple of 8), so it
     equals that block's digest in ``ops.checksum(buffer, bucket_bytes)`` and a sender
-    that packed the buffer with ``ops.pack_checksum`` has it already."""
+    that packed the buffer with ``ops.pack_checksum`` has it already. ``threads``: as
+    in ``ops.checksum``."""
     n = flat.numel()
     if n == 0:
         return 0
-    return int(ops.checksum(flat, -(-n // 8) * 8, offset // 8)[0].item())
+    return int(ops.checksum(flat, -(-n // 8) * 8, offset // 8, threads=threads)[0].item())
+
+
+def resolve_verify_threads(requested: int) -> int:
+    """The threads a receiver verifies with for ``EndpointConfig.verify_threads``: as
+    asked, or for 0 every core this process may run on but two (at least one)."""
+    if requested > 0:
+        return requested
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores - 2)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -262,10 +277,11 @@ class Transfer:
 class Connection(ABC):
     """One authenticated peer. Thread-safe for concurrent transfers."""
 
-    def __init__(self, *, peer: str, memory: MemoryKind, verify: bool):
+    def __init__(self, *, peer: str, memory: MemoryKind, verify: bool, verify_threads: int = 1):
         self.peer = peer
         self._memory = memory
         self._verify_digests = verify
+        self._verify_threads = resolve_verify_threads(verify_threads)
         self._error: TransportError | None = None
         self._failed = threading.Event()
         self._lock = threading.Lock()
@@ -393,7 +409,7 @@ class Connection(ABC):
                 return header, 0
             if not (0 <= header.offset < MAX_OFFSET and header.offset % 8 == 0):
                 raise TransportError(f"tag {tag} from {self.peer}: a bucket offset of {header.offset} bytes")
-            return header, bucket_digest(flat, offset=header.offset)
+            return header, bucket_digest(flat, offset=header.offset, threads=self._verify_threads)
 
     def _verify(self, tag: int, flat: torch.Tensor, headers: list[BucketHeader], digests: list[int]) -> BucketHeader:
         """The bucket's header, from its pieces' (each checked by ``_check_piece``);

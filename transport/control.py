@@ -360,6 +360,10 @@ class EndpointConfig:
     host: str = "127.0.0.1"
     port: int = 0
     verify: bool = True
+    # Threads a receiver hashes each piece of a host-memory bucket with, while
+    # the next arrives (0: every core this process may run on but two, which
+    # stay with the transport and the caller; at least one).
+    verify_threads: int = 0
     handshake_timeout: timedelta = timedelta(seconds=10)
     max_pending_handshakes: int = 64
     # A peer whose machine stops answering (lost, or cut off by a partition: no
@@ -373,6 +377,9 @@ class EndpointConfig:
             raise ValueError("token must be non-empty bytes (the job's secret)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if isinstance(self.verify_threads, bool) or not isinstance(self.verify_threads, int) \
+                or self.verify_threads < 0:
+            raise ValueError(f"verify_threads must be an int >= 0 (0: automatic), got {self.verify_threads!r}")
         if not isinstance(self.handshake_timeout, timedelta) or self.handshake_timeout <= timedelta(0):
             raise ValueError(f"handshake_timeout must be a positive timedelta, got {self.handshake_timeout!r}")
         if isinstance(self.max_pending_handshakes, bool) or not isinstance(self.max_pending_handshakes, int) \

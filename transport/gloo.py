@@ -148,7 +148,7 @@ class GlooTransport(ControlledTransport):
                 group.abort()
             raise
         return GlooConnection(transport=self, sock=sock, peer=peer, group=group, peer_rank=1 - rank,
-                              verify=self.config.verify)
+                              verify=self.config.verify, verify_threads=self.config.verify_threads)
 
     def _shutdown(self) -> None:
         pass

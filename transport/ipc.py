@@ -669,7 +669,8 @@ class IpcTransport(ControlledTransport):
         return b"", None
 
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
-        return IpcConnection(transport=self, sock=sock, peer=peer, verify=self.config.verify)
+        return IpcConnection(transport=self, sock=sock, peer=peer, verify=self.config.verify,
+                             verify_threads=self.config.verify_threads)
 
     def _shutdown(self) -> None:
         self._ready.close()

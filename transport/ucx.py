@@ -317,7 +317,8 @@ class UcxTransport(ControlledTransport):
         endpoint = state.handle.create_endpoint_from_worker_address(
             _ucx().UCXAddress.create_from_buffer(peer_offer), self.config.data_error_handling)
         conn = UcxConnection(transport=self, sock=sock, peer=peer, endpoint=endpoint, worker=state,
-                             send_id=send_id, recv_id=recv_id, verify=self.config.verify)
+                             send_id=send_id, recv_id=recv_id, verify=self.config.verify,
+                             verify_threads=self.config.verify_threads)
         if self.config.data_error_handling:
             endpoint.set_close_callback(_endpoint_closed, cb_args=(weakref.ref(conn),))
         return conn
