@@ -44,7 +44,8 @@ class Config:
     its trainer to re-send a bucket that changed in memory. Without ``verify``
     no digest is taken, kept or checked. A receiver hashes each piece of a
     host-memory bucket on ``verify_threads`` threads while the next arrives (0,
-    the default: every core the process may run on but two, at least one).
+    the default: every core the process may run on but two, at least one, at most
+    eight).
     """
 
     token: bytes = field(repr=False)

@@ -554,11 +554,12 @@ def test_receivers_verify_on_all_cores_but_two_unless_told():
     from replica.transport.base import resolve_verify_threads
 
     cores = len(os.sched_getaffinity(0))
-    assert resolve_verify_threads(0) == max(1, cores - 2)
-    assert resolve_verify_threads(5) == 5
+    auto = max(1, min(8, cores - 2))
+    assert resolve_verify_threads(0) == auto
+    assert resolve_verify_threads(5) == 5 and resolve_verify_threads(20) == 20
     conn = _FakeConnection(transport=None, sock=None, peer="p", memory=MemoryKind.HOST, verify=True,
                            verify_threads=0)
-    assert conn._verify_threads == max(1, cores - 2)
+    assert conn._verify_threads == auto
 
 
 def test_local_addresses_are_told_from_other_hosts():
