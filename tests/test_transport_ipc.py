@@ -8,6 +8,7 @@ import torch
 
 from replica.errors import TransportError
 from replica.testing import spawn
+from replica.transport.base import PIECE_BYTES
 from replica.transport.ipc import MAX_HOST_BYTES, IpcConfig, IpcTransport
 
 from transport_contract import (
@@ -17,6 +18,7 @@ from transport_contract import (
     check_peer_killed_mid_transfer,
     check_round_trip_sizes,
     connected,
+    messages_of_a_bucket,
     peer_main,
     run_transport_contract,
 )
@@ -61,3 +63,11 @@ def test_capabilities_still_say_cuda_only():
 
     assert not IpcTransport.capabilities.supports(MemoryKind.HOST, Locality.SAME_NODE)
     assert IpcTransport.capabilities.supports(MemoryKind.CUDA, Locality.SAME_NODE)
+
+
+def test_a_bucket_goes_as_one_message():
+    """CUDA IPC sends a bucket whole, whatever its size: each message costs control-socket
+    round trips and thread hand-offs, and its receiver hashes on the GPU, so pieces would
+    only multiply them. A bucket of three pieces' size arrives verified from one send."""
+    n = 2 * PIECE_BYTES + 4099
+    assert messages_of_a_bucket(make_ipc, n) == [n]

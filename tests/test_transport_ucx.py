@@ -21,6 +21,7 @@ from transport_contract import (
     check_round_trip_sizes,
     connected,
     empty,
+    messages_of_a_bucket,
     pattern,
     peer_main,
     run_transport_contract,
@@ -53,6 +54,14 @@ def test_pieces_verified_on_threads_of_their_own():
     on a machine with cores to spare) gets the same digests: pieced buckets arrive
     whole, and a flipped byte in one is caught."""
     run_transport_contract(functools.partial(make_ucx, verify_threads=3), check_bucket_in_pieces)
+
+
+def test_a_large_bucket_goes_in_pieces():
+    """UCX splits a bucket into PIECE_BYTES pieces, so a host receiver hashes one while the
+    next arrives; the last piece carries the whole bucket's digest."""
+    from replica.transport.base import PIECE_BYTES
+
+    assert messages_of_a_bucket(make_ucx, 2 * PIECE_BYTES + 4099) == [PIECE_BYTES, PIECE_BYTES, 4099]
 
 
 def test_round_trip_512_mib():

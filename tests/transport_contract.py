@@ -266,6 +266,26 @@ def check_bucket_in_pieces(make: MakeTransport, device: str = "cpu") -> None:
         assert peer.recv()[:2] == ("ok", int(small.sum()))
 
 
+def messages_of_a_bucket(make: MakeTransport, nbytes: int, device: str = "cpu") -> list[int]:
+    """The sizes of the messages one bucket of ``nbytes`` goes in (the backend's pieces),
+    sent to a peer that receives and verifies it whole."""
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
+        conn = connected(transport, peer)
+        sizes = []
+        real = conn._isend
+
+        def counted(flat, tag, header):
+            sizes.append(flat.numel())
+            return real(flat, tag, header)
+
+        conn._isend = counted
+        data = pattern(nbytes, 8, device)
+        peer.send("recv_verify", nbytes, 26)
+        sent = conn.send(data, tag=26, timeout=T, step=1, bucket=1)
+        assert peer.recv() == ("ok", int(data.sum()), 0, nbytes, sent.digest)
+        return sizes
+
+
 def check_peer_killed_mid_transfer(make: MakeTransport, nbytes: int = 512 * MiB, device: str = "cpu") -> None:
     with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
         conn = connected(transport, peer)

@@ -189,14 +189,15 @@ def _seconds(timeout: timedelta) -> float:
 #: Buckets above this many bytes travel as pieces of it (a multiple of 8), each a
 #: message of its own under the bucket's tag (every backend delivers one tag's
 #: messages in order): the receiver hashes piece k while piece k + 1 arrives, so
-#: only the last piece's hash follows the transfer. Both sides split alike.
+#: only the last piece's hash follows the transfer. Both sides split alike (the
+#: backend's ``piece_bytes``; this is the default).
 PIECE_BYTES = 16 << 20
 
 
-def _pieces(n: int) -> list[tuple[int, int]]:
-    if n <= PIECE_BYTES:
+def _pieces(n: int, piece_bytes: int | None) -> list[tuple[int, int]]:
+    if piece_bytes is None or n <= piece_bytes:
         return [(0, n)]
-    return [(lo, min(lo + PIECE_BYTES, n)) for lo in range(0, n, PIECE_BYTES)]
+    return [(lo, min(lo + piece_bytes, n)) for lo in range(0, n, piece_bytes)]
 
 
 @dataclass(slots=True)
@@ -286,6 +287,9 @@ class Transfer:
 class Connection(ABC):
     """One authenticated peer. Thread-safe for concurrent transfers."""
 
+    #: Pieces a bucket goes in (see PIECE_BYTES); None: one message per bucket.
+    piece_bytes: int | None = PIECE_BYTES
+
     def __init__(self, *, peer: str, memory: MemoryKind, verify: bool, verify_threads: int = 1):
         self.peer = peer
         self._memory = memory
@@ -308,7 +312,7 @@ class Connection(ABC):
         ``digest``: ``bucket_digest(buf, offset=offset)``, when the caller has it already
         (``ops.pack_checksum`` took it while packing); otherwise it is computed here
         while the payload is on its way (when the connection verifies digests).
-        A bucket above ``PIECE_BYTES`` goes as pieces; the last one's header carries
+        A bucket above ``piece_bytes`` goes as pieces; the last one's header carries
         the digest of the whole."""
         flat = self._guard(buf, tag, "buf")
         _check_offset(offset)
@@ -321,7 +325,7 @@ class Connection(ABC):
             payload[flat.numel() // 2] ^= 0xFF
         whole = BucketHeader(step=step, bucket=bucket, offset=offset, nbytes=flat.numel(), digest=0,
                              fingerprint=fingerprint)
-        spans = _pieces(flat.numel())
+        spans = _pieces(flat.numel(), self.piece_bytes)
 
         def header_of(lo: int, hi: int) -> Callable[[], bytes]:
             def finish_header() -> bytes:
@@ -350,7 +354,7 @@ class Connection(ABC):
     def irecv(self, buf: torch.Tensor, *, tag: int) -> Transfer:
         """Start receiving the next bucket sent under ``tag`` directly into ``buf``."""
         flat = self._guard(buf, tag, "buf")
-        spans = _pieces(flat.numel())
+        spans = _pieces(flat.numel(), self.piece_bytes)
         pieces = []
         with nvtx_range("replica::post_recv"):
             for lo, hi in spans:
