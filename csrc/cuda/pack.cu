@@ -155,7 +155,9 @@ struct AtomicSums {
   __device__ void whole_step(const uint8_t* /*src*/) const {}
 };
 
-__global__ void __launch_bounds__(kThreads) pack_checksum_kernel(
+// Four blocks per multiprocessor: at most 64 registers (see pack_checksum_tile's
+// slow path), half the warps a multiprocessor holds.
+__global__ void __launch_bounds__(kThreads, 4) pack_checksum_kernel(
     pc::Args a, int64_t block_bytes, int64_t tile_bytes, int64_t ntiles, unsigned long long* sums,
     int64_t nblocks, unsigned int* finished) {
   const int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / cuda_copy::kWarpSize;

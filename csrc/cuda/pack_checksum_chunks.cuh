@@ -251,9 +251,11 @@ __host__ __device__ inline void pack_checksum_tile(const Args& a, int64_t block_
       continue;
     }
     int64_t cursor = row;  // this lane's: its chunks lie at or after the step
-    // Half the step's chunks in flight at a time: this path is rare, and its
-    // registers would otherwise cap the kernel's occupancy.
-    constexpr int kInFlight = kChunksPerStep / 2;
+    // Two chunks in flight at a time: this path is rare in a large pack, and
+    // its registers cap the kernel's occupancy (four in flight: 80 registers, 3
+    // blocks of 256 threads per multiprocessor, which ncu saw at 66% of DRAM
+    // bandwidth on an H200; two: 64, 4 blocks, as the plain pack kernel has).
+    constexpr int kInFlight = 2;
     for (int half = 0; half < kChunksPerStep / kInFlight; ++half) {
       Loaded loaded[kInFlight];
 #pragma unroll
