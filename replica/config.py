@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from replica.ops import ALIGNMENT
+from replica.transport.base import check_verify_threads
 
 __all__ = ["Config", "token_from_env"]
 
@@ -74,9 +75,7 @@ class Config:
             raise ValueError(f"num_inflight_buckets must be >= 1, got {self.num_inflight_buckets}")
         if self.max_resends < 0:
             raise ValueError(f"max_resends must be >= 0, got {self.max_resends}")
-        if isinstance(self.verify_threads, bool) or not isinstance(self.verify_threads, int) \
-                or self.verify_threads < 0:
-            raise ValueError(f"verify_threads must be an int >= 0 (0: automatic), got {self.verify_threads!r}")
+        check_verify_threads(self.verify_threads)
         if not self.backends:
             raise ValueError("backends must name at least one transport")
         if not isinstance(self.standby_wait, timedelta) or self.standby_wait < timedelta(0):

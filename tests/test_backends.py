@@ -30,3 +30,13 @@ def test_uninstalled_ucxx_falls_back_instead_of_failing_later(monkeypatch):
     assert choose_backend(config(), MemoryKind.HOST, Locality.REMOTE) == "gloo"
     with pytest.raises(TransportError, match="no transport moves CUDA memory to a REMOTE peer"):
         choose_backend(config(), MemoryKind.CUDA, Locality.REMOTE)
+
+
+def test_verify_threads_reach_the_backend_and_bad_values_are_refused():
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="verify_threads"):
+            config(verify_threads=bad)
+    from replica.backends import make_backend
+
+    with make_backend("gloo", config(verify_threads=3)) as transport:
+        assert transport.config.verify_threads == 3

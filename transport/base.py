@@ -45,6 +45,7 @@ __all__ = [
     "Transfer",
     "Transport",
     "bucket_digest",
+    "check_verify_threads",
     "nvtx_range",
     "resolve_verify_threads",
     "select_transport",
@@ -130,6 +131,12 @@ def bucket_digest(flat: torch.Tensor, *, offset: int = 0, threads: int | None = 
 #: The most threads ``verify_threads=0`` picks: eight hash ~100 GB/s, more than any link
 #: delivers, and idle OpenMP threads spin a while before they sleep.
 AUTO_VERIFY_THREADS_MAX = 8
+
+
+def check_verify_threads(value: object) -> None:
+    """ValueError unless ``value`` can be a ``verify_threads`` setting (an int >= 0; 0: automatic)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"verify_threads must be an int >= 0 (0: automatic), got {value!r}")
 
 
 def resolve_verify_threads(requested: int) -> int:

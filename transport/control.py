@@ -37,7 +37,7 @@ from replica.errors import (
     TransportError,
 )
 from replica.transport import wire
-from replica.transport.base import Connection, Locality, Transport
+from replica.transport.base import Connection, Locality, Transport, check_verify_threads
 
 __all__ = [
     "BYE",
@@ -377,9 +377,7 @@ class EndpointConfig:
             raise ValueError("token must be non-empty bytes (the job's secret)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if isinstance(self.verify_threads, bool) or not isinstance(self.verify_threads, int) \
-                or self.verify_threads < 0:
-            raise ValueError(f"verify_threads must be an int >= 0 (0: automatic), got {self.verify_threads!r}")
+        check_verify_threads(self.verify_threads)
         if not isinstance(self.handshake_timeout, timedelta) or self.handshake_timeout <= timedelta(0):
             raise ValueError(f"handshake_timeout must be a positive timedelta, got {self.handshake_timeout!r}")
         if isinstance(self.max_pending_handshakes, bool) or not isinstance(self.max_pending_handshakes, int) \
