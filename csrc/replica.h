@@ -37,7 +37,7 @@ std::vector<Segment> plan_segments(
 // Validates checksum's arguments; returns the number of digests (blocks).
 int64_t plan_checksum(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset);
 
-// The CPU checksum on min(threads, one per kChecksumThreadMinBytes) OpenMP
+// The CPU checksum on min(threads, one per 2 MiB of buf) OpenMP
 // threads of its own, whatever torch's intra-op setting: a receiver verifying
 // pieces on a machine with cores to spare (ops.checksum(threads=)).
 at::Tensor checksum_cpu_threads(const at::Tensor& buf, int64_t block_bytes, int64_t word_offset, int64_t threads);

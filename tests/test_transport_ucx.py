@@ -10,6 +10,7 @@ import torch
 
 from replica.errors import PeerDisconnectedError
 
+from replica.transport.base import PIECE_BYTES
 from replica.transport.ucx import UcxConfig, UcxTransport
 
 from transport_contract import (
@@ -59,8 +60,6 @@ def test_pieces_verified_on_threads_of_their_own():
 def test_a_large_bucket_goes_in_pieces():
     """UCX splits a bucket into PIECE_BYTES pieces, so a host receiver hashes one while the
     next arrives; the last piece carries the whole bucket's digest."""
-    from replica.transport.base import PIECE_BYTES
-
     assert messages_of_a_bucket(make_ucx, 2 * PIECE_BYTES + 4099) == [PIECE_BYTES, PIECE_BYTES, 4099]
 
 

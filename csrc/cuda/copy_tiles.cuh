@@ -88,10 +88,11 @@ __host__ __device__ inline ulonglong2 funnel(ulonglong2 lo, ulonglong2 hi, int r
 }
 
 // Lane `lane`'s share of storing `nvec` 16-byte vectors to a 16-byte aligned
-// `dst`, vector i being load(i). All kUnroll loads of a step are issued before
-// its first store, so each lane keeps kUnroll loads in flight.
-template <int kUnroll, typename Load>
-__host__ __device__ inline void copy_vectors(Load load, ulonglong2* dst, int nvec, int lane) {
+// `dst`, vector i being load(i); stored(v) sees each vector the lane stores, in
+// the order of i. All kUnroll loads of a step are issued before its first
+// store, so each lane keeps kUnroll loads in flight.
+template <int kUnroll, typename Load, typename Stored>
+__host__ __device__ inline void copy_vectors(Load load, ulonglong2* dst, int nvec, int lane, Stored& stored) {
   for (int base = 0; base < nvec; base += kWarpSize * kUnroll) {
     ulonglong2 v[kUnroll];
 #pragma unroll
@@ -106,8 +107,27 @@ __host__ __device__ inline void copy_vectors(Load load, ulonglong2* dst, int nve
       const int i = base + u * kWarpSize + lane;
       if (i < nvec) {
         store16(dst + i, v[u]);
+        stored(v[u]);
       }
     }
+  }
+}
+
+// copy_vectors from a source at any alignment: straight loads when it is
+// 16-byte aligned; otherwise vector i takes bytes from aligned words i and
+// i + 1, each holding at least one byte of the source, so neither load leaves
+// the source's pages.
+template <typename Stored>
+__host__ __device__ inline void copy_vectors_from(const uint8_t* src, ulonglong2* dst, int nvec, int lane,
+                                                  Stored& stored) {
+  const int r = static_cast<int>(reinterpret_cast<uintptr_t>(src) % kVectorBytes);
+  if (r == 0) {
+    const auto* sv = reinterpret_cast<const ulonglong2*>(src);
+    copy_vectors<kAlignedUnroll>([sv](int i) { return load16(sv + i); }, dst, nvec, lane, stored);
+  } else {
+    const auto* words = reinterpret_cast<const ulonglong2*>(src - r);
+    copy_vectors<kShiftedUnroll>(
+        [words, r](int i) { return funnel(load16(words + i), load16(words + i + 1), r); }, dst, nvec, lane, stored);
   }
 }
 
@@ -128,19 +148,8 @@ __host__ __device__ inline void copy_tile(const CopySegment& seg, int64_t tile, 
   const uint8_t* s = src + begin;
   uint8_t* d = dst + begin;
   const int nvec = len / kVectorBytes;
-  auto* dv = reinterpret_cast<ulonglong2*>(d);
-  const int r = static_cast<int>(reinterpret_cast<uintptr_t>(s) % kVectorBytes);
-  if (r == 0) {
-    const auto* sv = reinterpret_cast<const ulonglong2*>(s);
-    copy_vectors<kAlignedUnroll>([sv](int i) { return load16(sv + i); }, dv, nvec, lane);
-  } else {
-    // Vector i takes bytes from aligned words i and i + 1; each holds at least
-    // one byte of the source, so neither load leaves the source's pages.
-    const auto* words = reinterpret_cast<const ulonglong2*>(s - r);
-    copy_vectors<kShiftedUnroll>(
-        [words, r](int i) { return funnel(load16(words + i), load16(words + i + 1), r); },
-        dv, nvec, lane);
-  }
+  auto nothing = [](ulonglong2) {};
+  copy_vectors_from(s, reinterpret_cast<ulonglong2*>(d), nvec, lane, nothing);
   const int tail = len - nvec * kVectorBytes;
   if (lane < tail) {
     d[nvec * kVectorBytes + lane] = s[nvec * kVectorBytes + lane];

@@ -221,7 +221,7 @@ at::Tensor pack_checksum_cuda(
     rows[i] = pc::Row{reinterpret_cast<int64_t>(segments[i].src), segments[i].dst - base, segments[i].nbytes};
   }
   const int64_t nbytes = out.numel();
-  // Four blocks' worth of warps per multiprocessor at least (three fit at once), then longer tiles.
+  // Four blocks' worth of warps per multiprocessor at least (as many as fit at once), then longer tiles.
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, out.device().index()));
   const int64_t tile_bytes = pc::kStepBytes * pc::tile_steps(nbytes, sms, 4 * kWarpsPerBlock);

@@ -135,13 +135,14 @@ __host__ __device__ inline void finish_chunk(const Args& a, int64_t at, const Lo
 
 // --- one warp's tile ---
 //
-// A warp takes tiles of out, kTileBytes each, in steps of kStepBytes: in a
-// step, lane L handles chunks L, L + 32, ... (kChunksPerStep of them), so each
-// of its loads is part of a 512-byte coalesced access. Almost every step of a
+// A warp takes tiles of out, 1 to kMaxTileSteps steps of kStepBytes each: in
+// a step, lane L handles chunks L, L + 32, ... (kChunksPerStep of them), so
+// each of its loads is part of a 512-byte coalesced access. Almost every step of a
 // large pack lies inside one source and one checksum block; such a step is
 // copied and hashed as straight vectors, its keys added rather than
-// multiplied (copy_hash_step). The others (segment ends, gaps, out's end, a
-// block edge inside the step) go chunk by chunk through load_chunk.
+// multiplied (copy_hash_step, through the plain pack's copy_vectors_from). The
+// others (segment ends, gaps, out's end, a block edge inside the step) go chunk
+// by chunk through load_chunk.
 
 constexpr int kChunksPerStep = 8;
 constexpr int64_t kStepBytes = cuda_copy::kWarpSize * kChunksPerStep * kChunkBytes;  // 4 KiB
@@ -168,48 +169,16 @@ __host__ __device__ inline uint64_t pair_terms(ulonglong2 v, uint64_t key) {
 
 // Lane `lane`'s share of one whole step whose kStepBytes all come from `src`
 // (any alignment) to the 16-byte aligned `dst`: it stores them and returns the
-// sum of their word terms. `key` is the key of the lane's first word.
+// sum of their word terms. `key` is the key of the lane's first word; the
+// lane's next chunk (32 chunks on) is kChunkRowKey further.
 __host__ __device__ inline uint64_t copy_hash_step(const uint8_t* src, uint8_t* dst, int lane, uint64_t key) {
-  auto* d = reinterpret_cast<ulonglong2*>(dst);
-  const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src) % cuda_copy::kVectorBytes);
   uint64_t acc = 0;
-  if (shift == 0) {
-    const auto* s = reinterpret_cast<const ulonglong2*>(src);
-    ulonglong2 v[kChunksPerStep];
-#pragma unroll
-    for (int u = 0; u < kChunksPerStep; ++u) {
-      v[u] = cuda_copy::load16(s + u * cuda_copy::kWarpSize + lane);
-    }
-#pragma unroll
-    for (int u = 0; u < kChunksPerStep; ++u) {
-      cuda_copy::store16(d + u * cuda_copy::kWarpSize + lane, v[u]);
-      acc += pair_terms(v[u], key + u * kChunkRowKey);
-    }
-    return acc;
-  }
-  // Chunk i takes bytes from aligned words i and i + 1 of the source; each
-  // holds at least one source byte, so neither load leaves its pages. Half the
-  // chunks in flight at a time: two loads each.
-  const auto* words = reinterpret_cast<const ulonglong2*>(src - shift);
-  constexpr int kHalf = kChunksPerStep / 2;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    ulonglong2 lo[kHalf];
-    ulonglong2 hi[kHalf];
-#pragma unroll
-    for (int u = 0; u < kHalf; ++u) {
-      const int i = (half * kHalf + u) * cuda_copy::kWarpSize + lane;
-      lo[u] = cuda_copy::load16(words + i);
-      hi[u] = cuda_copy::load16(words + i + 1);
-    }
-#pragma unroll
-    for (int u = 0; u < kHalf; ++u) {
-      const int i = (half * kHalf + u) * cuda_copy::kWarpSize + lane;
-      const ulonglong2 v = cuda_copy::funnel(lo[u], hi[u], shift);
-      cuda_copy::store16(d + i, v);
-      acc += pair_terms(v, key + (half * kHalf + u) * kChunkRowKey);
-    }
-  }
+  auto hash = [&acc, &key](ulonglong2 v) {
+    acc += pair_terms(v, key);
+    key += kChunkRowKey;
+  };
+  cuda_copy::copy_vectors_from(src, reinterpret_cast<ulonglong2*>(dst),
+                               static_cast<int>(kStepBytes / cuda_copy::kVectorBytes), lane, hash);
   return acc;
 }
 
