@@ -57,7 +57,7 @@ from replica.protocol import (
     send_layout,
     send_reply,
 )
-from replica.transport import Connection, MemoryKind, Transfer, Transport
+from replica.transport import BucketHeader, Connection, MemoryKind, Transfer, Transport
 
 __all__ = [
     "Backoff",
@@ -195,7 +195,7 @@ class Outgoing:
 
     def flush(self) -> None:
         if self._begin is not None:
-            self._begin.wait(self._config.timeout)
+            self._wait(self._begin)
             self._begin = None
         while self._inflight:
             self._finish_oldest()
@@ -207,8 +207,26 @@ class Outgoing:
         self.flush()
 
     def _finish_oldest(self) -> None:
-        header = self._inflight.popleft().wait(self._config.timeout)
+        header = self._wait(self._inflight.popleft())
         self.digests[header.bucket] = header.digest
+
+    def _wait(self, transfer: Transfer) -> BucketHeader:
+        try:
+            return transfer.wait(self._config.timeout)
+        except PeerDisconnectedError:
+            # A receiver that refuses this version answers FENCED and closes the connection
+            # at once, failing the sends still in flight: an answer already in wins.
+            posted, self._reply = self._reply, None
+            try:
+                fenced = posted is not None and posted(timedelta(0)).status == Status.FENCED
+            except TransportError:
+                fenced = False
+            if fenced:
+                raise self._fenced() from None
+            raise
+
+    def _fenced(self) -> FencedError:
+        return FencedError(f"{self._peer} refused step {self.step} of {self.epoch}: it is not the current epoch")
 
     def settle(self) -> None:
         """Read the receiver's answer to this version: return once ACKED; send the
@@ -222,8 +240,7 @@ class Outgoing:
             if reply.status == Status.ACKED:
                 return
             if reply.status == Status.FENCED:
-                raise FencedError(f"{self._peer} refused step {self.step} of {self.epoch}: it is not the current "
-                                  "epoch")
+                raise self._fenced()
             if reply.status != Status.RESEND or not reply.buckets:
                 raise TransportError(f"{self._peer} answered {reply.status.name} for step {self.step}")
             if attempt == max_resends:
