@@ -38,8 +38,9 @@ if [[ $WHAT == bench || $WHAT == all ]]; then
   grep -E "^\| " bench/results/pack_gpu.md
   phase ncu 60 ncu --clock-control none --kernel-name regex:"pack_checksum_kernel|copy_tiles_kernel|checksum_partial" \
     --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
     python3 tools/ncu_pack.py
-  grep -E "_kernel|Duration|DRAM Throughput|Compute \(SM\)|Occupancy|Registers Per" $L/ncu.log | head -30
+  grep -E "_kernel|Duration|DRAM Throughput|Compute \(SM\)|Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp Per|Mem Busy|Max Bandwidth" $L/ncu.log | head -45
 fi
 if [[ $WHAT == tests || $WHAT == all ]]; then
   for f in ${GPU_TESTS:-tests/test_gpu_failover.py tests/test_gpu_weights.py tests/test_gpu_resilient.py

@@ -64,6 +64,22 @@ __host__ __device__ inline ulonglong2 load16(const ulonglong2* p) {
 #endif
 }
 
+// A load the compiler may not move past a store: ld.global without .nc, so it
+// must assume the store may write what it reads. copy_vectors with it keeps
+// all of a step's loads before its first store even when what it does with
+// each stored vector (pack_checksum's hash) competes for registers; with
+// load16 the compiler sank loads past the stores and hashes of earlier
+// vectors, a trip to memory for each.
+__host__ __device__ inline ulonglong2 load16_ordered(const ulonglong2* p) {
+#ifdef __CUDA_ARCH__
+  ulonglong2 v;
+  asm volatile("ld.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+  return v;
+#else
+  return *p;
+#endif
+}
+
 __host__ __device__ inline void store16(ulonglong2* p, ulonglong2 v) {
 #ifdef __CUDA_ARCH__
   __stwb(p, v);
@@ -117,17 +133,19 @@ __host__ __device__ inline void copy_vectors(Load load, ulonglong2* dst, int nve
 // 16-byte aligned; otherwise vector i takes bytes from aligned words i and
 // i + 1, each holding at least one byte of the source, so neither load leaves
 // the source's pages.
-template <typename Stored>
+// kOrdered: loads by load16_ordered rather than load16.
+template <bool kOrdered = false, typename Stored>
 __host__ __device__ inline void copy_vectors_from(const uint8_t* src, ulonglong2* dst, int nvec, int lane,
                                                   Stored& stored) {
+  const auto load = [](const ulonglong2* p) { return kOrdered ? load16_ordered(p) : load16(p); };
   const int r = static_cast<int>(reinterpret_cast<uintptr_t>(src) % kVectorBytes);
   if (r == 0) {
     const auto* sv = reinterpret_cast<const ulonglong2*>(src);
-    copy_vectors<kAlignedUnroll>([sv](int i) { return load16(sv + i); }, dst, nvec, lane, stored);
+    copy_vectors<kAlignedUnroll>([sv, load](int i) { return load(sv + i); }, dst, nvec, lane, stored);
   } else {
     const auto* words = reinterpret_cast<const ulonglong2*>(src - r);
     copy_vectors<kShiftedUnroll>(
-        [words, r](int i) { return funnel(load16(words + i), load16(words + i + 1), r); }, dst, nvec, lane, stored);
+        [words, r, load](int i) { return funnel(load(words + i), load(words + i + 1), r); }, dst, nvec, lane, stored);
   }
 }
 

@@ -16,6 +16,7 @@
 #include "../checksum_mix.h"
 
 #include <cstdint>
+#include <cstring>
 
 namespace replica {
 namespace cuda_pack_checksum {
@@ -54,6 +55,43 @@ __host__ __device__ inline int64_t first_row_after(const Args& a, int64_t at) {
 }
 
 enum class Kind : int { kHashed, kSource, kGap };
+
+// The low k bytes (0 to 16) of a 16-byte vector set, the others clear.
+__host__ __device__ inline ulonglong2 low_bytes_mask(int64_t k) {
+  const auto word = [](int64_t bytes) -> unsigned long long {
+    return bytes >= 8 ? ~0ull : bytes <= 0 ? 0ull : (1ull << (8 * bytes)) - 1;
+  };
+  return ulonglong2{word(k), word(k - 8)};
+}
+
+// Stores the low k bytes (0 to 15) of v to the 16-byte aligned dst in at most
+// four aligned stores: 8, 4, 2, then 1 bytes.
+__host__ __device__ inline void store_low_bytes(uint8_t* dst, ulonglong2 v, int64_t k) {
+  const auto put = [dst](int64_t at, uint64_t value, int bytes) {
+#ifdef __CUDA_ARCH__
+    if (bytes == 8) {
+      *reinterpret_cast<uint64_t*>(dst + at) = value;
+    } else if (bytes == 4) {
+      *reinterpret_cast<uint32_t*>(dst + at) = static_cast<uint32_t>(value);
+    } else if (bytes == 2) {
+      *reinterpret_cast<uint16_t*>(dst + at) = static_cast<uint16_t>(value);
+    } else {
+      dst[at] = static_cast<uint8_t>(value);
+    }
+#else
+    std::memcpy(dst + at, &value, static_cast<size_t>(bytes));  // little endian, as the GPU
+#endif
+  };
+  int64_t at = 0;
+  uint64_t word = v.x;
+  for (int bytes = 8; bytes >= 1; bytes /= 2) {
+    if (k - at >= bytes) {
+      put(at, word, bytes);
+      at += bytes;
+      word = bytes == 8 ? v.y : word >> (8 * bytes);
+    }
+  }
+}
 
 // A chunk between its load and its store: `v` holds its 16 bytes (kSource,
 // kGap), or the chunk was done byte by byte and `v` holds its two word terms
@@ -94,24 +132,30 @@ __host__ __device__ inline Loaded load_chunk(const Args& a, int64_t at, int64_t&
     l.kind = Kind::kGap;
     return l;
   }
-  // The end of a segment, or the end of out: byte by byte. The row's bytes are
-  // copied; the others are out's own; past out's end, zero padding.
-  const uint64_t first = a.word_offset + static_cast<uint64_t>(at / 8);
-  const int64_t row_end = in_row ? a.rows[row].dst + a.rows[row].nbytes : at;
-  const uint8_t* src = in_row ? reinterpret_cast<const uint8_t*>(a.rows[row].src) + (at - a.rows[row].dst) : nullptr;
-  uint64_t w[2] = {0, 0};
-  for (int64_t i = 0; at + i < end; ++i) {
-    uint8_t byte;
-    if (at + i < row_end) {
-      byte = src[i];
-      a.out[at + i] = byte;
-    } else {
-      byte = a.out[at + i];
-    }
-    w[i / 8] |= static_cast<uint64_t>(byte) << (8 * (i % 8));
+  // The end of a segment, or out's last chunk: the row's bytes (fewer than
+  // 16) and out's own after them, from aligned 16-byte loads issued together
+  // (each holds a byte of the source or of out, so none leaves their pages),
+  // zero past out's end. Only the row's bytes are stored.
+  const int64_t n = end - at;
+  const int64_t nsrc = in_row ? a.rows[row].dst + a.rows[row].nbytes - at : 0;
+  const ulonglong2 own = cuda_copy::load16(reinterpret_cast<const ulonglong2*>(a.out + at));
+  ulonglong2 v = own;
+  if (nsrc > 0) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(a.rows[row].src) + (at - a.rows[row].dst);
+    const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src) % cuda_copy::kVectorBytes);
+    const auto* words = reinterpret_cast<const ulonglong2*>(src - shift);
+    const ulonglong2 lo = cuda_copy::load16(words);
+    // The second word only when it holds source bytes: past them it may not be mapped.
+    const ulonglong2 got = shift == 0 ? lo : cuda_copy::funnel(lo, shift + nsrc > 16 ? cuda_copy::load16(words + 1) : lo, shift);
+    const ulonglong2 from_src = low_bytes_mask(nsrc);
+    v.x = (got.x & from_src.x) | (own.x & ~from_src.x);
+    v.y = (got.y & from_src.y) | (own.y & ~from_src.y);
+    store_low_bytes(a.out + at, v, nsrc);
   }
-  l.v.x = checksum::word_term(w[0], first);
-  l.v.y = end - at > 8 ? checksum::word_term(w[1], first + 1) : 0;
+  const ulonglong2 in_out = low_bytes_mask(n);
+  const uint64_t first = a.word_offset + static_cast<uint64_t>(at / 8);
+  l.v.x = checksum::word_term(v.x & in_out.x, first);
+  l.v.y = n > 8 ? checksum::word_term(v.y & in_out.y, first + 1) : 0;
   l.kind = Kind::kHashed;
   return l;
 }
@@ -162,6 +206,8 @@ __host__ __device__ inline int64_t tile_steps(int64_t nbytes, int64_t sms, int64
 // Key distance between a lane's chunk u and chunk u + 1 of a step (32 chunks,
 // 64 words further on).
 constexpr uint64_t kChunkRowKey = 2 * cuda_copy::kWarpSize * checksum::kKeyStep;
+// Key distance between a lane's first word in a step and in the next.
+constexpr uint64_t kStepKey = (kStepBytes / 8) * checksum::kKeyStep;
 
 __host__ __device__ inline uint64_t pair_terms(ulonglong2 v, uint64_t key) {
   return checksum::mix(v.x ^ key) + checksum::mix(v.y ^ (key + checksum::kKeyStep));
@@ -171,13 +217,16 @@ __host__ __device__ inline uint64_t pair_terms(ulonglong2 v, uint64_t key) {
 // (any alignment) to the 16-byte aligned `dst`: it stores them and returns the
 // sum of their word terms. `key` is the key of the lane's first word; the
 // lane's next chunk (32 chunks on) is kChunkRowKey further.
+// kOrdered: all of the step's loads before its first store (load16_ordered),
+// which takes the registers the fast tile loop has and the general one has not.
+template <bool kOrdered>
 __host__ __device__ inline uint64_t copy_hash_step(const uint8_t* src, uint8_t* dst, int lane, uint64_t key) {
   uint64_t acc = 0;
   auto hash = [&acc, &key](ulonglong2 v) {
     acc += pair_terms(v, key);
     key += kChunkRowKey;
   };
-  cuda_copy::copy_vectors_from(src, reinterpret_cast<ulonglong2*>(dst),
+  cuda_copy::copy_vectors_from<kOrdered>(src, reinterpret_cast<ulonglong2*>(dst),
                                static_cast<int>(kStepBytes / cuda_copy::kVectorBytes), lane, hash);
   return acc;
 }
@@ -197,6 +246,26 @@ __host__ __device__ inline void pack_checksum_tile(const Args& a, int64_t block_
   const int64_t hi = lo + tile_bytes < a.nbytes ? lo + tile_bytes : a.nbytes;
   int64_t row = first_row_after(a, lo);  // warp-uniform: the first row that ends after the step
   int64_t block = lo / block_bytes;
+  // Most tiles of a large pack: whole steps, one source, one checksum block.
+  // Checked once for the tile, so the loop below holds a source, a
+  // destination, a key and a sum and nothing else: with the kernel's 64
+  // registers, the compiler then issues all of a step's loads before its
+  // first store (in the general loop below it issued four, and the other four
+  // one by one between the hashes: several trips to memory a step).
+  if ((hi - lo) % kStepBytes == 0 && (hi - 1) / block_bytes == block && row < a.nrows && a.rows[row].dst <= lo &&
+      a.rows[row].dst + a.rows[row].nbytes >= hi) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(a.rows[row].src) + (lo - a.rows[row].dst);
+    uint8_t* dst = a.out + lo;
+    uint64_t key = checksum::word_key(a.word_offset + static_cast<uint64_t>(lo / 8) + 2 * lane);
+    uint64_t sum = 0;
+    for (int64_t at = 0; at < hi - lo; at += kStepBytes) {
+      sum += copy_hash_step<true>(src + at, dst + at, lane, key);
+      sink.whole_step(src + at);
+      key += kStepKey;
+    }
+    sink.flush(block, sum);
+    return;
+  }
   uint64_t acc = 0;
   for (int64_t step = lo; step < hi; step += kStepBytes) {
     const int64_t step_end = step + kStepBytes < hi ? step + kStepBytes : hi;
@@ -215,7 +284,7 @@ __host__ __device__ inline void pack_checksum_tile(const Args& a, int64_t block_
       const Row& r = a.rows[row];
       const uint8_t* src = reinterpret_cast<const uint8_t*>(r.src) + (step - r.dst);
       const uint64_t key = checksum::word_key(a.word_offset + static_cast<uint64_t>(step / 8) + 2 * lane);
-      acc += copy_hash_step(src, a.out + step, lane, key);
+      acc += copy_hash_step<false>(src, a.out + step, lane, key);
       sink.whole_step(src);
       continue;
     }
