@@ -410,6 +410,11 @@ class _Stager:
                     step, views = got
                     start = time.perf_counter()
                     prepared = prepare(self._model, views, step, processed=self._processed)
+                    # Prepared before the hold lets go: with ``consume`` the receiver then
+                    # forgets the version, and it must never be neither received nor prepared.
+                    with self._cond:
+                        self._prepared = prepared
+                        self._cond.notify_all()
                 if self._consume:
                     _return_freed_memory()
                 logger.info("[engine %d] weights of step %d prepared in %.3f s%s", self._index, step,
@@ -423,9 +428,6 @@ class _Stager:
                 logger.exception("[engine %d] preparing weights failed", self._index)
                 self._give_up(f"{type(exc).__name__}: {exc}")
                 return
-            with self._cond:
-                self._prepared = prepared
-                self._cond.notify_all()
 
     def _give_up(self, why: str) -> None:
         logger.warning("[engine %d] weights are applied in place from now on (staging: %s)", self._index, why)
