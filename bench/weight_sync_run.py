@@ -17,7 +17,13 @@ engine receives the weights of a Llama-style model
   UCX without digests in the sync's bucket size (``raw_ucx_s``), and a memcpy of
   them (the physical limit here).
 
-usage: weight_sync_run.py SIZE ROUNDS OUT.json
+usage: weight_sync_run.py SIZE ROUNDS OUT.json [PAUSE_S]
+
+PAUSE_S (default 0): seconds the idle rounds wait after a switch before the next push, as an
+RL loop generates between versions. With 0 the push lands while the engine is still settling
+the switch: with one receive buffer (the staged default) its pages went back to the OS as the
+last version was prepared, and faulting them in again (``WeightReceiver.prefault`` on the
+stager's thread, or the receive itself) is in ``receive_s``.
 """
 
 from __future__ import annotations
@@ -79,12 +85,12 @@ def _gloo_peer(pipe, port: int, nbytes: int) -> None:
     dist.destroy_process_group()
 
 
-def main(size: str, rounds: int, out: Path) -> None:
+def main(size: str, rounds: int, out: Path, pause_s: float = 0.0) -> None:
     with tempfile.TemporaryDirectory(prefix="replica-bench-weights-") as work:  # two models: ~2 GB for 1GiB
-        run(size, rounds, out, Path(work))
+        run(size, rounds, out, Path(work), pause_s)
 
 
-def run(size: str, rounds: int, out: Path, work: Path) -> None:
+def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0) -> None:
     from replica.vllm_worker import EngineWeights, ReceiverSpec
 
     torch.manual_seed(0)
@@ -99,6 +105,7 @@ def run(size: str, rounds: int, out: Path, work: Path) -> None:
     with spawn(_sender, str(work / "trained"), store.port, name="trainer") as trainer:
         _, nbytes = trainer.recv(timeout=300)
         for step in range(1, rounds + WARMUP + 1):  # the first rounds warm up: allocator and page cache
+            time.sleep(pause_s)
             start = time.perf_counter()
             trainer.send("push", step)
             while (llm.collective_rpc("replica_ready")[0] or 0) < step:  # received and verified
@@ -187,10 +194,10 @@ def run(size: str, rounds: int, out: Path, work: Path) -> None:
                                "disk_reload_s": med(disk_s), "disk_save_s": med(save_s),
                                "gloo_broadcast_s": med(gloo_s), "memcpy_s": med(memcpy_s),
                                "raw_ucx_s": med(ucx_s),
-                               "warmup_rounds": WARMUP,
+                               "warmup_rounds": WARMUP, "pause_s": pause_s,
                                "all": {"sync_s": sync_s, "prepare_s": prepare_s, "stall_s": stall_s, "busy_sync_s": busy_s,
                                        "generations_during_sync": during, "disk_reload_s": disk_s}}, indent=2))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)
