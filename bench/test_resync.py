@@ -60,7 +60,10 @@ def _transport_peer(pipe, make, device: str) -> None:
     conn = transport.connect(pipe.recv()[0], T)
     ack = torch.zeros(8, dtype=torch.uint8)
     while True:
-        cmd = pipe.recv()
+        try:
+            cmd = pipe.recv()
+        except EOFError:  # the benchmark process is gone
+            break
         if cmd[0] == "size":
             buf = torch.empty(cmd[1], dtype=torch.uint8, device=device)
             pipe.send(("ok",))
@@ -77,6 +80,8 @@ def _transport_peer(pipe, make, device: str) -> None:
         else:
             break
     transport.close()
+    with contextlib.suppress(OSError):
+        pipe.send(("closed",))
 
 
 def _make_ucx(tls: str, verify: bool, polling: bool = False) -> UcxTransport:
@@ -102,7 +107,12 @@ def _transport_path(name: str, make, device: str):
             got.wait(T)
 
         one_round.bucketed = lambda buf, bucket: send_bucketed(conn, buf, bucket, ack=ack, timeout=T)
-        yield name, peer, one_round
+        try:
+            yield name, peer, one_round
+        finally:  # the peer closes its side first (one stuck after a failure is killed by spawn)
+            with contextlib.suppress(Exception):
+                peer.send("exit")
+                peer.recv(timeout=10)
 
 
 def _gloo_peer(pipe, port: int) -> None:
