@@ -68,11 +68,15 @@ def large():
     return tensors, offsets, out, flat
 
 
-@pytest.fixture(scope="module")
-def small():
+def _small_tensors() -> list[torch.Tensor]:
     rng = random.Random(1)
     sizes = [rng.randint(256, 4096) for _ in range(SMALL_COUNT)]
-    tensors = _mixed_tensors(SMALL_COUNT, sizes, seed=1)
+    return _mixed_tensors(SMALL_COUNT, sizes, seed=1)
+
+
+@pytest.fixture(scope="module")
+def small():
+    tensors = _small_tensors()
     offsets, total = ops.aligned_offsets(tensors)
     out = torch.zeros(total, dtype=torch.uint8)
     payload = sum(t.numel() * t.element_size() for t in tensors)

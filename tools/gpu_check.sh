@@ -36,11 +36,14 @@ fi
 if [[ $WHAT == bench || $WHAT == all ]]; then
   phase bench_pack 90 $P -m gpu bench/test_pack.py --benchmark-only --timeout 80 "$@"
   grep -E "^\| " bench/results/pack_gpu.md
-  phase ncu 60 ncu --clock-control none --kernel-name regex:"pack_checksum_kernel|copy_tiles_kernel|checksum_partial" \
-    --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
-    --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-    python3 tools/ncu_pack.py
-  grep -E "_kernel|Duration|DRAM Throughput|Compute \(SM\)|Occupancy|Registers Per|Warp Cycles Per Issued|Issued Warp Per|Mem Busy|Max Bandwidth" $L/ncu.log | head -45
+  for case in large small; do
+    phase ncu_$case 45 ncu --clock-control none --kernel-name regex:"pack_checksum_kernel|copy_tiles_kernel|checksum_partial" \
+      --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      python3 tools/ncu_pack.py $case
+    grep -E "_kernel|Duration|DRAM Throughput|Compute \(SM\)|Theoretical Occ|Achieved Occ|Registers Per|Warp Cycles Per Issued|Issued Warp Per" \
+      $L/ncu_$case.log | head -40
+  done
 fi
 if [[ $WHAT == tests || $WHAT == all ]]; then
   for f in ${GPU_TESTS:-tests/test_gpu_failover.py tests/test_gpu_weights.py tests/test_gpu_resilient.py
