@@ -94,8 +94,8 @@ __host__ __device__ inline void store_low_bytes(uint8_t* dst, ulonglong2 v, int6
 }
 
 // A chunk between its load and its store: `v` holds its 16 bytes (kSource,
-// kGap), or the chunk was done byte by byte and `v` holds its two word terms
-// (kHashed). Loads of several chunks are issued before the first store, so a
+// kGap), or the chunk (a segment's end, out's end) was stored already and `v`
+// holds its two word terms (kHashed). Loads of several chunks are issued before the first store, so a
 // lane keeps several in flight; five registers each.
 struct Loaded {
   Kind kind;
@@ -138,7 +138,9 @@ __host__ __device__ inline Loaded load_chunk(const Args& a, int64_t at, int64_t&
   // zero past out's end. Only the row's bytes are stored.
   const int64_t n = end - at;
   const int64_t nsrc = in_row ? a.rows[row].dst + a.rows[row].nbytes - at : 0;
-  const ulonglong2 own = cuda_copy::load16(reinterpret_cast<const ulonglong2*>(a.out + at));
+  // out is written by this kernel: a coherent load, as for a gap chunk (its bytes
+  // used here are ones nobody writes).
+  const ulonglong2 own = *reinterpret_cast<const ulonglong2*>(a.out + at);
   ulonglong2 v = own;
   if (nsrc > 0) {
     const uint8_t* src = reinterpret_cast<const uint8_t*>(a.rows[row].src) + (at - a.rows[row].dst);
