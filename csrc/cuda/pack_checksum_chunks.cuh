@@ -93,10 +93,25 @@ __host__ __device__ inline void store_low_bytes(uint8_t* dst, ulonglong2 v, int6
   }
 }
 
+// The 16 bytes at `src` (any alignment), of which the first `need` (1 to 16)
+// are source bytes: straight, or funnel-shifted from the aligned vectors they
+// straddle. A vector holding none of them is not read (it may not be mapped);
+// the bytes past `need` are then undefined.
+__host__ __device__ inline ulonglong2 load_source(const uint8_t* src, int64_t need) {
+  const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src) % cuda_copy::kVectorBytes);
+  const auto* words = reinterpret_cast<const ulonglong2*>(src - shift);
+  const ulonglong2 lo = cuda_copy::load16(words);
+  if (shift == 0) {
+    return lo;
+  }
+  return cuda_copy::funnel(lo, shift + need > cuda_copy::kVectorBytes ? cuda_copy::load16(words + 1) : lo, shift);
+}
+
 // A chunk between its load and its store: `v` holds its 16 bytes (kSource,
 // kGap), or the chunk (a segment's end, out's end) was stored already and `v`
-// holds its two word terms (kHashed). Loads of several chunks are issued before the first store, so a
-// lane keeps several in flight; five registers each.
+// holds its two word terms (kHashed). Loads of several chunks are issued
+// before the first store, so a lane keeps several in flight; five registers
+// each.
 struct Loaded {
   Kind kind;
   ulonglong2 v;
@@ -113,17 +128,8 @@ __host__ __device__ inline Loaded load_chunk(const Args& a, int64_t at, int64_t&
   const bool in_row = row < a.nrows && a.rows[row].dst <= at;
   Loaded l{};
   if (in_row && a.rows[row].dst + a.rows[row].nbytes >= at + kChunkBytes) {
-    // Entirely source bytes: loaded whole, or funnel-shifted from the two
-    // aligned vectors it straddles (each holds a byte of the source).
-    const Row& r = a.rows[row];
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(r.src) + (at - r.dst);
-    const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src) % cuda_copy::kVectorBytes);
-    if (shift == 0) {
-      l.v = cuda_copy::load16(reinterpret_cast<const ulonglong2*>(src));
-    } else {
-      const auto* words = reinterpret_cast<const ulonglong2*>(src - shift);
-      l.v = cuda_copy::funnel(cuda_copy::load16(words), cuda_copy::load16(words + 1), shift);
-    }
+    const Row& r = a.rows[row];  // entirely source bytes
+    l.v = load_source(reinterpret_cast<const uint8_t*>(r.src) + (at - r.dst), kChunkBytes);
     l.kind = Kind::kSource;
     return l;
   }
@@ -143,12 +149,7 @@ __host__ __device__ inline Loaded load_chunk(const Args& a, int64_t at, int64_t&
   const ulonglong2 own = *reinterpret_cast<const ulonglong2*>(a.out + at);
   ulonglong2 v = own;
   if (nsrc > 0) {
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(a.rows[row].src) + (at - a.rows[row].dst);
-    const int shift = static_cast<int>(reinterpret_cast<uintptr_t>(src) % cuda_copy::kVectorBytes);
-    const auto* words = reinterpret_cast<const ulonglong2*>(src - shift);
-    const ulonglong2 lo = cuda_copy::load16(words);
-    // The second word only when it holds source bytes: past them it may not be mapped.
-    const ulonglong2 got = shift == 0 ? lo : cuda_copy::funnel(lo, shift + nsrc > 16 ? cuda_copy::load16(words + 1) : lo, shift);
+    const ulonglong2 got = load_source(reinterpret_cast<const uint8_t*>(a.rows[row].src) + (at - a.rows[row].dst), nsrc);
     const ulonglong2 from_src = low_bytes_mask(nsrc);
     v.x = (got.x & from_src.x) | (own.x & ~from_src.x);
     v.y = (got.y & from_src.y) | (own.y & ~from_src.y);
