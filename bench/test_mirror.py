@@ -167,7 +167,8 @@ def test_idle_stream(benchmark, jobs):
     benchmark.extra_info.update(bytes=nbytes)
     benchmark.pedantic(idle_step, rounds=rounds, iterations=1)
     stats = job.stats()
-    _results["idle"] = [{name: stats[name][-rounds:] for name in ("extras_s", "pack_s", "stream_s")}
+    _results["idle"] = [{name: stats[name][-rounds:] for name in ("extras_s", "pack_s", "stream_s", "post_s", "flush_s",
+                                                                   "reply_s")}
                         | {"memcpy_s": memcpy, "checksum_s": checksum, "bytes": nbytes}]
     assert all(s > 0 for s in stats["stream_s"][-rounds:])
 
@@ -239,6 +240,12 @@ def report(request):
         # The stream (BEGIN, buckets with digests, the standby's verification, its ACK) against
         # raw UCX without digests, the same bytes and bucket size between the same processes.
         "mirror_stream_vs_raw_ucx": raw_ucx / stream,
+        # Where the stream's time goes (medians of each part, so they need not add up to
+        # the stream's): until the last bucket was posted, then until every send had
+        # finished, then until the standby's ACK arrived.
+        "mirror_post_ms": _ms(idle["post_s"]),
+        "mirror_flush_ms": _ms(idle["flush_s"]),
+        "mirror_reply_ms": _ms(idle["reply_s"]),
         "targets": TARGETS,
         "config": {"shape": repr(SHAPE), "world_size": WORLD, "cores": [sorted(c) for c in _cores()], "block_steps": BLOCK_STEPS, "blocks": BLOCKS,
                    "idle_steps": IDLE_STEPS, "raw_rounds": RAW_ROUNDS, **CONFIG},
@@ -265,5 +272,7 @@ def report(request):
         f"| mirror stream (send, verify, ack) | {stream:.2f} ms ({r['mirror_GBps']:.2f} GB/s) | raw UCX without "
         f"digests, same processes, {CONFIG['bucket_bytes'] >> 20} MiB buckets: {raw_ucx:.2f} ms "
         f"({r['raw_ucx_GBps']:.2f} GB/s): {r['mirror_stream_vs_raw_ucx']:.2f}x (target >= 0.8x) |",
+        f"| its parts: buckets posted, sends finished, ACK back | {r['mirror_post_ms']:.2f}, "
+        f"{r['mirror_flush_ms']:.2f}, {r['mirror_reply_ms']:.2f} ms | |",
     ]
     write_results("mirror", result, lines)

@@ -169,6 +169,7 @@ class Outgoing:
         self._inflight: deque[Transfer] = deque()
         self._begin: Transfer | None = None
         self._reply: Callable[[timedelta], Reply] | None = None  # the next reply's receive, posted
+        self.posted_at = self.flushed_at = 0.0  # set by send_all
 
     def begin(self) -> None:
         """Start sending ``BEGIN``; ``flush`` waits for it (the buckets need not: the
@@ -201,10 +202,14 @@ class Outgoing:
             self._finish_oldest()
 
     def send_all(self) -> None:
+        """``begin``, every bucket, ``flush``; ``posted_at`` and ``flushed_at`` say when
+        (``time.perf_counter()``) the last bucket was posted and every send had finished."""
         self.begin()
         for i in range(len(self.ranges)):
             self.send(i)
+        self.posted_at = time.perf_counter()
         self.flush()
+        self.flushed_at = time.perf_counter()
 
     def _finish_oldest(self) -> None:
         header = self._wait(self._inflight.popleft())

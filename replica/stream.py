@@ -38,6 +38,13 @@ class StreamStats:
     reattached: int = 0
     unprotected_steps: int = 0  # steps acknowledged by the trainer itself, with no standby
     stream_s: list[float] = field(default_factory=list)
+    # Where each stream_s went: until its last bucket was posted (BEGIN, the sends, and
+    # waits for the window when there are more buckets than it holds), then until every
+    # send had finished (the bytes in flight), then until the standby's answer (its
+    # verification of the last buckets, the ACK's way back).
+    post_s: list[float] = field(default_factory=list)
+    flush_s: list[float] = field(default_factory=list)
+    reply_s: list[float] = field(default_factory=list)
     repaired_buckets: int = 0  # buckets sent again because the standby found them changed in its memory
     resent_steps: int = 0  # steps sent again: the standby that answered left before recording them
 
@@ -290,4 +297,8 @@ class MirrorStream:
         self._answered = (step, registration.nonce)
         self.stats.acked_step = step
         self.stats.num_acked += 1
-        self.stats.stream_s.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        self.stats.stream_s.append(end - start)
+        self.stats.post_s.append(out.posted_at - start)
+        self.stats.flush_s.append(out.flushed_at - out.posted_at)
+        self.stats.reply_s.append(end - out.flushed_at)

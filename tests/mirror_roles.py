@@ -146,7 +146,9 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
         elif cmd[0] == "stats":
             pipe.send(("stats", {
                 "wait_s": list(rep.stats.wait_s), "extras_s": list(rep.stats.extras_s), "pack_s": list(rep.stats.pack_s),
-                "stream_s": list(rep.stream_stats.stream_s), "snapshot_bytes": rep.layout.total_bytes,
+                "stream_s": list(rep.stream_stats.stream_s), "post_s": list(rep.stream_stats.post_s),
+                "flush_s": list(rep.stream_stats.flush_s), "reply_s": list(rep.stream_stats.reply_s),
+                "snapshot_bytes": rep.layout.total_bytes,
             } if rep is not None else {}))
         elif cmd[0] == "exit":
             probe.close()

@@ -79,6 +79,11 @@ def test_commit_then_restore_is_exact(store):
         assert fresh.scheduler.state_dict() == j.scheduler.state_dict()
         assert mirror.held_steps() in ([2, 3], [3])  # 2 is released once the commit covers 3
         assert rep.stats.wait_s and rep.stats.pack_s
+        # Each stream's time is split into its parts (posted, sends finished, answered).
+        stream = rep.stream_stats
+        assert len(stream.stream_s) == len(stream.post_s) == len(stream.flush_s) == len(stream.reply_s) == 3
+        for total, *parts in zip(stream.stream_s, stream.post_s, stream.flush_s, stream.reply_s):
+            assert all(p >= 0 for p in parts) and abs(sum(parts) - total) < 1e-6
 
 
 def test_corrupted_buckets_are_sent_again(store):
