@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import time
 from datetime import timedelta
 
@@ -241,10 +242,69 @@ def test_checksum_one_thread(benchmark, nbytes):
     benchmark.pedantic(lambda: ops.checksum(buf, MiB), rounds=1, iterations=1)
 
 
+def _piece_spans(nbytes: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + PIECE_BYTES, nbytes)) for lo in range(0, nbytes, PIECE_BYTES)]
+
+
+def _piece_digest(piece: torch.Tensor, lo: int) -> int:
+    return int(ops.checksum(piece, -(-piece.numel() // 8) * 8, lo // 8)[0])
+
+
+def _one_copy_peer(pipe, path: str, nbytes: int, digests: list[int]) -> None:
+    """The receiving end of a single-copy host path: maps the sender's shared memory and,
+    per round, copies it out piece by piece with the hash fused (``ops.pack_checksum``,
+    one thread), checking each piece's digest against the sender's."""
+    torch.set_num_threads(1)
+    src = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    pipe.send(("mapped",))
+    while pipe.recv()[0] == "round":
+        for (lo, hi), want in zip(_piece_spans(nbytes), digests, strict=True):
+            got = ops.pack_checksum([src[lo:hi]], dst[lo:hi], [0], -(-(hi - lo) // 8) * 8, lo // 8)
+            if int(got[0]) != want:
+                pipe.send(("mismatch", lo))
+                return
+        pipe.send(("done",))
+
+
+@pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
+def test_shared_memory_one_copy(benchmark, nbytes):
+    """What a single-copy host path between two processes of one node would reach with
+    digests: the sender's buffer in shared memory (a memfd; the pack would write it
+    there), the receiver copying it out with the hash fused into that copy, each piece
+    verified, then its acknowledgement over a pipe. No backend does this yet (UCX's
+    shared-memory FIFOs copy twice, and the receiver hashes again after): the row is
+    the limit such a backend would have, measured beside UCX in the same run."""
+    _smoke_size(benchmark, nbytes)
+    fd = os.memfd_create("replica-bench-one-copy")
+    try:
+        os.ftruncate(fd, nbytes)
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+        digests = [_piece_digest(buf[lo:hi], lo) for lo, hi in _piece_spans(nbytes)]
+        rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
+        with spawn(_one_copy_peer, path, nbytes, digests, name="one-copy-peer") as peer:
+            assert peer.recv(60) == ("mapped",)
+
+            def one_round() -> None:
+                peer.send("round")
+                assert peer.recv(300) == ("done",)
+
+            benchmark.extra_info.update(path="one_copy_verified", bytes=nbytes)
+            benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=0 if benchmark.disabled else 2,
+                               iterations=1)
+            peer.send("exit")
+    finally:
+        os.close(fd)
+    if not benchmark.disabled:
+        _medians.setdefault("one_copy_verified", {})[nbytes] = benchmark.stats.stats.median
+
+
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    paths = [*UCX_PATHS, "gloo", "memcpy_copy_", "memcpy_memmove", "checksum_1thread"]
+    paths = [*UCX_PATHS, "gloo", "memcpy_copy_", "memcpy_memmove", "checksum_1thread", "one_copy_verified"]
     if any(set(_medians.get(p, {})) != set(SIZES) for p in paths):
         return  # benchmarks disabled (CI smoke run) or some were deselected
     gbps = {p: {n: n / _medians[p][n] / 1e9 for n in SIZES} for p in paths}
@@ -265,6 +325,10 @@ def report():
         # busy and the hashing can overlap it only in part; above this bound it does.
         "ucx_digests_no_overlap_512MiB": _medians["ucx_default"][big] / (
             _medians["ucx_default"][big] + _medians["checksum_1thread"][big]),
+        # A single-copy host path with the hash fused into its copy (test_shared_memory_one_copy,
+        # no backend yet) against UCX with digests and against UCX without: what it would gain.
+        "one_copy_verified_vs_ucx_verified_512MiB": gbps["one_copy_verified"][big] / gbps["ucx_default_verified"][big],
+        "one_copy_verified_vs_ucx_plain_512MiB": gbps["one_copy_verified"][big] / gbps["ucx_default"][big],
         "targets": {"ucx_shm_vs_memcpy_512MiB": 0.5, "ucx_best_vs_gloo_512MiB": 2.0,
                     "ucx_digests_vs_plain_512MiB": 0.8},
         "gbps": {p: {f"{n // MiB}MiB": v for n, v in by_size.items()} for p, by_size in gbps.items()},
@@ -281,6 +345,8 @@ def report():
         "gloo": "gloo send/recv",
         "memcpy": "memcpy limit (one copy in one process)",
         "checksum_1thread": "checksum alone, one thread, in pieces (the receiver's verification)",
+        "one_copy_verified": "one copy through shared memory, the hash fused, digests on (no backend yet: "
+                             "the limit of a single-copy path)",
     }
     lines = [
         "### resync bandwidth, one way between two processes (GB/s, medians)\n",
@@ -295,6 +361,9 @@ def report():
                  f"{'yes' if ratio >= 0.8 else '**no**'}); were the verification not to overlap the "
                  f"transfer at all, plain / (plain + one thread's checksum): "
                  f"{result['ucx_digests_no_overlap_512MiB']:.2f}x")
+    lines.append(f"\none copy with the hash fused, 512 MiB, digests on: "
+                 f"{result['one_copy_verified_vs_ucx_verified_512MiB']:.2f}x UCX with digests, "
+                 f"{result['one_copy_verified_vs_ucx_plain_512MiB']:.2f}x UCX without")
     write_results("resync", result, lines)
 
 
