@@ -282,7 +282,10 @@ at::Tensor pack_checksum_cpu(
           ++run;
         }
         if (run > s) {
-          acc += kernels.copy_segments_and_hash(&segments[s], static_cast<int64_t>(run - s), base, word_offset);
+          // Its whole windows are streamed in a large call: each segment's partial last
+          // window (read back from out with the gap after it) is a line of its own.
+          acc += kernels.copy_segments_and_hash(&segments[s], static_cast<int64_t>(run - s), base, word_offset,
+                                                streaming);
           pos = run_end;
           s = run;
           continue;

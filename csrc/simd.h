@@ -40,9 +40,10 @@ struct Kernels {
   uint64_t (*copy_and_hash)(uint8_t* dst, const uint8_t* bytes, int64_t nwords, uint64_t index, bool streaming);
   // Copies each of `count` segments (nbytes > 0) to its dst; returns the sum over
   // each one's dst up to nbytes rounded up to kWindowBytes, word indices counted
-  // from `base` plus `word_offset`.
+  // from `base` plus `word_offset`; whole windows streamed when `streaming` (the
+  // caller fences).
   uint64_t (*copy_segments_and_hash)(const Segment* segments, int64_t count, const uint8_t* base,
-                                     uint64_t word_offset);
+                                     uint64_t word_offset, bool streaming);
 };
 
 // The kernels in use.

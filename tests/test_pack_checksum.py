@@ -170,6 +170,20 @@ def test_pack_checksum_streams_large_copies(device, build):
     _case(tensors, 0x3C, MiB + 8, word_offset=1 << 40, tail=100)
 
 
+@pytest.mark.parametrize("start", [0, 8, 3])
+def test_pack_checksum_streams_runs_of_small_segments(build, start):
+    """Over 8 MiB of small segments: a run of them goes to one kernel call, which streams
+    each one's whole windows when out's segments start on a vector boundary (start 0)
+    and stores them plainly when not (8, 3); each partial last window and the gap after
+    it are hashed as out holds them."""
+    gen = torch.Generator().manual_seed(11)
+    rng = random.Random(11)
+    tensors = [torch.randint(0, 256, (rng.randint(1, 4096),), generator=gen, dtype=torch.uint8)
+               for _ in range(5000)]
+    assert sum(t.numel() for t in tensors) > 8 * MiB  # the kernel streams from 8 MiB per call
+    _case(tensors, 0xC3, 64 * 1024, word_offset=5, tail=37, start=start)
+
+
 def test_pack_checksum_independent_of_thread_count():
     tensors = random_mix(30, 400_000, 9, "cpu")
     out, offsets = packed(tensors)
