@@ -36,8 +36,11 @@ constexpr int64_t kStreamSegmentBytes = 256 << 10;
 // not be read again soon (it is sent, or it is the model), and bypassing the
 // cache saves the read-for-ownership of every destination line. glibc's
 // memcpy does the same, but only for single copies of several MiB, never for
-// the ~100 KiB segments a bucket is made of.
-constexpr int64_t kStreamingBytes = 8 << 20;
+// the ~100 KiB segments a bucket is made of. From 2 MiB (above a core's L2):
+// the mirror benchmark's 5.2 MiB snapshot, packed with digests into the buffer
+// written two steps ago, took 0.36-0.40 ms streamed against 0.46-0.53 ms with
+// 8 MiB as the bound (four runs each, 2026-11-27), the stream after it no slower.
+constexpr int64_t kStreamingBytes = 2 << 20;
 
 void copy_bytes(uint8_t* dst, const uint8_t* src, int64_t n, bool streaming) {
 #if defined(__SSE2__)
