@@ -246,10 +246,6 @@ def _piece_spans(nbytes: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + PIECE_BYTES, nbytes)) for lo in range(0, nbytes, PIECE_BYTES)]
 
 
-def _piece_digest(piece: torch.Tensor, lo: int) -> int:
-    return int(ops.checksum(piece, -(-piece.numel() // 8) * 8, lo // 8)[0])
-
-
 def _one_copy_peer(pipe, path: str, nbytes: int, digests: list[int]) -> None:
     """The receiving end of a single-copy host path: maps the sender's shared memory and,
     per round, copies it out piece by piece with the hash fused (``ops.pack_checksum``,
@@ -282,7 +278,7 @@ def test_shared_memory_one_copy(benchmark, nbytes):
         path = f"/proc/{os.getpid()}/fd/{fd}"
         buf = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         buf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
-        digests = [_piece_digest(buf[lo:hi], lo) for lo, hi in _piece_spans(nbytes)]
+        digests = [bucket_digest(buf[lo:hi], offset=lo) for lo, hi in _piece_spans(nbytes)]
         rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
         with spawn(_one_copy_peer, path, nbytes, digests, name="one-copy-peer") as peer:
             assert peer.recv(60) == ("mapped",)
