@@ -20,6 +20,7 @@ _BACKENDS = {
     "ucx": ("replica.transport.ucx", "UcxTransport", "UcxConfig", "ucxx"),
     "gloo": ("replica.transport.gloo", "GlooTransport", "GlooConfig", None),
     "ipc": ("replica.transport.ipc", "IpcTransport", "IpcConfig", None),
+    "shm": ("replica.transport.ipc", "ShmTransport", "IpcConfig", None),
 }
 
 

@@ -248,7 +248,8 @@ class Transfer:
             for piece in self._pieces:
                 self._wait_piece(piece, deadline, timeout)
                 if self._kind == "recv":  # verified while the next pieces arrive
-                    header, term_sum = self._conn._check_piece(self._tag, piece.flat, piece.header_buf)
+                    header, term_sum = self._conn._check_piece(self._tag, piece.flat, piece.header_buf,
+                                                               getattr(piece.pending, "digest", None))
                     headers.append(header)
                     sums.append(term_sum)
         self._done = True
@@ -413,9 +414,11 @@ class Connection(ABC):
             raise TransportError(f"this transport cannot move {kind.name} memory ({buf.device})")
         return as_bytes(buf, what)
 
-    def _check_piece(self, tag: int, flat: torch.Tensor, header_buf: torch.Tensor) -> tuple[BucketHeader, int]:
+    def _check_piece(self, tag: int, flat: torch.Tensor, header_buf: torch.Tensor,
+                     taken: int | None = None) -> tuple[BucketHeader, int]:
         """A received piece's header, and its digest (0 when not verifying), taken at
-        once: the next pieces are still arriving."""
+        once: the next pieces are still arriving. ``taken``: the digest the backend
+        took while it copied the piece in (keyed by the header's offset), if it did."""
         with nvtx_range("replica::verify"):
             try:
                 header = BucketHeader.decode(header_buf.numpy().tobytes())
@@ -429,6 +432,8 @@ class Connection(ABC):
                 return header, 0
             if not (0 <= header.offset < MAX_OFFSET and header.offset % 8 == 0):
                 raise TransportError(f"tag {tag} from {self.peer}: a bucket offset of {header.offset} bytes")
+            if taken is not None:
+                return header, taken
             return header, bucket_digest(flat, offset=header.offset, threads=self._verify_threads)
 
     def _verify(self, tag: int, flat: torch.Tensor, headers: list[BucketHeader], digests: list[int]) -> BucketHeader:

@@ -23,17 +23,28 @@ while a send of it is in flight.
 
 Small host messages (the mirror protocol's layouts, BEGIN, REPLY, FETCH) ride
 the control socket itself, in order with the offers and matched by the same
-tags, so one IPC connection carries a whole mirror session. Host payloads are
-bounded (``MAX_HOST_BYTES``): bulk host memory belongs on UCX, which is why the
-transport's capabilities say CUDA only.
+tags, so one IPC connection carries a whole mirror session. On ``IpcTransport``
+host payloads are bounded (``MAX_HOST_BYTES``) and its capabilities say CUDA
+only.
+
+``ShmTransport`` moves bulk host memory too, with one copy: a host bucket of
+``HOST_OFFER_BYTES`` or more is offered like a device bucket, as a memfd region
+(``replica.transport.shm``) the receiver maps and copies out of, the bucket's
+digest taken by that same copy (``ops.pack_checksum``), then acknowledged. A
+bucket already in a region (``shm.shared_empty``: the mirror's snapshots) is
+offered where it lies; any other is first copied into a staging region of the
+connection. Both sides prove at the handshake that they can map each other's
+regions (same user, same PID namespace), or the connection is refused, saying so.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import logging
+import os
 import queue
 import struct
 import threading
@@ -44,17 +55,20 @@ from typing import Any
 
 import torch
 
+from replica import ops
 from replica.errors import TransportError
-from replica.transport.base import Capabilities, Locality, MemoryKind
+from replica.transport import shm
+from replica.transport.base import MAX_OFFSET, Capabilities, Locality, MemoryKind
 from replica.transport.control import (
     MAX_FRAME_BYTES,
     ControlledConnection,
     ControlledTransport,
     EndpointConfig,
 )
-from replica.transport.wire import HEADER_BYTES
+from replica.transport.wire import HEADER_BYTES, BucketHeader
 
-__all__ = ["IpcConfig", "IpcConnection", "IpcTransport", "MAX_EXPORTS", "MAX_HOST_BYTES"]
+__all__ = ["HOST_OFFER_BYTES", "IpcConfig", "IpcConnection", "IpcTransport", "MAX_EXPORTS", "MAX_HOST_BYTES",
+           "MAX_STAGED_BYTES", "ShmTransport"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +80,26 @@ _HOST_MORE = 4  # the next bytes of the host message before it
 _RELEASE = 5  # the sender no longer offers this export: unmap it
 
 _OFFER_FIXED = struct.Struct("<QQQQQ?")  # tag, seq, export id, byte offset in storage, nbytes, export follows
-# storage bytes, offset of the storage in its allocation, ref-counter offset;
-# then three length-prefixed blobs: GPU UUID, allocation handle, ref-counter handle
+# An export is a kind byte, then for CUDA: storage bytes, offset of the storage in
+# its allocation, ref-counter offset, then three length-prefixed blobs: GPU UUID,
+# allocation handle, ref-counter handle; for HOST: a shared-memory region's record.
+_CUDA_EXPORT = b"\x00"
+_HOST_EXPORT = b"\x01"
 _EXPORT_FIXED = struct.Struct("<QQQ")
 _BLOB = struct.Struct("<I")
 _HOST_FIXED = struct.Struct("<QQ")  # tag, total bytes
 _U64 = struct.Struct("<Q")
 _HOST_FIRST_BYTES = MAX_FRAME_BYTES - _HOST_FIXED.size - HEADER_BYTES
 
-#: Largest host message one send may carry (it travels over the control socket).
+#: Largest host message one send may carry over the control socket (all of them on
+#: ``IpcTransport``; on ``ShmTransport`` only those below HOST_OFFER_BYTES go there).
 MAX_HOST_BYTES = 64 << 20
+#: ShmTransport offers host buckets from this size on as shared memory; smaller ones
+#: (the protocol's small messages) ride the control socket, one write instead of a round trip.
+HOST_OFFER_BYTES = 64 << 10
+#: Free staging regions a ShmTransport connection keeps for the next sends of buffers
+#: that are not in shared memory; beyond this the least recently freed are dropped.
+MAX_STAGED_BYTES = 1 << 30
 #: Exported storages remembered per connection (each stays mapped by the peer);
 #: a mirror reuses two snapshot buffers, a weight push a few buckets.
 MAX_EXPORTS = 64
@@ -83,6 +107,8 @@ MAX_EXPORTS = 64
 _MAX_IMPORTS = 4 * MAX_EXPORTS
 # torch's cudaIpcEventHandle_t size; the event is not used (see _Import.map).
 _IPC_EVENT_HANDLE_BYTES = 64
+# How long a copy that failed waits for the control socket to report the peer's death.
+_EXPLAIN_S = 0.5
 # An event recorded behind finished work completes within microseconds; this
 # long the sender looks before handing the offer to the ready thread (a thread
 # hop costs tens of microseconds).
@@ -119,6 +145,16 @@ def _read_blobs(data: bytes, at: int, n: int) -> tuple[list[bytes], int]:
         out.append(data[at:at + length])
         at += length
     return out, at
+
+
+def _digest_offset(header: bytes) -> int | None:
+    """The offset that keys a received bucket's digest, from its header; None when
+    the header is bad (the receive's own check then says how)."""
+    try:
+        offset = BucketHeader.decode(header).offset
+    except ValueError:
+        return None
+    return offset if offset % 8 == 0 and 0 <= offset < MAX_OFFSET else None
 
 
 # --- per process: copy streams and the threads that wait on events ---
@@ -204,17 +240,22 @@ class _Export:
 
 
 class _Send:
-    """A send: done when acknowledged (device bucket) or written (host message)."""
+    """A send: done when acknowledged (an offered bucket) or written (host message)."""
 
-    def __init__(self, keep: Any, export: _Export | None = None):
+    def __init__(self, keep: Any, export: _Export | None = None,
+                 finished: Callable[[], None] | None = None):
         self.completion = threading.Event()
         self.done = False
         self.export = export
         self._keep = keep  # the bucket stays alive until the receiver copied it
+        self._finished = finished  # a staging region goes back to its pool
 
     def finish(self) -> None:
         self.done = True
         self._keep = None
+        finished, self._finished = self._finished, None
+        if finished is not None:
+            finished()
         self.completion.set()
 
     def poll(self) -> bool:
@@ -231,6 +272,32 @@ class _Outgoing:
 
 
 # --- receiver side ---
+
+
+class _HostImport:
+    """A shared-memory region of the peer: mapped on first use, dropped on RELEASE
+    or close (the mapping goes once the copies from it are done)."""
+
+    __slots__ = ("record", "storage_bytes", "bytes")
+
+    def __init__(self, record: bytes):
+        if len(record) != shm.RECORD_BYTES:
+            raise TransportError(f"a {len(record)}-byte shared-memory record")
+        self.record = record
+        self.storage_bytes = int.from_bytes(record[-8:], "little")
+        self.bytes: torch.Tensor | None = None
+
+    def map(self, device: int | None) -> torch.Tensor:
+        mapped = self.bytes
+        if mapped is not None:
+            return mapped
+        with _map_lock:
+            if self.bytes is None:
+                self.bytes = shm.map_region(self.record)
+            return self.bytes
+
+    def unmap(self) -> None:
+        self.bytes = None
 
 
 class _Import:
@@ -303,7 +370,7 @@ class _Offer:
     nbytes: int
     byte_offset: int
     header: bytes
-    source: _Import
+    source: _Import | _HostImport
 
 
 @dataclass(slots=True)
@@ -322,6 +389,7 @@ class _Recv:
         self.posted = posted  # event after the caller's queued work on flat (CUDA receives)
         self.completion = threading.Event()
         self.done = False
+        self.digest: int | None = None  # taken by the copy that received it (shared memory)
 
     def finish(self, header: bytes) -> None:
         self.header_buf.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
@@ -341,9 +409,14 @@ class IpcConnection(ControlledConnection):
     # moved 50.9 GB/s on an H200 in 16 MiB pieces).
     piece_bytes = None
 
-    def __init__(self, **kwargs):
+    def __init__(self, *, host_offers: bool = False, probe: torch.Tensor | None = None, **kwargs):
         # HOST too: small control messages ride the control socket (see the module docstring).
         super().__init__(memory=MemoryKind.HOST | MemoryKind.CUDA, **kwargs)
+        self._host_offers = host_offers  # ShmTransport: bulk host buckets go as shared memory
+        self._probe = probe  # this side's handshake region, mapped by the peer: kept while connected
+        self._staging: list[torch.Tensor] = []  # free staging regions, least recently freed first
+        self._staging_lock = threading.Lock()
+        self.staged_sends = 0  # host sends that were copied into a staging region first
         self._seq = itertools.count()
         self._export_ids = itertools.count(1)
         # Lock order: _out_lock, then _state_lock; the monitor thread takes only
@@ -373,14 +446,17 @@ class IpcConnection(ControlledConnection):
     # --- sending ---
 
     def _isend(self, flat, tag, header):
-        if flat.device.type == "cpu" or flat.numel() == 0:
+        if flat.numel() == 0 or (flat.device.type == "cpu" and not self._offers_host(flat)):
             return self._send_host(flat, tag, header)
-        return self._send_device(flat, tag, header)
+        return self._send_offer(flat, tag, header)
+
+    def _offers_host(self, flat: torch.Tensor) -> bool:
+        return self._host_offers and flat.numel() >= HOST_OFFER_BYTES
 
     def _check_bucket(self, flat: torch.Tensor) -> None:
         # Per bucket, not per piece: a bucket over the limit is refused before any piece goes.
         nbytes = flat.numel()
-        if flat.device.type == "cpu" and nbytes > MAX_HOST_BYTES:
+        if flat.device.type == "cpu" and nbytes > MAX_HOST_BYTES and not self._offers_host(flat):
             raise TransportError(
                 f"a {nbytes}-byte host message is over CUDA IPC's limit of {MAX_HOST_BYTES} bytes "
                 "(host messages ride the control socket); send device memory, or use the UCX transport")
@@ -400,16 +476,21 @@ class IpcConnection(ControlledConnection):
             self._post(_Outgoing(ready=None, frames=frames, seq=seq, send=send, written=True))
         return send
 
-    def _send_device(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> _Send:
-        # Captured here, in the caller's thread: the stream its producers ran on.
-        ready = torch.cuda.Event(blocking=True)  # the ready thread sleeps on it, never spins
-        ready.record(torch.cuda.current_stream(flat.device))
+    def _send_offer(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> _Send:
+        """Offer a device bucket, or a host bucket as shared memory, for the peer to copy."""
+        ready = finished = None
+        if flat.device.type == "cuda":
+            # Captured here, in the caller's thread: the stream its producers ran on.
+            ready = torch.cuda.Event(blocking=True)  # the ready thread sleeps on it, never spins
+            ready.record(torch.cuda.current_stream(flat.device))
         head = header()
+        if flat.device.type == "cpu" and shm.region_of(flat) is None:
+            flat, finished = self._stage(flat)
         storage = flat.untyped_storage()
         with self._out_lock:
-            export = self._export(storage, flat.device)
+            export = self._export(storage, flat)
             seq = next(self._seq)
-            send = _Send((flat, ready), export)
+            send = _Send((flat, ready), export, finished)
             with self._state_lock:
                 export.inflight += 1  # first: an export in flight is never retired
                 self._sends[seq] = send
@@ -420,7 +501,31 @@ class IpcConnection(ControlledConnection):
             self._post(_Outgoing(ready=ready, frames=frames, seq=seq, send=send, written=False))
         return send
 
-    def _export(self, storage: torch.UntypedStorage, device: torch.device) -> _Export:
+    def _stage(self, flat: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A copy of ``flat`` in a staging region (reused from the pool when one is
+        large enough), and what gives the region back once the send is acknowledged."""
+        n = flat.numel()
+        with self._staging_lock:
+            fits = [r for r in self._staging if r.numel() >= n]
+            region = min(fits, key=torch.Tensor.numel) if fits else None
+            if region is not None:
+                self._staging.remove(region)
+            self.staged_sends += 1
+        if region is None:
+            region = shm.shared_empty(max(n, HOST_OFFER_BYTES))
+        staged = region[:n]
+        staged.copy_(flat)
+
+        def give_back() -> None:
+            with self._staging_lock:
+                if self._error is not None:
+                    return
+                self._staging.append(region)
+                while sum(r.numel() for r in self._staging) > MAX_STAGED_BYTES:
+                    self._staging.pop(0)
+        return staged, give_back
+
+    def _export(self, storage: torch.UntypedStorage, flat: torch.Tensor) -> _Export:
         """This storage's export; taken once (torch nests a new ref-counter and
         event into the storage on every ``_share_cuda_``). Caller holds _out_lock."""
         key = (storage._cdata, storage.data_ptr(), storage.nbytes())
@@ -433,13 +538,19 @@ class IpcConnection(ControlledConnection):
                 return export
         from torch.multiprocessing.reductions import StorageWeakRef
 
-        try:
-            (_, handle, storage_bytes, storage_offset, ref_handle, ref_offset, _event,
-             _sync) = storage._share_cuda_()
-        except RuntimeError as exc:
-            raise TransportError(f"cannot export this CUDA buffer for IPC ({exc}); use the UCX transport") from exc
-        record = (_EXPORT_FIXED.pack(storage_bytes, storage_offset, ref_offset)
-                  + _blobs(_uuid_of(device.index), handle, ref_handle))
+        if flat.device.type == "cpu":
+            region = shm.region_of(flat)
+            if region is None or region.offset != flat.storage_offset():
+                raise TransportError("a host bucket offered that is not in a shared-memory region of its own")
+            record = _HOST_EXPORT + region.record
+        else:
+            try:
+                (_, handle, storage_bytes, storage_offset, ref_handle, ref_offset, _event,
+                 _sync) = storage._share_cuda_()
+            except RuntimeError as exc:
+                raise TransportError(f"cannot export this CUDA buffer for IPC ({exc}); use the UCX transport") from exc
+            record = (_CUDA_EXPORT + _EXPORT_FIXED.pack(storage_bytes, storage_offset, ref_offset)
+                      + _blobs(_uuid_of(flat.device.index), handle, ref_handle))
         export = _Export(next(self._export_ids), StorageWeakRef(storage), record)
         with self._state_lock:
             self._exports[key] = export
@@ -568,9 +679,21 @@ class IpcConnection(ControlledConnection):
         if announces:
             if source is not None:
                 raise TransportError(f"export {export_id} announced twice")
-            storage_bytes, storage_offset, ref_offset = _EXPORT_FIXED.unpack_from(payload, at)
-            (uuid, handle, ref_handle), _ = _read_blobs(payload, at + _EXPORT_FIXED.size, 3)
-            source = _Import(uuid, handle, storage_bytes, storage_offset, ref_handle, ref_offset)
+            kind, at = payload[at:at + 1], at + 1
+            if kind == _HOST_EXPORT:
+                if not self._host_offers:
+                    raise TransportError("a shared-memory offer on a connection that takes none")
+                source = _HostImport(payload[at:])
+                # Mapped at once: a region can be opened only while its owner lives,
+                # and once mapped it outlives its owner. The copy says why if this failed.
+                with contextlib.suppress(TransportError):
+                    source.map(None)
+            elif kind == _CUDA_EXPORT:
+                storage_bytes, storage_offset, ref_offset = _EXPORT_FIXED.unpack_from(payload, at)
+                (uuid, handle, ref_handle), _ = _read_blobs(payload, at + _EXPORT_FIXED.size, 3)
+                source = _Import(uuid, handle, storage_bytes, storage_offset, ref_handle, ref_offset)
+            else:
+                raise TransportError(f"an export of unknown kind {kind!r}")
             with self._state_lock:
                 if len(self._imports) >= _MAX_IMPORTS:
                     raise TransportError(f"peer exported more than {_MAX_IMPORTS} storages without releasing any")
@@ -605,6 +728,10 @@ class IpcConnection(ControlledConnection):
                     receive.finish(message.header)
                     return
                 src = torch.frombuffer(message.data, dtype=torch.uint8, count=n)
+            elif isinstance(message.source, _HostImport) and flat.device.type == "cpu":
+                # A copy of the whole bucket: off the monitor thread, which reads the peer's frames.
+                self._transport._copied.submit(None, functools.partial(self._copy_shared, receive, message, n))
+                return
             else:
                 mapped = message.source.map(flat.device.index if flat.device.type == "cuda" else None)
                 src = mapped[message.byte_offset:message.byte_offset + n]
@@ -623,6 +750,30 @@ class IpcConnection(ControlledConnection):
             return
         # src (the mapping) and flat stay referenced until the copy has run.
         self._transport._copied.submit(copied, functools.partial(self._copied, receive, message, src, flat))
+
+    def _copy_shared(self, receive: _Recv, message: _Offer, n: int) -> None:
+        """Completion thread: copy a shared-memory bucket out of the peer's region,
+        hashing it in the same pass when digests are on, then acknowledge it."""
+        flat = receive.flat
+        if flat is None or self._error is not None:
+            return  # the connection failed: its waiters were woken, the buffer is theirs again
+        try:
+            src = message.source.map(None)[message.byte_offset:message.byte_offset + n]
+            offset = _digest_offset(message.header) if self._verify_digests else None
+            if offset is None:
+                flat[:n].copy_(src)
+            else:
+                receive.digest = int(ops.pack_checksum([src], flat[:n], [0], -(-n // 8) * 8, offset // 8)[0])
+        except Exception as exc:  # noqa: BLE001 - a failed copy fails the connection, not the thread
+            # A region that cannot be opened any more most often means its owner died:
+            # the control socket says so within moments, and then that is the error.
+            if not self._failed.wait(_EXPLAIN_S):
+                self._fail(exc if isinstance(exc, TransportError) else
+                           TransportError(f"receiving tag {message.tag} from {self.peer} failed: {exc}"))
+            receive.completion.set()
+            return
+        del src
+        self._copied(receive, message, None, None)
 
     def _copied(self, receive: _Recv, message: _Offer | _HostMessage, src, flat) -> None:
         # src and flat are only held: their last references drop after this returns.
@@ -643,6 +794,8 @@ class IpcConnection(ControlledConnection):
             self._unmatched.clear()
             self._imports.clear()
             self._exports.clear()
+        with self._staging_lock:
+            self._staging.clear()
         self._outbox.clear()  # without _out_lock: a writer holding it may be what failed
         for p in pending:
             p.completion.set()  # waiters see the connection's error
@@ -677,8 +830,45 @@ class IpcTransport(ControlledTransport):
 
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
         return IpcConnection(transport=self, sock=sock, peer=peer, verify=self.config.verify,
-                             verify_threads=self.config.verify_threads)
+                             verify_threads=self.config.verify_threads, **self._host_path(peer, peer_offer, state))
+
+    def _host_path(self, peer: str, peer_offer: bytes, state: Any) -> dict[str, Any]:
+        """What the connection needs for host buckets beyond the control socket: none here."""
+        return {}
 
     def _shutdown(self) -> None:
         self._ready.close()
         self._copied.close()  # after the connections queued their unmaps
+
+
+_PROBE_NONCE_BYTES = 16
+
+
+class ShmTransport(IpcTransport):
+    """``IpcTransport`` that moves bulk host memory too, as shared memory with one
+    copy (see the module docstring): the backend for host buckets between processes
+    of one node that run as the same user in the same PID namespace. Its handshake
+    proves that: each side maps a region the other made and checks its bytes, or
+    the connection is refused with the reason (then use UCX)."""
+
+    capabilities = Capabilities(memory=MemoryKind.HOST | MemoryKind.CUDA, locality=Locality.SAME_NODE)
+
+    def _offer(self, server, locality):
+        super()._offer(server, locality)
+        probe = shm.shared_empty(_PROBE_NONCE_BYTES)
+        probe.copy_(torch.frombuffer(bytearray(os.urandom(_PROBE_NONCE_BYTES)), dtype=torch.uint8))
+        region = shm.region_of(probe)
+        return region.record + probe.numpy().tobytes(), probe
+
+    def _host_path(self, peer, peer_offer, state):
+        record, nonce = peer_offer[:shm.RECORD_BYTES], peer_offer[shm.RECORD_BYTES:]
+        if len(nonce) != _PROBE_NONCE_BYTES:
+            raise TransportError(f"{peer} is not a shared-memory peer (its handshake offers no region to map)")
+        try:
+            mapped = shm.map_region(record)
+        except TransportError as exc:
+            raise TransportError(f"cannot share host memory with {peer}: {exc}") from exc
+        if mapped[:_PROBE_NONCE_BYTES].numpy().tobytes() != nonce:
+            raise TransportError(f"cannot share host memory with {peer}: the region it offered does not hold "
+                                 "what it said (another PID namespace?); use the UCX transport")
+        return {"host_offers": True, "probe": state}

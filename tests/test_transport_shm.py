@@ -1,0 +1,213 @@
+"""The shared-memory backend (``ShmTransport``): host buckets between processes of
+one node with one copy, the digest taken by that copy. The contract runs on it
+with real spawned peers; the checks below add what only it does: buckets in
+shared memory go where they lie, others through a staging region, a dead
+sender's region stays readable, and a peer that cannot map this side's memory
+is refused at the handshake with the reason."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from replica.errors import PeerDisconnectedError, TransportError
+from replica.testing import spawn
+from replica.transport import Locality, MemoryKind
+from replica.transport import shm
+from replica.transport.base import bucket_digest
+from replica.transport.ipc import HOST_OFFER_BYTES, MAX_HOST_BYTES, IpcConfig, IpcTransport, ShmTransport
+
+from transport_contract import (
+    CHECKS,
+    MiB,
+    T,
+    check_peer_killed_mid_transfer,
+    check_round_trip_sizes,
+    connected,
+    empty,
+    pattern,
+    peer_main,
+    run_transport_contract,
+)
+
+
+def make_shm(token: bytes) -> ShmTransport:
+    return ShmTransport(IpcConfig(token=token))
+
+
+# The kill check is its own below: a bucket offered before the kill can still be copied whole.
+SHM_CHECKS = [c for c in CHECKS if c is not check_peer_killed_mid_transfer]
+
+
+@pytest.mark.parametrize("check", SHM_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_contract_shm(check):
+    run_transport_contract(make_shm, check)
+
+
+def test_round_trip_sizes_across_the_offer_threshold_and_past_the_socket_limit():
+    sizes = (HOST_OFFER_BYTES - 1, HOST_OFFER_BYTES, HOST_OFFER_BYTES + 3, MAX_HOST_BYTES + 8 * MiB + 5)
+    run_transport_contract(make_shm, lambda make, device: check_round_trip_sizes(make, sizes=sizes, device=device))
+
+
+def test_capabilities_say_host_and_cuda_on_this_node():
+    assert ShmTransport.capabilities.supports(MemoryKind.HOST, Locality.SAME_NODE)
+    assert ShmTransport.capabilities.supports(MemoryKind.CUDA, Locality.SAME_NODE)
+    assert not ShmTransport.capabilities.supports(MemoryKind.HOST, Locality.REMOTE)
+    assert not IpcTransport.capabilities.supports(MemoryKind.HOST, Locality.SAME_NODE)
+
+
+def test_shared_buffers_go_where_they_lie_others_are_staged():
+    """A bucket in ``shm.shared_empty`` memory is offered in place (no staging copy);
+    any other host bucket is copied into a staging region first, which the next send
+    reuses. Both arrive exact with the digest of the whole, offset-keyed."""
+    n = 3 * MiB + 8
+    with make_shm(b"job-token") as transport, spawn(peer_main, make_shm, b"job-token") as peer:
+        conn = connected(transport, peer)
+        shared = shm.shared_empty(2 * n)
+        shared[n:].copy_(pattern(n, 11))
+        peer.send("recv_verify", n, 70)
+        sent = conn.send(shared[n:], tag=70, timeout=T, offset=8 * 1000)
+        assert peer.recv() == ("ok", int(shared[n:].sum()), 8 * 1000, n, sent.digest)
+        assert conn.staged_sends == 0
+        for seed in (12, 13):
+            data = pattern(n, seed)
+            peer.send("recv_verify", n, 71)
+            sent = conn.send(data, tag=71, timeout=T)
+            assert peer.recv() == ("ok", int(data.sum()), 0, n, sent.digest)
+        assert conn.staged_sends == 2
+        assert len(conn._staging) == 1, "the second staged send did not reuse the first one's region"
+        assert conn.num_exports == 2  # the shared buffer and the one staging region
+
+
+def test_the_receiver_takes_the_digest_in_its_copy():
+    """The receiving side's verification is the copy itself: the receive carries the
+    digest its copy took (equal to a separate hash of the bytes), and a bucket that
+    changed after its digest was taken is still refused."""
+    n = 2 * MiB + 16
+    with make_shm(b"job-token") as transport, spawn(peer_main, make_shm, b"job-token") as peer:
+        conn = connected(transport, peer)
+        buf = empty(n, "cpu", fill=0)
+        receive = conn.irecv(buf, tag=72)
+        peer.send("send", n, 72, 5)
+        assert peer.recv() == ("posted",)
+        header = receive.wait(T)
+        assert peer.recv() == ("ok",)
+        assert torch.equal(buf, pattern(n, 5))
+        taken = receive._pieces[0].pending.digest
+        assert taken is not None, "the receive hashed in a separate pass"
+        assert taken == header.digest == bucket_digest(buf, offset=header.offset)
+
+
+def test_a_killed_senders_bucket_copies_out_whole_or_fails_cleanly():
+    """The sender is killed right after it offered 512 MiB: its region outlives it in
+    this process's mapping, so the receive either completes with the exact bytes
+    (verified by the digest its copy took) or fails with PeerDisconnectedError; it
+    never delivers anything else, the death is seen within 2 s, and the transport
+    keeps serving new peers."""
+    nbytes = 512 * MiB
+    with make_shm(b"job-token") as transport, spawn(peer_main, make_shm, b"job-token") as peer:
+        conn = connected(transport, peer)
+        buf = empty(nbytes, "cpu", fill=0)
+        receive = conn.irecv(buf, tag=30)
+        peer.send("send", nbytes, 30, 1)
+        assert peer.recv(120) == ("posted",)
+        peer.kill()
+        killed_at = time.monotonic()
+        assert peer.process.exitcode == -9, "the peer was not killed"
+        try:
+            receive.wait(timedelta(seconds=30))
+        except PeerDisconnectedError:
+            delivered = False
+        else:
+            delivered = True
+            assert torch.equal(buf, pattern(nbytes, 1)), "a receive from a killed peer delivered wrong bytes"
+        deadline = killed_at + 10
+        while conn.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        noticed = time.monotonic() - killed_at
+        assert not conn.alive and noticed < 2.0, f"survivor took {noticed:.2f} s to notice the dead peer"
+        print(f"delivered after the kill: {delivered}")
+        with spawn(peer_main, make_shm, b"job-token") as fresh:
+            conn2 = connected(transport, fresh)
+            fresh.send("echo", [MiB], 40)
+            back = empty(MiB, "cpu")
+            echoed = conn2.irecv(back, tag=41)
+            conn2.send(pattern(MiB, 2), tag=40, timeout=T)
+            echoed.wait(T)
+            assert torch.equal(back, pattern(MiB, 2)) and fresh.recv() == ("ok",)
+
+
+def test_an_unsealed_region_is_refused():
+    """A region the peer could shrink under the reader (SIGBUS) is never mapped."""
+    fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, 4096)
+        record = shm._RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, 4096)
+        with pytest.raises(TransportError, match="not sealed"):
+            shm.map_region(record)
+    finally:
+        os.close(fd)
+
+
+def test_a_record_of_another_file_is_refused():
+    held = shm.shared_empty(4096)
+    region = shm.region_of(held)
+    assert region is not None and shm.map_region(region.record).numel() == 4096
+    pid, fd, inode, size = shm._RECORD.unpack(region.record)
+    with pytest.raises(TransportError, match="not the peer's shared memory"):
+        shm.map_region(shm._RECORD.pack(pid, fd, inode + 1, size))
+    with pytest.raises(TransportError, match="same PID namespace"):
+        shm.map_region(shm._RECORD.pack(pid, 1 << 20, inode, size))
+
+
+_NAMESPACED_PEER = textwrap.dedent("""
+    import sys
+    from datetime import timedelta
+    from replica.errors import TransportError
+    from replica.transport.ipc import IpcConfig, ShmTransport
+    with ShmTransport(IpcConfig(token=b"job-token")) as transport:
+        try:
+            transport.connect(sys.argv[1], timedelta(seconds=30))
+        except TransportError as exc:
+            print("refused:", exc)
+        else:
+            print("connected")
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a PID namespace of its own needs root (unshare)")
+def test_a_peer_in_another_pid_namespace_is_refused_with_the_reason(caplog):
+    """Two processes of one node that cannot map each other's memory (here: the peer in
+    a PID namespace of its own, as in another container) get no connection, and both
+    sides say why, instead of failing at the first bucket."""
+    with make_shm(b"job-token") as transport:
+        address = transport.listen()
+        out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                              _NAMESPACED_PEER, address], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("refused:") and "cannot share host memory" in out.stdout, out.stdout
+        with pytest.raises(TransportError):
+            transport.accept(timedelta(seconds=1))
+    assert any("cannot share host memory" in r.getMessage() for r in caplog.records)
+
+
+def test_a_region_closes_its_file_when_its_tensor_is_freed():
+    held = shm.shared_empty(8192)
+    pid, fd, _, _ = shm._RECORD.unpack(shm.region_of(held[100:]).record)
+    assert shm.region_of(held[100:]).offset == 100
+    assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:replica-shm")
+    view = held[10:20]
+    del held
+    gc.collect()
+    assert shm.region_of(view) is not None  # a view keeps its region
+    del view
+    gc.collect()
+    assert not os.path.exists(f"/proc/self/fd/{fd}") or not os.readlink(f"/proc/self/fd/{fd}").startswith(
+        "/memfd:replica-shm")
+    assert shm.region_of(torch.zeros(10, dtype=torch.uint8)) is None

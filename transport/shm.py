@@ -1,0 +1,131 @@
+"""Host memory that another process of this node can map: memfd regions.
+
+A region is an anonymous memory file (``memfd_create``) sealed at its size, so a
+peer that maps it can never be cut short (no SIGBUS when the owner shrinks it,
+nor when the owner dies: the peer's mapping keeps the pages). ``shared_empty``
+allocates one as a tensor; ``region_of`` says whether a tensor's bytes live in
+one, and returns the record a peer needs to map it: the owner's pid, the file's
+descriptor number there, its inode and size. The peer opens
+``/proc/<pid>/fd/<fd>`` (the same user and PID namespace), checks the inode and
+the seals, and maps it copy-on-write: it reads the owner's pages and can never
+write them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from replica.errors import TransportError
+
+__all__ = ["RECORD_BYTES", "Region", "map_region", "region_of", "shared_empty"]
+
+_RECORD = struct.Struct("<QQQQ")  # pid, fd, inode, bytes
+RECORD_BYTES = _RECORD.size
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class _Mapping(mmap.mmap):
+    """An mmap that can be weakly referenced: its region closes its file once the
+    last tensor over it is gone."""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Region:
+    """Where a tensor's bytes live: ``offset`` bytes into the region ``record`` names."""
+
+    record: bytes
+    offset: int
+    nbytes: int
+
+
+_lock = threading.Lock()
+# data_ptr of a region's first byte -> (record, size); an entry leaves when its mapping is freed.
+_regions: dict[int, tuple[bytes, int]] = {}
+
+
+def _forget(address: int, fd: int) -> None:
+    with _lock:
+        _regions.pop(address, None)
+    os.close(fd)
+
+
+def shared_empty(nbytes: int) -> torch.Tensor:
+    """A zeroed uint8 tensor of ``nbytes`` in a memfd region of its own, which peers
+    of this node can map (``region_of``). Its file closes when its storage is freed."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    fd = os.memfd_create("replica-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        size = max(nbytes, 1)  # mmap cannot map 0 bytes
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        mapping = _Mapping(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while any view lives
+    address = tensor.data_ptr()
+    record = _RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, size)
+    with _lock:
+        _regions[address] = (record, size)
+    weakref.finalize(mapping, _forget, address, fd)
+    return tensor[:nbytes]
+
+
+def region_of(t: torch.Tensor) -> Region | None:
+    """The region holding ``t``'s bytes (a contiguous CPU tensor), or None when they
+    are not in one made by ``shared_empty`` in this process."""
+    if t.device.type != "cpu" or t.numel() == 0:
+        return None
+    storage = t.untyped_storage()
+    with _lock:
+        found = _regions.get(storage.data_ptr())
+    if found is None:
+        return None
+    record, size = found
+    offset = t.data_ptr() - storage.data_ptr()
+    nbytes = t.numel() * t.element_size()
+    if offset < 0 or offset + nbytes > size:
+        return None
+    return Region(record=record, offset=offset, nbytes=nbytes)
+
+
+def map_region(record: bytes) -> torch.Tensor:
+    """A peer's region as a read-only-in-effect uint8 tensor (copy-on-write: this
+    process sees the owner's bytes and never writes them). TransportError, saying
+    why, when it cannot be mapped from here."""
+    try:
+        pid, fd, inode, size = _RECORD.unpack(record)
+    except struct.error as exc:
+        raise TransportError(f"bad shared-memory record: {exc}") from exc
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        opened = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise TransportError(
+            f"cannot open the peer's shared memory at {path} ({exc.strerror}): the peer must run as the same "
+            "user in the same PID namespace (same container); use the UCX transport") from exc
+    try:
+        st = os.fstat(opened)
+        if st.st_ino != inode or st.st_size != size:
+            raise TransportError(f"{path} is not the peer's shared memory (inode {st.st_ino}, {st.st_size} bytes; "
+                                 f"expected inode {inode}, {size} bytes): is the peer in another PID namespace? "
+                                 "use the UCX transport")
+        try:
+            seals = fcntl.fcntl(opened, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
+            raise TransportError(f"the peer's shared memory {path} is not sealed at its size; refusing to map it")
+        mapping = _Mapping(opened, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(opened)  # the mapping keeps the file
+    return torch.frombuffer(mapping, dtype=torch.uint8)
