@@ -39,6 +39,10 @@ from replica.testing import spawn
 
 SHAPE = JobShape(dim=128, layers=4, seq=64, batch=16, samples=4096, total_steps=10_000)
 CONFIG = {"bucket_bytes": 1 << 20}
+# The same mirror over the shm backend (one node: the snapshot offered where it lies,
+# one copy, the standby's digest taken by that copy), in a job of its own beside it.
+CONFIG_SHM = {**CONFIG, "backends": ("shm", "ucx", "gloo")}
+MIRRORED = {"mirrored": CONFIG, "mirrored_shm": CONFIG_SHM}
 WORLD = 2
 WARMUP = 3  # steps of each job before anything is counted
 BLOCK_STEPS, BLOCKS = 6, 7  # per job: 7 blocks of 6 steps, 5 counted each
@@ -100,15 +104,16 @@ class _Job:
 
 
 @contextlib.contextmanager
-def _job(stack: contextlib.ExitStack, mirrored: bool):
+def _job(stack: contextlib.ExitStack, kind: str):
+    """A job of WORLD trainers; for a kind in MIRRORED, each with a standby, mirrored with its config."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     port = store.port
-    kind = "mirrored" if mirrored else "plain"
+    config = MIRRORED.get(kind)
     trainer_cores, standby_cores = _cores()
-    standbys = [stack.enter_context(spawn(_pinned, standby_cores, standby_main, r, WORLD, port, SHAPE, CONFIG,
-                                          name=f"standby{r}")) for r in range(WORLD)] if mirrored else []
+    standbys = [stack.enter_context(spawn(_pinned, standby_cores, standby_main, r, WORLD, port, SHAPE, config,
+                                          name=f"{kind}-standby{r}")) for r in range(WORLD)] if config else []
     trainers = [stack.enter_context(spawn(_pinned, trainer_cores, trainer_main, r, WORLD, port, SHAPE,
-                                          CONFIG if mirrored else None, name=f"{kind}-trainer{r}"))
+                                          config, name=f"{kind}-trainer{r}"))
                 for r in range(WORLD)]
     for child in standbys + trainers:
         assert child.recv(180)[0] == "ready"
@@ -123,9 +128,7 @@ def _job(stack: contextlib.ExitStack, mirrored: bool):
 @pytest.fixture(scope="module")
 def jobs():
     with contextlib.ExitStack() as stack:
-        plain = stack.enter_context(_job(stack, mirrored=False))
-        mirrored = stack.enter_context(_job(stack, mirrored=True))
-        yield {"plain": plain, "mirrored": mirrored}
+        yield {kind: stack.enter_context(_job(stack, kind)) for kind in ("plain", *MIRRORED)}
 
 
 def test_overhead(benchmark, jobs):
@@ -144,9 +147,10 @@ def test_overhead(benchmark, jobs):
     benchmark.pedantic(blocks, rounds=1 if benchmark.disabled else BLOCKS, iterations=1)
 
 
-def test_idle_stream(benchmark, jobs):
+@pytest.mark.parametrize("kind", MIRRORED)
+def test_idle_stream(benchmark, jobs, kind):
     """Mirrored steps, each followed by its global commit; the memcpy baseline after each."""
-    job = jobs["mirrored"]
+    job = jobs[kind]
     _place(job.trainers + job.standbys, set(os.sched_getaffinity(0)))  # nothing else runs: every core for all
     if job.step == 0:  # run alone (-k): one step to fix the layout
         job.run_step()
@@ -167,15 +171,16 @@ def test_idle_stream(benchmark, jobs):
     benchmark.extra_info.update(bytes=nbytes)
     benchmark.pedantic(idle_step, rounds=rounds, iterations=1)
     stats = job.stats()
-    _results["idle"] = [{name: stats[name][-rounds:] for name in ("extras_s", "pack_s", "stream_s", "post_s", "flush_s",
+    _results[f"idle_{kind}"] = [{name: stats[name][-rounds:] for name in ("extras_s", "pack_s", "stream_s", "post_s", "flush_s",
                                                                    "reply_s")}
                         | {"memcpy_s": memcpy, "checksum_s": checksum, "bytes": nbytes}]
     assert all(s > 0 for s in stats["stream_s"][-rounds:])
 
 
-def test_raw_ucx_same_processes(benchmark, jobs):
+@pytest.mark.parametrize("kind", MIRRORED)
+def test_raw_ucx_same_processes(benchmark, jobs, kind):
     """Raw UCX without digests from each trainer process to its standby's process, both at once."""
-    job = jobs["mirrored"]
+    job = jobs[kind]
     _place(job.trainers + job.standbys, set(os.sched_getaffinity(0)))  # as the idle stream ran
     nbytes, bucket = job.stats()["snapshot_bytes"], CONFIG["bucket_bytes"]
     rounds = 2 if benchmark.disabled else RAW_ROUNDS
@@ -193,31 +198,28 @@ def test_raw_ucx_same_processes(benchmark, jobs):
 
     benchmark.extra_info.update(bytes=nbytes, bucket_bytes=bucket)
     benchmark.pedantic(raw_rounds, rounds=1, iterations=1)
-    _results["raw"] = [{"ucx_s": seconds, "bytes": nbytes}]
+    _results[f"raw_{kind}"] = [{"ucx_s": seconds, "bytes": nbytes}]
 
 
 def _ms(seconds: list[float]) -> float:
     return statistics.median(seconds) * 1e3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def report(request):
-    yield
-    if request.config.getoption("benchmark_disable") or not all(k in _results for k in ("plain", "mirrored",
-                                                                                           "idle", "raw")):
-        return  # benchmarks disabled (CI smoke run) or some were deselected
-    plain, mirrored = _ms(_results["plain"]), _ms(_results["mirrored"])
-    idle, raw = _results["idle"][0], _results["raw"][0]
+def _figures(kind: str) -> dict:
+    """The figures of one mirrored job: its overhead over the plain job, its pack and
+    stream beside their baselines measured in its own processes."""
+    plain, mirrored = _ms(_results["plain"]), _ms(_results[kind])
+    idle, raw = _results[f"idle_{kind}"][0], _results[f"raw_{kind}"][0]
     nbytes = idle["bytes"]
     pack, extras, stream = _ms(idle["pack_s"]), _ms(idle["extras_s"]), _ms(idle["stream_s"])
     memcpy, raw_ucx = _ms(idle["memcpy_s"]), _ms(raw["ucx_s"])
     checksum = _ms(idle["checksum_s"])
-    result = {
+    return {
         "mirror_overhead_pct": (mirrored / plain - 1) * 100,
         "step_ms_plain": plain,
         "step_ms_mirrored": mirrored,
         "step_ms_plain_all": [s * 1e3 for s in _results["plain"]],
-        "step_ms_mirrored_all": [s * 1e3 for s in _results["mirrored"]],
+        "step_ms_mirrored_all": [s * 1e3 for s in _results[kind]],
         "snapshot_bytes_per_rank": nbytes,
         # The pack: the state tensors and the extras region into the snapshot with every
         # bucket's digest, one pass (ops.pack_checksum), and the layout check around it.
@@ -246,33 +248,59 @@ def report(request):
         "mirror_post_ms": _ms(idle["post_s"]),
         "mirror_flush_ms": _ms(idle["flush_s"]),
         "mirror_reply_ms": _ms(idle["reply_s"]),
+    }
+
+
+def _lines(label: str, r: dict) -> list[str]:
+    mib = r["snapshot_bytes_per_rank"] / 2**20
+    return [
+        f"| {label}: step time, commit() every step | {r['step_ms_mirrored']:.1f} ms | overhead "
+        f"{r['mirror_overhead_pct']:+.1f}% (target <= 2%) |",
+        f"| {label}: snapshot pack with digests, {mib:.1f} MiB per rank | {r['pack_ms']:.2f} ms "
+        f"({r['pack_GBps']:.1f} GB/s) | memcpy in the same process {r['memcpy_ms']:.2f} ms "
+        f"({r['memcpy_GBps']:.1f} GB/s): {r['snapshot_pack_vs_memcpy']:.2f}x (target >= 0.8x) |",
+        f"| {label}: checksum of the copied bytes | {r['checksum_ms']:.2f} ms | pack vs memcpy + checksum (the "
+        f"work it fuses): {r['snapshot_pack_vs_memcpy_plus_checksum']:.2f}x |",
+        f"| {label}: extras collected and encoded | {r['extras_ms']:.2f} ms | pack + extras vs memcpy: "
+        f"{r['snapshot_commit_vs_memcpy']:.2f}x |",
+        f"| {label}: mirror stream (send, verify, ack) | {r['mirror_stream_ms']:.2f} ms ({r['mirror_GBps']:.2f} "
+        f"GB/s) | raw UCX without digests, same processes, {CONFIG['bucket_bytes'] >> 20} MiB buckets: "
+        f"{r['raw_ucx_ms']:.2f} ms ({r['raw_ucx_GBps']:.2f} GB/s): {r['mirror_stream_vs_raw_ucx']:.2f}x "
+        "(target >= 0.8x) |",
+        f"| {label}: its parts: buckets posted, sends finished, ACK back | {r['mirror_post_ms']:.2f}, "
+        f"{r['mirror_flush_ms']:.2f}, {r['mirror_reply_ms']:.2f} ms | |",
+    ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def report(request):
+    yield
+    needed = ["plain", *MIRRORED, *(f"idle_{k}" for k in MIRRORED), *(f"raw_{k}" for k in MIRRORED)]
+    if request.config.getoption("benchmark_disable") or not all(k in _results for k in needed):
+        return  # benchmarks disabled (CI smoke run) or some were deselected
+    ucx, shared = _figures("mirrored"), _figures("mirrored_shm")
+    result = {
+        # The default backends: UCX between the trainer and its standby (as across nodes).
+        **ucx,
+        # The shm backend (Config(backends=("shm", ...)), processes of one node), in a job of its own.
+        "shm": shared,
+        "shm_mirror_overhead_pct": shared["mirror_overhead_pct"],
+        "shm_snapshot_pack_vs_memcpy": shared["snapshot_pack_vs_memcpy"],
+        "shm_mirror_stream_vs_raw_ucx": shared["mirror_stream_vs_raw_ucx"],
         "targets": TARGETS,
         "config": {"shape": repr(SHAPE), "world_size": WORLD, "cores": [sorted(c) for c in _cores()], "block_steps": BLOCK_STEPS, "blocks": BLOCKS,
-                   "idle_steps": IDLE_STEPS, "raw_rounds": RAW_ROUNDS, **CONFIG},
+                   "idle_steps": IDLE_STEPS, "raw_rounds": RAW_ROUNDS, **CONFIG, "shm_backends": CONFIG_SHM["backends"]},
         "machine": machine(),
     }
-    r = result
-    mib = nbytes / 2**20
     counted = len(_results["plain"])
     lines = [
         f"### mirror overhead, FSDP2 tiny transformer, {WORLD} CPU ranks + {WORLD} standbys on cores of their "
-        f"own (medians; {counted} steps per job in alternating blocks)\n",
+        f"own (medians; {counted} steps per job in alternating blocks; UCX: the default backends, shm: "
+        "Config(backends=(\"shm\", ...)))\n",
         "| figure | value | beside |",
         "|---|---|---|",
-        f"| step time, no mirror | {plain:.1f} ms | |",
-        f"| step time, commit() every step | {mirrored:.1f} ms | overhead {r['mirror_overhead_pct']:+.1f}% "
-        f"(target <= 2%) |",
-        f"| snapshot pack with digests, {mib:.1f} MiB per rank | {pack:.2f} ms ({r['pack_GBps']:.1f} GB/s) | "
-        f"memcpy in the same process {memcpy:.2f} ms ({r['memcpy_GBps']:.1f} GB/s): "
-        f"{r['snapshot_pack_vs_memcpy']:.2f}x (target >= 0.8x) |",
-        f"| checksum of the copied bytes | {checksum:.2f} ms | pack vs memcpy + checksum (the work it fuses): "
-        f"{r['snapshot_pack_vs_memcpy_plus_checksum']:.2f}x |",
-        f"| extras collected and encoded | {extras:.2f} ms | pack + extras vs memcpy: "
-        f"{r['snapshot_commit_vs_memcpy']:.2f}x |",
-        f"| mirror stream (send, verify, ack) | {stream:.2f} ms ({r['mirror_GBps']:.2f} GB/s) | raw UCX without "
-        f"digests, same processes, {CONFIG['bucket_bytes'] >> 20} MiB buckets: {raw_ucx:.2f} ms "
-        f"({r['raw_ucx_GBps']:.2f} GB/s): {r['mirror_stream_vs_raw_ucx']:.2f}x (target >= 0.8x) |",
-        f"| its parts: buckets posted, sends finished, ACK back | {r['mirror_post_ms']:.2f}, "
-        f"{r['mirror_flush_ms']:.2f}, {r['mirror_reply_ms']:.2f} ms | |",
+        f"| step time, no mirror | {ucx['step_ms_plain']:.1f} ms | |",
+        *_lines("UCX", ucx),
+        *_lines("shm", shared),
     ]
     write_results("mirror", result, lines)

@@ -17,13 +17,17 @@ engine receives the weights of a Llama-style model
   UCX without digests in the sync's bucket size (``raw_ucx_s``), and a memcpy of
   them (the physical limit here).
 
-usage: weight_sync_run.py SIZE ROUNDS OUT.json [PAUSE_S]
+usage: weight_sync_run.py SIZE ROUNDS OUT.json [PAUSE_S [BACKENDS]]
 
 PAUSE_S (default 0): seconds the idle rounds wait after a switch before the next push, as an
 RL loop generates between versions. With 0 the push lands while the engine is still settling
 the switch: with one receive buffer (the staged default) its pages went back to the OS as the
 last version was prepared, and faulting them in again (``WeightReceiver.prefault`` on the
 stager's thread, or the receive itself) is in ``receive_s``.
+
+BACKENDS (default: Config's): the transports of both ends, comma-separated, in order of
+preference; "shm,ucx,gloo" pushes through shared memory (one copy, the engine's digest taken
+by its copy).
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ WARMUP = 3  # rounds: an engine syncs every step for hours, the steady state is 
 CONFIG = replica.Config(token=TOKEN, timeout=timedelta(seconds=300))
 
 
-def _sender(pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = False) -> None:
+def _sender(pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = False,
+            backends: tuple[str, ...] | None = None) -> None:
     """The trainer: pushes the model's weights on each "push" (``change``: negated first, so
     every version differs, as training makes them)."""
     from transformers import LlamaForCausalLM
@@ -64,7 +69,8 @@ def _sender(pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = F
     torch.set_num_threads(1)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    sync = replica.WeightSync(model, store=store, num_engines=1, config=dataclasses.replace(CONFIG, token=token))
+    config = dataclasses.replace(CONFIG, token=token, **({"backends": backends} if backends else {}))
+    sync = replica.WeightSync(model, store=store, num_engines=1, config=config)
     pipe.send(("ready", sync.layout.total_bytes))
     while (cmd := pipe.recv())[0] == "push":
         if change:
@@ -85,12 +91,13 @@ def _gloo_peer(pipe, port: int, nbytes: int) -> None:
     dist.destroy_process_group()
 
 
-def main(size: str, rounds: int, out: Path, pause_s: float = 0.0) -> None:
+def main(size: str, rounds: int, out: Path, pause_s: float = 0.0, backends: tuple[str, ...] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="replica-bench-weights-") as work:  # two models: ~2 GB for 1GiB
-        run(size, rounds, out, Path(work), pause_s)
+        run(size, rounds, out, Path(work), pause_s, backends)
 
 
-def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0) -> None:
+def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
+        backends: tuple[str, ...] | None = None) -> None:
     from replica.vllm_worker import EngineWeights, ReceiverSpec
 
     torch.manual_seed(0)
@@ -99,10 +106,10 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0) -> 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     llm = make_llm(work / "engine")
     weights = EngineWeights(llm, ReceiverSpec(index=0, store=f"127.0.0.1:{store.port}",
-                                              token_hex=TOKEN.hex(), timeout_s=300))
+                                              token_hex=TOKEN.hex(), timeout_s=300, backends=backends))
     sync_s, receive_s, prepare_s, stall_s, disk_s, save_s, gloo_s, memcpy_s = [], [], [], [], [], [], [], []
     generate_s, busy_s, during = [], [], []
-    with spawn(_sender, str(work / "trained"), store.port, name="trainer") as trainer:
+    with spawn(_sender, str(work / "trained"), store.port, TOKEN, False, backends, name="trainer") as trainer:
         _, nbytes = trainer.recv(timeout=300)
         for step in range(1, rounds + WARMUP + 1):  # the first rounds warm up: allocator and page cache
             time.sleep(pause_s)
@@ -195,9 +202,11 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0) -> 
                                "gloo_broadcast_s": med(gloo_s), "memcpy_s": med(memcpy_s),
                                "raw_ucx_s": med(ucx_s),
                                "warmup_rounds": WARMUP, "pause_s": pause_s,
+                               "backends": list(backends or CONFIG.backends),
                                "all": {"sync_s": sync_s, "prepare_s": prepare_s, "stall_s": stall_s, "busy_sync_s": busy_s,
                                        "generations_during_sync": during, "disk_reload_s": disk_s}}, indent=2))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 0.0)
+    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 0.0,
+         tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else None)

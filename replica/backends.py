@@ -13,14 +13,17 @@ from replica.config import Config
 from replica.errors import TransportError
 from replica.transport import Locality, MemoryKind, Transport, select_transport
 
-__all__ = ["backend_class", "choose_backend", "locality_of", "make_backend"]
+__all__ = ["SHM_BACKEND", "backend_class", "choose_backend", "locality_of", "make_backend"]
+
+#: The backend that sends host buffers in shared memory where they lie (``Snapshot(shared=True)``).
+SHM_BACKEND = "shm"
 
 # name -> (module, transport class, config class, the package it needs at run time)
 _BACKENDS = {
     "ucx": ("replica.transport.ucx", "UcxTransport", "UcxConfig", "ucxx"),
     "gloo": ("replica.transport.gloo", "GlooTransport", "GlooConfig", None),
     "ipc": ("replica.transport.ipc", "IpcTransport", "IpcConfig", None),
-    "shm": ("replica.transport.ipc", "ShmTransport", "IpcConfig", None),
+    SHM_BACKEND: ("replica.transport.ipc", "ShmTransport", "IpcConfig", None),
 }
 
 

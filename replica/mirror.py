@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from replica.backends import backend_class, make_backend
+from replica.backends import SHM_BACKEND, backend_class, make_backend
 from replica.bucketstream import accept_sender, receive_versions, wait_first
 from replica.commit import CommitRecord
 from replica.jobstate import Epoch, JobStore
@@ -387,7 +387,8 @@ class Mirror(Listener):
             if self._layout is not None:
                 self._layout.check_matches(layout)
                 return
-            self._slots = [Snapshot(layout, device=self.device, pin_memory=True) for _ in range(2)]
+            self._slots = [Snapshot(layout, device=self.device, pin_memory=True, shared=self.backend == SHM_BACKEND)
+                           for _ in range(2)]
             self._layout = layout
         logger.info("[standby rank %d] mirroring %d bytes (%d tensors)", self.rank, layout.total_bytes,
                     len(layout.entries))

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from replica import serialize
+from replica.backends import SHM_BACKEND
 from replica.commit import NO_EPOCH, CommitRecord
 from replica.config import Config, token_from_env
 from replica.errors import ReplicaError, SnapshotCorruptedError
@@ -284,7 +285,9 @@ class Replicator:
         self._layout = layout
         self._tensors = bind_state(self.model, self.optimizer, rank=self.rank, world_size=self.world_size,
                                    like=self._layout)
-        self._snapshots = [*adopted, *(Snapshot(self._layout, device=device) for _ in range(2 - len(adopted)))]
+        shared = SHM_BACKEND in self.config.backends  # the standby may be reached by shared memory
+        self._snapshots = [*adopted, *(Snapshot(self._layout, device=device, shared=shared)
+                                       for _ in range(2 - len(adopted)))]
         logger.info("[trainer rank %d] snapshot layout: %d tensors, %d bytes, %d buckets, fingerprint %s",
                     self.rank, len(named), self._layout.total_bytes, len(self._layout.buckets()),
                     self._layout.fingerprint)

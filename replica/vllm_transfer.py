@@ -71,6 +71,7 @@ class ReplicaInitInfo(WeightTransferInitInfo):
     # Receive buffers: 1 (the model's size: each version is applied by the update that follows its
     # push) or 2 (versions may arrive while one waits to be applied).
     buffers: int = 1
+    backends: list[str] | None = None  # the receivers' transports (Config.backends); None: the default
     token_hex: str | None = field(default=None, repr=False)  # None: REPLICA_TOKEN of the engine's environment
 
     def __post_init__(self):
@@ -129,7 +130,8 @@ class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaU
         token = bytes.fromhex(init_info.token_hex) if init_info.token_hex else token_from_env()
         spec = ReceiverSpec(index=self.index, store=init_info.store, token_hex="", host=init_info.host,
                             store_prefix=init_info.store_prefix, timeout_s=init_info.timeout_s,
-                            staged=init_info.staged, leader=init_info.leader, buffers=init_info.buffers)
+                            staged=init_info.staged, leader=init_info.leader, buffers=init_info.buffers,
+                            backends=None if init_info.backends is None else tuple(init_info.backends))
         self._weights = WorkerWeights(spec, token=token, vllm_config=self.vllm_config, model=self.model,
                                       reload=self._reload)
 

@@ -63,6 +63,9 @@ class ReceiverSpec:
     # version is prepared and the engine holds the live weights and one more copy; a version arriving
     # while the last is prepared waits for it. 2: versions arrive while one is prepared or applied.
     buffers: int = 1
+    # The transports the receiver may listen on, in order of preference (Config.backends); None:
+    # Config's default. ("shm", ...) takes host weights from a trainer of this node with one copy.
+    backends: tuple[str, ...] | None = None
 
     def __repr__(self) -> str:
         return f"ReceiverSpec(index={self.index}, store={self.store})"
@@ -72,7 +75,8 @@ class ReceiverSpec:
         receiver ``index`` (``replica.vllm_transfer.ReplicaInitInfo``); the token goes in only
         when this spec carries one."""
         info = {"store": self.store, "index_base": self.index, "host": self.host, "store_prefix": self.store_prefix,
-                "timeout_s": self.timeout_s, "staged": self.staged, "leader": self.leader, "buffers": self.buffers}
+                "timeout_s": self.timeout_s, "staged": self.staged, "leader": self.leader, "buffers": self.buffers,
+                "backends": None if self.backends is None else list(self.backends)}
         if self.token_hex:
             info["token_hex"] = self.token_hex
         return info
@@ -117,8 +121,9 @@ class WorkerWeights:
         self._reload = reload
         shapes = checkpoint_shapes(vllm_config.model_config.model)
         store = StoreAddress.parse(spec.store).connect(timeout=timedelta(seconds=spec.timeout_s))
+        backends = {} if spec.backends is None else {"backends": tuple(spec.backends)}
         config = Config(token=token, host=spec.host, store_prefix=spec.store_prefix,
-                        timeout=timedelta(seconds=spec.timeout_s))
+                        timeout=timedelta(seconds=spec.timeout_s), **backends)
         self._stager: _Stager | None = None
         self.receiver = WeightReceiver(index=spec.index, store=store, config=config, leader=spec.leader,
                                        buffers=spec.buffers, expect=lambda layout: check_fits(layout, shapes),

@@ -32,6 +32,22 @@ def config(**kw) -> replica.Config:
     return replica.Config(token=TOKEN, timeout=T, commit_timeout=T, **kw)
 
 
+SHM = {"backends": ("shm", "ucx", "gloo"), "bucket_bytes": 64 << 10}
+
+
+@pytest.fixture(params=["default", "shm"])
+def via(request) -> dict:
+    """The Config options of the backend under test: the default (UCX on one node), or
+    shared memory (host buckets offered in place, one copy, the digest in the copy)."""
+    return {} if request.param == "default" else SHM
+
+
+def used_shared_memory(mirror, rep) -> bool:
+    """Whether the trainer's stream went over the shm backend, its buckets offered where they lie."""
+    conn = rep._stream._conn
+    return mirror.backend == "shm" and conn._host_offers and conn.staged_sends == 0 and conn.num_exports > 0
+
+
 @pytest.fixture
 def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)  # a free port, no race
@@ -66,11 +82,12 @@ def trained(j, steps: int, rep: replica.Replicator | None = None, first: int = 1
             rep.commit(s)
 
 
-def test_commit_then_restore_is_exact(store):
+def test_commit_then_restore_is_exact(store, via):
     j = job()
-    with mirrored(store, j) as (mirror, rep):
+    with mirrored(store, j, config(**via)) as (mirror, rep):
         trained(j, 3, rep)
         assert rep.wait_committed() == 3 == rep.last_commit()
+        assert used_shared_memory(mirror, rep) == bool(via)
         expected, position = state_of(j), j.loader.state_dict()
         fresh = job(seed=5)
         assert mirror.restore(fresh.model, fresh.optimizer, fresh.extra) == 3
@@ -86,9 +103,9 @@ def test_commit_then_restore_is_exact(store):
             assert all(p >= 0 for p in parts) and abs(sum(parts) - total) < 1e-6
 
 
-def test_corrupted_buckets_are_sent_again(store):
+def test_corrupted_buckets_are_sent_again(store, via):
     j = job()
-    with mirrored(store, j) as (mirror, rep):
+    with mirrored(store, j, config(**via)) as (mirror, rep):
         trained(j, 1, rep)
         rep.wait_committed()
         rep.faults.corrupt_buckets = 3
@@ -136,9 +153,9 @@ def _standby(pipe, port: int, cfg: replica.Config) -> None:
 BIG = JobShape(layers=2, dim=256, vocab=1024)  # ~12 MiB of state: a transfer of many buckets
 
 
-def test_standby_dying_mid_transfer_keeps_the_last_commit(store):
+def test_standby_dying_mid_transfer_keeps_the_last_commit(store, via):
     port = store.port
-    cfg = config(bucket_bytes=8 << 10, num_inflight_buckets=1)
+    cfg = config(**{"bucket_bytes": 8 << 10, **via}, num_inflight_buckets=1)
     j = job(BIG)
     with spawn(_standby, port, cfg, name="standby") as standby, \
             replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
@@ -186,8 +203,8 @@ def _trainer(pipe, port: int, cfg: replica.Config) -> None:
     os.kill(os.getpid(), signal.SIGKILL)  # mid-transfer of step 3
 
 
-def test_trainer_dying_mid_transfer_leaves_the_mirror_on_its_commit(store):
-    cfg = config(bucket_bytes=8 << 10, num_inflight_buckets=1)
+def test_trainer_dying_mid_transfer_leaves_the_mirror_on_its_commit(store, via):
+    cfg = config(**{"bucket_bytes": 8 << 10, **via}, num_inflight_buckets=1)
     with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
             spawn(_trainer, store.port, cfg, name="trainer") as trainer:
         at_two = trainer.recv(120)

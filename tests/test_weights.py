@@ -269,3 +269,30 @@ def test_a_consumed_version_gives_its_memory_back_as_it_is_copied_out():
                 pass
     finally:
         two.receiver.close()
+
+
+def test_host_weights_go_through_shared_memory_offered_where_they_lie():
+    """With the shm backend first (trainer and engine on one node), the leader keeps its
+    packed version in shared memory: each bucket is offered where it lies (no staging
+    copy), the engine copies it out with its digest taken by that copy, and every
+    version arrives exact."""
+    store = dist.HashStore()
+    config = replica.Config(token=TOKEN, bucket_bytes=64 << 10, timeout=timedelta(seconds=20),
+                            backends=("shm", "ucx", "gloo"))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 64))
+    engine = EngineStandIn(0, store, config=config, wait=timedelta(seconds=30))
+    sync = WeightSync(model, store=store, num_engines=1, config=config)
+    try:
+        for step in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            assert sync.push(step).engines_synced == [0]
+            assert engine.receiver.apply(engine.load) == step
+            assert all(torch.equal(engine.weights[n], p.detach()) for n, p in model.named_parameters())
+        conn = sync._links[0].conn
+        assert engine.receiver.backend == "shm" and conn._host_offers
+        assert conn.num_exports == 1 and conn.staged_sends == 0  # the packed version, offered in place
+    finally:
+        sync.close()
+        engine.receiver.close()

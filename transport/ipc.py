@@ -107,6 +107,9 @@ MAX_EXPORTS = 64
 _MAX_IMPORTS = 4 * MAX_EXPORTS
 # torch's cudaIpcEventHandle_t size; the event is not used (see _Import.map).
 _IPC_EVENT_HANDLE_BYTES = 64
+# Shared-memory buckets up to this size are copied by the thread that matched them (the
+# monitor's, or the caller's in irecv): a hand-off to the completion thread costs more.
+_INLINE_COPY_BYTES = 4 << 20
 # How long a copy that failed waits for the control socket to report the peer's death.
 _EXPLAIN_S = 0.5
 # An event recorded behind finished work completes within microseconds; this
@@ -729,8 +732,10 @@ class IpcConnection(ControlledConnection):
                     return
                 src = torch.frombuffer(message.data, dtype=torch.uint8, count=n)
             elif isinstance(message.source, _HostImport) and flat.device.type == "cpu":
-                # A copy of the whole bucket: off the monitor thread, which reads the peer's frames.
-                self._transport._copied.submit(None, functools.partial(self._copy_shared, receive, message, n))
+                if n <= _INLINE_COPY_BYTES:
+                    self._copy_shared(receive, message, n)
+                else:  # off the monitor thread, which reads the peer's frames
+                    self._transport._copied.submit(None, functools.partial(self._copy_shared, receive, message, n))
                 return
             else:
                 mapped = message.source.map(flat.device.index if flat.device.type == "cuda" else None)
