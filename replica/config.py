@@ -28,7 +28,9 @@ class Config:
 
     ``token`` is the job's secret; it never appears in ``repr`` or logs.
     ``backends`` lists transports in order of preference; the first whose
-    capabilities fit the snapshot's memory and the peer's locality is used.
+    capabilities fit the snapshot's memory and the peer's locality is used;
+    ``"shm"`` (not in the default) moves host memory between processes of one node
+    through shared memory with one copy, and puts the trainer's host snapshots there.
     Every network wait is bounded by ``timeout``; ``commit_timeout`` bounds
     how long ``commit(N+1)`` waits for the global commit of N. A trainer
     waits up to ``standby_wait`` for its standby to be reachable: one not
