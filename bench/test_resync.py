@@ -23,7 +23,7 @@ import torch
 from bench_results import machine, write_results
 from replica import ops
 from replica.testing import free_port, receive_bucketed, send_bucketed, spawn
-from replica.transport import Transport
+from replica.transport import Transport, shm
 from replica.transport.base import PIECE_BYTES, bucket_digest
 from replica.transport.ucx import UcxConfig, UcxTransport
 
@@ -95,6 +95,12 @@ def _make_ipc() -> Transport:
     return IpcTransport(IpcConfig(token=TOKEN, verify=False))
 
 
+def _make_shm() -> Transport:
+    from replica.transport.ipc import IpcConfig, ShmTransport
+
+    return ShmTransport(IpcConfig(token=TOKEN, verify=True))
+
+
 @contextlib.contextmanager
 def _transport_path(name: str, make, device: str):
     with make() as transport, spawn(_transport_peer, make, device, name=f"{name}-peer") as peer:
@@ -144,6 +150,12 @@ def ucx_path(request):
 
 
 @pytest.fixture(scope="module")
+def shm_path():
+    with _transport_path("shm_verified", _make_shm, "cpu") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
 def gloo_path():
     import torch.distributed as dist
 
@@ -168,10 +180,12 @@ def _smoke_size(benchmark, nbytes: int) -> None:
         pytest.skip("the largest size runs under `make bench` only")
 
 
-def _measure(benchmark, path, nbytes: int, device: str = "cpu", medians=_medians) -> None:
+def _measure(benchmark, path, nbytes: int, device: str = "cpu", medians=_medians, shared: bool = False) -> None:
     _smoke_size(benchmark, nbytes)
     name, peer, one_round = path
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
+    if shared:  # where the mirror's snapshots and the weight sync's packed version live for the shm backend
+        buf = shm.shared_empty(nbytes).copy_(buf)
     assert peer.request("size", nbytes) == ("ok",)
     rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
     warmup = 0 if benchmark.disabled else 2
@@ -189,6 +203,13 @@ def _measure(benchmark, path, nbytes: int, device: str = "cpu", medians=_medians
 @pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
 def test_ucx(benchmark, ucx_path, nbytes):
     _measure(benchmark, ucx_path, nbytes)
+
+
+@pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
+def test_shm_backend(benchmark, shm_path, nbytes):
+    """The shm backend (ShmTransport) with digests: the sender's buffer in shared memory, the
+    receiver's copy out of it taking the digest, then the acknowledgement."""
+    _measure(benchmark, shm_path, nbytes, shared=True)
 
 
 @pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
@@ -268,9 +289,9 @@ def test_shared_memory_one_copy(benchmark, nbytes):
     """What a single-copy host path between two processes of one node would reach with
     digests: the sender's buffer in shared memory (a memfd; the pack would write it
     there), the receiver copying it out with the hash fused into that copy, each piece
-    verified, then its acknowledgement over a pipe. No backend does this yet (UCX's
-    shared-memory FIFOs copy twice, and the receiver hashes again after): the row is
-    the limit such a backend would have, measured beside UCX in the same run."""
+    verified, then its acknowledgement over a pipe, with no protocol around it (UCX's
+    shared-memory FIFOs copy twice, and the receiver hashes again after): the limit of
+    the shm backend (test_shm_backend), measured beside it and UCX in the same run."""
     _smoke_size(benchmark, nbytes)
     fd = os.memfd_create("replica-bench-one-copy")
     try:
@@ -300,7 +321,8 @@ def test_shared_memory_one_copy(benchmark, nbytes):
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    paths = [*UCX_PATHS, "gloo", "memcpy_copy_", "memcpy_memmove", "checksum_1thread", "one_copy_verified"]
+    paths = [*UCX_PATHS, "gloo", "memcpy_copy_", "memcpy_memmove", "checksum_1thread", "one_copy_verified",
+             "shm_verified"]
     if any(set(_medians.get(p, {})) != set(SIZES) for p in paths):
         return  # benchmarks disabled (CI smoke run) or some were deselected
     gbps = {p: {n: n / _medians[p][n] / 1e9 for n in SIZES} for p in paths}
@@ -322,9 +344,14 @@ def report():
         "ucx_digests_no_overlap_512MiB": _medians["ucx_default"][big] / (
             _medians["ucx_default"][big] + _medians["checksum_1thread"][big]),
         # A single-copy host path with the hash fused into its copy (test_shared_memory_one_copy,
-        # no backend yet) against UCX with digests and against UCX without: what it would gain.
+        # no protocol around it) against UCX with digests and against UCX without.
         "one_copy_verified_vs_ucx_verified_512MiB": gbps["one_copy_verified"][big] / gbps["ucx_default_verified"][big],
         "one_copy_verified_vs_ucx_plain_512MiB": gbps["one_copy_verified"][big] / gbps["ucx_default"][big],
+        # The shm backend itself (same node, digests on) against UCX with digests, UCX without,
+        # and the single-copy limit above.
+        "shm_verified_vs_ucx_verified_512MiB": gbps["shm_verified"][big] / gbps["ucx_default_verified"][big],
+        "shm_verified_vs_ucx_plain_512MiB": gbps["shm_verified"][big] / gbps["ucx_default"][big],
+        "shm_verified_vs_one_copy_limit_512MiB": gbps["shm_verified"][big] / gbps["one_copy_verified"][big],
         "targets": {"ucx_shm_vs_memcpy_512MiB": 0.5, "ucx_best_vs_gloo_512MiB": 2.0,
                     "ucx_digests_vs_plain_512MiB": 0.8},
         "gbps": {p: {f"{n // MiB}MiB": v for n, v in by_size.items()} for p, by_size in gbps.items()},
@@ -341,8 +368,9 @@ def report():
         "gloo": "gloo send/recv",
         "memcpy": "memcpy limit (one copy in one process)",
         "checksum_1thread": "checksum alone, one thread, in pieces (the receiver's verification)",
-        "one_copy_verified": "one copy through shared memory, the hash fused, digests on (no backend yet: "
-                             "the limit of a single-copy path)",
+        "one_copy_verified": "one copy through shared memory, the hash fused, digests on (the limit of a "
+                             "single-copy path: no protocol around it)",
+        "shm_verified": "replica shm backend (ShmTransport), digests on, the sender's buffer in shared memory",
     }
     lines = [
         "### resync bandwidth, one way between two processes (GB/s, medians)\n",
