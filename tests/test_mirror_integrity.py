@@ -352,6 +352,24 @@ def test_fetch_from_the_standby(committed_mirror, store):
         replica.fetch_mirror(rank=0, world_size=2, store=store, config=config())
 
 
+def test_fetch_from_the_standby_over_shared_memory(store):
+    """Over the shm backend the standby's versions live in shared memory too: a fetch gets
+    them offered where they lie, and restores exactly."""
+    from replica.transport import shm
+
+    j = job()
+    cfg = config(**SHM)
+    with mirrored(store, j, cfg) as (mirror, rep):
+        trained(j, 2, rep)
+        rep.wait_committed()
+        assert mirror.backend == "shm" and all(shm.region_of(s.buffer) is not None for s in mirror._slots)
+        snapshot = replica.fetch_mirror(rank=0, world_size=1, store=store, config=cfg)
+        assert snapshot.step == 2
+        fresh = job(seed=5)
+        replica.restore_snapshot(snapshot, fresh.model, fresh.optimizer, fresh.extra, rank=0, world_size=1)
+        assert_state_equal(state_of(fresh), state_of(j))
+
+
 def test_trainer_reattaches_to_a_replacement_standby(store):
     j = job()
     cfg = config(standby_wait=timedelta(seconds=30))

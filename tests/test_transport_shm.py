@@ -145,7 +145,7 @@ def test_a_killed_senders_bucket_copies_out_whole_or_fails_cleanly():
 
 def test_an_unsealed_region_is_refused():
     """A region the peer could shrink under the reader (SIGBUS) is never mapped."""
-    fd = os.memfd_create("not-sealed", os.MFD_CLOEXEC)
+    fd = os.memfd_create("replica-shm", os.MFD_CLOEXEC)  # named as ours, but not sealed
     try:
         os.ftruncate(fd, 4096)
         record = shm._RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, 4096)
@@ -211,3 +211,19 @@ def test_a_region_closes_its_file_when_its_tensor_is_freed():
     assert not os.path.exists(f"/proc/self/fd/{fd}") or not os.readlink(f"/proc/self/fd/{fd}").startswith(
         "/memfd:replica-shm")
     assert shm.region_of(torch.zeros(10, dtype=torch.uint8)) is None
+
+
+def test_only_replica_regions_are_mapped():
+    """A record naming any other file descriptor (here: a sealed memfd of another name, as
+    other programs make) is refused before anything is mapped."""
+    fd = os.memfd_create("someone-else", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4096)
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        record = shm._RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, 4096)
+        with pytest.raises(TransportError, match="not a replica shared-memory region"):
+            shm.map_region(record)
+    finally:
+        os.close(fd)

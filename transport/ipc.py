@@ -412,10 +412,12 @@ class IpcConnection(ControlledConnection):
     # moved 50.9 GB/s on an H200 in 16 MiB pieces).
     piece_bytes = None
 
-    def __init__(self, *, host_offers: bool = False, probe: torch.Tensor | None = None, **kwargs):
+    def __init__(self, *, host_offers: bool = False, probe: torch.Tensor | None = None, peer_pid: int | None = None,
+                 **kwargs):
         # HOST too: small control messages ride the control socket (see the module docstring).
         super().__init__(memory=MemoryKind.HOST | MemoryKind.CUDA, **kwargs)
         self._host_offers = host_offers  # ShmTransport: bulk host buckets go as shared memory
+        self._peer_pid = peer_pid  # whose regions alone are mapped: the process the handshake's probe proved
         self._probe = probe  # this side's handshake region, mapped by the peer: kept while connected
         self._staging: list[torch.Tensor] = []  # free staging regions, least recently freed first
         self._staging_lock = threading.Lock()
@@ -687,6 +689,8 @@ class IpcConnection(ControlledConnection):
                 if not self._host_offers:
                     raise TransportError("a shared-memory offer on a connection that takes none")
                 source = _HostImport(payload[at:])
+                if shm.record_pid(source.record) != self._peer_pid:
+                    raise TransportError("a shared-memory offer of a region another process made")
                 # Mapped at once: a region can be opened only while its owner lives,
                 # and once mapped it outlives its owner. The copy says why if this failed.
                 with contextlib.suppress(TransportError):
@@ -876,4 +880,4 @@ class ShmTransport(IpcTransport):
         if mapped[:_PROBE_NONCE_BYTES].numpy().tobytes() != nonce:
             raise TransportError(f"cannot share host memory with {peer}: the region it offered does not hold "
                                  "what it said (another PID namespace?); use the UCX transport")
-        return {"host_offers": True, "probe": state}
+        return {"host_offers": True, "probe": state, "peer_pid": shm.record_pid(record)}

@@ -25,10 +25,11 @@ import torch
 
 from replica.errors import TransportError
 
-__all__ = ["RECORD_BYTES", "Region", "map_region", "region_of", "shared_empty"]
+__all__ = ["RECORD_BYTES", "Region", "map_region", "record_pid", "region_of", "shared_empty"]
 
 _RECORD = struct.Struct("<QQQQ")  # pid, fd, inode, bytes
 RECORD_BYTES = _RECORD.size
+_NAME = "replica-shm"  # every region's memfd name: /proc/<pid>/fd/<fd> reads "/memfd:replica-shm (deleted)"
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -62,7 +63,7 @@ def shared_empty(nbytes: int) -> torch.Tensor:
     of this node can map (``region_of``). Its file closes when its storage is freed."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
-    fd = os.memfd_create("replica-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         size = max(nbytes, 1)  # mmap cannot map 0 bytes
         os.ftruncate(fd, size)
@@ -98,15 +99,30 @@ def region_of(t: torch.Tensor) -> Region | None:
     return Region(record=record, offset=offset, nbytes=nbytes)
 
 
+def record_pid(record: bytes) -> int:
+    """The pid of the process that made the region ``record`` names."""
+    try:
+        return _RECORD.unpack(record)[0]
+    except struct.error as exc:
+        raise TransportError(f"bad shared-memory record: {exc}") from exc
+
+
 def map_region(record: bytes) -> torch.Tensor:
     """A peer's region as a read-only-in-effect uint8 tensor (copy-on-write: this
     process sees the owner's bytes and never writes them). TransportError, saying
-    why, when it cannot be mapped from here."""
+    why, when it cannot be mapped from here. Only a sealed memfd that ``shared_empty``
+    made is mapped, never another file the record might name."""
     try:
         pid, fd, inode, size = _RECORD.unpack(record)
     except struct.error as exc:
         raise TransportError(f"bad shared-memory record: {exc}") from exc
     path = f"/proc/{pid}/fd/{fd}"
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = None  # os.open below says why
+    if target is not None and not target.startswith(f"/memfd:{_NAME} "):
+        raise TransportError(f"{path} is not a replica shared-memory region; refusing to map it")
     try:
         opened = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
