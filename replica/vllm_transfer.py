@@ -79,6 +79,9 @@ class ReplicaInitInfo(WeightTransferInitInfo):
         if self.index_base < 0 or self.timeout_s <= 0 or self.leader < 0 or self.buffers not in (1, 2):
             raise ValueError(f"need index_base >= 0, timeout_s > 0, leader >= 0 and buffers 1 or 2; got "
                              f"{self.index_base}, {self.timeout_s}, {self.leader}, {self.buffers}")
+        if self.backends is not None and (not isinstance(self.backends, (list, tuple)) or not self.backends or
+                                          not all(isinstance(b, str) for b in self.backends)):
+            raise ValueError(f"backends must be a non-empty list of transport names, got {self.backends!r}")
         if self.token_hex is not None:
             try:
                 if not bytes.fromhex(self.token_hex):
@@ -240,7 +243,7 @@ class ReplicaTrainerEngine(TrainerWeightTransferEngine[ReplicaTrainerInitInfo]):
             spec = ReceiverSpec(index=init_info.index_base, store=init_info.store,
                                 token_hex=config.token.hex() if init_info.send_token else "", host=init_info.host,
                                 store_prefix=config.store_prefix, timeout_s=init_info.timeout_s,
-                                staged=init_info.staged, buffers=init_info.buffers)
+                                staged=init_info.staged, buffers=init_info.buffers, backends=config.backends)
             client.init_weight_transfer_engine(spec.init_info())
         return cls(client=client, source=source, sync=sync, info=init_info)
 

@@ -72,12 +72,13 @@ def engine(models, tmp_path_factory):
     mp.undo()
 
 
-def _trainer(store, llm, model, **info):
+def _trainer(store, llm, model, backends: tuple[str, ...] | None = None, **info):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from replica.vllm_transfer import LLMClient, ReplicaTrainerInitInfo
 
-    config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30))
+    config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30),
+                            **({"backends": backends} if backends else {}))
     return WeightTransferTrainerFactory.trainer_init(
         ReplicaTrainerInitInfo(rank=0, store=f"127.0.0.1:{store.port}", engines=1, config=config, **info),
         client=LLMClient(llm), source=model)
@@ -164,6 +165,22 @@ def test_a_sync_through_vllms_api_equals_a_fresh_engine(engine, models):
     expected = _fresh(root, fresh)
     assert tokens == expected["tokens"]
     assert first == [dict(f) for f in expected["first"]]  # log-probabilities equal, not just close
+    trainer.shutdown()
+
+
+def test_a_sync_through_shared_memory_equals_a_fresh_engine(engine, models):
+    """The trainer's Config.backends reach the engines: with "shm" first, the engine on this
+    node takes each version from the trainer's shared memory (one copy, the digest in it)."""
+    llm, store = engine
+    root, trained, fresh = models
+    trainer = _trainer(store, llm, trained, backends=("shm", "ucx", "gloo"))
+    assert trainer.send_weights(1).engines_synced == [0]
+    conn = trainer.sync._links[0].conn
+    assert conn._host_offers and conn.num_exports == 1 and conn.staged_sends == 0
+    tokens, first = greedy(llm)
+    expected = _fresh(root, fresh)
+    assert tokens == expected["tokens"]
+    assert first == [dict(f) for f in expected["first"]]
     trainer.shutdown()
 
 
@@ -315,6 +332,8 @@ def test_bad_input_is_a_clear_error(engine):
         ReplicaInitInfo(store="nowhere")
     with pytest.raises(ValueError, match="token_hex"):
         ReplicaInitInfo(store="127.0.0.1:1", token_hex="zz")
+    with pytest.raises(ValueError, match="backends must be"):
+        ReplicaInitInfo(store="127.0.0.1:1", backends=[])
     assert "secret" not in repr(ReplicaInitInfo(store="127.0.0.1:1", token_hex=b"secret".hex()))
     assert b"secret".hex() not in repr(ReplicaInitInfo(store="127.0.0.1:1", token_hex=b"secret".hex()))
     with pytest.raises(ValueError, match="version >= 0"):

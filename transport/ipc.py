@@ -511,10 +511,8 @@ class IpcConnection(ControlledConnection):
         large enough), and what gives the region back once the send is acknowledged."""
         n = flat.numel()
         with self._staging_lock:
-            fits = [r for r in self._staging if r.numel() >= n]
-            region = min(fits, key=torch.Tensor.numel) if fits else None
-            if region is not None:
-                self._staging.remove(region)
+            fits = [i for i, r in enumerate(self._staging) if r.numel() >= n]  # by index: tensors compare by value
+            region = self._staging.pop(min(fits, key=lambda i: self._staging[i].numel())) if fits else None
             self.staged_sends += 1
         if region is None:
             region = shm.shared_empty(max(n, HOST_OFFER_BYTES))
@@ -736,9 +734,9 @@ class IpcConnection(ControlledConnection):
                     return
                 src = torch.frombuffer(message.data, dtype=torch.uint8, count=n)
             elif isinstance(message.source, _HostImport) and flat.device.type == "cpu":
-                if n <= _INLINE_COPY_BYTES:
-                    self._copy_shared(receive, message, n)
-                else:  # off the monitor thread, which reads the peer's frames
+                if n <= _INLINE_COPY_BYTES and message.source.bytes is not None:
+                    self._copy_shared(receive, message, n, inline=True)
+                else:  # off the monitor thread, which reads the peer's frames (and its death)
                     self._transport._copied.submit(None, functools.partial(self._copy_shared, receive, message, n))
                 return
             else:
@@ -760,9 +758,10 @@ class IpcConnection(ControlledConnection):
         # src (the mapping) and flat stay referenced until the copy has run.
         self._transport._copied.submit(copied, functools.partial(self._copied, receive, message, src, flat))
 
-    def _copy_shared(self, receive: _Recv, message: _Offer, n: int) -> None:
-        """Completion thread: copy a shared-memory bucket out of the peer's region,
-        hashing it in the same pass when digests are on, then acknowledge it."""
+    def _copy_shared(self, receive: _Recv, message: _Offer, n: int, *, inline: bool = False) -> None:
+        """Copy a shared-memory bucket out of the peer's region, hashing it in the same
+        pass when digests are on, then acknowledge it. On the completion thread, or
+        ``inline`` in the thread that matched it (a small bucket of a region mapped already)."""
         flat = receive.flat
         if flat is None or self._error is not None:
             return  # the connection failed: its waiters were woken, the buffer is theirs again
@@ -776,7 +775,7 @@ class IpcConnection(ControlledConnection):
         except Exception as exc:  # noqa: BLE001 - a failed copy fails the connection, not the thread
             # A region that cannot be opened any more most often means its owner died:
             # the control socket says so within moments, and then that is the error.
-            if not self._failed.wait(_EXPLAIN_S):
+            if inline or not self._failed.wait(_EXPLAIN_S):
                 self._fail(exc if isinstance(exc, TransportError) else
                            TransportError(f"receiving tag {message.tag} from {self.peer} failed: {exc}"))
             receive.completion.set()
