@@ -126,13 +126,14 @@ def test_a_killed_senders_bucket_copies_out_whole_or_fails_cleanly():
             delivered = False
         else:
             delivered = True
-            assert torch.equal(buf, pattern(nbytes, 1)), "a receive from a killed peer delivered wrong bytes"
         deadline = killed_at + 10
         while conn.alive and time.monotonic() < deadline:
             time.sleep(0.01)
         noticed = time.monotonic() - killed_at
+        print(f"delivered after the kill: {delivered}; noticed after {noticed:.2f} s")
         assert not conn.alive and noticed < 2.0, f"survivor took {noticed:.2f} s to notice the dead peer"
-        print(f"delivered after the kill: {delivered}")
+        if delivered:  # checked after the timing: making the pattern takes seconds on a loaded machine
+            assert torch.equal(buf, pattern(nbytes, 1)), "a receive from a killed peer delivered wrong bytes"
         with spawn(peer_main, make_shm, b"job-token") as fresh:
             conn2 = connected(transport, fresh)
             fresh.send("echo", [MiB], 40)
