@@ -228,3 +228,20 @@ def test_only_replica_regions_are_mapped():
             shm.map_region(record)
     finally:
         os.close(fd)
+
+
+def test_an_offer_of_another_processs_region_is_refused():
+    """A connection maps only regions of the process its handshake proved: an offer naming
+    a region of any other process (here: this one's own, as a peer that knows its fds
+    could try) is a protocol error, and nothing is mapped."""
+    from replica.transport import ipc
+
+    held = shm.shared_empty(HOST_OFFER_BYTES)
+    record = shm.region_of(held).record
+    with make_shm(b"job-token") as transport, spawn(peer_main, make_shm, b"job-token") as peer:
+        conn = connected(transport, peer)
+        assert conn._peer_pid == peer.pid != os.getpid()
+        offer = ipc._OFFER_FIXED.pack(9, 0, 77, 0, HOST_OFFER_BYTES, True) + bytes(64) + ipc._HOST_EXPORT + record
+        with pytest.raises(TransportError, match="another process made"):
+            conn._on_control(ipc._OFFER, offer)
+        assert conn.num_imports == 0
