@@ -22,6 +22,14 @@ def test_default_order_by_memory_and_locality():
     assert choose_backend(config(), MemoryKind.CUDA, Locality.REMOTE) == "ucx"  # IPC cannot leave the node
 
 
+def test_shm_when_listed_takes_host_memory_within_the_node_only():
+    shm_first = config(backends=("shm", "ipc", "ucx", "gloo"))
+    assert choose_backend(shm_first, MemoryKind.HOST, Locality.SAME_NODE) == "shm"
+    assert choose_backend(shm_first, MemoryKind.HOST, Locality.REMOTE) == "ucx"  # shared memory cannot leave it
+    assert choose_backend(shm_first, MemoryKind.CUDA, Locality.REMOTE) == "ucx"
+    assert choose_backend(config(backends=("ipc", "shm", "ucx")), MemoryKind.CUDA, Locality.SAME_NODE) == "ipc"
+
+
 def test_uninstalled_ucxx_falls_back_instead_of_failing_later(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ucxx" else real(name, *a))
