@@ -49,6 +49,7 @@ __all__ = [
     "nvtx_range",
     "resolve_verify_threads",
     "select_transport",
+    "valid_offset",
 ]
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,13 @@ def as_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
 MAX_OFFSET = 1 << 62
 
 
+def valid_offset(offset: int) -> bool:
+    """Whether ``offset`` can key a bucket's digest: a multiple of 8 in [0, MAX_OFFSET)."""
+    return 0 <= offset < MAX_OFFSET and offset % 8 == 0
+
+
 def _check_offset(offset: int) -> None:
-    if not 0 <= offset < MAX_OFFSET or offset % 8:
+    if not valid_offset(offset):
         raise ValueError(f"a bucket's offset must be a multiple of 8 in [0, 2^62), got {offset}")
 
 
@@ -430,7 +436,7 @@ class Connection(ABC):
                     f"{flat.numel()}-byte receive buffer")
             if not self._verify_digests:
                 return header, 0
-            if not (0 <= header.offset < MAX_OFFSET and header.offset % 8 == 0):
+            if not valid_offset(header.offset):
                 raise TransportError(f"tag {tag} from {self.peer}: a bucket offset of {header.offset} bytes")
             if taken is not None:
                 return header, taken

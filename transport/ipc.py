@@ -58,7 +58,7 @@ import torch
 from replica import ops
 from replica.errors import TransportError
 from replica.transport import shm
-from replica.transport.base import MAX_OFFSET, Capabilities, Locality, MemoryKind
+from replica.transport.base import Capabilities, Locality, MemoryKind, valid_offset
 from replica.transport.control import (
     MAX_FRAME_BYTES,
     ControlledConnection,
@@ -157,7 +157,7 @@ def _digest_offset(header: bytes) -> int | None:
         offset = BucketHeader.decode(header).offset
     except ValueError:
         return None
-    return offset if offset % 8 == 0 and 0 <= offset < MAX_OFFSET else None
+    return offset if valid_offset(offset) else None
 
 
 # --- per process: copy streams and the threads that wait on events ---
