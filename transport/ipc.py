@@ -281,13 +281,11 @@ class _HostImport:
     """A shared-memory region of the peer: mapped on first use, dropped on RELEASE
     or close (the mapping goes once the copies from it are done)."""
 
-    __slots__ = ("record", "storage_bytes", "bytes")
+    __slots__ = ("record", "pid", "storage_bytes", "bytes")
 
     def __init__(self, record: bytes):
-        if len(record) != shm.RECORD_BYTES:
-            raise TransportError(f"a {len(record)}-byte shared-memory record")
-        self.record = record
-        self.storage_bytes = int.from_bytes(record[-8:], "little")
+        parsed = shm.parse_record(record)  # TransportError if it is not a record
+        self.record, self.pid, self.storage_bytes = record, parsed.pid, parsed.size
         self.bytes: torch.Tensor | None = None
 
     def map(self, device: int | None) -> torch.Tensor:
@@ -687,7 +685,7 @@ class IpcConnection(ControlledConnection):
                 if not self._host_offers:
                     raise TransportError("a shared-memory offer on a connection that takes none")
                 source = _HostImport(payload[at:])
-                if shm.record_pid(source.record) != self._peer_pid:
+                if source.pid != self._peer_pid:
                     raise TransportError("a shared-memory offer of a region another process made")
                 # Mapped at once: a region can be opened only while its owner lives,
                 # and once mapped it outlives its owner. The copy says why if this failed.
@@ -879,4 +877,4 @@ class ShmTransport(IpcTransport):
         if mapped[:_PROBE_NONCE_BYTES].numpy().tobytes() != nonce:
             raise TransportError(f"cannot share host memory with {peer}: the region it offered does not hold "
                                  "what it said (another PID namespace?); use the UCX transport")
-        return {"host_offers": True, "probe": state, "peer_pid": shm.record_pid(record)}
+        return {"host_offers": True, "probe": state, "peer_pid": shm.parse_record(record).pid}

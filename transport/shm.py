@@ -20,12 +20,13 @@ import struct
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from replica.errors import TransportError
 
-__all__ = ["RECORD_BYTES", "Region", "map_region", "record_pid", "region_of", "shared_empty"]
+__all__ = ["RECORD_BYTES", "Region", "RegionRecord", "map_region", "parse_record", "region_of", "shared_empty"]
 
 _RECORD = struct.Struct("<QQQQ")  # pid, fd, inode, bytes
 RECORD_BYTES = _RECORD.size
@@ -99,10 +100,20 @@ def region_of(t: torch.Tensor) -> Region | None:
     return Region(record=record, offset=offset, nbytes=nbytes)
 
 
-def record_pid(record: bytes) -> int:
-    """The pid of the process that made the region ``record`` names."""
+class RegionRecord(NamedTuple):
+    """What a region's record says: the process that made it, its descriptor there, its
+    inode and its size in bytes."""
+
+    pid: int
+    fd: int
+    inode: int
+    size: int
+
+
+def parse_record(record: bytes) -> RegionRecord:
+    """A region's record, read; TransportError if it is not one."""
     try:
-        return _RECORD.unpack(record)[0]
+        return RegionRecord(*_RECORD.unpack(record))
     except struct.error as exc:
         raise TransportError(f"bad shared-memory record: {exc}") from exc
 
@@ -112,10 +123,7 @@ def map_region(record: bytes) -> torch.Tensor:
     process sees the owner's bytes and never writes them). TransportError, saying
     why, when it cannot be mapped from here. Only a sealed memfd that ``shared_empty``
     made is mapped, never another file the record might name."""
-    try:
-        pid, fd, inode, size = _RECORD.unpack(record)
-    except struct.error as exc:
-        raise TransportError(f"bad shared-memory record: {exc}") from exc
+    pid, fd, inode, size = parse_record(record)
     path = f"/proc/{pid}/fd/{fd}"
     try:
         target = os.readlink(path)
