@@ -5,6 +5,8 @@ shared memory go where they lie, others through a staging region, a dead
 sender's region stays readable, and a peer that cannot map this side's memory
 is refused at the handshake with the reason."""
 
+import contextlib
+import fcntl
 import gc
 import os
 import subprocess
@@ -25,6 +27,7 @@ from replica.transport.ipc import HOST_OFFER_BYTES, MAX_HOST_BYTES, IpcConfig, I
 
 from transport_contract import (
     CHECKS,
+    assert_echoes,
     MiB,
     T,
     check_peer_killed_mid_transfer,
@@ -135,25 +138,28 @@ def test_a_killed_senders_bucket_copies_out_whole_or_fails_cleanly():
         if delivered:  # checked after the timing: making the pattern takes seconds on a loaded machine
             assert torch.equal(buf, pattern(nbytes, 1)), "a receive from a killed peer delivered wrong bytes"
         with spawn(peer_main, make_shm, b"job-token") as fresh:
-            conn2 = connected(transport, fresh)
-            fresh.send("echo", [MiB], 40)
-            back = empty(MiB, "cpu")
-            echoed = conn2.irecv(back, tag=41)
-            conn2.send(pattern(MiB, 2), tag=40, timeout=T)
-            echoed.wait(T)
-            assert torch.equal(back, pattern(MiB, 2)) and fresh.recv() == ("ok",)
+            assert_echoes(connected(transport, fresh), fresh)
+
+
+@contextlib.contextmanager
+def foreign_memfd(name: str, seals: int = 0):
+    """The record of a 4 KiB memfd that ``shm.shared_empty`` did not make: ``name``d so,
+    sealed with ``seals``."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4096)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        yield shm._RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, 4096)
+    finally:
+        os.close(fd)
 
 
 def test_an_unsealed_region_is_refused():
     """A region the peer could shrink under the reader (SIGBUS) is never mapped."""
-    fd = os.memfd_create("replica-shm", os.MFD_CLOEXEC)  # named as ours, but not sealed
-    try:
-        os.ftruncate(fd, 4096)
-        record = shm._RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, 4096)
+    with foreign_memfd("replica-shm") as record:  # named as ours, but not sealed
         with pytest.raises(TransportError, match="not sealed"):
             shm.map_region(record)
-    finally:
-        os.close(fd)
 
 
 def test_a_record_of_another_file_is_refused():
@@ -220,17 +226,9 @@ def test_a_region_closes_its_file_when_its_tensor_is_freed():
 def test_only_replica_regions_are_mapped():
     """A record naming any other file descriptor (here: a sealed memfd of another name, as
     other programs make) is refused before anything is mapped."""
-    fd = os.memfd_create("someone-else", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, 4096)
-        import fcntl
-
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        record = shm._RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, 4096)
+    with foreign_memfd("someone-else", fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) as record:
         with pytest.raises(TransportError, match="not a replica shared-memory region"):
             shm.map_region(record)
-    finally:
-        os.close(fd)
 
 
 def test_an_offer_of_another_processs_region_is_refused():

@@ -15,6 +15,7 @@ from replica.transport.ucx import UcxConfig, UcxTransport
 
 from transport_contract import (
     CHECKS,
+    assert_echoes,
     MiB,
     T,
     check_bucket_in_pieces,
@@ -103,12 +104,7 @@ def test_a_peer_gone_without_goodbye_retires_the_worker():
         with spawn(peer_main, make_ucx, b"job-token") as fresh:
             conn2 = connected(transport, fresh)
             assert conn2._worker is second
-            fresh.send("echo", [MiB], 40)
-            back = empty(MiB, "cpu")
-            receive = conn2.irecv(back, tag=41)
-            conn2.send(pattern(MiB, 2), tag=40, timeout=T)
-            receive.wait(T)
-            assert torch.equal(back, pattern(MiB, 2)) and fresh.recv() == ("ok",)
+            assert_echoes(conn2, fresh)
             conn2.close()  # this side's goodbye: the worker stays in service
         assert transport.retired_workers == 1 and transport._worker is second and not second.stopped
 

@@ -309,13 +309,17 @@ def check_peer_killed_mid_transfer(make: MakeTransport, nbytes: int = 512 * MiB,
         assert not conn.alive
         # The survivor keeps working: a new peer connects and a round trip succeeds.
         with spawn(peer_main, make, b"job-token", device) as fresh:
-            conn2 = connected(transport, fresh)
-            fresh.send("echo", [MiB], 40)
-            back = empty(MiB, device)
-            receive = conn2.irecv(back, tag=41)
-            conn2.send(pattern(MiB, 2, device), tag=40, timeout=T)
-            receive.wait(T)
-            assert torch.equal(back, pattern(MiB, 2, device)) and fresh.recv() == ("ok",)
+            assert_echoes(connected(transport, fresh), fresh, device)
+
+
+def assert_echoes(conn, peer: Child, device: str = "cpu") -> None:
+    """One MiB to ``peer`` (a ``peer_main``) and back over ``conn``, exact: the connection works."""
+    peer.send("echo", [MiB], 40)
+    back = empty(MiB, device)
+    receive = conn.irecv(back, tag=41)
+    conn.send(pattern(MiB, 2, device), tag=40, timeout=T)
+    receive.wait(T)
+    assert torch.equal(back, pattern(MiB, 2, device)) and peer.recv() == ("ok",)
 
 
 def check_frozen_peer_times_out(make: MakeTransport, timeout_s: float = 1.0, device: str = "cpu") -> None:
