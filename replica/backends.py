@@ -9,11 +9,13 @@ import importlib
 import importlib.util
 import ipaddress
 
+import torch
+
 from replica.config import Config
 from replica.errors import TransportError
-from replica.transport import Locality, MemoryKind, Transport, select_transport
+from replica.transport import Locality, MemoryKind, Transport, select_transport, shm
 
-__all__ = ["SHM_BACKEND", "backend_class", "choose_backend", "locality_of", "make_backend"]
+__all__ = ["SHM_BACKEND", "backend_class", "choose_backend", "locality_of", "make_backend", "transfer_buffer"]
 
 #: The backend that sends host buffers in shared memory where they lie (``Snapshot(shared=True)``).
 SHM_BACKEND = "shm"
@@ -73,3 +75,17 @@ def make_backend(name: str, config: Config) -> Transport:
     transport, backend_config = _load(name)
     return transport(backend_config(token=config.token, host=config.host, verify=config.verify,
                                     verify_threads=config.verify_threads))
+
+
+def transfer_buffer(nbytes: int, *, device: torch.device | str = "cpu", pin_memory: bool = False,
+                    shared: bool = False) -> torch.Tensor:
+    """A zeroed uint8 buffer of ``nbytes`` on ``device`` that a backend sends from or
+    receives into. On the host: pinned when ``pin_memory`` asks and CUDA is present
+    (copies to and from a GPU then run asynchronously), else in shared memory when
+    ``shared`` asks (the shm backend offers its buckets where they lie), else plain."""
+    device = torch.device(device)
+    if device.type == "cpu" and pin_memory and torch.cuda.is_available():
+        return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    if device.type == "cpu" and shared:
+        return shm.shared_empty(nbytes)
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)

@@ -18,7 +18,7 @@ from replica import ops
 from replica.errors import LayoutMismatchError, ReplicaError, SnapshotCorruptedError
 from replica.layout import StateLayout, dtype_name, dtype_of
 from replica.placement import on_device, pack_state, unpack_state
-from replica.transport import shm
+from replica.backends import transfer_buffer
 
 __all__ = ["Snapshot", "Stateful", "apply_extras", "bucket_digests", "collect_extras"]
 
@@ -73,8 +73,9 @@ class Snapshot:
     The buffer lives on ``device``; the state tensors may live there or on the
     host (``replica.placement``). ``pin_memory`` pins a host buffer when CUDA is
     present, so copies to and from a GPU run asynchronously at full speed.
-    ``shared`` puts a host buffer in shared memory (``replica.transport.shm``), so
-    the shm backend sends its buckets without a staging copy (not pinned then).
+    ``shared`` puts a host buffer that is not pinned in shared memory
+    (``replica.transport.shm``), so the shm backend sends its buckets without a
+    staging copy (``replica.backends.transfer_buffer``).
 
     ``digests`` holds one digest per ``layout.buckets()`` entry, taken when the
     content was complete (received and verified, or sent); ``verify()`` checks
@@ -85,13 +86,7 @@ class Snapshot:
     def __init__(self, layout: StateLayout, *, device: torch.device | str = "cpu", pin_memory: bool = False,
                  shared: bool = False):
         self.layout = layout
-        device = torch.device(device)
-        if shared and device.type == "cpu":
-            # Peers of this node map it (the shm backend offers its buckets where they lie); not pinned.
-            self.buffer = shm.shared_empty(layout.total_bytes)
-        else:
-            pin = pin_memory and device.type == "cpu" and torch.cuda.is_available()
-            self.buffer = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+        self.buffer = transfer_buffer(layout.total_bytes, device=device, pin_memory=pin_memory, shared=shared)
         self.step: int | None = None
         self.digests: list[int] | None = None
         self._expected: ops.ShapeCheck | None = None  # the entries' shapes and dtypes, for _check

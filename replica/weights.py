@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from replica import ops
-from replica.backends import SHM_BACKEND
+from replica.backends import SHM_BACKEND, transfer_buffer
 from replica.bucketstream import Backoff, MirrorFaults, Outgoing, accept_sender, open_session, receive_versions
 from replica.commit import NO_EPOCH, EpochRecord
 from replica.config import Config
@@ -59,7 +59,6 @@ from replica.pagebuffer import PageBuffer
 from replica.protocol import Begin, answer_layout, fingerprint_int
 from replica.registry import publish, registration
 from replica.transport import Connection, MemoryKind, Transport
-from replica.transport import shm
 from replica.transport.base import memory_kind
 
 __all__ = ["ModelSource", "ParamInfo", "ReceiverStats", "SyncStats", "WeightBucket", "WeightReceiver", "WeightSource",
@@ -297,11 +296,8 @@ class WeightSync:
         # resends, and for engines that join between pushes.
         # Pinned for CUDA weights: their buckets are copied down into it directly, asynchronously.
         # In shared memory for host weights when the shm backend may carry them: offered where they lie.
-        self._packed = None
-        if self.is_leader:
-            self._packed = shm.shared_empty(self.layout.total_bytes) if (
-                not on_gpu and SHM_BACKEND in config.backends) else torch.zeros(
-                self.layout.total_bytes, dtype=torch.uint8, pin_memory=on_gpu)
+        self._packed = transfer_buffer(self.layout.total_bytes, pin_memory=on_gpu,
+                                       shared=SHM_BACKEND in config.backends) if self.is_leader else None
         self._staging: _Staging | None = None  # CUDA weights only
         # bucket.lo -> the event of its copy into _packed, and where its digest lands
         self._landing: dict[int, tuple[torch.cuda.Event, torch.Tensor | None]] = {}
