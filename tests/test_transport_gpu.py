@@ -10,10 +10,12 @@ import torch
 
 from replica.errors import TransportError
 from replica.testing import spawn
-from replica.transport.ipc import MAX_EXPORTS, IpcConfig, IpcTransport
+from replica.transport import shm
+from replica.transport.ipc import HOST_OFFER_BYTES, MAX_EXPORTS, IpcConfig, IpcTransport, ShmTransport
 from replica.transport.ucx import UcxConfig, UcxTransport
 
-from transport_contract import CHECKS, MiB, T, connected, empty, pattern, peer_main, run_transport_contract
+from transport_contract import (CHECKS, MiB, T, check_round_trip_sizes, connected, empty, pattern, peer_main,
+                                run_transport_contract)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,6 +30,10 @@ def make_ipc(token: bytes) -> IpcTransport:
 
 def make_ucx(token: bytes) -> UcxTransport:
     return UcxTransport(UcxConfig(token=token))
+
+
+def make_shm(token: bytes) -> ShmTransport:
+    return ShmTransport(IpcConfig(token=token))
 
 
 BACKENDS = pytest.mark.parametrize("make", [make_ipc, make_ucx], ids=["ipc", "ucx"])
@@ -191,3 +197,15 @@ def test_ipc_host_and_device_messages_share_tags_in_order():
         with pytest.raises(TransportError, match="limit"):
             conn.isend(torch.zeros(128 * MiB, dtype=torch.uint8), tag=162)
         assert conn.alive
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "staged"])
+def test_shm_host_buckets_to_a_cuda_peer_and_back(shared):
+    """The shm backend between host memory here and device memory in the peer: a host
+    bucket offered as a shared-memory region (or staged into one) lands in the peer's
+    GPU buffer, its digest checked there, and the peer's CUDA IPC export lands back in
+    host memory here."""
+    sizes = (HOST_OFFER_BYTES - 1, HOST_OFFER_BYTES, 3 * MiB + 5, 80 * MiB + 3)
+    alloc = shm.shared_empty if shared else (lambda n: torch.empty(n, dtype=torch.uint8))
+    conn = check_round_trip_sizes(make_shm, sizes, "cpu", peer_device="cuda", alloc=alloc)
+    assert (conn.staged_sends > 0) != shared

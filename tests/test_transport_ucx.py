@@ -109,17 +109,24 @@ def test_a_peer_gone_without_goodbye_retires_the_worker():
         assert transport.retired_workers == 1 and transport._worker is second and not second.stopped
 
 
+def _pair(server: UcxTransport, client: UcxTransport):
+    import threading
+
+    address = server.listen()
+    accepted = []
+    acceptor = threading.Thread(target=lambda: accepted.append(server.accept(T)))
+    acceptor.start()
+    conn = client.connect(address, T)
+    acceptor.join()
+    return conn, accepted[0]
+
+
 def _posts_after_close(pipe) -> None:
     # Runs in a child: before the fix, UCX took the process down with SIGSEGV here.
     import threading
 
     with make_ucx(b"job-token") as server, make_ucx(b"job-token") as client:
-        address = server.listen()
-        accepted = []
-        acceptor = threading.Thread(target=lambda: accepted.append(server.accept(T)))
-        acceptor.start()
-        conn = client.connect(address, T)
-        acceptor.join()
+        conn, _ = _pair(server, client)
         data = pattern(4 * MiB, 1)
         refused = []
         # The losing side of the race, made certain: the connection closes between
@@ -134,11 +141,7 @@ def _posts_after_close(pipe) -> None:
         # And as it happens: posts from two threads while a third closes.
         racing = []
         for _ in range(20):
-            accepted.clear()
-            acceptor = threading.Thread(target=lambda: accepted.append(server.accept(T)))
-            acceptor.start()
-            conn = client.connect(address, T)
-            acceptor.join()
+            conn, accepted = _pair(server, client)
 
             def post_until_refused(conn=conn):
                 while True:
@@ -152,10 +155,10 @@ def _posts_after_close(pipe) -> None:
             for p in posters:
                 p.start()
             time.sleep(0.005)
-            (conn if len(racing) % 4 else accepted[0]).close()  # this side's close, or the peer's goodbye
+            (conn if len(racing) % 4 else accepted).close()  # this side's close, or the peer's goodbye
             for p in posters:
                 p.join(30)
-            accepted[0].close()
+            accepted.close()
             conn.close()
         pipe.send(("ok", refused, len(racing)))
         # Tearing down workers whose closed endpoints left sends in flight can deadlock in
@@ -173,3 +176,90 @@ def test_posts_racing_a_close_are_refused_not_a_crash():
     assert len(refused) == 2 and all("closed" in r for r in refused), refused
     assert racing == 40, f"{racing} of 40 posting threads saw the close"
     assert child.process.exitcode == 0, f"the child died with exit code {child.process.exitcode}"
+
+
+def test_a_transfer_dropped_in_flight_is_held_by_its_worker_until_it_finishes():
+    # ucxx cancels a request when its last Python reference dies, and that cancel can
+    # deadlock with the progress thread completing the same request. So a dropped
+    # transfer's requests, and the buffer UCX still writes, wait on the worker.
+    import gc
+
+    with make_ucx(b"job-token") as server, make_ucx(b"job-token") as client:
+        conn, other = _pair(server, client)
+        worker = conn._worker
+        buf = empty(4 * MiB, "cpu", fill=0)
+        address = buf.data_ptr()
+        transfer = conn.irecv(buf, tag=30)
+        del transfer, buf
+        gc.collect()
+        assert worker.abandoned == 2, "the dropped receive's header and payload requests were released"
+        held = [t.data_ptr() for _, keep in worker._held for t in keep]
+        assert address in held, "the buffer UCX writes into was freed while the receive was posted"
+        other.send(pattern(4 * MiB, 3), tag=30, timeout=T)
+        deadline = time.monotonic() + 10
+        while worker.abandoned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.abandoned == 0 and not worker._held, "the finished receive stayed held"
+        # One dropped at a close: cancelled by it, then released; the connection's own
+        # worker stops with the transport, dropping whatever it still held.
+        conn.irecv(empty(MiB, "cpu"), tag=31)
+        assert worker.abandoned == 2
+        conn.close()
+        deadline = time.monotonic() + 10
+        while worker.abandoned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.abandoned == 0, "the close did not finish the dropped receive"
+
+
+def _drops_racing_completions(pipe, rounds: int) -> None:
+    import threading
+
+    with make_ucx(b"job-token") as server, make_ucx(b"job-token") as client:
+        data = pattern(64 * 1024, 1)
+        stuck = 0
+        for i in range(rounds):
+            conn, other = _pair(server, client)
+            stop = threading.Event()
+
+            def loop(post):
+                try:
+                    while not stop.is_set():
+                        post()
+                except PeerDisconnectedError:
+                    pass
+
+            # One side sends; the other posts receives and drops each at once, so the
+            # progress thread completes receives just as they are dropped; then a close.
+            threads = [threading.Thread(target=loop, args=(lambda: other.isend(data, tag=2),), daemon=True),
+                       threading.Thread(target=loop, args=(lambda: conn.irecv(empty(64 * 1024, "cpu"), tag=2),),
+                                        daemon=True)]
+            for t in threads:
+                t.start()
+            time.sleep(0.05)
+            stop.set()
+            (conn if i % 2 else other).close()
+            for t in threads:
+                t.join(30)
+                stuck += t.is_alive()
+            if stuck:
+                break
+            other.close()
+            conn.close()
+        # The closes cancelled the receives still posted. (Sends to a peer that closed
+        # stay with the worker until it stops: UCX cancels no send of an endpoint
+        # without error handling.)
+        deadline = time.monotonic() + 10
+        while client._worker.abandoned and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pipe.send(("ok", i + 1, stuck, client._worker.abandoned))
+        if stuck:
+            os._exit(0)  # a deadlocked worker would hang the transport's close
+
+
+def test_transfers_dropped_while_their_connection_closes_do_not_deadlock():
+    # Found as a suite hang (1 fresh run in 5): a dropped in-flight request cancelled
+    # on a caller's thread while the progress thread completed it. A deadlock shows
+    # as posting threads stuck (before the fix: in the first round, here).
+    with spawn(_drops_racing_completions, 20, name="dropper") as child:
+        got = child.recv(timeout=180)
+    assert got == ("ok", 20, 0, 0), f"(rounds, threads stuck, receives never released): {got}"

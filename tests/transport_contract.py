@@ -19,7 +19,7 @@ from replica.errors import (
     TransferTimeoutError,
 )
 from replica.testing import Child, process_state, spawn
-from replica.transport import Transport
+from replica.transport import Connection, Transport
 from replica.transport.base import PIECE_BYTES, bucket_digest
 
 MiB = 1 << 20
@@ -147,19 +147,28 @@ def connected(transport: Transport, peer: Child):
 # --- the checks ---
 
 
-def check_round_trip_sizes(make: MakeTransport, sizes=(0, 1, 7, 64, 4097, MiB + 3, 64 * MiB), device: str = "cpu") -> None:
-    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
+def check_round_trip_sizes(make: MakeTransport, sizes=(0, 1, 7, 64, 4097, MiB + 3, 64 * MiB), device: str = "cpu",
+                           *, peer_device: str | None = None,
+                           alloc: Callable[[int], torch.Tensor] | None = None) -> Connection:
+    """Each size to an echoing peer and back, exact. The peer's buffers are on
+    ``peer_device`` (default: ``device``); this side's come from ``alloc`` (default:
+    on ``device``). Returns this side's connection, its peer gone."""
+    alloc = alloc or (lambda n: empty(n, device))
+    with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", peer_device or device) as peer:
         conn = connected(transport, peer)
         peer.send("echo", list(sizes), 10)
         for i, n in enumerate(sizes):
-            data = pattern(n, i, device)
-            back = empty(n, device, fill=0xAB)
+            data = alloc(n)
+            data.copy_(pattern(n, i, device))
+            back = alloc(n)
+            back.fill_(0xAB)
             receive = conn.irecv(back, tag=11)
             conn.send(data, tag=10, timeout=T, step=100 + i, bucket=i)
             header = receive.wait(T)
             assert (header.step, header.bucket, header.nbytes) == (100 + i, i, n)
             assert torch.equal(back, data), f"{n}-byte bucket came back different"
         assert peer.recv() == ("ok",)
+    return conn
 
 
 def check_many_in_flight_and_tags(make: MakeTransport, device: str = "cpu") -> None:

@@ -16,6 +16,7 @@ FIFO), and the retired one stops once its last connection is gone.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import threading
@@ -36,6 +37,9 @@ logger = logging.getLogger(__name__)
 
 _KIND_PAYLOAD = 0
 _KIND_HEADER = 1
+# How long a connection's release waits for the progress thread to run each of
+# its cancel and close steps (ns, as ucxx takes it): moments, unless that thread is stuck.
+_CLOSE_WAIT_NS = 2_000_000_000
 
 
 # repr=False keeps EndpointConfig.__repr__, which leaves the token out.
@@ -132,7 +136,20 @@ def _endpoint_closed(conn_ref: weakref.ref) -> None:
 
 
 class _Requests:
-    def __init__(self, requests, keep):
+    """The UCX requests of one posted piece and the buffers they read or write.
+
+    ucxx cancels a request when its last Python reference dies, and a cancel on
+    any thread but the progress thread can deadlock with that thread completing
+    the same request: the cancel holds the request's mutex and waits for the
+    worker's lock; progress holds the lock and waits for the mutex (seen: a
+    transfer dropped while its connection closed). So requests dropped unfinished
+    (a transfer abandoned, a post half made when the connection closed) pass to
+    their worker with their buffers, which drops them once they finished."""
+
+    __slots__ = ("_requests", "_keep", "_worker")
+
+    def __init__(self, worker: "_Worker", requests: list, keep):
+        self._worker = worker
         self._requests = requests
         self._keep = keep  # buffers UCX reads or writes until the requests finish
 
@@ -144,6 +161,11 @@ class _Requests:
             r.check_error()
         self._keep = None
         return True
+
+    def __del__(self) -> None:
+        requests = self._requests
+        if requests and not all(r.completed for r in requests):
+            self._worker.abandon(requests, self._keep)
 
 
 class _Worker:
@@ -166,11 +188,55 @@ class _Worker:
         self.users = 0  # connections (and handshakes under way) on this worker
         self.retired = False
         self.stopped = False
+        # Requests dropped before they finished, with their buffers (see _Requests):
+        # `incoming` takes them without a lock, as __del__ runs wherever a reference
+        # dies, a collection inside a sweep included; `held` is the sweep's, under its lock.
+        self._incoming: collections.deque[tuple[list, Any]] = collections.deque()
+        self._held: list[tuple[list, Any]] = []
+        self._sweep_lock = threading.Lock()
+        self._progress_stopped = False
+
+    @property
+    def abandoned(self) -> int:
+        """Requests dropped unfinished that have not finished yet."""
+        self.release_finished()
+        with self._sweep_lock:
+            return sum(len(requests) for requests, _ in (*self._held, *self._incoming))
+
+    def abandon(self, requests: list, keep) -> None:
+        """Hold ``requests`` (and the buffers in ``keep``) until they finished: their
+        peer's message completes them, or their endpoint's close cancels them."""
+        if not self._progress_stopped:  # else dropping them cannot deadlock: nothing progresses
+            self._incoming.append((requests, keep))
+        self.release_finished(wait=False)  # a sweep under way (maybe this very thread's) takes them later
+
+    def release_finished(self, *, wait: bool = True) -> None:
+        """Drop the held requests that have finished."""
+        if not self._sweep_lock.acquire(blocking=wait):
+            return
+        try:
+            while self._incoming:
+                self._held.append(self._incoming.popleft())
+            unfinished, finished = [], []
+            for entry in self._held:
+                (finished if all(r.completed for r in entry[0]) else unfinished).append(entry)
+            self._held = unfinished
+        finally:
+            self._sweep_lock.release()
+        del finished  # dropped outside the lock: their cancels find them finished
 
     def stop(self) -> None:
-        if not self.stopped:
+        with self._sweep_lock:
+            if self.stopped:
+                return
             self.stopped = True
-            self.handle.stop_progress_thread()
+        self.handle.stop_progress_thread()
+        self._progress_stopped = True
+        with self._sweep_lock:
+            held, self._held = self._held, []
+            held.extend(self._incoming)
+            self._incoming.clear()
+        del held  # no progress thread is left for their cancels to deadlock with
 
 
 class UcxConnection(ControlledConnection):
@@ -199,28 +265,38 @@ class UcxConnection(ControlledConnection):
 
     def _isend(self, flat, tag, header):
         _settle(flat)
-        payload = self._post(lambda ep: ep.tag_send(_array(flat), tag=self._tag(self._send_id, tag, _KIND_PAYLOAD)))
+        posted = _Requests(self._worker, [], [flat])
+        posted._requests.append(self._post(
+            lambda ep: ep.tag_send(_array(flat), tag=self._tag(self._send_id, tag, _KIND_PAYLOAD))))
         header_arr = np.frombuffer(header(), dtype=np.uint8).copy()  # outside the lock: it may hash the bucket
-        # Refused when the connection closed meanwhile: the close cancelled the payload.
-        head = self._post(lambda ep: ep.tag_send(_array(torch.from_numpy(header_arr)),
-                                                 tag=self._tag(self._send_id, tag, _KIND_HEADER)))
-        return _Requests([payload, head], (header_arr, flat))
+        posted._keep.append(header_arr)
+        # Refused when the connection closed meanwhile: the close cancelled the
+        # payload, which `posted` hands to the worker as it goes.
+        posted._requests.append(self._post(lambda ep: ep.tag_send(_array(torch.from_numpy(header_arr)),
+                                                                  tag=self._tag(self._send_id, tag, _KIND_HEADER))))
+        return posted
 
     def _irecv(self, flat, tag, header_buf):
         _settle(flat)
+        posted = _Requests(self._worker, [], (header_buf, flat))
 
         def post(ep):
-            return [ep.tag_recv(_array(header_buf), tag=self._tag(self._recv_id, tag, _KIND_HEADER)),
-                    ep.tag_recv(_array(flat), tag=self._tag(self._recv_id, tag, _KIND_PAYLOAD))]
-        return _Requests(self._post(post), (header_buf, flat))
+            posted._requests.append(ep.tag_recv(_array(header_buf), tag=self._tag(self._recv_id, tag, _KIND_HEADER)))
+            posted._requests.append(ep.tag_recv(_array(flat), tag=self._tag(self._recv_id, tag, _KIND_PAYLOAD)))
+        self._post(post)
+        return posted
 
     def _release(self) -> None:
         with self._posting:
             self._released = True
             try:
-                self._endpoint.close()  # cancels this endpoint's requests in flight
+                # ucxx runs both halves on the progress thread while this one waits:
+                # cancel the endpoint's requests still posted (receives too, which a
+                # plain close leaves posted on the worker), then close it.
+                self._endpoint.close_blocking(_CLOSE_WAIT_NS, 1)
             except Exception as exc:  # noqa: BLE001 - a dead peer's endpoint may refuse to close cleanly
                 logger.debug("closing UCX endpoint to %s: %s", self.peer, exc)
+        self._worker.release_finished()
         self._transport._leave(self._worker)
 
     def _fail(self, error: TransportError, *, quiet: bool = False) -> None:
