@@ -273,3 +273,29 @@ def test_checksum_threads_must_be_a_positive_int():
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="threads"):
             ops.checksum(buf, 64, threads=bad)
+
+
+@pytest.mark.gpu
+def test_repeated_calls_reuse_their_device_table_and_stay_exact():
+    """The same tensors packed again (a mirror's every step) find the first call's
+    table on the device: exact on another stream, after the sources' bytes changed,
+    after other tensors took the freed sources' place, and for pack and unpack too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for seed in (0, 1, 0, 2):  # the second 0: same sizes, likely the freed tensors' addresses
+        tensors = random_mix(300, 50_000, seed, "cuda")
+        out, offsets = packed(tensors)
+        for i in range(4):
+            stream = torch.cuda.Stream() if i % 2 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for t in tensors:  # new bytes, same addresses
+                    if t.numel():
+                        t.view(torch.uint8).add_(1)
+                _case(tensors, 0x3C, 4096)
+                ops.pack(tensors, out, offsets)
+                back = [torch.empty_like(t) for t in tensors]
+                ops.unpack(out, back, offsets)
+                assert all(torch.equal(b, t) for b, t in zip(back, tensors)), f"round {seed}/{i}: unpack differs"
+            torch.cuda.current_stream().wait_stream(stream)
+        del tensors, out
