@@ -28,7 +28,7 @@ from transport_contract import (
     peer_main,
     run_transport_contract,
 )
-from replica.testing import spawn
+from replica.testing import spawn, wait_for
 
 
 def make_ucx(token: bytes, **options) -> UcxTransport:
@@ -196,18 +196,14 @@ def test_a_transfer_dropped_in_flight_is_held_by_its_worker_until_it_finishes():
         held = [t.data_ptr() for _, keep in worker._held for t in keep]
         assert address in held, "the buffer UCX writes into was freed while the receive was posted"
         other.send(pattern(4 * MiB, 3), tag=30, timeout=T)
-        deadline = time.monotonic() + 10
-        while worker.abandoned and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: worker.abandoned == 0, "the finished receive's release", timeout_s=10)
         assert worker.abandoned == 0 and not worker._held, "the finished receive stayed held"
         # One dropped at a close: cancelled by it, then released; the connection's own
         # worker stops with the transport, dropping whatever it still held.
         conn.irecv(empty(MiB, "cpu"), tag=31)
         assert worker.abandoned == 2
         conn.close()
-        deadline = time.monotonic() + 10
-        while worker.abandoned and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: worker.abandoned == 0, "the close to finish the dropped receive", timeout_s=10)
         assert worker.abandoned == 0, "the close did not finish the dropped receive"
 
 
