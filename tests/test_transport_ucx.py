@@ -213,30 +213,35 @@ def _drops_racing_completions(pipe, rounds: int) -> None:
     with make_ucx(b"job-token") as server, make_ucx(b"job-token") as client:
         data = pattern(64 * 1024, 1)
         stuck = 0
+        fewest_posts, most_held = None, 0  # the fault fired: posts on both sides, drops held unfinished
         for i in range(rounds):
             conn, other = _pair(server, client)
             stop = threading.Event()
+            posts = [0, 0]
 
-            def loop(post):
+            def loop(post, side):
                 try:
                     while not stop.is_set():
                         post()
+                        posts[side] += 1
                 except PeerDisconnectedError:
                     pass
 
             # One side sends; the other posts receives and drops each at once, so the
             # progress thread completes receives just as they are dropped; then a close.
-            threads = [threading.Thread(target=loop, args=(lambda: other.isend(data, tag=2),), daemon=True),
-                       threading.Thread(target=loop, args=(lambda: conn.irecv(empty(64 * 1024, "cpu"), tag=2),),
+            threads = [threading.Thread(target=loop, args=(lambda: other.isend(data, tag=2), 0), daemon=True),
+                       threading.Thread(target=loop, args=(lambda: conn.irecv(empty(64 * 1024, "cpu"), tag=2), 1),
                                         daemon=True)]
             for t in threads:
                 t.start()
             time.sleep(0.05)
+            most_held = max(most_held, client._worker.abandoned)
             stop.set()
             (conn if i % 2 else other).close()
             for t in threads:
                 t.join(30)
                 stuck += t.is_alive()
+            fewest_posts = min(posts) if fewest_posts is None else min(fewest_posts, *posts)
             if stuck:
                 break
             other.close()
@@ -247,7 +252,7 @@ def _drops_racing_completions(pipe, rounds: int) -> None:
         deadline = time.monotonic() + 10
         while client._worker.abandoned and time.monotonic() < deadline:
             time.sleep(0.01)
-        pipe.send(("ok", i + 1, stuck, client._worker.abandoned))
+        pipe.send(("ok", i + 1, stuck, client._worker.abandoned, fewest_posts > 0, most_held > 0))
         if stuck:
             os._exit(0)  # a deadlocked worker would hang the transport's close
 
@@ -258,4 +263,6 @@ def test_transfers_dropped_while_their_connection_closes_do_not_deadlock():
     # as posting threads stuck (before the fix: in the first round, here).
     with spawn(_drops_racing_completions, 20, name="dropper") as child:
         got = child.recv(timeout=180)
-    assert got == ("ok", 20, 0, 0), f"(rounds, threads stuck, receives never released): {got}"
+    assert got == ("ok", 20, 0, 0, True, True), (
+        f"(rounds, threads stuck, receives never released, both sides posted every round, "
+        f"dropped receives were held unfinished): {got}")
