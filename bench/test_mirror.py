@@ -1,8 +1,10 @@
 """Mirror overhead on the training loop: the FSDP2 job of the tests on 2 CPU
 ranks (gloo), with and without ``Replicator.commit`` every step (2 standby
-processes, real UCX), beside the snapshot's pack and the mirror stream's time
+processes), beside the snapshot's pack and the mirror stream's time
 next to their baselines measured in the same processes. `make bench` writes
-bench/results/mirror.json and mirror.md.
+bench/results/mirror.json and mirror.md. Two mirrored jobs: the default backends (on one
+node the shm backend) and UCX (``Config(backends=("ucx", "gloo"))``, the way to a standby
+on another node), each beside the plain job.
 
 * Overhead: both jobs run side by side and take turns in blocks of steps, so
   the drift of a shared machine falls on both alike; a block's first step is
@@ -38,11 +40,12 @@ from mirror_roles import standby_main, trainer_main
 from replica.testing import spawn
 
 SHAPE = JobShape(dim=128, layers=4, seq=64, batch=16, samples=4096, total_steps=10_000)
+# The default backends: on one node the shm backend (the snapshot offered where it lies, one
+# copy, the standby's digest taken by that copy).
 CONFIG = {"bucket_bytes": 1 << 20}
-# The same mirror over the shm backend (one node: the snapshot offered where it lies,
-# one copy, the standby's digest taken by that copy), in a job of its own beside it.
-CONFIG_SHM = {**CONFIG, "backends": ("shm", "ucx", "gloo")}
-MIRRORED = {"mirrored": CONFIG, "mirrored_shm": CONFIG_SHM}
+# The same mirror over UCX (the way to a standby on another node), in a job of its own beside it.
+CONFIG_UCX = {**CONFIG, "backends": ("ucx", "gloo")}
+MIRRORED = {"mirrored": CONFIG, "mirrored_ucx": CONFIG_UCX}
 WORLD = 2
 WARMUP = 3  # steps of each job before anything is counted
 BLOCK_STEPS, BLOCKS = 6, 7  # per job: 7 blocks of 6 steps, 5 counted each
@@ -278,29 +281,29 @@ def report(request):
     needed = ["plain", *MIRRORED, *(f"idle_{k}" for k in MIRRORED), *(f"raw_{k}" for k in MIRRORED)]
     if request.config.getoption("benchmark_disable") or not all(k in _results for k in needed):
         return  # benchmarks disabled (CI smoke run) or some were deselected
-    ucx, shared = _figures("mirrored"), _figures("mirrored_shm")
+    shared, ucx = _figures("mirrored"), _figures("mirrored_ucx")
     result = {
-        # The default backends: UCX between the trainer and its standby (as across nodes).
-        **ucx,
-        # The shm backend (Config(backends=("shm", ...)), processes of one node), in a job of its own.
-        "shm": shared,
-        "shm_mirror_overhead_pct": shared["mirror_overhead_pct"],
-        "shm_snapshot_pack_vs_memcpy": shared["snapshot_pack_vs_memcpy"],
-        "shm_mirror_stream_vs_raw_ucx": shared["mirror_stream_vs_raw_ucx"],
+        # The default backends: the shm backend between a trainer and its standby on one node.
+        **shared,
+        # UCX (Config(backends=("ucx", "gloo")): the way to a standby on another node), in a job of its own.
+        "ucx": ucx,
+        "ucx_mirror_overhead_pct": ucx["mirror_overhead_pct"],
+        "ucx_snapshot_pack_vs_memcpy": ucx["snapshot_pack_vs_memcpy"],
+        "ucx_mirror_stream_vs_raw_ucx": ucx["mirror_stream_vs_raw_ucx"],
         "targets": TARGETS,
         "config": {"shape": repr(SHAPE), "world_size": WORLD, "cores": [sorted(c) for c in _cores()], "block_steps": BLOCK_STEPS, "blocks": BLOCKS,
-                   "idle_steps": IDLE_STEPS, "raw_rounds": RAW_ROUNDS, **CONFIG, "shm_backends": CONFIG_SHM["backends"]},
+                   "idle_steps": IDLE_STEPS, "raw_rounds": RAW_ROUNDS, **CONFIG, "ucx_backends": CONFIG_UCX["backends"]},
         "machine": machine(),
     }
     counted = len(_results["plain"])
     lines = [
         f"### mirror overhead, FSDP2 tiny transformer, {WORLD} CPU ranks + {WORLD} standbys on cores of their "
-        f"own (medians; {counted} steps per job in alternating blocks; UCX: the default backends, shm: "
-        "Config(backends=(\"shm\", ...)))\n",
+        f"own (medians; {counted} steps per job in alternating blocks; shm: the default backends on one node, "
+        "UCX: Config(backends=(\"ucx\", \"gloo\")))\n",
         "| figure | value | beside |",
         "|---|---|---|",
         f"| step time, no mirror | {ucx['step_ms_plain']:.1f} ms | |",
-        *_lines("UCX", ucx),
         *_lines("shm", shared),
+        *_lines("UCX", ucx),
     ]
     write_results("mirror", result, lines)

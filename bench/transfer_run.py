@@ -14,6 +14,9 @@ which the engine spends generating), ``update_s`` (the ``update_weights`` call: 
 stall) and the engine
 process's RSS over ``SYNCS`` syncs, sampled every 5 ms: ``rss_peak_x_weights`` (the peak above
 the RSS before the first sync, in multiples of the weights' bytes) and ``rss_end_x_weights``.
+RSS here is the engine's own memory (anonymous and file pages); the shared memory it maps, the
+sender's packed version over the shm backend (held by the trainer in any case), is reported
+apart: ``shared_peak_x_weights``.
 
 usage: transfer_run.py SIZE SYNCS MODE OUT.json
 """
@@ -42,16 +45,31 @@ from weight_sync_run import SHAPES, _sender  # noqa: E402  (bench/, the working 
 TOKEN = "bench-transfer-token"
 
 
+def _status_bytes(*fields: str) -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        found = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in fields}
+    return {k: found.get(k, 0) for k in fields}
+
+
 def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """The engine's own resident memory: its anonymous and file pages. Not its shared-memory
+    pages: over the shm backend (the default on one node) those are the sender's packed
+    version, mapped to be copied out of, which the trainer holds anyway (see ``_shared``)."""
+    found = _status_bytes("RssAnon", "RssFile")
+    return found["RssAnon"] + found["RssFile"]
+
+
+def _shared() -> int:
+    """Resident shared memory mapped in the engine (the sender's regions, over the shm backend)."""
+    return _status_bytes("RssShmem")["RssShmem"]
 
 
 class _Sampler:
-    """The process's RSS every 5 ms, in a thread, for its peak."""
+    """The process's RSS (``_rss``) and shared memory every 5 ms, in a thread, for their peaks."""
 
     def __init__(self):
         self.peak = _rss()
+        self.shared_peak = _shared()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -59,6 +77,7 @@ class _Sampler:
     def _run(self) -> None:
         while not self._stop.wait(0.005):
             self.peak = max(self.peak, _rss())
+            self.shared_peak = max(self.shared_peak, _shared())
 
     def stop(self) -> int:
         self._stop.set()
@@ -118,6 +137,7 @@ def main(size: str, syncs: int, mode: str, out: Path) -> None:
         "size": size, "mode": mode, "bytes": nbytes, "syncs": syncs, "sync_s": med(sync_s),
         "prepare_s": med(prepare_s) if prepare_s else None, "update_s": med(update_s),
         "rss_peak_x_weights": peak / nbytes, "rss_end_x_weights": rss_after[-1] / nbytes,
+        "shared_peak_x_weights": sampler.shared_peak / nbytes,
         "all": {"sync_s": sync_s, "prepare_s": prepare_s, "update_s": update_s,
                 "rss_after_x_weights": [r / nbytes for r in rss_after]}},
         indent=2))

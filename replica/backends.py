@@ -8,14 +8,23 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import ipaddress
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from replica.config import Config
-from replica.errors import TransportError
-from replica.transport import Locality, MemoryKind, Transport, select_transport, shm
+from replica.errors import SharedMemoryUnavailableError, TransportError
+from replica.transport import Connection, Locality, MemoryKind, Transport, select_transport, shm
 
-__all__ = ["SHM_BACKEND", "backend_class", "choose_backend", "locality_of", "make_backend", "transfer_buffer"]
+if TYPE_CHECKING:
+    from replica.jobstate import Registration
+
+__all__ = ["SHM_BACKEND", "backend_class", "backend_name", "choose_backend", "choose_backends", "connect", "locality_of",
+           "make_backend", "transfer_buffer"]
+
+logger = logging.getLogger(__name__)
 
 #: The backend that sends host buffers in shared memory where they lie (``Snapshot(shared=True)``).
 SHM_BACKEND = "shm"
@@ -49,6 +58,15 @@ def backend_class(name: str) -> type[Transport]:
     return _load(name)[0]
 
 
+def backend_name(transport: Transport) -> str:
+    """The name ``transport``'s backend goes by in ``Config.backends``."""
+    kind = type(transport)
+    for name, (module, cls, _, _) in _BACKENDS.items():
+        if (kind.__module__, kind.__name__) == (module, cls):
+            return name
+    raise ValueError(f"{kind.__name__} is not one of replica's transport backends")
+
+
 def locality_of(host: str) -> Locality:
     """SAME_NODE for a loopback address (peers of a loopback listener are local)."""
     try:
@@ -57,11 +75,10 @@ def locality_of(host: str) -> Locality:
         return Locality.SAME_NODE if host == "localhost" else Locality.REMOTE
 
 
-def choose_backend(config: Config, memory: MemoryKind, locality: Locality) -> str:
-    """The first of ``config.backends`` that is installed and can move ``memory`` to ``locality``."""
+def _first_fit(names: Sequence[str], memory: MemoryKind, locality: Locality) -> str:
     available = {}
     errors = []
-    for name in config.backends:
+    for name in names:
         try:
             available[backend_class(name)] = name
         except TransportError as exc:
@@ -71,10 +88,64 @@ def choose_backend(config: Config, memory: MemoryKind, locality: Locality) -> st
     return available[select_transport(list(available), memory, locality)]
 
 
-def make_backend(name: str, config: Config) -> Transport:
+def choose_backend(config: Config, memory: MemoryKind, locality: Locality) -> str:
+    """The first of ``config.backends`` that is installed and can move ``memory`` to ``locality``."""
+    return _first_fit(config.backends, memory, locality)
+
+
+def choose_backends(config: Config, memory: MemoryKind, locality: Locality) -> tuple[str, str | None]:
+    """What a listener listens on: ``choose_backend``'s choice and, when that is the shm
+    backend (which refuses a peer of another user or PID namespace, something no
+    listener can know in advance), the next of ``config.backends`` that fits, for the
+    peers it refuses (None when none fits or the choice refuses no one)."""
+    backend = choose_backend(config, memory, locality)
+    if backend != SHM_BACKEND:
+        return backend, None
+    rest = [name for name in config.backends if name != SHM_BACKEND]
+    try:
+        return backend, _first_fit(rest, memory, locality) if rest else None
+    except TransportError:
+        return backend, None
+
+
+def connect(registration: Registration, memory: MemoryKind, config: Config, *,
+            peer: str) -> tuple[Transport, Connection]:
+    """A connection to the listener of ``registration`` for ``memory``: over its backend or,
+    when that refuses this process (``SharedMemoryUnavailableError``), over its fallback,
+    with a warning saying why. Returns the transport too (the caller closes it); nothing
+    stays open when this raises."""
+    endpoints = registration.endpoints()
+    share_memory = True
+    for (backend, address), (fallback, _) in zip(endpoints, endpoints[1:]):
+        try:
+            return _connect_to(backend, address, memory, config, peer, share_memory)
+        except SharedMemoryUnavailableError as exc:
+            logger.warning("%s: %s; connecting over %s instead", peer, exc, fallback)
+            share_memory = False  # nor can the fallback's own shared-memory paths reach it
+    return _connect_to(*endpoints[-1], memory, config, peer, share_memory)
+
+
+def _connect_to(backend: str, address: str, memory: MemoryKind, config: Config, peer: str,
+                share_memory: bool) -> tuple[Transport, Connection]:
+    if memory not in backend_class(backend).capabilities.memory:
+        raise TransportError(f"{peer} listens on {backend}, which cannot move {memory.name} memory")
+    transport = make_backend(backend, config, share_memory=share_memory)
+    try:
+        return transport, transport.connect(address, config.timeout)
+    except BaseException:
+        transport.close()
+        raise
+
+
+def make_backend(name: str, config: Config, *, share_memory: bool = True) -> Transport:
+    """Backend ``name`` set up from ``config``. ``share_memory=False``: for a peer that cannot
+    map this process's memory though it runs on this host (a backend that would reach it
+    through shared memory, UCX, takes the way it takes to another host instead)."""
     transport, backend_config = _load(name)
+    options = {} if share_memory or "share_memory" not in backend_config.__dataclass_fields__ else {
+        "share_memory": False}
     return transport(backend_config(token=config.token, host=config.host, verify=config.verify,
-                                    verify_threads=config.verify_threads))
+                                    verify_threads=config.verify_threads, **options))
 
 
 def transfer_buffer(nbytes: int, *, device: torch.device | str = "cpu", pin_memory: bool = False,

@@ -33,7 +33,7 @@ from typing import NoReturn, Protocol
 
 import torch
 
-from replica.backends import backend_class, make_backend
+from replica.backends import connect
 from replica.config import Config
 from replica.errors import FencedError, LayoutMismatchError, PeerDisconnectedError, TransferTimeoutError, TransportError
 from replica.jobstate import Epoch, Registration
@@ -126,16 +126,13 @@ def _expect_reply(conn: Connection, step: int, timeout: timedelta, peer: str,
 
 def open_session(registration: Registration, *, memory: MemoryKind, config: Config, epoch: Epoch,
                  layout: StateLayout, peer: str, mismatch: str) -> tuple[Transport, Connection]:
-    """Connect to the listener of ``registration`` and send ``epoch`` and ``layout``.
+    """Connect to the listener of ``registration`` (``replica.backends.connect``: its fallback
+    if its backend refuses this process) and send ``epoch`` and ``layout``.
     Raises LayoutMismatchError (``peer`` refused ``mismatch``), FencedError (``epoch``
     is not the current one there) or TransportError (retryable); nothing stays open then."""
-    backend, address = registration.backend, registration.address
-    if memory not in backend_class(backend).capabilities.memory:
-        raise TransportError(f"{peer} listens on {backend}, which cannot move {memory.name} memory")
     timeout = config.timeout
-    transport = make_backend(backend, config)
+    transport, conn = connect(registration, memory, config, peer=peer)
     try:
-        conn = transport.connect(address, timeout)
         send_epoch(conn, epoch, timeout)
         send_layout(conn, layout, timeout)
         reply = _expect_reply(conn, -1, timeout, peer)

@@ -78,8 +78,9 @@ class CommitRecord:
         self.epochs = EpochRecord(store)  # likewise the newest generation record
         self._lock = threading.Lock()
 
-    def publish_standby(self, rank: int, backend: str, address: str) -> Registration:
-        return publish(self.store, keys.standby(rank), backend, address)
+    def publish_standby(self, rank: int, backend: str, address: str,
+                        fallback: tuple[str, str] | None = None) -> Registration:
+        return publish(self.store, keys.standby(rank), backend, address, fallback)
 
     def registration(self, rank: int) -> Registration | None:
         """Rank ``rank``'s standby registration as published (None before the first)."""

@@ -28,9 +28,12 @@ class Config:
 
     ``token`` is the job's secret; it never appears in ``repr`` or logs.
     ``backends`` lists transports in order of preference; the first whose
-    capabilities fit the snapshot's memory and the peer's locality is used;
-    ``"shm"`` (not in the default) moves host memory between processes of one node
-    through shared memory with one copy, and puts the trainer's host snapshots there.
+    capabilities fit the snapshot's memory and the peer's locality is used. By
+    default a GPU mirror on one node takes CUDA IPC (``"ipc"``), a host mirror on one
+    node shared memory with one copy (``"shm"``: the trainer's host snapshots then live
+    in shared memory), anything else UCX (gloo where UCX is not installed). A listener
+    on ``"shm"`` also listens on the next backend that fits, for peers that cannot map
+    its memory (another user or PID namespace), and they connect there instead.
     Every network wait is bounded by ``timeout``; ``commit_timeout`` bounds
     how long ``commit(N+1)`` waits for the global commit of N. A trainer
     waits up to ``standby_wait`` for its standby to be reachable: one not
@@ -53,7 +56,7 @@ class Config:
 
     token: bytes = field(repr=False)
     host: str = "127.0.0.1"
-    backends: tuple[str, ...] = ("ipc", "ucx", "gloo")
+    backends: tuple[str, ...] = ("ipc", "shm", "ucx", "gloo")
     bucket_bytes: int = 4 << 20
     extras_capacity: int = 1 << 20
     num_inflight_buckets: int = 8

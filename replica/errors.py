@@ -13,6 +13,7 @@ __all__ = [
     "LayoutMismatchError",
     "PeerDisconnectedError",
     "ReplicaError",
+    "SharedMemoryUnavailableError",
     "SnapshotCorruptedError",
     "StandbyLostError",
     "StoreWaitTimeoutError",
@@ -54,6 +55,13 @@ class PeerDisconnectedError(TransportError):
     def __init__(self, message: str, *, graceful: bool = False) -> None:
         super().__init__(message)
         self.graceful = graceful
+
+
+class SharedMemoryUnavailableError(TransportError):
+    """Two processes cannot map each other's shared memory (another user, another PID
+    namespace: a peer in another container), so the shm backend refused their
+    connection on both sides. A connector that has another way to the peer (the
+    listener's fallback backend) takes it."""
 
 
 class TransferTimeoutError(TransportError, TimeoutError):

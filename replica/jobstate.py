@@ -158,9 +158,19 @@ class Registration:
     backend: str
     address: str
     nonce: str
+    # Where it also listens for a peer that its backend refuses (the shm backend's, for a
+    # peer of another user or PID namespace); "" when nowhere else.
+    fallback_backend: str = ""
+    fallback_address: str = ""
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        """(backend, address) pairs to connect to, in order: the backend, then any fallback."""
+        fallback = [(self.fallback_backend, self.fallback_address)] if self.fallback_backend else []
+        return [(self.backend, self.address), *fallback]
 
     def __str__(self) -> str:
-        return f"{self.backend} {self.address} {self.nonce}"
+        fallback = f" (or {self.fallback_backend} {self.fallback_address})" if self.fallback_backend else ""
+        return f"{self.backend} {self.address}{fallback} {self.nonce}"
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -1,6 +1,8 @@
 """``Listener``: the receiving side's server, shared by the standby's ``Mirror``
 and the engine's ``WeightReceiver``. It listens on the transport chosen for its
-memory kind (loopback unless ``Config.host`` says otherwise), runs each accepted
+memory kind (loopback unless ``Config.host`` says otherwise) and, when that one may
+refuse a peer (shm: another user or PID namespace), on the next that fits too, which
+connectors fall back to (``replica.backends.connect``). It runs each accepted
 connection's session on a thread of its own, and outlives a bad session: a
 peer that vanishes or misbehaves is logged, never raised."""
 
@@ -11,10 +13,10 @@ import threading
 from abc import ABC, abstractmethod
 from datetime import timedelta
 
-from replica.backends import choose_backend, locality_of, make_backend
+from replica.backends import choose_backends, locality_of, make_backend
 from replica.config import Config
-from replica.errors import PeerDisconnectedError, ReplicaError, TransferTimeoutError
-from replica.transport import Connection, MemoryKind
+from replica.errors import PeerDisconnectedError, ReplicaError, TransferTimeoutError, TransportError
+from replica.transport import Connection, MemoryKind, Transport
 
 __all__ = ["Listener"]
 
@@ -31,26 +33,50 @@ class Listener(ABC):
     def __init__(self, *, config: Config, memory: MemoryKind, name: str):
         self.config = config
         self.name = name  # how logs name it: "standby rank 0", "engine 1"
-        self.backend = choose_backend(config, memory, locality_of(config.host))
-        self._transport = make_backend(self.backend, config)
-        self.address = self._transport.listen()
+        self.backend, fallback = choose_backends(config, memory, locality_of(config.host))
+        self._transports: list[Transport] = [make_backend(self.backend, config)]
+        #: Where it also listens, for peers its backend refuses: (backend, address), or None.
+        self.fallback: tuple[str, str] | None = None
+        try:
+            self.address = self._transports[0].listen()
+            if fallback is not None:
+                self._listen_also(fallback)
+        except BaseException:
+            for transport in self._transports:
+                transport.close()
+            raise
         self._cond = threading.Condition()
         self._closed = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+
+    def _listen_also(self, backend: str) -> None:
+        """Listen on ``backend`` too, as the fallback; without it (a backend that cannot start
+        here) peers of this process's memory still connect, the others are refused."""
+        try:
+            transport = make_backend(backend, self.config)
+        except TransportError as exc:
+            logger.warning("[%s] no fallback for peers %s refuses: %s", self.name, self.backend, exc)
+            return
+        self._transports.append(transport)
+        self.fallback = (backend, transport.listen())
 
     def _start(self) -> None:
-        """Begin accepting (once the subclass has published where it listens)."""
-        self._thread = threading.Thread(target=self._serve, name=f"replica-{self.name}", daemon=True)
-        self._thread.start()
-        logger.info("[%s] listening on %s (%s)", self.name, self.address, self.backend)
+        """Begin accepting (once the subclass has published where it listens): a thread per transport."""
+        self._threads = [threading.Thread(target=self._serve, args=(transport,), name=f"replica-{self.name}",
+                                          daemon=True) for transport in self._transports]
+        for thread in self._threads:
+            thread.start()
+        also = f", and on {self.fallback[1]} ({self.fallback[0]}) for peers it refuses" if self.fallback else ""
+        logger.info("[%s] listening on %s (%s)%s", self.name, self.address, self.backend, also)
 
     def close(self) -> None:
         self._closed.set()
         with self._cond:
             self._cond.notify_all()
-        self._transport.close()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        for transport in self._transports:
+            transport.close()
+        for thread in self._threads:
+            thread.join(timeout=10)
 
     def __enter__(self):
         return self
@@ -69,11 +95,11 @@ class Listener(ABC):
     def _peer_lost(self, conn: Connection, exc: PeerDisconnectedError) -> None:
         """A session's peer went away (``exc.graceful`` says whether it said goodbye)."""
 
-    def _serve(self) -> None:
+    def _serve(self, transport: Transport) -> None:
         sessions: list[threading.Thread] = []
         while not self._closed.is_set():
             try:
-                conn = self._transport.accept(_ACCEPT_POLL)
+                conn = transport.accept(_ACCEPT_POLL)
             except TransferTimeoutError:
                 continue
             except (ReplicaError, OSError) as exc:

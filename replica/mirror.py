@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from replica.backends import SHM_BACKEND, backend_class, make_backend
+from replica.backends import SHM_BACKEND, backend_class, connect, make_backend
 from replica.bucketstream import accept_sender, receive_versions, wait_first
 from replica.commit import CommitRecord
 from replica.jobstate import Epoch, JobStore
@@ -129,7 +129,7 @@ class Mirror(Listener):
         self._commit_pause = _COMMIT_READ_PAUSES[0] / 2
         if model is not None:  # before anyone can find this mirror: no trainer gets in unchecked
             self.expect(model, optimizer)
-        self._registration = self.record.publish_standby(rank, self.backend, self.address)
+        self._registration = self.record.publish_standby(rank, self.backend, self.address, self.fallback)
         self._start()
         if self.config.verify and self.config.scrub_interval.total_seconds() > 0:
             self._scrubber = threading.Thread(target=self._scrub_loop, name=f"replica-{self.name}-scrub",
@@ -481,16 +481,12 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store | JobStore, co
     timeout = config.timeout
     record = CommitRecord(JobStore.of(store, token=config.token, prefix=config.store_prefix), world_size=world_size)
     registration = record.standby(rank, timeout)
-    backend, address = registration.backend, registration.address
-    moves = backend_class(backend).capabilities.memory
     if device is None:
+        moves = backend_class(registration.backend).capabilities.memory
         device = "cpu" if MemoryKind.HOST in moves else torch.device("cuda", torch.cuda.current_device())
     device = torch.device(device)
-    if memory_kind(device) not in moves:
-        raise TransportError(f"the standby of rank {rank} listens on {backend}, which cannot move "
-                             f"{memory_kind(device).name} memory ({device})")
-    with make_backend(backend, config) as transport:
-        conn = transport.connect(address, timeout)
+    transport, conn = connect(registration, memory_kind(device), config, peer=f"the standby of rank {rank}")
+    with transport:
         conn.send(as_tensor((-1 if step is None else step).to_bytes(8, "little", signed=True)), tag=FETCH,
                   timeout=timeout)
         reply = recv_reply(conn, timeout)
@@ -518,5 +514,5 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store | JobStore, co
         conn.close()
     snapshot.digests = digests if config.verify else None  # a rollback to it re-checks them
     snapshot.step = reply.step
-    logger.info("fetched step %d of rank %d (%d bytes) from %s", reply.step, rank, layout.total_bytes, address)
+    logger.info("fetched step %d of rank %d (%d bytes) from %s", reply.step, rank, layout.total_bytes, conn.peer)
     return snapshot

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+from replica.backends import backend_name
 from replica.bucketstream import RETRY_FIRST, Backoff, MirrorFaults, Outgoing, open_session
 from replica.commit import NO_EPOCH, CommitRecord
 from replica.config import Config
@@ -272,8 +273,8 @@ class MirrorStream:
             mismatch="this trainer's state layout: it mirrors or would restore into a different model, optimizer "
                      "or world size (its log names the first difference)")
         logger.info("[trainer rank %d] mirroring %d bytes in %d buckets to %s over %s", self.rank,
-                    snapshot.layout.total_bytes, len(snapshot.layout.buckets()), registration.address,
-                    registration.backend)
+                    snapshot.layout.total_bytes, len(snapshot.layout.buckets()), conn.peer,
+                    backend_name(self._transport))
         return conn
 
     def _stream(self, snapshot: Snapshot, step: int, epoch: Epoch, registration: Registration) -> None:

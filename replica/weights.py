@@ -550,7 +550,7 @@ class WeightReceiver(Listener):
         self.served_epoch: Epoch | None = None  # the epoch of the leader that sent it
         self._epochs: dict[int, Epoch] = {}  # the sender's epoch of each recent complete version
         self._sender: Connection | None = None  # the current sender's connection
-        self.registration = publish(self.store, keys.engine(index), self.backend, self.address)
+        self.registration = publish(self.store, keys.engine(index), self.backend, self.address, self.fallback)
         self._start()
 
     def ready(self) -> int | None:

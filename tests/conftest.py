@@ -1,5 +1,8 @@
 """Fixtures shared by test modules."""
 
+import os
+import subprocess
+
 import pytest
 
 from replica import testetcd
@@ -38,3 +41,21 @@ def etcd():
         pytest.skip("etcd is not installed (make test installs etcd-server)")
     with EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=24200) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def pid_namespace():
+    """``pid_namespace(mount_proc)``: the command prefix that runs a program in a PID
+    namespace of its own (as in another container); skips the test where this machine
+    cannot make one. Without ``mount_proc`` the program still sees this namespace's
+    /proc, so it can map this side's shared memory while this side cannot map its own:
+    a refusal then shows on one side only."""
+    def command(mount_proc: bool) -> list[str]:
+        if os.geteuid() != 0:
+            pytest.skip("a PID namespace of its own needs root (unshare)")
+        prefix = ["unshare", "--pid", "--fork", *(["--mount-proc"] if mount_proc else [])]
+        probe = subprocess.run([*prefix, "true"], capture_output=True, text=True)
+        if probe.returncode != 0:  # a container without CAP_SYS_ADMIN
+            pytest.skip(f"this machine cannot make a PID namespace: {probe.stderr.strip()}")
+        return prefix
+    return command

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 import replica
-from replica.backends import backend_class, choose_backend
+from replica.backends import backend_class, choose_backend, choose_backends
 from replica.errors import TransportError
 from replica.transport import Locality, MemoryKind
 
@@ -17,9 +17,36 @@ def config(**kw):
 
 
 def test_default_order_by_memory_and_locality():
-    assert choose_backend(config(), MemoryKind.HOST, Locality.SAME_NODE) == "ucx"
+    assert choose_backend(config(), MemoryKind.HOST, Locality.SAME_NODE) == "shm"  # one copy, within a node
+    assert choose_backend(config(), MemoryKind.HOST, Locality.REMOTE) == "ucx"
     assert choose_backend(config(), MemoryKind.CUDA, Locality.SAME_NODE) == "ipc"  # within a node
     assert choose_backend(config(), MemoryKind.CUDA, Locality.REMOTE) == "ucx"  # IPC cannot leave the node
+
+
+def test_a_listener_on_shm_also_listens_on_the_next_backend_that_fits():
+    """shm refuses peers of another user or PID namespace, which no listener can know in
+    advance: it gets a fallback. No other choice does, nor shm with nothing after it."""
+    assert choose_backends(config(), MemoryKind.HOST, Locality.SAME_NODE) == ("shm", "ucx")
+    assert choose_backends(config(), MemoryKind.HOST, Locality.REMOTE) == ("ucx", None)
+    assert choose_backends(config(), MemoryKind.CUDA, Locality.SAME_NODE) == ("ipc", None)
+    assert choose_backends(config(backends=("shm", "gloo")), MemoryKind.HOST, Locality.SAME_NODE) == ("shm", "gloo")
+    assert choose_backends(config(backends=("shm",)), MemoryKind.HOST, Locality.SAME_NODE) == ("shm", None)
+    assert choose_backends(config(backends=("shm", "ipc")), MemoryKind.HOST, Locality.SAME_NODE) == ("shm", None)
+
+
+def test_a_fallback_connection_keeps_off_shared_memory():
+    """A peer refused by shm cannot map this process's memory, so UCX must not reach it
+    through shared memory either (its FIFOs would time out): the fallback's transport
+    takes the way to another host. Backends without the option ignore the request."""
+    from replica.backends import make_backend
+
+    with make_backend("ucx", config(), share_memory=False) as transport:
+        assert transport.config.share_memory is False
+        assert list(transport._current) == [Locality.REMOTE]
+    with make_backend("ucx", config()) as transport:
+        assert transport.config.share_memory is True and list(transport._current) == [Locality.SAME_NODE]
+    with make_backend("gloo", config(), share_memory=False) as transport:
+        assert not hasattr(transport.config, "share_memory")
 
 
 def test_shm_when_listed_takes_host_memory_within_the_node_only():
@@ -36,6 +63,7 @@ def test_uninstalled_ucxx_falls_back_instead_of_failing_later(monkeypatch):
     with pytest.raises(TransportError, match="ucxx is not installed"):
         backend_class("ucx")
     assert choose_backend(config(), MemoryKind.HOST, Locality.REMOTE) == "gloo"
+    assert choose_backends(config(), MemoryKind.HOST, Locality.SAME_NODE) == ("shm", "gloo")
     with pytest.raises(TransportError, match="no transport moves CUDA memory to a REMOTE peer"):
         choose_backend(config(), MemoryKind.CUDA, Locality.REMOTE)
 

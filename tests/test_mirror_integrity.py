@@ -8,6 +8,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from datetime import timedelta
@@ -35,11 +38,14 @@ def config(**kw) -> replica.Config:
 SHM = {"backends": ("shm", "ucx", "gloo"), "bucket_bytes": 64 << 10}
 
 
-@pytest.fixture(params=["default", "shm"])
+UCX = {"backends": ("ucx", "gloo")}
+
+
+@pytest.fixture(params=["ucx", "shm"])
 def via(request) -> dict:
-    """The Config options of the backend under test: the default (UCX on one node), or
-    shared memory (host buckets offered in place, one copy, the digest in the copy)."""
-    return {} if request.param == "default" else SHM
+    """The Config options of the backend under test: UCX, or shared memory (the default on
+    one node: host buckets offered in place, one copy, the digest in the copy)."""
+    return UCX if request.param == "ucx" else SHM
 
 
 def used_shared_memory(mirror, rep) -> bool:
@@ -87,7 +93,7 @@ def test_commit_then_restore_is_exact(store, via):
     with mirrored(store, j, config(**via)) as (mirror, rep):
         trained(j, 3, rep)
         assert rep.wait_committed() == 3 == rep.last_commit()
-        assert used_shared_memory(mirror, rep) == bool(via)
+        assert used_shared_memory(mirror, rep) == (via is SHM)
         expected, position = state_of(j), j.loader.state_dict()
         fresh = job(seed=5)
         assert mirror.restore(fresh.model, fresh.optimizer, fresh.extra) == 3
@@ -368,6 +374,43 @@ def test_fetch_from_the_standby_over_shared_memory(store):
         fresh = job(seed=5)
         replica.restore_snapshot(snapshot, fresh.model, fresh.optimizer, fresh.extra, rank=0, world_size=1)
         assert_state_equal(state_of(fresh), state_of(j))
+
+
+_FETCH_FROM_ANOTHER_NAMESPACE = textwrap.dedent("""
+    import logging, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    import replica
+    from replica import ops
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    port, token = int(sys.argv[1]), sys.argv[2].encode()
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+    config = replica.Config(token=token, timeout=timedelta(seconds=30), backends=("shm", "ucx", "gloo"))
+    snapshot = replica.fetch_mirror(rank=0, world_size=1, store=store, config=config)
+    print(snapshot.step, ops.checksum(snapshot.buffer, 1 << 20).tolist())
+""")
+
+
+@pytest.mark.parametrize("mount_proc", [True, False], ids=["own_proc", "shared_proc"])
+def test_a_peer_that_cannot_share_memory_falls_back_to_ucx(store, pid_namespace, mount_proc):
+    """A standby on the shm backend also listens on the next backend that fits (UCX). A
+    process that cannot map its shared memory (here in a PID namespace of its own, as in
+    another container) is refused by shm at the handshake, says so, and fetches over UCX
+    the same bytes a process of this namespace gets over shared memory."""
+    command = pid_namespace(mount_proc)
+    j = job()
+    cfg = config(**SHM)
+    with mirrored(store, j, cfg) as (mirror, rep):
+        trained(j, 2, rep)
+        rep.wait_committed()
+        assert mirror.backend == "shm" and mirror.fallback is not None and mirror.fallback[0] == "ucx"
+        assert mirror._registration.endpoints() == [("shm", mirror.address), mirror.fallback]
+        here = replica.fetch_mirror(rank=0, world_size=1, store=store, config=cfg)
+        out = subprocess.run([*command, sys.executable, "-c", _FETCH_FROM_ANOTHER_NAMESPACE, str(store.port),
+                              TOKEN.decode()], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-4000:]
+        assert "cannot share host memory" in out.stderr and "connecting over ucx instead" in out.stderr, out.stderr
+        assert out.stdout.split(" ", 1) == ["2", f"{replica.ops.checksum(here.buffer, 1 << 20).tolist()}\n"]
 
 
 def test_trainer_reattaches_to_a_replacement_standby(store):

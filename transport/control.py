@@ -48,6 +48,7 @@ __all__ = [
     "EndpointConfig",
     "client_handshake",
     "encode_frame",
+    "exchange_verdicts",
     "is_local_address",
     "keep_alive",
     "parse_address",
@@ -102,6 +103,24 @@ def _send_all(sock: socket.socket, data: bytes, deadline: _Deadline) -> None:
         raise TransferTimeoutError(f"{deadline.what} timed out") from exc
     except OSError as exc:
         raise PeerDisconnectedError(f"{deadline.what}: {exc}") from exc
+
+
+# A verdict's reason, at most (longer ones are cut).
+_MAX_VERDICT_BYTES = 1024
+
+
+def exchange_verdicts(sock: socket.socket, reason: str, *, peer: str, timeout_s: float) -> str:
+    """Tell the peer whether this side accepts the data path the handshake offered (``reason``:
+    why not, "" when it does) and return the peer's own verdict, within ``timeout_s``. Both
+    sides send first, then read, so neither waits on the other; called from ``_open``, before
+    the control monitor reads the socket."""
+    deadline = _Deadline(timeout_s, f"handshake with {peer}")
+    said = reason.encode("utf-8", "replace")[:_MAX_VERDICT_BYTES]
+    _send_all(sock, struct.pack("<H", len(said)) + said, deadline)
+    (n,) = struct.unpack("<H", _recv_exact(sock, 2, deadline))
+    if n > _MAX_VERDICT_BYTES:
+        raise TransportError(f"{peer} sent a {n}-byte verdict in its handshake")
+    return _recv_exact(sock, n, deadline).decode("utf-8", "replace") if n else ""
 
 
 MAX_ADDRESS_BYTES = 1 << 16

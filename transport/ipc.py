@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from replica import ops
-from replica.errors import TransportError
+from replica.errors import SharedMemoryUnavailableError, TransportError
 from replica.transport import shm
 from replica.transport.base import Capabilities, Locality, MemoryKind, valid_offset
 from replica.transport.control import (
@@ -64,6 +64,7 @@ from replica.transport.control import (
     ControlledConnection,
     ControlledTransport,
     EndpointConfig,
+    exchange_verdicts,
 )
 from replica.transport.wire import HEADER_BYTES, BucketHeader
 
@@ -867,14 +868,34 @@ class ShmTransport(IpcTransport):
         return region.record + probe.numpy().tobytes(), probe
 
     def _host_path(self, peer, peer_offer, state):
+        return {"host_offers": True, "probe": state, "peer_pid": shm.parse_record(peer_offer[:shm.RECORD_BYTES]).pid}
+
+    def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
+        # Both sides say whether they could map the other's probe before either uses the
+        # connection: a refusal seen on one side only (the peer in a PID namespace nested
+        # in this one maps this side's region; this side cannot map its) is then seen by
+        # both, and each raises SharedMemoryUnavailableError, which a connector can answer
+        # by taking another backend.
+        reason = self._check_probe(peer, peer_offer)
+        peer_reason = exchange_verdicts(sock, reason, peer=peer, timeout_s=timeout_s)
+        if reason or peer_reason:
+            raise SharedMemoryUnavailableError(
+                f"cannot share host memory with {peer}: "
+                + (reason or f"it could not map this side's region ({peer_reason})"))
+        return super()._open(sock=sock, peer=peer, peer_offer=peer_offer, send_id=send_id, recv_id=recv_id,
+                             server=server, state=state, timeout_s=timeout_s)
+
+    @staticmethod
+    def _check_probe(peer: str, peer_offer: bytes) -> str:
+        """Why the peer's probe region cannot be mapped and read back here ("" when it can)."""
         record, nonce = peer_offer[:shm.RECORD_BYTES], peer_offer[shm.RECORD_BYTES:]
         if len(nonce) != _PROBE_NONCE_BYTES:
-            raise TransportError(f"{peer} is not a shared-memory peer (its handshake offers no region to map)")
+            return f"{peer} is not a shared-memory peer (its handshake offers no region to map)"
         try:
             mapped = shm.map_region(record)
         except TransportError as exc:
-            raise TransportError(f"cannot share host memory with {peer}: {exc}") from exc
+            return str(exc)
         if mapped[:_PROBE_NONCE_BYTES].numpy().tobytes() != nonce:
-            raise TransportError(f"cannot share host memory with {peer}: the region it offered does not hold "
-                                 "what it said (another PID namespace?); use the UCX transport")
-        return {"host_offers": True, "probe": state, "peer_pid": shm.parse_record(record).pid}
+            return ("the region it offered does not hold what it said (another PID namespace?); "
+                    "use the UCX transport")
+        return ""

@@ -58,6 +58,10 @@ class UcxConfig(EndpointConfig):
     # tells hosts apart by boot id, which containers and network namespaces on one
     # machine share: there it would pick shared memory for a "remote" peer.
     remote_transports: str = "^sm,cuda_ipc"
+    # False: every peer is reached as if on another host (remote_transports), for peers
+    # that cannot map this process's memory though they share its host (another user,
+    # another PID namespace: UCX's shared-memory transports would time out there).
+    share_memory: bool = True
     data_error_handling: bool = False
     # The progress thread sleeps in epoll and wakes at least every
     # epoll_timeout_ms (a missed wake-up costs at most that); polling burns a
@@ -327,7 +331,7 @@ class UcxTransport(ControlledTransport):
         self._workers: list[_Worker] = []  # the current ones and retired ones still in use
         self.retired_workers = 0
         with self._workers_lock:  # fails here, not at the first peer, if UCX cannot start
-            self._new_worker(Locality.SAME_NODE)
+            self._new_worker(Locality.SAME_NODE if config.share_memory else Locality.REMOTE)
 
     @property
     def _worker(self) -> _Worker:
@@ -357,6 +361,8 @@ class UcxTransport(ControlledTransport):
         return worker
 
     def _offer(self, server, locality):
+        if not self.config.share_memory:
+            locality = Locality.REMOTE
         try:
             worker = self._worker_for(locality)
         except Exception as exc:  # ucxx's own errors: no device while the host's link is down, ...
