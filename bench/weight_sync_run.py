@@ -25,9 +25,9 @@ the switch: with one receive buffer (the staged default) its pages went back to 
 last version was prepared, and faulting them in again (``WeightReceiver.prefault`` on the
 stager's thread, or the receive itself) is in ``receive_s``.
 
-BACKENDS (default: Config's): the transports of both ends, comma-separated, in order of
-preference; "shm,ucx,gloo" pushes through shared memory (one copy, the engine's digest taken
-by its copy).
+BACKENDS (default: Config's, which on one node push through shared memory: one copy, the
+engine's digest taken by its copy): the transports of both ends, comma-separated, in order of
+preference; "ucx,gloo" pushes over UCX.
 """
 
 from __future__ import annotations
