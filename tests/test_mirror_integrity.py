@@ -413,6 +413,29 @@ def test_a_peer_that_cannot_share_memory_falls_back_to_ucx(store, pid_namespace,
         assert out.stdout.split(" ", 1) == ["2", f"{replica.ops.checksum(here.buffer, 1 << 20).tolist()}\n"]
 
 
+def test_a_fallback_that_cannot_start_leaves_the_listener_on_shared_memory(store, monkeypatch, caplog):
+    """A fallback backend that fails to start (UCX without a usable device, say) is logged and
+    left out: the standby still serves peers of its memory over shm and registers no fallback."""
+    import replica.listener
+    from replica.errors import TransportError
+
+    real = replica.listener.make_backend
+
+    def no_ucx(name, config):
+        if name == "ucx":
+            raise TransportError("UCX cannot start here (injected)")
+        return real(name, config)
+
+    monkeypatch.setattr(replica.listener, "make_backend", no_ucx)
+    j = job()
+    with mirrored(store, j, config(**SHM)) as (mirror, rep):
+        assert mirror.backend == "shm" and mirror.fallback is None
+        assert mirror._registration.endpoints() == [("shm", mirror.address)]
+        assert any("no fallback" in r.getMessage() and "injected" in r.getMessage() for r in caplog.records)
+        trained(j, 1, rep)
+        assert rep.wait_committed() == 1 and used_shared_memory(mirror, rep)
+
+
 def test_trainer_reattaches_to_a_replacement_standby(store):
     j = job()
     cfg = config(standby_wait=timedelta(seconds=30))
