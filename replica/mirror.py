@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from replica.backends import SHM_BACKEND, backend_class, connect, make_backend
+from replica.backends import SHM_BACKEND, backend_class, connect
 from replica.bucketstream import accept_sender, receive_versions, wait_first
 from replica.commit import CommitRecord
 from replica.jobstate import Epoch, JobStore

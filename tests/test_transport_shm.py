@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from replica.errors import PeerDisconnectedError, TransportError
-from replica.testing import spawn
+from replica.testing import spawn, wait_for
 from replica.transport import Locality, MemoryKind
 from replica.transport import shm
 from replica.transport.base import bucket_digest
@@ -208,6 +208,18 @@ def test_a_peer_in_another_pid_namespace_is_refused_with_the_reason(caplog, pid_
         with pytest.raises(TransportError):
             transport.accept(timedelta(seconds=1))
     assert any("cannot share host memory" in r.getMessage() for r in caplog.records)
+
+
+def test_a_peer_of_another_backend_is_refused_at_once(caplog):
+    """A CUDA IPC peer offers no region and sends no verdict: the shm side refuses it at once,
+    saying why, instead of waiting out its handshake for a verdict that never comes."""
+    with ShmTransport(IpcConfig(token=b"job-token", handshake_timeout=timedelta(seconds=60))) as server, \
+            IpcTransport(IpcConfig(token=b"job-token")) as client:
+        conn = client.connect(server.listen(), timedelta(seconds=30))
+        wait_for(lambda: not conn.alive, "the shm side to refuse the IPC peer", timeout_s=10)
+        assert any("not a shared-memory peer" in r.getMessage() for r in caplog.records)
+        with pytest.raises(TransportError):
+            server.accept(timedelta(seconds=0.5))
 
 
 def test_a_region_closes_its_file_when_its_tensor_is_freed():

@@ -120,7 +120,8 @@ def exchange_verdicts(sock: socket.socket, reason: str, *, peer: str, timeout_s:
     (n,) = struct.unpack("<H", _recv_exact(sock, 2, deadline))
     if n > _MAX_VERDICT_BYTES:
         raise TransportError(f"{peer} sent a {n}-byte verdict in its handshake")
-    return _recv_exact(sock, n, deadline).decode("utf-8", "replace") if n else ""
+    said = _recv_exact(sock, n, deadline).decode("utf-8", "replace") if n else ""
+    return "".join(c if c.isprintable() else "?" for c in said)  # it is logged: no control characters
 
 
 MAX_ADDRESS_BYTES = 1 << 16

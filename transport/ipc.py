@@ -876,7 +876,9 @@ class ShmTransport(IpcTransport):
         # in this one maps this side's region; this side cannot map its) is then seen by
         # both, and each raises SharedMemoryUnavailableError, which a connector can answer
         # by taking another backend.
-        reason = self._check_probe(peer, peer_offer)
+        if len(peer_offer) != shm.RECORD_BYTES + _PROBE_NONCE_BYTES:  # it sends no verdict either
+            raise TransportError(f"{peer} is not a shared-memory peer (its handshake offers no region to map)")
+        reason = self._check_probe(peer_offer)
         peer_reason = exchange_verdicts(sock, reason, peer=peer, timeout_s=timeout_s)
         if reason or peer_reason:
             raise SharedMemoryUnavailableError(
@@ -886,11 +888,9 @@ class ShmTransport(IpcTransport):
                              server=server, state=state, timeout_s=timeout_s)
 
     @staticmethod
-    def _check_probe(peer: str, peer_offer: bytes) -> str:
+    def _check_probe(peer_offer: bytes) -> str:
         """Why the peer's probe region cannot be mapped and read back here ("" when it can)."""
         record, nonce = peer_offer[:shm.RECORD_BYTES], peer_offer[shm.RECORD_BYTES:]
-        if len(nonce) != _PROBE_NONCE_BYTES:
-            return f"{peer} is not a shared-memory peer (its handshake offers no region to map)"
         try:
             mapped = shm.map_region(record)
         except TransportError as exc:
