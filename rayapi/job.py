@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from replica.backends import parse_backends
 from replica.jobstate import keys
 from replica.ray.agents import Placement, RayAgents
 from replica.ray.launch import ray_agents
@@ -49,6 +50,7 @@ class RayJobConfig:
     report: Path | None = None
     export_dir: Path = Path("replica-export")
     mirror_device: str = "model"
+    backends: str = ""  # every role's Config.backends, comma-separated ("": the default)
     address: str | None = None
     host: str = "127.0.0.1"
     store: str = ""  # etcd://HOSTS/NAMESPACE: the job's state in etcd (default: a store hosted by the driver)
@@ -60,6 +62,7 @@ class RayJobConfig:
         if self.trainers < 1 or not 0 <= standbys <= self.trainers or self.rollouts < 0 or self.steps < 1:
             raise ValueError(f"need trainers >= 1, 0 <= standbys <= trainers, rollouts >= 0, steps >= 1; got "
                              f"{self.trainers}, {standbys}, {self.rollouts}, {self.steps}")
+        parse_backends(self.backends)
         if any(f.role == HOST for f in parse_faults(self.inject)):
             raise ValueError("host faults are for `replica agent` hosts; on Ray, remove or kill a node instead")
 
@@ -90,7 +93,8 @@ class RayJob:
         c = self.config
         self.coordinator, env, self._leadership = open_job(
             trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host, inject=c.inject,
-            steps=c.steps, mirror_device=c.mirror_device, export_dir=c.export_dir, store=c.store)
+            steps=c.steps, mirror_device=c.mirror_device, export_dir=c.export_dir, store=c.store,
+            backends=c.backends)
         try:
             self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script),
                                      env=env, replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,

@@ -21,8 +21,8 @@ from replica.transport import Connection, Locality, MemoryKind, Transport, selec
 if TYPE_CHECKING:
     from replica.jobstate import Registration
 
-__all__ = ["SHM_BACKEND", "backend_class", "backend_name", "choose_backend", "choose_backends", "connect", "locality_of",
-           "make_backend", "transfer_buffer"]
+__all__ = ["BACKENDS", "SHM_BACKEND", "backend_class", "backend_name", "choose_backend", "choose_backends", "connect", "locality_of",
+           "make_backend", "parse_backends", "transfer_buffer"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,20 @@ _BACKENDS = {
     "ipc": ("replica.transport.ipc", "IpcTransport", "IpcConfig", None),
     SHM_BACKEND: ("replica.transport.ipc", "ShmTransport", "IpcConfig", None),
 }
+
+
+#: Every backend's name, as ``Config.backends`` lists them.
+BACKENDS: tuple[str, ...] = tuple(_BACKENDS)
+
+
+def parse_backends(text: str) -> tuple[str, ...]:
+    """``Config.backends`` from a comma-separated list ("ucx,gloo"); () for "" (Config's default).
+    ValueError naming an unknown backend."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in _BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown transport backend(s) {', '.join(map(repr, unknown))}; known: {', '.join(BACKENDS)}")
+    return names
 
 
 def _load(name: str) -> tuple[type[Transport], type]:

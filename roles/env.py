@@ -11,6 +11,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from replica.backends import parse_backends
 from replica.stores import StoreAddress
 
 __all__ = ["ACTIONS", "Action", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "configure_logging",
@@ -132,6 +133,7 @@ class RoleEnv:
     mirror_device: str = ""  # where a standby holds its mirror: "" = its model's device, or "cpu"
     export_dir: str = "replica-export"  # where a standby writes its versions when the job cannot go on
     resume: str = ""  # an export folder (one file per rank, one step) the trainers start from
+    backends: tuple[str, ...] = ()  # Config.backends of every role's data plane; (): Config's default
 
     @classmethod
     def from_environ(cls) -> RoleEnv:
@@ -149,7 +151,8 @@ class RoleEnv:
                    store=store, token=env["REPLICA_TOKEN"].encode(),
                    faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"),
                    rollouts=int(env.get("REPLICA_ROLLOUTS", "0")), mirror_device=env.get("REPLICA_MIRROR_DEVICE", ""),
-                   export_dir=env.get("REPLICA_EXPORT_DIR") or "replica-export", resume=env.get("REPLICA_RESUME", ""))
+                   export_dir=env.get("REPLICA_EXPORT_DIR") or "replica-export", resume=env.get("REPLICA_RESUME", ""),
+                   backends=parse_backends(env.get("REPLICA_BACKENDS", "")))
 
 
 def host_name() -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TextIO
 
+from replica.backends import BACKENDS, parse_backends
 from replica.errors import ReplicaError
 from replica.export import resumable
 from replica.roles.coordinator import Coordinator, MemberState
@@ -141,7 +142,7 @@ def deadlines_of(args: argparse.Namespace) -> Deadlines:
 
 
 def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int, rollouts: int, mirror_device: str,
-             export_dir: Path, resume: Path | None) -> dict[str, str]:
+             export_dir: Path, resume: Path | None, backends: str = "") -> dict[str, str]:
     """The environment every role of a launched job starts with (this one's, plus the job's)."""
     # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
     # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
@@ -153,19 +154,22 @@ def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int
     env.update(REPLICA_WORLD_SIZE=str(world_size), REPLICA_STORE=store, REPLICA_TOKEN=token,
                REPLICA_INJECT=inject, REPLICA_STEPS=str(steps), REPLICA_ROLLOUTS=str(rollouts),
                REPLICA_MIRROR_DEVICE="" if mirror_device == "model" else mirror_device,
-               REPLICA_EXPORT_DIR=str(export_dir.resolve()), REPLICA_RESUME=str(resume) if resume else "")
+               REPLICA_EXPORT_DIR=str(export_dir.resolve()), REPLICA_RESUME=str(resume) if resume else "",
+               REPLICA_BACKENDS=",".join(parse_backends(backends)))
     return env
 
 
 def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
-             mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None, store: str = ""
-             ) -> tuple[Coordinator, dict[str, str], Leadership | None]:
+             mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None, store: str = "",
+             backends: str = "") -> tuple[Coordinator, dict[str, str], Leadership | None]:
     """A launched job's coordinator and the environment its roles start with; the job's token
     is ``REPLICA_TOKEN`` or a fresh one. The job store is hosted by the coordinator on
     ``host:port``, or, with ``store`` (``etcd://HOSTS/NAMESPACE``), kept in etcd: then the
     coordinator leads by an election claim that fences its writes (the Leadership returned;
     resign it when the job ends) and the namespace must hold no other job
-    (JobStoreInUseError). ValueError for a bad ``store``."""
+    (JobStoreInUseError). ``backends``: every role's ``Config.backends``, comma-separated ("":
+    the default). ValueError for a bad ``store`` or an unknown backend."""
+    parse_backends(backends)  # before anything starts
     token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
     address = StoreAddress.parse(store) if store else None
     if address is not None and address.kind != StoreKind.ETCD:
@@ -182,7 +186,7 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
         raise
     env = role_env(store=coord.address, token=token, world_size=trainers, inject=inject, steps=steps,
                    rollouts=rollouts, mirror_device=mirror_device, export_dir=export_dir,
-                   resume=resume[1] if resume else None)
+                   resume=resume[1] if resume else None, backends=backends)
     return coord, env, leadership
 
 
@@ -209,6 +213,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="where standbys hold their mirrors: on their model's device (a GPU model: GPU memory, "
                         "CUDA IPC within a node; promotion is one unpack) or in pinned host memory (GPU memory "
                         "stays free for the standby's rollouts; promotion copies the state to the GPU)")
+    p.add_argument("--backends", default="",
+                   help="the transports of every role's data plane, comma-separated, in order of preference "
+                        f"(of {', '.join(BACKENDS)}; default: replica.Config's, ipc,shm,ucx,gloo: CUDA IPC and "
+                        "shared memory within a node, UCX across nodes); e.g. ucx,gloo keeps host memory on UCX")
     p.add_argument("--report", type=Path, help="write the job report (losses, faults, timeline) as JSON")
     p.add_argument("--timeline", type=Path, help="plot the failover timeline as PNG (default: beside --report)")
     p.add_argument("--host", default="127.0.0.1",
@@ -334,6 +342,7 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         if any(f.role == HOST for f in faults):
             raise ValueError("host faults need host agents (`replica agent`): `replica launch` runs on one machine")
         deadlines = deadlines_of(args)
+        parse_backends(args.backends)
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging()
@@ -346,7 +355,7 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         coord, env, leadership = open_job(
             trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host, port=args.port,
             inject=args.inject, steps=args.steps, mirror_device=args.mirror_device, export_dir=args.export_dir,
-            resume=resume, store=args.store)
+            resume=resume, store=args.store, backends=args.backends)
     except ValueError as exc:
         parser.error(str(exc))
     except ReplicaError as exc:

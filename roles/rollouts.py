@@ -186,15 +186,17 @@ class _Aborted(Exception):
 
 def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: bytes, make_llm: Callable[[], object],
                    stop: Callable[[], bool], on_shard: Callable[[int], None] | None = None,
-                   host: str = "127.0.0.1") -> None:
+                   host: str = "127.0.0.1", backends: tuple[str, ...] | None = None) -> None:
     """The rollout role: run an engine, take weight versions as they come, serve
     shards of requests until ``stop()``. ``on_shard(step)`` runs after a shard is
-    claimed and before it is generated (fault injection)."""
+    claimed and before it is generated (fault injection). ``backends``: the engine's
+    receiver's ``Config.backends`` (None: the default)."""
     from vllm import SamplingParams
 
     llm = make_llm()
     weights = EngineWeights(llm, ReceiverSpec(index=index, store=str(StoreAddress.of(store.raw)),
-                                              token_hex=token.hex(), host=host, store_prefix=store.prefix))
+                                              token_hex=token.hex(), host=host, store_prefix=store.prefix,
+                                              backends=backends))
     store.put(keys.engine_up(index), Stamp(at=time.time()))
     seen = 0  # requests fully handled here
     logger.warning("[rollout %d] engine up, serving", index)

@@ -52,7 +52,8 @@ class Job:
         self._watcher.start()
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
         self.config = replica.Config(token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT,
-                                     commit_timeout=timing.COMMIT_WAIT)
+                                     commit_timeout=timing.COMMIT_WAIT,
+                                     **({"backends": env.backends} if env.backends else {}))
         # gloo fails a frozen peer's collective at its timeout; NCCL's watchdog never beats the coordinator.
         self.group = None if env.role == Role.ROLLOUT else replica.init_resilient_process_group(
             store=self.store.sub(keys.process_group()), rank=env.rank, world_size=env.world_size,
@@ -152,7 +153,7 @@ class Job:
             raise replica.ReplicaError(f"serve_rollouts() in a {self.role} process")
         try:
             serve_rollouts(store=self.store, index=self.rank, num_engines=self.env.rollouts, token=self.env.token,
-                           make_llm=make_llm, host=self.env.host,
+                           make_llm=make_llm, host=self.env.host, backends=self.env.backends or None,
                            stop=lambda: self.store.has(keys.finished()) or self.store.has(keys.rollout_stop(self.rank)),
                            on_shard=self._rollout_fault)
         finally:

@@ -161,6 +161,19 @@ def test_the_fault_matrix_under_load(tmp_path, reference):
     assert report["last_commit"] == STEPS
 
 
+def test_a_trainer_killed_with_its_mirror_on_ucx(tmp_path, reference):
+    """``--backends ucx,gloo`` keeps every host transfer on UCX (on one node the default is the
+    shm backend): trainer 1 dies, its standby, mirrored over UCX, takes over, bit-identical."""
+    code, report, output = launch(tmp_path, "--backends", "ucx,gloo", "--inject", "kill:trainer:1@3:backward",
+                                  env={"REPLICA_LOG": "INFO"})
+    assert code == 0, output[-4000:]
+    assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
+    assert [f["rank"] for f in report["failovers"]] == [1], report["failovers"]
+    assert "over ucx" in output and "over shm" not in output, output[-4000:]  # the mirrors took UCX
+    assert compare_reports(reference, report) == []
+    assert report["last_commit"] == STEPS
+
+
 @pytest.mark.parametrize("spec, why", [("explode:trainer:1@3", "bad fault 'explode:trainer:1@3'"),
                                        ("partition:trainer:1@3", "partition and slow take only a host"),
                                        ("slow:host:1@3:0", "must be > 0"),
@@ -170,6 +183,14 @@ def test_bad_inject_spec_is_refused(tmp_path, spec, why):
                            str(ROOT / "examples" / "train_fsdp.py")], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode != 0 and why in proc.stderr, proc.stderr
+
+
+def test_an_unknown_backend_is_refused_before_anything_starts():
+    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--backends", "ucx,carrier-pigeon",
+                           str(ROOT / "examples" / "train_fsdp.py")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "unknown transport backend(s) 'carrier-pigeon'" in proc.stderr, proc.stderr
+    assert proc.stdout == ""  # nothing started (the coordinator and every role print as they start)
 
 
 def test_second_coordinator_on_the_same_port_is_refused():
