@@ -95,6 +95,9 @@ def test_placement_bundles_and_options():
             parse_placement(bad)
     with pytest.raises(ValueError, match="host faults"):
         RayJobConfig(script=("x.py",), inject="kill:host:1@3")
+    with pytest.raises(ValueError, match="unknown transport backend"):
+        RayJobConfig(script=("x.py",), backends="ucx,nccl")
+    assert RayJobConfig(script=("x.py",), backends="ucx,gloo").backends == "ucx,gloo"
 
 
 def test_failover_demo_on_ray_a_trainer_actor_killed(cluster, tmp_path, reference, etcd, monkeypatch):
