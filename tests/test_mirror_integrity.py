@@ -1,5 +1,5 @@
-"""Mirror integrity: Replicator and Mirror over real UCX, in one process or
-two. Corrupted buckets are asked for again and never committed; a standby or
+"""Mirror integrity: Replicator and Mirror over real UCX and shared memory, in one
+process or two (or in two PID namespaces, where shared memory falls back to UCX). Corrupted buckets are asked for again and never committed; a standby or
 trainer dying mid-transfer leaves the last commit intact; mismatched layouts
 are refused with the first difference named; exports load back."""
 
