@@ -172,5 +172,9 @@ def transfer_buffer(nbytes: int, *, device: torch.device | str = "cpu", pin_memo
     if device.type == "cpu" and pin_memory and torch.cuda.is_available():
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
     if device.type == "cpu" and shared:
-        return shm.shared_empty(nbytes)
+        try:
+            return shm.shared_empty(nbytes)
+        except OSError as exc:  # no memfd here (out of descriptors, a seccomp filter): still a buffer
+            logger.warning("cannot allocate %d bytes of shared memory (%s): a plain buffer instead (the shm "
+                           "backend copies its buckets into shared memory, or its peers fall back)", nbytes, exc)
     return torch.zeros(nbytes, dtype=torch.uint8, device=device)

@@ -68,6 +68,23 @@ def test_uninstalled_ucxx_falls_back_instead_of_failing_later(monkeypatch):
         choose_backend(config(), MemoryKind.CUDA, Locality.REMOTE)
 
 
+def test_a_shared_buffer_that_cannot_be_made_is_a_plain_one(monkeypatch, caplog):
+    """Out of memfds, a snapshot or weight buffer asked for in shared memory is still made, in
+    plain memory, with a warning (the shm backend then stages its buckets)."""
+    import errno
+
+    from replica.backends import transfer_buffer
+    from replica.transport import shm
+
+    def no_memfd(nbytes):
+        raise OSError(errno.EMFILE, "Too many open files (injected)")
+
+    monkeypatch.setattr(shm, "shared_empty", no_memfd)
+    buf = transfer_buffer(1 << 20, shared=True)
+    assert buf.numel() == 1 << 20 and not buf.any() and shm.region_of(buf) is None
+    assert any("cannot allocate" in r.getMessage() and "injected" in r.getMessage() for r in caplog.records)
+
+
 def test_verify_threads_reach_the_backend_and_bad_values_are_refused():
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="verify_threads"):

@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from replica.errors import PeerDisconnectedError, TransportError
+from replica.errors import PeerDisconnectedError, SharedMemoryUnavailableError, TransportError
 from replica.testing import spawn, wait_for
 from replica.transport import Locality, MemoryKind
 from replica.transport import shm
@@ -220,6 +220,33 @@ def test_a_peer_of_another_backend_is_refused_at_once(caplog):
         assert any("not a shared-memory peer" in r.getMessage() for r in caplog.records)
         with pytest.raises(TransportError):
             server.accept(timedelta(seconds=0.5))
+
+
+@pytest.mark.parametrize("failing", ["connector", "listener"])
+def test_a_side_that_cannot_make_shared_memory_is_refused_with_the_typed_error(monkeypatch, caplog, failing):
+    """Out of memfds (descriptors used up, a seccomp filter) on either side: the connection
+    is refused with SharedMemoryUnavailableError at the connector, the error a fallback is
+    taken on, instead of a failed handshake."""
+    import errno
+    import threading
+
+    real = shm.shared_empty
+    listener_side = failing == "listener"
+
+    def no_memfd(nbytes):  # the listener's handshakes run on threads of their own
+        if threading.current_thread().name.startswith("replica-handshake") == listener_side:
+            raise OSError(errno.EMFILE, "Too many open files (injected)")
+        return real(nbytes)
+
+    monkeypatch.setattr(shm, "shared_empty", no_memfd)
+    with make_shm(b"job-token") as server, make_shm(b"job-token") as client:
+        address = server.listen()
+        with pytest.raises(SharedMemoryUnavailableError, match="could not make" if listener_side else "injected"):
+            client.connect(address, timedelta(seconds=30))
+        with pytest.raises(TransportError):
+            server.accept(timedelta(seconds=0.5))
+    if listener_side:
+        assert any("cannot make shared memory" in r.getMessage() for r in caplog.records)
 
 
 def test_a_region_closes_its_file_when_its_tensor_is_freed():

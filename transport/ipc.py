@@ -862,7 +862,13 @@ class ShmTransport(IpcTransport):
 
     def _offer(self, server, locality):
         super()._offer(server, locality)
-        probe = shm.shared_empty(_PROBE_NONCE_BYTES)
+        try:
+            probe = shm.shared_empty(_PROBE_NONCE_BYTES)
+        except OSError as exc:  # no memfd here (out of descriptors, a seccomp filter)
+            if not server:  # refused before anything is sent: the connector takes the fallback
+                raise SharedMemoryUnavailableError(f"cannot make shared memory here: {exc}") from exc
+            logger.warning("cannot make shared memory for a peer's handshake (%s): refusing it", exc)
+            return b"", None  # no region offered: both sides refuse (see _open)
         probe.copy_(torch.frombuffer(bytearray(os.urandom(_PROBE_NONCE_BYTES)), dtype=torch.uint8))
         region = shm.region_of(probe)
         return region.record + probe.numpy().tobytes(), probe
@@ -876,8 +882,14 @@ class ShmTransport(IpcTransport):
         # in this one maps this side's region; this side cannot map its) is then seen by
         # both, and each raises SharedMemoryUnavailableError, which a connector can answer
         # by taking another backend.
-        if len(peer_offer) != shm.RECORD_BYTES + _PROBE_NONCE_BYTES:  # it sends no verdict either
-            raise TransportError(f"{peer} is not a shared-memory peer (its handshake offers no region to map)")
+        # Neither side sends a verdict where either offered no region: this side could not make
+        # its own (a server out of memfds), or the peer is none (or could not make one).
+        if state is None:
+            raise SharedMemoryUnavailableError(f"cannot share host memory with {peer}: this side could not make "
+                                               "a shared-memory region")
+        if len(peer_offer) != shm.RECORD_BYTES + _PROBE_NONCE_BYTES:
+            raise SharedMemoryUnavailableError(f"cannot share host memory with {peer}: it offers no region to map "
+                                               "(it could not make one, or it is not a shared-memory peer)")
         reason = self._check_probe(peer_offer)
         peer_reason = exchange_verdicts(sock, reason, peer=peer, timeout_s=timeout_s)
         if reason or peer_reason:
