@@ -45,44 +45,46 @@ from weight_sync_run import SHAPES, _sender  # noqa: E402  (bench/, the working 
 TOKEN = "bench-transfer-token"
 
 
-def _status_bytes(*fields: str) -> dict[str, int]:
+def _memory() -> tuple[int, int]:
+    """The engine's own resident memory (its anonymous and file pages), and the shared memory
+    resident in it, from one read of /proc/self/status. Shared pages are not the engine's own:
+    over the shm backend (the default on one node) they are the sender's packed version,
+    mapped to be copied out of, which the trainer holds anyway."""
     with open("/proc/self/status") as f:
-        found = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in fields}
-    return {k: found.get(k, 0) for k in fields}
+        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
+              if k in ("RssAnon", "RssFile", "RssShmem")}
+    return (kb.get("RssAnon", 0) + kb.get("RssFile", 0)) * 1024, kb.get("RssShmem", 0) * 1024
 
 
 def _rss() -> int:
-    """The engine's own resident memory: its anonymous and file pages. Not its shared-memory
-    pages: over the shm backend (the default on one node) those are the sender's packed
-    version, mapped to be copied out of, which the trainer holds anyway (see ``_shared``)."""
-    found = _status_bytes("RssAnon", "RssFile")
-    return found["RssAnon"] + found["RssFile"]
-
-
-def _shared() -> int:
-    """Resident shared memory mapped in the engine (the sender's regions, over the shm backend)."""
-    return _status_bytes("RssShmem")["RssShmem"]
+    """The engine's own resident memory (``_memory``)."""
+    return _memory()[0]
 
 
 class _Sampler:
-    """The process's RSS (``_rss``) and shared memory every 5 ms, in a thread, for their peaks."""
+    """The process's own memory and its shared memory (``_memory``) every 5 ms, in a
+    thread, for their peaks."""
 
     def __init__(self):
-        self.peak = _rss()
-        self.shared_peak = _shared()
+        self.peak = self.shared_peak = 0
+        self._sample()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _sample(self) -> None:
+        own, shared = _memory()
+        self.peak, self.shared_peak = max(self.peak, own), max(self.shared_peak, shared)
+
     def _run(self) -> None:
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _rss())
-            self.shared_peak = max(self.shared_peak, _shared())
+            self._sample()
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
-        return max(self.peak, _rss())
+        self._sample()
+        return self.peak
 
 
 #: mode -> (ReplicaInitInfo.staged, ReplicaInitInfo.buffers)
