@@ -155,7 +155,7 @@ def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int
                REPLICA_INJECT=inject, REPLICA_STEPS=str(steps), REPLICA_ROLLOUTS=str(rollouts),
                REPLICA_MIRROR_DEVICE="" if mirror_device == "model" else mirror_device,
                REPLICA_EXPORT_DIR=str(export_dir.resolve()), REPLICA_RESUME=str(resume) if resume else "",
-               REPLICA_BACKENDS=",".join(parse_backends(backends)))
+               REPLICA_BACKENDS=backends)
     return env
 
 
@@ -169,7 +169,7 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
     resign it when the job ends) and the namespace must hold no other job
     (JobStoreInUseError). ``backends``: every role's ``Config.backends``, comma-separated ("":
     the default). ValueError for a bad ``store`` or an unknown backend."""
-    parse_backends(backends)  # before anything starts
+    backends = ",".join(parse_backends(backends))  # refused before anything starts
     token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
     address = StoreAddress.parse(store) if store else None
     if address is not None and address.kind != StoreKind.ETCD:
@@ -342,7 +342,6 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         if any(f.role == HOST for f in faults):
             raise ValueError("host faults need host agents (`replica agent`): `replica launch` runs on one machine")
         deadlines = deadlines_of(args)
-        parse_backends(args.backends)
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging()
