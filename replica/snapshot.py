@@ -90,6 +90,9 @@ class Snapshot:
         self.step: int | None = None
         self.digests: list[int] | None = None
         self._expected: ops.ShapeCheck | None = None  # the entries' shapes and dtypes, for _check
+        # Where the pack puts each state tensor, then the extras blob (built once: every
+        # capture passes them).
+        self._offsets = [*layout.offsets, layout.extras_offset]
         self._host: np.ndarray | None = None  # a numpy view of a host buffer, made at the first capture
         # Where the extras region holds zeros only, from there to its end, as the
         # last capture left it; None once anything else may have written the
@@ -141,21 +144,24 @@ class Snapshot:
             raise ReplicaError(f"the extras need {len(extras)} bytes, the layout reserves {room}; "
                                "build the layout with a larger extras_capacity")
         self.digests, self.step = None, None  # of the previous content
-        # The extras first: the pack hashes the whole buffer, the extras region included.
-        self._write_extras(extras)
+        # The extras before the pack hashes the whole buffer, the extras region included.
+        # In host memory the blob is one more source of the pack: copied and hashed in
+        # its pass (a write of its own, into a region the step left cold, cost a tenth
+        # of the pack in the mirror benchmark).
+        blob = self._write_extras(extras)
         block_bytes = self.layout.bucket_bytes if digests else None
         self._check_count(tensors)
         if self._same_device is None:
             self._same_device = on_device(tensors, self.buffer.device)
+        sources, offsets = ([*tensors, blob], self._offsets) if blob is not None else (tensors, self._offsets[:-1])
         try:
-            taken = pack_state(tensors, self.buffer, self.layout.offsets, block_bytes=block_bytes,
-                               same_device=self._same_device)
+            taken = pack_state(sources, self.buffer, offsets, block_bytes=block_bytes, same_device=self._same_device)
         except RuntimeError:
             self._check(tensors)  # a tensor unlike the layout's entry: name it
             if not self._same_device or on_device(tensors, self.buffer.device):
                 raise
             self._same_device = False  # a tensor moved: stage it from now on
-            taken = pack_state(tensors, self.buffer, self.layout.offsets, block_bytes=block_bytes)
+            taken = pack_state(sources, self.buffer, offsets, block_bytes=block_bytes)
         self._check(tensors)
         if taken is not None:
             self.digests = [int(d) for d in taken.tolist()]
@@ -167,33 +173,37 @@ class Snapshot:
         only what the last capture's blob left behind."""
         self._zeros_from = None
 
-    def _write_extras(self, extras: bytes) -> None:
+    def _write_extras(self, extras: bytes) -> torch.Tensor | None:
         """The extras region: the blob's length, the blob, then zeros. No bytes of a
         longer previous blob stay behind: the bytes are a function of the state alone,
         so an export (which keeps only the blob) loads back to the same digests. Only
         what the last capture's blob covered is zeroed again (the region is 1 MiB by
-        default, and zeroing it all each step cost a third of the pack)."""
+        default, and zeroing it all each step cost a third of the pack).
+
+        Zeroes the region past the blob. A host buffer's length and blob are returned,
+        as one tensor for the pack to copy to ``extras_offset``; a device buffer's are
+        written here (and None returned)."""
         at, end = self.layout.extras_offset, self.layout.extras_offset + self.layout.extras_capacity
         n = at + _LENGTH.size + len(extras)
         dirty_to = end if self._zeros_from is None else max(self._zeros_from, n)
-        if self.buffer.device.type == "cpu":  # through numpy: a few microseconds, not torch's tens
-            if self._host is None:
-                self._host = self.buffer.numpy()
-            self._host[at:n] = np.frombuffer(_LENGTH.pack(len(extras)) + extras, dtype=np.uint8)
-            if dirty_to > n:
-                self._host[n:dirty_to] = 0
-        else:
-            blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
-            self.buffer[at:n].copy_(blob)
-            self.buffer[n:dirty_to].zero_()
+        blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
         self._zeros_from = n
+        if self.buffer.device.type == "cpu":  # through numpy: a few microseconds, not torch's tens
+            if dirty_to > n:
+                if self._host is None:
+                    self._host = self.buffer.numpy()
+                self._host[n:dirty_to] = 0
+            return blob
+        self.buffer[at:n].copy_(blob)
+        self.buffer[n:dirty_to].zero_()
+        return None
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> bytes:
         """Write the captured state into ``tensors`` in place; returns the extras."""
         if self.step is None:
             raise ReplicaError("restore() of a snapshot that holds no state yet")
         self._check(tensors)
-        unpack_state(self.buffer, tensors, self.layout.offsets)
+        unpack_state(self.buffer, tensors, self._offsets[:-1])
         return self.extras()
 
     def extras(self) -> bytes:

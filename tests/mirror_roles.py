@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 
 import replica
-from replica import ops
+from replica import ops, serialize
+from replica.backends import SHM_BACKEND
+from replica.restore import bind_state
+from replica.snapshot import Snapshot, collect_extras
 from replica.testing import receive_bucketed, send_bucketed
 from replica.transport.ucx import UcxConfig, UcxTransport
 from fsdp_job import Job, JobShape, build_job, train_step
@@ -53,13 +56,77 @@ def _die_in_backward(loss: torch.Tensor) -> None:
     loss.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))
 
 
+def _last_level_cache_bytes() -> int:
+    """The largest CPU cache's size (sysfs), 32 MiB where it cannot be read."""
+    sizes = []
+    for index in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{index}/size") as f:
+                text = f.read().strip()
+        except OSError:
+            break
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=32 << 20)
+
+
 class _Probe:
     """The benchmark's baselines, measured in a trainer's own process: a memcpy of
-    a snapshot's bytes, and raw UCX (no digests) to its standby's process."""
+    a snapshot's bytes beside the snapshot pack in the same cache state, and raw
+    UCX (no digests) to its standby's process."""
 
     def __init__(self) -> None:
         self._src = self._dst = None
+        self._snapshot: Snapshot | None = None
+        self._scratch = self._evict = None
         self._transport = self._conn = None
+
+    def pack(self, job: Job, rep: replica.Replicator, rounds: int) -> dict[str, list[float]]:
+        """Seconds of the snapshot pack (``Snapshot.capture`` with digests, as ``commit``
+        runs it, into a snapshot of its own of the same layout and kind of memory) and
+        of one memcpy of as many bytes, in turns, ``rounds`` of each, with their sources
+        in the same state: just read ("hot"), and pushed out of every cache ("cold", as
+        a training step leaves a large part of them).
+
+        Every cache is emptied before each call, so none pays for what another left
+        behind: a memcpy of this size stores through the cache and leaves its target's
+        lines to be written back later (by whatever runs next), where the pack streams
+        its stores to memory and has paid for them when it returns. The sources are
+        read with streaming stores (``ops.pack`` into a scratch buffer) for the same
+        reason."""
+        layout = rep.layout
+        nbytes = layout.total_bytes
+        tensors = bind_state(job.model, job.optimizer, rank=layout.rank, world_size=layout.world_size,
+                             like=layout)
+        if self._snapshot is None or self._snapshot.layout != layout:
+            shared = SHM_BACKEND in rep.config.backends  # as the replicator's own
+            self._snapshot = Snapshot(layout, shared=shared)
+            self._src = torch.ones(nbytes, dtype=torch.uint8)
+            self._dst = torch.zeros(nbytes, dtype=torch.uint8)
+            self._scratch = torch.zeros(nbytes, dtype=torch.uint8)
+            self._evict = torch.zeros(2 * _last_level_cache_bytes(), dtype=torch.uint8)
+        extras = serialize.encode(collect_extras(job.optimizer, job.extra))  # as commit encodes them
+
+        def memcpy() -> None:
+            ctypes.memmove(self._dst.data_ptr(), self._src.data_ptr(), nbytes)
+
+        def pack() -> None:
+            self._snapshot.capture(tensors, extras, step=0, digests=True)
+
+        sources = {"memcpy": ([self._src], [0]), "pack": (tensors, list(layout.offsets))}
+        memcpy(), pack()  # untimed: the first call after a wait runs on a core that was idle
+        seconds: dict[str, list[float]] = {}
+        for turn in range(rounds):
+            for state in ("hot", "cold"):
+                for name, run in (("memcpy", memcpy), ("pack", pack))[::1 if turn % 2 else -1]:
+                    self._evict.add_(1)
+                    if state == "hot":
+                        srcs, offsets = sources[name]
+                        ops.pack(srcs, self._scratch, offsets)
+                    start = time.perf_counter()
+                    run()
+                    seconds.setdefault(f"{name}_{state}_s", []).append(time.perf_counter() - start)
+        return seconds
 
     def memcpy(self, nbytes: int, block_bytes: int) -> tuple[float, float]:
         """Seconds of a memcpy of ``nbytes``, and of the checksum of the copy (its
@@ -140,6 +207,8 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
             pipe.send(("committed", rep.wait_committed()))
         elif cmd[0] == "probe_memcpy":  # benchmark: memcpy of a snapshot's bytes, hot source, cold target
             pipe.send(("memcpy", *probe.memcpy(cmd[1], cmd[2])))
+        elif cmd[0] == "probe_pack":  # benchmark: the snapshot pack and a memcpy, sources hot and cold
+            pipe.send(("pack", probe.pack(job, rep, cmd[1])))
         elif cmd[0] == "raw_send":  # benchmark: raw UCX to a standby's raw listener (see _serve_raw)
             _, address, nbytes, bucket, rounds = cmd
             pipe.send(("raw", probe.raw_send(address, nbytes, bucket, rounds)))
