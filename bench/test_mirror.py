@@ -33,9 +33,13 @@ pack, the stream thread, UCX's sends) does."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -214,6 +218,25 @@ def test_raw_ucx_same_processes(benchmark, jobs, kind):
     _results[f"raw_{kind}"] = [{"ucx_s": seconds, "bytes": nbytes}]
 
 
+def test_snapshot_pack_alone(benchmark):
+    """The pack and a memcpy of the same bytes as ``test_idle_stream`` measures them, in a
+    process alone (``snapshot_pack_run.py``: the job's whole state at world size 1), after
+    the jobs: in their trainers the memcpy ran faster than alone, the pack not."""
+    rounds = 2 if benchmark.disabled else 40
+    script = Path(__file__).with_name("snapshot_pack_run.py")
+    out = []
+
+    def run() -> None:
+        out.append(subprocess.run([sys.executable, str(script), str(rounds)], capture_output=True, text=True,
+                                  timeout=300, check=True).stdout)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    seconds = json.loads(out[0].splitlines()[-1])
+    assert set(seconds) == {f"{name}_{state}_s" for name in ("memcpy", "pack") for state in ("hot", "cold")}
+    assert all(len(v) == rounds and min(v) > 0 for v in seconds.values())
+    _results["alone"] = seconds
+
+
 def _ms(seconds: list[float]) -> float:
     return statistics.median(seconds) * 1e3
 
@@ -318,6 +341,9 @@ def report(request):
         "ucx_mirror_overhead_pct": ucx["mirror_overhead_pct"],
         "ucx_snapshot_pack_vs_memcpy": ucx["snapshot_pack_vs_memcpy"],
         "ucx_mirror_stream_vs_raw_ucx": ucx["mirror_stream_vs_raw_ucx"],
+        # The same pack and memcpy in a process alone (test_snapshot_pack_alone), if it ran.
+        **({f"snapshot_pack_vs_memcpy_alone_{state}": _ms(_results["alone"][f"memcpy_{state}_s"])
+            / _ms(_results["alone"][f"pack_{state}_s"]) for state in ("hot", "cold")} if "alone" in _results else {}),
         "targets": TARGETS,
         "config": {"shape": repr(SHAPE), "world_size": WORLD, "cores": [sorted(c) for c in _cores()], "block_steps": BLOCK_STEPS, "blocks": BLOCKS,
                    "idle_steps": IDLE_STEPS, "raw_rounds": RAW_ROUNDS, **CONFIG, "ucx_backends": CONFIG_UCX["backends"]},
@@ -333,5 +359,9 @@ def report(request):
         f"| step time, no mirror | {ucx['step_ms_plain']:.1f} ms | |",
         *_lines("shm", shared),
         *_lines("UCX", ucx),
+        *(f"| the pack and a memcpy in a process alone (the job's whole state), sources {words} | "
+          f"{_ms(_results['alone'][f'pack_{state}_s']):.2f} ms | memcpy {_ms(_results['alone'][f'memcpy_{state}_s']):.2f} "
+          f"ms: {result[f'snapshot_pack_vs_memcpy_alone_{state}']:.2f}x |"
+          for state, words in (("hot", "just read"), ("cold", "evicted from the caches")) if "alone" in _results),
     ]
     write_results("mirror", result, lines)

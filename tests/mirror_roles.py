@@ -24,7 +24,7 @@ from replica.testing import receive_bucketed, send_bucketed
 from replica.transport.ucx import UcxConfig, UcxTransport
 from fsdp_job import Job, JobShape, build_job, train_step
 
-__all__ = ["standby_main", "trainer_main"]
+__all__ = ["Probe", "standby_main", "trainer_main"]
 
 TOKEN = b"mirror-test-token"
 GROUP_TIMEOUT = timedelta(seconds=20)
@@ -70,7 +70,7 @@ def _last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
-class _Probe:
+class Probe:
     """The benchmark's baselines, measured in a trainer's own process: a memcpy of
     a snapshot's bytes beside the snapshot pack in the same cache state, and raw
     UCX (no digests) to its standby's process."""
@@ -81,9 +81,9 @@ class _Probe:
         self._scratch = self._evict = None
         self._transport = self._conn = None
 
-    def pack(self, job: Job, rep: replica.Replicator, rounds: int) -> dict[str, list[float]]:
+    def pack(self, job: Job, layout: replica.StateLayout, rounds: int, *, shared: bool) -> dict[str, list[float]]:
         """Seconds of the snapshot pack (``Snapshot.capture`` with digests, as ``commit``
-        runs it, into a snapshot of its own of the same layout and kind of memory) and
+        runs it, into a snapshot of its own of ``layout``, in shared memory if ``shared``) and
         of one memcpy of as many bytes, in turns, ``rounds`` of each, with their sources
         in the same state: just read ("hot"), and pushed out of every cache ("cold", as
         a training step leaves a large part of them).
@@ -94,12 +94,10 @@ class _Probe:
         its stores to memory and has paid for them when it returns. The sources are
         read with streaming stores (``ops.pack`` into a scratch buffer) for the same
         reason."""
-        layout = rep.layout
         nbytes = layout.total_bytes
         tensors = bind_state(job.model, job.optimizer, rank=layout.rank, world_size=layout.world_size,
                              like=layout)
         if self._snapshot is None or self._snapshot.layout != layout:
-            shared = SHM_BACKEND in rep.config.backends  # as the replicator's own
             self._snapshot = Snapshot(layout, shared=shared)
             self._src = torch.ones(nbytes, dtype=torch.uint8)
             self._dst = torch.zeros(nbytes, dtype=torch.uint8)
@@ -175,7 +173,7 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
                  resilient: bool = False) -> None:
     """Run commands: ("step", s, die) / ("recover", generation) / ("stats",) / ("exit",),
     and the benchmark's probes."""
-    probe = _Probe()
+    probe = Probe()
     while True:
         cmd = pipe.recv()
         if cmd[0] == "step":
@@ -208,7 +206,8 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
         elif cmd[0] == "probe_memcpy":  # benchmark: memcpy of a snapshot's bytes, hot source, cold target
             pipe.send(("memcpy", *probe.memcpy(cmd[1], cmd[2])))
         elif cmd[0] == "probe_pack":  # benchmark: the snapshot pack and a memcpy, sources hot and cold
-            pipe.send(("pack", probe.pack(job, rep, cmd[1])))
+            shared = SHM_BACKEND in rep.config.backends  # as the replicator's own snapshots
+            pipe.send(("pack", probe.pack(job, rep.layout, cmd[1], shared=shared)))
         elif cmd[0] == "raw_send":  # benchmark: raw UCX to a standby's raw listener (see _serve_raw)
             _, address, nbytes, bucket, rounds = cmd
             pipe.send(("raw", probe.raw_send(address, nbytes, bucket, rounds)))
