@@ -95,6 +95,8 @@ def report():
         # the transfer (gather, pack with digests, send, verify: until the version is complete in
         # the engine's receiver) against raw UCX without digests of the same bytes
         "transfer_vs_raw_ucx": big["raw_ucx_s"] / big["receive_s"],
+        # The same against raw UCX between two fresh processes after the engine is gone.
+        "transfer_vs_raw_ucx_apart": big["raw_ucx_apart_s"] / big["receive_s"],
         "targets": {"speedup_vs_disk_reload": 3.0, "transfer_vs_raw_ucx": 0.8, "engine_rss_x_weights": 2.2},
         # The same over UCX (Config(backends=("ucx", "gloo")): an engine on another node), its raw UCX
         # measured in its own run.
@@ -120,7 +122,8 @@ def report():
                      f" {r['memcpy_s']:.3f} s | {r['disk_reload_s'] / r['sync_s']:.2f}x |"
                      f" {r['disk_reload_s'] / r['stall_s']:.0f}x | {r['busy_sync_s']:.3f} s ({r['generations_during_sync']:.0f};"
                      f" {r['generate_s']:.3f} s) |")
-    lines.append(f"\ntransfer (until complete in the engine's receiver) vs raw UCX without digests, "
+    lines.append(f"\ntransfer (until complete in the engine's receiver) vs raw UCX without digests from the "
+                 f"trainer's process to the engine's, a round before each push, "
                  f"{big['bytes'] / 2**20:.0f} MiB: {big['raw_ucx_s']:.3f} s / {big['receive_s']:.3f} s = "
                  f"{summary['transfer_vs_raw_ucx']:.2f}x (target >= 0.8; the default backends: shm on one "
                  f"node); over UCX: {_results['1GiB_ucx']['raw_ucx_s']:.3f} s / {summary['ucx_receive_s']:.3f} s = "

@@ -14,8 +14,10 @@ engine receives the weights of a Llama-style model
   (``reload_weights(weights_path=...)``, page cache warm): ``disk_reload_s``,
   and the trainer's save of that file: ``disk_save_s``;
 * as bytes only: a gloo broadcast of the same bytes between two processes, raw
-  UCX without digests in the sync's bucket size (``raw_ucx_s``), and a memcpy of
-  them (the physical limit here).
+  UCX without digests in the sync's bucket size from the trainer's process to the
+  engine's, a round before each idle push (``raw_ucx_s``; ``raw_ucx_apart_s``:
+  between two fresh processes after the engine is gone), and a memcpy of them
+  (the physical limit here).
 
 usage: weight_sync_run.py SIZE ROUNDS OUT.json [PAUSE_S [BACKENDS]]
 
@@ -32,6 +34,7 @@ preference; "ucx,gloo" pushes over UCX.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -49,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
 import replica  # noqa: E402
-from replica.testing import free_port, spawn  # noqa: E402
+from replica.testing import free_port, receive_bucketed, send_bucketed, spawn  # noqa: E402
+from replica.transport.ucx import UcxConfig, UcxTransport  # noqa: E402
 from test_resync import _make_ucx, _transport_path  # noqa: E402  (bench/, the working directory)
 
 SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
@@ -72,7 +76,17 @@ def _sender(pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = F
     config = dataclasses.replace(CONFIG, token=token, **({"backends": backends} if backends else {}))
     sync = replica.WeightSync(model, store=store, num_engines=1, config=config)
     pipe.send(("ready", sync.layout.total_bytes))
-    while (cmd := pipe.recv())[0] == "push":
+    raw = None  # (transport, connection, buffer): the raw UCX baseline's sends
+    while (cmd := pipe.recv())[0] in ("push", "raw"):
+        if cmd[0] == "raw":  # one round of raw UCX to the engine's process: ("raw", address, nbytes, bucket)
+            _, address, nbytes, bucket = cmd
+            if raw is None:
+                transport = UcxTransport(UcxConfig(token=token, verify=False))
+                raw = transport, transport.connect(address, CONFIG.timeout), torch.ones(nbytes, dtype=torch.uint8)
+            start = time.perf_counter()
+            send_bucketed(raw[1], raw[2], bucket, ack=torch.zeros(8, dtype=torch.uint8), timeout=CONFIG.timeout)
+            pipe.send(("raw", time.perf_counter() - start))
+            continue
         if change:
             with torch.no_grad():
                 for p in model.parameters():
@@ -80,6 +94,10 @@ def _sender(pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = F
         stats = sync.push(cmd[1])
         pipe.send(("pushed", stats.engines_synced))
     sync.close()
+    if raw is not None:
+        raw[0].close()
+    with contextlib.suppress(OSError):  # a parent that does not wait for it may be gone
+        pipe.send(("closed",))
 
 
 def _gloo_peer(pipe, port: int, nbytes: int) -> None:
@@ -108,10 +126,23 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
     weights = EngineWeights(llm, ReceiverSpec(index=0, store=f"127.0.0.1:{store.port}",
                                               token_hex=TOKEN.hex(), timeout_s=300, backends=backends))
     sync_s, receive_s, prepare_s, stall_s, disk_s, save_s, gloo_s, memcpy_s = [], [], [], [], [], [], [], []
-    generate_s, busy_s, during = [], [], []
-    with spawn(_sender, str(work / "trained"), store.port, TOKEN, False, backends, name="trainer") as trainer:
+    generate_s, busy_s, during, ucx_s = [], [], [], []
+    with spawn(_sender, str(work / "trained"), store.port, TOKEN, False, backends, name="trainer") as trainer, \
+            UcxTransport(UcxConfig(token=TOKEN, verify=False)) as raw_transport:
         _, nbytes = trainer.recv(timeout=300)
+        # Raw UCX without digests between the same two processes, the same bytes in the sync's
+        # bucket size, all in flight at once (the transfer's limit on UCX): a round before each
+        # push, a pause before each, so both find the engine settled.
+        raw_address, raw_buffer, raw_conn = raw_transport.listen(), torch.empty(nbytes, dtype=torch.uint8), None
+        bucket = CONFIG.bucket_bytes
         for step in range(1, rounds + WARMUP + 1):  # the first rounds warm up: allocator and page cache
+            time.sleep(pause_s)
+            trainer.send("raw", raw_address, nbytes, bucket)
+            raw_conn = raw_conn or raw_transport.accept(CONFIG.timeout)
+            receive_bucketed(raw_conn, raw_buffer, bucket, ack=torch.zeros(8, dtype=torch.uint8), timeout=CONFIG.timeout)
+            raw_s = trainer.recv(timeout=300)[1]
+            if step > WARMUP:
+                ucx_s.append(raw_s)
             time.sleep(pause_s)
             start = time.perf_counter()
             trainer.send("push", step)
@@ -146,6 +177,8 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
             during.append(batches)
             assert trainer.recv(timeout=300)[1] == [0]
         trainer.send("exit")
+        assert trainer.recv(timeout=300) == ("closed",)  # its side first: this side's then flushes cleanly
+        del raw_buffer
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(work / "trained" / "model.safetensors"))
@@ -173,10 +206,9 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
                 gloo_s.append(time.perf_counter() - start)
         peer.send("exit")
         dist.destroy_process_group()
-    # Raw UCX without digests: the same bytes in buckets of the sync's bucket size, all
-    # in flight at once, to another process (the transfer's limit on this transport).
-    ucx_s = []
-    bucket = CONFIG.bucket_bytes
+    # The same raw UCX between two fresh processes once the engine is gone, as this measured
+    # it before (its figure moved between runs more than the transfer's did).
+    ucx_apart_s = []
     with _transport_path("ucx_plain", functools.partial(_make_ucx, "^cma,knem,xpmem", False), "cpu") as path:
         _, peer, one_round = path
         assert peer.request("size", nbytes) == ("ok",)
@@ -185,7 +217,7 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
             start = time.perf_counter()
             one_round.bucketed(buf, bucket)
             if i:
-                ucx_s.append(time.perf_counter() - start)
+                ucx_apart_s.append(time.perf_counter() - start)
         assert peer.recv(timeout=300) == ("ok",)
     dst = torch.empty_like(buf)
     for i in range(rounds + 1):
@@ -200,7 +232,7 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
                                "generations_during_sync": med(during),
                                "disk_reload_s": med(disk_s), "disk_save_s": med(save_s),
                                "gloo_broadcast_s": med(gloo_s), "memcpy_s": med(memcpy_s),
-                               "raw_ucx_s": med(ucx_s),
+                               "raw_ucx_s": med(ucx_s), "raw_ucx_apart_s": med(ucx_apart_s),
                                "warmup_rounds": WARMUP, "pause_s": pause_s,
                                "backends": list(backends or CONFIG.backends),
                                "all": {"sync_s": sync_s, "prepare_s": prepare_s, "stall_s": stall_s, "busy_sync_s": busy_s,
