@@ -15,7 +15,8 @@ engine receives the weights of a Llama-style model
   and the trainer's save of that file: ``disk_save_s``;
 * as bytes only: a gloo broadcast of the same bytes between two processes, raw
   UCX without digests in the sync's bucket size from the trainer's process to the
-  engine's, a round before each idle push (``raw_ucx_s``; ``raw_ucx_apart_s``:
+  engine's, a round before each idle push (after them when PAUSE_S is 0)
+  (``raw_ucx_s``; ``raw_ucx_apart_s``:
   between two fresh processes after the engine is gone), and a memcpy of them
   (the physical limit here).
 
@@ -131,18 +132,25 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
             UcxTransport(UcxConfig(token=TOKEN, verify=False)) as raw_transport:
         _, nbytes = trainer.recv(timeout=300)
         # Raw UCX without digests between the same two processes, the same bytes in the sync's
-        # bucket size, all in flight at once (the transfer's limit on UCX): a round before each
-        # push, a pause before each, so both find the engine settled.
+        # bucket size, all in flight at once (the transfer's limit on UCX): with a pause, a round
+        # before each push, a pause before each, so both find the engine settled; back to back
+        # (no pause), a block of rounds after the pushes, which then land as before.
         raw_address, raw_buffer, raw_conn = raw_transport.listen(), torch.empty(nbytes, dtype=torch.uint8), None
         bucket = CONFIG.bucket_bytes
-        for step in range(1, rounds + WARMUP + 1):  # the first rounds warm up: allocator and page cache
-            time.sleep(pause_s)
+
+        def raw_round() -> float:
+            nonlocal raw_conn
             trainer.send("raw", raw_address, nbytes, bucket)
             raw_conn = raw_conn or raw_transport.accept(CONFIG.timeout)
             receive_bucketed(raw_conn, raw_buffer, bucket, ack=torch.zeros(8, dtype=torch.uint8), timeout=CONFIG.timeout)
-            raw_s = trainer.recv(timeout=300)[1]
-            if step > WARMUP:
-                ucx_s.append(raw_s)
+            return trainer.recv(timeout=300)[1]
+
+        for step in range(1, rounds + WARMUP + 1):  # the first rounds warm up: allocator and page cache
+            if pause_s > 0:
+                time.sleep(pause_s)
+                raw_s = raw_round()
+                if step > WARMUP:
+                    ucx_s.append(raw_s)
             time.sleep(pause_s)
             start = time.perf_counter()
             trainer.send("push", step)
@@ -160,6 +168,8 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
                 prepare_s.append(ready - received)
                 stall_s.append(done - ready)
         assert weights.staging == "staged", weights.staging
+        if pause_s == 0:
+            ucx_s = [raw_round() for _ in range(rounds + WARMUP)][WARMUP:]
         for i in range(rounds + 1):  # one batch, the engine's unit of work here
             start = time.perf_counter()
             greedy(llm)
