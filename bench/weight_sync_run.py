@@ -53,8 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
 import replica  # noqa: E402
-from replica.testing import free_port, receive_bucketed, send_bucketed, spawn  # noqa: E402
-from replica.transport.ucx import UcxConfig, UcxTransport  # noqa: E402
+from replica.testing import RawUcx, free_port, spawn  # noqa: E402
 from test_resync import _make_ucx, _transport_path  # noqa: E402  (bench/, the working directory)
 
 SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
@@ -77,16 +76,13 @@ def _sender(pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = F
     config = dataclasses.replace(CONFIG, token=token, **({"backends": backends} if backends else {}))
     sync = replica.WeightSync(model, store=store, num_engines=1, config=config)
     pipe.send(("ready", sync.layout.total_bytes))
-    raw = None  # (transport, connection, buffer): the raw UCX baseline's sends
+    raw, raw_buffer = None, None  # the raw UCX baseline's sending end, and its bytes
     while (cmd := pipe.recv())[0] in ("push", "raw"):
         if cmd[0] == "raw":  # one round of raw UCX to the engine's process: ("raw", address, nbytes, bucket)
             _, address, nbytes, bucket = cmd
-            if raw is None:
-                transport = UcxTransport(UcxConfig(token=token, verify=False))
-                raw = transport, transport.connect(address, CONFIG.timeout), torch.ones(nbytes, dtype=torch.uint8)
-            start = time.perf_counter()
-            send_bucketed(raw[1], raw[2], bucket, ack=torch.zeros(8, dtype=torch.uint8), timeout=CONFIG.timeout)
-            pipe.send(("raw", time.perf_counter() - start))
+            raw = raw or RawUcx(token=token, timeout=CONFIG.timeout)
+            raw_buffer = raw_buffer if raw_buffer is not None else torch.ones(nbytes, dtype=torch.uint8)
+            pipe.send(("raw", raw.send(address, raw_buffer, bucket)))
             continue
         if change:
             with torch.no_grad():
@@ -96,7 +92,7 @@ def _sender(pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = F
         pipe.send(("pushed", stats.engines_synced))
     sync.close()
     if raw is not None:
-        raw[0].close()
+        raw.close()
     with contextlib.suppress(OSError):  # a parent that does not wait for it may be gone
         pipe.send(("closed",))
 
@@ -129,20 +125,18 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
     sync_s, receive_s, prepare_s, stall_s, disk_s, save_s, gloo_s, memcpy_s = [], [], [], [], [], [], [], []
     generate_s, busy_s, during, ucx_s = [], [], [], []
     with spawn(_sender, str(work / "trained"), store.port, TOKEN, False, backends, name="trainer") as trainer, \
-            UcxTransport(UcxConfig(token=TOKEN, verify=False)) as raw_transport:
+            RawUcx(token=TOKEN, timeout=CONFIG.timeout) as raw_ucx:
         _, nbytes = trainer.recv(timeout=300)
         # Raw UCX without digests between the same two processes, the same bytes in the sync's
         # bucket size, all in flight at once (the transfer's limit on UCX): with a pause, a round
         # before each push, a pause before each, so both find the engine settled; back to back
         # (no pause), a block of rounds after the pushes, which then land as before.
-        raw_address, raw_buffer, raw_conn = raw_transport.listen(), torch.empty(nbytes, dtype=torch.uint8), None
+        raw_address, raw_buffer = raw_ucx.listen(), torch.empty(nbytes, dtype=torch.uint8)
         bucket = CONFIG.bucket_bytes
 
         def raw_round() -> float:
-            nonlocal raw_conn
             trainer.send("raw", raw_address, nbytes, bucket)
-            raw_conn = raw_conn or raw_transport.accept(CONFIG.timeout)
-            receive_bucketed(raw_conn, raw_buffer, bucket, ack=torch.zeros(8, dtype=torch.uint8), timeout=CONFIG.timeout)
+            raw_ucx.receive(raw_buffer, bucket)
             return trainer.recv(timeout=300)[1]
 
         for step in range(1, rounds + WARMUP + 1):  # the first rounds warm up: allocator and page cache

@@ -13,10 +13,13 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["BusyCores", "Child", "ChildFailed", "TornDown", "busy_cores", "free_port", "process_state",
+import torch
+
+__all__ = ["BusyCores", "Child", "ChildFailed", "RawUcx", "TornDown", "busy_cores", "free_port", "process_state",
            "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
 
 
@@ -143,6 +146,51 @@ def receive_bucketed(conn, buf, bucket_bytes: int, *, ack, timeout) -> None:
     for receive in receives:
         receive.wait(timeout)
     conn.send(ack, tag=_ACK_TAG, timeout=timeout)
+
+
+class RawUcx:
+    """One end of the benchmarks' raw UCX baseline between two processes (no digests,
+    ``send_bucketed``/``receive_bucketed``): the receiving end ``listen``s and the
+    sending end ``send``s to its address; each end's connection is made on its first
+    round and kept, as a stream's is. Close it (or use it as a context manager)."""
+
+    def __init__(self, *, token: bytes, timeout: timedelta):
+        from replica.transport.ucx import UcxConfig, UcxTransport  # UCX only where a benchmark wants it
+
+        self._transport = UcxTransport(UcxConfig(token=token, verify=False))
+        self._timeout = timeout
+        self._conn = None
+        self._ack = torch.zeros(8, dtype=torch.uint8)
+
+    def listen(self) -> str:
+        """The address the sending end connects to."""
+        return self._transport.listen()
+
+    def send(self, address: str, buf, bucket_bytes: int) -> float:
+        """One round of ``buf`` (a flat uint8 tensor) to the end listening at ``address``;
+        its seconds, from the first send to the receiver's acknowledgement."""
+        if self._conn is None:
+            self._conn = self._transport.connect(address, self._timeout)
+        start = time.perf_counter()
+        send_bucketed(self._conn, buf, bucket_bytes, ack=self._ack,
+                      timeout=self._timeout)
+        return time.perf_counter() - start
+
+    def receive(self, buf, bucket_bytes: int) -> None:
+        """One round into ``buf``, from the end that connected to ``listen``'s address."""
+        if self._conn is None:
+            self._conn = self._transport.accept(self._timeout)
+        receive_bucketed(self._conn, buf, bucket_bytes, ack=self._ack,
+                         timeout=self._timeout)
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> "RawUcx":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 30.0) -> None:

@@ -20,8 +20,7 @@ from replica import ops, serialize
 from replica.backends import SHM_BACKEND
 from replica.restore import bind_state
 from replica.snapshot import Snapshot, collect_extras
-from replica.testing import receive_bucketed, send_bucketed
-from replica.transport.ucx import UcxConfig, UcxTransport
+from replica.testing import RawUcx
 from fsdp_job import Job, JobShape, build_job, train_step
 
 __all__ = ["Probe", "standby_main", "trainer_main"]
@@ -79,7 +78,7 @@ class Probe:
         self._src = self._dst = None
         self._snapshot: Snapshot | None = None
         self._scratch = self._evict = None
-        self._transport = self._conn = None
+        self._raw: RawUcx | None = None
 
     def pack(self, job: Job, layout: replica.StateLayout, rounds: int, *, shared: bool) -> dict[str, list[float]]:
         """Seconds of the snapshot pack (``Snapshot.capture`` with digests, as ``commit``
@@ -142,30 +141,19 @@ class Probe:
         return copied - start, time.perf_counter() - copied
 
     def raw_send(self, address: str, nbytes: int, bucket: int, rounds: int) -> list[float]:
-        if self._conn is None:
-            self._transport = UcxTransport(UcxConfig(token=TOKEN, verify=False))
-            self._conn = self._transport.connect(address, RAW_TIMEOUT)
+        self._raw = self._raw or RawUcx(token=TOKEN, timeout=RAW_TIMEOUT)
         buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-        ack = torch.zeros(8, dtype=torch.uint8)
-        seconds = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            send_bucketed(self._conn, buf, bucket, ack=ack, timeout=RAW_TIMEOUT)
-            seconds.append(time.perf_counter() - start)
-        return seconds
+        return [self._raw.send(address, buf, bucket) for _ in range(rounds)]
 
     def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
+        if self._raw is not None:
+            self._raw.close()
 
 
-def _serve_raw(pipe, nbytes: int, bucket: int, rounds: int, transport: UcxTransport, conns: list) -> None:
-    if not conns:
-        conns.append(transport.accept(RAW_TIMEOUT))
+def _serve_raw(pipe, nbytes: int, bucket: int, rounds: int, raw: RawUcx) -> None:
     buf = torch.empty(nbytes, dtype=torch.uint8)
-    ack = torch.zeros(8, dtype=torch.uint8)
     for _ in range(rounds):
-        receive_bucketed(conns[0], buf, bucket, ack=ack, timeout=RAW_TIMEOUT)
+        raw.receive(buf, bucket)
     pipe.send(("ok",))
 
 
@@ -261,14 +249,14 @@ def standby_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, c
     config = replica.Config(token=TOKEN, **config_kwargs)
     mirror = replica.Mirror(rank=rank, world_size=world_size, store=store, config=config)
     pipe.send(("ready", mirror.address))
-    raw, raw_conns = None, []  # the benchmark's raw UCX listener
+    raw = None  # the benchmark's raw UCX listener
     while True:
         cmd = pipe.recv()
         if cmd[0] == "raw_listen":
-            raw = raw or UcxTransport(UcxConfig(token=TOKEN, verify=False))
+            raw = raw or RawUcx(token=TOKEN, timeout=RAW_TIMEOUT)
             pipe.send(("raw", raw.listen()))
         elif cmd[0] == "raw_receive":
-            _serve_raw(pipe, *cmd[1:], raw, raw_conns)
+            _serve_raw(pipe, *cmd[1:], raw)
         elif cmd[0] == "held":
             pipe.send(("held", mirror.held_steps(), mirror.stats.corrupted_buckets))
         elif cmd[0] == "export":
