@@ -23,6 +23,7 @@ from replica.backends import transfer_buffer
 __all__ = ["Snapshot", "Stateful", "apply_extras", "bucket_digests", "collect_extras"]
 
 _LENGTH = struct.Struct("<Q")
+_BLOB_GRAIN = 64 << 10  # the extras' host copy grows in steps of this many bytes
 
 
 def bucket_digests(buffer: torch.Tensor, ranges: Iterable[tuple[int, int]]) -> list[int]:
@@ -67,6 +68,35 @@ def apply_extras(state: Mapping[str, Any], optimizer: torch.optim.Optimizer | No
             optimizer.state[p].update(scalars)
 
 
+class _ZeroTail:
+    """The digests of a buffer of ``total`` bytes in buckets of ``bucket_bytes`` whose
+    bytes from ``cut`` (a multiple of 8) on are zeros, from the digests of its bytes
+    before ``cut`` alone: the zeros' own are taken once, here."""
+
+    def __init__(self, cut: int, total: int, bucket_bytes: int):
+        self.cut = cut
+        self._within = cut % bucket_bytes  # bytes of cut's bucket before cut
+        boundary = min(cut - self._within + bucket_bytes, total) if self._within else cut
+        # The zeros that end cut's bucket, as (digest, bytes); None when cut starts a bucket.
+        self._partial = (_zero_digests(cut, boundary - cut, boundary - cut)[0], boundary - cut) \
+            if boundary > cut else None
+        self._rest = _zero_digests(boundary, total - boundary, bucket_bytes)  # the buckets after it
+
+    def digests(self, head: list[int]) -> list[int]:
+        """Every bucket's digest, from ``head``: those of the buffer's first ``cut`` bytes."""
+        if self._partial is not None:
+            digest, nbytes = self._partial
+            head[-1] = ops.combine_digests([head[-1], digest], [self._within, nbytes])
+        return head + self._rest
+
+
+def _zero_digests(offset: int, nbytes: int, block_bytes: int) -> list[int]:
+    """The digests of ``nbytes`` zeros at ``offset`` of a buffer, in blocks of ``block_bytes``."""
+    if nbytes <= 0:
+        return []
+    return ops.checksum(torch.zeros(nbytes, dtype=torch.uint8), -(-block_bytes // 8) * 8, offset // 8).tolist()
+
+
 class Snapshot:
     """A snapshot buffer for one layout; ``capture`` and ``restore`` run in place.
 
@@ -94,6 +124,14 @@ class Snapshot:
         # capture passes them).
         self._offsets = [*layout.offsets, layout.extras_offset]
         self._host: np.ndarray | None = None  # a numpy view of a host buffer, made at the first capture
+        # The length and blob of the extras, as the pack takes them: host memory kept from one
+        # capture to the next (grown when a blob outgrows it), and its view of the last length
+        # (the blob's length seldom changes; each new tensor costs the step's budget).
+        self._zeros: _ZeroTail | None = None  # the digests of the zeros past the blob (_head)
+        self._head_view: torch.Tensor | None = None
+        self._blob_store: torch.Tensor | None = None
+        self._blob_bytes: memoryview | None = None  # the store's bytes, for Python to write
+        self._blob_view: torch.Tensor | None = None
         # Where the extras region holds zeros only, from there to its end, as the
         # last capture left it; None once anything else may have written the
         # buffer (a receive, a repair): the next capture zeroes the whole region.
@@ -154,18 +192,31 @@ class Snapshot:
         if self._same_device is None:
             self._same_device = on_device(tensors, self.buffer.device)
         sources, offsets = ([*tensors, blob], self._offsets) if blob is not None else (tensors, self._offsets[:-1])
+        # A host buffer's extras region holds zeros past the blob, as _write_extras left it:
+        # the pack hashes up to there, and the zeros' digests are known (a read of the rest
+        # of the 1 MiB region, cold after a step, cost a sixth of the pack).
+        target = self._head() if blob is not None and digests else self.buffer
         try:
-            taken = pack_state(sources, self.buffer, offsets, block_bytes=block_bytes, same_device=self._same_device)
+            taken = pack_state(sources, target, offsets, block_bytes=block_bytes, same_device=self._same_device)
         except RuntimeError:
             self._check(tensors)  # a tensor unlike the layout's entry: name it
             if not self._same_device or on_device(tensors, self.buffer.device):
                 raise
             self._same_device = False  # a tensor moved: stage it from now on
-            taken = pack_state(sources, self.buffer, offsets, block_bytes=block_bytes)
+            taken = pack_state(sources, target, offsets, block_bytes=block_bytes)
         self._check(tensors)
         if taken is not None:
-            self.digests = [int(d) for d in taken.tolist()]
+            self.digests = taken.tolist() if target is self.buffer else self._zeros.digests(taken.tolist())
         self.step = step
+
+    def _head(self) -> torch.Tensor:
+        """The buffer up to the zeros past the extras blob (rounded up to a word), and
+        ``self._zeros`` the digests of what follows."""
+        cut = min(-(-self._zeros_from // 8) * 8, self.layout.total_bytes)
+        if self._zeros is None or self._zeros.cut != cut:
+            self._zeros = _ZeroTail(cut, self.layout.total_bytes, self.layout.bucket_bytes)
+            self._head_view = self.buffer[:cut]
+        return self._head_view
 
     def written_elsewhere(self) -> None:
         """Note that something other than ``capture`` wrote the buffer (a receive, a
@@ -186,7 +237,7 @@ class Snapshot:
         at, end = self.layout.extras_offset, self.layout.extras_offset + self.layout.extras_capacity
         n = at + _LENGTH.size + len(extras)
         dirty_to = end if self._zeros_from is None else max(self._zeros_from, n)
-        blob = torch.frombuffer(bytearray(_LENGTH.pack(len(extras)) + extras), dtype=torch.uint8)
+        blob = self._blob(extras)
         self._zeros_from = n
         if self.buffer.device.type == "cpu":  # through numpy: a few microseconds, not torch's tens
             if dirty_to > n:
@@ -197,6 +248,19 @@ class Snapshot:
         self.buffer[at:n].copy_(blob)
         self.buffer[n:dirty_to].zero_()
         return None
+
+    def _blob(self, extras: bytes) -> torch.Tensor:
+        """The extras' length and bytes, in a host tensor of exactly their size."""
+        size = _LENGTH.size + len(extras)
+        if self._blob_store is None or self._blob_store.numel() < size:
+            self._blob_store = torch.empty(-(-size // _BLOB_GRAIN) * _BLOB_GRAIN, dtype=torch.uint8)
+            self._blob_bytes = memoryview(self._blob_store.numpy())
+            self._blob_view = None
+        if self._blob_view is None or self._blob_view.numel() != size:
+            self._blob_view = self._blob_store[:size]
+        _LENGTH.pack_into(self._blob_bytes, 0, len(extras))
+        self._blob_bytes[_LENGTH.size:size] = extras
+        return self._blob_view
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> bytes:
         """Write the captured state into ``tensors`` in place; returns the extras."""
