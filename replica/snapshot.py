@@ -70,17 +70,27 @@ def apply_extras(state: Mapping[str, Any], optimizer: torch.optim.Optimizer | No
 
 class _ZeroTail:
     """The digests of a buffer of ``total`` bytes in buckets of ``bucket_bytes`` whose
-    bytes from ``cut`` (a multiple of 8) on are zeros, from the digests of its bytes
-    before ``cut`` alone: the zeros' own are taken once, here."""
+    bytes from ``cut`` (a multiple of 8, set by ``move``) on are zeros, from the digests
+    of its bytes before ``cut`` alone. The zeros' own are taken when ``cut`` moves: those
+    of the buckets after cut's only when it moves into another bucket."""
 
-    def __init__(self, cut: int, total: int, bucket_bytes: int):
-        self.cut = cut
-        self._within = cut % bucket_bytes  # bytes of cut's bucket before cut
-        boundary = min(cut - self._within + bucket_bytes, total) if self._within else cut
-        # The zeros that end cut's bucket, as (digest, bytes); None when cut starts a bucket.
+    def __init__(self, total: int, bucket_bytes: int):
+        self._total, self._bucket_bytes = total, bucket_bytes
+        self.cut: int | None = None
+        self._within = 0  # bytes of cut's bucket before cut
+        self._partial: tuple[int, int] | None = None  # the zeros that end cut's bucket: (digest, bytes)
+        self._boundary: int | None = None  # where the bucket after cut's starts (or cut, on a boundary)
+        self._rest: list[int] = []  # the digests of the buckets from there on
+
+    def move(self, cut: int) -> None:
+        if cut == self.cut:
+            return
+        self.cut, self._within = cut, cut % self._bucket_bytes
+        boundary = min(cut - self._within + self._bucket_bytes, self._total) if self._within else cut
         self._partial = (_zero_digests(cut, boundary - cut, boundary - cut)[0], boundary - cut) \
             if boundary > cut else None
-        self._rest = _zero_digests(boundary, total - boundary, bucket_bytes)  # the buckets after it
+        if boundary != self._boundary:
+            self._boundary, self._rest = boundary, _zero_digests(boundary, self._total - boundary, self._bucket_bytes)
 
     def digests(self, head: list[int]) -> list[int]:
         """Every bucket's digest, from ``head``: those of the buffer's first ``cut`` bytes."""
@@ -127,7 +137,7 @@ class Snapshot:
         # The length and blob of the extras, as the pack takes them: host memory kept from one
         # capture to the next (grown when a blob outgrows it), and its view of the last length
         # (the blob's length seldom changes; each new tensor costs the step's budget).
-        self._zeros: _ZeroTail | None = None  # the digests of the zeros past the blob (_head)
+        self._zeros = _ZeroTail(layout.total_bytes, layout.bucket_bytes)  # the zeros past the blob (_head)
         self._head_view: torch.Tensor | None = None
         self._blob_store: torch.Tensor | None = None
         self._blob_bytes: memoryview | None = None  # the store's bytes, for Python to write
@@ -213,8 +223,8 @@ class Snapshot:
         """The buffer up to the zeros past the extras blob (rounded up to a word), and
         ``self._zeros`` the digests of what follows."""
         cut = min(-(-self._zeros_from // 8) * 8, self.layout.total_bytes)
-        if self._zeros is None or self._zeros.cut != cut:
-            self._zeros = _ZeroTail(cut, self.layout.total_bytes, self.layout.bucket_bytes)
+        if self._zeros.cut != cut:
+            self._zeros.move(cut)
             self._head_view = self.buffer[:cut]
         return self._head_view
 
