@@ -35,7 +35,14 @@ import torch
 
 from replica.backends import connect
 from replica.config import Config
-from replica.errors import FencedError, LayoutMismatchError, PeerDisconnectedError, TransferTimeoutError, TransportError
+from replica.errors import (
+    FencedError,
+    LayoutMismatchError,
+    PeerDisconnectedError,
+    ResendsExhaustedError,
+    TransferTimeoutError,
+    TransportError,
+)
 from replica.jobstate import Epoch, Registration
 from replica.layout import StateLayout
 from replica.protocol import (
@@ -246,8 +253,9 @@ class Outgoing:
             if reply.status != Status.RESEND or not reply.buckets:
                 raise TransportError(f"{self._peer} answered {reply.status.name} for step {self.step}")
             if attempt == max_resends:
-                raise TransportError(f"step {self.step}: buckets {list(reply.buckets)} still failed their digests "
-                                     f"after {max_resends} resends")
+                raise ResendsExhaustedError(f"step {self.step}: buckets {list(reply.buckets)} still failed their "
+                                            f"digests after {max_resends} resends", step=self.step,
+                                            buckets=tuple(reply.buckets))
             logger.warning("[step %d] %s asks again for buckets %s (attempt %d)", self.step, self._peer,
                            list(reply.buckets), attempt + 1)
             self._counts.resent_buckets += len(reply.buckets)

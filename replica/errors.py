@@ -13,6 +13,7 @@ __all__ = [
     "LayoutMismatchError",
     "PeerDisconnectedError",
     "ReplicaError",
+    "ResendsExhaustedError",
     "SharedMemoryUnavailableError",
     "SnapshotCorruptedError",
     "StandbyLostError",
@@ -29,6 +30,16 @@ class ReplicaError(RuntimeError):
 
 class TransportError(ReplicaError):
     """A transfer between two processes failed."""
+
+
+class ResendsExhaustedError(TransportError):
+    """The receiver still refused ``buckets`` of version ``step`` after ``Config.max_resends``
+    rounds of sending them again: their bytes may have changed in the sender's memory."""
+
+    def __init__(self, message: str, *, step: int, buckets: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.step = step
+        self.buckets = buckets
 
 
 class BucketCorruptedError(TransportError):

@@ -7,6 +7,7 @@ Restoring unpacks in place: no allocation, no network."""
 
 from __future__ import annotations
 
+import logging
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -21,6 +22,8 @@ from replica.placement import on_device, pack_state, unpack_state
 from replica.backends import transfer_buffer
 
 __all__ = ["Snapshot", "Stateful", "apply_extras", "bucket_digests", "collect_extras"]
+
+logger = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct("<Q")
 _BLOB_GRAIN = 64 << 10  # the extras' host copy grows in steps of this many bytes
@@ -134,11 +137,11 @@ class Snapshot:
         # capture passes them).
         self._offsets = [*layout.offsets, layout.extras_offset]
         self._host: np.ndarray | None = None  # a numpy view of a host buffer, made at the first capture
+        self._zeros = _ZeroTail(layout.total_bytes, layout.bucket_bytes)  # the zeros past the blob (_head)
+        self._head_view: torch.Tensor | None = None  # the buffer up to them
         # The length and blob of the extras, as the pack takes them: host memory kept from one
         # capture to the next (grown when a blob outgrows it), and its view of the last length
         # (the blob's length seldom changes; each new tensor costs the step's budget).
-        self._zeros = _ZeroTail(layout.total_bytes, layout.bucket_bytes)  # the zeros past the blob (_head)
-        self._head_view: torch.Tensor | None = None
         self._blob_store: torch.Tensor | None = None
         self._blob_bytes: memoryview | None = None  # the store's bytes, for Python to write
         self._blob_view: torch.Tensor | None = None
@@ -156,11 +159,28 @@ class Snapshot:
 
     def bad_buckets(self, buckets: Iterable[int] | None = None) -> list[int]:
         """The indices among ``buckets`` (default: all) whose bytes no longer match
-        their kept digest; none without digests."""
+        their kept digest; none without digests.
+
+        Bytes past the extras blob that the last capture left zero (the digests say
+        zeros there: the pack did not read them) hold no state: where they changed
+        since (a memory error), they are zeroed again first, and a bucket that then
+        matches is not bad. No later capture would rewrite them otherwise."""
         if self.digests is None:
             return []
         ranges = self.layout.buckets()
         indices = list(range(len(ranges)) if buckets is None else buckets)
+        bad = self._mismatched(indices, ranges)
+        if bad and self._zeros_from is not None and any(ranges[i][1] > self._zeros_from for i in bad):
+            self.buffer[self._zeros_from:self.layout.extras_offset + self.layout.extras_capacity].zero_()
+            still = self._mismatched(bad, ranges)
+            if len(still) < len(bad):
+                logger.warning("rank %d step %s: bytes past the extras blob changed in memory (bucket(s) %s); "
+                               "zeroed again, as the capture left them", self.layout.rank, self.step,
+                               sorted(set(bad) - set(still)))
+            bad = still
+        return bad
+
+    def _mismatched(self, indices: list[int], ranges: list[tuple[int, int]]) -> list[int]:
         now = bucket_digests(self.buffer, [ranges[i] for i in indices])
         return [i for i, digest in zip(indices, now, strict=True) if digest != self.digests[i]]
 

@@ -14,7 +14,14 @@ from replica.backends import backend_name
 from replica.bucketstream import RETRY_FIRST, Backoff, MirrorFaults, Outgoing, open_session
 from replica.commit import NO_EPOCH, CommitRecord
 from replica.config import Config
-from replica.errors import FencedError, LayoutMismatchError, ReplicaError, StandbyLostError, TransportError
+from replica.errors import (
+    FencedError,
+    LayoutMismatchError,
+    ReplicaError,
+    ResendsExhaustedError,
+    StandbyLostError,
+    TransportError,
+)
 from replica.jobstate import Epoch, Registration
 from replica.layout import StateLayout
 from replica.protocol import fingerprint_int
@@ -294,7 +301,17 @@ class MirrorStream:
         out.send_all()
         if self._config.verify and snapshot.digests is None:
             snapshot.digests = out.digests
-        out.settle()
+        try:
+            out.settle()
+        except ResendsExhaustedError as exc:
+            # The buckets the standby kept refusing may have changed here, in this rank's own
+            # memory, since the pack: said so, and the zeros past the extras blob (which no
+            # later capture rewrites) mended before the next try (Snapshot.bad_buckets).
+            bad = snapshot.bad_buckets(exc.buckets)
+            if bad:
+                logger.error("[trainer rank %d step %d] bucket(s) %s of its own snapshot changed in memory since "
+                             "the pack", self.rank, step, bad)
+            raise
         self._answered = (step, registration.nonce)
         self.stats.acked_step = step
         self.stats.num_acked += 1

@@ -140,6 +140,50 @@ def test_a_flip_in_the_trainers_snapshot_is_refused_by_rollback(store):
         assert_state_equal(state_of(fresh), train_step_state)
 
 
+def _flip_past_the_blob(snapshot: Snapshot) -> int:
+    """Flip a bit in the last byte of the extras region (past the blob, where the capture
+    left zeros and the pack read nothing); returns its bucket, checked to fail its digest."""
+    at = snapshot.layout.extras_offset + snapshot.layout.extras_capacity - 1
+    assert at >= snapshot.layout.extras_offset + 8 + len(snapshot.extras()) and int(snapshot.buffer[at]) == 0
+    (bucket,) = [i for i, (lo, hi) in enumerate(snapshot.layout.buckets()) if lo <= at < hi]
+    lo, hi = snapshot.layout.buckets()[bucket]
+    snapshot.buffer[at] ^= 0x10
+    assert bucket_digests(snapshot.buffer, [(lo, hi)])[0] != snapshot.digests[bucket]  # the flip fired
+    return bucket
+
+
+def test_a_flip_in_the_zeros_past_the_extras_is_mended(store, caplog):
+    """The trainer's pack does not read its extras region past the blob: the capture left
+    zeros there, and the digests say so. A flip there (between two captures into the same
+    buffer, which does not rewrite it) holds no state: rollback zeroes it again and restores,
+    and a stream whose standby keeps refusing that bucket mends it and streams again."""
+    j = job()
+    cfg = config(scrub_interval=NO_SCRUB, max_resends=1, standby_wait=timedelta(seconds=20))
+    with mirrored(store, j, cfg) as (mirror, rep):
+        commit_steps(j, rep, 2)
+        at_two = state_of(j)
+        (own,) = [s for s in rep._snapshots if s.step == 2]
+        bucket = _flip_past_the_blob(own)
+        with caplog.at_level("WARNING", logger="replica.snapshot"):
+            assert rep.rollback() == 2
+        assert f"bucket(s) [{bucket}]" in caplog.text and "zeroed again" in caplog.text
+        assert own.bad_buckets() == []
+        assert_state_equal(state_of(j), at_two)
+        # The next commit packs into the other buffer (step 1's), past whose blob the flip now is.
+        (older,) = [s for s in rep._snapshots if s.step == 1]
+        _flip_past_the_blob(older)
+        refused = mirror.stats.corrupted_buckets
+        trained(j, 1, rep, first=3)
+        assert rep.wait_committed(T) == 3
+        wait_for(lambda: rep.stream_stats.acked_step == 3, "the trainer's stream to finish")
+        assert mirror.stats.corrupted_buckets - refused == 2  # the first send and the one resend
+        assert rep.stream_stats.reattached == 1  # streamed again, mended
+        at_three = state_of(j)
+        fresh = job(seed=5)
+        assert mirror.restore(fresh.model, fresh.optimizer, fresh.extra) == 3
+        assert_state_equal(state_of(fresh), at_three)
+
+
 def test_without_verify_no_digests_are_kept(store):
     j = job()
     with mirrored(store, j, config(verify=False)) as (mirror, rep):
