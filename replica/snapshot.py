@@ -20,6 +20,7 @@ from replica.errors import LayoutMismatchError, ReplicaError, SnapshotCorruptedE
 from replica.layout import StateLayout, dtype_name, dtype_of
 from replica.placement import on_device, pack_state, unpack_state
 from replica.backends import transfer_buffer
+from replica.transport.base import bucket_digest
 
 __all__ = ["Snapshot", "Stateful", "apply_extras", "bucket_digests", "collect_extras"]
 
@@ -90,10 +91,12 @@ class _ZeroTail:
             return
         self.cut, self._within = cut, cut % self._bucket_bytes
         boundary = min(cut - self._within + self._bucket_bytes, self._total) if self._within else cut
-        self._partial = (_zero_digests(cut, boundary - cut, boundary - cut)[0], boundary - cut) \
-            if boundary > cut else None
+        zeros = torch.zeros(boundary - cut, dtype=torch.uint8)
+        self._partial = (bucket_digest(zeros, offset=cut), zeros.numel()) if zeros.numel() else None
         if boundary != self._boundary:
-            self._boundary, self._rest = boundary, _zero_digests(boundary, self._total - boundary, self._bucket_bytes)
+            rest = torch.zeros(self._total - boundary, dtype=torch.uint8)
+            self._boundary = boundary
+            self._rest = ops.checksum(rest, self._bucket_bytes, boundary // 8).tolist() if rest.numel() else []
 
     def digests(self, head: list[int]) -> list[int]:
         """Every bucket's digest, from ``head``: those of the buffer's first ``cut`` bytes."""
@@ -101,13 +104,6 @@ class _ZeroTail:
             digest, nbytes = self._partial
             head[-1] = ops.combine_digests([head[-1], digest], [self._within, nbytes])
         return head + self._rest
-
-
-def _zero_digests(offset: int, nbytes: int, block_bytes: int) -> list[int]:
-    """The digests of ``nbytes`` zeros at ``offset`` of a buffer, in blocks of ``block_bytes``."""
-    if nbytes <= 0:
-        return []
-    return ops.checksum(torch.zeros(nbytes, dtype=torch.uint8), -(-block_bytes // 8) * 8, offset // 8).tolist()
 
 
 class Snapshot:
