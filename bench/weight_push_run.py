@@ -5,9 +5,8 @@ of the same bytes in the sync's bucket size between the same two processes (a
 round before each pair of pushes, a pause before each). A push is timed from its
 start until the receiving process has the version complete and verified (its
 ``wait_ready``). Beside them, in this process: the sender's pack of the model with
-digests alone (``ops.pack_checksum`` per bucket, as a push runs it) and the
-receiver's checksum of the same bytes alone, the work a push with digests does
-that raw UCX does not.
+digests alone (a push to no engine) and the receiver's checksum of the same bytes
+alone, the work a push with digests does that raw UCX does not.
 
 usage: weight_push_run.py MIB ROUNDS OUT.json [BACKENDS]
 
@@ -30,7 +29,7 @@ import torch.distributed as dist
 import replica
 from replica import ops
 from replica.testing import RawUcx, spawn
-from replica.weights import WeightReceiver, tensor_buckets
+from replica.weights import WeightReceiver
 
 TOKEN = b"bench-weight-push-token"
 TIMEOUT = timedelta(seconds=300)
@@ -107,20 +106,19 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
             sync.close()
         engine.send("exit")
         assert engine.recv(timeout=120) == ("closed",)
-    # The work a push with digests does beyond raw UCX, each alone on this process's core.
-    tensors = [p.detach() for p in model.parameters()]
-    packed = torch.empty(nbytes, dtype=torch.uint8)
+    # The work a push with digests does beyond raw UCX, each alone on this process's core: the
+    # pack is a push to no engine (the same gathers and pack with digests, nothing sent).
+    alone = replica.WeightSync(model, store=store, num_engines=0,
+                               config=dataclasses.replace(configs["verified"], store_prefix="push-alone"))
     pack_s, checksum_s = [], []
-    for _ in range(rounds + 1):
+    for step in range(rounds + 1):
         start = time.perf_counter()
-        for b in tensor_buckets(layout):  # as WeightSync._pack packs a host bucket
-            ops.pack_checksum(tensors[b.first:b.end], packed[b.lo:b.hi],
-                              [layout.entries[j].offset - b.lo for j in range(b.first, b.end)],
-                              -(-(b.hi - b.lo) // 8) * 8, b.lo // 8)
+        alone.push(step)
         pack_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         ops.checksum(src, bucket)
         checksum_s.append(time.perf_counter() - start)
+    alone.close()
     med = {name: statistics.median(values) for name, values in seconds.items()}
     result = {"bytes": nbytes, "rounds": rounds, "bucket_bytes": bucket, "backends": list(backends),
               "raw_ucx_s": med["raw_ucx"], "plain_s": med["plain"], "verified_s": med["verified"],
