@@ -23,7 +23,7 @@ import torch
 
 from bench_results import machine, write_results
 from replica import ops
-from replica.testing import free_port, receive_bucketed, send_bucketed, spawn
+from replica.testing import cpu_seconds, free_port, receive_bucketed, send_bucketed, spawn
 from replica.transport import Transport, shm
 from replica.transport.base import PIECE_BYTES, bucket_digest
 from replica.transport.ucx import UcxConfig, UcxTransport
@@ -212,6 +212,7 @@ def test_ucx(benchmark, ucx_path, nbytes):
 # Sessions of fresh pairs of processes, rounds of each path per session after its warm-up.
 INTERLEAVED_BYTES, INTERLEAVED_SESSIONS, INTERLEAVED_ROUNDS = 512 * MiB, 3, 6
 _interleaved: dict[str, list[float]] = {}
+_interleaved_cpu: dict[str, list[float]] = {}  # CPU seconds of both processes, every thread, per round
 
 
 def test_ucx_digests_interleaved(benchmark):
@@ -228,6 +229,7 @@ def test_ucx_digests_interleaved(benchmark):
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     digest = bucket_digest(buf)  # the pack's, before the transfer
     seconds: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
 
     def session() -> None:
         with contextlib.ExitStack() as stack:
@@ -238,10 +240,13 @@ def test_ucx_digests_interleaved(benchmark):
                 peer.send("rounds", rounds + warmup)
             for r in range(rounds + warmup):
                 for name in names[::1 if r % 2 else -1]:
+                    peer = paths[name][1]
+                    used = cpu_seconds() + cpu_seconds(peer.pid)
                     start = time.perf_counter()
                     paths[name][2](buf, digest)
                     if r >= warmup:
                         seconds[name].append(time.perf_counter() - start)
+                        cpu[name].append(cpu_seconds() + cpu_seconds(peer.pid) - used)
             for _, peer, _ in paths.values():
                 assert peer.recv(timeout=300) == ("ok",)
 
@@ -250,6 +255,7 @@ def test_ucx_digests_interleaved(benchmark):
     assert all(len(s) == sessions * rounds for s in seconds.values())
     if not benchmark.disabled:
         _interleaved.update(seconds)
+        _interleaved_cpu.update(cpu)
 
 
 @pytest.mark.parametrize("nbytes", SIZES, ids=lambda n: f"{n // MiB}MiB")
@@ -378,6 +384,7 @@ def report():
     plain, verified = (statistics.median(_interleaved[name]) for name in ("ucx_default", "ucx_default_verified"))
     ucx = [p for p in UCX_PATHS]
     best = max(ucx, key=lambda p: gbps[p][big])
+    cores = len(os.sched_getaffinity(0))
     result = {
         "ucx_shm_vs_memcpy_512MiB": gbps["ucx_shm"][big] / gbps["memcpy"][big],
         "ucx_best_vs_gloo_512MiB": gbps[best][big] / gbps["gloo"][big],
@@ -394,6 +401,16 @@ def report():
         # (into and out of the FIFOs), so on a 2-core machine the transfer keeps both cores
         # busy and the hashing can overlap it only in part; above this bound it does.
         "ucx_digests_no_overlap_512MiB": plain / (plain + _medians["checksum_1thread"][big]),
+        # The same ratio were the verification to overlap the transfer perfectly, with no core
+        # idle: the plain rounds' CPU time (both processes, every thread, UCX's progress threads
+        # too) plus the checksum's, spread over every core. Below it only by idle cores or by
+        # work beyond the checksum.
+        "ucx_digests_cores_bound_512MiB": plain / max(plain, (statistics.median(_interleaved_cpu["ucx_default"])
+                                                             + _medians["checksum_1thread"][big]) / cores),
+        # The share of the cores each path kept busy: CPU time over seconds times cores.
+        "ucx_interleaved_cores_busy": {name: statistics.median(c / (s * cores) for c, s in zip(
+            _interleaved_cpu[name], _interleaved[name])) for name in _interleaved},
+        "ucx_interleaved_cpu_ms": {name: [c * 1e3 for c in v] for name, v in _interleaved_cpu.items()},
         # A single-copy host path with the hash fused into its copy (test_shared_memory_one_copy,
         # no protocol around it) against UCX with digests and against UCX without.
         "one_copy_verified_vs_ucx_verified_512MiB": gbps["one_copy_verified"][big] / gbps["ucx_default_verified"][big],
@@ -439,7 +456,11 @@ def report():
                  f"{'yes' if ratio >= 0.8 else '**no**'}); in the table's blocks of rounds "
                  f"{result['ucx_digests_vs_plain_512MiB_blocks']:.2f}x; were the verification not to overlap the "
                  f"transfer at all, plain / (plain + one thread's checksum): "
-                 f"{result['ucx_digests_no_overlap_512MiB']:.2f}x")
+                 f"{result['ucx_digests_no_overlap_512MiB']:.2f}x; were it to overlap with no core idle, "
+                 f"plain / ((plain's CPU time + the checksum) / {cores} cores): "
+                 f"{result['ucx_digests_cores_bound_512MiB']:.2f}x (cores busy: plain "
+                 f"{result['ucx_interleaved_cores_busy']['ucx_default']:.0%}, digests on "
+                 f"{result['ucx_interleaved_cores_busy']['ucx_default_verified']:.0%})")
     lines.append(f"\none copy with the hash fused, 512 MiB, digests on: "
                  f"{result['one_copy_verified_vs_ucx_verified_512MiB']:.2f}x UCX with digests, "
                  f"{result['one_copy_verified_vs_ucx_plain_512MiB']:.2f}x UCX without")

@@ -6,7 +6,10 @@ round before each pair of pushes, a pause before each). A push is timed from its
 start until the receiving process has the version complete and verified (its
 ``wait_ready``). Beside them, in this process: the sender's pack of the model with
 digests alone (a push to no engine) and the receiver's checksum of the same bytes
-alone, the work a push with digests does that raw UCX does not.
+alone, the work a push with digests does that raw UCX does not. Each transfer's CPU
+time (both processes, every thread: UCX's progress threads too) gives how busy it kept
+the cores, and the floor the cores put under a push with digests: raw UCX's CPU time
+plus that work, spread over every core, where nothing idles.
 
 usage: weight_push_run.py MIB ROUNDS OUT.json [BACKENDS]
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,7 +32,7 @@ import torch.distributed as dist
 
 import replica
 from replica import ops
-from replica.testing import RawUcx, spawn
+from replica.testing import RawUcx, cpu_seconds, spawn
 from replica.weights import WeightReceiver
 
 TOKEN = b"bench-weight-push-token"
@@ -70,6 +74,12 @@ def _engine(pipe, port: int, backends: tuple[str, ...]) -> None:
     pipe.send(("closed",))
 
 
+def _used(engine_pid: int):
+    """From now: a call returns the CPU seconds this process and the engine used since."""
+    start = cpu_seconds() + cpu_seconds(engine_pid)
+    return lambda: cpu_seconds() + cpu_seconds(engine_pid) - start
+
+
 def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "gloo")) -> None:
     torch.set_num_threads(1)
     layers = max(1, mib // 16)
@@ -77,6 +87,7 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
     configs = _configs(backends)
     seconds: dict[str, list[float]] = {"raw_ucx": [], **{name: [] for name in MODES}}
+    cpu: dict[str, list[float]] = {name: [] for name in seconds}  # core-seconds of both processes
     with spawn(_engine, store.port, backends, name="engine") as engine, \
             RawUcx(token=TOKEN, timeout=TIMEOUT) as raw:
         _, address = engine.recv(timeout=120)
@@ -87,21 +98,25 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
         src = torch.ones(nbytes, dtype=torch.uint8)
         for step in range(1, WARMUP + rounds + 1):
             time.sleep(PAUSE_S)
+            used = _used(engine.pid)
             engine.send("raw", nbytes, bucket)
             raw_s = raw.send(address, src, bucket)
             assert engine.recv(timeout=300) == ("received",)
-            timed = {"raw_ucx": raw_s}
+            timed, spent = {"raw_ucx": raw_s}, {"raw_ucx": used()}
             for name in list(MODES)[::1 if step % 2 else -1]:  # each mode first as often as second
                 time.sleep(PAUSE_S)
+                used = _used(engine.pid)
                 start = time.perf_counter()
                 stats = syncs[name].push(step)
                 engine.send("ready", name, step)
                 assert engine.recv(timeout=300) == ("ready",)
                 timed[name] = time.perf_counter() - start
+                spent[name] = used()
                 assert stats.engines_synced == [0], stats.engines_skipped
             if step > WARMUP:
                 for name, value in timed.items():
                     seconds[name].append(value)
+                    cpu[name].append(spent[name])
         for sync in syncs.values():
             sync.close()
         engine.send("exit")
@@ -120,18 +135,32 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
         checksum_s.append(time.perf_counter() - start)
     alone.close()
     med = {name: statistics.median(values) for name, values in seconds.items()}
+    cores = len(os.sched_getaffinity(0))
+    med_cpu = {name: statistics.median(values) for name, values in cpu.items()}
+    # The share of the cores a transfer kept busy: its CPU time over its seconds times the cores.
+    busy = {name: statistics.median(c / (s * cores) for c, s in zip(cpu[name], seconds[name])) for name in seconds}
+    pack_alone, checksum_alone = statistics.median(pack_s[1:]), statistics.median(checksum_s[1:])
+    # A push with digests does raw UCX's work and the pack and the checksum besides: spread
+    # over every core with none idle, it takes no less than this.
+    floor_s = max(med["raw_ucx"], (med_cpu["raw_ucx"] + pack_alone + checksum_alone) / cores)
     result = {"bytes": nbytes, "rounds": rounds, "bucket_bytes": bucket, "backends": list(backends),
               "raw_ucx_s": med["raw_ucx"], "plain_s": med["plain"], "verified_s": med["verified"],
               "plain_vs_raw_ucx": med["raw_ucx"] / med["plain"],
               "verified_vs_raw_ucx": med["raw_ucx"] / med["verified"],
               "verified_vs_plain": med["plain"] / med["verified"],
-              "pack_checksum_s": statistics.median(pack_s[1:]), "checksum_s": statistics.median(checksum_s[1:]),
-              "all": seconds}
+              "pack_checksum_s": pack_alone, "checksum_s": checksum_alone,
+              "cores": cores, "cpu_s": med_cpu, "cores_busy": busy,
+              "verified_floor_s": floor_s, "verified_floor_vs_raw_ucx": med["raw_ucx"] / floor_s,
+              "all": seconds, "all_cpu": cpu}
     print(f"{nbytes / 2**20:.0f} MiB over {','.join(backends)}, {rounds} rounds: raw UCX {med['raw_ucx'] * 1e3:.0f} ms,"
           f" push without digests {med['plain'] * 1e3:.0f} ms ({result['plain_vs_raw_ucx']:.2f}x raw),"
           f" with digests {med['verified'] * 1e3:.0f} ms ({result['verified_vs_raw_ucx']:.2f}x raw,"
           f" {result['verified_vs_plain']:.2f}x without); alone: the pack with digests"
-          f" {result['pack_checksum_s'] * 1e3:.0f} ms, the checksum {result['checksum_s'] * 1e3:.0f} ms")
+          f" {result['pack_checksum_s'] * 1e3:.0f} ms, the checksum {result['checksum_s'] * 1e3:.0f} ms;"
+          f" CPU time (cores busy) raw {med_cpu['raw_ucx'] * 1e3:.0f} ms ({busy['raw_ucx']:.0%}), without digests"
+          f" {med_cpu['plain'] * 1e3:.0f} ms ({busy['plain']:.0%}), with {med_cpu['verified'] * 1e3:.0f} ms"
+          f" ({busy['verified']:.0%}) on {cores} cores; the cores' floor under a push with digests"
+          f" {floor_s * 1e3:.0f} ms ({result['verified_floor_vs_raw_ucx']:.2f}x raw)")
     out.write_text(json.dumps(result, indent=2))
 
 
