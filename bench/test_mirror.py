@@ -48,7 +48,7 @@ import torch.distributed as dist
 from bench_results import machine, write_results
 from fsdp_job import JobShape
 from mirror_roles import standby_main, trainer_main
-from replica.testing import spawn
+from replica.testing import ChildFailed, spawn
 
 SHAPE = JobShape(dim=128, layers=4, seq=64, batch=16, samples=4096, total_steps=10_000)
 # The default backends: on one node the shm backend (the snapshot offered where it lies, one
@@ -137,6 +137,9 @@ def _job(stack: contextlib.ExitStack, kind: str):
     finally:
         for child in trainers + standbys:
             child.send("exit")
+        for child in trainers + standbys:  # each says goodbye once closed (its pipe kept open until then)
+            with contextlib.suppress(ChildFailed):  # one that failed already: spawn reaps it
+                child.recv(60)
         del store
 
 
