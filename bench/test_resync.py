@@ -23,7 +23,7 @@ import torch
 
 from bench_results import machine, write_results
 from replica import ops
-from replica.testing import cpu_seconds, free_port, receive_bucketed, send_bucketed, spawn
+from replica.testing import cpu_since, free_port, receive_bucketed, send_bucketed, spawn
 from replica.transport import Transport, shm
 from replica.transport.base import PIECE_BYTES, bucket_digest
 from replica.transport.ucx import UcxConfig, UcxTransport
@@ -240,13 +240,12 @@ def test_ucx_digests_interleaved(benchmark):
                 peer.send("rounds", rounds + warmup)
             for r in range(rounds + warmup):
                 for name in names[::1 if r % 2 else -1]:
-                    peer = paths[name][1]
-                    used = cpu_seconds() + cpu_seconds(peer.pid)
+                    used = cpu_since(paths[name][1].pid)
                     start = time.perf_counter()
                     paths[name][2](buf, digest)
                     if r >= warmup:
                         seconds[name].append(time.perf_counter() - start)
-                        cpu[name].append(cpu_seconds() + cpu_seconds(peer.pid) - used)
+                        cpu[name].append(used())
             for _, peer, _ in paths.values():
                 assert peer.recv(timeout=300) == ("ok",)
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 import replica
 from replica import ops
-from replica.testing import RawUcx, cpu_seconds, spawn
+from replica.testing import RawUcx, cpu_since, spawn
 from replica.weights import WeightReceiver
 
 TOKEN = b"bench-weight-push-token"
@@ -74,12 +74,6 @@ def _engine(pipe, port: int, backends: tuple[str, ...]) -> None:
     pipe.send(("closed",))
 
 
-def _used(engine_pid: int):
-    """From now: a call returns the CPU seconds this process and the engine used since."""
-    start = cpu_seconds() + cpu_seconds(engine_pid)
-    return lambda: cpu_seconds() + cpu_seconds(engine_pid) - start
-
-
 def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "gloo")) -> None:
     torch.set_num_threads(1)
     layers = max(1, mib // 16)
@@ -98,14 +92,14 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
         src = torch.ones(nbytes, dtype=torch.uint8)
         for step in range(1, WARMUP + rounds + 1):
             time.sleep(PAUSE_S)
-            used = _used(engine.pid)
+            used = cpu_since(engine.pid)
             engine.send("raw", nbytes, bucket)
             raw_s = raw.send(address, src, bucket)
             assert engine.recv(timeout=300) == ("received",)
             timed, spent = {"raw_ucx": raw_s}, {"raw_ucx": used()}
             for name in list(MODES)[::1 if step % 2 else -1]:  # each mode first as often as second
                 time.sleep(PAUSE_S)
-                used = _used(engine.pid)
+                used = cpu_since(engine.pid)
                 start = time.perf_counter()
                 stats = syncs[name].push(step)
                 engine.send("ready", name, step)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BusyCores", "Child", "ChildFailed", "RawUcx", "TornDown", "busy_cores", "cpu_seconds", "free_port", "process_state",
+__all__ = ["BusyCores", "Child", "ChildFailed", "RawUcx", "TornDown", "busy_cores", "cpu_seconds", "cpu_since", "free_port", "process_state",
            "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
 
 
@@ -217,6 +217,16 @@ def cpu_seconds(pid: int | None = None) -> float:
     if pid is None:
         return time.process_time()
     return time.clock_gettime(((~pid) << 3) | 2)  # CPUCLOCK_SCHED of the whole process
+
+
+def cpu_since(*pids: int) -> Callable[[], float]:
+    """A meter started now: each call returns the CPU seconds this process and ``pids``
+    used since (every thread; see ``cpu_seconds``)."""
+    def used() -> float:
+        return cpu_seconds() + sum(cpu_seconds(pid) for pid in pids)
+
+    start = used()
+    return lambda: used() - start
 
 
 def process_state(pid: int) -> str:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from replica.testing import cpu_seconds
+from replica.testing import cpu_seconds, cpu_since
 
 
 def _spin(seconds: float) -> None:
@@ -20,22 +20,25 @@ def _spin(seconds: float) -> None:
 
 
 def test_counts_every_thread_of_this_process():
-    before = cpu_seconds()
+    before, meter = cpu_seconds(), cpu_since()
     worker = threading.Thread(target=_spin, args=(0.05,))
     worker.start()
     worker.join()
     assert cpu_seconds() - before >= 0.05  # the other thread's time counts too
+    assert meter() >= 0.05
 
 
 def test_another_process_at_fine_resolution_then_gone():
     child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\n"
                               "while time.process_time() < end: pass\ntime.sleep(60)"])
     try:
+        meter = cpu_since(child.pid)
         deadline = time.monotonic() + 60
         while (used := cpu_seconds(child.pid)) < 0.3:  # a loaded machine may run it late
             assert time.monotonic() < deadline, f"the child used only {used} s"
             time.sleep(0.05)
         assert used != round(used, 2)  # nanoseconds, not /proc's 10 ms ticks
+        assert meter() > 0.1  # the child spun since the meter started (Python starts in well under 0.2 s)
     finally:
         child.kill()
         child.wait()
