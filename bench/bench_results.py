@@ -5,17 +5,38 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-__all__ = ["RESULTS_DIR", "machine", "write_results"]
+__all__ = ["RESULTS_DIR", "cores_busy", "cores_floor", "machine", "usable_cores", "write_results"]
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
 
 def machine() -> dict:
     return {"torch": torch.__version__, "cpus": os.cpu_count()}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+def cores_busy(cpu_s: Sequence[float], wall_s: Sequence[float]) -> float:
+    """The share of the usable cores transfers kept busy (median over them): each one's CPU
+    time (``replica.testing.cpu_since``) over its seconds times the cores."""
+    cores = usable_cores()
+    return statistics.median(c / (s * cores) for c, s in zip(cpu_s, wall_s, strict=True))
+
+
+def cores_floor(wall_s: float, cpu_s: float, extra_s: float) -> float:
+    """The least time a transfer of ``wall_s`` seconds and ``cpu_s`` CPU seconds takes with
+    ``extra_s`` seconds of one core's work added, were that work to use every usable core
+    with none idle: a floor from core time alone."""
+    return max(wall_s, (cpu_s + extra_s) / usable_cores())
 
 
 def write_results(name: str, result: dict, markdown: list[str]) -> None:

@@ -21,7 +21,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from bench_results import machine, write_results
+from bench_results import cores_busy, cores_floor, machine, usable_cores, write_results
 from replica import ops
 from replica.testing import cpu_since, free_port, receive_bucketed, send_bucketed, spawn
 from replica.transport import Transport, shm
@@ -383,7 +383,7 @@ def report():
     plain, verified = (statistics.median(_interleaved[name]) for name in ("ucx_default", "ucx_default_verified"))
     ucx = [p for p in UCX_PATHS]
     best = max(ucx, key=lambda p: gbps[p][big])
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     result = {
         "ucx_shm_vs_memcpy_512MiB": gbps["ucx_shm"][big] / gbps["memcpy"][big],
         "ucx_best_vs_gloo_512MiB": gbps[best][big] / gbps["gloo"][big],
@@ -404,11 +404,10 @@ def report():
         # idle: the plain rounds' CPU time (both processes, every thread, UCX's progress threads
         # too) plus the checksum's, spread over every core. Below it only by idle cores or by
         # work beyond the checksum.
-        "ucx_digests_cores_bound_512MiB": plain / max(plain, (statistics.median(_interleaved_cpu["ucx_default"])
-                                                             + _medians["checksum_1thread"][big]) / cores),
-        # The share of the cores each path kept busy: CPU time over seconds times cores.
-        "ucx_interleaved_cores_busy": {name: statistics.median(c / (s * cores) for c, s in zip(
-            _interleaved_cpu[name], _interleaved[name])) for name in _interleaved},
+        "ucx_digests_cores_bound_512MiB": plain / cores_floor(plain, statistics.median(_interleaved_cpu["ucx_default"]),
+                                                              _medians["checksum_1thread"][big]),
+        "ucx_interleaved_cores_busy": {name: cores_busy(_interleaved_cpu[name], _interleaved[name])
+                                       for name in _interleaved},
         "ucx_interleaved_cpu_ms": {name: [c * 1e3 for c in v] for name, v in _interleaved_cpu.items()},
         # A single-copy host path with the hash fused into its copy (test_shared_memory_one_copy,
         # no protocol around it) against UCX with digests and against UCX without.

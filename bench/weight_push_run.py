@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import replica
+from bench_results import cores_busy, cores_floor, usable_cores
 from replica import ops
 from replica.testing import RawUcx, cpu_since, spawn
 from replica.weights import WeightReceiver
@@ -129,21 +129,18 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
         checksum_s.append(time.perf_counter() - start)
     alone.close()
     med = {name: statistics.median(values) for name, values in seconds.items()}
-    cores = len(os.sched_getaffinity(0))
     med_cpu = {name: statistics.median(values) for name, values in cpu.items()}
-    # The share of the cores a transfer kept busy: its CPU time over its seconds times the cores.
-    busy = {name: statistics.median(c / (s * cores) for c, s in zip(cpu[name], seconds[name])) for name in seconds}
+    busy = {name: cores_busy(cpu[name], seconds[name]) for name in seconds}
     pack_alone, checksum_alone = statistics.median(pack_s[1:]), statistics.median(checksum_s[1:])
-    # A push with digests does raw UCX's work and the pack and the checksum besides: spread
-    # over every core with none idle, it takes no less than this.
-    floor_s = max(med["raw_ucx"], (med_cpu["raw_ucx"] + pack_alone + checksum_alone) / cores)
+    # A push with digests does raw UCX's work and the pack and the checksum besides.
+    floor_s = cores_floor(med["raw_ucx"], med_cpu["raw_ucx"], pack_alone + checksum_alone)
     result = {"bytes": nbytes, "rounds": rounds, "bucket_bytes": bucket, "backends": list(backends),
               "raw_ucx_s": med["raw_ucx"], "plain_s": med["plain"], "verified_s": med["verified"],
               "plain_vs_raw_ucx": med["raw_ucx"] / med["plain"],
               "verified_vs_raw_ucx": med["raw_ucx"] / med["verified"],
               "verified_vs_plain": med["plain"] / med["verified"],
               "pack_checksum_s": pack_alone, "checksum_s": checksum_alone,
-              "cores": cores, "cpu_s": med_cpu, "cores_busy": busy,
+              "cores": usable_cores(), "cpu_s": med_cpu, "cores_busy": busy,
               "verified_floor_s": floor_s, "verified_floor_vs_raw_ucx": med["raw_ucx"] / floor_s,
               "all": seconds, "all_cpu": cpu}
     print(f"{nbytes / 2**20:.0f} MiB over {','.join(backends)}, {rounds} rounds: raw UCX {med['raw_ucx'] * 1e3:.0f} ms,"
@@ -153,7 +150,7 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
           f" {result['pack_checksum_s'] * 1e3:.0f} ms, the checksum {result['checksum_s'] * 1e3:.0f} ms;"
           f" CPU time (cores busy) raw {med_cpu['raw_ucx'] * 1e3:.0f} ms ({busy['raw_ucx']:.0%}), without digests"
           f" {med_cpu['plain'] * 1e3:.0f} ms ({busy['plain']:.0%}), with {med_cpu['verified'] * 1e3:.0f} ms"
-          f" ({busy['verified']:.0%}) on {cores} cores; the cores' floor under a push with digests"
+          f" ({busy['verified']:.0%}) on {result['cores']} cores; the cores' floor under a push with digests"
           f" {floor_s * 1e3:.0f} ms ({result['verified_floor_vs_raw_ucx']:.2f}x raw)")
     out.write_text(json.dumps(result, indent=2))
 

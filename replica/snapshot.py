@@ -87,8 +87,7 @@ class _ZeroTail:
         self._rest: list[int] = []  # the digests of the buckets from there on
 
     def move(self, cut: int) -> None:
-        if cut == self.cut:
-            return
+        """Zeros from ``cut`` on (its one caller, ``Snapshot._head``, moves only to a new cut)."""
         self.cut, self._within = cut, cut % self._bucket_bytes
         boundary = min(cut - self._within + self._bucket_bytes, self._total) if self._within else cut
         zeros = torch.zeros(boundary - cut, dtype=torch.uint8)

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BusyCores", "Child", "ChildFailed", "RawUcx", "TornDown", "busy_cores", "cpu_seconds", "cpu_since", "free_port", "process_state",
-           "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
+__all__ = ["BusyCores", "Child", "ChildFailed", "RawUcx", "TornDown", "busy_cores", "cpu_seconds", "cpu_since",
+           "free_port", "process_state", "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
 
 
 class TornDown:
