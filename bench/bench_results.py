@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-__all__ = ["RESULTS_DIR", "cores_busy", "cores_floor", "machine", "usable_cores", "write_results"]
+__all__ = ["RESULTS_DIR", "copy_seconds", "cores_busy", "cores_floor", "machine", "usable_cores", "write_results"]
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -37,6 +38,19 @@ def cores_floor(wall_s: float, cpu_s: float, extra_s: float) -> float:
     ``extra_s`` seconds of one core's work added, were that work to use every usable core
     with none idle: a floor from core time alone."""
     return max(wall_s, (cpu_s + extra_s) / usable_cores())
+
+
+def copy_seconds(dst, src, *, rounds: int = 6) -> float:
+    """The median seconds of ``dst.copy_(src)`` between GPU synchronizations, the first
+    round left out (a physical limit measured beside a GPU benchmark)."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def write_results(name: str, result: dict, markdown: list[str]) -> None:

@@ -1,13 +1,22 @@
 """Mirror overhead on a GPU: a ~1B-parameter model (bf16 parameters, default AdamW,
 whose step counters stay on the host) trained on one GPU, step time with and without
-``Replicator.commit`` to a standby process on the same GPU, medians in one run. The
-standby holds its mirror in GPU memory (CUDA IPC) or in pinned host memory (UCX,
-device to host). Beside it: the snapshot (pack) time against a device-to-device
-``copy_`` of the same bytes, and the mirror stream's bandwidth.
+``Replicator.commit`` to a standby process on the same GPU, medians in one run, with
+the **default** ``Config`` (what a user gets without tuning). Two step lengths: a short
+step (4,096 tokens, ~53 ms on an H100: the stream outlasts it) and a long one (32,768
+tokens, ~340 ms: the stream should hide behind it entirely). The standby holds its
+mirror in GPU memory (CUDA IPC) or in pinned host memory (shared memory); either way
+the trainer's process pushes the buckets into the standby's buffers on a copy stream.
 
-One GPU serves both processes: the standby's copies compete with the trainer's
-kernels for the same memory bandwidth, which a standby on a rollout machine's GPU
-would not. Writes bench/results/mirror_gpu.json and mirror_gpu.md."""
+Per placement and step: the step with and without ``commit()``, the overhead, the
+stream's time and bandwidth while the trainer computes, and the stream's time with the
+trainer idle (commits with no step between, in the same run): how much the step slows
+the stream. Beside them the physical limits measured in the same run: one
+device-to-device ``copy_`` of the snapshot (the pack) and one device-to-host ``copy_``
+into pinned memory (a host mirror's stream).
+
+One GPU serves both processes: the standby's buffers share the trainer's memory
+bandwidth, which a standby on a rollout machine's GPU would not. Writes
+bench/results/mirror_gpu.json and mirror_gpu.md."""
 
 from __future__ import annotations
 
@@ -20,18 +29,19 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from bench_results import machine, write_results
+from bench_results import copy_seconds, machine, write_results
 from torch import nn
 
 from replica.testing import spawn
 
 pytestmark = pytest.mark.gpu
 
-DIM, LAYERS, TOKENS = 8192, 16, 4096  # 16 x 8192^2 = 1.07e9 parameters
-WARMUP, STEPS = 3, 12
+DIM, LAYERS = 8192, 16  # 16 x 8192^2 = 1.07e9 parameters
+STEPS = {"short": 4096, "long": 32768}  # tokens per step
+WARMUP, MEASURED, IDLE = 3, 8, 3
 TOKEN = b"gpu-mirror-bench"
-CONFIG = {"bucket_bytes": 64 << 20, "backends": ("ipc", "ucx", "gloo"), "timeout": timedelta(seconds=120),
-          "commit_timeout": timedelta(seconds=300)}
+# The default Config: only the token and deadlines long enough for a 6 GiB first stream.
+CONFIG = {"timeout": timedelta(seconds=120), "commit_timeout": timedelta(seconds=300)}
 MIRRORS = ["cuda", "cpu"]
 
 _results: dict[str, dict] = {}
@@ -64,25 +74,26 @@ def _model() -> nn.Module:
 
 
 class _Loop:
-    """One training step per call (timed by pytest-benchmark and by itself), optionally committed."""
+    """One training step per call (timed by itself), optionally committed."""
 
     def __init__(self, model, optimizer, commit=None):
         self.model, self.optimizer, self.commit = model, optimizer, commit
-        self.x = torch.randn(TOKENS, DIM, device="cuda", dtype=torch.bfloat16)
         self.step = 0
-        self.seconds: list[float] = []
+        self.seconds: dict[str, list[float]] = {name: [] for name in STEPS}
+        self.x = {name: torch.randn(tokens, DIM, device="cuda", dtype=torch.bfloat16)
+                  for name, tokens in STEPS.items()}
 
-    def __call__(self) -> None:
+    def run(self, name: str) -> None:
         self.step += 1
         start = time.perf_counter()
-        loss = self.model(self.x).float().pow(2).mean()
+        loss = self.model(self.x[name]).float().pow(2).mean()
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         loss.item()  # the step is done when its loss is known
         if self.commit is not None:
             self.commit(self.step)
-        self.seconds.append(time.perf_counter() - start)
+        self.seconds[name].append(time.perf_counter() - start)
 
 
 @pytest.fixture(scope="module")
@@ -94,51 +105,70 @@ def trainer():
 def test_gpu_step_plain(benchmark, trainer):
     loop = _Loop(*trainer)
     benchmark.extra_info.update(kind="plain", params=DIM * DIM * LAYERS)
-    benchmark.pedantic(loop, rounds=WARMUP + STEPS, iterations=1)
-    _results["plain"] = {"step_s": loop.seconds[WARMUP:]}
+
+    def run():
+        for name in STEPS:
+            for _ in range(WARMUP + MEASURED):
+                loop.run(name)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    _results["plain"] = {name: loop.seconds[name][WARMUP:] for name in STEPS}
 
 
 @pytest.mark.parametrize("mirror", MIRRORS)
 def test_gpu_step_mirrored(benchmark, trainer, mirror):
     import replica
 
-    if mirror == "cpu":
-        pytest.importorskip("ucxx", reason="a host mirror of a GPU model streams over UCX")
     model, optimizer = trainer
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     with contextlib.ExitStack() as stack:
         standby = stack.enter_context(spawn(_standby, store.port, mirror, name=f"standby-{mirror}"))
-        kind, backend = standby.recv(120)
+        kind, backend = standby.recv(180)
         assert kind == "ready"
         rep = stack.enter_context(replica.Replicator(model, optimizer, {}, store=store, config=_config(), rank=0,
                                                      world_size=1))
         loop = _Loop(model, optimizer, commit=rep.commit)
         benchmark.extra_info.update(kind="mirrored", mirror=mirror, backend=backend)
-        benchmark.pedantic(loop, rounds=WARMUP + STEPS, iterations=1)
-        assert rep.wait_committed() == WARMUP + STEPS  # every step was mirrored and acknowledged
-        nbytes = rep.layout.total_bytes
-        steady = slice(WARMUP, None)
+        streams: dict[str, list[float]] = {}
+
+        def run():
+            for name in STEPS:
+                first = len(rep.stream_stats.stream_s)
+                for _ in range(WARMUP + MEASURED):
+                    loop.run(name)
+                rep.wait_committed()
+                # The streams of the measured steps (each ran beside the next step; the
+                # last one's beside nothing, so it is left out).
+                streams[name] = rep.stream_stats.stream_s[first + WARMUP:first + WARMUP + MEASURED - 1]
+            # The trainer idle: commits with no step between, each waited for.
+            first = len(rep.stream_stats.stream_s)
+            for _ in range(IDLE):
+                loop.step += 1
+                rep.commit(loop.step)
+                rep.wait_committed()
+            streams["idle"] = rep.stream_stats.stream_s[first:]
+
+        benchmark.pedantic(run, rounds=1, iterations=1)
+        assert rep.wait_committed() == loop.step  # every step was mirrored and acknowledged
+        conn = rep._stream._conn
         _results[mirror] = {
             "backend": backend,
-            "step_s": loop.seconds[steady],
-            "pack_s": rep.stats.pack_s[steady],
-            "wait_s": rep.stats.wait_s[steady],
-            "stream_s": rep.stream_stats.stream_s[steady],
-            "snapshot_bytes": nbytes,
+            "step_s": {name: loop.seconds[name][WARMUP:] for name in STEPS},
+            "stream_s": streams,
+            "pack_s": rep.stats.pack_s[WARMUP:],
+            "snapshot_bytes": rep.layout.total_bytes,
+            "bucket_bytes": rep.layout.bucket_bytes,
+            "pushed_sends": getattr(conn, "pushed_sends", None),
         }
         standby.send("exit")
         assert standby.recv(120) == ("bye",)
-    # The physical limit of the pack: one device-to-device copy of the snapshot's bytes.
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copies = []
-    for _ in range(10):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        copies.append(time.perf_counter() - t)
-    _results["copy"] = {"copy_s": statistics.median(copies[2:])}
+    nbytes = _results[mirror]["snapshot_bytes"]
+    # The physical limits, in the same run: one device-to-device copy of the snapshot's
+    # bytes (the pack), one device-to-host copy into pinned memory (a host mirror's stream).
+    if "copy" not in _results:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        _results["copy"] = {"d2d": copy_seconds(torch.empty_like(src), src),
+                            "d2h": copy_seconds(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), src)}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -146,34 +176,45 @@ def report():
     yield
     if "plain" not in _results or not any(m in _results for m in MIRRORS):
         return
-    plain = statistics.median(_results["plain"]["step_s"])
-    copy_s = _results["copy"]["copy_s"]
-    result = {"step_ms_plain": plain * 1e3, "params": DIM * DIM * LAYERS, "tokens": TOKENS,
-              "device": torch.cuda.get_device_name(), "machine": machine(), "config": repr(CONFIG), "mirrors": {}}
+    limits = _results["copy"]
+    device = torch.cuda.get_device_name()
+    result = {"params": DIM * DIM * LAYERS, "tokens": STEPS, "device": device, "machine": machine(),
+              "config": "default Config() " + repr(CONFIG), "d2d_copy_ms": limits["d2d"] * 1e3,
+              "d2h_copy_ms": limits["d2h"] * 1e3, "mirrors": {}}
     lines = [f"### GPU mirror overhead, {DIM * DIM * LAYERS / 1e9:.2f}B-parameter bf16 model + AdamW on one "
-             f"{torch.cuda.get_device_name()} (medians of {STEPS} steps)\n",
-             "| standby holds the mirror in | over | step, no mirror | step with commit() | overhead | "
-             "pack (snapshot) | pack vs D2D copy_ | stream (send, verify, ack) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"{device}, default `Config` (medians of {MEASURED} steps)\n",
+             "| mirror in | over | step | no mirror | with commit() | overhead | stream beside the step | "
+             "stream, trainer idle | beside / idle | idle vs its limit |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for mirror in MIRRORS:
         if mirror not in _results:
             continue
         r = _results[mirror]
         nbytes = r["snapshot_bytes"]
-        step = statistics.median(r["step_s"])
-        pack = statistics.median(r["pack_s"])
-        stream = statistics.median(r["stream_s"])
-        result["mirrors"][mirror] = {
-            "backend": r["backend"], "step_ms": step * 1e3, "overhead_pct": (step / plain - 1) * 100,
-            "pack_ms": pack * 1e3, "pack_GBps": nbytes / pack / 1e9, "copy_GBps": nbytes / copy_s / 1e9,
-            "pack_vs_copy": copy_s / pack, "commit_wait_ms": statistics.median(r["wait_s"]) * 1e3,
-            "stream_ms": stream * 1e3, "stream_GBps": nbytes / stream / 1e9, "snapshot_bytes": nbytes,
-            "step_ms_all": [s * 1e3 for s in r["step_s"]],
-        }
-        m = result["mirrors"][mirror]
-        where = "GPU memory" if mirror == "cuda" else "pinned host memory"
-        lines.append(f"| {where} | {m['backend']} | {plain * 1e3:.1f} ms | {m['step_ms']:.1f} ms | "
-                     f"{m['overhead_pct']:+.1f}% | {m['pack_ms']:.2f} ms ({m['pack_GBps']:.0f} GB/s, "
-                     f"{nbytes / 2**30:.2f} GiB) | {m['pack_vs_copy']:.2f}x ({m['copy_GBps']:.0f} GB/s) | "
-                     f"{m['stream_ms']:.1f} ms ({m['stream_GBps']:.1f} GB/s) |")
+        idle = statistics.median(r["stream_s"]["idle"])
+        limit = limits["d2d" if mirror == "cuda" else "d2h"]
+        entry = {"backend": r["backend"], "snapshot_bytes": nbytes, "bucket_bytes": r["bucket_bytes"],
+                 "pushed_sends": r["pushed_sends"], "pack_ms": statistics.median(r["pack_s"]) * 1e3,
+                 "idle_stream_ms": idle * 1e3, "idle_stream_GBps": nbytes / idle / 1e9,
+                 "idle_vs_limit": limit / idle, "steps": {}}
+        for name in STEPS:
+            plain = statistics.median(_results["plain"][name])
+            step = statistics.median(r["step_s"][name])
+            stream = statistics.median(r["stream_s"][name])
+            entry["steps"][name] = {
+                "step_ms_plain": plain * 1e3, "step_ms": step * 1e3, "overhead_pct": (step / plain - 1) * 100,
+                "stream_ms": stream * 1e3, "stream_GBps": nbytes / stream / 1e9, "stream_vs_idle": idle / stream,
+                "step_ms_all": [s * 1e3 for s in r["step_s"][name]],
+                "stream_ms_all": [s * 1e3 for s in r["stream_s"][name]]}
+            m = entry["steps"][name]
+            where = "GPU memory" if mirror == "cuda" else "pinned host memory"
+            lines.append(
+                f"| {where} | {r['backend']} | {name} ({STEPS[name]} tokens) | {m['step_ms_plain']:.1f} ms | "
+                f"{m['step_ms']:.1f} ms | {m['overhead_pct']:+.1f}% | {m['stream_ms']:.1f} ms "
+                f"({m['stream_GBps']:.1f} GB/s) | {idle * 1e3:.1f} ms ({nbytes / idle / 1e9:.1f} GB/s) | "
+                f"{m['stream_vs_idle']:.2f}x | {limit / idle:.2f}x of one {'D2D' if mirror == 'cuda' else 'D2H'} "
+                f"copy_ ({nbytes / limit / 1e9:.1f} GB/s) |")
+        result["mirrors"][mirror] = entry
+    lines.append(f"\nSnapshot {nbytes / 2**30:.2f} GiB in {r['bucket_bytes'] >> 20} MiB buckets; pack "
+                 f"{statistics.median(r['pack_s']) * 1e3:.2f} ms against one D2D copy_ {limits['d2d'] * 1e3:.2f} ms.")
     write_results("mirror_gpu", result, lines)

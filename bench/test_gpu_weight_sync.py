@@ -2,13 +2,15 @@
 GPU (gather, pack on the GPU, down through the pinned staging buffers, send, the engine's
 acknowledgement) to one receiver in another process, beside the physical limit of that
 path measured in the same run: one device-to-host copy of the same bytes into pinned
-memory. Medians of a few pushes; bench/results/weight_sync_gpu.{json,md}."""
+memory. The default ``Config``: the engine on this host is reached over shared memory, the
+leader's packed version sits in pinned shared memory (the GPU copies each bucket down into
+it on a stream of its own) and is offered where it lies; the engine copies and hashes it on
+its CPU threads. Medians of a few pushes; bench/results/weight_sync_gpu.{json,md}."""
 
 from __future__ import annotations
 
 import logging
 import statistics
-import time
 from datetime import timedelta
 
 import pytest
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_results import machine, write_results
+from bench_results import copy_seconds, machine, write_results
 from replica.testing import spawn
 
 pytestmark = pytest.mark.gpu
@@ -24,7 +26,8 @@ pytestmark = pytest.mark.gpu
 DIM, LAYERS = 8192, 16  # 1.07e9 parameters, 2 GiB in bf16
 ROUNDS = 5
 TOKEN = b"gpu-weight-sync-bench"
-CONFIG = {"bucket_bytes": 64 << 20, "timeout": timedelta(seconds=120)}
+# The default Config (its backends: shared memory between processes of one host).
+CONFIG = {"timeout": timedelta(seconds=120)}
 
 _results: dict[str, dict] = {}
 
@@ -32,8 +35,7 @@ _results: dict[str, dict] = {}
 def _config():
     import replica
 
-    backends = ("ucx", "gloo")
-    return replica.Config(token=TOKEN, backends=backends, **CONFIG)
+    return replica.Config(token=TOKEN, **CONFIG)
 
 
 def _engine(pipe, port: int) -> None:
@@ -74,14 +76,7 @@ def test_gpu_weight_sync(benchmark):
         assert engine.recv(120) == ("bye",)
     flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    copies = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        host.copy_(flat, non_blocking=True)
-        torch.cuda.synchronize()
-        copies.append(time.perf_counter() - t)
-    push, d2h = statistics.median(push_s), statistics.median(copies[1:])
+    push, d2h = statistics.median(push_s), copy_seconds(host, flat, rounds=5)
     result = {"bytes": nbytes, "backend": backend, "push_ms": push * 1e3, "push_GBps": nbytes / push / 1e9,
               "d2h_pinned_GBps": nbytes / d2h / 1e9, "push_vs_d2h": d2h / push, "push_ms_all": [s * 1e3 for s in push_s],
               "device": torch.cuda.get_device_name(), "machine": machine(), "config": repr(CONFIG)}

@@ -88,7 +88,7 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
         syncs = {name: replica.WeightSync(model, store=store, num_engines=1, config=config)
                  for name, config in configs.items()}
         layout = syncs["verified"].layout
-        nbytes, bucket = layout.total_bytes, configs["verified"].bucket_bytes
+        nbytes, bucket = layout.total_bytes, layout.bucket_bytes
         src = torch.ones(nbytes, dtype=torch.uint8)
         for step in range(1, WARMUP + rounds + 1):
             time.sleep(PAUSE_S)

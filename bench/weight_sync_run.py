@@ -132,7 +132,7 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
         # before each push, a pause before each, so both find the engine settled; back to back
         # (no pause), a block of rounds after the pushes, which then land as before.
         raw_address, raw_buffer = raw_ucx.listen(), torch.empty(nbytes, dtype=torch.uint8)
-        bucket = CONFIG.bucket_bytes
+        bucket = CONFIG.bucket_bytes_for("cpu")  # the CPU model's weight push
 
         def raw_round() -> float:
             trainer.send("raw", raw_address, nbytes, bucket)

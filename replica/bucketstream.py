@@ -65,6 +65,7 @@ from replica.protocol import (
     send_reply,
 )
 from replica.transport import BucketHeader, Connection, MemoryKind, Transfer, Transport
+from replica.transport.base import After
 
 __all__ = [
     "Backoff",
@@ -160,12 +161,16 @@ class Outgoing:
     (or ``send_all``), ``flush``, then ``settle``. ``digests[i]`` is the digest the
     send of bucket i took (of the buffer's bytes, before any injected fault).
     ``digests``, when given, holds each bucket's digest by the time it is sent
-    (taken by ``ops.pack_checksum`` as it was packed); the sends then hash nothing."""
+    (taken by ``ops.pack_checksum`` as it was packed); the sends then hash nothing.
+    ``ready``: the event a CUDA ``buffer`` is complete after (``Snapshot.ready``;
+    None: complete now): the sends wait for it alone, never for this thread's
+    current stream, which holds whatever the producer queued since."""
 
     def __init__(self, conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,
                  epoch: Epoch, fingerprint: int, config: Config, faults: MirrorFaults, counts: SendCounts,
-                 peer: str, digests: Sequence[int] | None = None):
+                 peer: str, digests: Sequence[int] | None = None, ready: torch.cuda.Event | None = None):
         self.conn, self.buffer, self.ranges, self.step, self.epoch = conn, buffer, ranges, step, epoch
+        self._after = After.NOTHING if ready is None else ready
         self.digests = [0] * len(ranges)
         self._known = digests
         self._fingerprint, self._config, self._faults, self._counts, self._peer = (
@@ -195,7 +200,8 @@ class Outgoing:
             self.conn.faults.corrupt_next = 1
         self._inflight.append(self.conn.isend(self.buffer[lo:hi], tag=BUCKET_BASE + i, step=self.step, bucket=i,
                                               offset=lo, fingerprint=self._fingerprint,
-                                              digest=None if self._known is None else self._known[i]))
+                                              digest=None if self._known is None else self._known[i],
+                                              after=self._after))
         self._counts.bytes_sent += hi - lo
 
     def flush(self) -> None:

@@ -154,8 +154,13 @@ class StateLayout:
             raise LayoutMismatchError(
                 f"{len(self.entries)} state tensors here, {len(other.entries)} in the mirror; "
                 f"first unmatched: {extra.name} ({where})")
-        if self.extras_capacity != other.extras_capacity or self.bucket_bytes != other.bucket_bytes:
-            raise LayoutMismatchError("extras capacity or bucket size differs")
+        if self.extras_capacity != other.extras_capacity:
+            raise LayoutMismatchError(f"extras capacity differs: {self.extras_capacity} here, "
+                                      f"{other.extras_capacity} in the mirror (Config.extras_capacity)")
+        if self.bucket_bytes != other.bucket_bytes:
+            raise LayoutMismatchError(
+                f"bucket size differs: {self.bucket_bytes} bytes here, {other.bucket_bytes} in the mirror "
+                "(Config.bucket_bytes; unset, it follows the device the state lives on: set it alike on both)")
 
     def to_json(self) -> str:
         data = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "entries"}

@@ -60,7 +60,7 @@ from replica.repair import request_repair
 from replica.restore import restore_snapshot
 from replica.snapshot import Snapshot, Stateful
 from replica.transport import Connection, MemoryKind
-from replica.transport.base import memory_kind
+from replica.transport.base import After, memory_kind
 
 __all__ = ["Mirror", "MirrorStats", "fetch_mirror"]
 
@@ -152,7 +152,8 @@ class Mirror(Listener):
         roles fails at the first commit instead of at promotion."""
         self._expected = StateLayout.of(model, optimizer, world_size=self.world_size, rank=self.rank,
                                         extras_capacity=self.config.extras_capacity,
-                                        bucket_bytes=self.config.bucket_bytes)
+                                        bucket_bytes=self.config.bucket_bytes_for(
+                                            state_device([t for _, t in state_tensors(model, optimizer)])))
 
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                 extra: Mapping[str, Stateful] | None = None, *, step: int | None = None,
@@ -361,8 +362,10 @@ class Mirror(Listener):
             # The digests kept since the version arrived, not new ones: a change in memory
             # after the check above still fails at the receiver.
             kept = snapshot.digests
+            # A version is complete (received) and held under the lock: its sends wait for nothing.
             sends = [conn.isend(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i, step=step, bucket=i, offset=lo,
-                                fingerprint=fingerprint, digest=None if kept is None else kept[i])
+                                fingerprint=fingerprint, digest=None if kept is None else kept[i],
+                                after=After.NOTHING)
                      for i, (lo, hi) in enumerate(snapshot.layout.buckets())]
             for transfer in sends:
                 transfer.wait(timeout)

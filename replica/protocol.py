@@ -35,6 +35,7 @@ from replica.errors import BucketCorruptedError, FencedError, LayoutMismatchErro
 from replica.jobstate import Epoch
 from replica.layout import StateLayout
 from replica.transport import Connection, Transfer
+from replica.transport.base import After
 
 __all__ = [
     "BEGIN",
@@ -242,8 +243,12 @@ class ReceiveCounts(Protocol):
 
 def post_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]],
                  indices: Sequence[int]) -> list[tuple[int, Transfer]]:
-    """Post the receive of bucket i into ``buffer[lo:hi]`` for each i of ``indices``."""
-    return [(i, conn.irecv(buffer[ranges[i][0]:ranges[i][1]], tag=BUCKET_BASE + i)) for i in indices]
+    """Post the receive of bucket i into ``buffer[lo:hi]`` for each i of ``indices``.
+    ``buffer`` is the receiving session's alone, with no work queued on it (a version
+    made by ``transfer_buffer``, written only by receives): the bytes land at once,
+    never after a thread's current stream (an engine's inference)."""
+    return [(i, conn.irecv(buffer[ranges[i][0]:ranges[i][1]], tag=BUCKET_BASE + i, after=After.NOTHING))
+            for i in indices]
 
 
 def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,

@@ -33,7 +33,7 @@ from replica.protocol import (
     fingerprint_int,
 )
 from replica.snapshot import Snapshot
-from replica.transport.base import bucket_digest
+from replica.transport.base import After, bucket_digest
 from replica.transport import Connection
 
 __all__ = ["request_repair", "serve_repairs"]
@@ -88,6 +88,8 @@ def request_repair(conn: Connection, snapshot: Snapshot, step: int, buckets: Seq
             if snapshot.step != step:
                 return repaired
             snapshot.buffer[lo:hi].copy_(scratch)
+            if scratch.is_cuda:  # complete before the guard goes: later receives into it wait for nothing
+                torch.cuda.current_stream(scratch.device).synchronize()
         repaired.append(i)
     return repaired
 
@@ -138,8 +140,9 @@ def _answer(conn: Connection, request: Reply, snapshots: Sequence[Snapshot], tim
         lo, hi = ranges[i]
         # The standby writes it back only if it matches its own kept digest: a snapshot
         # packed again meanwhile (the next commit) is refused there, never trusted here.
+        # After the snapshot's own event, not this thread's current stream (the next step).
         conn.send(held.buffer[lo:hi], tag=REPAIR_BUCKET, timeout=timeout, step=step, bucket=i, offset=lo,
-                  fingerprint=fingerprint)
+                  fingerprint=fingerprint, after=After.NOTHING if held.ready is None else held.ready)
     logger.warning("[%s step %d] sent buckets %s again: the standby found them changed in its memory", who, step,
                    list(request.buckets))
     return len(request.buckets)

@@ -153,8 +153,10 @@ class Replicator:
             extras = serialize.encode(collect_extras(self.optimizer, self.extra))
             encoded = time.perf_counter()
             snapshot.capture(self._tensors, extras, step=step, digests=self.config.verify)
-            if snapshot.buffer.is_cuda:
-                torch.cuda.current_stream(snapshot.buffer.device).synchronize()
+            if snapshot.ready is not None:
+                # The snapshot's own event, recorded behind the pack: the stream's sends
+                # wait for it too (and nothing queued later), so it travels with the snapshot.
+                snapshot.ready.synchronize()
         # NCCL reports a dead peer only once the step's kernels have run: the
         # snapshot just packed may hold garbage, so look again after the synchronize.
         if self._failed_generation(step):
@@ -279,7 +281,8 @@ class Replicator:
         # counters): the snapshot lives on the GPU and those are staged into it.
         device = state_device([t for _, t in named])
         layout = StateLayout.of(self.model, self.optimizer, world_size=self.world_size, rank=self.rank,
-                                extras_capacity=self.config.extras_capacity, bucket_bytes=self.config.bucket_bytes)
+                                extras_capacity=self.config.extras_capacity,
+                                bucket_bytes=self.config.bucket_bytes_for(device))
         for snapshot in adopted:
             layout.check_matches(snapshot.layout)
         self._layout = layout

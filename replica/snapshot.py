@@ -128,6 +128,11 @@ class Snapshot:
         self._on_host = self.buffer.device.type == "cpu"  # asked once: ~20 us a step with the caches cold
         self.step: int | None = None
         self.digests: list[int] | None = None
+        #: A CUDA buffer's content is complete once this event has (recorded behind the
+        #: pack, on the stream it ran on); None: complete now. Sends of the snapshot wait
+        #: for it and nothing else (``Connection.isend``'s ``after``), never for a
+        #: thread's current stream, where the next step may be queued by then.
+        self.ready: torch.cuda.Event | None = None
         self._expected: ops.ShapeCheck | None = None  # the entries' shapes and dtypes, for _check
         # Where the pack puts each state tensor, then the extras blob (built once: every
         # capture passes them).
@@ -230,6 +235,9 @@ class Snapshot:
                 raise
             self._same_device = False  # a tensor moved: stage it from now on
             taken = pack_state(sources, target, offsets, block_bytes=block_bytes)
+        if not self._on_host:
+            self.ready = torch.cuda.Event(blocking=True)  # a wait for it sleeps, never spins
+            self.ready.record(torch.cuda.current_stream(self.buffer.device))
         self._check(tensors)
         if taken is not None:
             self.digests = taken.tolist() if target is self.buffer else self._zeros.digests(taken.tolist())
@@ -249,6 +257,7 @@ class Snapshot:
         repair): the next capture zeroes all of the extras region past its blob, not
         only what the last capture's blob left behind."""
         self._zeros_from = None
+        self.ready = None  # whoever wrote it finished: a receive completes once its bytes landed
 
     def _write_extras(self, extras: bytes) -> torch.Tensor | None:
         """The extras region: the blob's length, the blob, then zeros. No bytes of a

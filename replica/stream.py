@@ -297,7 +297,8 @@ class MirrorStream:
         # and kept, before the reply: the standby acknowledges first.
         out = Outgoing(self._conn, snapshot.buffer, layout.buckets(), step=step, epoch=epoch,
                        fingerprint=fingerprint_int(layout.fingerprint), config=self._config, faults=self._faults,
-                       counts=self.stats, peer=f"the standby of rank {self.rank}", digests=snapshot.digests)
+                       counts=self.stats, peer=f"the standby of rank {self.rank}", digests=snapshot.digests,
+                       ready=snapshot.ready)
         out.send_all()
         if self._config.verify and snapshot.digests is None:
             snapshot.digests = out.digests

@@ -287,7 +287,7 @@ class WeightSync:
             raise ReplicaError("the model has no parameters to sync")
         self._dtype = dtype
         meta = [(n, torch.empty(shape, dtype=dtype or dt, device="meta")) for n, shape, dt in shapes]
-        self.layout = weight_layout(meta, bucket_bytes=config.bucket_bytes)
+        self.layout = weight_layout(meta, bucket_bytes=config.bucket_bytes_for("cuda" if on_gpu else "cpu"))
         self._buckets = tensor_buckets(self.layout)
         self._ranges = [(b.lo, b.hi) for b in self._buckets]
         self._epoch = epoch if epoch is not None else lambda: NO_EPOCH

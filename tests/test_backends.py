@@ -76,7 +76,7 @@ def test_a_shared_buffer_that_cannot_be_made_is_a_plain_one(monkeypatch, caplog)
     from replica.backends import transfer_buffer
     from replica.transport import shm
 
-    def no_memfd(nbytes):
+    def no_memfd(nbytes, **_):
         raise OSError(errno.EMFILE, "Too many open files (injected)")
 
     monkeypatch.setattr(shm, "shared_empty", no_memfd)

@@ -483,10 +483,10 @@ def test_gloo_gives_up_on_a_client_that_vanishes_after_the_handshake(log):
 
 
 class _FakeConnection(ControlledConnection):
-    def _isend(self, flat, tag, header):
+    def _isend(self, flat, tag, header, ready):
         raise TransportError("no data path")
 
-    def _irecv(self, flat, tag, header_buf):
+    def _irecv(self, flat, tag, header_buf, ready):
         raise TransportError("no data path")
 
     def _release(self) -> None:

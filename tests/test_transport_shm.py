@@ -27,6 +27,7 @@ from replica.transport.ipc import HOST_OFFER_BYTES, MAX_HOST_BYTES, IpcConfig, I
 
 from transport_contract import (
     CHECKS,
+    SHARED,
     assert_echoes,
     MiB,
     T,
@@ -51,6 +52,65 @@ SHM_CHECKS = [c for c in CHECKS if c is not check_peer_killed_mid_transfer]
 @pytest.mark.parametrize("check", SHM_CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
 def test_contract_shm(check):
     run_transport_contract(make_shm, check)
+
+
+def make_shm_push(token: bytes) -> ShmTransport:
+    return ShmTransport(IpcConfig(token=token, push_host=True))
+
+
+# The push protocol without a GPU: the sender copies host buckets into the receiver's
+# shared-memory buffers (push_host, for tests), as it copies device buckets on a GPU.
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_contract_shm_push(check):
+    run_transport_contract(make_shm_push, check, device=SHARED)
+
+
+def test_push_goes_into_the_receivers_buffer_and_an_unmapped_one_is_offered():
+    """A receive in shared memory is pushed into (whether the receive or the send came
+    first), one in private memory is offered and copied by the receiver; small host
+    messages on the same tag keep their order; every byte exact."""
+    n = 3 * MiB + 5
+    with make_shm_push(b"job-token") as transport, spawn(peer_main, make_shm_push, b"job-token", SHARED) as peer:
+        conn = connected(transport, peer)
+        peer.send("recv_all", [(n, 200), (8, 200), (n, 200), (n, 200)])
+        datas = [pattern(n, 1, SHARED), pattern(8, 2), pattern(n, 3, SHARED), pattern(n, 4, SHARED)]
+        time.sleep(0.2)  # the peer's receives (and WANTs) are posted: the first pushes find them waiting
+        for i, data in enumerate(datas):
+            conn.send(data, tag=200, timeout=T, bucket=i)
+        status, buckets, sums = peer.recv()
+        assert status == "ok" and buckets == [0, 1, 2, 3] and sums == [int(d.sum()) for d in datas]
+        assert conn.pushed_sends == 3 and conn.num_dest_imports == 1 * 3  # three receive buffers, one each
+        assert conn.num_exports == 0  # nothing offered
+        # Sends first, receives after: the sends wait for the receives' WANTs.
+        sends = [conn.isend(d, tag=201, bucket=i) for i, d in enumerate(datas)]
+        peer.send("recv_all", [(n, 201), (8, 201), (n, 201), (n, 201)])
+        for s in sends:
+            s.wait(T)
+        assert peer.recv()[2] == [int(d.sum()) for d in datas] and conn.pushed_sends == 6
+        # A receive into private memory: offered (the peer copies it), not pushed.
+        back = empty(n, "cpu", fill=0)
+        receive = conn.irecv(back, tag=203)
+        peer.send("echo", [n], 202)
+        conn.send(datas[0], tag=202, timeout=T)
+        receive.wait(T)
+        assert torch.equal(back, datas[0]) and peer.recv() == ("ok",)
+        assert conn.pushed_sends == 7  # the echo's way out was pushed; its way back was offered
+        assert conn.num_exports == 0, "the peer's echo was offered by it, not by this side"
+
+
+def test_push_into_fresh_buffers_releases_the_old_ones():
+    """A receiver that takes each bucket into a new buffer (the old one freed) makes the
+    sender drop its mapping of the old one: destinations stay bounded, none stale."""
+    n, count = HOST_OFFER_BYTES * 4, 40
+    with make_shm_push(b"job-token") as transport, spawn(peer_main, make_shm_push, b"job-token", SHARED) as peer:
+        conn = connected(transport, peer)
+        peer.send("recv_fresh", n, 210, count)
+        for i in range(count):
+            conn.send(torch.full((n,), i % 251, dtype=torch.uint8), tag=210, timeout=T)
+            assert conn.num_dest_imports <= 3, "mappings of the peer's freed buffers were kept"
+        status, stats, dest_exports = peer.recv()
+        assert status == "ok" and stats == [(i % 251, i % 251) for i in range(count)]
+        assert dest_exports <= 2 and conn.pushed_sends == count
 
 
 def test_round_trip_sizes_across_the_offer_threshold_and_past_the_socket_limit():
@@ -284,7 +344,12 @@ def test_an_offer_of_another_processs_region_is_refused():
     with make_shm(b"job-token") as transport, spawn(peer_main, make_shm, b"job-token") as peer:
         conn = connected(transport, peer)
         assert conn._peer_pid == peer.pid != os.getpid()
-        offer = ipc._OFFER_FIXED.pack(9, 0, 77, 0, HOST_OFFER_BYTES, True) + bytes(64) + ipc._HOST_EXPORT + record
+        offer = ipc._OFFER_FIXED.pack(9, 0, 0, 77, 0, HOST_OFFER_BYTES, True) + bytes(64) + ipc._HOST_EXPORT + record
         with pytest.raises(TransportError, match="another process made"):
             conn._on_control(ipc._OFFER, offer)
         assert conn.num_imports == 0
+        # Nor is such a region taken as a receive's buffer to push into.
+        want = ipc._WANT_FIXED.pack(9, 0, 78, 0, HOST_OFFER_BYTES, True) + ipc._HOST_EXPORT + record
+        with pytest.raises(TransportError, match="another process made"):
+            conn._on_control(ipc._WANT, want)
+        assert conn.num_dest_imports == 0

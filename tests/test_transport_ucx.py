@@ -132,8 +132,8 @@ def _posts_after_close(pipe) -> None:
         # The losing side of the race, made certain: the connection closes between
         # isend's check of the connection and its post to the UCX endpoint.
         conn.close()
-        for post in (lambda: conn._isend(data, 1, lambda: b"\0" * 64),
-                     lambda: conn._irecv(empty(MiB, "cpu"), 2, empty(64, "cpu"))):
+        for post in (lambda: conn._isend(data, 1, lambda: b"\0" * 64, None),
+                     lambda: conn._irecv(empty(MiB, "cpu"), 2, empty(64, "cpu"), None)):
             try:
                 post()
             except PeerDisconnectedError as exc:

@@ -19,7 +19,7 @@ from replica.errors import (
     TransferTimeoutError,
 )
 from replica.testing import Child, process_state, spawn
-from replica.transport import Connection, Transport
+from replica.transport import Connection, Transport, shm
 from replica.transport.base import PIECE_BYTES, bucket_digest
 
 MiB = 1 << 20
@@ -31,12 +31,23 @@ STALL_CYCLES = 4_000_000_000
 MakeTransport = Callable[..., Transport]
 
 
+#: A ``device`` for the checks: host memory in shared-memory regions (``shm.shared_empty``),
+#: which a peer on the shm backend maps, and may push into.
+SHARED = "shared"
+
+
 def pattern(nbytes: int, seed: int, device: str = "cpu") -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).to(device)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+    if device == SHARED:
+        return shm.shared_empty(nbytes).copy_(data)
+    return data.to(device)
 
 
 def empty(nbytes: int, device: str, fill: int | None = None) -> torch.Tensor:
+    if device == SHARED:
+        buf = shm.shared_empty(nbytes)
+        return buf if fill is None else buf.fill_(fill)
     if fill is None:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     return torch.full((nbytes,), fill, dtype=torch.uint8, device=device)
@@ -131,6 +142,15 @@ def peer_main(pipe, make: MakeTransport, token: bytes, device: str = "cpu") -> N
                 conn.recv(buf, tag=tag, timeout=T)
                 stats.append((int(buf.min()), int(buf.max())) if n else (0, 0))
             pipe.send(("ok", stats, getattr(conn, "num_imports", None)))
+        elif cmd == "recv_fresh":  # count receives, each into a buffer of its own (the last one freed first)
+            n, tag, count = args
+            stats = []
+            for _ in range(count):
+                buf = empty(n, device)
+                conn.recv(buf, tag=tag, timeout=T)
+                stats.append((int(buf.min()), int(buf.max())))
+                del buf
+            pipe.send(("ok", stats, getattr(conn, "num_dest_exports", None)))
         elif cmd == "exit":
             break
     transport.close()
@@ -283,9 +303,9 @@ def messages_of_a_bucket(make: MakeTransport, nbytes: int, device: str = "cpu") 
         sizes = []
         real = conn._isend
 
-        def counted(flat, tag, header):
+        def counted(flat, tag, header, ready):
             sizes.append(flat.numel())
-            return real(flat, tag, header)
+            return real(flat, tag, header, ready)
 
         conn._isend = counted
         data = pattern(nbytes, 8, device)

@@ -5,7 +5,9 @@
 # each cut to what is left of BUDGET seconds (default 540), so a run that runs out still
 # says the most. Logs go to /tmp/gpu-logs and, packed, to ${OUT:-gpu-out}/logs.tgz beside the
 # result tables (a device call returns at most 8 files).
-# Usage: tools/gpu_check.sh [tests|bench|all] [extra pytest args]
+# Usage: tools/gpu_check.sh [tests|bench|all|overlap] [extra pytest args]
+# overlap: the mirror-beside-the-step checks first (tests/test_gpu_overlap.py, the transport's
+# GPU tests, the mirror and weight-sync benchmarks), then the other GPU tests in what is left.
 set -u -o pipefail
 WHAT=${1:-all}; shift || true
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
@@ -13,7 +15,8 @@ BUDGET=${BUDGET:-540}
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 L=/tmp/gpu-logs; mkdir -p $L
-finish() { cp bench/results/*gpu*.json bench/results/*gpu*.md "$OUT"/ 2>/dev/null; tar czf "$OUT/logs.tgz" -C /tmp gpu-logs; }
+finish() { cp bench/results/*gpu*.json bench/results/*gpu*.md "$OUT"/ 2>/dev/null; tar czf "$OUT/logs.tgz" -C /tmp gpu-logs
+  [[ -n ${KEEP_BUILD:-} ]] && tar czf "$OUT/build.tgz" replica/_C*.so 2>/dev/null; }
 trap finish EXIT
 left() { echo $(( BUDGET - (SECONDS - START) )); }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $L/device.txt
@@ -30,6 +33,17 @@ phase() {  # name seconds-wanted command...
   (( r == 0 )) || rc=1
   echo "== $n rc=$r $((SECONDS - S)) s: $(tail -1 $L/$n.log)"; grep -E "^(FAILED|ERROR)" $L/$n.log | head -8
 }
+if [[ $WHAT == overlap ]]; then
+  phase overlap 150 $P -m gpu tests/test_gpu_overlap.py --timeout 140 "$@"
+  phase transport_gpu 200 $P -m gpu tests/test_transport_gpu.py --timeout 120 "$@"
+  phase bench_mirror 240 $P -m gpu bench/test_gpu_mirror.py --benchmark-only --timeout 230 "$@"
+  grep -E "^\| |^Snapshot" bench/results/mirror_gpu.md 2>/dev/null
+  phase bench_weights 120 $P -m gpu bench/test_gpu_weight_sync.py --benchmark-only --timeout 110 "$@"
+  grep -E "^\| " bench/results/weight_sync_gpu.md 2>/dev/null
+  for f in tests/test_gpu_failover.py tests/test_gpu_placement.py tests/test_gpu_weights.py; do
+    phase "$(basename $f .py)" 200 $P -m gpu $f --timeout 150 "$@"
+  done
+fi
 if [[ $WHAT == tests || $WHAT == all ]]; then
   phase ops 90 $P -m gpu tests/test_ops.py tests/test_pack_checksum.py --timeout 60 "$@"
 fi

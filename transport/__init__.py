@@ -6,6 +6,7 @@ Installed as ``replica.transport``. It may import only ``replica.errors`` and
 
 from replica.transport.base import (
     MAX_TAG,
+    After,
     Capabilities,
     Connection,
     Locality,
@@ -17,6 +18,7 @@ from replica.transport.base import (
 from replica.transport.wire import BucketHeader
 
 __all__ = [
+    "After",
     "BucketHeader",
     "Capabilities",
     "Connection",

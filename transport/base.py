@@ -33,6 +33,7 @@ from replica.transport.wire import HEADER_BYTES, BucketHeader
 
 __all__ = [
     "AUTO_VERIFY_THREADS_MAX",
+    "After",
     "Capabilities",
     "Connection",
     "Locality",
@@ -47,6 +48,7 @@ __all__ = [
     "bucket_digest",
     "check_verify_threads",
     "nvtx_range",
+    "ready_event",
     "resolve_verify_threads",
     "select_transport",
     "valid_offset",
@@ -89,6 +91,57 @@ except ImportError:  # the ranges are for profiles only; nothing depends on them
 
     def nvtx_range(name: str):
         return contextlib.nullcontext()
+
+
+class After(enum.Enum):
+    """What a send waits for before it reads a CUDA buffer, or a receive before it
+    writes one, when the caller gives no ``torch.cuda.Event`` of its own."""
+
+    #: The work queued on the buffer's device's current stream when the call is made,
+    #: in the calling thread (torch's convention for collectives). Right only in the
+    #: thread that queued the buffer's producers: from a background thread it orders
+    #: the transfer after whatever the producer queued since (the next training step).
+    CURRENT_STREAM = enum.auto()
+    #: Nothing: the buffer is complete (a send) or free (a receive) already; the caller
+    #: synchronized its producers or owns the buffer alone.
+    NOTHING = enum.auto()
+
+
+def ready_event(flat: torch.Tensor, after: After | torch.cuda.Event) -> torch.cuda.Event | None:
+    """The event a transfer of ``flat`` waits for before it touches its bytes (None:
+    nothing to wait for). Called in the caller's thread, at the call: ``CURRENT_STREAM``
+    is that thread's current stream, now."""
+    if flat.device.type != "cuda" or flat.numel() == 0 or after is After.NOTHING:
+        return None
+    if after is After.CURRENT_STREAM:
+        event = torch.cuda.Event(blocking=True)  # host waits on it sleep, never spin
+        event.record(torch.cuda.current_stream(flat.device))
+        return event
+    if not isinstance(after, torch.cuda.Event):
+        raise TypeError(f"after must be an After or a torch.cuda.Event, got {type(after).__name__}")
+    return after
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+_side_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _ordered_after(flat: torch.Tensor, ready: torch.cuda.Event | None):
+    """Run the block's CUDA work on ``flat`` on a side stream ordered after ``ready``
+    alone: never on the calling thread's current stream, where a background thread
+    would wait for whatever the producer queued since."""
+    if flat.device.type != "cuda":
+        yield
+        return
+    with _side_lock:
+        stream = _side_streams.get(flat.device.index)
+        if stream is None:
+            stream = _side_streams[flat.device.index] = torch.cuda.Stream(flat.device)
+    if ready is not None:
+        stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        yield
 
 
 def memory_kind(of: torch.Tensor | torch.device) -> MemoryKind:
@@ -320,23 +373,31 @@ class Connection(ABC):
         return self._error is None
 
     def isend(self, buf: torch.Tensor, *, tag: int, step: int = 0, bucket: int = 0,
-              offset: int = 0, fingerprint: int = 0, digest: int | None = None) -> Transfer:
+              offset: int = 0, fingerprint: int = 0, digest: int | None = None,
+              after: After | torch.cuda.Event = After.CURRENT_STREAM) -> Transfer:
         """Start sending ``buf`` (contiguous, host or CUDA) under ``tag``; returns at once.
 
         ``digest``: ``bucket_digest(buf, offset=offset)``, when the caller has it already
         (``ops.pack_checksum`` took it while packing); otherwise it is computed here
         while the payload is on its way (when the connection verifies digests).
         A bucket above ``piece_bytes`` goes as pieces; the last one's header carries
-        the digest of the whole."""
+        the digest of the whole. ``after``: what a CUDA ``buf`` is complete after (an
+        event recorded behind its producers, or ``After``); the send reads it after
+        that and nothing else."""
         flat = self._guard(buf, tag, "buf")
         _check_offset(offset)
         self._check_bucket(flat)
+        ready = ready_event(flat, after)
         payload = flat
         if self.faults.corrupt_next > 0 and flat.numel() > 0:
             self.faults.corrupt_next -= 1
             self.faults.corrupted += 1
-            payload = flat.clone()
-            payload[flat.numel() // 2] ^= 0xFF
+            with _ordered_after(flat, ready):
+                payload = flat.clone()
+                payload[flat.numel() // 2] ^= 0xFF
+                if flat.is_cuda:  # the clone is complete once its side stream is
+                    ready = torch.cuda.Event(blocking=True)
+                    ready.record()
         whole = BucketHeader(step=step, bucket=bucket, offset=offset, nbytes=flat.numel(), digest=0,
                              fingerprint=fingerprint)
         spans = _pieces(flat.numel(), self.piece_bytes)
@@ -351,7 +412,7 @@ class Connection(ABC):
                     if digest is not None:
                         value = digest
                     else:
-                        with nvtx_range("replica::digest"):
+                        with nvtx_range("replica::digest"), _ordered_after(flat, ready):
                             value = bucket_digest(flat, offset=offset)
                     whole = dataclasses.replace(whole, digest=value)
                 return dataclasses.replace(whole, offset=offset + lo, nbytes=hi - lo, digest=value).encode()
@@ -361,20 +422,23 @@ class Connection(ABC):
         with nvtx_range("replica::post_send"):
             for lo, hi in spans:
                 part = payload[lo:hi] if len(spans) > 1 else payload
-                pieces.append(_Piece(self._isend(part, tag, header_of(lo, hi)), part, None))
+                pieces.append(_Piece(self._isend(part, tag, header_of(lo, hi), ready), part, None))
         # The backends take the last header while posting its piece: `whole` has its digest now.
         return Transfer(self, pieces, kind="send", tag=tag, buf=payload, header=whole)
 
-    def irecv(self, buf: torch.Tensor, *, tag: int) -> Transfer:
-        """Start receiving the next bucket sent under ``tag`` directly into ``buf``."""
+    def irecv(self, buf: torch.Tensor, *, tag: int, after: After | torch.cuda.Event = After.CURRENT_STREAM) -> Transfer:
+        """Start receiving the next bucket sent under ``tag`` directly into ``buf``.
+        ``after``: what a CUDA ``buf`` is free after (work queued on it before); the
+        received bytes land after that and wait for nothing else."""
         flat = self._guard(buf, tag, "buf")
+        ready = ready_event(flat, after)
         spans = _pieces(flat.numel(), self.piece_bytes)
         pieces = []
         with nvtx_range("replica::post_recv"):
             for lo, hi in spans:
                 part = flat[lo:hi] if len(spans) > 1 else flat
                 header_buf = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-                pieces.append(_Piece(self._irecv(part, tag, header_buf), part, header_buf))
+                pieces.append(_Piece(self._irecv(part, tag, header_buf, ready), part, header_buf))
         return Transfer(self, pieces, kind="recv", tag=tag, buf=flat, header=None)
 
     def send(self, buf: torch.Tensor, *, tag: int, timeout: timedelta, **meta: int) -> BucketHeader:
@@ -466,11 +530,16 @@ class Connection(ABC):
         """Refuse a bucket this backend cannot send (before any of its pieces goes)."""
 
     @abstractmethod
-    def _isend(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> Pending:
-        """Post ``flat`` then the header that ``header()`` returns, under ``tag``."""
+    def _isend(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes],
+               ready: torch.cuda.Event | None) -> Pending:
+        """Post ``flat`` then the header that ``header()`` returns, under ``tag``;
+        a CUDA ``flat`` is read only once ``ready`` (if any) completed."""
 
     @abstractmethod
-    def _irecv(self, flat: torch.Tensor, tag: int, header_buf: torch.Tensor) -> Pending: ...
+    def _irecv(self, flat: torch.Tensor, tag: int, header_buf: torch.Tensor,
+               ready: torch.cuda.Event | None) -> Pending:
+        """Post the receive of the next message under ``tag`` into ``flat``, written
+        only once ``ready`` (if any) completed."""
 
     @abstractmethod
     def _abort(self) -> None:

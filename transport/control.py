@@ -268,6 +268,9 @@ class ControlMonitor:
     def __init__(self) -> None:
         self._selector = selectors.DefaultSelector()
         self._stopped = threading.Event()
+        # Set when a socket is watched: an idle monitor (nothing to select on) wakes at
+        # once, not at its next look, so a new connection's first frames wait for nothing.
+        self._watched = threading.Event()
         self._thread = threading.Thread(target=self._run, name="replica-control-monitor", daemon=True)
         self._thread.start()
 
@@ -276,6 +279,7 @@ class ControlMonitor:
         # socket is readable, and a frame send may block for a bounded time.
         sock.settimeout(SEND_TIMEOUT_S)
         self._selector.register(sock, selectors.EVENT_READ, (conn, bytearray()))
+        self._watched.set()
 
     def forget(self, sock: socket.socket) -> None:
         try:
@@ -285,13 +289,15 @@ class ControlMonitor:
 
     def close(self) -> None:
         self._stopped.set()
+        self._watched.set()
         self._thread.join(timeout=5)
         self._selector.close()
 
     def _run(self) -> None:
         while not self._stopped.is_set():
             if not self._selector.get_map():
-                self._stopped.wait(0.05)
+                self._watched.wait(0.05)
+                self._watched.clear()
                 continue
             for key, _ in self._selector.select(timeout=1.0):
                 conn, pending = key.data
@@ -482,8 +488,14 @@ class ControlledConnection(Connection):
             self._sock.settimeout(0.1)
             with self._send_lock:
                 self._sock.sendall(encode_frame(BYE))
+            # Bytes the peer sent that nobody read would make the close a reset, and a
+            # reset drops what this side sent last (the peer's last frames still in flight
+            # to it: a reply, a bucket) before the peer reads it: read them first.
+            self._sock.setblocking(False)
+            while self._sock.recv(1 << 16):
+                pass
         except OSError:
-            pass  # the peer is gone already
+            pass  # nothing more to read, or the peer is gone already
         self._sock.close()
         self._release()
 

@@ -75,12 +75,12 @@ class GlooConnection(ControlledConnection):
             raise ValueError(f"the gloo transport takes tags up to {MAX_GLOO_TAG}, got {tag}")
         return super()._guard(buf, tag, what)
 
-    def _isend(self, flat, tag, header):
+    def _isend(self, flat, tag, header, ready):  # host memory only: ready is None
         payload = self._group.send([flat], self._peer_rank, 2 * tag)
         head = torch.frombuffer(bytearray(header()), dtype=torch.uint8)
         return _Works([payload, self._group.send([head], self._peer_rank, 2 * tag + 1)], (flat, head))
 
-    def _irecv(self, flat, tag, header_buf):
+    def _irecv(self, flat, tag, header_buf, ready):
         works = [self._group.recv([header_buf], self._peer_rank, 2 * tag + 1),
                  self._group.recv([flat], self._peer_rank, 2 * tag)]
         return _Works(works, (flat, header_buf))

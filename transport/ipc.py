@@ -1,8 +1,8 @@
 """CUDA IPC backend: processes of one node, device buckets moved GPU to GPU.
 
-Sending a CUDA bucket records an event on the caller's current stream (in the
-caller's thread, so it covers the kernels that produced the bucket); once that
-event has completed, an OFFER frame goes over the control socket. The first
+A CUDA bucket is complete once its ``ready`` event has (``Connection.isend``'s
+``after``: an event the producer recorded, or the caller's current stream at the
+call); an offered one goes out as an OFFER frame over the control socket once it has. The first
 offer of a storage carries its export (torch's IPC handle, once per storage and
 connection); later ones name the export by id. The receiver maps an export
 once, and copies device to device into the caller's buffer, on a copy stream
@@ -20,6 +20,20 @@ buffer's GPU (with peer access if that is another one) or explains why not.
 An export is released (RELEASE frame, then unmapped behind the copies from it)
 once its storage is freed or, past MAX_EXPORTS, least recently used, never
 while a send of it is in flight.
+
+**A device bucket is pushed, not pulled, wherever the receiver's buffer can be
+mapped here** (device memory, or a shared-memory region on ``ShmTransport``): each
+receive announces its buffer (a WANT frame, with an export of its storage, once per
+storage and connection), and the sender copies its bucket into it from its own
+process, on a copy stream of its own (``cudaMemcpyAsync``: the copy engines) that
+waits for the bucket's ``ready`` event alone, then says so (PUSHED). The receiver's
+process does no GPU work at all: two processes on one GPU are time-sliced between
+their contexts, so a copy the receiver issued would wait for the sender's kernels
+(a trainer's next step), and a receiver on host memory would need a GPU to copy from
+one. Into device memory the sender also takes the digest of the bytes where they
+landed (one hash kernel, on the same stream); into host memory the receiver hashes
+them on its CPU threads. A receive whose buffer cannot be mapped (plain host memory)
+announces none, and the sender offers the bucket as before.
 
 Small host messages (the mirror protocol's layouts, BEGIN, REPLY, FETCH) ride
 the control socket itself, in order with the offers and matched by the same
@@ -73,14 +87,20 @@ __all__ = ["HOST_OFFER_BYTES", "IpcConfig", "IpcConnection", "IpcTransport", "MA
 
 logger = logging.getLogger(__name__)
 
-# Control frame kinds (the control socket's BYE is 0xFF).
-_OFFER = 1  # a device bucket: tag, seq, export id, byte offset, nbytes, header [, export]
+# Control frame kinds (the control socket's BYE is 0xFF). A message is named by its tag
+# and its index among the messages of that tag (both sides count them alike), so a
+# push that completes late is never matched to a later receive.
+_OFFER = 1  # a bucket to copy out of an export: tag, index, seq, export id, byte offset, nbytes, header [, export]
 _ACK = 2  # the receiver's copy of send seq has run
-_HOST = 3  # a host message: tag, total bytes, header, first bytes
+_HOST = 3  # a host message: tag, index, total bytes, header, first bytes
 _HOST_MORE = 4  # the next bytes of the host message before it
-_RELEASE = 5  # the sender no longer offers this export: unmap it
+_RELEASE = 5  # this side no longer offers (or receives into) this export: unmap it
+_WANT = 6  # a receive is posted: tag, index, export id of its buffer (0: none), byte offset, nbytes [, export]
+_PUSHED = 7  # the sender copied message (tag, index) into the receive's buffer: digest taken?, digest, header
 
-_OFFER_FIXED = struct.Struct("<QQQQQ?")  # tag, seq, export id, byte offset in storage, nbytes, export follows
+_OFFER_FIXED = struct.Struct("<QQQQQQ?")  # tag, index, seq, export id, byte offset in storage, nbytes, export follows
+_WANT_FIXED = struct.Struct("<QQQQQ?")  # tag, index, export id, byte offset in storage, nbytes, export follows
+_PUSHED_FIXED = struct.Struct("<QQ?q")  # tag, index, digest taken from the destination, that digest
 # An export is a kind byte, then for CUDA: storage bytes, offset of the storage in
 # its allocation, ref-counter offset, then three length-prefixed blobs: GPU UUID,
 # allocation handle, ref-counter handle; for HOST: a shared-memory region's record.
@@ -88,7 +108,7 @@ _CUDA_EXPORT = b"\x00"
 _HOST_EXPORT = b"\x01"
 _EXPORT_FIXED = struct.Struct("<QQQ")
 _BLOB = struct.Struct("<I")
-_HOST_FIXED = struct.Struct("<QQ")  # tag, total bytes
+_HOST_FIXED = struct.Struct("<QQQ")  # tag, index, total bytes
 _U64 = struct.Struct("<Q")
 _HOST_FIRST_BYTES = MAX_FRAME_BYTES - _HOST_FIXED.size - HEADER_BYTES
 
@@ -122,7 +142,14 @@ _READY_SPIN_S = 20e-6
 # repr=False keeps EndpointConfig.__repr__, which leaves the token out.
 @dataclass(kw_only=True, frozen=True, slots=True, repr=False)
 class IpcConfig(EndpointConfig):
-    pass
+    #: Device buckets are copied into the receiver's buffer by the sender's process
+    #: (see the module docstring); False: the receiver copies every bucket itself.
+    #: Both sides follow the sender's setting.
+    push: bool = True
+    #: Tests only: bulk host buckets are pushed too (a CPU copy by the sender), so the
+    #: push protocol runs on a machine without a GPU. Slower than the receiver's copy
+    #: with its digest in the same pass, which host buckets otherwise take.
+    push_host: bool = False
 
 
 @functools.cache
@@ -164,7 +191,7 @@ def _digest_offset(header: bytes) -> int | None:
 # --- per process: copy streams and the threads that wait on events ---
 
 
-_streams: dict[int, torch.cuda.Stream] = {}
+_streams: dict[tuple[int, str], torch.cuda.Stream] = {}
 _streams_lock = threading.Lock()
 # Two receives of one export may be delivered at once (monitor and caller
 # threads); mapping it twice would hand the exporter two references back.
@@ -182,11 +209,23 @@ def _completes_soon(event) -> bool:
 def _copy_stream(device: torch.device | int) -> torch.cuda.Stream:
     """The stream receives copy on (one per GPU): copies never queue behind the
     caller's later work, nor the caller's behind them."""
+    return _stream(device, "copy", 0)
+
+
+def _push_stream(device: torch.device | int) -> torch.cuda.Stream:
+    """The stream pushes copy and hash on (one per GPU, of the sending process): its
+    copies run on the copy engines beside the caller's kernels, and the digest kernel
+    of a pushed bucket (a few microseconds) is scheduled ahead of them (high priority)
+    rather than after the step that follows."""
+    return _stream(device, "push", -1)
+
+
+def _stream(device: torch.device | int, kind: str, priority: int) -> torch.cuda.Stream:
     index = device.index if isinstance(device, torch.device) else device
     with _streams_lock:
-        stream = _streams.get(index)
+        stream = _streams.get((index, kind))
         if stream is None:
-            stream = _streams[index] = torch.cuda.Stream(device=index)
+            stream = _streams[(index, kind)] = torch.cuda.Stream(device=index, priority=priority)
         return stream
 
 
@@ -270,9 +309,31 @@ class _Send:
 class _Outgoing:
     ready: Any  # torch.cuda.Event | None: the frames go out once it completed
     frames: list[tuple[int, bytes]]
+    written: Callable[[], None] | None = None  # a host message is done once written (a bucket once acknowledged)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """A bucket being sent: pushed into the receiver's buffer, or offered to it."""
+
+    flat: torch.Tensor
+    tag: int
+    index: int
     seq: int
+    head: bytes
+    ready: Any  # torch.cuda.Event | None: its producers
     send: _Send
-    written: bool  # a host message is done once written; a bucket once acknowledged
+
+
+@dataclass(slots=True)
+class _Want:
+    """A receive the peer posted: where its bytes go (None: a buffer not mapped here)."""
+
+    tag: int
+    index: int
+    source: Any  # _Import | _HostImport | None
+    byte_offset: int
+    nbytes: int
 
 
 # --- receiver side ---
@@ -280,14 +341,26 @@ class _Outgoing:
 
 class _HostImport:
     """A shared-memory region of the peer: mapped on first use, dropped on RELEASE
-    or close (the mapping goes once the copies from it are done)."""
+    or close (the mapping goes once the copies from it are done). A region the peer
+    receives into is mapped writable (``destination``), page-locked for pushes from a GPU."""
 
-    __slots__ = ("record", "pid", "storage_bytes", "bytes")
+    __slots__ = ("record", "pid", "storage_bytes", "bytes", "dest")
 
     def __init__(self, record: bytes):
         parsed = shm.parse_record(record)  # TransportError if it is not a record
         self.record, self.pid, self.storage_bytes = record, parsed.pid, parsed.size
         self.bytes: torch.Tensor | None = None
+        self.dest: torch.Tensor | None = None
+
+    def destination(self, *, pin: bool) -> torch.Tensor:
+        """The region mapped writable (``pin``: and page-locked, for copies from a GPU)."""
+        with _map_lock:
+            if self.dest is None:
+                dest = shm.map_region(self.record, writable=True)
+                if pin:
+                    shm.pin(dest)
+                self.dest = dest
+            return self.dest
 
     def map(self, device: int | None) -> torch.Tensor:
         mapped = self.bytes
@@ -299,7 +372,7 @@ class _HostImport:
             return self.bytes
 
     def unmap(self) -> None:
-        self.bytes = None
+        self.bytes = self.dest = None
 
 
 class _Import:
@@ -368,6 +441,7 @@ class _Import:
 @dataclass(slots=True)
 class _Offer:
     tag: int
+    index: int
     seq: int
     nbytes: int
     byte_offset: int
@@ -378,6 +452,7 @@ class _Offer:
 @dataclass(slots=True)
 class _HostMessage:
     tag: int
+    index: int
     nbytes: int
     header: bytes
     data: bytearray
@@ -391,12 +466,18 @@ class _Recv:
         self.posted = posted  # event after the caller's queued work on flat (CUDA receives)
         self.completion = threading.Event()
         self.done = False
-        self.digest: int | None = None  # taken by the copy that received it (shared memory)
+        # Taken by the copy that received it: a shared-memory copy here, or the
+        # sender's hash of the bytes it pushed into device memory.
+        self.digest: int | None = None
+        self.released: Callable[[], None] | None = None  # its buffer's export is not written into any more
 
     def finish(self, header: bytes) -> None:
         self.header_buf.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         self.done = True
         self.flat = self.posted = None
+        released, self.released = self.released, None
+        if released is not None:
+            released()
         self.completion.set()
 
     def poll(self) -> bool:
@@ -404,23 +485,26 @@ class _Recv:
 
 
 class IpcConnection(ControlledConnection):
-    # One message per bucket: every message costs an offer, a copy and an
-    # acknowledgement through the control socket and three threads, and the
-    # receiver hashes device memory on its GPU, where a bucket takes microseconds:
-    # pieces would only multiply the messages (a mirror stream of 64 MiB buckets
-    # moved 50.9 GB/s on an H200 in 16 MiB pieces).
+    # One message per bucket: every message costs an offer (or a WANT and a PUSHED), a
+    # copy and a frame back through the control socket and a few threads: pieces
+    # would only multiply the messages (a mirror stream of 64 MiB buckets moved 50.9
+    # GB/s on an H200 in 16 MiB pieces).
     piece_bytes = None
 
     def __init__(self, *, host_offers: bool = False, probe: torch.Tensor | None = None, peer_pid: int | None = None,
-                 **kwargs):
+                 push: bool = True, push_host: bool = False, **kwargs):
         # HOST too: small control messages ride the control socket (see the module docstring).
         super().__init__(memory=MemoryKind.HOST | MemoryKind.CUDA, **kwargs)
         self._host_offers = host_offers  # ShmTransport: bulk host buckets go as shared memory
         self._peer_pid = peer_pid  # whose regions alone are mapped: the process the handshake's probe proved
         self._probe = probe  # this side's handshake region, mapped by the peer: kept while connected
+        self._push = push  # device buckets go into the receiver's buffer when it can be mapped here
+        self._push_host = push_host  # tests only: bulk host buckets too (see IpcConfig.push_host)
         self._staging: list[torch.Tensor] = []  # free staging regions, least recently freed first
         self._staging_lock = threading.Lock()
         self.staged_sends = 0  # host sends that were copied into a staging region first
+        self.pushed_sends = 0  # sends copied into the receiver's buffer by this side
+        self._push_failure: str | None = None  # why a push failed here once: the rest are offered
         self._seq = itertools.count()
         self._export_ids = itertools.count(1)
         # Lock order: _out_lock, then _state_lock; the monitor thread takes only
@@ -429,30 +513,71 @@ class IpcConnection(ControlledConnection):
         self._outbox: collections.deque[_Outgoing] = collections.deque()
         self._state_lock = threading.Lock()
         self._sends: dict[int, _Send] = {}
+        # This side's storages the peer may map, by (storage, address, size): those
+        # sent from (offers), and those received into (destinations of WANTs).
         self._exports: collections.OrderedDict[tuple[int, int, int], _Export] = collections.OrderedDict()
-        self._waiting: dict[int, collections.deque[_Recv]] = collections.defaultdict(collections.deque)
-        self._unmatched: dict[int, collections.deque[_Offer | _HostMessage]] = collections.defaultdict(collections.deque)
-        self._imports: dict[int, _Import] = {}
+        self._dest_exports: collections.OrderedDict[tuple[int, int, int], _Export] = collections.OrderedDict()
+        # Messages by (tag, index): receives posted, and messages that came before theirs.
+        self._sent: dict[int, int] = collections.defaultdict(int)
+        self._received: dict[int, int] = collections.defaultdict(int)
+        self._waiting: dict[tuple[int, int], _Recv] = {}
+        self._unmatched: dict[tuple[int, int], _Offer | _HostMessage] = {}
+        # The peer's receives not yet matched by a send here, and sends waiting for the peer's receive.
+        self._wants: dict[tuple[int, int], _Want] = {}
+        self._pushes: dict[tuple[int, int], _Bucket] = {}
+        # The peer's storages: those it offers (imports), those it receives into (destinations).
+        self._imports: dict[int, _Import | _HostImport] = {}
+        self._destinations: dict[int, _Import | _HostImport] = {}
         self._partial: _HostMessage | None = None  # monitor thread only
 
+    # For tests and diagnostics:
     @property
     def num_exports(self) -> int:
-        """Storages this side has exported to the peer (for tests and diagnostics)."""
-        with self._state_lock:
-            return len(self._exports)
+        """Storages this side has offered to the peer."""
+        return self._count(self._exports)
 
     @property
     def num_imports(self) -> int:
-        """Exports of the peer this side holds (mapped or not yet used)."""
+        """Offered exports of the peer this side holds (mapped or not yet used)."""
+        return self._count(self._imports)
+
+    @property
+    def num_dest_exports(self) -> int:
+        """Storages this side receives into that the peer may map and push into."""
+        return self._count(self._dest_exports)
+
+    @property
+    def num_dest_imports(self) -> int:
+        """The peer's receive buffers this side holds, to push into."""
+        return self._count(self._destinations)
+
+    def _count(self, table) -> int:
         with self._state_lock:
-            return len(self._imports)
+            return len(table)
 
     # --- sending ---
 
-    def _isend(self, flat, tag, header):
+    def _isend(self, flat, tag, header, ready):
         if flat.numel() == 0 or (flat.device.type == "cpu" and not self._offers_host(flat)):
             return self._send_host(flat, tag, header)
-        return self._send_offer(flat, tag, header)
+        if self._push and (flat.device.type == "cuda" or self._push_host):
+            return self._send_push(flat, tag, header, ready)
+        head = header()
+        send = _Send((flat, ready))
+        with self._state_lock:
+            item = _Bucket(flat=flat, tag=tag, index=self._next_index(tag), seq=next(self._seq), head=head,
+                           ready=ready, send=send)
+            self._sends[item.seq] = send
+        self._offer(item)
+        return send
+
+    def _next_index(self, tag: int) -> int:
+        """The index of the next send under ``tag``; a WANT that came for it is dropped
+        (a send that does not wait for the receive). Caller holds _state_lock."""
+        index = self._sent[tag]
+        self._sent[tag] = index + 1
+        self._wants.pop((tag, index), None)
+        return index
 
     def _offers_host(self, flat: torch.Tensor) -> bool:
         return self._host_offers and flat.numel() >= HOST_OFFER_BYTES
@@ -469,41 +594,120 @@ class IpcConnection(ControlledConnection):
         nbytes = flat.numel()
         head = header()
         data = flat.numpy().tobytes() if nbytes else b""
-        frames = [(_HOST, _HOST_FIXED.pack(tag, nbytes) + head + data[:_HOST_FIRST_BYTES])]
-        frames += [(_HOST_MORE, data[at:at + MAX_FRAME_BYTES])
-                   for at in range(_HOST_FIRST_BYTES, nbytes, MAX_FRAME_BYTES)]
         send = _Send(None)
         with self._out_lock:
-            seq = next(self._seq)
             with self._state_lock:
+                index = self._next_index(tag)
+                seq = next(self._seq)
                 self._sends[seq] = send
-            self._post(_Outgoing(ready=None, frames=frames, seq=seq, send=send, written=True))
+            frames = [(_HOST, _HOST_FIXED.pack(tag, index, nbytes) + head + data[:_HOST_FIRST_BYTES])]
+            frames += [(_HOST_MORE, data[at:at + MAX_FRAME_BYTES])
+                       for at in range(_HOST_FIRST_BYTES, nbytes, MAX_FRAME_BYTES)]
+            self._post(_Outgoing(ready=None, frames=frames, written=functools.partial(self._written, seq, send)))
         return send
 
-    def _send_offer(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> _Send:
-        """Offer a device bucket, or a host bucket as shared memory, for the peer to copy."""
-        ready = finished = None
-        if flat.device.type == "cuda":
-            # Captured here, in the caller's thread: the stream its producers ran on.
-            ready = torch.cuda.Event(blocking=True)  # the ready thread sleeps on it, never spins
-            ready.record(torch.cuda.current_stream(flat.device))
-        head = header()
+    def _written(self, seq: int, send: _Send) -> None:
+        with self._state_lock:
+            self._sends.pop(seq, None)
+        send.finish()
+
+    def _send_push(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes], ready) -> _Send:
+        """A bucket for the receive the peer posts (or posted) under the same tag and
+        index: pushed into its buffer if that can be mapped here, else offered."""
+        head = header()  # here, in the caller's thread (it may hash the bucket; see Connection.isend)
+        send = _Send((flat, ready))
+        with self._state_lock:
+            if self._error is not None:
+                raise self._error
+            index = self._sent[tag]
+            self._sent[tag] = index + 1
+            item = _Bucket(flat=flat, tag=tag, index=index, seq=next(self._seq), head=head, ready=ready, send=send)
+            self._sends[item.seq] = send
+            want = self._wants.pop((tag, index), None)
+            if want is None:
+                self._pushes[(tag, index)] = item
+        if want is not None:
+            self._transport._pusher.submit(None, functools.partial(self._dispatch, item, want))
+        return send
+
+    def _dispatch(self, item: _Bucket, want: _Want) -> None:
+        """Pusher thread: copy ``item`` into the peer's receive buffer, or offer it
+        when that buffer cannot be mapped here (or a push failed on this connection)."""
+        if self._error is not None:
+            return  # its waiter was woken with the connection's error
+        source, flat = want.source, item.flat
+        if source is None or self._push_failure is not None or (
+                isinstance(source, _Import) and flat.device.type != "cuda"):
+            self._offer(item)
+            return
+        n = min(flat.numel(), want.nbytes)  # a size mismatch fails the receive's check
+        offset = _digest_offset(item.head) if self._verify_digests else None
+        digest = None
+        try:
+            if isinstance(source, _Import):
+                full = source.map(None)
+            else:
+                full = source.destination(pin=flat.device.type == "cuda")
+            dst, src = full[want.byte_offset:want.byte_offset + n], flat[:n]
+            if flat.device.type == "cuda":
+                stream = _push_stream(flat.device)
+                if item.ready is not None:
+                    stream.wait_event(item.ready)  # its producers alone, never a thread's current stream
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+                    if dst.device.type == "cuda" and offset is not None and n:
+                        # The bytes where they landed, hashed here: the receiver's
+                        # process does no GPU work (see the module docstring).
+                        taken = ops.checksum(dst, -(-n // 8) * 8, offset // 8)
+                        digest = torch.empty(1, dtype=torch.int64, pin_memory=True)
+                        digest.copy_(taken, non_blocking=True)
+                    copied = torch.cuda.Event(blocking=True)
+                    copied.record(stream)
+            else:  # push_host: a host copy, the receiver hashes it
+                dst.copy_(src)
+                copied = None
+        except Exception as exc:  # noqa: BLE001 - the peer can still copy the bucket itself
+            if self._error is not None:
+                return
+            self._push_failure = str(exc)
+            logger.warning("cannot copy into the buffers of %s (%s); offering it its buckets to copy instead",
+                           self.peer, exc)
+            self._offer(item)
+            return
+        with self._state_lock:
+            self.pushed_sends += 1
+        # The bucket, the mapping and the digest stay referenced until the copy has run.
+        self._transport._copied.submit(copied, functools.partial(self._pushed, item, digest, (src, dst, full)))
+
+    def _pushed(self, item: _Bucket, digest: torch.Tensor | None, keep) -> None:
+        """Completion thread: ``item``'s copy into the peer's buffer has run; tell the peer."""
+        taken = digest is not None
+        frame = _PUSHED_FIXED.pack(item.tag, item.index, taken, int(digest[0]) if taken else 0) + item.head
+        try:
+            self._send_control(_PUSHED, frame)
+        except TransportError:
+            return  # the peer is gone; the send's waiter sees the connection's error
+        self._written(item.seq, item.send)
+
+    def _offer(self, item: _Bucket) -> None:
+        """Offer a bucket (a device bucket, or a host bucket as shared memory) for the peer to copy."""
+        flat, finished = item.flat, None
         if flat.device.type == "cpu" and shm.region_of(flat) is None:
             flat, finished = self._stage(flat)
+            item.send._finished = finished
         storage = flat.untyped_storage()
         with self._out_lock:
-            export = self._export(storage, flat)
-            seq = next(self._seq)
-            send = _Send((flat, ready), export, finished)
+            export = self._export(storage, flat, self._exports)
+            item.send._keep = (flat, item.ready)
+            item.send.export = export
             with self._state_lock:
                 export.inflight += 1  # first: an export in flight is never retired
-                self._sends[seq] = send
-            frames = self._retire_exports(storage)
-            fixed = _OFFER_FIXED.pack(tag, seq, export.id, flat.storage_offset(), flat.numel(), not export.announced)
-            frames.append((_OFFER, fixed + head + (b"" if export.announced else export.record)))
+            frames = self._retire_exports(self._exports, storage)
+            fixed = _OFFER_FIXED.pack(item.tag, item.index, item.seq, export.id, flat.storage_offset(), flat.numel(),
+                                      not export.announced)
+            frames.append((_OFFER, fixed + item.head + (b"" if export.announced else export.record)))
             export.announced = True
-            self._post(_Outgoing(ready=ready, frames=frames, seq=seq, send=send, written=False))
-        return send
+            self._post(_Outgoing(ready=item.ready, frames=frames))
 
     def _stage(self, flat: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         """A copy of ``flat`` in a staging region (reused from the pool when one is
@@ -527,16 +731,18 @@ class IpcConnection(ControlledConnection):
                     self._staging.pop(0)
         return staged, give_back
 
-    def _export(self, storage: torch.UntypedStorage, flat: torch.Tensor) -> _Export:
-        """This storage's export; taken once (torch nests a new ref-counter and
-        event into the storage on every ``_share_cuda_``). Caller holds _out_lock."""
+    def _export(self, storage: torch.UntypedStorage, flat: torch.Tensor,
+                table: collections.OrderedDict[tuple[int, int, int], _Export]) -> _Export:
+        """This storage's export in ``table`` (offers or destinations); taken once
+        (torch nests a new ref-counter and event into the storage on every
+        ``_share_cuda_``). Caller holds _out_lock."""
         key = (storage._cdata, storage.data_ptr(), storage.nbytes())
         with self._state_lock:
-            export = self._exports.get(key)
+            export = table.get(key)
             if export is not None:
                 # The weak reference keeps the StorageImpl's address from being
                 # reused, so the same _cdata means the same, live storage.
-                self._exports.move_to_end(key)
+                table.move_to_end(key)
                 return export
         from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -555,23 +761,24 @@ class IpcConnection(ControlledConnection):
                       + _blobs(_uuid_of(flat.device.index), handle, ref_handle))
         export = _Export(next(self._export_ids), StorageWeakRef(storage), record)
         with self._state_lock:
-            self._exports[key] = export
+            table[key] = export
         return export
 
-    def _retire_exports(self, sending: torch.UntypedStorage) -> list[tuple[int, bytes]]:
-        """RELEASE frames for the exports whose storage is gone, those of the
-        storage being sent that it has left (a resize moved its bytes), and,
-        past MAX_EXPORTS, the least recently used ones; never one with a send in
-        flight. Caller holds _out_lock."""
+    def _retire_exports(self, table: collections.OrderedDict[tuple[int, int, int], _Export],
+                        using: torch.UntypedStorage) -> list[tuple[int, bytes]]:
+        """RELEASE frames for the exports of ``table`` whose storage is gone, those of
+        the storage in use that it has left (a resize moved its bytes), and, past
+        MAX_EXPORTS, the least recently used ones; never one in use (a send or a
+        receive in flight). Caller holds _out_lock."""
         frames = []
-        moved = sending._cdata
+        moved = using._cdata
         with self._state_lock:
-            over = len(self._exports) - MAX_EXPORTS
-            for key, export in list(self._exports.items()):
+            over = len(table) - MAX_EXPORTS
+            for key, export in list(table.items()):
                 if export.inflight:
                     continue
                 if over > 0 or key[0] == moved or export.ref.expired():
-                    del self._exports[key]
+                    del table[key]
                     over -= 1
                     if export.announced:
                         frames.append((_RELEASE, _U64.pack(export.id)))
@@ -598,30 +805,64 @@ class IpcConnection(ControlledConnection):
                 self._send_control(kind, payload)
         except TransportError:
             return  # the connection failed; its waiters were woken
-        if item.written:
-            with self._state_lock:
-                self._sends.pop(item.seq, None)
-            item.send.finish()
+        if item.written is not None:
+            item.written()
 
     # --- receiving ---
 
-    def _irecv(self, flat, tag, header_buf):
-        posted = None
-        if flat.device.type == "cuda" and flat.numel():
-            # Work the caller queued on the buffer (a fill, a previous use)
-            # must run before the received bytes land.
-            posted = torch.cuda.Event()
-            posted.record(torch.cuda.current_stream(flat.device))
-        receive = _Recv(flat, header_buf, posted)
+    def _irecv(self, flat, tag, header_buf, ready):
+        receive = _Recv(flat, header_buf, ready)
         with self._state_lock:
             if self._error is not None:
                 raise self._error
-            message = self._unmatched[tag].popleft() if self._unmatched[tag] else None
+            index = self._received[tag]
+            self._received[tag] = index + 1
+            message = self._unmatched.pop((tag, index), None)
             if message is None:
-                self._waiting[tag].append(receive)
+                self._waiting[(tag, index)] = receive
         if message is not None:
             self._deliver(receive, message)
+        else:
+            self._want(receive, flat, tag, index, ready)
         return receive
+
+    def _destination(self, flat: torch.Tensor) -> bool:
+        """Whether the peer may map ``flat`` and push into it."""
+        if not self._push or flat.numel() == 0:
+            return False
+        if flat.device.type == "cuda":
+            return True
+        return self._offers_host(flat) and shm.region_of(flat) is not None
+
+    def _want(self, receive: _Recv, flat: torch.Tensor, tag: int, index: int, ready) -> None:
+        """Tell the peer this receive is posted, with its buffer's export when it may push into it."""
+        export, frames = None, []
+        with self._out_lock:
+            if self._destination(flat):
+                storage = flat.untyped_storage()
+                try:
+                    export = self._export(storage, flat, self._dest_exports)
+                except TransportError as exc:
+                    logger.debug("a receive buffer the peer cannot map (%s): it offers instead", exc)
+                else:
+                    with self._state_lock:
+                        export.inflight += 1  # not retired while the peer may write into it
+                    receive.released = functools.partial(self._release_destination, export)
+                    frames = self._retire_exports(self._dest_exports, storage)
+            announce = export is not None and not export.announced
+            fixed = _WANT_FIXED.pack(tag, index, export.id if export is not None else 0,
+                                     flat.storage_offset() if export is not None else 0, flat.numel(), announce)
+            frames.append((_WANT, fixed + (export.record if announce else b"")))
+            if export is not None:
+                export.announced = True
+            # The peer writes into the buffer once it has the WANT: not before the work
+            # queued on it has run (a host wait on the ready thread; never an event of
+            # another process, whose death could leave this one's stream blocked).
+            self._post(_Outgoing(ready=ready if export is not None else None, frames=frames))
+
+    def _release_destination(self, export: _Export) -> None:
+        with self._state_lock:
+            export.inflight -= 1
 
     def _on_control(self, kind, payload):
         if kind == _ACK:
@@ -635,14 +876,26 @@ class IpcConnection(ControlledConnection):
             send.finish()
         elif kind == _OFFER:
             self._match(self._decode_offer(payload))
+        elif kind == _WANT:
+            self._on_want(payload)
+        elif kind == _PUSHED:
+            tag, index, taken, digest = _PUSHED_FIXED.unpack_from(payload)
+            header = payload[_PUSHED_FIXED.size:_PUSHED_FIXED.size + HEADER_BYTES]
+            with self._state_lock:
+                receive = self._waiting.pop((tag, index), None)
+            if receive is None:
+                raise TransportError(f"a push of tag {tag} message {index} into no posted receive")
+            if taken:
+                receive.digest = digest
+            receive.finish(header)
         elif kind == _HOST:
-            tag, nbytes = _HOST_FIXED.unpack_from(payload)
+            tag, index, nbytes = _HOST_FIXED.unpack_from(payload)
             if self._partial is not None:
                 raise TransportError("a host message began inside another")
             if nbytes > MAX_HOST_BYTES:
                 raise TransportError(f"peer announced a {nbytes}-byte host message")
             at = _HOST_FIXED.size + HEADER_BYTES
-            self._partial = _HostMessage(tag=tag, nbytes=nbytes, header=payload[_HOST_FIXED.size:at],
+            self._partial = _HostMessage(tag=tag, index=index, nbytes=nbytes, header=payload[_HOST_FIXED.size:at],
                                          data=bytearray(nbytes))
             self._host_bytes(payload, at)
         elif kind == _HOST_MORE:
@@ -652,14 +905,44 @@ class IpcConnection(ControlledConnection):
         elif kind == _RELEASE:
             (export_id,) = _U64.unpack(payload)
             with self._state_lock:
-                source = self._imports.pop(export_id, None)
+                source = self._imports.pop(export_id, None) or self._destinations.pop(export_id, None)
             if source is None:
                 raise TransportError(f"release of unknown export {export_id}")
-            # After the copies queued before it: the sender releases an export
-            # only once every send of it was acknowledged, i.e. copied.
+            # After the copies queued before it: the peer releases an export only once
+            # every send of it was acknowledged (copied), or every receive into it finished.
             self._transport._copied.submit(None, source.unmap)
         else:
             super()._on_control(kind, payload)
+
+    def _on_want(self, payload: bytes) -> None:
+        tag, index, export_id, byte_offset, nbytes, announces = _WANT_FIXED.unpack_from(payload)
+        source = None
+        if export_id:
+            with self._state_lock:
+                source = self._destinations.get(export_id)
+            if announces:
+                if source is not None:
+                    raise TransportError(f"export {export_id} announced twice")
+                source = self._decode_export(payload, _WANT_FIXED.size, mapped=False)
+                with self._state_lock:
+                    if len(self._destinations) >= _MAX_IMPORTS:
+                        raise TransportError(f"peer exported more than {_MAX_IMPORTS} receive buffers without "
+                                             "releasing any")
+                    self._destinations[export_id] = source
+            elif source is None:
+                raise TransportError(f"a receive into unknown export {export_id}")
+            if byte_offset + nbytes > source.storage_bytes:
+                raise TransportError(f"a receive into bytes [{byte_offset}, {byte_offset + nbytes}) of a "
+                                     f"{source.storage_bytes}-byte storage")
+        want = _Want(tag=tag, index=index, source=source, byte_offset=byte_offset, nbytes=nbytes)
+        with self._state_lock:
+            item = self._pushes.pop((tag, index), None)
+            if item is None:
+                if index >= self._sent[tag]:  # else its send went without waiting for it
+                    self._wants[(tag, index)] = want
+                return
+        # Mapping and copying are the pusher thread's: this one reads the peer's frames (and its death).
+        self._transport._pusher.submit(None, functools.partial(self._dispatch, item, want))
 
     def _host_bytes(self, payload: bytes, at: int) -> None:
         message = self._partial
@@ -672,8 +955,29 @@ class IpcConnection(ControlledConnection):
             self._partial = None
             self._match(message)
 
+    def _decode_export(self, payload: bytes, at: int, *, mapped: bool) -> _Import | _HostImport:
+        """An export record at ``payload[at:]``. ``mapped``: a region the peer offers is
+        mapped at once (it can be opened only while its owner lives, and once mapped it
+        outlives its owner); the peer's receive buffers are mapped on the first push."""
+        kind, at = payload[at:at + 1], at + 1
+        if kind == _HOST_EXPORT:
+            if not self._host_offers:
+                raise TransportError("a shared-memory export on a connection that takes none")
+            source = _HostImport(payload[at:])
+            if source.pid != self._peer_pid:
+                raise TransportError("a shared-memory export of a region another process made")
+            if mapped:  # the copy says why if this failed
+                with contextlib.suppress(TransportError):
+                    source.map(None)
+            return source
+        if kind == _CUDA_EXPORT:
+            storage_bytes, storage_offset, ref_offset = _EXPORT_FIXED.unpack_from(payload, at)
+            (uuid, handle, ref_handle), _ = _read_blobs(payload, at + _EXPORT_FIXED.size, 3)
+            return _Import(uuid, handle, storage_bytes, storage_offset, ref_handle, ref_offset)
+        raise TransportError(f"an export of unknown kind {kind!r}")
+
     def _decode_offer(self, payload: bytes) -> _Offer:
-        tag, seq, export_id, byte_offset, nbytes, announces = _OFFER_FIXED.unpack_from(payload)
+        tag, index, seq, export_id, byte_offset, nbytes, announces = _OFFER_FIXED.unpack_from(payload)
         at = _OFFER_FIXED.size + HEADER_BYTES
         header = payload[_OFFER_FIXED.size:at]
         with self._state_lock:
@@ -681,23 +985,7 @@ class IpcConnection(ControlledConnection):
         if announces:
             if source is not None:
                 raise TransportError(f"export {export_id} announced twice")
-            kind, at = payload[at:at + 1], at + 1
-            if kind == _HOST_EXPORT:
-                if not self._host_offers:
-                    raise TransportError("a shared-memory offer on a connection that takes none")
-                source = _HostImport(payload[at:])
-                if source.pid != self._peer_pid:
-                    raise TransportError("a shared-memory offer of a region another process made")
-                # Mapped at once: a region can be opened only while its owner lives,
-                # and once mapped it outlives its owner. The copy says why if this failed.
-                with contextlib.suppress(TransportError):
-                    source.map(None)
-            elif kind == _CUDA_EXPORT:
-                storage_bytes, storage_offset, ref_offset = _EXPORT_FIXED.unpack_from(payload, at)
-                (uuid, handle, ref_handle), _ = _read_blobs(payload, at + _EXPORT_FIXED.size, 3)
-                source = _Import(uuid, handle, storage_bytes, storage_offset, ref_handle, ref_offset)
-            else:
-                raise TransportError(f"an export of unknown kind {kind!r}")
+            source = self._decode_export(payload, at, mapped=True)
             with self._state_lock:
                 if len(self._imports) >= _MAX_IMPORTS:
                     raise TransportError(f"peer exported more than {_MAX_IMPORTS} storages without releasing any")
@@ -707,14 +995,17 @@ class IpcConnection(ControlledConnection):
         if byte_offset + nbytes > source.storage_bytes:
             raise TransportError(f"offer of bytes [{byte_offset}, {byte_offset + nbytes}) of a "
                                  f"{source.storage_bytes}-byte storage")
-        return _Offer(tag=tag, seq=seq, nbytes=nbytes, byte_offset=byte_offset, header=header, source=source)
+        return _Offer(tag=tag, index=index, seq=seq, nbytes=nbytes, byte_offset=byte_offset, header=header,
+                      source=source)
 
     def _match(self, message: _Offer | _HostMessage) -> None:
+        key = (message.tag, message.index)
         with self._state_lock:
-            waiting = self._waiting[message.tag]
-            receive = waiting.popleft() if waiting else None
+            receive = self._waiting.pop(key, None)
             if receive is None:
-                self._unmatched[message.tag].append(message)
+                if key in self._unmatched:
+                    raise TransportError(f"tag {message.tag} message {message.index} arrived twice")
+                self._unmatched[key] = message
         if receive is not None:
             self._deliver(receive, message)
 
@@ -793,14 +1084,17 @@ class IpcConnection(ControlledConnection):
 
     def _release(self) -> None:
         with self._state_lock:
-            pending = list(self._sends.values())
-            pending += [r for waiting in self._waiting.values() for r in waiting]
-            imports = list(self._imports.values())
+            pending = list(self._sends.values()) + list(self._waiting.values())
+            imports = list(self._imports.values()) + list(self._destinations.values())
             self._sends.clear()
             self._waiting.clear()
             self._unmatched.clear()
+            self._wants.clear()
+            self._pushes.clear()
             self._imports.clear()
+            self._destinations.clear()
             self._exports.clear()
+            self._dest_exports.clear()
         with self._staging_lock:
             self._staging.clear()
         self._outbox.clear()  # without _out_lock: a writer holding it may be what failed
@@ -816,17 +1110,20 @@ class IpcTransport(ControlledTransport):
     host messages travel too, but only up to MAX_HOST_BYTES (over the control
     socket), so a host mirror must choose another backend.
 
-    One ready thread and one completion thread per transport serve all its
-    connections, in order: an offer whose producers are still running delays
-    the offers queued after it, on every connection of this transport."""
+    One ready thread, one pusher thread and one completion thread per transport
+    serve all its connections, in order: an offer whose producers are still
+    running delays the offers queued after it, on every connection of this
+    transport (a push waits for its producers on its copy stream, not here)."""
 
     capabilities = Capabilities(memory=MemoryKind.CUDA, locality=Locality.SAME_NODE)
 
     def __init__(self, config: IpcConfig):
         super().__init__(config)
         self.config = config
-        # Offers wait for their buckets' producers here; receives' copies are finished here.
+        # Offers wait for their buckets' producers here; pushes are mapped and issued
+        # here; receives' copies and pushes are finished here.
         self._ready = _EventThread("replica-ipc-ready")
+        self._pusher = _EventThread("replica-ipc-push")
         self._copied = _EventThread("replica-ipc-copied")
 
     def _offer(self, server, locality):
@@ -837,7 +1134,8 @@ class IpcTransport(ControlledTransport):
 
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
         return IpcConnection(transport=self, sock=sock, peer=peer, verify=self.config.verify,
-                             verify_threads=self.config.verify_threads, **self._host_path(peer, peer_offer, state))
+                             verify_threads=self.config.verify_threads, push=self.config.push,
+                             push_host=self.config.push_host, **self._host_path(peer, peer_offer, state))
 
     def _host_path(self, peer: str, peer_offer: bytes, state: Any) -> dict[str, Any]:
         """What the connection needs for host buckets beyond the control socket: none here."""
@@ -845,6 +1143,7 @@ class IpcTransport(ControlledTransport):
 
     def _shutdown(self) -> None:
         self._ready.close()
+        self._pusher.close()
         self._copied.close()  # after the connections queued their unmaps
 
 

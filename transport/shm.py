@@ -26,7 +26,7 @@ import torch
 
 from replica.errors import TransportError
 
-__all__ = ["RECORD_BYTES", "Region", "RegionRecord", "map_region", "parse_record", "region_of", "shared_empty"]
+__all__ = ["RECORD_BYTES", "Region", "RegionRecord", "map_region", "parse_record", "pin", "region_of", "shared_empty"]
 
 _RECORD = struct.Struct("<QQQQ")  # pid, fd, inode, bytes
 RECORD_BYTES = _RECORD.size
@@ -59,9 +59,51 @@ def _forget(address: int, fd: int) -> None:
     os.close(fd)
 
 
-def shared_empty(nbytes: int) -> torch.Tensor:
+def pin(t: torch.Tensor) -> None:
+    """Page-lock ``t``'s whole mapping for CUDA (``cudaHostRegister``), so copies between
+    it and a GPU run asynchronously on the copy engines (``is_pinned()`` is then True);
+    unregistered when the mapping goes. ``t`` is a tensor over a whole region, as
+    ``shared_empty`` or ``map_region`` return it. RuntimeError when CUDA refuses
+    (no GPU, out of lockable memory)."""
+    mapping = _mapping_of(t)
+    if not torch.cuda.is_available():
+        raise RuntimeError("cannot pin shared memory: CUDA is not available")
+    cudart = torch.cuda.cudart()
+    address, size = t.untyped_storage().data_ptr(), len(mapping)
+    status = cudart.cudaHostRegister(address, size, 0)
+    if int(status) != 0:
+        raise RuntimeError(f"cudaHostRegister of {size} bytes of shared memory failed: CUDA error {int(status)}")
+    weakref.finalize(mapping, _unpin, cudart, address)
+
+
+def _unpin(cudart, address: int) -> None:
+    try:
+        cudart.cudaHostUnregister(address)
+    except Exception:  # noqa: BLE001 - at exit CUDA may be gone already; the pages go with the mapping
+        pass
+
+
+def _mapping_of(t: torch.Tensor) -> _Mapping:
+    base = t.untyped_storage()
+    # torch.frombuffer keeps the buffer (the mapping) alive through the storage's context.
+    mapping = getattr(t, "_replica_mapping", None)
+    if mapping is None or not isinstance(mapping, _Mapping):
+        raise ValueError("pin() takes a tensor over a whole region, as shared_empty or map_region return it")
+    if base.nbytes() > len(mapping):
+        raise ValueError("the tensor is larger than its mapping")
+    return mapping
+
+
+def _over(mapping: _Mapping) -> torch.Tensor:
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while any view lives
+    tensor._replica_mapping = mapping  # for pin(); views of it share the storage, not the attribute
+    return tensor
+
+
+def shared_empty(nbytes: int, *, pinned: bool = False) -> torch.Tensor:
     """A zeroed uint8 tensor of ``nbytes`` in a memfd region of its own, which peers
-    of this node can map (``region_of``). Its file closes when its storage is freed."""
+    of this node can map (``region_of``). Its file closes when its storage is freed.
+    ``pinned``: page-locked for CUDA too (``pin``), where CUDA is present."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
     fd = os.memfd_create(_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -73,12 +115,14 @@ def shared_empty(nbytes: int) -> torch.Tensor:
     except BaseException:
         os.close(fd)
         raise
-    tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while any view lives
+    tensor = _over(mapping)
     address = tensor.data_ptr()
     record = _RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, size)
     with _lock:
         _regions[address] = (record, size)
     weakref.finalize(mapping, _forget, address, fd)
+    if pinned and torch.cuda.is_available():
+        pin(tensor)
     return tensor[:nbytes]
 
 
@@ -118,11 +162,13 @@ def parse_record(record: bytes) -> RegionRecord:
         raise TransportError(f"bad shared-memory record: {exc}") from exc
 
 
-def map_region(record: bytes) -> torch.Tensor:
+def map_region(record: bytes, *, writable: bool = False) -> torch.Tensor:
     """A peer's region as a read-only-in-effect uint8 tensor (copy-on-write: this
-    process sees the owner's bytes and never writes them). TransportError, saying
-    why, when it cannot be mapped from here. Only a sealed memfd that ``shared_empty``
-    made is mapped, never another file the record might name."""
+    process sees the owner's bytes and never writes them), or with ``writable`` as
+    shared memory this process writes into (a region the peer gave as a receive's
+    destination). TransportError, saying why, when it cannot be mapped from here.
+    Only a sealed memfd that ``shared_empty`` made is mapped, never another file the
+    record might name."""
     pid, fd, inode, size = parse_record(record)
     path = f"/proc/{pid}/fd/{fd}"
     try:
@@ -132,7 +178,7 @@ def map_region(record: bytes) -> torch.Tensor:
     if target is not None and not target.startswith(f"/memfd:{_NAME} "):
         raise TransportError(f"{path} is not a replica shared-memory region; refusing to map it")
     try:
-        opened = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        opened = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
     except OSError as exc:
         raise TransportError(
             f"cannot open the peer's shared memory at {path} ({exc.strerror}): the peer must run as the same "
@@ -149,7 +195,7 @@ def map_region(record: bytes) -> torch.Tensor:
             seals = 0
         if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
             raise TransportError(f"the peer's shared memory {path} is not sealed at its size; refusing to map it")
-        mapping = _Mapping(opened, size, access=mmap.ACCESS_COPY)
+        mapping = _Mapping(opened, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
     finally:
         os.close(opened)  # the mapping keeps the file
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+    return _over(mapping)

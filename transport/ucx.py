@@ -96,17 +96,19 @@ def _array(flat: torch.Tensor):
     return Array(flat.numpy() if flat.device.type == "cpu" else flat)
 
 
-def _settle(flat: torch.Tensor) -> None:
-    """Wait for the work queued on the buffer's device's current stream.
+def _settle(ready) -> None:
+    """Wait for ``ready`` (``replica.transport.base.ready_event``: the buffer's producers,
+    or the work queued on it before a receive), if any.
 
     torch's ``__cuda_array_interface__`` carries no stream and UCX copies on
     streams of its own, so without this a send could read a bucket that kernels
     still write, and a receive could be overwritten by work queued before it.
-    The other direction needs nothing: UCX completes a request only once its
-    copies have run, so work queued after completion sees the bytes.
+    Only that event: a thread's current stream may hold work queued since (the
+    next training step). The other direction needs nothing: UCX completes a
+    request only once its copies have run, so work queued after completion sees the bytes.
     """
-    if flat.device.type == "cuda" and flat.numel():
-        torch.cuda.current_stream(flat.device).synchronize()
+    if ready is not None:
+        ready.synchronize()
 
 
 def _bind_cuda_context(device: int) -> None:
@@ -267,8 +269,8 @@ class UcxConnection(ControlledConnection):
                 raise self._error or PeerDisconnectedError(f"connection to {self.peer} is closed")
             return post(self._endpoint)
 
-    def _isend(self, flat, tag, header):
-        _settle(flat)
+    def _isend(self, flat, tag, header, ready):
+        _settle(ready)
         posted = _Requests(self._worker, [], [flat])
         posted._requests.append(self._post(
             lambda ep: ep.tag_send(_array(flat), tag=self._tag(self._send_id, tag, _KIND_PAYLOAD))))
@@ -280,8 +282,8 @@ class UcxConnection(ControlledConnection):
                                                                   tag=self._tag(self._send_id, tag, _KIND_HEADER))))
         return posted
 
-    def _irecv(self, flat, tag, header_buf):
-        _settle(flat)
+    def _irecv(self, flat, tag, header_buf, ready):
+        _settle(ready)
         posted = _Requests(self._worker, [], (header_buf, flat))
 
         def post(ep):
