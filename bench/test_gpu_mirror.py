@@ -130,6 +130,7 @@ def test_gpu_step_mirrored(benchmark, trainer, mirror):
         loop = _Loop(model, optimizer, commit=rep.commit)
         benchmark.extra_info.update(kind="mirrored", mirror=mirror, backend=backend)
         streams: dict[str, list[float]] = {}
+        parts: dict[str, dict[str, list[float]]] = {}  # where each stream's time went (StreamStats)
 
         def run():
             for name in STEPS:
@@ -139,7 +140,9 @@ def test_gpu_step_mirrored(benchmark, trainer, mirror):
                 rep.wait_committed()
                 # The streams of the measured steps (each ran beside the next step; the
                 # last one's beside nothing, so it is left out).
-                streams[name] = rep.stream_stats.stream_s[first + WARMUP:first + WARMUP + MEASURED - 1]
+                kept = slice(first + WARMUP, first + WARMUP + MEASURED - 1)
+                streams[name] = rep.stream_stats.stream_s[kept]
+                parts[name] = {part: getattr(rep.stream_stats, part)[kept] for part in ("post_s", "flush_s", "reply_s")}
             # The trainer idle: commits with no step between, each waited for.
             first = len(rep.stream_stats.stream_s)
             for _ in range(IDLE):
@@ -155,6 +158,7 @@ def test_gpu_step_mirrored(benchmark, trainer, mirror):
             "backend": backend,
             "step_s": {name: loop.seconds[name][WARMUP:] for name in STEPS},
             "stream_s": streams,
+            "parts": parts,
             "pack_s": rep.stats.pack_s[WARMUP:],
             "snapshot_bytes": rep.layout.total_bytes,
             "bucket_bytes": rep.layout.bucket_bytes,
@@ -205,6 +209,9 @@ def report():
                 "step_ms_plain": plain * 1e3, "step_ms": step * 1e3, "overhead_pct": (step / plain - 1) * 100,
                 "stream_ms": stream * 1e3, "stream_GBps": nbytes / stream / 1e9, "stream_vs_idle": idle / stream,
                 "step_ms_all": [s * 1e3 for s in r["step_s"][name]],
+                # until the last bucket was posted / every send finished / the standby's answer
+                **{f"{part[:-2]}_ms": statistics.median(r["parts"][name][part]) * 1e3
+                   for part in ("post_s", "flush_s", "reply_s")},
                 "stream_ms_all": [s * 1e3 for s in r["stream_s"][name]]}
             m = entry["steps"][name]
             where = "GPU memory" if mirror == "cuda" else "pinned host memory"

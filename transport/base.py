@@ -187,9 +187,11 @@ def bucket_digest(flat: torch.Tensor, *, offset: int = 0, threads: int | None = 
     return int(ops.checksum(flat, -(-n // 8) * 8, offset // 8, threads=threads)[0].item())
 
 
-#: The most threads ``verify_threads=0`` picks: eight hash ~100 GB/s, more than any link
-#: delivers, and idle OpenMP threads spin a while before they sleep.
-AUTO_VERIFY_THREADS_MAX = 8
+#: The most threads ``verify_threads=0`` picks (idle OpenMP threads spin a while before
+#: they sleep). Eight were not enough for a GPU's copy engines: on an H200 machine (16
+#: cores) a standby hashed the 64 MiB buckets pushed into its pinned host memory at ~30
+#: GB/s on eight, where one device-to-host copy runs at 55 GB/s (docs/benchmarks.md).
+AUTO_VERIFY_THREADS_MAX = 16
 
 
 def check_verify_threads(value: object) -> None:

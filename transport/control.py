@@ -388,7 +388,7 @@ class EndpointConfig:
     verify: bool = True
     # Threads a receiver hashes each piece of a host-memory bucket with, while
     # the next arrives (0: every core this process may run on but two, which
-    # stay with the transport and the caller; at least one, at most eight).
+    # stay with the transport and the caller; at least one, at most AUTO_VERIFY_THREADS_MAX).
     verify_threads: int = 0
     handshake_timeout: timedelta = timedelta(seconds=10)
     max_pending_handshakes: int = 64

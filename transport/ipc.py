@@ -213,11 +213,19 @@ def _copy_stream(device: torch.device | int) -> torch.cuda.Stream:
 
 
 def _push_stream(device: torch.device | int) -> torch.cuda.Stream:
-    """The stream pushes copy and hash on (one per GPU, of the sending process): its
-    copies run on the copy engines beside the caller's kernels, and the digest kernel
-    of a pushed bucket (a few microseconds) is scheduled ahead of them (high priority)
-    rather than after the step that follows."""
-    return _stream(device, "push", -1)
+    """The stream pushes copy on (one per GPU, of the sending process): copies only,
+    which run on the copy engines beside the caller's kernels and never queue behind
+    a kernel waiting for a multiprocessor (see ``_hash_stream``)."""
+    return _stream(device, "push", 0)
+
+
+def _hash_stream(device: torch.device | int) -> torch.cuda.Stream:
+    """The stream the digests of pushed device buckets are taken on, each after its
+    copy: high priority, so a digest kernel (microseconds) takes the next free
+    multiprocessor ahead of the step's kernels. It still waits for one: a long kernel
+    that holds every multiprocessor (a persistent GEMM) holds it back, and on the push
+    stream that wait would hold back every copy queued after it."""
+    return _stream(device, "hash", -1)
 
 
 def _stream(device: torch.device | int, kind: str, priority: int) -> torch.cuda.Stream:
@@ -655,14 +663,19 @@ class IpcConnection(ControlledConnection):
                     stream.wait_event(item.ready)  # its producers alone, never a thread's current stream
                 with torch.cuda.stream(stream):
                     dst.copy_(src, non_blocking=True)
-                    if dst.device.type == "cuda" and offset is not None and n:
-                        # The bytes where they landed, hashed here: the receiver's
-                        # process does no GPU work (see the module docstring).
+                copied = torch.cuda.Event(blocking=True)
+                copied.record(stream)
+                if dst.device.type == "cuda" and offset is not None and n:
+                    # The bytes where they landed, hashed here: the receiver's process
+                    # does no GPU work (see the module docstring).
+                    hashing = _hash_stream(flat.device)
+                    hashing.wait_event(copied)
+                    with torch.cuda.stream(hashing):
                         taken = ops.checksum(dst, -(-n // 8) * 8, offset // 8)
                         digest = torch.empty(1, dtype=torch.int64, pin_memory=True)
                         digest.copy_(taken, non_blocking=True)
                     copied = torch.cuda.Event(blocking=True)
-                    copied.record(stream)
+                    copied.record(hashing)
             else:  # push_host: a host copy, the receiver hashes it
                 dst.copy_(src)
                 copied = None
