@@ -15,7 +15,8 @@ from torch import nn
 
 import replica
 
-__all__ = ["Job", "JobShape", "ShuffledLoader", "TinyLM", "build_job", "deterministic_cuda", "train_step"]
+__all__ = ["Job", "JobShape", "ShuffledLoader", "TinyLM", "build_job", "deterministic_cuda", "role_device",
+           "train_step"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -125,6 +126,21 @@ def deterministic_cuda() -> None:
     torch.backends.cuda.enable_flash_sdp(False)
     torch.backends.cuda.enable_mem_efficient_sdp(False)
     torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def role_device(kind: str) -> torch.device:
+    """The device of this role's model: the CPU, or (``"cuda"``) GPU rank mod the GPUs
+    visible, with ``deterministic_cuda``'s settings, made current before the process group
+    (NCCL binds to it)."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    import os
+
+    deterministic_cuda()
+    rank = int(os.environ.get("REPLICA_RANK", os.environ.get("RANK", "0")))
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
 
 
 def build_job(shape: JobShape, *, rank: int, world_size: int, fsdp: bool = True, seed: int = 0,

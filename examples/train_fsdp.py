@@ -9,7 +9,7 @@ import os
 
 import torch
 from dcp_checkpoint import Checkpoints, add_arguments  # beside this file
-from fsdp_job import JobShape, build_job, deterministic_cuda, train_step  # beside this file
+from fsdp_job import JobShape, build_job, role_device, train_step  # beside this file
 
 import replica.roles
 
@@ -21,12 +21,7 @@ def main() -> None:
     args = parser.parse_args()
     checkpoints = Checkpoints.of(parser, args)
     torch.set_num_threads(1)
-    device = torch.device("cpu")
-    if args.device == "cuda":
-        deterministic_cuda()
-        rank = int(os.environ.get("REPLICA_RANK", os.environ.get("RANK", "0")))
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)  # before the process group: NCCL binds to it
+    device = role_device(args.device)
     job = replica.roles.init()
     total = int(os.environ.get("REPLICA_STEPS", "20"))
     shape = JobShape(total_steps=total)

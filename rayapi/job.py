@@ -51,6 +51,7 @@ class RayJobConfig:
     export_dir: Path = Path("replica-export")
     mirror_device: str = "model"
     backends: str = ""  # every role's Config.backends, comma-separated ("": the default)
+    strict: bool = False  # a step that diverges after a failover ends the job (replica launch --strict)
     address: str | None = None
     host: str = "127.0.0.1"
     store: str = ""  # etcd://HOSTS/NAMESPACE: the job's state in etcd (default: a store hosted by the driver)
@@ -94,7 +95,7 @@ class RayJob:
         self.coordinator, env, self._leadership = open_job(
             trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host, inject=c.inject,
             steps=c.steps, mirror_device=c.mirror_device, export_dir=c.export_dir, store=c.store,
-            backends=c.backends)
+            backends=c.backends, strict=c.strict)
         try:
             self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script),
                                      env=env, replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,

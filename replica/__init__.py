@@ -7,6 +7,7 @@ the last global commit. See README.md.
 
 from replica import errors, ops
 from replica.config import Config
+from replica.data import Batches
 from replica.errors import *  # noqa: F403  (the typed errors are top-level API)
 from replica.export import load_export
 from replica.layout import StateLayout
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = sorted([
     *errors.__all__,
+    "Batches",
     "Config",
     "Mirror",
     "RNGState",

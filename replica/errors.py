@@ -6,6 +6,7 @@ __all__ = [
     "AuthenticationError",
     "BucketCorruptedError",
     "CommitTimeoutError",
+    "DivergenceError",
     "FencedError",
     "JobStateError",
     "JobStoreInUseError",
@@ -128,6 +129,11 @@ class JobStateError(ReplicaError):
 class JobStoreInUseError(ReplicaError):
     """A launcher was pointed at a job store that holds another job, or that another
     coordinator leads: each job takes a namespace of its own (etcd://HOSTS/NAMESPACE)."""
+
+
+class DivergenceError(ReplicaError):
+    """A step redone after a failover did not reproduce what it computed before (its loss
+    or its state): the run is no longer the failure-free one (``replica launch --strict``)."""
 
 
 class FencedError(ReplicaError):

@@ -483,6 +483,11 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key(f"loss/{rank}/{step}", Text)  # "<loss hex> <time> <name>=<hex> ..."
 
     @staticmethod
+    def divergence(rank: int, step: int, measure: str) -> Key[Text]:
+        # replica.divergence.Divergence.to_json(); measure: "loss" or "state"
+        return Key(f"divergence/{rank}/{step}/{measure}", Text)
+
+    @staticmethod
     def killed(fault: str) -> Key[Stamp]:
         return Key(f"killed/{fault}", Stamp)
 

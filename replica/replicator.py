@@ -23,6 +23,8 @@ from replica import serialize
 from replica.backends import SHM_BACKEND
 from replica.commit import NO_EPOCH, CommitRecord
 from replica.config import Config, token_from_env
+from replica.data import Batches, prepare_extras
+from replica.divergence import Divergence, Measure, comparable
 from replica.errors import ReplicaError, SnapshotCorruptedError
 from replica.export import export_path, write_export
 from replica.jobstate import Epoch, JobStore
@@ -39,6 +41,8 @@ __all__ = ["CommitStats", "Replicator"]
 #: How late a global commit may be before a waiting trainer asks whether its step's
 #: answer was lost (a normal commit takes a few store round trips after the answer).
 _RESEND_LOOK = timedelta(seconds=1)
+#: Steps whose snapshot digests a replicator remembers, to check their redo against.
+_DIGESTS_KEPT = 8
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +93,7 @@ class Replicator:
                  epoch: Callable[[], Epoch] | None = None):
         self.model = model
         self.optimizer = optimizer
-        self.extra = dict(extra or {})
+        self.extra = prepare_extras(extra)
         self.config = config if config is not None else Config(token=token_from_env())
         self.rank, self.world_size = _rank_and_size(rank, world_size)
         self.record = CommitRecord(JobStore.of(store, token=self.config.token, prefix=self.config.store_prefix),
@@ -100,6 +104,10 @@ class Replicator:
         self.stats = CommitStats()
         #: Fault injection for tests: ``faults.corrupt_buckets = k`` damages the next k buckets on the wire.
         self.faults = MirrorFaults()
+        #: Steps redone after a rollback (or an adoption) whose snapshot differs from the one
+        #: packed before (``Config.verify``'s digests): the divergence guard's findings.
+        self.divergences: list[Divergence] = []
+        self._digests_of: dict[int, tuple[int, ...]] = {}  # step -> the digests of its snapshot, recent ones
         self._layout: StateLayout | None = None
         self._tensors: list[torch.Tensor] = []
         self._snapshots: list[Snapshot] = []
@@ -113,6 +121,16 @@ class Replicator:
     @property
     def layout(self) -> StateLayout | None:
         return self._layout
+
+    def batches(self, name: str) -> Batches:
+        """The iterator over the data loader passed as ``extra[name]`` (wrapped in a
+        ``Batches``): the training loop takes its batches from it, so that after a
+        ``rollback`` the next batch is the one the failure-free run took."""
+        found = self.extra.get(name)
+        if not isinstance(found, Batches):
+            loaders = sorted(k for k, v in self.extra.items() if isinstance(v, Batches))
+            raise KeyError(f"extra[{name!r}] is not a data loader (the loaders: {loaders})")
+        return found
 
     @property
     def stream_stats(self) -> StreamStats:
@@ -165,6 +183,7 @@ class Replicator:
         self.stats.wait_s.append(packed - start)
         self.stats.extras_s.append(encoded - packed)
         self.stats.pack_s.append(time.perf_counter() - encoded)
+        self._check_redo(snapshot, step)
         self._stream.submit(snapshot, step, self.epoch())
         self._next ^= 1
         self._last_step = step
@@ -204,7 +223,7 @@ class Replicator:
         # commit still waits for the stream before it reuses the other buffer.
         target_model = self.model if model is None else model
         target_opt = self.optimizer if optimizer is None else optimizer
-        target_extra = self.extra if extra is None else dict(extra)
+        target_extra = self.extra if extra is None else prepare_extras(extra)
         with nvtx_range("replica::rollback"):
             tensors = restore_snapshot(snapshot, target_model, target_opt, target_extra, rank=self.rank,
                                        world_size=self.world_size)
@@ -229,6 +248,10 @@ class Replicator:
         self._check_at_rest(snapshot)
         snapshot.written_elsewhere()  # received: the next capture into it must not trust its extras region
         if spare is not None:
+            if spare.step is not None and spare.digests is not None and spare.step > snapshot.step:
+                # The step after the commit, as the rank's last trainer streamed it before it
+                # died: its redo here is checked against it.
+                self._digests_of[spare.step] = tuple(spare.digests)
             spare.step, spare.digests = None, None
             spare.written_elsewhere()
         self._build([snapshot] if spare is None else [snapshot, spare])
@@ -294,6 +317,31 @@ class Replicator:
         logger.info("[trainer rank %d] snapshot layout: %d tensors, %d bytes, %d buckets, fingerprint %s",
                     self.rank, len(named), self._layout.total_bytes, len(self._layout.buckets()),
                     self._layout.fingerprint)
+
+    def _check_redo(self, snapshot: Snapshot, step: int) -> None:
+        """The divergence guard: a step packed before (and now redone) must pack the same bytes."""
+        if snapshot.digests is None:
+            return
+        now = tuple(snapshot.digests)
+        before = self._digests_of.get(step)
+        if before is not None and before != now:
+            bad = [i for i, (a, b) in enumerate(zip(before, now)) if a != b]
+            found = Divergence(rank=self.rank, step=step, measure=Measure.STATE, before=f"{before[bad[0]]:#x}",
+                               after=f"{now[bad[0]]:#x}", comparable=comparable(self.model),
+                               where=f"{len(bad)} of {len(now)} buckets (the first, bucket {bad[0]}, holds "
+                                     f"{self._names_in(bad[0])})")
+            self.divergences.append(found)
+            (logger.error if found.comparable else logger.info)("[trainer rank %d] %s", self.rank, found.describe())
+        self._digests_of[step] = now
+        for old in sorted(self._digests_of)[:-_DIGESTS_KEPT]:
+            del self._digests_of[old]
+
+    def _names_in(self, bucket: int) -> str:
+        lo, hi = self._layout.buckets()[bucket]
+        names = [e.name for e in self._layout.entries if e.offset < hi and e.offset + e.nbytes > lo]
+        if self._layout.extras_offset < hi:
+            names.append("the extras (optimizer scalars, RNG, data positions)")
+        return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
     def _check_at_rest(self, snapshot: Snapshot) -> None:
         if snapshot.digests is None:

@@ -10,6 +10,7 @@ import torch
 
 from replica import serialize
 from replica.layout import StateLayout, state_tensors
+from replica.data import require_stateful
 from replica.snapshot import Snapshot, Stateful, apply_extras
 
 __all__ = ["bind_state", "materialize_optimizer_state", "restore_snapshot"]
@@ -63,7 +64,10 @@ def bind_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, 
 
 def restore_snapshot(snapshot: Snapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                      extra: Mapping[str, Stateful], *, rank: int, world_size: int) -> list[torch.Tensor]:
-    """Restore ``snapshot`` into the objects in place; returns their state tensors."""
+    """Restore ``snapshot`` into the objects in place; returns their state tensors.
+    A data loader in ``extra`` is refused before anything is written: restore into the
+    ``replica.Batches`` the loop takes its batches from."""
+    extra = require_stateful(extra)
     materialize_optimizer_state(optimizer)
     tensors = bind_state(model, optimizer, rank=rank, world_size=world_size, like=snapshot.layout)
     extras = snapshot.restore(tensors)

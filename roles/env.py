@@ -134,6 +134,7 @@ class RoleEnv:
     export_dir: str = "replica-export"  # where a standby writes its versions when the job cannot go on
     resume: str = ""  # an export folder (one file per rank, one step) the trainers start from
     backends: tuple[str, ...] = ()  # Config.backends of every role's data plane; (): Config's default
+    strict: bool = False  # a divergence after a failover ends the job (replica launch --strict)
 
     @classmethod
     def from_environ(cls) -> RoleEnv:
@@ -152,7 +153,8 @@ class RoleEnv:
                    faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"),
                    rollouts=int(env.get("REPLICA_ROLLOUTS", "0")), mirror_device=env.get("REPLICA_MIRROR_DEVICE", ""),
                    export_dir=env.get("REPLICA_EXPORT_DIR") or "replica-export", resume=env.get("REPLICA_RESUME", ""),
-                   backends=parse_backends(env.get("REPLICA_BACKENDS", "")))
+                   backends=parse_backends(env.get("REPLICA_BACKENDS", "")),
+                   strict=env.get("REPLICA_STRICT", "") == "1")
 
 
 def host_name() -> str:

@@ -142,7 +142,7 @@ def deadlines_of(args: argparse.Namespace) -> Deadlines:
 
 
 def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int, rollouts: int, mirror_device: str,
-             export_dir: Path, resume: Path | None, backends: str = "") -> dict[str, str]:
+             export_dir: Path, resume: Path | None, backends: str = "", strict: bool = False) -> dict[str, str]:
     """The environment every role of a launched job starts with (this one's, plus the job's)."""
     # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
     # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
@@ -155,20 +155,21 @@ def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int
                REPLICA_INJECT=inject, REPLICA_STEPS=str(steps), REPLICA_ROLLOUTS=str(rollouts),
                REPLICA_MIRROR_DEVICE="" if mirror_device == "model" else mirror_device,
                REPLICA_EXPORT_DIR=str(export_dir.resolve()), REPLICA_RESUME=str(resume) if resume else "",
-               REPLICA_BACKENDS=backends)
+               REPLICA_BACKENDS=backends, REPLICA_STRICT="1" if strict else "")
     return env
 
 
 def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
              mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None, store: str = "",
-             backends: str = "") -> tuple[Coordinator, dict[str, str], Leadership | None]:
+             backends: str = "", strict: bool = False) -> tuple[Coordinator, dict[str, str], Leadership | None]:
     """A launched job's coordinator and the environment its roles start with; the job's token
     is ``REPLICA_TOKEN`` or a fresh one. The job store is hosted by the coordinator on
     ``host:port``, or, with ``store`` (``etcd://HOSTS/NAMESPACE``), kept in etcd: then the
     coordinator leads by an election claim that fences its writes (the Leadership returned;
     resign it when the job ends) and the namespace must hold no other job
     (JobStoreInUseError). ``backends``: every role's ``Config.backends``, comma-separated ("":
-    the default). ValueError for a bad ``store`` or an unknown backend."""
+    the default). ``strict``: a step that diverges after a failover ends the job.
+    ValueError for a bad ``store`` or an unknown backend."""
     backends = ",".join(parse_backends(backends))  # refused before anything starts
     token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
     address = StoreAddress.parse(store) if store else None
@@ -186,7 +187,7 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
         raise
     env = role_env(store=coord.address, token=token, world_size=trainers, inject=inject, steps=steps,
                    rollouts=rollouts, mirror_device=mirror_device, export_dir=export_dir,
-                   resume=resume[1] if resume else None, backends=backends)
+                   resume=resume[1] if resume else None, backends=backends, strict=strict)
     return coord, env, leadership
 
 
@@ -218,6 +219,9 @@ def _parser() -> argparse.ArgumentParser:
                         f"(of {', '.join(BACKENDS)}; default: replica.Config's, ipc,shm,ucx,gloo: CUDA IPC and "
                         "shared memory within a node, UCX across nodes); e.g. ucx,gloo keeps host memory on UCX")
     p.add_argument("--report", type=Path, help="write the job report (losses, faults, timeline) as JSON")
+    p.add_argument("--strict", action="store_true",
+                   help="end the job (non-zero exit) when a step redone after a failover does not reproduce its loss "
+                        "or state (the divergence guard; without it the divergence is logged and reported)")
     p.add_argument("--timeline", type=Path, help="plot the failover timeline as PNG (default: beside --report)")
     p.add_argument("--host", default="127.0.0.1",
                    help="where the job store listens (on a Ray cluster of several machines: the driver's routable "
@@ -354,7 +358,7 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         coord, env, leadership = open_job(
             trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host, port=args.port,
             inject=args.inject, steps=args.steps, mirror_device=args.mirror_device, export_dir=args.export_dir,
-            resume=resume, store=args.store, backends=args.backends)
+            resume=resume, store=args.store, backends=args.backends, strict=args.strict)
     except ValueError as exc:
         parser.error(str(exc))
     except ReplicaError as exc:

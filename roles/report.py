@@ -12,6 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from replica.divergence import Divergence, Measure
 from replica.jobstate import keys
 from replica.roles.env import parse_faults
 from replica.roles.rollouts import served_shards
@@ -28,8 +29,10 @@ PHASES = ("detect", "promote", "reconnect", "resumed")  # timeline marks, in ms 
 
 
 def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: str | None) -> dict:
-    losses, times, metrics = {}, {}, {}
+    losses, times, metrics, divergences = {}, {}, {}, []
     for rank in range(coord.world_size):
+        found = coord.store.get_many([keys.divergence(rank, s, m.value) for s in range(1, steps + 1) for m in Measure])
+        divergences += [Divergence.from_json(t.value).to_dict() for t in found if t is not None]
         texts = coord.store.get_many([keys.loss(rank, s) for s in range(1, steps + 1)])
         logged = [t.value.split(" ") if t is not None else [None, None] for t in texts]
         losses[str(rank)] = [parts[0] for parts in logged]
@@ -40,6 +43,9 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         "trainers": coord.world_size,
         "failure": failure,
         "losses_hex": losses,
+        # Steps redone after a failover that did not reproduce their loss or state (the
+        # divergence guard); "comparable": false where the computation is not deterministic.
+        "divergences": divergences,
         "metrics_hex": metrics,
         "step_end_times": times,
         "faults": [{"fault": f, "fired_at": coord.fired(f)} for f in faults],
@@ -89,6 +95,9 @@ def compare_reports(reference: dict, other: dict) -> list[str]:
         for step, (a, b) in enumerate(zip(steps, other.get("metrics_hex", {}).get(rank, [])), start=1):
             if a and b and a != b:
                 problems.append(f"rank {rank} step {step}: metrics {a} != {b}")
+    for which, report in (("reference", reference), ("run", other)):
+        for found in report.get("divergences", []):
+            problems.append(f"{which}: the divergence guard found: {Divergence.from_json(json.dumps(found)).describe()}")
     return problems
 
 

@@ -12,13 +12,15 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from typing import NoReturn
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NoReturn
 
 import torch
 
 import replica
-from replica.errors import FencedError, StoreWaitTimeoutError
+from replica.data import Batches, prepare_extras
+from replica.divergence import Divergence, Measure, comparable
+from replica.errors import DivergenceError, FencedError, StoreWaitTimeoutError
 from replica.jobstate import Epoch, Flag, JobStore, Promotion, Regroup, Stamp, Text, keys
 from replica.export import export_path, load_export, step_folder
 from replica.restore import materialize_optimizer_state, restore_snapshot
@@ -33,6 +35,8 @@ logger = logging.getLogger(__name__)
 _HEARTBEAT_LOG_EVERY = 50  # repeated failures: one warning in 50 (5 s)
 _FENCED_EXIT = 75  # the exit code of a trainer that found itself replaced
 _COORDINATOR_LOST_EXIT = 76  # the exit code of a role whose job store went away
+_DIVERGED_EXIT = 77  # the exit code of a role that found its redo diverged, under --strict
+_LOSSES_KEPT = 64  # steps whose loss a role remembers, to check their redo against
 
 
 class Job:
@@ -65,12 +69,21 @@ class Job:
         self._step = 0
         self._resumed_from = 0  # the step of the export this job started from (--resume)
         self._exported = False
+        self._on_restore: list[Callable[[int], None]] = []
+        self._losses: dict[int, str] = {}  # step -> the loss this process logged for it (hex)
+        self._redo_in_store: set[int] = set()  # steps a promoted standby redoes that its trainer logged
+        self._divergences_seen = 0  # of self._rep.divergences, those reported
 
     # --- what the script calls ---
 
     def replicate(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                   extra: Mapping[str, object]) -> Job:
-        self._bound = (model, optimizer, dict(extra))
+        """Mirror ``model``, ``optimizer`` and ``extra`` (``Stateful`` objects: LR schedulers,
+        ``replica.RNGState()``, and data loaders, which are wrapped in ``replica.Batches``:
+        take the batches from ``next_batch(name)``). Everything that feeds the loss must be
+        in there; see the README, "What must be in the mirrored state"."""
+        extra = prepare_extras(extra)
+        self._bound = (model, optimizer, extra)
         if self.role == Role.TRAINER and self.env.resume:
             self._resume(self.env.resume)
         elif self.role == Role.TRAINER:
@@ -84,6 +97,28 @@ class Job:
                                           device=self.env.mirror_device or None)
         self._install_faults(model, optimizer)
         return self
+
+    def batches(self, name: str) -> Batches:
+        """The job's iterator over the data loader passed as ``extra[name]``: after a
+        failover its next batch is the one the failure-free run took."""
+        if self._bound is None:
+            raise replica.ReplicaError("batches() before replicate()")
+        found = self._bound[2].get(name)
+        if not isinstance(found, Batches):
+            loaders = sorted(k for k, v in self._bound[2].items() if isinstance(v, Batches))
+            raise KeyError(f"extra[{name!r}] is not a data loader (the loaders passed to replicate(): {loaders})")
+        return found
+
+    def next_batch(self, name: str) -> Any:
+        """The next batch of the data loader passed as ``extra[name]`` (``batches(name)``)."""
+        return next(self.batches(name))
+
+    def on_restore(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(step)`` whenever this process's state was rolled back to the
+        commit ``step`` (a survivor of a failover) or restored there (a promoted standby),
+        before the next step starts: for what the loop holds outside the mirrored state
+        (an iterator it made itself, a cache, an accumulation counter)."""
+        self._on_restore.append(callback)
 
     def restored(self, step: int) -> Job:
         """The script restored this trainer's state of ``step`` itself, from a checkpoint of its
@@ -120,12 +155,47 @@ class Job:
             raise
         except FencedError:  # its standby or the commit record says the rank belongs to another process
             self._fenced_exit()
+        for found in self._rep.divergences[self._divergences_seen:]:
+            self._divergence(found)
+        self._divergences_seen = len(self._rep.divergences)
         self._fault("mirror", step)  # the stream of this step is in flight now
         return done
 
+    # --- the divergence guard ---
+
+    def _check_loss(self, step: int, now: str) -> None:
+        before = self._losses.get(step)
+        if before is None and step in self._redo_in_store:  # a promoted standby: its trainer logged it
+            self._redo_in_store.discard(step)
+            logged = self.store.get(keys.loss(self.rank, step))
+            before = logged.value.split(" ")[0] if logged is not None else None
+        if before is not None and before != now:
+            self._divergence(Divergence(rank=self.rank, step=step, measure=Measure.LOSS, before=before, after=now,
+                                        comparable=comparable(self._bound[0])))
+        self._losses[step] = now
+        for old in sorted(self._losses)[:-_LOSSES_KEPT]:
+            del self._losses[old]
+
+    def _divergence(self, found: Divergence) -> None:
+        """One loud line (the replicator logs what it finds itself), a record in the job
+        report, and under --strict the job's end."""
+        if found.measure is Measure.LOSS:
+            (logger.error if found.comparable else logger.info)("[%s rank %d] %s", self.role, self.rank,
+                                                                found.describe())
+        self.store.put(keys.divergence(self.rank, found.step, found.measure.value), Text(value=found.to_json()))
+        if self.env.strict and found.comparable:
+            self._report_fatal(DivergenceError(found.describe()))
+            logger.error("[%s rank %d] --strict: the job ends (exit code %d)", self.role, self.rank, _DIVERGED_EXIT)
+            _exit_now(_DIVERGED_EXIT)
+
+    def _restored_to(self, step: int) -> None:
+        for callback in self._on_restore:
+            callback(step)
+
     def log(self, step: int, loss: torch.Tensor | float, **metrics: float) -> None:
         """Record the step's loss exactly (a float's hex form) and any other metrics
-        (``reward=...``) for the job report."""
+        (``reward=...``) for the job report. A step redone after a failover is checked
+        against the loss it had before (the divergence guard)."""
         # Reading the loss waits for the step's kernels, after which NCCL has reported any failure.
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         with self._store_guard():
@@ -133,6 +203,7 @@ class Job:
 
     def _log(self, step: int, value: float, metrics: Mapping[str, float]) -> None:
         if self.group.check() is None:
+            self._check_loss(step, value.hex())
             # One store round trip a step: the loss, when the step ended, the metrics.
             extra = "".join(f" {k}={float(v).hex()}" for k, v in sorted(metrics.items()))
             self.store.put(keys.loss(self.rank, step), Text(value=f"{value.hex()} {time.time()!r}{extra}"))
@@ -246,6 +317,7 @@ class Job:
             if self._configure(generation):
                 break
         self._rep.protect()  # a standby that does not hold the commit (a new one) receives it first
+        self._restored_to(restored)
         logger.warning("[trainer rank %d] survived: rolled back to %d, generation %d", self.rank, restored, generation)
         return restored
 
@@ -322,12 +394,17 @@ class Job:
         self.role = Role.TRAINER
         self._start_replicator(held)
         self._rep.protect()  # the rank's new standby receives the commit first: it has two copies again
+        # The steps after the commit that the rank's last trainer logged are redone here: the
+        # guard checks them against its losses (at most the two in flight when it died).
+        self._redo_in_store = {commit + 1, commit + 2}
+        self._restored_to(commit)
         logger.warning("[standby rank %d] promoted to trainer at commit %d, generation %d", self.rank, commit,
                        generation)
         return commit
 
     def _start_replicator(self, held: tuple[replica.Snapshot, replica.Snapshot | None] | None = None) -> None:
         model, optimizer, extra = self._bound
+        self._divergences_seen = 0
         self._rep = replica.Replicator(model, optimizer, extra, store=self.store, config=self.config,
                                        rank=self.rank, world_size=self.env.world_size, epoch=self.epoch)
         self._rep.interrupted = self._failover_announced
