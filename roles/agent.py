@@ -28,6 +28,7 @@ from datetime import timedelta
 
 from replica.jobstate import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, RoleExit, Stamp, keys
 from replica.roles import timing
+from replica.roles.argparsing import Parser, existing_file, non_negative_int
 from replica.roles.env import HOST, ROLES, Action, Fault, Role, configure_logging, host_name, parse_faults
 from replica.roles.launch import LocalAgent
 from replica.stores import StoreAddress
@@ -236,13 +237,12 @@ def _tc(*args: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replica agent", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="replica agent", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", required=True, help="the job store: HOST:PORT or etcd://HOST:PORT,.../JOB")
-    p.add_argument("--index", type=int, required=True, help="this host's agent number, 0 .. --agents - 1")
+    p.add_argument("--index", type=non_negative_int, required=True, help="this host's agent number, 0 .. --agents - 1")
     p.add_argument("--address", default="127.0.0.1", help="this host's routable address (REPLICA_HOST of its roles)")
     p.add_argument("--roles", default="", help="roles to start at once, e.g. trainer:0 or standby:1,rollout:1")
-    p.add_argument("script", help="the job's script (the same on every host)")
+    p.add_argument("script", type=existing_file, help="the job's script (the same on every host)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
 

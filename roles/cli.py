@@ -51,14 +51,19 @@ def _compare(argv: list[str]) -> int:
 
     from replica.roles.report import compare_reports, load_report, write_loss_png
 
-    parser = argparse.ArgumentParser(prog="replica compare",
-                                     description="compare two job reports' per-step losses (and metrics) exactly")
-    parser.add_argument("reference", type=Path, help="the report of the failure-free run")
-    parser.add_argument("other", type=Path, help="the report of the run to check (with faults)")
-    parser.add_argument("--plot", type=Path, help="also plot both runs' loss curves, faults marked, as PNG")
+    from replica.roles.argparsing import Parser, existing_file, writable_file
+
+    parser = Parser(prog="replica compare",
+                    description="compare two job reports' per-step losses (and metrics) exactly")
+    parser.add_argument("reference", type=existing_file, help="the report of the failure-free run")
+    parser.add_argument("other", type=existing_file, help="the report of the run to check (with faults)")
+    parser.add_argument("--plot", type=writable_file, help="also plot both runs' loss curves, faults marked, as PNG")
     args = parser.parse_args(argv)
-    a, b = load_report(args.reference), load_report(args.other)
-    if args.plot is not None and write_loss_png(a, b, args.plot, names=(args.reference.stem, args.other.stem)):
+    try:
+        a, b = load_report(args.reference), load_report(args.other)
+    except (OSError, ValueError) as exc:  # not JSON, not a report, unreadable
+        parser.error(str(exc).splitlines()[0])
+    if args.plot is not None and write_loss_png(a, b, args.plot, names=(Path(args.reference).stem, Path(args.other).stem)):
         print(f"replica: loss curves plotted in {args.plot}")
     problems = compare_reports(a, b)
     for line in problems[:20]:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from replica.backends import parse_backends
 from replica.stores import StoreAddress
 
-__all__ = ["ACTIONS", "Action", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "configure_logging",
-           "host_name", "parse_faults"]
+__all__ = ["ACTIONS", "Action", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "check_faults",
+           "configure_logging", "host_name", "parse_faults"]
 
 
 class Role(enum.StrEnum):
@@ -84,6 +84,28 @@ class Fault:
         if self.role == HOST:
             return f"{self.action}:{self.role}:{self.rank}@{self.step}"
         return f"{self.action}:{self.role}:{self.rank}@{self.step}:{self.phase}{when}"
+
+
+def check_faults(faults: tuple[Fault, ...], *, trainers: int, standbys: int, rollouts: int, first_step: int,
+                 last_step: int, agents: int | None = None) -> None:
+    """ValueError naming the first of ``faults`` that could never fire in this job: a rank
+    it does not have, a step it does not run (``first_step`` .. ``last_step``), a host
+    without an agent (``agents``: the number of host agents; None: no host faults here)."""
+    counts = {Role.TRAINER: ("trainers", trainers), Role.STANDBY: ("standbys", standbys),
+              Role.ROLLOUT: ("rollouts", rollouts)}
+    for fault in faults:
+        if fault.role == HOST:
+            if agents is not None and not 0 <= fault.rank < agents:
+                raise ValueError(f"fault {fault}: there are {agents} host agents (0 .. {agents - 1})")
+        else:
+            what, count = counts[Role(fault.role)]
+            if not 0 <= fault.rank < count:
+                raise ValueError(f"fault {fault}: the job has {count} {what} "
+                                 f"({'none' if count == 0 else f'ranks 0 .. {count - 1}'}): it would never fire")
+        if not first_step <= fault.step <= last_step:
+            raise ValueError(f"fault {fault}: the job runs steps {first_step} .. {last_step}: it would never fire")
+        if fault.generation is not None and fault.generation < 0:
+            raise ValueError(f"fault {fault}: generations are numbered from 0")
 
 
 def parse_faults(spec: str) -> tuple[Fault, ...]:

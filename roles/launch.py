@@ -25,7 +25,16 @@ from replica.errors import ReplicaError
 from replica.export import resumable
 from replica.roles.coordinator import Coordinator, MemberState
 from replica.roles.election import Leadership, lead_new_job
-from replica.roles.env import HOST, Role, configure_logging, parse_faults
+from replica.roles.argparsing import (
+    Parser,
+    existing_file,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    writable_file,
+)
+from replica.roles.env import HOST, Role, check_faults, configure_logging, parse_faults
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
 from replica.stores import StoreAddress, StoreKind
@@ -108,10 +117,10 @@ class StatusLines:
 
 
 def deadline_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heartbeat-deadline", type=float, default=Deadlines().trainer.total_seconds(),
+    p.add_argument("--heartbeat-deadline", type=positive_float, default=Deadlines().trainer.total_seconds(),
                    help="seconds without a heartbeat before a live but silent trainer is declared dead "
                         "(a process that exits is declared dead at once)")
-    p.add_argument("--standby-deadline", type=float, default=None,
+    p.add_argument("--standby-deadline", type=positive_float, default=None,
                    help="the same for standbys (default: --heartbeat-deadline)")
 
 
@@ -192,16 +201,17 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replica launch", description=__doc__)
-    p.add_argument("script", help="the training script; it runs in every role")
+    p = Parser(prog="replica launch", description=__doc__)
+    p.add_argument("script", type=existing_file, help="the training script; it runs in every role")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
-    p.add_argument("--trainers", type=int, default=2)
-    p.add_argument("--rollouts", type=int, default=0, help="rollout engines (the script serves them: see README)")
-    p.add_argument("--standbys", type=int, default=None,
+    p.add_argument("--trainers", type=positive_int, default=2)
+    p.add_argument("--rollouts", type=non_negative_int, default=0,
+                   help="rollout engines (the script serves them: see README)")
+    p.add_argument("--standbys", type=non_negative_int, default=None,
                    help="standbys to start, for ranks 0..K-1 (default: one per trainer); the others are unprotected")
     p.add_argument("--replacements", type=int, default=-1,
                    help="new standbys the launcher may start for promoted or dead ones (default: no limit)")
-    p.add_argument("--steps", type=int, default=20, help="passed to the script as REPLICA_STEPS")
+    p.add_argument("--steps", type=positive_int, default=20, help="passed to the script as REPLICA_STEPS")
     p.add_argument("--inject", default="", help="kill:trainer:RANK@STEP[:PHASE][:gGEN],kill:standby:RANK@STEP,"
                                                 "kill:rollout:INDEX@STEP (while generating for STEP),"
                                                 "freeze:trainer:RANK@STEP[:PHASE] (SIGSTOP), "
@@ -218,11 +228,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="the transports of every role's data plane, comma-separated, in order of preference "
                         f"(of {', '.join(BACKENDS)}; default: replica.Config's, ipc,shm,ucx,gloo: CUDA IPC and "
                         "shared memory within a node, UCX across nodes); e.g. ucx,gloo keeps host memory on UCX")
-    p.add_argument("--report", type=Path, help="write the job report (losses, faults, timeline) as JSON")
+    p.add_argument("--report", type=writable_file, help="write the job report (losses, faults, timeline) as JSON")
     p.add_argument("--strict", action="store_true",
                    help="end the job (non-zero exit) when a step redone after a failover does not reproduce its loss "
                         "or state (the divergence guard; without it the divergence is logged and reported)")
-    p.add_argument("--timeline", type=Path, help="plot the failover timeline as PNG (default: beside --report)")
+    p.add_argument("--timeline", type=writable_file,
+                   help="plot the failover timeline as PNG (default: beside --report)")
     p.add_argument("--host", default="127.0.0.1",
                    help="where the job store listens (on a Ray cluster of several machines: the driver's routable "
                         "address)")
@@ -234,12 +245,12 @@ def _parser() -> argparse.ArgumentParser:
                         '"standby": {"CPU": 1}, "strategy": "STRICT_SPREAD", "timeout_s": 60, '
                         '"start_timeout_s": 180}\' (default: 1 CPU each, each trainer and rollout machine on its own '
                         'node; timeout_s: for the placement group, start_timeout_s: for each role\'s actor to start)')
-    p.add_argument("--port", type=int, default=0, help="the job store's port (default: any free one)")
+    p.add_argument("--port", type=port, default=0, help="the job store's port (default: any free one)")
     p.add_argument("--store", default="", metavar="etcd://H1:2379,H2:2379,H3:2379/JOB",
                    help="keep the job's state in etcd instead of hosting a store (credentials in "
                         "REPLICA_ETCD_USER/REPLICA_ETCD_PASSWORD, REPLICA_ETCD_CA: the roles read them too); the "
                         "namespace must hold no other job")
-    p.add_argument("--timeout", type=float, default=600, help="seconds before the whole job is abandoned")
+    p.add_argument("--timeout", type=positive_float, default=600, help="seconds before the whole job is abandoned")
     deadline_options(p)
     state_options(p)
     return p
@@ -341,19 +352,20 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
     agent of ``--ray``."""
     parser = _parser()
     args = parser.parse_args(argv)
+    standbys = args.trainers if args.standbys is None else args.standbys
+    if standbys > args.trainers:
+        parser.error(f"--standbys {standbys}: at most one standby per trainer (--trainers {args.trainers})")
+    resume = resume_point(parser, args, args.trainers)
     try:
         faults = parse_faults(args.inject)
         if any(f.role == HOST for f in faults):
             raise ValueError("host faults need host agents (`replica agent`): `replica launch` runs on one machine")
+        check_faults(faults, trainers=args.trainers, standbys=standbys, rollouts=args.rollouts,
+                     first_step=resume[0] + 1 if resume else 1, last_step=args.steps)
         deadlines = deadlines_of(args)
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging()
-    standbys = args.trainers if args.standbys is None else args.standbys
-    if args.trainers < 1 or not 0 <= standbys <= args.trainers or args.rollouts < 0:
-        parser.error(f"need --trainers >= 1, 0 <= --standbys <= --trainers and --rollouts >= 0, got "
-                     f"{args.trainers}, {standbys}, {args.rollouts}")
-    resume = resume_point(parser, args, args.trainers)
     try:
         coord, env, leadership = open_job(
             trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host, port=args.port,

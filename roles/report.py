@@ -73,9 +73,13 @@ def _version(coord: Coordinator, index: int) -> int | None:
 
 
 def load_report(path: str | Path) -> dict:
-    report = json.loads(Path(path).read_text())
-    if "losses_hex" not in report:
-        raise ValueError(f"{path} is not a replica job report")
+    """A job report (``--report``); ValueError when the file is not one."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not a replica job report (not JSON: {exc})") from None
+    if not isinstance(report, dict) or not isinstance(report.get("losses_hex"), dict) or "steps" not in report:
+        raise ValueError(f"{path} is not a replica job report (no per-rank losses)")
     return report
 
 

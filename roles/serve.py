@@ -15,6 +15,7 @@ from pathlib import Path
 
 from replica.errors import FencedError
 from replica.jobstate import JobStore, keys
+from replica.roles.argparsing import Parser, non_negative_int, port, positive_float, positive_int, writable_file
 from replica.roles.agents import RemoteAgents
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
@@ -27,18 +28,18 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replica coordinator", description=__doc__)
-    p.add_argument("--world-size", type=int, required=True, help="the number of trainer ranks")
-    p.add_argument("--rollouts", type=int, default=0, help="rollout engines that will join")
-    p.add_argument("--steps", type=int, required=True, help="the job's steps (for progress and the report)")
+    p = Parser(prog="replica coordinator", description=__doc__)
+    p.add_argument("--world-size", type=positive_int, required=True, help="the number of trainer ranks")
+    p.add_argument("--rollouts", type=non_negative_int, default=0, help="rollout engines that will join")
+    p.add_argument("--steps", type=positive_int, required=True, help="the job's steps (for progress and the report)")
     p.add_argument("--host", default="127.0.0.1",
                    help="where the job store listens (default loopback; a multi-node job binds a routable address)")
-    p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--port", type=port, default=29400)
     p.add_argument("--store", default="",
                    help="keep the job's state in etcd instead of hosting a store: etcd://H1:2379,H2:2379,H3:2379/JOB "
                         "(credentials in REPLICA_ETCD_USER/REPLICA_ETCD_PASSWORD). Start this command on two or more "
                         "hosts: one leads, the others take over when it dies")
-    p.add_argument("--agents", type=int, default=0,
+    p.add_argument("--agents", type=non_negative_int, default=0,
                    help="the number of hosts that run `replica agent` (indices 0 .. N-1): their exit reports are "
                         "detection signals and they start replacements (default: none)")
     p.add_argument("--replacements", type=int, default=-1,
@@ -46,15 +47,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-while-replacing", action="store_true",
                    help="after a failover or a standby's death, train on unprotected while the rank's new standby "
                         "starts (default: commit() waits until the rank is protected again)")
-    p.add_argument("--standbys", type=int, default=None,
+    p.add_argument("--standbys", type=non_negative_int, default=None,
                    help="ranks 0..K-1 have standbys (default: all); the others are UNPROTECTED: their trainer's "
                         "death ends the job")
-    p.add_argument("--resume-step", type=int, default=None,
+    p.add_argument("--resume-step", type=non_negative_int, default=None,
                    help="the trainers start from the script's own checkpoint of this step (they call "
                         "job.restored(STEP)): it is the first commit. Not with --resume")
-    p.add_argument("--report", type=Path)
-    p.add_argument("--timeline", type=Path)
-    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("--report", type=writable_file)
+    p.add_argument("--timeline", type=writable_file)
+    p.add_argument("--timeout", type=positive_float, default=3600)
     deadline_options(p)
     state_options(p)
     return p
