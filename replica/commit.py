@@ -9,9 +9,19 @@ and the trainer's own count, so a replaced standby that still runs moves nothing
 ``commit`` is the global commit, the minimum over ranks of ``ack``, only ever
 raised (compare-and-set). When the coordinator has published the generation's
 epochs, only acks of each rank's current epoch count: a fenced trainer (declared
-dead, still running) cannot move the commit. The standby writing the last
-missing ack sees every other ack (the store serializes requests) and raises the
-commit.
+dead, still running) cannot move the commit.
+
+Per step the record costs O(N) store work, not O(N^2): each acknowledger writes its
+ack, then adds one to the plain counter ``ack_count/{t}`` of every step ``t`` its ack
+passes (the steps after its previous ack, or after the commit: one, as a rule). So
+``ack_count/{t}`` counts the acks that reached ``t``; the store serializes it, and the
+acknowledger that brings it to ``world_size`` (or past it: a replaced standby's acks
+count there too) has every other ack that reached ``t`` visible: it alone reads every
+rank's registration and ack (O(N)), and raises the commit to their minimum. Before, every acknowledger read them all (~3N
+signed keys each: 8.4 s of store work per step at 256 ranks). The counter is
+unsigned and only a hint: every ack it leads to is verified, a wrong count can only
+delay a commit, and a trainer that waits for one more than ``_RECHECK`` runs the
+check itself.
 
 Two more keys carry what the coordinator decides from: ``lost/{rank}`` counts the
 times rank r's standby saw its trainer vanish (a transport-level sign of death), and
@@ -23,14 +33,15 @@ the rank itself cannot be recovered if it dies).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 
 from replica.errors import CommitTimeoutError, StoreWaitTimeoutError
-from replica.jobstate import Ack, Commit, Epoch, Flag, Generation, JobStore, LostReports, Registration, keys
+from replica.jobstate import Ack, Commit, Epoch, Flag, Generation, JobStore, LostReports, Number, Registration, keys
 from replica.registry import publish, registration, wait_registration
 
-__all__ = ["CommitRecord", "EpochRecord"]
+__all__ = ["CommitRecord", "EpochRecord", "publish_generation"]
 
 #: The epoch of a library user's trainer that runs without a coordinator (no generation record).
 NO_EPOCH = Epoch(generation=0, member=-1)
@@ -38,21 +49,40 @@ _MARKERS_KEPT = 64  # commit_reached markers kept behind the commit
 _RECHECK = timedelta(seconds=1)  # a commit waiter reads the commit itself at least this often
 
 
+def publish_generation(store: JobStore, generation: Generation) -> None:
+    """Write the generation record, then its number (``EpochRecord`` reads the number
+    first, and the whole record only when that moved)."""
+    store.put(keys.generation(), generation)
+    store.put(keys.generation_number(), Number(value=generation.number))
+
+
 class EpochRecord:
     """The epochs receivers accept, from the coordinator's signed generation record:
     what a standby (the epoch of its rank's trainer) and an engine's weight receiver
     (the epoch of the trainers' leader rank) fence with. Once a record was verified
     here, a forged or deleted one never replaces it with an older one or with none:
-    fencing cannot be switched off from the store."""
+    fencing cannot be switched off from the store.
+
+    The record lists every rank's trainer (O(N) bytes); each role reads it every step and
+    every heartbeat period, so a read asks for the small signed ``generation_number``
+    first and the record itself only when the number differs from the one held here
+    (O(N^2) bytes a step across the job before, O(N) now)."""
 
     def __init__(self, store: JobStore):
         self.store = store
         self._generation: Generation | None = None  # the newest generation record verified here
         self._lock = threading.Lock()
 
-    def generation(self) -> Generation | None:
-        """The coordinator's current generation and trainers (None without a coordinator)."""
-        current = self.store.get(keys.generation())
+    def generation(self, store: JobStore | None = None) -> Generation | None:
+        """The coordinator's current generation and trainers (None without a coordinator);
+        over ``store`` (another connection to the job store) if given."""
+        store = store or self.store
+        number = store.get(keys.generation_number())
+        with self._lock:
+            held = self._generation
+        if number is not None and held is not None and number.value == held.number:
+            return held
+        current = store.get(keys.generation())  # new, or no number published (an older writer)
         with self._lock:
             if current is not None and (self._generation is None or current.number >= self._generation.number):
                 self._generation = current
@@ -75,6 +105,7 @@ class CommitRecord:
         self.store = store
         self.world_size = world_size
         self._last: int | None = None  # the last commit verified here (a forged value does not lower it)
+        self._passed: dict[tuple[int, str, Epoch], int] = {}  # (rank, holder, epoch) -> the newest step it acked
         self.epochs = EpochRecord(store)  # likewise the newest generation record
         self._lock = threading.Lock()
 
@@ -102,11 +133,32 @@ class CommitRecord:
     def acknowledge(self, rank: int, step: int, epoch: Epoch = NO_EPOCH, holder: str = "") -> int | None:
         """Record that rank ``rank``'s standby (registered with nonce ``holder``; "" for a
         trainer acknowledging itself) holds ``step`` as streamed by the trainer of ``epoch``;
-        returns the global commit after."""
+        returns the newest global commit this record has seen (read from the store by the
+        acknowledgement that completes a step, ``raise_commit``; the others ask nothing more)."""
         self.store.put(keys.ack(rank, holder), Ack(rank=rank, step=step, generation=epoch.generation,
                                                    member=epoch.member, holder=holder))
+        acker = (rank, holder, epoch)
+        with self._lock:
+            previous = self._passed.get(acker)
+            self._passed[acker] = step if previous is None else max(previous, step)
+        if previous is None:  # this acknowledger's first: the steps after the commit are the new ones
+            commit = self.last()
+            # Without a commit, every step from the first (a bounded few, should the commit be gone).
+            previous = commit if commit is not None else max(-1, step - _MARKERS_KEPT)
+        complete = False
+        for passed in range(previous + 1, step + 1):
+            complete |= self.store.count(keys.ack_count(passed), 1) >= self.world_size
+        # Not the last ack to reach any step: another rank's ack is still to come, and that one looks.
+        return self.raise_commit(step) if complete else self.last_seen()
+
+    def raise_commit(self, target: int | None = None) -> int | None:
+        """Raise the global commit to the minimum of the acks that count, if that is higher
+        (reads every rank's registration and its standby's ack: O(N) keys in a few
+        requests); returns the commit after. ``target``: the step the caller needs; a
+        rank's own trainer's ack (unprotected) is then read only where its standby's is
+        below it (None: everywhere)."""
         generation = self.generation()
-        acks = self._acks(generation)
+        acks = self._acks(generation, target)
         if acks is None:
             return self.last()
         low = min(a.step for a in acks)
@@ -135,23 +187,36 @@ class CommitRecord:
                       [b""] * (step + 1 - first))
         for old in range(max(0, first - _MARKERS_KEPT), step + 1 - _MARKERS_KEPT):
             raw.delete_key(self.store.full(keys.commit_reached(old)))
+            raw.delete_key(self.store.full(keys.ack_count(old)))
 
-    def _acks(self, generation: Generation | None) -> list[Ack] | None:
+    def _acks(self, generation: Generation | None, target: int | None = None) -> list[Ack] | None:
         """Each rank's ack that counts (None while a rank has none): the newest of its
         registered standby's and its own trainer's (while unprotected), streamed in the
         rank's current epoch (``generation``'s; any without one). A replaced standby's
-        acks (its own key) and a fenced trainer's (another epoch) never count."""
+        acks (its own key) and a fenced trainer's (another epoch) never count.
+
+        The standbys' acks come in one request; a trainer's own ack is read only for a
+        rank whose standby's is missing or below ``target`` (None: every rank): past
+        ``target`` it cannot lower the minimum below it."""
+        def counts(ack: Ack | None, r: int, holder: str) -> bool:
+            return (ack is not None and ack.rank == r and ack.holder == holder
+                    and (generation is None or ack.epoch == generation.epoch(r)))
+
         registrations = self.store.get_many([keys.standby(r) for r in range(self.world_size)])
-        holders = [["", *([reg.nonce] if reg is not None else [])] for reg in registrations]
-        flat = iter(self.store.get_many([keys.ack(r, h) for r in range(self.world_size) for h in holders[r]]))
+        registered = [r for r, reg in enumerate(registrations) if reg is not None]
+        standby_acks = dict(zip(registered, self.store.get_many([keys.ack(r, registrations[r].nonce)
+                                                                 for r in registered])))
         counted: list[Ack] = []
         for r in range(self.world_size):
-            mine = [next(flat) for _ in holders[r]]
-            valid = [a for a, h in zip(mine, holders[r]) if a is not None and a.rank == r and a.holder == h
-                     and (generation is None or a.epoch == generation.epoch(r))]
-            if not valid:
+            ack = standby_acks.get(r)
+            best = ack if ack is not None and counts(ack, r, registrations[r].nonce) else None
+            if best is None or target is None or best.step < target:
+                own = self.store.get(keys.ack(r, ""))
+                if counts(own, r, "") and (best is None or own.step > best.step):
+                    best = own
+            if best is None:
                 return None
-            counted.append(max(valid, key=lambda a: a.step))
+            counted.append(best)
         return counted
 
     def standby_holds(self, rank: int, step: int) -> bool:
@@ -203,8 +268,17 @@ class CommitRecord:
     def wait(self, step: int, timeout: timedelta, *, abort: Callable[[], None] | None = None) -> int:
         """Block until the global commit is at least ``step``; ``abort()`` may raise to stop early.
         Waits on the calling thread's own store connection for the step's marker."""
+        raised = time.monotonic()
+
         def reached(_: JobStore) -> int | None:
+            nonlocal raised
             last = self.last()
+            if (last is None or last < step) and time.monotonic() - raised >= _RECHECK.total_seconds():
+                # A commit that late may never be raised by the step's last acknowledger (it
+                # died between its ack and the raise, or the unsigned counter was tampered
+                # with): raise it from here, once every _RECHECK (O(N) then, never on time).
+                raised = time.monotonic()
+                last = self.raise_commit()
             return last if last is not None and last >= step else None
 
         try:

@@ -351,6 +351,12 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key("generation", Generation)
 
     @staticmethod
+    def generation_number() -> Key[Number]:
+        """The number of the generation record, written after it: a role that holds that
+        record already reads this small key instead of the whole record (every rank's member)."""
+        return Key("generation_number", Number)
+
+    @staticmethod
     def failover(generation: int) -> Key[Failover]:
         return Key(f"failover/{generation}", Failover)
 
@@ -409,6 +415,12 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         """Raw, empty: written once the commit reached ``step`` (what commit waits block on;
         a hint, never trusted: the waiter reads the signed commit)."""
         return f"commit/reached/{step}"
+
+    @staticmethod
+    def ack_count(step: int) -> str:
+        """A plain counter: how many acknowledgements of ``step`` were written (a hint, see
+        ``CommitRecord.acknowledge``; never trusted for the commit itself)."""
+        return f"ack_count/{step}"
 
     @staticmethod
     def ack(rank: int, holder: str) -> Key[Ack]:

@@ -11,7 +11,9 @@ import socket
 import subprocess
 import sys
 import time
+import threading
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 from collections.abc import Callable, Iterator
@@ -19,8 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BusyCores", "Child", "ChildFailed", "RawUcx", "TornDown", "busy_cores", "cpu_seconds", "cpu_since",
-           "free_port", "process_state", "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
+__all__ = ["BusyCores", "Child", "ChildFailed", "CountingStore", "RawUcx", "TornDown", "busy_cores", "cpu_seconds",
+           "cpu_since", "free_port", "process_state", "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
 
 
 class TornDown:
@@ -277,3 +279,74 @@ def busy_cores(per_core: int = 2) -> Iterator[BusyCores]:
             p.kill()
         for p in procs:
             p.wait()
+
+
+class CountingStore:
+    """A ``torch.distributed`` store client (``inner``) that counts what it asks of the
+    store: requests by method (``requests``), keys named (``keys``) and bytes sent and
+    received (``bytes``), for measuring the control plane's cost. ``JobStore`` takes it
+    where it takes a store (it only calls these methods)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.requests: Counter[str] = Counter()
+        self.keys = 0
+        self.bytes = 0
+        self.calls: list[tuple[str, int]] = []  # (method, keys named), in order
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests.clear()
+            self.keys = self.bytes = 0
+            self.calls.clear()
+
+    @property
+    def total(self) -> int:
+        return sum(self.requests.values())
+
+    def _count(self, method: str, keys: list[str], nbytes: int) -> None:
+        with self._lock:
+            self.requests[method] += 1
+            self.keys += len(keys)
+            self.bytes += nbytes + sum(len(k) for k in keys)
+            self.calls.append((method, len(keys)))
+
+    def set(self, key: str, value) -> None:
+        self._count("set", [key], len(value))
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        value = self.inner.get(key)
+        self._count("get", [key], len(value))
+        return value
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values = self.inner.multi_get(keys)
+        self._count("multi_get", keys, sum(len(v) for v in values))
+        return values
+
+    def multi_set(self, keys: list[str], values) -> None:
+        self._count("multi_set", keys, sum(len(v) for v in values))
+        self.inner.multi_set(keys, values)
+
+    def add(self, key: str, amount: int) -> int:
+        self._count("add", [key], 8)
+        return self.inner.add(key, amount)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        value = self.inner.compare_set(key, expected, desired)
+        self._count("compare_set", [key], len(expected) + len(desired) + len(value))
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        self._count("check", keys, 0)
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], *args) -> None:
+        self._count("wait", keys, 0)
+        self.inner.wait(keys, *args)
+
+    def delete_key(self, key: str) -> bool:
+        self._count("delete_key", [key], 0)
+        return self.inner.delete_key(key)

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from replica.commit import CommitRecord
+from replica.commit import CommitRecord, publish_generation
 from replica.errors import JoinRefusedError
 from replica.jobstate import Failover as FailoverRecord
 from replica.jobstate import ExportRequest, Flag, Generation, JobStore, Promotion, Stamp, Text, keys
@@ -564,7 +564,7 @@ class Coordinator:
         """The generation and each rank's trainer in it: the epochs receivers accept."""
         live = (self._live(Role.TRAINER, r) for r in range(self.world_size))
         trainers = tuple(m.id if m is not None else -1 for m in live)
-        self.store.put(keys.generation(), Generation(number=self.generation, trainers=trainers))
+        publish_generation(self.store, Generation(number=self.generation, trainers=trainers))
 
     def _publish_members(self) -> None:
         self.store.put(keys.members(), Text(value=json.dumps(self.membership())))

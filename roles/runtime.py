@@ -18,6 +18,7 @@ from typing import Any, NoReturn
 import torch
 
 import replica
+from replica.commit import EpochRecord
 from replica.data import Batches, prepare_extras
 from replica.divergence import Divergence, Measure, comparable
 from replica.errors import DivergenceError, FencedError, StoreWaitTimeoutError
@@ -45,6 +46,7 @@ class Job:
         self.role = env.role
         self.rank = env.rank
         self.store = JobStore(env.store.connect(timeout=timing.ROLE_WAIT), token=env.token)
+        self._epochs = EpochRecord(self.store)  # the generation record, read whole only when its number moved
         # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
         self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=timing.ROLE_WAIT).member
         self._failed_generation = -1  # the newest generation this process could not join
@@ -277,7 +279,7 @@ class Job:
 
     def _superseded(self, store: JobStore | None = None) -> bool:
         """True when the coordinator gave this trainer's rank to another process."""
-        current = (store or self.store).get(keys.generation())
+        current = self._epochs.generation(store)
         return (self.role == Role.TRAINER and current is not None and self.rank < len(current.trainers)
                 and current.trainers[self.rank] not in (-1, self.member))
 
@@ -336,7 +338,7 @@ class Job:
 
     def _generation_number(self, store: JobStore | None = None) -> int:
         """The coordinator's current generation (-1 while none is readable)."""
-        current = (store or self.store).get(keys.generation())
+        current = self._epochs.generation(store)
         return -1 if current is None else current.number
 
     def _wait_promotion(self) -> int | None:
