@@ -10,6 +10,16 @@ from replica.testetcd import EtcdCluster
 from test_launch import RL, RL_STEPS, STEPS, launch
 
 
+@pytest.fixture
+def server():
+    """A TCPStore server on a free loopback port (the job store's kind on one machine)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """The report of examples/train_fsdp.py run by `replica launch` without faults: every

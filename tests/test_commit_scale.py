@@ -19,18 +19,13 @@ TOKEN = b"commit-scale-token"
 T = timedelta(seconds=30)
 
 
-@pytest.fixture
-def master():
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
-
-
 def _client(master: dist.TCPStore) -> CountingStore:
     return CountingStore(dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=T))
 
 
 @pytest.mark.parametrize("n", [8, 64])
-def test_a_steps_acknowledgements_cost_o_n_store_requests(master, n):
-    client = _client(master)
+def test_a_steps_acknowledgements_cost_o_n_store_requests(server, n):
+    client = _client(server)
     jobs = JobStore(client, token=TOKEN)
     jobs.put(keys.generation(), Generation(number=0, trainers=tuple(range(1, n + 1))))
     # Each simulated standby: its own commit record (as in its own process) and registration.
@@ -50,13 +45,13 @@ def test_a_steps_acknowledgements_cost_o_n_store_requests(master, n):
         assert client.total <= 4 * n + 16, (client.total, client.requests)
 
 
-def test_the_commit_is_the_minimum_of_the_acks_that_count(master):
+def test_the_commit_is_the_minimum_of_the_acks_that_count(server):
     """Random interleavings of acks across steps; a standby replaced mid-run (its
     predecessor still acknowledging), a trainer fenced by a new generation (still
     acknowledging, in its old epoch), a rank left unprotected (its trainer acknowledges
     itself). After every ack the commit is what the full rule says it is."""
     n, rng = 4, random.Random(7)
-    jobs = JobStore(_client(master), token=TOKEN)
+    jobs = JobStore(_client(server), token=TOKEN)
     members = [1, 2, 3, 4]
     jobs.put(keys.generation(), Generation(number=0, trainers=tuple(members)))
     observer = CommitRecord(jobs, world_size=n)

@@ -20,11 +20,6 @@ TOKEN = b"store-waits-token"
 T = timedelta(seconds=30)
 
 
-@pytest.fixture
-def server():
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
-
-
 def client(server: dist.TCPStore) -> JobStore:
     return JobStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T), token=TOKEN)
 
