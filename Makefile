@@ -12,7 +12,7 @@ CUDA_OBJECTS := $(patsubst csrc/cuda/%.cu,.cuda-check/%.o,$(CUDA_SOURCES))
 NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 
-.PHONY: test test-slow demo demo-rl demo-rl-ray bench ettr build cuda-check clean
+.PHONY: test test-slow demo demo-rl demo-rl-ray bench bench-scale ettr build cuda-check clean
 
 # Dependencies: rebuilt only when the project's metadata changes.
 $(VENV)/.deps: pyproject.toml setup.py
@@ -56,6 +56,14 @@ bench: build
 	mkdir -p bench/results
 	$(PY) -m pytest bench --benchmark-only --benchmark-json=bench/results/benchmarks.json $(PYTEST_ARGS)
 	@cat bench/results/*.md
+
+# The control plane at scale, by simulation (bench/control_scale.py): N simulated ranks on the
+# real job store (TCPStore and a 3-member etcd), the real commit record. Writes
+# bench/results/control_scale.{json,md,png}.
+SCALE_ARGS ?= --n 64,256,1024 --stores tcp,etcd
+bench-scale: build
+	mkdir -p bench/results
+	$(PY) bench/control_scale.py $(SCALE_ARGS)
 
 # ETTR under random failures, replica against checkpoint-restart (bench/ettr.py: the RL loop
 # on six network-namespace hosts; needs root). Writes bench/results/ettr.{json,md,png}.

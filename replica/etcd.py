@@ -44,6 +44,10 @@ __all__ = ["EtcdConfig", "EtcdError", "EtcdStore", "parse_endpoints"]
 
 logger = logging.getLogger(__name__)
 
+# etcd's default --max-txn-ops: a transaction of more operations is refused ("too many
+# operations in txn request"), so reads and writes of many keys go in chunks of it (a job
+# of 256 ranks read 256 registrations in one).
+_MAX_TXN_OPS = 128
 _POLL_FIRST_S = 0.002
 _POLL_MOST_S = 0.02
 
@@ -372,7 +376,10 @@ class EtcdStore(dist.Store):
         return [v if v is not None else b"" for v in values]
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
-        self._txn([], [self._put(k, _bytes(v)) for k, v in zip(keys, values)])
+        """One transaction per ``_MAX_TXN_OPS`` keys (atomic within each, not across)."""
+        puts = [self._put(k, _bytes(v)) for k, v in zip(keys, values, strict=True)]
+        for at in range(0, len(puts), _MAX_TXN_OPS):
+            self._txn([], puts[at:at + _MAX_TXN_OPS])
 
     # --- etcd's own ---
 
@@ -400,11 +407,13 @@ class EtcdStore(dist.Store):
     def _range_many(self, keys: list[str]) -> list[bytes | None]:
         if len(keys) == 1:
             return [self._range(keys[0])]
-        reply = self._client.call("/v3/kv/txn", {"success": [{"request_range": {"key": self._key(k)}} for k in keys]})
         out: list[bytes | None] = []
-        for response in reply.get("responses", []):
-            kvs = response["response_range"].get("kvs") or []
-            out.append(_unb64(kvs[0].get("value")) if kvs else None)
+        for at in range(0, len(keys), _MAX_TXN_OPS):  # etcd refuses a transaction of more operations
+            reply = self._client.call("/v3/kv/txn", {"success": [{"request_range": {"key": self._key(k)}}
+                                                                 for k in keys[at:at + _MAX_TXN_OPS]]})
+            for response in reply.get("responses", []):
+                kvs = response["response_range"].get("kvs") or []
+                out.append(_unb64(kvs[0].get("value")) if kvs else None)
         return out
 
 

@@ -72,6 +72,9 @@ T = TypeVar("T")
 _MAC_HEX = 64
 _POLL_FIRST = 50e-6  # a poll's first pause (seconds), doubling up to _POLL_MOST
 _POLL_MOST = timedelta(milliseconds=2)
+# What JobStore.read expects and would write in its compare-and-set, never a value the
+# store holds (values are signed JSON): the answer when the key is absent.
+_ABSENT = b"\x00replica:absent\x00"
 _KEY_LABEL = b"replica job store v1"
 
 
@@ -675,11 +678,14 @@ class JobStore:
         self.raw.set(self.full(key), self.sign(key, value))
 
     def read(self, key: Key[T]) -> tuple[T | None, bytes | None]:
-        """(verified value or None, raw bytes or None when absent)."""
+        """(verified value or None, raw bytes or None when absent). One request: a
+        compare-and-set that can never write (``_ABSENT`` is no signed value) answers
+        with the value, or with ``_ABSENT`` when there is none (a ``get`` of a missing
+        key blocks, so a read was a ``check`` and a ``get``: two requests)."""
         full = self.full(key)
-        if not self.raw.check([full]):
+        raw = self.raw.compare_set(full, _ABSENT, _ABSENT)
+        if raw == _ABSENT:
             return None, None
-        raw = self.raw.get(full)
         try:
             return self.verify(key, raw), raw
         except JobStateError as exc:
@@ -780,7 +786,9 @@ class JobStore:
         in-process, whose waits hold no lock) is shared as it is."""
         own = getattr(self._local, "store", None)
         if own is None:
-            raw = self.raw.clone() if isinstance(self.raw, dist.TCPStore) else self.raw
+            # (a client wrapping a TCPStore, replica.testing.CountingStore, says so)
+            connects = isinstance(self.raw, dist.TCPStore) or getattr(self.raw, "clone_per_thread", False)
+            raw = self.raw.clone() if connects else self.raw
             own = self._local.store = self if raw is self.raw else self._view(raw)
         return own
 

@@ -285,33 +285,41 @@ class CountingStore:
     """A ``torch.distributed`` store client (``inner``) that counts what it asks of the
     store: requests by method (``requests``), keys named (``keys``) and bytes sent and
     received (``bytes``), for measuring the control plane's cost. ``JobStore`` takes it
-    where it takes a store (it only calls these methods)."""
+    where it takes a store (it only calls these methods); its ``clone()`` (a thread's own
+    connection, ``JobStore.own``) counts into the same totals."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, *, _shared: CountingStore | None = None):
         self.inner = inner
-        self.requests: Counter[str] = Counter()
-        self.keys = 0
-        self.bytes = 0
-        self.calls: list[tuple[str, int]] = []  # (method, keys named), in order
-        self._lock = threading.Lock()
+        self.clone_per_thread = isinstance(inner, torch.distributed.TCPStore)
+        self._tally = self if _shared is None else _shared._tally
+        if _shared is None:
+            self.requests: Counter[str] = Counter()
+            self.keys = 0
+            self.bytes = 0
+            self.calls: list[tuple[str, int]] = []  # (method, keys named), in order
+            self._lock = threading.Lock()
+
+    def clone(self) -> CountingStore:
+        return CountingStore(self.inner.clone(), _shared=self)
 
     def reset(self) -> None:
-        with self._lock:
-            self.requests.clear()
-            self.keys = self.bytes = 0
-            self.calls.clear()
+        tally = self._tally
+        with tally._lock:
+            tally.requests.clear()
+            tally.keys = tally.bytes = 0
+            tally.calls.clear()
 
     @property
     def total(self) -> int:
-        return sum(self.requests.values())
+        return sum(self._tally.requests.values())
 
     def _count(self, method: str, keys: list[str], nbytes: int) -> None:
-        with self._lock:
-            self.requests[method] += 1
-            self.keys += len(keys)
-            self.bytes += nbytes + sum(len(k) for k in keys)
-            self.calls.append((method, len(keys)))
-
+        tally = self._tally
+        with tally._lock:
+            tally.requests[method] += 1
+            tally.keys += len(keys)
+            tally.bytes += nbytes + sum(len(k) for k in keys)
+            tally.calls.append((method, len(keys)))
     def set(self, key: str, value) -> None:
         self._count("set", [key], len(value))
         self.inner.set(key, value)

@@ -51,6 +51,28 @@ def test_set_get_check_delete(store):
     assert store.num_keys() >= 3
 
 
+def test_many_keys_at_once(store):
+    """A job of many ranks reads and writes hundreds of keys in one call (every rank's
+    registration and ack): etcd refuses a transaction of over 128 operations by default."""
+    keys = [f"many/{i}" for i in range(300)]
+    store.multi_set(keys, [str(i).encode() for i in range(300)])
+    assert store.check(keys)
+    assert store.multi_get(keys) == [str(i).encode() for i in range(300)]
+    assert not store.check([*keys, "many/none"])
+
+
+def test_a_read_that_cannot_write_answers_absent_or_the_value(store):
+    """JobStore.read's one-request read: a compare-and-set whose expected value no key
+    holds answers with that value (and writes nothing) where the key is absent, and with
+    the key's value where it is present."""
+    absent = b"\x00absent\x00"
+    assert store.compare_set("cas", absent, absent) == absent
+    assert not store.check(["cas"])
+    store.set("cas", b"v")
+    assert store.compare_set("cas", absent, absent) == b"v"
+    assert store.get("cas") == b"v"
+
+
 def test_get_blocks_until_the_key_is_set_and_waits_have_deadlines(store):
     threading.Timer(0.3, client(store).set, ("late", b"v")).start()
     started = time.monotonic()

@@ -1,0 +1,322 @@
+"""The control plane at scale, by simulation (``make bench-scale``): the real job store
+(the coordinator's ``TCPStore``, or a real 3-member etcd), the real ``CommitRecord`` and
+``EpochRecord``, driven by N simulated ranks (a trainer and a standby each) that do per
+step what a rank does to the store and train nothing:
+
+* each standby reads its trainer's epoch (``current_epoch``: the fence of each version)
+  and acknowledges the step (``CommitRecord.acknowledge``: its ack, the ack counters,
+  and for the last one the O(N) read that raises the commit);
+* each trainer reads the generation twice (its loop: is a failover announced? its
+  stream: is its step superseded?) and the commit (``CommitRecord.wait`` at its next
+  commit, which finds the step committed when the stream is shorter than the step);
+* observers (``READ_THREADS`` per worker, on connections not counted) wait for the
+  commit as a trainer whose step is shorter than its stream does (``CommitRecord.wait``
+  from the moment the acks start): the commit latency is when they see it;
+* heartbeats: every role's signed heartbeat key written each ``HEARTBEAT_PERIOD``, and
+  the coordinator reading them all each ``SUPERVISE_POLL``, for a few seconds.
+
+Two worker processes multiplex the simulated roles (the acks from 4 threads each, the
+trainers' reads from 8, each request one role's own: the store sees the keys and bytes N
+real roles would send). Reported per store kind and N: the commit latency (the
+start of the step's last acknowledgement to the commit visible to every trainer), store
+requests, keys and bytes per step, the per-step store time of the one full check, the
+heartbeat writes per second asked and done and the coordinator's heartbeat scan, and the
+fitted exponent of the per-step work's growth with N.
+
+Not simulated yet (DESIGN: detection at scale): kills, freezes and lost hosts with the
+real coordinator's detection, joins. Writes bench/results/control_scale.{json,md,png}.
+
+    python bench/control_scale.py [--n 64,256,1024] [--stores tcp,etcd] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from replica.commit import CommitRecord, EpochRecord, publish_generation
+from replica.jobstate import Generation, Heartbeat, JobStore, keys
+from replica.roles import timing
+from replica.stores import StoreAddress
+from replica.testing import CountingStore, spawn
+
+TOKEN = b"control-scale-token"
+T = timedelta(seconds=120)
+WORKERS = 2
+ACK_THREADS = 4
+READ_THREADS = 8
+HEARTBEAT_SECONDS = 3.0
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _connect(address: str, etcd_env: dict[str, str]) -> dist.Store:
+    import os
+
+    os.environ.update(etcd_env)
+    return StoreAddress.parse(address).connect(timeout=T)
+
+
+def _split(items: list, parts: int) -> list[list]:
+    return [items[i::parts] for i in range(parts)]
+
+
+def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int) -> None:
+    """Simulates ranks index, index + WORKERS, ...: their standbys and trainers."""
+    client = CountingStore(_connect(address, etcd_env))
+    store = JobStore(client, token=TOKEN)
+    watching = CommitRecord(JobStore(_connect(address, etcd_env), token=TOKEN), world_size=n)  # not counted
+    ranks = list(range(index, n, WORKERS))
+    records = {r: CommitRecord(store, world_size=n) for r in ranks}  # each role: its own record, as in its process
+    epochs = {r: EpochRecord(store) for r in ranks}
+    holders = {r: records[r].registration(r).nonce for r in ranks}
+    pipe.send(("ready",))
+    while True:
+        command = pipe.recv()
+        if command[0] == "exit":
+            return
+        if command[0] == "beats":
+            _beat(pipe, store, client, n, index, command[1])
+            continue
+        step = command[1]
+        client.reset()
+        acked: list[float] = []
+        seen: list[float] = []
+        lock = threading.Lock()
+
+        def observe() -> None:
+            watching.wait(step, T)
+            with lock:
+                seen.append(time.time())
+
+        def trainers(mine: list[int]) -> None:
+            for r in mine:
+                epochs[r].generation()  # the loop: a failover announced?
+                records[r].current_epoch(r)  # the stream: its step superseded?
+                assert records[r].wait(step, T) >= step  # at its next commit
+
+        def standbys(mine: list[int]) -> None:
+            for r in mine:
+                epoch = records[r].current_epoch(r)  # the fence of the version (the epoch BEGIN carried)
+                started = time.time()
+                records[r].acknowledge(r, step, epoch, holders[r])
+                with lock:
+                    acked.append(started)
+
+        order = ranks[:]
+        random.Random(step * 1000 + index).shuffle(order)
+        threads = [threading.Thread(target=observe) for _ in range(READ_THREADS)]
+        threads += [threading.Thread(target=standbys, args=(part,)) for part in _split(order, ACK_THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        threads = [threading.Thread(target=trainers, args=(part,)) for part in _split(ranks, READ_THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        pipe.send(("step", max(acked), max(seen), client.total, client.keys, client.bytes, dict(client.requests),
+                   max((k for m, k in client.calls if m == "multi_get"), default=0)))
+
+
+def _beat(pipe, store: JobStore, client: CountingStore, n: int, index: int, seconds: float) -> None:
+    """This worker's share of 2N roles' heartbeats at HEARTBEAT_PERIOD, for ``seconds``."""
+    members = list(range(index, 2 * n, WORKERS))
+    period = timing.HEARTBEAT_PERIOD.total_seconds()
+    client.reset()
+    start = time.monotonic()
+    beat = 0
+    written = 0
+    while time.monotonic() - start < seconds:
+        round_start = time.monotonic()
+        beat += 1
+        for m in members:
+            store.put(keys.heartbeat(m), Heartbeat(member=m, beat=beat))
+            written += 1
+        left = period - (time.monotonic() - round_start)
+        if left > 0:
+            time.sleep(left)
+    elapsed = time.monotonic() - start
+    pipe.send(("beats", written / elapsed, len(members) / period, client.bytes / elapsed))
+
+
+def _scan_heartbeats(store: JobStore, n: int, seconds: float) -> dict:
+    """The coordinator's side: every role's heartbeat read each SUPERVISE_POLL."""
+    names = [keys.heartbeat(m) for m in range(2 * n)]
+    poll = timing.SUPERVISE_POLL.total_seconds()
+    took = []
+    start = time.monotonic()
+    cpu = time.process_time()
+    while time.monotonic() - start < seconds:
+        t = time.perf_counter()
+        store.get_many(names)
+        took.append(time.perf_counter() - t)
+        left = poll - took[-1]
+        if left > 0:
+            time.sleep(left)
+    return {"scan_ms_median": statistics.median(took) * 1e3, "scans_per_s": len(took) / (time.monotonic() - start),
+            "scan_cpu_per_s": (time.process_time() - cpu) / (time.monotonic() - start)}
+
+
+def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], store: JobStore) -> dict:
+    setup = time.perf_counter()
+    publish_generation(store, Generation(number=0, trainers=tuple(range(1, n + 1))))
+    record = CommitRecord(store, world_size=n)
+    for r in range(n):
+        record.publish_standby(r, "shm", f"127.0.0.1:{20000 + r}")
+    setup_s = time.perf_counter() - setup
+    with spawn(_worker, address, etcd_env, n, 0, name="sim-0") as w0, \
+            spawn(_worker, address, etcd_env, n, 1, name="sim-1") as w1:
+        workers = [w0, w1]
+        for w in workers:
+            assert w.recv(300) == ("ready",)
+        rows = []
+        for step in range(1, steps + 1):
+            for w in workers:
+                w.send("step", step)
+            got = [w.recv(600) for w in workers]
+            last_ack = max(g[1] for g in got)
+            visible = max(g[2] for g in got)
+            requests: dict[str, int] = {}
+            for g in got:
+                for method, count in g[6].items():
+                    requests[method] = requests.get(method, 0) + count
+            rows.append({"step": step, "commit_ms": (visible - last_ack) * 1e3, "requests": sum(g[3] for g in got),
+                         "keys": sum(g[4] for g in got), "bytes": sum(g[5] for g in got), "by_method": requests,
+                         "largest_read_keys": max(g[7] for g in got)})
+            assert record.last() == step
+        for w in workers:
+            w.send("beats", HEARTBEAT_SECONDS)
+        scan = _scan_heartbeats(store, n, HEARTBEAT_SECONDS)
+        beats = [w.recv(600) for w in workers]
+        for w in workers:
+            w.send("exit")
+    steady = rows[2:] if len(rows) > 4 else rows  # the first steps make the counters and connections
+    latency = sorted(r["commit_ms"] for r in steady)
+    return {
+        "store": kind, "n": n, "roles": 2 * n, "steps": steps, "setup_s": setup_s,
+        "commit_ms_median": statistics.median(latency),
+        "commit_ms_p99": latency[min(len(latency) - 1, math.ceil(0.99 * len(latency)) - 1)],
+        "requests_per_step": statistics.median(r["requests"] for r in steady),
+        "requests_per_rank_step": statistics.median(r["requests"] for r in steady) / n,
+        "keys_per_step": statistics.median(r["keys"] for r in steady),
+        "bytes_per_step": statistics.median(r["bytes"] for r in steady),
+        "largest_read_keys": max(r["largest_read_keys"] for r in steady),
+        "by_method": steady[-1]["by_method"],
+        "heartbeat_writes_per_s": sum(b[1] for b in beats), "heartbeat_writes_asked_per_s": sum(b[2] for b in beats),
+        "heartbeat_bytes_per_s": sum(b[3] for b in beats), **scan,
+    }
+
+
+def _exponent(points: list[tuple[int, float]]) -> float | None:
+    """The slope of log(work) against log(N): 1 for linear growth, 2 for quadratic."""
+    if len(points) < 2:
+        return None
+    xs, ys = [math.log(n) for n, _ in points], [math.log(v) for _, v in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def _report(results: list[dict], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {}
+    for kind in sorted({r["store"] for r in results}):
+        mine = sorted((r for r in results if r["store"] == kind), key=lambda r: r["n"])
+        summary[kind] = {"requests_exponent": _exponent([(r["n"], r["requests_per_step"]) for r in mine]),
+                         "bytes_exponent": _exponent([(r["n"], r["bytes_per_step"]) for r in mine])}
+    (out / "control_scale.json").write_text(json.dumps({"runs": results, "fit": summary}, indent=1))
+    lines = ["### Control plane at scale, simulated ranks on this machine (`make bench-scale`)\n",
+             "| store | N ranks | commit after the last ack, median / p99 | store requests per step (per rank) | "
+             "bytes per step | largest read (keys) | heartbeat writes/s done / asked | coordinator's scan of every "
+             "heartbeat (CPU per s) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['store']} | {r['n']} | {r['commit_ms_median']:.1f} / {r['commit_ms_p99']:.1f} ms | "
+                     f"{r['requests_per_step']:.0f} ({r['requests_per_rank_step']:.2f}) | "
+                     f"{r['bytes_per_step'] / 1e3:.0f} kB | {r['largest_read_keys']} | "
+                     f"{r['heartbeat_writes_per_s']:.0f} / {r['heartbeat_writes_asked_per_s']:.0f} | "
+                     f"{r['scan_ms_median']:.1f} ms ({r['scan_cpu_per_s']:.2f} s) |")
+    for kind, fit in summary.items():
+        if fit["requests_exponent"] is not None:
+            lines.append(f"\n{kind}: per-step work grows as N^{fit['requests_exponent']:.2f} (requests) and "
+                         f"N^{fit['bytes_exponent']:.2f} (bytes).")
+    (out / "control_scale.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    _plot(results, out / "control_scale.png")
+
+
+def _plot(results: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (lat, req) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind in sorted({r["store"] for r in results}):
+        mine = sorted((r for r in results if r["store"] == kind), key=lambda r: r["n"])
+        ns = [r["n"] for r in mine]
+        lat.plot(ns, [r["commit_ms_median"] for r in mine], marker="o", label=f"{kind} median")
+        lat.plot(ns, [r["commit_ms_p99"] for r in mine], marker=".", linestyle="--", label=f"{kind} p99")
+        req.plot(ns, [r["requests_per_step"] for r in mine], marker="o", label=kind)
+    for ax, title in ((lat, "commit after the last ack (ms)"), (req, "store requests per step")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("simulated ranks N")
+        ax.set_title(title)
+        ax.legend(fontsize="small")
+    req.set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", default="64,256,1024", help="simulated ranks, comma-separated")
+    parser.add_argument("--stores", default="tcp,etcd", help="tcp (the coordinator's TCPStore) and/or etcd")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    sizes = [int(x) for x in args.n.split(",")]
+    results = []
+    for kind in args.stores.split(","):
+        for n in sizes:
+            print(f"control_scale: {kind} store, N = {n} ...", flush=True)
+            if kind == "tcp":
+                master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
+                results.append(run(kind, n, args.steps, f"127.0.0.1:{master.port}", {},
+                                   JobStore(master, token=TOKEN)))
+                del master
+            elif kind == "etcd":
+                from replica import testetcd
+
+                if not testetcd.available():
+                    print("control_scale: etcd is not installed; skipped", flush=True)
+                    continue
+                with testetcd.EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=25200) as cluster:
+                    import os
+
+                    os.environ.update(cluster.environ())
+                    address = f"etcd://{cluster.endpoints}/{cluster.namespace.rstrip('/')}"
+                    client = StoreAddress.parse(address).connect(timeout=T)
+                    results.append(run(kind, n, args.steps, address, cluster.environ(), JobStore(client, token=TOKEN)))
+            else:
+                parser.error(f"unknown store {kind!r}")
+            print(f"control_scale: {json.dumps(results[-1])[:400]}", flush=True)
+    _report(results, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
