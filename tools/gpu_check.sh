@@ -40,7 +40,7 @@ if [[ $WHAT == overlap ]]; then
   grep -E "^\| |^Snapshot" bench/results/mirror_gpu.md 2>/dev/null
   phase bench_weights 120 $P -m gpu bench/test_gpu_weight_sync.py --benchmark-only --timeout 110 "$@"
   grep -E "^\| " bench/results/weight_sync_gpu.md 2>/dev/null
-  for f in tests/test_gpu_failover.py tests/test_gpu_placement.py tests/test_gpu_weights.py; do
+  for f in tests/test_gpu_failover.py tests/test_gpu_real_job.py tests/test_gpu_placement.py tests/test_gpu_weights.py; do
     phase "$(basename $f .py)" 200 $P -m gpu $f --timeout 150 "$@"
   done
 fi
@@ -60,8 +60,8 @@ if [[ $WHAT == bench || $WHAT == all ]]; then
   done
 fi
 if [[ $WHAT == tests || $WHAT == all ]]; then
-  for f in ${GPU_TESTS:-tests/test_gpu_failover.py tests/test_gpu_weights.py tests/test_gpu_resilient.py
-      tests/test_gpu_placement.py tests/test_transport_gpu.py}; do
+  for f in ${GPU_TESTS:-tests/test_gpu_overlap.py tests/test_gpu_failover.py tests/test_gpu_real_job.py
+      tests/test_gpu_weights.py tests/test_gpu_resilient.py tests/test_gpu_placement.py tests/test_transport_gpu.py}; do
     phase "$(basename $f .py)" 300 $P -m gpu $f --timeout 150 "$@"
   done
 fi
