@@ -23,8 +23,13 @@ requests, keys and bytes per step, the per-step store time of the one full check
 heartbeat writes per second asked and done and the coordinator's heartbeat scan, and the
 fitted exponent of the per-step work's growth with N.
 
-Not simulated yet (DESIGN: detection at scale): kills, freezes and lost hosts with the
-real coordinator's detection, joins. Writes bench/results/control_scale.{json,md,png}.
+Then the real coordinator (``roles.coordinator.Coordinator``, hosting the TCPStore as
+``replica launch`` does): 2N members join through the real join path (the join time of the
+whole job), beat each ``HEARTBEAT_PERIOD`` from the workers while the coordinator polls each
+``SUPERVISE_POLL`` (its CPU per second, its poll's time, false deaths), then a trainer is
+killed (its beats stop and its standby reports the connection lost: the transport's sign),
+another frozen (its beats stop, nothing else) and a host's worth of 8 members falls silent
+together: the time to each decision. Writes bench/results/control_scale.{json,md,png}.
 
     python bench/control_scale.py [--n 64,256,1024] [--stores tcp,etcd] [--steps 20]
 """
@@ -47,6 +52,7 @@ import torch.distributed as dist
 from replica.commit import CommitRecord, EpochRecord, publish_generation
 from replica.jobstate import Generation, Heartbeat, JobStore, keys
 from replica.roles import timing
+from replica.roles.timing import Deadlines
 from replica.stores import StoreAddress
 from replica.testing import CountingStore, spawn
 
@@ -218,6 +224,109 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
     }
 
 
+def _member_beats(pipe, address: str, n: int, index: int, members: list[int], seconds: float) -> None:
+    """Beat for ``members`` at HEARTBEAT_PERIOD until told to stop some, then the rest."""
+    store = JobStore(_connect(address, {}), token=TOKEN)
+    period = timing.HEARTBEAT_PERIOD.total_seconds()
+    silent: set[int] = set()
+    beat = 0
+    pipe.send(("ready",))
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        round_start = time.monotonic()
+        while pipe.poll():
+            command = pipe.recv()
+            if command[0] == "silence":
+                silent.update(command[1])
+            elif command[0] == "exit":
+                return
+        beat += 1
+        for m in members:
+            if m not in silent:
+                store.put(keys.heartbeat(m), Heartbeat(member=m, beat=beat))
+        left = period - (time.monotonic() - round_start)
+        if left > 0:
+            time.sleep(left)
+    pipe.send(("late",))
+
+
+def run_coordinator(n: int, seconds: float = 8.0) -> dict:
+    """The real coordinator with 2N members (N >= 12): joins, polls under beats, a kill, a
+    freeze and a lost host."""
+    if n < 12:
+        raise ValueError(f"the coordinator run needs N >= 12 (its faults hit ranks 2 .. 11), got {n}")
+    from replica.roles.coordinator import Coordinator
+    from replica.roles.join import JoinRequest, post_request
+
+    deadlines = Deadlines()
+    coord = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines)
+    store = JobStore(dist.TCPStore("127.0.0.1", coord.port, is_master=False, timeout=T), token=TOKEN)
+    # The members' join numbers come first, so that they beat from the moment they are admitted.
+    first = store.count(keys.join_seq()) + 1
+    order = [(role, rank) for role in ("standby", "trainer") for rank in range(n)]  # standbys are up first
+    members = {who: first + i for i, who in enumerate(order)}
+    ids = sorted(members.values())
+    address = f"127.0.0.1:{coord.port}"
+    total = seconds + 30 + 4 * deadlines.trainer.total_seconds()
+    with spawn(_member_beats, address, n, 0, ids[0::2], total, name="beats-0") as b0, \
+            spawn(_member_beats, address, n, 1, ids[1::2], total, name="beats-1") as b1:
+        beaters = [b0, b1]
+        for b in beaters:
+            assert b.recv(300) == ("ready",)
+        start = time.perf_counter()
+        for i, (role, rank) in enumerate(order):
+            seq = post_request(store, JoinRequest(role=role, rank=rank, host=f"h{rank % 64}", pid=100000 + i,
+                                                  nonce=f"{role}{rank}"), TOKEN)
+            assert seq == members[(role, rank)], "another join got in between"
+        while len(coord.alive()) < 2 * n:
+            coord.poll()
+        join_s = time.perf_counter() - start
+        # Every rank's standby holds step 1, globally committed: a death has a commit to fail over to.
+        record = CommitRecord(store, world_size=n)
+        for r in range(n):
+            registration = record.publish_standby(r, "shm", f"127.0.0.1:{20000 + r}")
+            record.acknowledge(r, 1, record.current_epoch(r), registration.nonce)
+        assert record.last() == 1
+        poll_s, decisions = [], []
+        cpu, wall = time.process_time(), time.monotonic()
+
+        def loop(until: float) -> None:
+            while time.monotonic() < until:
+                t = time.perf_counter()
+                decisions.extend((time.monotonic(), d) for d in coord.poll())
+                poll_s.append(time.perf_counter() - t)
+                time.sleep(max(0.0, timing.SUPERVISE_POLL.total_seconds() - poll_s[-1]))
+
+        loop(time.monotonic() + seconds)  # beats and polls, nobody dies
+        steady_cpu = (time.process_time() - cpu) / (time.monotonic() - wall)
+        false_deaths = len(decisions)
+        steady_poll = sorted(poll_s)
+        # A kill (beats stop, the standby reports its connection gone), a freeze (beats stop),
+        # a lost host (its members' beats stop together: here every member of host h1).
+        # A rollout machine lost: the standbys of 8 ranks other than the killed and frozen ones.
+        killed, frozen = members[("trainer", 2)], members[("trainer", 3)]
+        host = [members[("standby", r)] for r in range(4, min(n, 12))]
+        faults = {"kill": [killed], "freeze": [frozen], "lost host": host}
+        at = time.monotonic()
+        for b in beaters:
+            b.send("silence", [m for group in faults.values() for m in group])
+        record.report_lost(2)
+        loop(at + 2 * deadlines.trainer.total_seconds() + 1)
+        for b in beaters:
+            b.send("exit")
+    found = {}
+    for what, group in faults.items():
+        times = [t for t, d in decisions if d.dead is not None and d.dead.id in group]
+        found[what] = (min(times) - at) * 1e3 if times else None
+    others = [d for _, d in decisions if d.dead is not None and all(d.dead.id not in g for g in faults.values())]
+    failed = [d.reason for _, d in decisions if d.kind == "failed"]
+    return {"n": n, "roles": 2 * n, "join_s": join_s, "coordinator_cpu_per_s": steady_cpu,
+            "poll_ms_median": statistics.median(steady_poll) * 1e3,
+            "poll_ms_p99": steady_poll[min(len(steady_poll) - 1, math.ceil(0.99 * len(steady_poll)) - 1)] * 1e3,
+            "false_deaths": false_deaths + len(others), "job_failed": failed, "detect_kill_ms": found["kill"],
+            "detect_freeze_ms": found["freeze"], "detect_lost_host_ms": found["lost host"]}
+
+
 def _exponent(points: list[tuple[int, float]]) -> float | None:
     """The slope of log(work) against log(N): 1 for linear growth, 2 for quadratic."""
     if len(points) < 2:
@@ -227,14 +336,15 @@ def _exponent(points: list[tuple[int, float]]) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-def _report(results: list[dict], out: Path) -> None:
+def _report(results: list[dict], out: Path, coordinators: list[dict] = ()) -> None:
     out.mkdir(parents=True, exist_ok=True)
     summary = {}
     for kind in sorted({r["store"] for r in results}):
         mine = sorted((r for r in results if r["store"] == kind), key=lambda r: r["n"])
         summary[kind] = {"requests_exponent": _exponent([(r["n"], r["requests_per_step"]) for r in mine]),
                          "bytes_exponent": _exponent([(r["n"], r["bytes_per_step"]) for r in mine])}
-    (out / "control_scale.json").write_text(json.dumps({"runs": results, "fit": summary}, indent=1))
+    (out / "control_scale.json").write_text(json.dumps({"runs": results, "fit": summary,
+                                                        "coordinator": list(coordinators)}, indent=1))
     lines = ["### Control plane at scale, simulated ranks on this machine (`make bench-scale`)\n",
              "| store | N ranks | commit after the last ack, median / p99 | store requests per step (per rank) | "
              "bytes per step | largest read (keys) | heartbeat writes/s done / asked | coordinator's scan of every "
@@ -250,6 +360,18 @@ def _report(results: list[dict], out: Path) -> None:
         if fit["requests_exponent"] is not None:
             lines.append(f"\n{kind}: per-step work grows as N^{fit['requests_exponent']:.2f} (requests) and "
                          f"N^{fit['bytes_exponent']:.2f} (bytes).")
+    if coordinators:
+        lines += ["", "| the real coordinator, N ranks (2N members, TCPStore) | join of every member | its CPU per s | "
+                      "a poll, median / p99 | false deaths | kill detected | freeze detected | 8 standbys of a host lost "
+                      "| the job failed |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c in coordinators:
+            def ms(v):
+                return "never" if v is None else f"{v:.0f} ms"
+            lines.append(f"| {c['n']} | {c['join_s']:.1f} s | {c['coordinator_cpu_per_s']:.2f} s | "
+                         f"{c['poll_ms_median']:.1f} / {c['poll_ms_p99']:.1f} ms | {c['false_deaths']} | "
+                         f"{ms(c['detect_kill_ms'])} | {ms(c['detect_freeze_ms'])} | {ms(c['detect_lost_host_ms'])} | "
+                         f"{'no' if not c['job_failed'] else c['job_failed'][0]} |")
     (out / "control_scale.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     _plot(results, out / "control_scale.png")
@@ -287,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="tcp,etcd", help="tcp (the coordinator's TCPStore) and/or etcd")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--coordinator", default="",
+                        help="N values (>= 12) to run the real coordinator at (default: --n); 0: none")
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.n.split(",")]
     results = []
@@ -314,7 +438,12 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 parser.error(f"unknown store {kind!r}")
             print(f"control_scale: {json.dumps(results[-1])[:400]}", flush=True)
-    _report(results, args.out)
+    coordinators = []
+    for n in [int(x) for x in (args.coordinator or args.n).split(",") if x and int(x)]:
+        print(f"control_scale: the coordinator, N = {n} ...", flush=True)
+        coordinators.append(run_coordinator(n))
+        print(f"control_scale: {json.dumps(coordinators[-1])}", flush=True)
+    _report(results, args.out, coordinators)
     return 0
 
 

@@ -12,7 +12,8 @@ import control_scale
 
 def test_the_simulator_at_small_n(tmp_path, monkeypatch):
     monkeypatch.setattr(control_scale, "HEARTBEAT_SECONDS", 0.3)
-    assert control_scale.main(["--n", "16", "--stores", "tcp", "--steps", "4", "--out", str(tmp_path)]) == 0
+    assert control_scale.main(["--n", "16", "--stores", "tcp", "--steps", "4", "--coordinator", "0",
+                               "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "control_scale.json").read_text())
     runs = {r["n"]: r for r in result["runs"]}
     assert set(runs) == {16}  # (tests/test_commit_scale.py checks the growth with N)
@@ -21,3 +22,21 @@ def test_the_simulator_at_small_n(tmp_path, monkeypatch):
         assert run["largest_read_keys"] == n  # the one full read of the step
         assert run["heartbeat_writes_per_s"] > 0 and run["scans_per_s"] > 0
     assert (tmp_path / "control_scale.md").read_text().count("| tcp |") == 1
+
+
+def test_the_real_coordinator_under_simulated_members():
+    """2N members join through the real join path and beat; no member is declared dead
+    while all beat; a killed trainer (its standby reports the connection gone) is found
+    within its confirm time and a scan, a frozen one and a lost host's standbys within their
+    deadline and a scan; the job goes on (the standbys hold the commit)."""
+    from replica.roles import timing
+
+    result = control_scale.run_coordinator(12, seconds=1.0)
+    deadline_ms = timing.Deadlines().trainer.total_seconds() * 1e3
+    scan_ms = timing.BEAT_SCAN.total_seconds() * 1e3
+    assert result["false_deaths"] == 0 and result["job_failed"] == [], result
+    # 5x the targets: the kill's 300 ms confirm + a scan, the freeze's deadline + a scan
+    assert result["detect_kill_ms"] is not None and result["detect_kill_ms"] < 5 * (300 + scan_ms), result
+    for what in ("detect_freeze_ms", "detect_lost_host_ms"):
+        # (from its last beat seen, up to a scan and a beat period before the fault was set)
+        assert result[what] is not None and 0.8 * deadline_ms <= result[what] < 5 * (deadline_ms + scan_ms), result

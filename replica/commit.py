@@ -232,6 +232,7 @@ class CommitRecord:
         (only that standby writes this key)."""
         with self._lock:
             self.store.put(keys.lost(rank), LostReports(rank=rank, count=self.lost_reports(rank) + 1))
+        self.store.count(keys.lost_count(), 1)  # the coordinator reads the reports when this moves
 
     def lost_reports(self, rank: int) -> int:
         """How many times rank ``rank``'s trainer was reported vanished (a counter, so

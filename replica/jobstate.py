@@ -419,6 +419,21 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         a hint, never trusted: the waiter reads the signed commit)."""
         return f"commit/reached/{step}"
 
+    # Plain counters a writer adds one to after writing the keys it announces: the
+    # coordinator reads a counter each poll and the keys themselves only when it moved
+    # (hints: what the coordinator acts on is the signed keys).
+    @staticmethod
+    def done_count() -> str:
+        return "done_count"  # after done/{rank}
+
+    @staticmethod
+    def regroup_count() -> str:
+        return "regroup_count"  # after regroup/{rank}
+
+    @staticmethod
+    def lost_count() -> str:
+        return "lost_count"  # after lost/{rank}
+
     @staticmethod
     def ack_count(step: int) -> str:
         """A plain counter: how many acknowledgements of ``step`` were written (a hint, see

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from replica.commit import CommitRecord, publish_generation
 from replica.errors import JoinRefusedError
 from replica.jobstate import Failover as FailoverRecord
-from replica.jobstate import ExportRequest, Flag, Generation, JobStore, Promotion, Stamp, Text, keys
+from replica.jobstate import ExportRequest, Flag, Generation, Heartbeat, JobStore, Promotion, Stamp, Text, keys
 from replica.stores import StoreAddress, StoreKind
 from replica.roles import timing
 from replica.roles.env import ROLES, Role, host_name
@@ -35,6 +35,8 @@ from replica.roles.join import JoinRequest, answer, pending_requests, refuse_uns
 __all__ = ["Coordinator", "Deadlines", "Decision", "DecisionKind", "Failover", "Member", "MemberState"]
 
 logger = logging.getLogger(__name__)
+# The done keys are read again this often even when their counter did not move.
+_DONE_RECHECK = timedelta(seconds=2)
 
 
 
@@ -138,6 +140,14 @@ class Coordinator:
         self.late_exits: list[dict] = []
         self.regroups: list[dict] = []  # fresh generations after a step failed with no death
         self._regroup_asked_at: float | None = None
+        # What a poll reads only now and then (see poll): when every beat was last read, the
+        # plain counters' last values, the ranks done, each rank's transport reports.
+        self._beats_read_at = 0.0
+        self._generation_checked_at = 0.0  # the whole generation record, checked that often
+        self._counters: dict[str, int] = {}
+        self._done: set[int] = set()
+        self._done_read_at = 0.0
+        self._lost: dict[int, int] = {}
         self.rollouts_retired: list[int] = []  # engines stopped because their machine took a trainer's place
         self.started = False  # every rank's trainer has joined: no trainer may join any more
         self._token = token
@@ -223,20 +233,29 @@ class Coordinator:
     # --- the agent's calls ---
 
     def poll(self) -> list[Decision]:
-        """Admit joins, then look for deaths; call every few tens of ms."""
+        """Admit joins, then look for deaths; call every few tens of ms. A few requests
+        a poll whatever the job's size: every member's heartbeat is read in one request
+        each ``BEAT_SCAN``; done flags, transport reports and regroup requests (a key per
+        rank) only when their counters moved."""
         decisions = self._check_fatal()
         self._admit()
         self._reprotect()
         self._guard_generation()
         now = time.time()
+        if now - self._beats_read_at >= timing.BEAT_SCAN.total_seconds():
+            self._read_beats(now)
+        self._refresh_done()
+        if self._moved(keys.lost_count()):
+            self._lost = {r: self.record.lost_reports(r) for r in range(self.world_size)}
         self._regroup(now)
         for member in self.alive():
             if self._mark_done(member):
                 continue
-            silent = now - self._last_beat(member, now)
+            # Silent as of the last read of every beat: never longer than it was.
+            silent = max(0.0, self._beats_read_at - member.beat_at)
             lost = False
             if member.role == Role.TRAINER:
-                reports = self.record.lost_reports(member.rank)
+                reports = self._lost.get(member.rank, 0)
                 # A report this soon after the promotion may still be about its predecessor.
                 if now - member.since < timing.LATE_REPORT.total_seconds():
                     member.lost_base = reports
@@ -279,7 +298,7 @@ class Coordinator:
             self._late_exit(member, code)
         if member.state != MemberState.ALIVE:
             return decisions
-        if self._mark_done(member):
+        if self._mark_done(member, fresh=True):  # its done key may be newer than the last poll
             return decisions
         if (member.role == Role.STANDBY and self.finished()) or (
                 member.role == Role.ROLLOUT and (code == 0 or self.finished())):
@@ -364,13 +383,18 @@ class Coordinator:
         # The last trainers' done keys may have come after this loop's last poll (the
         # supervisor ends on all_done()): their members are done, not left alive.
         for member in self.alive():
-            self._mark_done(member)
+            self._mark_done(member, fresh=True)
         self.store.put(keys.finished(), Flag())
 
-    def _mark_done(self, member: Member) -> bool:
+    def _mark_done(self, member: Member, *, fresh: bool = False) -> bool:
         """Mark ``member`` done when it is a trainer whose rank finished (its last step
-        committed: the rank's done key); True if it was."""
-        if member.role != Role.TRAINER or not self.store.has(keys.done(member.rank)):
+        committed: the rank's done key); True if it was. ``fresh``: look at the key itself,
+        not only at what the last poll read (the keys are read when their counter moves)."""
+        if member.role != Role.TRAINER:
+            return False
+        if member.rank not in self._done and fresh and self.store.has(keys.done(member.rank)):
+            self._done.add(member.rank)
+        if member.rank not in self._done:
             return False
         member.state = MemberState.DONE
         self._publish_members()
@@ -386,7 +410,16 @@ class Coordinator:
                 and now - self._last_beat(m, now) < quiet.total_seconds()]
 
     def all_done(self) -> bool:
-        return all(self.store.has(keys.done(r)) for r in range(self.world_size))
+        self._refresh_done()
+        return len(self._done) == self.world_size
+
+    def _refresh_done(self) -> None:
+        """The ranks done, read again when their counter moved, and every ``_DONE_RECHECK``
+        (the counter is an unsigned hint: a lost or forged one only delays this)."""
+        now = time.monotonic()
+        if self._moved(keys.done_count()) or now - self._done_read_at > _DONE_RECHECK.total_seconds():
+            self._done = {r for r in range(self.world_size) if self.store.has(keys.done(r))}
+            self._done_read_at = now
 
     def members_for_placement(self) -> list[tuple[str, int, str]]:
         """The live members as (role, rank, host): where agents place replacements (never beside a trainer)."""
@@ -425,6 +458,9 @@ class Coordinator:
             member = Member(id=seq, role=Role(request.role), rank=request.rank, host=request.host, pid=request.pid,
                             generation=self.generation, joined_at=now, since=now, beat_at=now,
                             lost_base=self.record.lost_reports(request.rank))
+            # Its heartbeat key exists from now on (unless it beat already): the read of every
+            # beat in one request finds them all.
+            self.store.compare_set(keys.heartbeat(member.id), None, Heartbeat(member=member.id, beat=0))
             self.members.append(member)
             if not self.started and all(self._live(Role.TRAINER, r) for r in range(self.world_size)):
                 self.started = True
@@ -516,18 +552,38 @@ class Coordinator:
 
     def _last_beat(self, member: Member, now: float) -> float:
         """When (on this clock) the member's signed heartbeat counter last rose
-        (a forged or replayed beat moves nothing)."""
-        beat = self.store.get(keys.heartbeat(member.id))
+        (a forged or replayed beat moves nothing); reads it now."""
+        self._beat_read(member, self.store.get(keys.heartbeat(member.id)), now)
+        return member.beat_at
+
+    @staticmethod
+    def _beat_read(member: Member, beat: Heartbeat | None, now: float) -> None:
         if beat is not None and beat.member == member.id and beat.beat > member.beats:
             member.max_silence_s = max(member.max_silence_s, now - member.beat_at)
             member.beats, member.beat_at = beat.beat, now
-        return member.beat_at
+
+    def _read_beats(self, now: float) -> None:
+        """Every live member's heartbeat, in one request (each member's key is written at its
+        admission, so none is missing: a missing one would make it a request per key)."""
+        members = self.alive()
+        for member, beat in zip(members, self.store.get_many([keys.heartbeat(m.id) for m in members])):
+            self._beat_read(member, beat, now)
+        self._beats_read_at = now
+
+    def _moved(self, counter: str) -> bool:
+        """Whether the plain counter ``counter`` moved since the last look (the first: yes)."""
+        value = self.store.count(counter)
+        moved = self._counters.get(counter) != value
+        self._counters[counter] = value
+        return moved
 
     def _regroup(self, now: float) -> None:
         """A trainer's step failed in the current generation with no death (a collective or
         rendezvous timed out on a loaded machine): once a death had its deadline to show,
         every trainer rolls back to the last commit and redoes the step in a fresh
         generation, exactly as after a failover but with nobody replaced."""
+        if not self._moved(keys.regroup_count()) and self._regroup_asked_at is None:
+            return  # no rank asked since the last look, and none is waiting
         asked = [r for r in range(self.world_size)
                  if (req := self.store.get(keys.regroup(r))) is not None and req.generation == self.generation]
         if not asked or self._failed is not None or self.record.last() is None:
@@ -554,7 +610,14 @@ class Coordinator:
 
     def _guard_generation(self) -> None:
         """Put the generation record back if anyone overwrote or deleted it (roles keep the
-        last one they verified meanwhile; newcomers need it to find their epochs)."""
+        last one they verified meanwhile; newcomers need it to find their epochs). Its
+        number each poll; the whole record (every rank's member) when that is off, and
+        each ``BEAT_SCAN``."""
+        number = self.store.get(keys.generation_number())
+        if (number is not None and number.value == self.generation
+                and time.time() - self._generation_checked_at < timing.BEAT_SCAN.total_seconds()):
+            return
+        self._generation_checked_at = time.time()
         current = self.store.get(keys.generation())
         if current is None or current.number != self.generation:
             logger.warning("the generation record in the job store was overwritten or removed; publishing it again")

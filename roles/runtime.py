@@ -253,6 +253,7 @@ class Job:
         with self._store_guard():
             self._rep.wait_committed()
             self.store.put(keys.done(self.rank), Flag())
+            self.store.count(keys.done_count(), 1)
         self.close()
 
     def close(self) -> None:
@@ -299,6 +300,7 @@ class Job:
                 return current.number, store.wait(keys.failover(current.number), timing.ROLE_WAIT).commit
             if current is not None and not asked:  # no death announced (yet): ask for a fresh generation
                 store.put(keys.regroup(self.rank), Regroup(rank=self.rank, generation=current.number))
+                store.count(keys.regroup_count(), 1)
                 asked = True
             return None
 

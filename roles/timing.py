@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 __all__ = [
-    "Deadlines",
+    "BEAT_SCAN",
     "COMMIT_WAIT",
+    "Deadlines",
     "EXPORT_WAIT",
     "FINISH_LINGER",
     "GONE_AFTER",
@@ -24,14 +25,14 @@ __all__ = [
     "PROCESS_GROUP_TIMEOUT",
     "PROMOTION_WAIT",
     "PYTHON_GRACE",
+    "REPLACEMENT_WAIT",
     "ROLE_WAIT",
     "ROLLOUT_POLL",
     "ROLLOUT_REFRESH",
-    "ROLLOUT_TIMEOUT",
     "ROLLOUT_STEAL_AFTER",
+    "ROLLOUT_TIMEOUT",
     "STANDBY_LOOK",
     "STANDBY_POLL",
-    "REPLACEMENT_WAIT",
     "STANDBY_WAIT",
     "STORE_LOST",
     "SUPERVISE_POLL",
@@ -94,6 +95,10 @@ NCCL_TIMEOUT = timedelta(seconds=60)
 
 # --- the coordinator ---
 SUPERVISE_POLL = timedelta(milliseconds=20)  # its loop: joins, beats, exits, decisions
+# How often the coordinator reads every member's heartbeat (one request for them all): a
+# member's silence is measured as of the last read, so a deadline is met up to this late
+# and a beat is never missed (2,048 keys read each poll were a whole core; bench-scale).
+BEAT_SCAN = timedelta(milliseconds=200)
 JOIN_STRAGGLE = timedelta(seconds=10)  # a join numbered but never written (its writer died) is skipped after this
 LATE_REPORT = timedelta(seconds=1)  # a transport report this soon after a promotion may be about the predecessor
 EXPORT_WAIT = timedelta(seconds=60)  # how long a failing job waits for its standbys' exports

@@ -106,9 +106,10 @@ def _forge_everything(port: int) -> None:
     for key, value in [("replica/commit", "999"), ("replica/commit", "x"), ("replica/ack/0/trainer", "999"),
                        ("replica/generation", "7"), ("replica/failover/7", "3"), ("replica/promote/0", "7"),
                        ("replica/fatal", "forged fatal error"), ("replica/finished", "1"), ("replica/done/0", "1"),
-                       ("replica/lost/0", "50"), ("replica/unprotected/0", "1")]:
+                       ("replica/lost/0", "50"), ("replica/unprotected/0", "1"), ("replica/hb/1", "1000"),
+                       # the counters the coordinator reads before the keys they announce
+                       ("replica/done_count", "7"), ("replica/lost_count", "9"), ("replica/regroup_count", "3")]:
         raw.set(key, value)
-    raw.add("replica/hb/1", 1000)
 
 
 def test_the_coordinator_ignores_forged_state_and_survives_garbage():
@@ -215,7 +216,12 @@ def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_dead
         assert agents.silent_hosts(deadlines.trainer) == set()
         assert coord.hosts_silent(agents.silent_hosts(deadlines.trainer)) == [] and coord.poll() == []
         time.sleep(0.05)
-    time.sleep(0.5)  # both silent past the trainer deadline, far inside the engine's own
+    # Both silent past the trainer deadline, far inside the engine's own; the coordinator
+    # polls on meanwhile, as its loop does (it reads every beat each BEAT_SCAN).
+    until = time.monotonic() + deadlines.trainer.total_seconds() + 2 * timing.BEAT_SCAN.total_seconds() + 0.1
+    while time.monotonic() < until:
+        coord.poll()
+        time.sleep(0.05)
     silent = agents.silent_hosts(deadlines.trainer)
     assert silent == {"h2"}
     assert coord.hosts_silent({"other-host"}) == []
@@ -273,7 +279,8 @@ def test_trainers_whose_done_keys_came_after_the_last_poll_finish_done():
     coord.poll()
     assert jobs.get(keys.join_reply(seq)).admitted
     (member,) = coord.members
-    jobs.put(keys.done(0), Flag())  # after the last poll
+    jobs.put(keys.done(0), Flag())  # after the last poll (and its counter, as a trainer does)
+    jobs.count(keys.done_count(), 1)
     assert coord.all_done() and member.state == MemberState.ALIVE
     coord.finish()
     assert member.state == MemberState.DONE and coord.finished()
