@@ -697,15 +697,20 @@ class JobStore:
         compare-and-set that can never write (``_ABSENT`` is no signed value) answers
         with the value, or with ``_ABSENT`` when there is none (a ``get`` of a missing
         key blocks, so a read was a ``check`` and a ``get``: two requests)."""
-        full = self.full(key)
-        raw = self.raw.compare_set(full, _ABSENT, _ABSENT)
-        if raw == _ABSENT:
+        raw = self.read_raw(self.full(key))
+        if raw is None:
             return None, None
         try:
             return self.verify(key, raw), raw
         except JobStateError as exc:
             self._ignored(key, raw, exc)
             return None, raw
+
+    def read_raw(self, name: str) -> bytes | None:
+        """The bytes under the full key ``name`` as they are (unverified: a plain counter,
+        a join request signed its own way), or None when absent; one request (``read``)."""
+        raw = self.raw.compare_set(name, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT else raw
 
     def get(self, key: Key[T]) -> T | None:
         """The verified value under ``key``, or None (absent, or not trustworthy: logged)."""

@@ -431,11 +431,20 @@ class Coordinator:
     # --- joins ---
 
     def _admit(self) -> None:
+        """Answer the pending joins. Per join a few requests; per batch (a poll's), the
+        generation and the membership table written once, then the answers: a job of
+        thousands of members joins in one batch or a few (written per join, the table made
+        its joins O(N^2): 9 s for 512 members, bench-scale)."""
+        admitted: list[tuple[int, JoinRequest, Member]] = []
+        live = {(m.role, m.rank) for m in self.alive()}
+        finished = self.finished()
+        if self._moved(keys.lost_count()):
+            self._lost = {r: self.record.lost_reports(r) for r in range(self.world_size)}
         for seq, raw in pending_requests(self.store, self._seen):
             if raw is None:  # numbered, not yet written
                 first = self._numbered_at.setdefault(seq, time.monotonic())
                 if time.monotonic() - first < timing.JOIN_STRAGGLE.total_seconds():
-                    return
+                    break
                 self._seen = seq
                 continue
             self._seen = seq
@@ -446,7 +455,7 @@ class Coordinator:
                 self.refused.append({"reason": str(exc), "at": time.time()})
                 refuse_unsigned(self.store, seq, str(exc))
                 continue
-            refused = self._refusal(request)
+            refused = self._refusal(request, live=live, finished=finished)
             if refused is not None:
                 # The reason names who asked, never the token presented.
                 logger.warning("refused a join: %s", refused)
@@ -457,20 +466,27 @@ class Coordinator:
             now = time.time()
             member = Member(id=seq, role=Role(request.role), rank=request.rank, host=request.host, pid=request.pid,
                             generation=self.generation, joined_at=now, since=now, beat_at=now,
-                            lost_base=self.record.lost_reports(request.rank))
+                            lost_base=self._lost.get(request.rank, 0))
             # Its heartbeat key exists from now on (unless it beat already): the read of every
             # beat in one request finds them all.
             self.store.compare_set(keys.heartbeat(member.id), None, Heartbeat(member=member.id, beat=0))
             self.members.append(member)
-            if not self.started and all(self._live(Role.TRAINER, r) for r in range(self.world_size)):
+            live.add((member.role, member.rank))
+            if not self.started and all((Role.TRAINER, r) in live for r in range(self.world_size)):
                 self.started = True
-            if member.role == Role.TRAINER:
-                self._publish_generation()  # its epoch exists before it can stream
-            self._publish_members()
+            admitted.append((seq, request, member))
+        if not admitted:
+            return
+        if any(m.role == Role.TRAINER for _, _, m in admitted):
+            self._publish_generation()  # their epochs exist before they can stream
+        self._publish_members()
+        for seq, request, member in admitted:
             answer(self.store, seq, request, generation=self.generation)
             logger.info("admitted %s", member)
 
-    def _refusal(self, request: JoinRequest) -> str | None:
+    def _refusal(self, request: JoinRequest, *, live: set[tuple[str, int]], finished: bool) -> str | None:
+        """Why ``request`` is refused (None: it is not). ``live``: the (role, rank) of every
+        live member, those admitted before it in this batch included."""
         who = f"{request.role} {request.rank} (pid {request.pid} on {request.host})"
         if request.nonce in self._nonces:
             return f"replayed join request of {who}"
@@ -479,13 +495,13 @@ class Coordinator:
         ranks = self.rollouts if request.role == Role.ROLLOUT else self.world_size
         if not 0 <= request.rank < ranks:
             return f"{who}: rank {request.rank} is not in [0, {ranks})"
-        if self.finished():
+        if finished:
             return f"{who}: the job is over"
         if request.role == Role.TRAINER and self.started:
             return (f"{who}: the job is running (generation {self.generation}); a trainer cannot join late, "
                     f"start a standby for its rank instead")
-        holder = self._live(request.role, request.rank)
-        if holder is not None:
+        if (request.role, request.rank) in live:
+            holder = self._live(request.role, request.rank)
             return f"{who}: rank {request.rank} already has a live {request.role}, {holder}"
         return None
 

@@ -137,8 +137,7 @@ def pending_requests(store: JobStore, after: int) -> list[tuple[int, bytes | Non
     last = min(store.count(keys.join_seq()), after + _MAX_PENDING)
     out = []
     for n in range(after + 1, last + 1):
-        full = store.full(keys.join_request(n))
-        out.append((n, store.raw.get(full) if store.raw.check([full]) else None))
+        out.append((n, store.read_raw(store.full(keys.join_request(n)))))
     return out
 
 
