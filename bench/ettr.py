@@ -478,22 +478,42 @@ def table(result: dict) -> list[str]:
     return lines
 
 
+def measured_detection(ranks: int, path: Path | None = None) -> tuple[float, int] | None:
+    """The detection time of a lost host (seconds) the control-plane simulator measured with
+    the real coordinator at the N nearest ``ranks`` (``make bench-scale``:
+    bench/results/control_scale.json), and that N; None before it ran."""
+    path = path or Path(__file__).resolve().parent / "results" / "control_scale.json"
+    try:
+        runs = [c for c in json.loads(path.read_text()).get("coordinator", []) if c.get("detect_lost_host_ms")]
+    except (OSError, ValueError):
+        return None
+    if not runs:
+        return None
+    nearest = min(runs, key=lambda c: abs(c["n"] - ranks))
+    return nearest["detect_lost_host_ms"] / 1e3, nearest["n"]
+
+
 def projection(result: dict) -> tuple[dict, list[str]]:
-    """The 256-GPU model, with this run's measured restart share where it has one."""
+    """The 256-GPU model, with this run's measured restart share where it has one, and the
+    detection time the control-plane simulator measured at that scale where it ran."""
     timelines = [f["timeline_ms"] for runs in result["runs"].values() for report in
                  runs.get("replica", {}).get("reports", []) for f in report["failovers"]]
     measured = {}
     if timelines:  # promotion and reconnection as measured in this run's failovers (medians)
         measured = {"promote_s": statistics.median(t["promote"] for t in timelines) / 1e3,
                     "reconnect_s": statistics.median(t["resumed"] - t["promote"] for t in timelines) / 1e3}
+    scale = measured_detection(Projection().trainer_hosts * Projection().gpus_per_host)
+    if scale is not None:
+        measured["detect_s"] = scale[0]
     model = replace(Projection(), wait_for_standby=not result["train_while_replacing"], **measured)
     mtbfs = [3600 * h for h in (4, 1, 0.5, 0.25)]
     rows = project(model, mtbfs)
     source = "medians of this run's failovers" if measured else "measured across hosts"
     lines = ["\n**Projection to 256 GPUs: a model, not a measurement.** 32 trainer hosts x 8 GPUs, a 32B dense "
              f"policy ({model.state_gb:.0f} GB of training state, {model.per_host_gb():.0f} GB per host), a "
-             f"{model.step_s:g} s RL step; replica per failure: detection {model.detect_s:g} s (the heartbeat "
-             f"deadline: a lost host), promotion {model.promote_s:.2f} s and reconnection {model.reconnect_s:.1f} s "
+             f"{model.step_s:g} s RL step; replica per failure: detection {model.detect_s:.2f} s ("
+             + (f"a lost host's detection by the real coordinator with {scale[1]} simulated ranks, make bench-scale"
+                if scale is not None else "the heartbeat deadline: a lost host") + "), promotion {model.promote_s:.2f} s and reconnection {model.reconnect_s:.1f} s "
              f"({source}), half a "
              f"step redone" + (f", a new standby's start ({model.standby_start_s:g} s, assumed) and resync at "
                               f"{model.link_gb_s:g} GB/s" if model.wait_for_standby else

@@ -82,3 +82,19 @@ def test_the_projection_falls_with_the_failure_rate_and_replica_stays_above():
         assert values == sorted(values, reverse=True) and all(0 <= v <= 1 for v in values)
     assert all(r["replica"] > r["checkpoint_restart"] for r in rows)
     assert Projection().per_host_gb() == pytest.approx(32e9 * 16 / 1e9 / 32)
+
+
+def test_the_projection_takes_the_detection_measured_at_scale(tmp_path):
+    """The 256-GPU projection's detection time is the control-plane simulator's (the real
+    coordinator, a lost host) at the N nearest the projected ranks, when it ran."""
+    import json
+
+    from ettr import measured_detection
+
+    path = tmp_path / "control_scale.json"
+    assert measured_detection(256, path) is None  # not run
+    path.write_text(json.dumps({"coordinator": [{"n": 64, "detect_lost_host_ms": 2700.0},
+                                                {"n": 1024, "detect_lost_host_ms": 3700.0},
+                                                {"n": 256, "detect_lost_host_ms": None}]}))
+    assert measured_detection(256, path) == (2.7, 64)  # 256's own found nothing: the nearest that did
+    assert measured_detection(900, path) == (3.7, 1024)
