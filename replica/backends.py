@@ -185,6 +185,6 @@ def transfer_buffer(nbytes: int, *, device: torch.device | str = "cpu", pin_memo
     if pin:
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
     buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    if buffer.is_cuda:
+    if buffer.is_cuda:  # its zeros were queued on this thread's stream, just now
         torch.cuda.current_stream(device).synchronize()
     return buffer

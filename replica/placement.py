@@ -68,6 +68,8 @@ def _split(tensors: Sequence[torch.Tensor], offsets: Sequence[int], device: torc
 
 
 def _synchronize(tensors: Sequence[torch.Tensor]) -> None:
+    # The calling thread's stream (a commit's or a restore's own thread): the copies just
+    # queued here are on it.
     for device in {t.device for t in tensors if t.is_cuda}:
         torch.cuda.current_stream(device).synchronize()
 
@@ -129,7 +131,7 @@ def unpack_state(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets:
         ops.unpack(buffer, local_t + views, local_o + foreign_o)
         host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         host.copy_(device, non_blocking=True)
-        torch.cuda.current_stream(buffer.device).synchronize()
+        torch.cuda.current_stream(buffer.device).synchronize()  # this thread's copy above (a restore's thread)
         ops.unpack(host, foreign_t, staged_o)
     else:  # host snapshot, device tensors (a standby holding its mirror in host memory)
         pinned = buffer.is_pinned()

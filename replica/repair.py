@@ -89,6 +89,7 @@ def request_repair(conn: Connection, snapshot: Snapshot, step: int, buckets: Seq
                 return repaired
             snapshot.buffer[lo:hi].copy_(scratch)
             if scratch.is_cuda:  # complete before the guard goes: later receives into it wait for nothing
+                # (this thread's own stream: the copy above was queued on it, here)
                 torch.cuda.current_stream(scratch.device).synchronize()
         repaired.append(i)
     return repaired

@@ -237,6 +237,7 @@ class Snapshot:
             taken = pack_state(sources, target, offsets, block_bytes=block_bytes)
         if not self._on_host:
             self.ready = torch.cuda.Event(blocking=True)  # a wait for it sleeps, never spins
+            # The stream the pack ran on: the caller's, in the caller's thread, right behind it.
             self.ready.record(torch.cuda.current_stream(self.buffer.device))
         self._check(tensors)
         if taken is not None:

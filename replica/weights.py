@@ -226,6 +226,8 @@ class _Staging:
         completes the copy and, with ``word_offset``, a pinned host tensor that holds
         the bucket's digest (``ops.pack_checksum``) once the event has completed."""
         slot, self._slot = self._slot, self._slot ^ 1
+        # The caller's stream, in the caller's thread (push runs in the trainer's): the gathers
+        # that produced ``full`` were queued on it just before, and nothing since.
         current = torch.cuda.current_stream(self.device)
         if self._copied[slot] is not None:  # the slot's previous copy has read its device buffer
             current.wait_event(self._copied[slot])
