@@ -14,6 +14,9 @@
 // touch() from a thread of its own; once no touch came for `python_grace`, the
 // beats stop and the role is declared dead at its deadline (a hung interpreter
 // is a dead role, a slow one is not).
+#include "liveness.h"
+#include "signing.h"
+
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
@@ -21,6 +24,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -36,7 +41,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <limits>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -47,101 +54,10 @@ namespace {
 
 namespace py = pybind11;
 using Clock = std::chrono::steady_clock;
-
-// --- SHA-256 (FIPS 180-4) and HMAC (RFC 2104) ---
-
-constexpr std::array<uint32_t, 64> kRound = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
-    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
-    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
-    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
-    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
-    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
-    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
-
-using Digest = std::array<uint8_t, 32>;
-
-uint32_t rotr(uint32_t x, int n) {
-  return (x >> n) | (x << (32 - n));
-}
-
-Digest sha256(const std::string& message) {
-  std::array<uint32_t, 8> h = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                               0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  std::string data = message;
-  const uint64_t bits = static_cast<uint64_t>(message.size()) * 8;
-  data.push_back(static_cast<char>(0x80));
-  while (data.size() % 64 != 56) {
-    data.push_back('\0');
-  }
-  for (int i = 7; i >= 0; --i) {
-    data.push_back(static_cast<char>((bits >> (8 * i)) & 0xff));
-  }
-  for (size_t block = 0; block < data.size(); block += 64) {
-    std::array<uint32_t, 64> w{};
-    for (int t = 0; t < 16; ++t) {
-      const auto* p = reinterpret_cast<const uint8_t*>(data.data() + block + 4 * t);
-      w[t] = (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
-    }
-    for (int t = 16; t < 64; ++t) {
-      const uint32_t s0 = rotr(w[t - 15], 7) ^ rotr(w[t - 15], 18) ^ (w[t - 15] >> 3);
-      const uint32_t s1 = rotr(w[t - 2], 17) ^ rotr(w[t - 2], 19) ^ (w[t - 2] >> 10);
-      w[t] = w[t - 16] + s0 + w[t - 7] + s1;
-    }
-    auto [a, b, c, d, e, f, g, k] = h;
-    for (int t = 0; t < 64; ++t) {
-      const uint32_t t1 = k + (rotr(e, 6) ^ rotr(e, 11) ^ rotr(e, 25)) + ((e & f) ^ (~e & g)) + kRound[t] + w[t];
-      const uint32_t t2 = (rotr(a, 2) ^ rotr(a, 13) ^ rotr(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
-      k = g;
-      g = f;
-      f = e;
-      e = d + t1;
-      d = c;
-      c = b;
-      b = a;
-      a = t1 + t2;
-    }
-    const std::array<uint32_t, 8> add = {a, b, c, d, e, f, g, k};
-    for (int i = 0; i < 8; ++i) {
-      h[i] += add[i];
-    }
-  }
-  Digest out{};
-  for (int i = 0; i < 8; ++i) {
-    for (int j = 0; j < 4; ++j) {
-      out[4 * i + j] = static_cast<uint8_t>(h[i] >> (24 - 8 * j));
-    }
-  }
-  return out;
-}
-
-Digest hmac_sha256(const std::string& key, const std::string& message) {
-  std::string block = key.size() > 64 ? [&] {
-    const Digest d = sha256(key);
-    return std::string(d.begin(), d.end());
-  }()
-                                      : key;
-  block.resize(64, '\0');
-  std::string inner(64, '\0');
-  std::string outer(64, '\0');
-  for (int i = 0; i < 64; ++i) {
-    inner[i] = static_cast<char>(block[i] ^ 0x36);
-    outer[i] = static_cast<char>(block[i] ^ 0x5c);
-  }
-  const Digest first = sha256(inner + message);
-  return sha256(outer + std::string(first.begin(), first.end()));
-}
-
-std::string hex(const Digest& digest) {
-  static const char* kHex = "0123456789abcdef";
-  std::string out;
-  for (uint8_t byte : digest) {
-    out.push_back(kHex[byte >> 4]);
-    out.push_back(kHex[byte & 0xf]);
-  }
-  return out;
-}
+namespace signing = replica::signing;
+namespace liveness = replica::liveness;
+using replica::signing::hex;
+using replica::signing::hmac_sha256;
 
 // --- where a beat goes ---
 
@@ -419,7 +335,7 @@ class Heartbeat {
   // ``key`` is what the value is signed under (the job store's full key); ``store_key`` is where
   // it is written (the same, or with an etcd namespace before it).
   Heartbeat(std::unique_ptr<Sink> sink, std::string key, std::string store_key, std::string mac_key, int64_t member,
-            double period_s, double python_grace_s)
+            double period_s, double python_grace_s, double store_after_s)
       : sink_(std::move(sink)),
         key_(std::move(key)),
         store_key_(std::move(store_key)),
@@ -427,8 +343,11 @@ class Heartbeat {
         member_(member),
         period_(to_duration(period_s, "period")),
         python_grace_(to_duration(python_grace_s, "python_grace")),
+        store_after_(to_duration(store_after_s, "store_after")),
         touched_(Clock::now().time_since_epoch().count()) {
     TORCH_CHECK(mac_key_.size() == 32, "replica.Heartbeat: the key must be the job's 32-byte derived key");
+    wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    TORCH_CHECK(wake_ >= 0, "replica.Heartbeat: eventfd: ", std::strerror(errno));
     thread_ = std::thread([this] { run(); });
   }
 
@@ -438,6 +357,7 @@ class Heartbeat {
 
   ~Heartbeat() {
     stop();
+    ::close(wake_);
   }
 
   Heartbeat(const Heartbeat&) = delete;
@@ -453,10 +373,33 @@ class Heartbeat {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
     }
-    wake_.notify_all();
+    signal();
     if (thread_.joinable()) {
       thread_.join();
     }
+  }
+
+  // Beat to the coordinator's liveness endpoint at host:port (UDP) from now on; the store
+  // only while no answer came for ``store_after`` (an endpoint out of reach: a firewall, a
+  // coordinator that moved). Resolved here; the beat's thread changes over at its next beat.
+  void aim(const std::string& host, int port) {
+    TORCH_CHECK(port > 0 && port < 65536, "replica.Heartbeat: port ", port, " is out of range");
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_DGRAM;
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+    TORCH_CHECK(rc == 0 && found != nullptr, "replica.Heartbeat: cannot resolve ", host, ": ", gai_strerror(rc));
+    Target target;
+    std::memcpy(&target.address, found->ai_addr, found->ai_addrlen);
+    target.length = found->ai_addrlen;
+    ::freeaddrinfo(found);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      aimed_ = target;
+      aim_changed_ = true;
+    }
+    signal();
   }
 
   int64_t beats() const {
@@ -481,39 +424,155 @@ class Heartbeat {
     return paused_.load();
   }
 
+  // The newest generation number a verified answer of the endpoint carried (-1: none yet).
+  int64_t generation() const {
+    return generation_.load();
+  }
+
+  // Seconds since the last verified answer (infinity: none yet).
+  double reply_age() const {
+    const int64_t at = replied_at_.load();
+    if (at == 0) {
+      return std::numeric_limits<double>::infinity();
+    }
+    return std::chrono::duration<double>(Clock::now().time_since_epoch() - Clock::duration(at)).count();
+  }
+
+  int64_t replies() const {
+    return replies_.load();
+  }
+
  private:
+  struct Target {
+    sockaddr_storage address{};
+    socklen_t length = 0;
+  };
+
   static Clock::duration to_duration(double seconds, const char* name) {
     TORCH_CHECK(seconds > 0, "replica.Heartbeat: ", name, " must be > 0 s, got ", seconds);
     return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   }
 
+  void signal() {
+    const uint64_t one = 1;
+    [[maybe_unused]] const ssize_t n = ::write(wake_, &one, sizeof(one));
+  }
+
+  // The beat's thread only: a socket connected to the newest target.
+  void change_over() {
+    std::optional<Target> target;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!aim_changed_) {
+        return;
+      }
+      aim_changed_ = false;
+      target = aimed_;
+    }
+    if (udp_ >= 0) {
+      ::close(udp_);
+      udp_ = -1;
+    }
+    const int fd = ::socket(target->address.ss_family, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0 || ::connect(fd, reinterpret_cast<const sockaddr*>(&target->address), target->length) != 0) {
+      const std::string error = std::string("liveness endpoint: ") + std::strerror(errno);
+      if (fd >= 0) {
+        ::close(fd);
+      }
+      std::lock_guard<std::mutex> guard(mutex_);
+      last_error_ = error;
+      return;
+    }
+    udp_ = fd;
+    aimed_at_ = Clock::now();
+  }
+
+  // Whether the store should take this beat too: not aimed, or no answer for store_after.
+  bool to_store() const {
+    if (udp_ < 0) {
+      return true;
+    }
+    const int64_t at = replied_at_.load();
+    const Clock::time_point last = at == 0 ? aimed_at_ : std::max(aimed_at_, Clock::time_point(Clock::duration(at)));
+    return Clock::now() - last > store_after_;
+  }
+
+  void read_replies() {
+    char data[liveness::kMaxDatagram + 1];
+    for (;;) {
+      const ssize_t n = ::recv(udp_, data, sizeof(data), 0);
+      if (n < 0) {
+        return;  // EAGAIN, or ECONNREFUSED from an endpoint not listening: the store path covers it
+      }
+      std::string body;
+      int64_t fields[3];  // beat, generation, member
+      if (static_cast<size_t>(n) > liveness::kMaxDatagram ||
+          !signing::verify(mac_key_, liveness::reply_key(key_), std::string(data, static_cast<size_t>(n)), &body) ||
+          !liveness::parse(body, {"beat", "generation", "member"}, fields) || fields[2] != member_) {
+        continue;
+      }
+      int64_t held = generation_.load();
+      while (fields[1] > held && !generation_.compare_exchange_weak(held, fields[1])) {
+      }
+      replied_at_.store(Clock::now().time_since_epoch().count());
+      replies_.fetch_add(1);
+    }
+  }
+
+  void send(int64_t beat) {
+    const std::string value = signing::sign(mac_key_, key_, liveness::beat_body(beat, member_));
+    bool stored = false;
+    if (to_store()) {
+      sink_->write(store_key_, value);  // throws: counted as a failure below
+      stored = true;
+    }
+    if (udp_ >= 0 && ::send(udp_, value.data(), value.size(), MSG_DONTWAIT) < 0 && !stored) {
+      throw std::runtime_error(std::string("liveness endpoint: ") + std::strerror(errno));
+    }
+  }
+
   void run() {
     int64_t beat = 0;
-    std::unique_lock<std::mutex> lock(mutex_);
-    while (!stopping_) {
-      lock.unlock();
-      const bool alive = Clock::now() - Clock::time_point(Clock::duration(touched_.load())) < python_grace_;
-      paused_.store(!alive);
-      if (alive) {
-        try {
-          const std::string body =
-              "{\"beat\":" + std::to_string(beat + 1) + ",\"member\":" + std::to_string(member_) + "}";
-          std::string message = key_;
-          message.push_back('\0');
-          message += body;
-          const std::string value = body + "\n" + hex(hmac_sha256(mac_key_, message));
-          sink_->write(store_key_, value);
-          beats_.store(++beat);
-          failing_since_.store(0);
-        } catch (const std::exception& exc) {
-          int64_t expected = 0;
-          failing_since_.compare_exchange_strong(expected, Clock::now().time_since_epoch().count());
-          std::lock_guard<std::mutex> guard(mutex_);
-          last_error_ = exc.what();
+    auto next = Clock::now();
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stopping_) {
+          break;
         }
       }
-      lock.lock();
-      wake_.wait_for(lock, period_, [this] { return stopping_; });
+      change_over();
+      if (Clock::now() >= next) {
+        next = Clock::now() + period_;
+        const bool alive = Clock::now() - Clock::time_point(Clock::duration(touched_.load())) < python_grace_;
+        paused_.store(!alive);
+        if (alive) {
+          try {
+            send(beat + 1);
+            beats_.store(++beat);
+            failing_since_.store(0);
+          } catch (const std::exception& exc) {
+            int64_t expected = 0;
+            failing_since_.compare_exchange_strong(expected, Clock::now().time_since_epoch().count());
+            std::lock_guard<std::mutex> guard(mutex_);
+            last_error_ = exc.what();
+          }
+        }
+      }
+      // Wait for the next beat, reading answers meanwhile; stop() and aim() wake it.
+      pollfd fds[2] = {{wake_, POLLIN, 0}, {udp_, POLLIN, 0}};
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()).count();
+      ::poll(fds, udp_ >= 0 ? 2 : 1, static_cast<int>(std::max<int64_t>(left, 0)) + 1);
+      if (fds[0].revents & POLLIN) {
+        uint64_t count = 0;
+        [[maybe_unused]] const ssize_t n = ::read(wake_, &count, sizeof(count));
+      }
+      if (udp_ >= 0) {
+        read_replies();
+      }
+    }
+    if (udp_ >= 0) {
+      ::close(udp_);
     }
   }
 
@@ -524,14 +583,22 @@ class Heartbeat {
   const int64_t member_;
   const Clock::duration period_;
   const Clock::duration python_grace_;
+  const Clock::duration store_after_;
   std::atomic<int64_t> touched_;
   std::atomic<int64_t> beats_{0};
   std::atomic<int64_t> failing_since_{0};
   std::atomic<bool> paused_{false};
+  std::atomic<int64_t> generation_{-1};
+  std::atomic<int64_t> replied_at_{0};
+  std::atomic<int64_t> replies_{0};
   mutable std::mutex mutex_;
-  std::condition_variable wake_;
   bool stopping_ = false;
+  bool aim_changed_ = false;
+  std::optional<Target> aimed_;
   std::string last_error_;
+  int wake_ = -1;
+  int udp_ = -1;                 // the beat's thread only
+  Clock::time_point aimed_at_;   // the beat's thread only
   std::thread thread_;
 };
 
@@ -543,35 +610,40 @@ void bind_heartbeat(py::module& m) {
   py::class_<Heartbeat>(m, "Heartbeat",
                         "A liveness beat written by a native thread (no GIL): see replica.jobstate.JobStore.heartbeat")
       .def(py::init([](std::string host, int port, std::string key, std::string mac_key, int64_t member,
-                       double period_s, double io_timeout_s, double python_grace_s) {
+                       double period_s, double io_timeout_s, double python_grace_s, double store_after_s) {
              auto sink = std::make_unique<TcpStoreSink>(std::move(host), port, Heartbeat::io_timeout(io_timeout_s));
              std::string store_key = key;
              return std::make_unique<Heartbeat>(std::move(sink), std::move(key), std::move(store_key),
-                                                std::move(mac_key), member, period_s, python_grace_s);
+                                                std::move(mac_key), member, period_s, python_grace_s, store_after_s);
            }),
            py::arg("host"), py::arg("port"), py::arg("key"), py::arg("mac_key"), py::arg("member"),
-           py::arg("period_s"), py::arg("io_timeout_s"), py::arg("python_grace_s"),
+           py::arg("period_s"), py::arg("io_timeout_s"), py::arg("python_grace_s"), py::arg("store_after_s") = 1.0,
            py::call_guard<py::gil_scoped_release>())
       .def_static(
           "on_etcd",
           [](std::vector<std::pair<std::string, int>> endpoints, std::string user, std::string password,
              std::string key, std::string store_key, std::string mac_key, int64_t member, double period_s,
-             double io_timeout_s, double python_grace_s) {
+             double io_timeout_s, double python_grace_s, double store_after_s) {
             auto sink = std::make_unique<EtcdSink>(std::move(endpoints), std::move(user), std::move(password),
                                                    Heartbeat::io_timeout(io_timeout_s));
             return std::make_unique<Heartbeat>(std::move(sink), std::move(key), std::move(store_key),
-                                               std::move(mac_key), member, period_s, python_grace_s);
+                                               std::move(mac_key), member, period_s, python_grace_s, store_after_s);
           },
           py::arg("endpoints"), py::arg("user"), py::arg("password"), py::arg("key"), py::arg("store_key"),
           py::arg("mac_key"), py::arg("member"), py::arg("period_s"), py::arg("io_timeout_s"),
-          py::arg("python_grace_s"), py::call_guard<py::gil_scoped_release>(),
+          py::arg("python_grace_s"), py::arg("store_after_s") = 1.0, py::call_guard<py::gil_scoped_release>(),
           "The beat written to an etcd cluster through its HTTP gateway (plain http)")
       .def("touch", &Heartbeat::touch)
       .def("stop", &Heartbeat::stop, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("beats", &Heartbeat::beats)
       .def_property_readonly("failing_for", &Heartbeat::failing_for)
       .def_property_readonly("paused", &Heartbeat::paused)
-      .def_property_readonly("last_error", &Heartbeat::last_error);
+      .def_property_readonly("last_error", &Heartbeat::last_error)
+      .def("aim", &Heartbeat::aim, py::arg("host"), py::arg("port"), py::call_guard<py::gil_scoped_release>(),
+           "Beat to the coordinator's liveness endpoint (UDP) from now on; the store only while it does not answer")
+      .def_property_readonly("generation", &Heartbeat::generation)
+      .def_property_readonly("reply_age", &Heartbeat::reply_age)
+      .def_property_readonly("replies", &Heartbeat::replies);
   m.def(
       "hmac_sha256_hex",
       [](const std::string& key, const std::string& message) { return hex(hmac_sha256(key, message)); },

@@ -203,6 +203,7 @@ class ShapeCheck {
 
 namespace replica {
 void bind_heartbeat(pybind11::module& m);  // heartbeat.cpp
+void bind_liveness(pybind11::module& m);  // liveness.cpp
 }  // namespace replica
 
 PYBIND11_MODULE(_C, m) {
@@ -222,4 +223,5 @@ PYBIND11_MODULE(_C, m) {
       .def("first_mismatch", &ShapeCheck::first_mismatch, py::arg("tensors"),
            "index of the first tensor unlike its counterpart (or the shorter count), -1 if none");
   replica::bind_heartbeat(m);
+  replica::bind_liveness(m);
 }

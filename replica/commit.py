@@ -41,12 +41,31 @@ from replica.errors import CommitTimeoutError, StoreWaitTimeoutError
 from replica.jobstate import Ack, Commit, Epoch, Flag, Generation, JobStore, LostReports, Number, Registration, keys
 from replica.registry import publish, registration, wait_registration
 
-__all__ = ["CommitRecord", "EpochRecord", "publish_generation"]
+__all__ = ["CommitRecord", "EpochRecord", "hint_generation", "publish_generation"]
 
 #: The epoch of a library user's trainer that runs without a coordinator (no generation record).
 NO_EPOCH = Epoch(generation=0, member=-1)
 _MARKERS_KEPT = 64  # commit_reached markers kept behind the commit
 _RECHECK = timedelta(seconds=1)  # a commit waiter reads the commit itself at least this often
+
+
+# job -> where this process can learn the job's generation number without a store request
+_HINTS: dict[str, Callable[[], int | None]] = {}
+_HINTS_LOCK = threading.Lock()
+
+
+def hint_generation(store: JobStore, hint: Callable[[], int | None] | None) -> None:
+    """Tell every ``EpochRecord`` of ``store``'s job in this process where the job's current
+    generation number can be had without a store request: ``hint()`` returns it, or None
+    when it does not know it now (a role's heartbeat: the number the coordinator's last
+    liveness answer carried, while that answer is fresh). None removes the hint. A
+    record then reads the store only when the number moved from the one it holds; the
+    commit's raise always reads it (``generation(fresh=True)``)."""
+    with _HINTS_LOCK:
+        if hint is None:
+            _HINTS.pop(store.job, None)
+        else:
+            _HINTS[store.job] = hint
 
 
 def publish_generation(store: JobStore, generation: Generation) -> None:
@@ -72,10 +91,18 @@ class EpochRecord:
         self.store = store
         self._generation: Generation | None = None  # the newest generation record verified here
         self._lock = threading.Lock()
+        self._job = store.job
 
-    def generation(self, store: JobStore | None = None) -> Generation | None:
+    def generation(self, store: JobStore | None = None, *, fresh: bool = False) -> Generation | None:
         """The coordinator's current generation and trainers (None without a coordinator);
-        over ``store`` (another connection to the job store) if given."""
+        over ``store`` (another connection to the job store) if given. Without a request
+        when this process's hint (``hint_generation``) vouches for the number held here,
+        unless ``fresh``."""
+        with self._lock:
+            held = self._generation
+        hint = None if fresh or held is None else _HINTS.get(self._job)
+        if hint is not None and hint() == held.number:
+            return held
         store = store or self.store
         number = store.get(keys.generation_number())
         with self._lock:
@@ -157,7 +184,7 @@ class CommitRecord:
         requests); returns the commit after. ``target``: the step the caller needs; a
         rank's own trainer's ack (unprotected) is then read only where its standby's is
         below it (None: everywhere)."""
-        generation = self.generation()
+        generation = self.epochs.generation(fresh=True)  # the epochs that count: never from a hint
         acks = self._acks(generation, target)
         if acks is None:
             return self.last()

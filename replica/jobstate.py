@@ -52,6 +52,7 @@ __all__ = [
     "JobStore",
     "JoinReply",
     "Key",
+    "LivenessReply",
     "LostReports",
     "Number",
     "OrderKind",
@@ -182,6 +183,17 @@ class Heartbeat:
 
     member: int
     beat: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class LivenessReply:
+    """The coordinator's liveness endpoint's answer to beat ``beat`` of ``member``: the
+    job's generation number then. Never in the store: a UDP datagram signed under
+    ``keys.liveness_reply(member)`` (csrc/liveness.h writes it; the tests read it here)."""
+
+    beat: int
+    generation: int
+    member: int
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -384,6 +396,10 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key("coordinator/beat", Number)  # the active coordinator's liveness counter
 
     @staticmethod
+    def liveness() -> Key[Text]:
+        return Key("coordinator/liveness", Text)  # "host:port" of the active coordinator's liveness endpoint (UDP)
+
+    @staticmethod
     def finished() -> Key[Flag]:
         return Key("finished", Flag)
 
@@ -491,6 +507,10 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
     @staticmethod
     def heartbeat(member: int) -> Key[Heartbeat]:
         return Key(f"hb/{member}", Heartbeat)
+
+    @staticmethod
+    def liveness_reply(member: int) -> Key[LivenessReply]:
+        return Key(f"hb/{member}/reply", LivenessReply)  # what an endpoint's answer is signed under (never stored)
 
     @staticmethod
     def export() -> Key[ExportRequest]:
@@ -620,6 +640,12 @@ class JobStore:
     def __repr__(self) -> str:  # never the token
         return f"JobStore(prefix={self.prefix!r})"
 
+    @property
+    def job(self) -> str:
+        """Which job this is (its token and prefix), as a name that reveals neither: what
+        per-job state in a process is keyed by (``replica.commit.hint_generation``)."""
+        return hmac.new(self._mac_key, b"job\0" + self.prefix.encode(), hashlib.sha256).hexdigest()[:32]
+
     def reconnect(self, timeout: timedelta) -> JobStore:
         """The same job store on a connection of its own (a ``TCPStore`` client, or an
         ``EtcdStore`` whose calls time out after ``timeout``)."""
@@ -628,16 +654,23 @@ class JobStore:
             return self._view(EtcdStore(config, fence=self.raw.fence))
         return self._view(dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout))
 
-    def heartbeat(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta):
+    def heartbeat(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta,
+                  store_after: timedelta = timedelta(seconds=1)):
         """Start writing ``Heartbeat(member, beat)`` with a rising ``beat`` every ``period``
         from a native thread on a TCP connection of its own (TCPStore only), signed as
         ``put`` signs: it needs no GIL, so a main thread busy in Python does not delay
         it. It beats while ``touch()`` was called within ``python_grace`` (a hung
         interpreter is a dead role); ``stop()`` ends it. Returns the ``replica._C.Heartbeat``.
 
+        ``aim(host, port)`` sends the beats to the coordinator's liveness endpoint
+        (``liveness_server``, one UDP datagram each, the same signed value) instead of the
+        store, which then takes them only while no answer came for ``store_after``; each
+        answer carries the job's generation number (``generation``, ``reply_age``).
+
         On etcd the native thread speaks the members' HTTP gateway; over https
         (``EtcdConfig.ca_file``) the beat comes from a Python thread with the same
-        contract (``ThreadHeartbeat``), which waits for the GIL behind a busy main thread."""
+        contract (``ThreadHeartbeat``), which waits for the GIL behind a busy main thread
+        and writes to the store only."""
         if isinstance(self.raw, EtcdStore) and self.raw.config.ca_file:
             return ThreadHeartbeat(self.reconnect(io_timeout), member, period=period, python_grace=python_grace)
         if isinstance(self.raw, EtcdStore):
@@ -646,10 +679,20 @@ class JobStore:
                                         key=full, store_key=config.namespace + full, mac_key=self._mac_key,
                                         member=member, period_s=period.total_seconds(),
                                         io_timeout_s=io_timeout.total_seconds(),
-                                        python_grace_s=python_grace.total_seconds())
+                                        python_grace_s=python_grace.total_seconds(),
+                                        store_after_s=store_after.total_seconds())
         return _C.Heartbeat(host=self.raw.host, port=self.raw.port, key=self.full(keys.heartbeat(member)),
                             mac_key=self._mac_key, member=member, period_s=period.total_seconds(),
-                            io_timeout_s=io_timeout.total_seconds(), python_grace_s=python_grace.total_seconds())
+                            io_timeout_s=io_timeout.total_seconds(), python_grace_s=python_grace.total_seconds(),
+                            store_after_s=store_after.total_seconds())
+
+    def liveness_server(self, host: str, port: int = 0):
+        """The coordinator's liveness endpoint: a native thread on a UDP socket bound to
+        ``host:port`` (0: any free port) that verifies each role's beat (the value
+        ``heartbeat`` signs), keeps when each member's beat last rose (``ages``,
+        ``beats``) and answers it with the generation number set by ``set_generation``.
+        Returns the ``replica._C.LivenessServer``; ``stop()`` ends it."""
+        return _C.LivenessServer(host=host, port=port, prefix=self.prefix, mac_key=self._mac_key)
 
     def full(self, key: Key | str) -> str:
         return f"{self.prefix}/{key}"
@@ -757,7 +800,8 @@ class JobStore:
 
     def wait_for(self, ready: Callable[[JobStore], T | None], *, wake: Callable[[], Sequence[Key | str]],
                  timeout: timedelta, what: str, abort: Callable[[], None] | None = None,
-                 every: timedelta | None = None, poll: timedelta = _POLL_MOST) -> T:
+                 every: timedelta | None = None, poll: timedelta = _POLL_MOST,
+                 quiet: Callable[[], bool] | None = None, quiet_every: timedelta | None = None) -> T:
         """Wait until ``ready(store)`` returns something other than None, and return it.
 
         ``wake()`` names the keys whose existence announces that ``ready`` may have
@@ -774,14 +818,22 @@ class JobStore:
         time, pausing up to ``poll`` in between. While the wake keys exist but
         ``ready`` still says no (a key written ahead of its value, or forged), and
         with no wake keys at all, ``ready`` itself is polled. StoreWaitTimeoutError
-        after ``timeout``; a store error (the store gone) is raised as it is."""
+        after ``timeout``; a store error (the store gone) is raised as it is.
+
+        ``quiet()``: True while something other than the store vouches that nothing the
+        wake keys announce happened (a fresh liveness answer with an unchanged generation
+        number): the wake keys are then not asked, and ``ready`` is evaluated every
+        ``quiet_every`` (``every`` if None) only, so a long wait costs the store almost
+        nothing."""
         own = self.own()
         deadline = time.monotonic() + timeout.total_seconds()
         blocking = abort is None and every is None
         delay, most = _POLL_FIRST, poll.total_seconds()
         woken, evaluated = True, 0.0  # ready() is evaluated first
         while True:
-            if woken or (every is not None and time.monotonic() - evaluated >= every.total_seconds()):
+            hushed = quiet is not None and quiet()
+            period = quiet_every if hushed and quiet_every is not None else every
+            if woken or (period is not None and time.monotonic() - evaluated >= period.total_seconds()):
                 value = ready(own)
                 if value is not None:
                     return value
@@ -791,6 +843,10 @@ class JobStore:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StoreWaitTimeoutError(f"no {what} within {timeout}")
+            if hushed:
+                time.sleep(min(most, left))
+                woken = False
+                continue
             names = [self.full(k) for k in wake()]
             if blocking and names and not own.raw.check(names):
                 woken = own._block(names, timedelta(seconds=left))
@@ -842,8 +898,14 @@ class JobStore:
 
 class ThreadHeartbeat:
     """``JobStore.heartbeat`` on a Python thread, for stores the native beat does not
-    speak (etcd): the same attributes (``touch``, ``stop``, ``beats``, ``failing_for``,
-    ``paused``, ``last_error``), the same signed ``Heartbeat`` values."""
+    speak (etcd over https): the same attributes (``touch``, ``stop``, ``beats``,
+    ``failing_for``, ``paused``, ``last_error``), the same signed ``Heartbeat`` values, in
+    the store only (``aim`` is accepted and changes nothing: no answer ever comes, so
+    ``reply_age`` stays infinite and readers go to the store as without an endpoint)."""
+
+    generation = -1
+    reply_age = float("inf")
+    replies = 0
 
     def __init__(self, store: JobStore, member: int, *, period: timedelta, python_grace: timedelta):
         for name, value in (("period", period), ("python_grace", python_grace)):
@@ -862,6 +924,9 @@ class ThreadHeartbeat:
 
     def touch(self) -> None:
         self._touched = time.monotonic()
+
+    def aim(self, host: str, port: int) -> None:  # noqa: ARG002 - the store path only (see the class)
+        return None
 
     def stop(self) -> None:
         self._stop.set()

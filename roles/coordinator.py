@@ -103,15 +103,21 @@ class Decision:
 class Coordinator:
     def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
                  deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None,
-                 store: StoreAddress | None = None, fence: tuple[str, bytes] | None = None):
+                 store: StoreAddress | None = None, fence: tuple[str, bytes] | None = None,
+                 liveness: bool = True):
         """Host the job store on ``host:port`` (a ``TCPStore``), or, with ``store`` on etcd,
         keep the job's state there: if the store holds a running job already (its
         coordinator died), this one takes over from that state (``takeover``). ``fence``: an
-        elected coordinator's claim (``Leadership.claim``), which fences all its writes."""
+        elected coordinator's claim (``Leadership.claim``), which fences all its writes.
+
+        ``liveness``: the roles beat to this coordinator's liveness endpoint, a UDP socket
+        on ``host`` (any free port; its address is published as ``keys.liveness()``), not to
+        the store (``JobStore.liveness_server``); False: every beat is a store write."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not token:
             raise ValueError("the coordinator needs the job's token")
+        self._liveness_host = host
         if store is not None and store.kind == StoreKind.ETCD:
             raw = store.connect(timeout=timedelta(seconds=60))
             if fence is not None:
@@ -158,16 +164,39 @@ class Coordinator:
         #: When (``at``) and where (``generation``, ``commit``) this coordinator took over a running
         #: job from the state in the store; None when it started the job.
         self.takeover: dict | None = None
+        #: The liveness endpoint (None: beats in the store only).
+        self.liveness = self.store.liveness_server(host) if liveness else None
         if self.store.get(keys.generation()) is not None and store is not None and store.kind == StoreKind.ETCD:
             if self.finished():
                 raise RuntimeError(f"the job store {self._address} holds a job that has finished: give each job "
                                    "a namespace of its own (etcd://HOSTS/NAMESPACE)")
             self._take_over()
+            self._publish_liveness()
             return
         if resume_from is not None:  # the trainers start from an export of that step: it is the first commit
             self.record.seed(resume_from)
         self._publish_generation()
         self._publish_members()
+        self._publish_liveness()
+
+    def _publish_liveness(self) -> None:
+        if self.liveness is not None:
+            host = self._liveness_host
+            self.store.put(keys.liveness(), Text(value=f"{host}:{self.liveness.port}"))
+
+    def liveness_report(self) -> dict | None:
+        """What the liveness endpoint heard (None: the beats went to the store only)."""
+        if self.liveness is None:
+            return None
+        ids = [m.id for m in self.members]
+        return {"endpoint": f"{self._liveness_host}:{self.liveness.port}", "datagrams": self.liveness.received,
+                "rejected": self.liveness.rejected, "members": len(ids),
+                "members_heard": sum(1 for age in self.liveness.ages(ids) if age >= 0)}
+
+    def close(self) -> None:
+        """Stop the liveness endpoint (the hosted store goes with the process)."""
+        if self.liveness is not None:
+            self.liveness.stop()
 
     def _host_store(self, host: str, port: int) -> dist.TCPStore:
         # TCPStore binds every interface unless handed a socket: bind the configured host.
@@ -193,6 +222,8 @@ class Coordinator:
         now = time.time()
         generation = self.store.get(keys.generation())
         self.generation = generation.number
+        if self.liveness is not None:
+            self.liveness.set_generation(self.generation)
         self.takeover = {"at": now, "generation": self.generation, "commit": self.record.last()}
         table = self.store.get(keys.members())
         for row in json.loads(table.value) if table is not None else []:
@@ -568,22 +599,46 @@ class Coordinator:
 
     def _last_beat(self, member: Member, now: float) -> float:
         """When (on this clock) the member's signed heartbeat counter last rose
-        (a forged or replayed beat moves nothing); reads it now."""
-        self._beat_read(member, self.store.get(keys.heartbeat(member.id)), now)
+        (a forged or replayed beat moves nothing); looks now."""
+        if self._heard([member], now):
+            self._beat_read(member, self.store.get(keys.heartbeat(member.id)), now)
         return member.beat_at
 
     @staticmethod
     def _beat_read(member: Member, beat: Heartbeat | None, now: float) -> None:
-        if beat is not None and beat.member == member.id and beat.beat > member.beats:
-            member.max_silence_s = max(member.max_silence_s, now - member.beat_at)
-            member.beats, member.beat_at = beat.beat, now
+        if beat is not None and beat.member == member.id:
+            Coordinator._beat_rose(member, beat.beat, now)
+
+    @staticmethod
+    def _beat_rose(member: Member, number: int, at: float) -> None:
+        if number > member.beats and at >= member.beat_at:
+            member.max_silence_s = max(member.max_silence_s, at - member.beat_at)
+            member.beats, member.beat_at = number, at
+
+    def _heard(self, members: list[Member], now: float) -> list[Member]:
+        """Take each member's newest beat heard by the liveness endpoint (in memory, verified
+        there); returns the members it has not heard for LIVENESS_STORE_AFTER (or never),
+        whose beats go to the store meanwhile."""
+        if self.liveness is None:
+            return members
+        ids = [m.id for m in members]
+        unheard = []
+        for member, age, number in zip(members, self.liveness.ages(ids), self.liveness.beats(ids)):
+            if age >= 0:
+                self._beat_rose(member, number, now - age)
+            if age < 0 or age > timing.LIVENESS_STORE_AFTER.total_seconds():
+                unheard.append(member)
+        return unheard
 
     def _read_beats(self, now: float) -> None:
-        """Every live member's heartbeat, in one request (each member's key is written at its
-        admission, so none is missing: a missing one would make it a request per key)."""
-        members = self.alive()
-        for member, beat in zip(members, self.store.get_many([keys.heartbeat(m.id) for m in members])):
-            self._beat_read(member, beat, now)
+        """Every live member's heartbeat: from the liveness endpoint's table, and for the
+        members it has not heard lately from the store, in one request (each member's key is
+        written at its admission, so none is missing: a missing one would make it a request
+        per key)."""
+        unheard = self._heard(self.alive(), now)
+        if unheard:
+            for member, beat in zip(unheard, self.store.get_many([keys.heartbeat(m.id) for m in unheard])):
+                self._beat_read(member, beat, now)
         self._beats_read_at = now
 
     def _moved(self, counter: str) -> bool:
@@ -644,6 +699,8 @@ class Coordinator:
         live = (self._live(Role.TRAINER, r) for r in range(self.world_size))
         trainers = tuple(m.id if m is not None else -1 for m in live)
         publish_generation(self.store, Generation(number=self.generation, trainers=trainers))
+        if self.liveness is not None:  # after the store: an answer never carries a number ahead of it
+            self.liveness.set_generation(self.generation)
 
     def _publish_members(self) -> None:
         self.store.put(keys.members(), Text(value=json.dumps(self.membership())))

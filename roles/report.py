@@ -62,6 +62,9 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         "refused_joins": coord.refused,
         "members": coord.membership(),
         "last_commit": coord.record.last(),
+        # The coordinator's liveness endpoint: the beats (UDP datagrams) it took, the forged or
+        # malformed ones it dropped, and how many members it heard (the others beat to the store).
+        "liveness": coord.liveness_report(),
         "takeover": coord.takeover,  # this coordinator took over from a dead one (None: it ran the whole job)
     }
 

@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 import torch
 
 import replica
-from replica.commit import EpochRecord
+from replica.commit import EpochRecord, hint_generation
 from replica.data import Batches, prepare_extras
 from replica.divergence import Divergence, Measure, comparable
 from replica.errors import DivergenceError, FencedError, StoreWaitTimeoutError
@@ -54,6 +54,7 @@ class Job:
         self.group: replica.ResilientProcessGroup | None = None
         self._stop = threading.Event()
         self._lost = threading.Lock()  # held once the job store is found gone (the role is exiting)
+        self._beat = None  # the native heartbeat (JobStore.heartbeat), once the watch started it
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="replica-watch")
         self._watcher.start()
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
@@ -369,9 +370,13 @@ class Job:
         with self._store_guard():
             # Woken by the next generation's failover record (written before its promotion);
             # the job's end and an export request are looked for every timing.STANDBY_LOOK.
+            # While a fresh liveness answer says the generation did not move, no promotion can have
+            # come: the store is not asked for one (1,024 waiting standbys asked ~100,000 times a second).
             promotion = self.store.wait_for(
                 promoted, wake=lambda: [keys.failover(generation + 1)], timeout=timing.PROMOTION_WAIT,
-                what="promotion", every=timing.STANDBY_POLL if faults else timing.STANDBY_LOOK, poll=timing.STANDBY_POLL)
+                what="promotion", every=timing.STANDBY_POLL if faults else timing.STANDBY_LOOK, poll=timing.STANDBY_POLL,
+                quiet=lambda: self._fresh_generation() == generation,
+                quiet_every=timing.STANDBY_POLL if faults else timing.STANDBY_QUIET_LOOK)
         if isinstance(promotion, Flag):
             self.close()
             return None
@@ -494,11 +499,15 @@ class Job:
         and ends the role when the store stays unreachable (the coordinator is gone).
         An error is logged and the watch goes on (reconnecting)."""
         beat = self.store.heartbeat(self.member, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
-                                    python_grace=timing.PYTHON_GRACE)
+                                    python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER)
+        self._beat = beat
+        hint_generation(self.store, self._fresh_generation)
         store: JobStore | None = None
         failures = 0
         failing_since = 0.0
         beats_failing = False
+        aimed: str | None = None  # the liveness endpoint's address the beat goes to
+        aimed_at = -float("inf")
         try:
             while not self._stop.is_set():
                 beat.touch()
@@ -509,6 +518,10 @@ class Job:
                 try:
                     if store is None:
                         store = self.store.reconnect(timing.HEARTBEAT_IO)
+                    reaim = timing.LIVENESS_REAIM.total_seconds()
+                    if beat.reply_age > reaim and time.monotonic() - aimed_at > reaim:
+                        aimed_at = time.monotonic()  # first, and while no answer comes: the coordinator may have moved
+                        aimed = self._aim(beat, store, aimed)
                     if self._superseded(store):
                         self._fenced_exit()
                     if self.group is not None and self.role == Role.TRAINER and \
@@ -528,7 +541,32 @@ class Job:
                         self._coordinator_lost(exc)
                 self._stop.wait(timing.HEARTBEAT_PERIOD.total_seconds())
         finally:
+            hint_generation(self.store, None)
             beat.stop()
+
+    def _aim(self, beat, store: JobStore, aimed: str | None) -> str | None:
+        """Point the beat at the liveness endpoint the coordinator published, if it moved;
+        returns the address aimed at (None: none published, the beats stay in the store)."""
+        published = store.get(keys.liveness())
+        if published is None or published.value == aimed:
+            return aimed
+        host, _, port = published.value.rpartition(":")
+        try:
+            beat.aim(host, int(port))
+        except (RuntimeError, ValueError) as exc:  # unresolvable here: the store path goes on
+            logger.warning("[%s rank %d] cannot beat to the liveness endpoint %s (%s); beating to the job store",
+                           self.role, self.rank, published.value, exc)
+            return aimed
+        logger.info("[%s rank %d] beating to the liveness endpoint %s", self.role, self.rank, published.value)
+        return published.value
+
+    def _fresh_generation(self) -> int | None:
+        """The generation number the coordinator's last liveness answer carried, while that
+        answer is fresh (LIVENESS_FRESH); None otherwise (the store is asked)."""
+        beat = self._beat
+        if beat is None or beat.reply_age > timing.LIVENESS_FRESH.total_seconds() or beat.generation < 0:
+            return None
+        return beat.generation
 
     def _fenced_exit(self) -> None:
         """This trainer was declared dead and replaced: whatever it does now would be a

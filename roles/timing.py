@@ -20,6 +20,9 @@ __all__ = [
     "HEARTBEAT_IO",
     "HEARTBEAT_PERIOD",
     "JOIN_STRAGGLE",
+    "LIVENESS_FRESH",
+    "LIVENESS_REAIM",
+    "LIVENESS_STORE_AFTER",
     "LATE_REPORT",
     "NCCL_TIMEOUT",
     "PROCESS_GROUP_TIMEOUT",
@@ -33,6 +36,7 @@ __all__ = [
     "ROLLOUT_TIMEOUT",
     "STANDBY_LOOK",
     "STANDBY_POLL",
+    "STANDBY_QUIET_LOOK",
     "STANDBY_WAIT",
     "STORE_LOST",
     "SUPERVISE_POLL",
@@ -71,10 +75,25 @@ HEARTBEAT_PERIOD = timedelta(milliseconds=100)
 HEARTBEAT_IO = timedelta(seconds=2)  # one beat's store call (or reconnect) at most
 PYTHON_GRACE = timedelta(seconds=30)  # beats stop once the interpreter showed no life this long (a hang)
 STORE_LOST = timedelta(seconds=10)  # the store unreachable this long: the coordinator is gone
+# The beats go to the coordinator's liveness endpoint (UDP, replica._C.LivenessServer), not the store,
+# once the role read its address (keys.liveness). Each answer carries the generation number.
+# With no answer for LIVENESS_STORE_AFTER (10 beats: an endpoint out of reach, a coordinator that
+# moved) a role's beats go to the store as well, and the coordinator reads the store's beat of
+# every member it has not heard that long; the role reads the endpoint's address again every
+# LIVENESS_REAIM while no answer comes.
+LIVENESS_STORE_AFTER = timedelta(seconds=1)
+LIVENESS_REAIM = timedelta(seconds=1)
+# An answer this recent vouches for the generation number it carried: a role's checks of the
+# generation (each step, each HEARTBEAT_PERIOD, a waiting standby's) ask the store only when it
+# moved or no answer came this long (beats every 100 ms: two lost answers in a row).
+LIVENESS_FRESH = timedelta(milliseconds=300)
 
 # --- a role's waits on the coordinator ---
 ROLE_WAIT = timedelta(seconds=120)  # a join's answer, a failover record, a failover or regroup after a failed step
 STANDBY_LOOK = timedelta(milliseconds=250)  # a waiting standby looks for the job's end and export requests
+# and this often while a fresh liveness answer says the generation did not move (1,024 waiting standbys
+# looking every 250 ms were ~20,000 store requests a second): the end or an export is seen up to 1 s late
+STANDBY_QUIET_LOOK = timedelta(seconds=1)
 STANDBY_POLL = timedelta(milliseconds=10)  # and for its promotion (the next generation's failover record)
 PROMOTION_WAIT = timedelta(days=30)  # in effect none: the job's end or the store's loss ends a standby's wait
 UNSIGNED_GRACE = timedelta(seconds=1)  # a joiner waits this long for a signed reply beside an unverifiable one

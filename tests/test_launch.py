@@ -151,6 +151,9 @@ def test_the_fault_matrix_under_load(tmp_path, reference):
     assert all(f["fired_at"] is not None for f in report["faults"])
     assert [f["rank"] for f in report["failovers"]] == [1, 0], report["failovers"]
     assert [s["rank"] for s in report["standbys_replaced"]] == [0], report["standbys_replaced"]
+    liveness = report["liveness"]  # every role beat to the coordinator's UDP endpoint, under the load too
+    assert liveness["members_heard"] == liveness["members"] and liveness["datagrams"] > 0, liveness
+    assert liveness["rejected"] == 0, liveness
     for failover in report["failovers"]:  # each found after its kill: by its exit, or by its silence
         assert failover["killed_at"] is not None and failover["decided_at"] >= failover["killed_at"], failover
         if "exit code -9" not in failover["reason"]:  # the deadline came first; the exit was -9 all the same
