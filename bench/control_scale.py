@@ -9,11 +9,18 @@ step what a rank does to the store and train nothing:
 * each trainer reads the generation twice (its loop: is a failover announced? its
   stream: is its step superseded?) and the commit (``CommitRecord.wait`` at its next
   commit, which finds the step committed when the stream is shorter than the step);
+* the generation reads go through ``EpochRecord`` with the hint a role has from its
+  heartbeat's answers (``replica.commit.hint_generation``): each worker beats natively to
+  the coordinator's liveness endpoint (a ``LivenessServer`` in the main process) and its
+  roles' reads ask the store only when the answered generation number moved;
 * observers (``READ_THREADS`` per worker, on connections not counted) wait for the
   commit as a trainer whose step is shorter than its stream does (``CommitRecord.wait``
   from the moment the acks start): the commit latency is when they see it;
-* heartbeats: every role's signed heartbeat key written each ``HEARTBEAT_PERIOD``, and
-  the coordinator reading them all each ``SUPERVISE_POLL``, for a few seconds.
+* heartbeats, both ways, for a few seconds each: every role's signed heartbeat key written
+  to the store each ``HEARTBEAT_PERIOD`` and the coordinator reading them all each
+  ``SUPERVISE_POLL`` (the scheme before the liveness endpoint); then every role's native
+  beat (``replica._C.Heartbeat``, one thread each) sent to the liveness endpoint, which
+  verifies and answers each, and the coordinator reading its table.
 
 Two worker processes multiplex the simulated roles (the acks from 4 threads each, the
 trainers' reads from 8, each request one role's own: the store sees the keys and bytes N
@@ -25,13 +32,14 @@ fitted exponent of the per-step work's growth with N.
 
 Then the real coordinator (``roles.coordinator.Coordinator``, hosting the TCPStore as
 ``replica launch`` does): 2N members join through the real join path (the join time of the
-whole job), beat each ``HEARTBEAT_PERIOD`` from the workers while the coordinator polls each
+whole job), beat each ``HEARTBEAT_PERIOD`` from the workers (native beats to its liveness
+endpoint; ``--beats store``: signed writes to the store) while the coordinator polls each
 ``SUPERVISE_POLL`` (its CPU per second, its poll's time, false deaths), then a trainer is
 killed (its beats stop and its standby reports the connection lost: the transport's sign),
 another frozen (its beats stop, nothing else) and a host's worth of 8 members falls silent
 together: the time to each decision. Writes bench/results/control_scale.{json,md,png}.
 
-    python bench/control_scale.py [--n 64,256,1024] [--stores tcp,etcd] [--steps 20]
+    python bench/control_scale.py [--n 64,256,1024] [--stores tcp,etcd] [--steps 20] [--beats endpoint|store]
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from replica.commit import CommitRecord, EpochRecord, publish_generation
+from replica.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
 from replica.jobstate import Generation, Heartbeat, JobStore, keys
 from replica.roles import timing
 from replica.roles.timing import Deadlines
@@ -62,6 +70,7 @@ WORKERS = 2
 ACK_THREADS = 4
 READ_THREADS = 8
 HEARTBEAT_SECONDS = 3.0
+PROBE = 1 << 40  # the member number of a worker's own beat (the hint of its roles' generation reads)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -76,10 +85,38 @@ def _split(items: list, parts: int) -> list[list]:
     return [items[i::parts] for i in range(parts)]
 
 
-def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int) -> None:
+def _raise_open_files() -> None:
+    """A native beat holds two descriptors: 1,024 beats in one process pass a soft limit of 1,024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _native_beats(store: JobStore, members: list[int], endpoint: tuple[str, int]) -> list:
+    return [store.heartbeat(m, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
+                            python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER,
+                            liveness=endpoint) for m in members]
+
+
+def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int, endpoint: tuple[str, int]) -> None:
     """Simulates ranks index, index + WORKERS, ...: their standbys and trainers."""
+    _raise_open_files()
     client = CountingStore(_connect(address, etcd_env))
     store = JobStore(client, token=TOKEN)
+    # The roles' generation reads go by what a beat's answers say (each role has its own beat;
+    # here one beat of the worker's stands for them: the answers carry the same number).
+    beating = JobStore(_connect(address, etcd_env), token=TOKEN)  # the beats' sinks (unused while answered)
+    (probe,) = _native_beats(beating, [PROBE + index], endpoint)
+    fresh = timing.LIVENESS_FRESH.total_seconds()
+    hint_generation(store, lambda: probe.generation if probe.reply_age <= fresh and probe.generation >= 0 else None)
+
+    def alive() -> None:  # a role's watch tells its beat the interpreter lives
+        while True:
+            probe.touch()
+            time.sleep(timing.HEARTBEAT_PERIOD.total_seconds())
+
+    threading.Thread(target=alive, daemon=True).start()
     watching = CommitRecord(JobStore(_connect(address, etcd_env), token=TOKEN), world_size=n)  # not counted
     ranks = list(range(index, n, WORKERS))
     records = {r: CommitRecord(store, world_size=n) for r in ranks}  # each role: its own record, as in its process
@@ -93,6 +130,9 @@ def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int) ->
         if command[0] == "beats":
             _beat(pipe, store, client, n, index, command[1])
             continue
+        if command[0] == "native beats":
+            _beat_native(pipe, beating, n, index, command[1], endpoint)
+            continue
         step = command[1]
         client.reset()
         acked: list[float] = []
@@ -104,11 +144,16 @@ def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int) ->
             with lock:
                 seen.append(time.time())
 
+        spent: list[float] = []  # each trainer's time in the control plane this step
+
         def trainers(mine: list[int]) -> None:
             for r in mine:
+                t = time.perf_counter()
                 epochs[r].generation()  # the loop: a failover announced?
                 records[r].current_epoch(r)  # the stream: its step superseded?
                 assert records[r].wait(step, T) >= step  # at its next commit
+                with lock:
+                    spent.append(time.perf_counter() - t)
 
         def standbys(mine: list[int]) -> None:
             for r in mine:
@@ -132,7 +177,7 @@ def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int) ->
         for t in threads:
             t.join()
         pipe.send(("step", max(acked), max(seen), client.total, client.keys, client.bytes, dict(client.requests),
-                   max((k for m, k in client.calls if m == "multi_get"), default=0)))
+                   max((k for m, k in client.calls if m == "multi_get"), default=0), statistics.median(spent)))
 
 
 def _beat(pipe, store: JobStore, client: CountingStore, n: int, index: int, seconds: float) -> None:
@@ -154,6 +199,41 @@ def _beat(pipe, store: JobStore, client: CountingStore, n: int, index: int, seco
             time.sleep(left)
     elapsed = time.monotonic() - start
     pipe.send(("beats", written / elapsed, len(members) / period, client.bytes / elapsed))
+
+
+def _beat_native(pipe, store: JobStore, n: int, index: int, seconds: float, endpoint: tuple[str, int]) -> None:
+    """This worker's share of 2N roles' native beats to the liveness endpoint, for ``seconds``."""
+    members = list(range(index, 2 * n, WORKERS))
+    beats = _native_beats(store, members, endpoint)
+    time.sleep(seconds)
+    sent = sum(b.beats for b in beats)
+    answered = sum(b.replies for b in beats)
+    for b in beats:
+        b.stop()
+    pipe.send(("native beats", sent / seconds, answered / seconds, len(members) / timing.HEARTBEAT_PERIOD.total_seconds()))
+
+
+def _listen_to_beats(server, n: int, seconds: float) -> dict:
+    """The coordinator's side of native beats: its endpoint's table read each SUPERVISE_POLL;
+    the endpoint's datagrams and this process's CPU (the endpoint's thread) per second."""
+    ids = list(range(2 * n))
+    poll = timing.SUPERVISE_POLL.total_seconds()
+    took = []
+    received = server.received
+    start = time.monotonic()
+    cpu = time.process_time()
+    while time.monotonic() - start < seconds:
+        t = time.perf_counter()
+        ages = server.ages(ids)
+        server.beats(ids)
+        took.append(time.perf_counter() - t)
+        time.sleep(max(0.0, poll - took[-1]))
+    elapsed = time.monotonic() - start
+    return {"endpoint_datagrams_per_s": (server.received - received) / elapsed,
+            "endpoint_rejected": server.rejected,
+            "endpoint_cpu_per_s": (time.process_time() - cpu) / elapsed,
+            "endpoint_scan_ms_median": statistics.median(took) * 1e3,
+            "endpoint_heard": sum(1 for a in ages if 0 <= a < 1.0)}
 
 
 def _scan_heartbeats(store: JobStore, n: int, seconds: float) -> dict:
@@ -181,8 +261,11 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
     for r in range(n):
         record.publish_standby(r, "shm", f"127.0.0.1:{20000 + r}")
     setup_s = time.perf_counter() - setup
-    with spawn(_worker, address, etcd_env, n, 0, name="sim-0") as w0, \
-            spawn(_worker, address, etcd_env, n, 1, name="sim-1") as w1:
+    server = store.liveness_server("127.0.0.1")  # the coordinator's liveness endpoint
+    server.set_generation(0)
+    endpoint = ("127.0.0.1", server.port)
+    with spawn(_worker, address, etcd_env, n, 0, endpoint, name="sim-0") as w0, \
+            spawn(_worker, address, etcd_env, n, 1, endpoint, name="sim-1") as w1:
         workers = [w0, w1]
         for w in workers:
             assert w.recv(300) == ("ready",)
@@ -199,21 +282,39 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
                     requests[method] = requests.get(method, 0) + count
             rows.append({"step": step, "commit_ms": (visible - last_ack) * 1e3, "requests": sum(g[3] for g in got),
                          "keys": sum(g[4] for g in got), "bytes": sum(g[5] for g in got), "by_method": requests,
-                         "largest_read_keys": max(g[7] for g in got)})
+                         "largest_read_keys": max(g[7] for g in got),
+                         "trainer_ms": statistics.median(g[8] for g in got) * 1e3})
             assert record.last() == step
         for w in workers:
             w.send("beats", HEARTBEAT_SECONDS)
         scan = _scan_heartbeats(store, n, HEARTBEAT_SECONDS)
         beats = [w.recv(600) for w in workers]
+        names = [keys.heartbeat(m) for m in range(2 * n)]
+        in_store = store.get_many(names)
+        for w in workers:
+            w.send("native beats", HEARTBEAT_SECONDS)
+        listened = _listen_to_beats(server, n, HEARTBEAT_SECONDS)
+        native = [w.recv(600) for w in workers]
+        # Answered beats leave the store alone: the heartbeat keys the store phase wrote, unchanged.
+        listened["native_store_writes"] = sum(a != b for a, b in zip(in_store, store.get_many(names)))
         for w in workers:
             w.send("exit")
+    server.stop()
     steady = rows[2:] if len(rows) > 4 else rows  # the first steps make the counters and connections
     latency = sorted(r["commit_ms"] for r in steady)
     return {
         "store": kind, "n": n, "roles": 2 * n, "steps": steps, "setup_s": setup_s,
         "commit_ms_median": statistics.median(latency),
         "commit_ms_p99": latency[min(len(latency) - 1, math.ceil(0.99 * len(latency)) - 1)],
+        # A trainer's own control-plane time per step (its generation checks and its read of the
+        # commit, median over trainers and steps), and with it the overhead on a 1 s step: that
+        # time plus any part of the commit's latency longer than a step (a commit not visible by
+        # the next commit makes the trainer wait there).
+        "trainer_ms_median": statistics.median(r["trainer_ms"] for r in steady),
+        "overhead_1s_pct": (statistics.median(r["trainer_ms"] for r in steady)
+                            + max(0.0, statistics.median(latency) - 1000.0)) / 10.0,
         "requests_per_step": statistics.median(r["requests"] for r in steady),
+        "requests_each_step": [r["requests"] for r in rows],
         "requests_per_rank_step": statistics.median(r["requests"] for r in steady) / n,
         "keys_per_step": statistics.median(r["keys"] for r in steady),
         "bytes_per_step": statistics.median(r["bytes"] for r in steady),
@@ -221,12 +322,37 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
         "by_method": steady[-1]["by_method"],
         "heartbeat_writes_per_s": sum(b[1] for b in beats), "heartbeat_writes_asked_per_s": sum(b[2] for b in beats),
         "heartbeat_bytes_per_s": sum(b[3] for b in beats), **scan,
+        "native_beats_per_s": sum(b[1] for b in native), "native_answers_per_s": sum(b[2] for b in native),
+        "native_asked_per_s": sum(b[3] for b in native), **listened,
     }
 
 
-def _member_beats(pipe, address: str, n: int, index: int, members: list[int], seconds: float) -> None:
-    """Beat for ``members`` at HEARTBEAT_PERIOD until told to stop some, then the rest."""
+def _member_beats(pipe, address: str, n: int, index: int, members: list[int], seconds: float,
+                  endpoint: tuple[str, int] | None) -> None:
+    """Beat for ``members`` at HEARTBEAT_PERIOD until told to stop some, then the rest: native
+    beats to the coordinator's liveness endpoint, or (``endpoint`` None) signed store writes."""
+    _raise_open_files()
     store = JobStore(_connect(address, {}), token=TOKEN)
+    if endpoint is not None:
+        beats = dict(zip(members, _native_beats(store, members, endpoint)))
+        pipe.send(("ready",))
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for b in beats.values():
+                b.touch()  # a role's watch: the interpreter lives
+            while pipe.poll():
+                command = pipe.recv()
+                if command[0] == "silence":
+                    for m in command[1]:
+                        if m in beats:
+                            beats.pop(m).stop()
+                elif command[0] == "exit":
+                    for b in beats.values():
+                        b.stop()
+                    return
+            time.sleep(timing.HEARTBEAT_PERIOD.total_seconds())
+        pipe.send(("late",))
+        return
     period = timing.HEARTBEAT_PERIOD.total_seconds()
     silent: set[int] = set()
     beat = 0
@@ -250,17 +376,19 @@ def _member_beats(pipe, address: str, n: int, index: int, members: list[int], se
     pipe.send(("late",))
 
 
-def run_coordinator(n: int, seconds: float = 8.0) -> dict:
-    """The real coordinator with 2N members (N >= 12): joins, polls under beats, a kill, a
-    freeze and a lost host."""
+def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint") -> dict:
+    """The real coordinator with 2N members (N >= 12): joins, polls under beats (``endpoint``:
+    native beats to its liveness endpoint; ``store``: signed store writes), a kill, a freeze
+    and a lost host."""
     if n < 12:
         raise ValueError(f"the coordinator run needs N >= 12 (its faults hit ranks 2 .. 11), got {n}")
     from replica.roles.coordinator import Coordinator
     from replica.roles.join import JoinRequest, post_request
 
     deadlines = Deadlines()
-    coord = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines)
+    coord = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint")
     store = JobStore(dist.TCPStore("127.0.0.1", coord.port, is_master=False, timeout=T), token=TOKEN)
+    endpoint = None if coord.liveness is None else ("127.0.0.1", coord.liveness.port)
     # The members' join numbers come first, so that they beat from the moment they are admitted.
     first = store.count(keys.join_seq()) + 1
     order = [(role, rank) for role in ("standby", "trainer") for rank in range(n)]  # standbys are up first
@@ -268,8 +396,8 @@ def run_coordinator(n: int, seconds: float = 8.0) -> dict:
     ids = sorted(members.values())
     address = f"127.0.0.1:{coord.port}"
     total = seconds + 30 + 4 * deadlines.trainer.total_seconds()
-    with spawn(_member_beats, address, n, 0, ids[0::2], total, name="beats-0") as b0, \
-            spawn(_member_beats, address, n, 1, ids[1::2], total, name="beats-1") as b1:
+    with spawn(_member_beats, address, n, 0, ids[0::2], total, endpoint, name="beats-0") as b0, \
+            spawn(_member_beats, address, n, 1, ids[1::2], total, endpoint, name="beats-1") as b1:
         beaters = [b0, b1]
         for b in beaters:
             assert b.recv(300) == ("ready",)
@@ -320,7 +448,8 @@ def run_coordinator(n: int, seconds: float = 8.0) -> dict:
         found[what] = (min(times) - at) * 1e3 if times else None
     others = [d for _, d in decisions if d.dead is not None and all(d.dead.id not in g for g in faults.values())]
     failed = [d.reason for _, d in decisions if d.kind == "failed"]
-    return {"n": n, "roles": 2 * n, "join_s": join_s, "coordinator_cpu_per_s": steady_cpu,
+    coord.close()
+    return {"n": n, "roles": 2 * n, "beats": beats, "join_s": join_s, "coordinator_cpu_per_s": steady_cpu,
             "poll_ms_median": statistics.median(steady_poll) * 1e3,
             "poll_ms_p99": steady_poll[min(len(steady_poll) - 1, math.ceil(0.99 * len(steady_poll)) - 1)] * 1e3,
             "false_deaths": false_deaths + len(others), "job_failed": failed, "detect_kill_ms": found["kill"],
@@ -347,28 +476,39 @@ def _report(results: list[dict], out: Path, coordinators: list[dict] = ()) -> No
                                                         "coordinator": list(coordinators)}, indent=1))
     lines = ["### Control plane at scale, simulated ranks on this machine (`make bench-scale`)\n",
              "| store | N ranks | commit after the last ack, median / p99 | store requests per step (per rank) | "
-             "bytes per step | largest read (keys) | heartbeat writes/s done / asked | coordinator's scan of every "
-             "heartbeat (CPU per s) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "bytes per step | largest read (keys) | beats to the store: writes/s done / asked | the coordinator's "
+             "scan of them (its CPU per s) | beats to the liveness endpoint: taken/s / asked, store writes | "
+             "the endpoint's CPU per s, scan of its table |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['store']} | {r['n']} | {r['commit_ms_median']:.1f} / {r['commit_ms_p99']:.1f} ms | "
                      f"{r['requests_per_step']:.0f} ({r['requests_per_rank_step']:.2f}) | "
                      f"{r['bytes_per_step'] / 1e3:.0f} kB | {r['largest_read_keys']} | "
                      f"{r['heartbeat_writes_per_s']:.0f} / {r['heartbeat_writes_asked_per_s']:.0f} | "
-                     f"{r['scan_ms_median']:.1f} ms ({r['scan_cpu_per_s']:.2f} s) |")
+                     f"{r['scan_ms_median']:.1f} ms ({r['scan_cpu_per_s']:.2f} s) | "
+                     f"{r['endpoint_datagrams_per_s']:.0f} / {r['native_asked_per_s']:.0f}, "
+                     f"{r['native_store_writes']} | {r['endpoint_cpu_per_s']:.2f} s, "
+                     f"{r['endpoint_scan_ms_median']:.2f} ms |")
+    for kind in sorted({r["store"] for r in results}):
+        mine = sorted((r for r in results if r["store"] == kind), key=lambda r: r["n"])
+        fits = [r["n"] for r in mine if r["overhead_1s_pct"] < 1.0]
+        lines.append(f"\n{kind}: a trainer's control-plane time per step "
+                     + ", ".join(f"{r['trainer_ms_median']:.2f} ms at N = {r['n']} ({r['overhead_1s_pct']:.2f}% of a "
+                                 f"1 s step)" for r in mine)
+                     + f"; the largest N run under 1%: {max(fits) if fits else 'none'}.")
     for kind, fit in summary.items():
         if fit["requests_exponent"] is not None:
             lines.append(f"\n{kind}: per-step work grows as N^{fit['requests_exponent']:.2f} (requests) and "
                          f"N^{fit['bytes_exponent']:.2f} (bytes).")
     if coordinators:
-        lines += ["", "| the real coordinator, N ranks (2N members, TCPStore) | join of every member | its CPU per s | "
-                      "a poll, median / p99 | false deaths | kill detected | freeze detected | 8 standbys of a host lost "
-                      "| the job failed |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| the real coordinator, N ranks (2N members, TCPStore) | beats to | join of every member | its "
+                      "CPU per s | a poll, median / p99 | false deaths | kill detected | freeze detected | 8 standbys "
+                      "of a host lost | the job failed |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for c in coordinators:
             def ms(v):
                 return "never" if v is None else f"{v:.0f} ms"
-            lines.append(f"| {c['n']} | {c['join_s']:.1f} s | {c['coordinator_cpu_per_s']:.2f} s | "
+            lines.append(f"| {c['n']} | {c.get('beats', 'store')} | {c['join_s']:.1f} s | {c['coordinator_cpu_per_s']:.2f} s | "
                          f"{c['poll_ms_median']:.1f} / {c['poll_ms_p99']:.1f} ms | {c['false_deaths']} | "
                          f"{ms(c['detect_kill_ms'])} | {ms(c['detect_freeze_ms'])} | {ms(c['detect_lost_host_ms'])} | "
                          f"{'no' if not c['job_failed'] else c['job_failed'][0]} |")
@@ -411,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--coordinator", default="",
                         help="N values (>= 12) to run the real coordinator at (default: --n); 0: none")
+    parser.add_argument("--beats", default="endpoint,store",
+                        help="how the coordinator runs' members beat: endpoint (native beats to its liveness "
+                             "endpoint) and/or store (signed writes, the scheme before it)")
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.n.split(",")]
     results = []
@@ -440,9 +583,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"control_scale: {json.dumps(results[-1])[:400]}", flush=True)
     coordinators = []
     for n in [int(x) for x in (args.coordinator or args.n).split(",") if x and int(x)]:
-        print(f"control_scale: the coordinator, N = {n} ...", flush=True)
-        coordinators.append(run_coordinator(n))
-        print(f"control_scale: {json.dumps(coordinators[-1])}", flush=True)
+        for beats in args.beats.split(","):
+            if beats not in ("endpoint", "store"):
+                parser.error(f"unknown --beats {beats!r}")
+            print(f"control_scale: the coordinator, N = {n}, beats to the {beats} ...", flush=True)
+            coordinators.append(run_coordinator(n, beats=beats))
+            print(f"control_scale: {json.dumps(coordinators[-1])}", flush=True)
     _report(results, args.out, coordinators)
     return 0
 

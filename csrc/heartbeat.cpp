@@ -335,7 +335,8 @@ class Heartbeat {
   // ``key`` is what the value is signed under (the job store's full key); ``store_key`` is where
   // it is written (the same, or with an etcd namespace before it).
   Heartbeat(std::unique_ptr<Sink> sink, std::string key, std::string store_key, std::string mac_key, int64_t member,
-            double period_s, double python_grace_s, double store_after_s)
+            double period_s, double python_grace_s, double store_after_s, const std::string& liveness_host = "",
+            int liveness_port = 0)
       : sink_(std::move(sink)),
         key_(std::move(key)),
         store_key_(std::move(store_key)),
@@ -348,6 +349,10 @@ class Heartbeat {
     TORCH_CHECK(mac_key_.size() == 32, "replica.Heartbeat: the key must be the job's 32-byte derived key");
     wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     TORCH_CHECK(wake_ >= 0, "replica.Heartbeat: eventfd: ", std::strerror(errno));
+    if (liveness_port != 0) {  // aimed from the first beat: the store sees none while it is answered
+      aimed_ = resolve(liveness_host, liveness_port);
+      aim_changed_ = true;
+    }
     thread_ = std::thread([this] { run(); });
   }
 
@@ -383,17 +388,7 @@ class Heartbeat {
   // only while no answer came for ``store_after`` (an endpoint out of reach: a firewall, a
   // coordinator that moved). Resolved here; the beat's thread changes over at its next beat.
   void aim(const std::string& host, int port) {
-    TORCH_CHECK(port > 0 && port < 65536, "replica.Heartbeat: port ", port, " is out of range");
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_DGRAM;
-    addrinfo* found = nullptr;
-    const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
-    TORCH_CHECK(rc == 0 && found != nullptr, "replica.Heartbeat: cannot resolve ", host, ": ", gai_strerror(rc));
-    Target target;
-    std::memcpy(&target.address, found->ai_addr, found->ai_addrlen);
-    target.length = found->ai_addrlen;
-    ::freeaddrinfo(found);
+    const Target target = resolve(host, port);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       aimed_ = target;
@@ -447,6 +442,21 @@ class Heartbeat {
     sockaddr_storage address{};
     socklen_t length = 0;
   };
+
+  static Target resolve(const std::string& host, int port) {
+    TORCH_CHECK(port > 0 && port < 65536, "replica.Heartbeat: port ", port, " is out of range");
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_DGRAM;
+    addrinfo* found = nullptr;
+    const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
+    TORCH_CHECK(rc == 0 && found != nullptr, "replica.Heartbeat: cannot resolve ", host, ": ", gai_strerror(rc));
+    Target target;
+    std::memcpy(&target.address, found->ai_addr, found->ai_addrlen);
+    target.length = found->ai_addrlen;
+    ::freeaddrinfo(found);
+    return target;
+  }
 
   static Clock::duration to_duration(double seconds, const char* name) {
     TORCH_CHECK(seconds > 0, "replica.Heartbeat: ", name, " must be > 0 s, got ", seconds);
@@ -610,28 +620,34 @@ void bind_heartbeat(py::module& m) {
   py::class_<Heartbeat>(m, "Heartbeat",
                         "A liveness beat written by a native thread (no GIL): see replica.jobstate.JobStore.heartbeat")
       .def(py::init([](std::string host, int port, std::string key, std::string mac_key, int64_t member,
-                       double period_s, double io_timeout_s, double python_grace_s, double store_after_s) {
+                       double period_s, double io_timeout_s, double python_grace_s, double store_after_s,
+                       std::string liveness_host, int liveness_port) {
              auto sink = std::make_unique<TcpStoreSink>(std::move(host), port, Heartbeat::io_timeout(io_timeout_s));
              std::string store_key = key;
              return std::make_unique<Heartbeat>(std::move(sink), std::move(key), std::move(store_key),
-                                                std::move(mac_key), member, period_s, python_grace_s, store_after_s);
+                                                std::move(mac_key), member, period_s, python_grace_s, store_after_s,
+                                                liveness_host, liveness_port);
            }),
            py::arg("host"), py::arg("port"), py::arg("key"), py::arg("mac_key"), py::arg("member"),
            py::arg("period_s"), py::arg("io_timeout_s"), py::arg("python_grace_s"), py::arg("store_after_s") = 1.0,
+           py::arg("liveness_host") = "", py::arg("liveness_port") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def_static(
           "on_etcd",
           [](std::vector<std::pair<std::string, int>> endpoints, std::string user, std::string password,
              std::string key, std::string store_key, std::string mac_key, int64_t member, double period_s,
-             double io_timeout_s, double python_grace_s, double store_after_s) {
+             double io_timeout_s, double python_grace_s, double store_after_s, std::string liveness_host,
+             int liveness_port) {
             auto sink = std::make_unique<EtcdSink>(std::move(endpoints), std::move(user), std::move(password),
                                                    Heartbeat::io_timeout(io_timeout_s));
             return std::make_unique<Heartbeat>(std::move(sink), std::move(key), std::move(store_key),
-                                               std::move(mac_key), member, period_s, python_grace_s, store_after_s);
+                                               std::move(mac_key), member, period_s, python_grace_s, store_after_s,
+                                               liveness_host, liveness_port);
           },
           py::arg("endpoints"), py::arg("user"), py::arg("password"), py::arg("key"), py::arg("store_key"),
           py::arg("mac_key"), py::arg("member"), py::arg("period_s"), py::arg("io_timeout_s"),
-          py::arg("python_grace_s"), py::arg("store_after_s") = 1.0, py::call_guard<py::gil_scoped_release>(),
+          py::arg("python_grace_s"), py::arg("store_after_s") = 1.0, py::arg("liveness_host") = "",
+          py::arg("liveness_port") = 0, py::call_guard<py::gil_scoped_release>(),
           "The beat written to an etcd cluster through its HTTP gateway (plain http)")
       .def("touch", &Heartbeat::touch)
       .def("stop", &Heartbeat::stop, py::call_guard<py::gil_scoped_release>())

@@ -20,8 +20,9 @@ count there too) has every other ack that reached ``t`` visible: it alone reads 
 rank's registration and ack (O(N)), and raises the commit to their minimum. Before, every acknowledger read them all (~3N
 signed keys each: 8.4 s of store work per step at 256 ranks). The counter is
 unsigned and only a hint: every ack it leads to is verified, a wrong count can only
-delay a commit, and a trainer that waits for one more than ``_RECHECK`` runs the
-check itself.
+delay a commit: a trainer that waits for one more than ``_RECHECK`` runs the check
+itself when the step's counter says every ack is in (the raiser died), and every
+``_RECHECK_FULL`` whatever it says.
 
 Two more keys carry what the coordinator decides from: ``lost/{rank}`` counts the
 times rank r's standby saw its trainer vanish (a transport-level sign of death), and
@@ -46,7 +47,8 @@ __all__ = ["CommitRecord", "EpochRecord", "hint_generation", "publish_generation
 #: The epoch of a library user's trainer that runs without a coordinator (no generation record).
 NO_EPOCH = Epoch(generation=0, member=-1)
 _MARKERS_KEPT = 64  # commit_reached markers kept behind the commit
-_RECHECK = timedelta(seconds=1)  # a commit waiter reads the commit itself at least this often
+_RECHECK = timedelta(seconds=1)  # a commit waiter reads the commit and the step's ack counter at least this often
+_RECHECK_FULL = timedelta(seconds=10)  # and raises the commit itself this often, whatever the counter says
 
 
 # job -> where this process can learn the job's generation number without a store request
@@ -296,17 +298,27 @@ class CommitRecord:
     def wait(self, step: int, timeout: timedelta, *, abort: Callable[[], None] | None = None) -> int:
         """Block until the global commit is at least ``step``; ``abort()`` may raise to stop early.
         Waits on the calling thread's own store connection for the step's marker."""
-        raised = time.monotonic()
+        checked = raised = time.monotonic()
+        raised_at_count = -1
 
         def reached(_: JobStore) -> int | None:
-            nonlocal raised
+            nonlocal checked, raised, raised_at_count
             last = self.last()
-            if (last is None or last < step) and time.monotonic() - raised >= _RECHECK.total_seconds():
-                # A commit that late may never be raised by the step's last acknowledger (it
-                # died between its ack and the raise, or the unsigned counter was tampered
-                # with): raise it from here, once every _RECHECK (O(N) then, never on time).
-                raised = time.monotonic()
-                last = self.raise_commit()
+            now = time.monotonic()
+            if (last is None or last < step) and now - checked >= _RECHECK.total_seconds():
+                # A commit that late may never be raised by the step's last acknowledger: it died
+                # between its ack and the raise (the step's counter says every ack is in, and it
+                # moved since this waiter last raised), or the unsigned counter was tampered with
+                # or missed an add (every _RECHECK_FULL, whatever it says). Then raise it from
+                # here: O(N), so not while acks are still coming, nor again while the counter
+                # stands still (a rank whose ack does not count yet: its new standby is on its way).
+                # N waiters each reading every ack each second was O(N^2) a second.
+                checked = now
+                count = self.store.count(keys.ack_count(step))
+                if count >= self.world_size and count != raised_at_count or \
+                        now - raised >= _RECHECK_FULL.total_seconds():
+                    raised, raised_at_count = now, count
+                    last = self.raise_commit()
             return last if last is not None and last >= step else None
 
         try:

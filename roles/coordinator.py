@@ -188,10 +188,10 @@ class Coordinator:
         """What the liveness endpoint heard (None: the beats went to the store only)."""
         if self.liveness is None:
             return None
-        ids = [m.id for m in self.members]
+        survivors = [m.id for m in self.members if m.state != MemberState.DEAD]  # alive, or done at the end
         return {"endpoint": f"{self._liveness_host}:{self.liveness.port}", "datagrams": self.liveness.received,
-                "rejected": self.liveness.rejected, "members": len(ids),
-                "members_heard": sum(1 for age in self.liveness.ages(ids) if age >= 0)}
+                "rejected": self.liveness.rejected, "members": len(survivors),
+                "members_heard": sum(1 for age in self.liveness.ages(survivors) if age >= 0)}
 
     def close(self) -> None:
         """Stop the liveness endpoint (the hosted store goes with the process)."""

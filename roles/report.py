@@ -63,7 +63,8 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         "members": coord.membership(),
         "last_commit": coord.record.last(),
         # The coordinator's liveness endpoint: the beats (UDP datagrams) it took, the forged or
-        # malformed ones it dropped, and how many members it heard (the others beat to the store).
+        # malformed ones it dropped, and how many of the members not declared dead it heard (the others
+        # beat to the store).
         "liveness": coord.liveness_report(),
         "takeover": coord.takeover,  # this coordinator took over from a dead one (None: it ran the whole job)
     }

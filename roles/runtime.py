@@ -40,6 +40,14 @@ _DIVERGED_EXIT = 77  # the exit code of a role that found its redo diverged, und
 _LOSSES_KEPT = 64  # steps whose loss a role remembers, to check their redo against
 
 
+def _endpoint(address: str) -> tuple[str, int]:
+    """``host:port`` (as the coordinator publishes its liveness endpoint) split; ValueError if it is not."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"not a host:port: {address!r}")
+    return host, int(port)
+
+
 class Job:
     def __init__(self, env: RoleEnv):
         self.env = env
@@ -498,16 +506,22 @@ class Job:
         frozen, partitioned), gets a survivor out of a collective with a dead peer,
         and ends the role when the store stays unreachable (the coordinator is gone).
         An error is logged and the watch goes on (reconnecting)."""
+        try:  # aimed from the first beat where the coordinator has an endpoint
+            published = self.store.own().get(keys.liveness())
+            aimed, endpoint = (published.value, _endpoint(published.value)) if published is not None else (None, None)
+        except Exception as exc:  # noqa: BLE001 - the store path beats meanwhile; the loop looks again
+            logger.warning("[%s rank %d] no liveness endpoint yet (%s)", self.role, self.rank, exc)
+            aimed, endpoint = None, None
         beat = self.store.heartbeat(self.member, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
-                                    python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER)
+                                    python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER,
+                                    liveness=endpoint)
         self._beat = beat
         hint_generation(self.store, self._fresh_generation)
         store: JobStore | None = None
         failures = 0
         failing_since = 0.0
         beats_failing = False
-        aimed: str | None = None  # the liveness endpoint's address the beat goes to
-        aimed_at = -float("inf")
+        aimed_at = time.monotonic() if endpoint is not None else -float("inf")  # aimed: the address the beat goes to
         try:
             while not self._stop.is_set():
                 beat.touch()
@@ -550,9 +564,8 @@ class Job:
         published = store.get(keys.liveness())
         if published is None or published.value == aimed:
             return aimed
-        host, _, port = published.value.rpartition(":")
         try:
-            beat.aim(host, int(port))
+            beat.aim(*_endpoint(published.value))
         except (RuntimeError, ValueError) as exc:  # unresolvable here: the store path goes on
             logger.warning("[%s rank %d] cannot beat to the liveness endpoint %s (%s); beating to the job store",
                            self.role, self.rank, published.value, exc)

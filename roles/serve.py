@@ -33,7 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rollouts", type=non_negative_int, default=0, help="rollout engines that will join")
     p.add_argument("--steps", type=positive_int, required=True, help="the job's steps (for progress and the report)")
     p.add_argument("--host", default="127.0.0.1",
-                   help="where the job store listens (default loopback; a multi-node job binds a routable address)")
+                   help="where the job store (TCP, --port) and the roles' liveness endpoint (UDP, a free port) "
+                        "listen; with --store etcd://... the liveness endpoint only (default loopback: a multi-node "
+                        "job binds a routable address, else roles on other hosts beat to the store)")
     p.add_argument("--port", type=port, default=29400)
     p.add_argument("--store", default="",
                    help="keep the job's state in etcd instead of hosting a store: etcd://H1:2379,H2:2379,H3:2379/JOB "

@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from replica.commit import CommitRecord
+from replica.errors import CommitTimeoutError
 from replica.jobstate import Epoch, Generation, JobStore, keys
 from replica.testing import CountingStore
 
@@ -85,3 +86,43 @@ def test_the_commit_is_the_minimum_of_the_acks_that_count(server):
             assert got == want or (want is None and got is not None and got < step), (step, r, got, want, counted)
         if len(counted) == n:  # (not in the step a new generation began: the others acked it in the old one)
             assert observer.last() == step
+
+
+def test_a_waiter_raises_a_commit_its_raiser_never_did_and_only_then(server, monkeypatch):
+    """The last acknowledger dies between its ack and the raise (the fault: its raise is
+    skipped): a trainer waiting for the step raises the commit itself within _RECHECK
+    of seeing the counter complete, and does not read every ack while acks are still
+    coming. With the counter tampered with (lowered), its full check every
+    _RECHECK_FULL still raises it."""
+    import replica.commit as commit
+
+    monkeypatch.setattr(commit, "_RECHECK", timedelta(milliseconds=200))
+    monkeypatch.setattr(commit, "_RECHECK_FULL", timedelta(seconds=2))
+    n = 4
+    jobs = JobStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T), token=TOKEN)
+    jobs.put(keys.generation(), Generation(number=0, trainers=tuple(range(1, n + 1))))
+    records = [CommitRecord(jobs, world_size=n) for _ in range(n)]
+    holders = [rec.publish_standby(r, "shm", f"127.0.0.1:{1000 + r}").nonce for r, rec in enumerate(records)]
+    epochs = [records[0].current_epoch(r) for r in range(n)]
+    for r in range(n - 1):
+        records[r].acknowledge(r, 1, epochs[r], holders[r])
+    client = CountingStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T))
+    waiter = CommitRecord(JobStore(client, token=TOKEN), world_size=n)
+    with pytest.raises(CommitTimeoutError):  # one ack missing: no commit, and no full read
+        waiter.wait(1, timedelta(milliseconds=900))
+    assert not any(method == "multi_get" for method, _ in client.calls), client.calls
+    raised = []
+    monkeypatch.setattr(CommitRecord, "raise_commit",
+                        lambda self, target=None: raised.append(target) or self.last_seen())
+    records[n - 1].acknowledge(n - 1, 1, epochs[n - 1], holders[n - 1])  # the last ack; its raise never happens
+    monkeypatch.undo()
+    monkeypatch.setattr(commit, "_RECHECK", timedelta(milliseconds=200))
+    monkeypatch.setattr(commit, "_RECHECK_FULL", timedelta(seconds=2))
+    assert raised == [1] and waiter.last() is None  # the fault fired: the raiser "died"
+    assert waiter.wait(1, timedelta(seconds=5)) == 1  # raised by the waiter
+    # Step 2: every ack in, the raiser dead again, and the counter lowered by someone without the token.
+    for r in range(n):
+        records[r].store.put(keys.ack(r, holders[r]), records[r].store.get(keys.ack(r, holders[r])).__class__(
+            rank=r, step=2, generation=epochs[r].generation, member=epochs[r].member, holder=holders[r]))
+    jobs.count(keys.ack_count(2), 1)  # far below n: the counter says acks are still coming
+    assert waiter.wait(2, timedelta(seconds=10)) == 2  # the full check every _RECHECK_FULL raised it

@@ -187,8 +187,11 @@ class Job:
         if etcd is not None:
             coordinators.append(("coordinator-b", cluster.hosts[5], folder / "run-b.json"))
         for name, host, report in coordinators:
+            # On etcd, each coordinator's --host is where its liveness endpoint listens (a takeover moves it).
+            listen = ["--host", host.address] if etcd is not None else []
             self._start(name, host, ["-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps",
-                                     str(steps), "--rollouts", str(rollouts), *where, "--timeout", "300", "--report",
+                                     str(steps), "--rollouts", str(rollouts), *where, *listen, "--timeout", "300",
+                                     "--report",
                                      str(report), *(["--agents", "5"] if agents else [])],
                         dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
             if etcd is not None:
@@ -432,6 +435,10 @@ def test_the_active_coordinators_host_lost_with_etcd_another_takes_over(cluster,
     print(f"took over {took:.2f} s after host 0 was lost, at {takeover}; {len(gap)} steps ended meanwhile")
     assert 0 < took < 5 * 5.0, takeover  # the target is 5 s
     assert result["regroups"] == []  # no step was redone for the coordinator's loss
+    # Every role still running found the new coordinator's liveness endpoint (on host 5) and beat to it.
+    liveness = result["liveness"]
+    assert liveness["endpoint"].startswith(cluster.hosts[5].address + ":"), liveness
+    assert liveness["members_heard"] == liveness["members"] and liveness["rejected"] == 0, liveness
     (failover,) = result["failovers"]
     assert failover["rank"] == 1 and failover["generation"] == takeover["generation"] + 1, failover
     assert compare_reports(reference, result) == []

@@ -199,3 +199,15 @@ def test_the_coordinator_times_beats_it_hears_and_reads_the_store_only_for_the_u
             stored.stop()
     finally:
         coord.close()
+
+
+def test_a_beat_aimed_from_the_start_never_writes_the_store(store):
+    server = store.liveness_server("127.0.0.1")
+    beat = store.heartbeat(12, period=PERIOD, io_timeout=IO, python_grace=GRACE, store_after=STORE_AFTER,
+                           liveness=("127.0.0.1", server.port))
+    try:
+        wait_for(lambda: server.beats([12])[0] >= 10 and beat.replies >= 10, "ten answered beats")
+        assert store.get(keys.heartbeat(12)) is None
+    finally:
+        beat.stop()
+        server.stop()
