@@ -478,19 +478,37 @@ def table(result: dict) -> list[str]:
     return lines
 
 
+def _scale_results(path: Path | None) -> dict:
+    path = path or Path(__file__).resolve().parent / "results" / "control_scale.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def measured_detection(ranks: int, path: Path | None = None) -> tuple[float, int] | None:
     """The detection time of a lost host (seconds) the control-plane simulator measured with
     the real coordinator at the N nearest ``ranks`` (``make bench-scale``:
-    bench/results/control_scale.json), and that N; None before it ran."""
-    path = path or Path(__file__).resolve().parent / "results" / "control_scale.json"
-    try:
-        runs = [c for c in json.loads(path.read_text()).get("coordinator", []) if c.get("detect_lost_host_ms")]
-    except (OSError, ValueError):
-        return None
+    bench/results/control_scale.json), and that N; None before it ran. The runs whose members
+    beat to the liveness endpoint (the default) where there are any."""
+    runs = [c for c in _scale_results(path).get("coordinator", []) if c.get("detect_lost_host_ms")]
+    runs = [c for c in runs if c.get("beats") == "endpoint"] or runs
     if not runs:
         return None
     nearest = min(runs, key=lambda c: abs(c["n"] - ranks))
     return nearest["detect_lost_host_ms"] / 1e3, nearest["n"]
+
+
+def measured_control(ranks: int, step_s: float, path: Path | None = None) -> tuple[float, int] | None:
+    """A trainer's control-plane time per step (seconds) at the N nearest ``ranks`` the simulator
+    ran on the TCPStore: its own requests, plus any part of the commit's latency longer than
+    ``step_s`` (it waits for that at its next commit); and that N. None before it ran."""
+    runs = [r for r in _scale_results(path).get("runs", []) if r.get("store") == "tcp" and "trainer_ms_median" in r]
+    if not runs:
+        return None
+    nearest = min(runs, key=lambda r: abs(r["n"] - ranks))
+    late = max(0.0, nearest["commit_ms_median"] / 1e3 - step_s)
+    return nearest["trainer_ms_median"] / 1e3 + late, nearest["n"]
 
 
 def projection(result: dict) -> tuple[dict, list[str]]:
@@ -502,9 +520,13 @@ def projection(result: dict) -> tuple[dict, list[str]]:
     if timelines:  # promotion and reconnection as measured in this run's failovers (medians)
         measured = {"promote_s": statistics.median(t["promote"] for t in timelines) / 1e3,
                     "reconnect_s": statistics.median(t["resumed"] - t["promote"] for t in timelines) / 1e3}
-    scale = measured_detection(Projection().trainer_hosts * Projection().gpus_per_host)
+    ranks = Projection().trainer_hosts * Projection().gpus_per_host
+    scale = measured_detection(ranks)
     if scale is not None:
         measured["detect_s"] = scale[0]
+    control = measured_control(ranks, Projection().step_s)
+    if control is not None:
+        measured["control_s"] = control[0]
     model = replace(Projection(), wait_for_standby=not result["train_while_replacing"], **measured)
     mtbfs = [3600 * h for h in (4, 1, 0.5, 0.25)]
     rows = project(model, mtbfs)
@@ -518,6 +540,8 @@ def projection(result: dict) -> tuple[dict, list[str]]:
              f"step redone" + (f", a new standby's start ({model.standby_start_s:g} s, assumed) and resync at "
                               f"{model.link_gb_s:g} GB/s" if model.wait_for_standby else
                               " (training goes on while the new standby starts)")
+             + (f"; the control plane's time on a trainer's step {model.control_s * 1e3:.2f} ms (the simulator's, "
+                f"{control[1]} ranks on a TCPStore)" if control is not None else "")
              + f"; checkpoint-restart: saves and loads at {model.storage_gb_s:g} GB/s "
              f"aggregate, a restart of {model.restart_fixed_s:g} s plus the load (assumed), at its best interval.\n",
              "| job MTBF | MTBF (steps) | replica | checkpoint-restart (K) |", "|---|---|---|---|"]

@@ -147,6 +147,7 @@ class Projection:
     reconnect_s: float = 10.0  # measured: gloo's collective timeout after a lost host; NCCL's rebuild at scale assumed alike
     standby_start_s: float = 30.0  # a new standby's process and model on a rollout host
     wait_for_standby: bool = False  # commits wait for the new standby (replica's default; the bench trains on)
+    control_s: float = 0.0  # a trainer's control-plane time per step (measured: make bench-scale), every step
 
     @property
     def state_gb(self) -> float:
@@ -161,7 +162,7 @@ class Projection:
         lost = self.detect_s + self.promote_s + self.reconnect_s + self.step_s / 2
         if self.wait_for_standby:
             lost += self.standby_start_s + self.per_host_gb() / self.link_gb_s
-        return max(0.0, 1 - lost / mtbf_s)
+        return max(0.0, 1 - lost / mtbf_s) * self.step_s / (self.step_s + self.control_s)
 
     def restart_s(self) -> float:
         return self.restart_fixed_s + self.state_gb / self.storage_gb_s

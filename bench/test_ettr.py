@@ -98,3 +98,22 @@ def test_the_projection_takes_the_detection_measured_at_scale(tmp_path):
                                                 {"n": 256, "detect_lost_host_ms": None}]}))
     assert measured_detection(256, path) == (2.7, 64)  # 256's own found nothing: the nearest that did
     assert measured_detection(900, path) == (3.7, 1024)
+
+
+def test_the_projection_takes_the_control_planes_time_per_step_measured_at_scale(tmp_path):
+    """A trainer's control-plane time per step at the nearest simulated N (TCPStore), with any
+    commit latency beyond a step, lowers the projected ETTR by its share of the step."""
+    import json
+
+    from ettr import measured_control
+
+    path = tmp_path / "control_scale.json"
+    assert measured_control(256, 120.0, path) is None  # not run
+    path.write_text(json.dumps({"runs": [
+        {"store": "tcp", "n": 256, "trainer_ms_median": 2.0, "commit_ms_median": 30.0},
+        {"store": "etcd", "n": 256, "trainer_ms_median": 50.0, "commit_ms_median": 900.0},
+        {"store": "tcp", "n": 1024, "trainer_ms_median": 4.0, "commit_ms_median": 1500.0}]}))
+    assert measured_control(300, 120.0, path) == (0.002, 256)
+    assert measured_control(1000, 1.0, path) == pytest.approx((0.004 + 0.5, 1024))  # the commit 0.5 s late
+    plain, loaded = Projection(), Projection(control_s=1.2)
+    assert loaded.replica_ettr(3600) == pytest.approx(plain.replica_ettr(3600) * 120 / 121.2)

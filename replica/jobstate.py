@@ -74,6 +74,14 @@ T = TypeVar("T")
 _MAC_HEX = 64
 _POLL_FIRST = 50e-6  # a poll's first pause (seconds), doubling up to _POLL_MOST
 _POLL_MOST = timedelta(milliseconds=2)
+_BLOCK_SLICE_S = 0.05  # a wait with abort() or a period blocks in the store this long at a time
+
+
+def _quietly_timed(raw: dist.Store) -> bool:
+    """Whether a wait on ``raw`` may time out every ``_BLOCK_SLICE_S`` without a trace: etcd's
+    (a poll of its own, every 20 ms at most), not a TCPStore's (each wait that times out logs
+    two warnings from torch's C++, which no Python call silences: its waiters check instead)."""
+    return isinstance(getattr(raw, "inner", raw), EtcdStore)
 # What JobStore.read expects and would write in its compare-and-set, never a value the
 # store holds (values are signed JSON): the answer when the key is absent.
 _ABSENT = b"\x00replica:absent\x00"
@@ -823,12 +831,12 @@ class JobStore:
         heartbeat behind a blocking wait was a false death).
 
         Without ``abort`` and ``every`` the wait blocks in the store until the wake
-        keys exist. ``abort()`` (called between checks; it raises to end the wait)
-        and ``every`` (evaluate ``ready`` at least this often: for what no key
-        announces) make it a poll of the wake keys' existence, one ``check`` at a
-        time, pausing up to ``poll`` in between. While the wake keys exist but
+        keys exist. With ``abort()`` (called between looks; it raises to end the wait)
+        or ``every`` (evaluate ``ready`` at least this often: for what no key
+        announces) it blocks in slices of at most 50 ms on etcd, and on a TCPStore
+        checks the wake keys' existence, pausing up to ``poll`` in between. While the wake keys exist but
         ``ready`` still says no (a key written ahead of its value, or forged), and
-        with no wake keys at all, ``ready`` itself is polled. StoreWaitTimeoutError
+        with no wake keys at all, ``ready`` itself is polled, pausing up to ``poll``. StoreWaitTimeoutError
         after ``timeout``; a store error (the store gone) is raised as it is.
 
         ``quiet()``: True while something other than the store vouches that nothing the
@@ -861,6 +869,15 @@ class JobStore:
             names = [self.full(k) for k in wake()]
             if blocking and names and not own.raw.check(names):
                 woken = own._block(names, timedelta(seconds=left))
+                delay = _POLL_FIRST
+                continue
+            if names and not woken and _quietly_timed(own.raw):
+                # The keys were absent at the last look: block on them in the store, a slice at a
+                # time (abort() and ready() between slices), not a check every few ms (N trainers
+                # each checking 500 times a second while they wait for a commit: 256 of them
+                # waiting on etcd put its commit a second behind the last ack).
+                due = left if period is None else evaluated + period.total_seconds() - time.monotonic()
+                woken = own._block(names, timedelta(seconds=max(0.001, min(left, _BLOCK_SLICE_S, due))))
                 delay = _POLL_FIRST
                 continue
             time.sleep(min(delay, left))
