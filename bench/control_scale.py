@@ -345,6 +345,7 @@ def _member_beats(pipe, address: str, n: int, index: int, members: list[int], se
                     for m in command[1]:
                         if m in beats:
                             beats.pop(m).stop()
+                    pipe.send(("silenced", time.monotonic()))
                 elif command[0] == "exit":
                     for b in beats.values():
                         b.stop()
@@ -363,6 +364,7 @@ def _member_beats(pipe, address: str, n: int, index: int, members: list[int], se
             command = pipe.recv()
             if command[0] == "silence":
                 silent.update(command[1])
+                pipe.send(("silenced", time.monotonic()))
             elif command[0] == "exit":
                 return
         beat += 1
@@ -439,16 +441,22 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint") -> di
             b.send("silence", [m for group in faults.values() for m in group])
         record.report_lost(2)
         loop(at + 2 * deadlines.trainer.total_seconds() + 1)
+        # The faults took effect when the beaters stopped the beats (a loaded beater takes a
+        # while to act on the order): detection runs from then.
+        silenced = [b.recv(60) for b in beaters]
+        assert all(m[0] == "silenced" for m in silenced), silenced
+        applied = max(m[1] for m in silenced)
         for b in beaters:
             b.send("exit")
     found = {}
     for what, group in faults.items():
         times = [t for t, d in decisions if d.dead is not None and d.dead.id in group]
-        found[what] = (min(times) - at) * 1e3 if times else None
+        found[what] = (min(times) - applied) * 1e3 if times else None
     others = [d for _, d in decisions if d.dead is not None and all(d.dead.id not in g for g in faults.values())]
     failed = [d.reason for _, d in decisions if d.kind == "failed"]
     coord.close()
     return {"n": n, "roles": 2 * n, "beats": beats, "join_s": join_s, "coordinator_cpu_per_s": steady_cpu,
+            "fault_lag_ms": (applied - at) * 1e3,
             "poll_ms_median": statistics.median(steady_poll) * 1e3,
             "poll_ms_p99": steady_poll[min(len(steady_poll) - 1, math.ceil(0.99 * len(steady_poll)) - 1)] * 1e3,
             "false_deaths": false_deaths + len(others), "job_failed": failed, "detect_kill_ms": found["kill"],

@@ -21,8 +21,8 @@ rank's registration and ack (O(N)), and raises the commit to their minimum. Befo
 signed keys each: 8.4 s of store work per step at 256 ranks). The counter is
 unsigned and only a hint: every ack it leads to is verified, a wrong count can only
 delay a commit: a trainer that waits for one more than ``_RECHECK`` runs the check
-itself when the step's counter says every ack is in (the raiser died), and every
-``_RECHECK_FULL`` whatever it says.
+itself when the step's counter said every ack is in at two looks a ``_RECHECK`` apart
+(the raiser died), and every ``_RECHECK_FULL`` whatever it says.
 
 Two more keys carry what the coordinator decides from: ``lost/{rank}`` counts the
 times rank r's standby saw its trainer vanish (a transport-level sign of death), and
@@ -299,23 +299,27 @@ class CommitRecord:
         """Block until the global commit is at least ``step``; ``abort()`` may raise to stop early.
         Waits on the calling thread's own store connection for the step's marker."""
         checked = raised = time.monotonic()
-        raised_at_count = -1
+        raised_at_count = looked_count = -1
 
         def reached(_: JobStore) -> int | None:
-            nonlocal checked, raised, raised_at_count
+            nonlocal checked, raised, raised_at_count, looked_count
             last = self.last()
             now = time.monotonic()
             if (last is None or last < step) and now - checked >= _RECHECK.total_seconds():
                 # A commit that late may never be raised by the step's last acknowledger: it died
-                # between its ack and the raise (the step's counter says every ack is in, and it
+                # between its ack and the raise (the step's counter says every ack is in, it said so
+                # at the look before too, a _RECHECK ago: no raise under way took that long, and it
                 # moved since this waiter last raised), or the unsigned counter was tampered with
                 # or missed an add (every _RECHECK_FULL, whatever it says). Then raise it from
-                # here: O(N), so not while acks are still coming, nor again while the counter
-                # stands still (a rank whose ack does not count yet: its new standby is on its way).
-                # N waiters each reading every ack each second was O(N^2) a second.
+                # here: O(N), so not while acks are still coming or a raise is under way, nor
+                # again while the counter stands still (a rank whose ack does not count yet: its
+                # new standby is on its way). N waiters each reading every ack each second was
+                # O(N^2) a second.
                 checked = now
                 count = self.store.count(keys.ack_count(step))
-                if count >= self.world_size and count != raised_at_count or \
+                stale = count == looked_count
+                looked_count = count
+                if count >= self.world_size and stale and count != raised_at_count or \
                         now - raised >= _RECHECK_FULL.total_seconds():
                     raised, raised_at_count = now, count
                     last = self.raise_commit()
