@@ -326,12 +326,12 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
     }
 
 
-def _member_beats(pipe, address: str, n: int, index: int, members: list[int], seconds: float,
-                  endpoint: tuple[str, int] | None) -> None:
+def _member_beats(pipe, address: str, environ: dict[str, str], n: int, index: int, members: list[int],
+                  seconds: float, endpoint: tuple[str, int] | None) -> None:
     """Beat for ``members`` at HEARTBEAT_PERIOD until told to stop some, then the rest: native
     beats to the coordinator's liveness endpoint, or (``endpoint`` None) signed store writes."""
     _raise_open_files()
-    store = JobStore(_connect(address, {}), token=TOKEN)
+    store = JobStore(_connect(address, environ), token=TOKEN)
     if endpoint is not None:
         beats = dict(zip(members, _native_beats(store, members, endpoint)))
         pipe.send(("ready",))
@@ -377,28 +377,38 @@ def _member_beats(pipe, address: str, n: int, index: int, members: list[int], se
     pipe.send(("late",))
 
 
-def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint") -> dict:
+def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
+                    etcd: tuple[str, dict[str, str]] | None = None) -> dict:
     """The real coordinator with 2N members (N >= 12): joins, polls under beats (``endpoint``:
     native beats to its liveness endpoint; ``store``: signed store writes), a kill, a freeze
-    and a lost host."""
+    and a lost host. ``etcd``: the job's state in etcd (its address, a fresh namespace, and the
+    environment with its credentials) instead of the coordinator's TCPStore."""
     if n < 12:
         raise ValueError(f"the coordinator run needs N >= 12 (its faults hit ranks 2 .. 11), got {n}")
     from replica.roles.coordinator import Coordinator
     from replica.roles.join import JoinRequest, post_request
 
     deadlines = Deadlines()
-    coord = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint")
-    store = JobStore(dist.TCPStore("127.0.0.1", coord.port, is_master=False, timeout=T), token=TOKEN)
+    if etcd is not None:
+        import os
+
+        os.environ.update(etcd[1])
+        coord = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint",
+                            store=StoreAddress.parse(etcd[0]))
+        address, environ = etcd
+    else:
+        coord = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint")
+        address, environ = f"127.0.0.1:{coord.port}", {}
+    store = JobStore(_connect(address, environ), token=TOKEN)
     endpoint = None if coord.liveness is None else ("127.0.0.1", coord.liveness.port)
     # The members' join numbers come first, so that they beat from the moment they are admitted.
     first = store.count(keys.join_seq()) + 1
     order = [(role, rank) for role in ("standby", "trainer") for rank in range(n)]  # standbys are up first
     members = {who: first + i for i, who in enumerate(order)}
     ids = sorted(members.values())
-    address = f"127.0.0.1:{coord.port}"
     total = seconds + 30 + 4 * deadlines.trainer.total_seconds()
-    with spawn(_member_beats, address, n, 0, ids[0::2], total, endpoint, name="beats-0") as b0, \
-            spawn(_member_beats, address, n, 1, ids[1::2], total, endpoint, name="beats-1") as b1:
+    with spawn(_member_beats, address, environ, n, 0, ids[0::2], total, endpoint, name="beats-0") as b0, \
+            spawn(_member_beats, address, environ, n, 1, ids[1::2], total, endpoint, name="beats-1") as b1:
         beaters = [b0, b1]
         for b in beaters:
             assert b.recv(300) == ("ready",)
@@ -455,7 +465,7 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint") -> di
     others = [d for _, d in decisions if d.dead is not None and all(d.dead.id not in g for g in faults.values())]
     failed = [d.reason for _, d in decisions if d.kind == "failed"]
     coord.close()
-    return {"n": n, "roles": 2 * n, "beats": beats, "join_s": join_s, "coordinator_cpu_per_s": steady_cpu,
+    return {"n": n, "store": "tcp" if etcd is None else "etcd", "roles": 2 * n, "beats": beats, "join_s": join_s, "coordinator_cpu_per_s": steady_cpu,
             "fault_lag_ms": (applied - at) * 1e3,
             "poll_ms_median": statistics.median(steady_poll) * 1e3,
             "poll_ms_p99": steady_poll[min(len(steady_poll) - 1, math.ceil(0.99 * len(steady_poll)) - 1)] * 1e3,
@@ -508,14 +518,14 @@ def _report(results: list[dict], out: Path, coordinators: list[dict] = ()) -> No
             lines.append(f"\n{kind}: per-step work grows as N^{fit['requests_exponent']:.2f} (requests) and "
                          f"N^{fit['bytes_exponent']:.2f} (bytes).")
     if coordinators:
-        lines += ["", "| the real coordinator, N ranks (2N members, TCPStore) | beats to | join of every member | its "
+        lines += ["", "| the real coordinator, N ranks (2N members) | store | beats to | join of every member | its "
                       "CPU per s | a poll, median / p99 | false deaths | kill detected | freeze detected | 8 standbys "
                       "of a host lost | the job failed |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in coordinators:
             def ms(v):
                 return "never" if v is None else f"{v:.0f} ms"
-            lines.append(f"| {c['n']} | {c.get('beats', 'store')} | {c['join_s']:.1f} s | {c['coordinator_cpu_per_s']:.2f} s | "
+            lines.append(f"| {c['n']} | {c.get('store', 'tcp')} | {c.get('beats', 'store')} | {c['join_s']:.1f} s | {c['coordinator_cpu_per_s']:.2f} s | "
                          f"{c['poll_ms_median']:.1f} / {c['poll_ms_p99']:.1f} ms | {c['false_deaths']} | "
                          f"{ms(c['detect_kill_ms'])} | {ms(c['detect_freeze_ms'])} | {ms(c['detect_lost_host_ms'])} | "
                          f"{'no' if not c['job_failed'] else c['job_failed'][0]} |")
@@ -558,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--coordinator", default="",
                         help="N values (>= 12) to run the real coordinator at (default: --n); 0: none")
+    parser.add_argument("--coordinator-stores", default="tcp",
+                        help="where the coordinator runs keep the job's state: tcp (its TCPStore) and/or etcd")
     parser.add_argument("--beats", default="endpoint,store",
                         help="how the coordinator runs' members beat: endpoint (native beats to its liveness "
                              "endpoint) and/or store (signed writes, the scheme before it)")
@@ -589,13 +601,27 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"unknown store {kind!r}")
             print(f"control_scale: {json.dumps(results[-1])[:400]}", flush=True)
     coordinators = []
-    for n in [int(x) for x in (args.coordinator or args.n).split(",") if x and int(x)]:
-        for beats in args.beats.split(","):
-            if beats not in ("endpoint", "store"):
-                parser.error(f"unknown --beats {beats!r}")
-            print(f"control_scale: the coordinator, N = {n}, beats to the {beats} ...", flush=True)
-            coordinators.append(run_coordinator(n, beats=beats))
-            print(f"control_scale: {json.dumps(coordinators[-1])}", flush=True)
+    sizes = [int(x) for x in (args.coordinator or args.n).split(",") if x and int(x)]
+    for kind in args.coordinator_stores.split(",") if sizes else []:
+        if kind not in ("tcp", "etcd"):
+            parser.error(f"unknown --coordinator-stores {kind!r}")
+        for n in sizes:
+            for beats in args.beats.split(","):
+                if beats not in ("endpoint", "store"):
+                    parser.error(f"unknown --beats {beats!r}")
+                print(f"control_scale: the coordinator on {kind}, N = {n}, beats to the {beats} ...", flush=True)
+                if kind == "tcp":
+                    coordinators.append(run_coordinator(n, beats=beats))
+                else:
+                    from replica import testetcd
+
+                    if not testetcd.available():
+                        print("control_scale: etcd is not installed; skipped", flush=True)
+                        continue
+                    with testetcd.EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=25300) as cluster:
+                        address = f"etcd://{cluster.endpoints}/{cluster.namespace.rstrip('/')}"
+                        coordinators.append(run_coordinator(n, beats=beats, etcd=(address, cluster.environ())))
+                print(f"control_scale: {json.dumps(coordinators[-1])}", flush=True)
     _report(results, args.out, coordinators)
     return 0
 
