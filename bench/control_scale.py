@@ -406,7 +406,7 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
     order = [(role, rank) for role in ("standby", "trainer") for rank in range(n)]  # standbys are up first
     members = {who: first + i for i, who in enumerate(order)}
     ids = sorted(members.values())
-    total = seconds + 30 + 4 * deadlines.trainer.total_seconds()
+    total = seconds + 180 + 4 * deadlines.trainer.total_seconds()  # the joins included (2,048 on etcd: ~1 min)
     with spawn(_member_beats, address, environ, n, 0, ids[0::2], total, endpoint, name="beats-0") as b0, \
             spawn(_member_beats, address, environ, n, 1, ids[1::2], total, endpoint, name="beats-1") as b1:
         beaters = [b0, b1]
