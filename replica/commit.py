@@ -269,6 +269,12 @@ class CommitRecord:
         reports = self.store.get(keys.lost(rank))
         return reports.count if reports is not None and reports.rank == rank else 0
 
+    def all_lost_reports(self) -> dict[int, int]:
+        """``lost_reports`` of every rank (one request per rank on a TCPStore, whose reads
+        cannot return absent keys together; a few on etcd)."""
+        reports = self.store.get_many([keys.lost(r) for r in range(self.world_size)])
+        return {r: report.count if report is not None and report.rank == r else 0 for r, report in enumerate(reports)}
+
     def set_unprotected(self, rank: int, unprotected: bool) -> None:
         if unprotected:
             self.store.put(keys.unprotected(rank), Flag())

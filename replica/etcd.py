@@ -404,6 +404,11 @@ class EtcdStore(dist.Store):
         kv = self._kv(key)
         return None if kv is None else _unb64(kv.get("value"))
 
+    def get_present(self, keys: list[str]) -> list[bytes | None]:
+        """Each key's value, None where it does not exist, in one transaction per
+        ``_MAX_TXN_OPS`` keys (``multi_get`` waits for absent keys, as a TCPStore's does)."""
+        return self._range_many(keys)
+
     def _range_many(self, keys: list[str]) -> list[bytes | None]:
         if len(keys) == 1:
             return [self._range(keys[0])]

@@ -780,10 +780,18 @@ class JobStore:
 
     def get_many(self, keys_: Sequence[Key[T]]) -> list[T | None]:
         full = [self.full(k) for k in keys_]
-        if not self.raw.check(full):
+        present = getattr(self.raw, "get_present", None)  # etcd: absent keys too, in one range each 128
+        if present is not None:
+            values = present(full)
+        elif not self.raw.check(full):
             return [self.get(k) for k in keys_]
+        else:
+            values = self.raw.multi_get(full)
         out: list[T | None] = []
-        for key, raw in zip(keys_, self.raw.multi_get(full)):
+        for key, raw in zip(keys_, values):
+            if raw is None:
+                out.append(None)
+                continue
             try:
                 out.append(self.verify(key, raw))
             except JobStateError as exc:

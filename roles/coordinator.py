@@ -285,7 +285,7 @@ class Coordinator:
             self._read_beats(now)
         self._refresh_done()
         if self._moved(keys.lost_count()):
-            self._lost = {r: self.record.lost_reports(r) for r in range(self.world_size)}
+            self._lost = self.record.all_lost_reports()
         self._regroup(now)
         for member in self.alive():
             if self._mark_done(member):
@@ -484,7 +484,7 @@ class Coordinator:
         live = {(m.role, m.rank) for m in self.alive()}
         finished = self.finished()
         if self._moved(keys.lost_count()):
-            self._lost = {r: self.record.lost_reports(r) for r in range(self.world_size)}
+            self._lost = self.record.all_lost_reports()
         for seq, raw in pending_requests(self.store, self._seen):
             if raw is None:  # numbered, not yet written
                 first = self._numbered_at.setdefault(seq, time.monotonic())

@@ -173,3 +173,32 @@ def test_gloo_rendezvous_over_the_store(store):
         t.join(60)
     assert not errors, errors
     assert out[0].item() == out[1].item() == 3.0
+
+
+def test_a_job_stores_read_of_many_keys_some_absent_is_exact_and_on_etcd_a_few_requests(store):
+    """JobStore.get_many with most keys absent (the coordinator's read of every rank's
+    transport reports): the values present, None for the others and for a forged one; on
+    etcd in one transaction per 128 keys, not a request per key."""
+    from replica.jobstate import JobStore, LostReports, keys
+    from replica.testing import CountingStore
+
+    jobs = JobStore(store, token=TOKEN)
+    names = [keys.lost(r) for r in range(300)]
+    for r in (3, 150, 299):
+        jobs.put(keys.lost(r), LostReports(rank=r, count=r + 1))
+    store.set(jobs.full(keys.lost(7)), b"forged")
+    got = jobs.get_many(names)
+    assert {r: v.count for r, v in enumerate(got) if v is not None} == {3: 4, 150: 151, 299: 300}
+    if isinstance(store, EtcdStore):
+        calls = []
+        original = store._client.call
+        store._client.call = lambda *a, **k: calls.append(a[0]) or original(*a, **k)
+        try:
+            jobs.get_many(names)
+        finally:
+            store._client.call = original
+        assert len(calls) == 3, calls  # 300 keys: three transactions of at most 128
+    else:
+        counting = CountingStore(store)
+        JobStore(counting, token=TOKEN).get_many(names)
+        assert counting.total >= len(names)  # a TCPStore cannot read absent keys together: one each
