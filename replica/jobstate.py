@@ -76,16 +76,18 @@ _POLL_FIRST = 50e-6  # a poll's first pause (seconds), doubling up to _POLL_MOST
 _POLL_MOST = timedelta(milliseconds=2)
 _BLOCK_SLICE_S = 0.05  # a wait with abort() or a period blocks in the store this long at a time
 
+# What JobStore.read expects and would write in its compare-and-set, never a value the
+# store holds (values are signed JSON): the answer when the key is absent.
+_ABSENT = b"\x00replica:absent\x00"
+
+_KEY_LABEL = b"replica job store v1"
+
 
 def _quietly_timed(raw: dist.Store) -> bool:
     """Whether a wait on ``raw`` may time out every ``_BLOCK_SLICE_S`` without a trace: etcd's
     (a poll of its own, every 20 ms at most), not a TCPStore's (each wait that times out logs
     two warnings from torch's C++, which no Python call silences: its waiters check instead)."""
     return isinstance(getattr(raw, "inner", raw), EtcdStore)
-# What JobStore.read expects and would write in its compare-and-set, never a value the
-# store holds (values are signed JSON): the answer when the key is absent.
-_ABSENT = b"\x00replica:absent\x00"
-_KEY_LABEL = b"replica job store v1"
 
 
 # --- values ---

@@ -183,17 +183,19 @@ class Coordinator:
         self._publish_members()
         self._publish_liveness()
 
+    def _liveness_address(self) -> str:
+        return f"{self._liveness_host}:{self.liveness.port}"
+
     def _publish_liveness(self) -> None:
         if self.liveness is not None:
-            host = self._liveness_host
-            self.store.put(keys.liveness(), Text(value=f"{host}:{self.liveness.port}"))
+            self.store.put(keys.liveness(), Text(value=self._liveness_address()))
 
     def liveness_report(self) -> dict | None:
         """What the liveness endpoint heard (None: the beats went to the store only)."""
         if self.liveness is None:
             return None
         survivors = [m.id for m in self.members if m.state != MemberState.DEAD]  # alive, or done at the end
-        return {"endpoint": f"{self._liveness_host}:{self.liveness.port}", "datagrams": self.liveness.received,
+        return {"endpoint": self._liveness_address(), "datagrams": self.liveness.received,
                 "rejected": self.liveness.rejected, "members": len(survivors),
                 "members_heard": sum(1 for age in self.liveness.ages(survivors) if age >= 0)}
 
