@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
+import threading
 import sys
 import time
 from datetime import timedelta
@@ -225,3 +226,95 @@ def test_a_launcher_keeps_its_job_in_etcd_and_never_shares_a_namespace(etcd, mon
         other.resign()
     with pytest.raises(ValueError, match="etcd://HOSTS/NAMESPACE"):
         open_job(store="tcp://127.0.0.1:1", **common)
+
+
+def _counted(store: EtcdStore) -> tuple[list[str], list[dict]]:
+    """The requests ``store`` sends (paths) and the watches it opens (their bodies)."""
+    calls: list[str] = []
+    opened: list[dict] = []
+    call, watch = store._client.call, store._client.watch
+    store._client.call = lambda path, body: (calls.append(path), call(path, body))[1]
+    store._client.watch = lambda body: (opened.append(body), watch(body))[1]
+    return calls, opened
+
+
+def test_a_wait_sleeps_on_a_watch_until_the_write(etcd):
+    store = EtcdStore(etcd.config(namespace=f"{etcd.namespace}watch/"))
+    writer = EtcdStore(store.config)
+    calls, opened = _counted(store)
+    timer = threading.Timer(2.5, lambda: writer.set("k", b"v"))
+    timer.start()
+    started = time.monotonic()
+    store.wait(["k"], timedelta(seconds=30))
+    took = time.monotonic() - started
+    timer.join()
+    assert store.get("k") == b"v" and 2.4 < took < 5 * 2.5, took
+    # One watch, the keys read at the start, once a second while it stayed quiet and after the
+    # write: a poll every 20 ms would have been ~125 reads. The stream is closed once they exist.
+    assert len(opened) == 1, opened
+    assert 2 <= len(calls) <= 6, calls
+    assert getattr(store._watching, "held", None) is None
+
+
+def test_waits_in_slices_keep_one_watch_and_read_nothing_while_it_is_quiet(etcd):
+    store = EtcdStore(etcd.config(namespace=f"{etcd.namespace}slices/"))
+    calls, opened = _counted(store)
+    for _ in range(8):
+        with pytest.raises(dist.DistStoreError, match="timed out"):
+            store.wait(["a", "c"], timedelta(milliseconds=50))
+    assert len(opened) == 1 and len(calls) <= 2, (opened, calls)
+    EtcdStore(store.config).set("b", b"between")  # in the watched range, not awaited: a read, no return
+    with pytest.raises(dist.DistStoreError, match="timed out"):
+        store.wait(["a", "c"], timedelta(milliseconds=300))
+    assert len(opened) == 1 and len(calls) <= 4, (opened, calls)
+    EtcdStore(store.config).multi_set(["a", "c"], [b"1", b"2"])
+    store.wait(["a", "c"], timedelta(seconds=10))
+    assert getattr(store._watching, "held", None) is None
+    store.wait(["x"], timedelta(seconds=10)) if store.check(["x"]) else None
+    with pytest.raises(dist.DistStoreError):  # another key set: another watch
+        store.wait(["x"], timedelta(milliseconds=50))
+    assert len(opened) == 2
+
+
+def test_a_wait_goes_on_when_the_member_it_watches_on_dies(etcd):
+    store = EtcdStore(etcd.config(namespace=f"{etcd.namespace}watchloss/"))
+    _, opened = _counted(store)
+    with pytest.raises(dist.DistStoreError):
+        store.wait(["k"], timedelta(milliseconds=100))
+    watched = store._watching.held[1].endpoint
+    (member,) = [m for m in etcd.members if m.endpoint == watched]
+    member.kill()
+    try:
+        def write_once_watched_again() -> None:
+            deadline = time.monotonic() + 30
+            while len(opened) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            EtcdStore(store.config).set("k", b"v")
+
+        writer = threading.Thread(target=write_once_watched_again)
+        writer.start()
+        store.wait(["k"], timedelta(seconds=30))
+        writer.join()
+        assert store.get("k") == b"v" and len(opened) == 2, opened  # a new watch on a member alive
+    finally:
+        etcd.start(member)
+        etcd.wait_member(member, timedelta(seconds=30))
+
+
+def test_many_keys_are_read_in_one_range_over_their_prefix(etcd):
+    store = EtcdStore(etcd.config(namespace=f"{etcd.namespace}scan/"))
+    names = [f"ack/{r}/x" for r in range(300)]
+    store.multi_set(names[::2], [str(i).encode() for i in range(150)])
+    store.set("ack_count/1", b"9")  # in the range of the prefix "ack": never mistaken for another key
+    store.set("zzz", b"z")
+    calls, _ = _counted(store)
+    values = store.get_present(names + ["ack_count/1"])
+    assert values[:300] == [str(i // 2).encode() if i % 2 == 0 else None for i in range(300)]
+    assert values[300] == b"9" and calls == ["/v3/kv/range"], calls
+    calls.clear()
+    assert store.get_present(names + ["zzz"]) == values[:300] + [b"z"]
+    assert calls == ["/v3/kv/txn"] * 3, calls  # no prefix beyond the namespace: transactions of 128
+    store.multi_set([f"ack/{r}/old" for r in range(2000)], [b"o"] * 2000)  # the prefix holds many more
+    calls.clear()
+    assert store.get_present(names[:20]) == values[:20]
+    assert calls[0] == "/v3/kv/range" and calls[1:] == ["/v3/kv/txn"], calls  # too wide: key by key

@@ -178,7 +178,7 @@ def test_gloo_rendezvous_over_the_store(store):
 def test_a_job_stores_read_of_many_keys_some_absent_is_exact_and_on_etcd_a_few_requests(store):
     """JobStore.get_many with most keys absent (the coordinator's read of every rank's
     transport reports): the values present, None for the others and for a forged one; on
-    etcd in one transaction per 128 keys, not a request per key."""
+    etcd in one range over the keys' prefix, not a request per key."""
     from replica.jobstate import JobStore, LostReports, keys
     from replica.testing import CountingStore
 
@@ -197,7 +197,7 @@ def test_a_job_stores_read_of_many_keys_some_absent_is_exact_and_on_etcd_a_few_r
             jobs.get_many(names)
         finally:
             store._client.call = original
-        assert len(calls) == 3, calls  # 300 keys: three transactions of at most 128
+        assert calls == ["/v3/kv/range"], calls  # 300 keys: one range over their prefix
     else:
         counting = CountingStore(store)
         JobStore(counting, token=TOKEN).get_many(names)
