@@ -570,6 +570,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="N values (>= 12) to run the real coordinator at (default: --n); 0: none")
     parser.add_argument("--coordinator-stores", default="tcp",
                         help="where the coordinator runs keep the job's state: tcp (its TCPStore) and/or etcd")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the runs already in --out's JSON that this one does not redo (same store and N; "
+                             "same N, store and beats for the coordinator's)")
     parser.add_argument("--beats", default="endpoint,store",
                         help="how the coordinator runs' members beat: endpoint (native beats to its liveness "
                              "endpoint) and/or store (signed writes, the scheme before it)")
@@ -622,8 +625,28 @@ def main(argv: list[str] | None = None) -> int:
                         address = f"etcd://{cluster.endpoints}/{cluster.namespace.rstrip('/')}"
                         coordinators.append(run_coordinator(n, beats=beats, etcd=(address, cluster.environ())))
                 print(f"control_scale: {json.dumps(coordinators[-1])}", flush=True)
+    if args.merge:
+        results, coordinators = _merged(args.out / "control_scale.json", results, coordinators)
     _report(results, args.out, coordinators)
     return 0
+
+
+def _merged(path: Path, results: list[dict], coordinators: list[dict]) -> tuple[list[dict], list[dict]]:
+    """This run's results over the ones in ``path`` (kept where this run did not redo them)."""
+    if not path.exists():
+        return results, coordinators
+    old = json.loads(path.read_text())
+
+    def run_key(r: dict) -> tuple:
+        return r["store"], r["n"]
+
+    def coordinator_key(c: dict) -> tuple:
+        return c.get("store", "tcp"), c["n"], c.get("beats", "store")
+
+    redone, redone_c = {run_key(r) for r in results}, {coordinator_key(c) for c in coordinators}
+    runs = [r for r in old.get("runs", []) if run_key(r) not in redone] + results
+    kept = [c for c in old.get("coordinator", []) if coordinator_key(c) not in redone_c] + coordinators
+    return sorted(runs, key=run_key), sorted(kept, key=coordinator_key)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ logger = logging.getLogger(__name__)
 _MAX_TXN_OPS = 128
 _SCAN_FROM = 16  # a read of this many keys or more ranges over the prefix they share (``_scan``)
 _SCAN_SLACK = 4  # while that prefix holds at most this many times as many keys
+_COUNTERS_KEPT = 4096  # counters whose last value ``add`` remembers (and prefixes whose size ``_scan`` does)
 _WATCH_TRUST_S = 1.0  # a wait on a watch reads its keys at least this often anyway
 _POLL_FIRST_S = 0.002
 _POLL_MOST_S = 0.02
@@ -281,6 +282,8 @@ class EtcdStore(dist.Store):
         self.config = config
         self._client = _Client(config)
         self._watching = threading.local()  # each thread's open watch (``wait``): its keys and stream
+        self._counters: dict[str, tuple[str, int]] = {}  # counter -> (mod revision, value) written last (``add``)
+        self._prefix_sizes: dict[bytes, int] = {}  # how many keys a prefix held at its last scan (``_scan``)
         self._ns = config.namespace.encode()
         self.set_timeout(config.timeout)
         self.fence = fence
@@ -339,17 +342,30 @@ class EtcdStore(dist.Store):
         return value
 
     def add(self, key: str, amount: int) -> int:
+        """One transaction on a guess of the counter's value (absent for a counter this
+        store has not seen: the commit's counters are new each step), which reads it back
+        when the guess was wrong; the next try goes on what it read. A read, then a
+        transaction, was two requests for every add, and a commit's chain has two adds."""
+        seen = self._counters.get(key)
         while True:
-            kv = self._kv(key)
-            if kv is None:
-                compare = self._absent(key)
-                now = amount
+            if seen is None:
+                compare, now = self._absent(key), amount
             else:
-                compare = {"key": self._key(key), "target": "MOD", "result": "EQUAL",
-                           "mod_revision": kv["mod_revision"]}
-                now = int(_unb64(kv.get("value")) or b"0") + amount
-            if self._txn([compare], [self._put(key, str(now).encode())]).get("succeeded"):
+                compare = {"key": self._key(key), "target": "MOD", "result": "EQUAL", "mod_revision": seen[0]}
+                now = seen[1] + amount
+            reply = self._txn([compare], [self._put(key, str(now).encode())],
+                              [{"request_range": {"key": self._key(key)}}])
+            if reply.get("succeeded"):
+                self._remember(key, (str(_revision(reply)), now))
                 return now
+            kvs = reply["responses"][0]["response_range"].get("kvs") or []
+            seen = (kvs[0]["mod_revision"], int(_unb64(kvs[0].get("value")) or b"0")) if kvs else None
+
+    def _remember(self, key: str, counter: tuple[str, int]) -> None:
+        """What this store last wrote to counter ``key`` (its mod revision and value)."""
+        if len(self._counters) >= _COUNTERS_KEPT:
+            self._counters.clear()
+        self._counters[key] = counter
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """``TCPStore.compare_set``: write ``desired`` if ``key`` holds ``expected`` (empty:
@@ -410,6 +426,9 @@ class EtcdStore(dist.Store):
                 self._unwatch()
                 held = None
             elif result.get("events"):
+                if len(names) == 1 and any(e.get("type", "PUT") == "PUT" for e in result["events"]):
+                    self._unwatch()  # the one key was written: no read to learn it exists
+                    return
                 held = (held[0], held[1], 0.0)  # a key of the range changed: read them now
 
     def _watch(self, names: tuple[str, ...], revision: int,
@@ -530,10 +549,13 @@ class EtcdStore(dist.Store):
         (``_SCAN_SLACK``): read them key by key."""
         names = [self._ns + _bytes(k) for k in keys]
         prefix = os.path.commonprefix(names)
-        if len(prefix) <= len(self._ns):
-            return None
+        if len(prefix) <= len(self._ns) or self._prefix_sizes.get(prefix, 0) > _SCAN_SLACK * len(keys):
+            return None  # (a prefix known to hold many more: a commit's group of 32 ranks among 1,024)
         reply = self._client.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
                                                    "limit": str(_SCAN_SLACK * len(keys))})
+        if len(self._prefix_sizes) >= _COUNTERS_KEPT:
+            self._prefix_sizes.clear()
+        self._prefix_sizes[prefix] = int(reply.get("count") or 0)  # every key in the range, beyond the limit too
         if reply.get("more"):
             return None
         held = {_unb64(kv["key"]): _unb64(kv.get("value")) for kv in reply.get("kvs") or []}

@@ -42,6 +42,7 @@ from replica.errors import JobStateError, StoreWaitTimeoutError
 
 __all__ = [
     "Ack",
+    "AckSummary",
     "AgentInfo",
     "AgentOrder",
     "Commit",
@@ -165,6 +166,17 @@ class Ack:
     @property
     def epoch(self) -> Epoch:
         return Epoch(generation=self.generation, member=self.member)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class AckSummary:
+    """The least step the acks that count of group ``group``'s ranks reached, read in
+    generation ``generation`` (-1: none published): what the commit's raise takes for
+    the group instead of reading its ranks' acks (``replica.commit``)."""
+
+    group: int
+    step: int
+    generation: int
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -472,10 +484,19 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return "lost_count"  # after lost/{rank}
 
     @staticmethod
-    def ack_count(step: int) -> str:
-        """A plain counter: how many acknowledgements of ``step`` were written (a hint, see
-        ``CommitRecord.acknowledge``; never trusted for the commit itself)."""
-        return f"ack_count/{step}"
+    def ack_count(step: int, group: int) -> str:
+        """A plain counter: how many acknowledgements of ``step`` by ranks of ``group`` were
+        written (a hint, see ``CommitRecord.acknowledge``; never trusted for the commit itself)."""
+        return f"ack_count/{step}/{group}"
+
+    @staticmethod
+    def summary_count(step: int) -> str:
+        """A plain counter: how many groups' summaries reached ``step`` (a hint likewise)."""
+        return f"summary_count/{step}"
+
+    @staticmethod
+    def ack_summary(group: int) -> Key[AckSummary]:
+        return Key(f"ack_summary/{group}", AckSummary)
 
     @staticmethod
     def ack(rank: int, holder: str) -> Key[Ack]:

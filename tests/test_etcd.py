@@ -318,3 +318,7 @@ def test_many_keys_are_read_in_one_range_over_their_prefix(etcd):
     calls.clear()
     assert store.get_present(names[:20]) == values[:20]
     assert calls[0] == "/v3/kv/range" and calls[1:] == ["/v3/kv/txn"], calls  # too wide: key by key
+    calls.clear()
+    assert store.get_present(names[20:40]) == values[20:40]
+    assert calls == ["/v3/kv/txn"], calls  # known too wide now: no range tried
+    assert store.get_present(names) == values[:300]  # wide for 300 keys too (2,450 in it)
