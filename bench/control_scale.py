@@ -579,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.n.split(",")]
     results = []
-    for kind in args.stores.split(","):
+    for kind in [k for k in args.stores.split(",") if k]:  # (--stores "": the coordinator's runs only)
         for n in sizes:
             print(f"control_scale: {kind} store, N = {n} ...", flush=True)
             if kind == "tcp":

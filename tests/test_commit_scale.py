@@ -112,13 +112,7 @@ def test_a_waiter_raises_a_commit_its_raiser_never_did_and_only_then(server, mon
     monkeypatch.setattr(commit, "_RECHECK_FULL", timedelta(seconds=2))
     n = 4
     last_raise = "_raise_to" if group >= n else "_raise_from_summaries"  # the last ack's raise
-    jobs = JobStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T), token=TOKEN)
-    jobs.put(keys.generation(), Generation(number=0, trainers=tuple(range(1, n + 1))))
-    records = [CommitRecord(jobs, world_size=n) for _ in range(n)]
-    holders = [rec.publish_standby(r, "shm", f"127.0.0.1:{1000 + r}").nonce for r, rec in enumerate(records)]
-    epochs = [records[0].current_epoch(r) for r in range(n)]
-    for r in range(n - 1):
-        records[r].acknowledge(r, 1, epochs[r], holders[r])
+    jobs, records, holders, epochs = _all_but_the_last_acked(server, n)
     client = CountingStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T))
     waiter = CommitRecord(JobStore(client, token=TOKEN), world_size=n)
     with pytest.raises(CommitTimeoutError):  # one ack missing: no commit, and no full read
@@ -147,13 +141,7 @@ def test_a_group_whose_summarizer_died_is_raised_by_the_next_ack_or_the_full_che
     monkeypatch.setattr(commit, "_RECHECK", timedelta(milliseconds=200))
     monkeypatch.setattr(commit, "_RECHECK_FULL", timedelta(seconds=2))
     n = 4
-    jobs = JobStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T), token=TOKEN)
-    jobs.put(keys.generation(), Generation(number=0, trainers=tuple(range(1, n + 1))))
-    records = [CommitRecord(jobs, world_size=n) for _ in range(n)]
-    holders = [rec.publish_standby(r, "shm", f"127.0.0.1:{1000 + r}").nonce for r, rec in enumerate(records)]
-    epochs = [records[0].current_epoch(r) for r in range(n)]
-    for r in range(n - 1):
-        records[r].acknowledge(r, 1, epochs[r], holders[r])
+    jobs, records, holders, epochs = _all_but_the_last_acked(server, n)
     summarized = []
     with monkeypatch.context() as fault:
         fault.setattr(CommitRecord, "_summarize", lambda self, g, t: summarized.append((g, t)) or self.last_seen())
@@ -173,3 +161,16 @@ def test_a_group_whose_summarizer_died_is_raised_by_the_next_ack_or_the_full_che
     waiter = CommitRecord(JobStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T),
                                    token=TOKEN), world_size=n)
     assert waiter.wait(2, timedelta(seconds=10)) == 2
+
+
+def _all_but_the_last_acked(server, n: int):
+    """A job of ``n`` ranks (one commit record each, as in its own process), every
+    standby registered and every rank but the last acknowledged step 1."""
+    jobs = JobStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T), token=TOKEN)
+    jobs.put(keys.generation(), Generation(number=0, trainers=tuple(range(1, n + 1))))
+    records = [CommitRecord(jobs, world_size=n) for _ in range(n)]
+    holders = [rec.publish_standby(r, "shm", f"127.0.0.1:{1000 + r}").nonce for r, rec in enumerate(records)]
+    epochs = [records[0].current_epoch(r) for r in range(n)]
+    for r in range(n - 1):
+        records[r].acknowledge(r, 1, epochs[r], holders[r])
+    return jobs, records, holders, epochs
