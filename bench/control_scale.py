@@ -469,7 +469,10 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
             "fault_lag_ms": (applied - at) * 1e3,
             "poll_ms_median": statistics.median(steady_poll) * 1e3,
             "poll_ms_p99": steady_poll[min(len(steady_poll) - 1, math.ceil(0.99 * len(steady_poll)) - 1)] * 1e3,
-            "false_deaths": false_deaths + len(others), "job_failed": failed, "detect_kill_ms": found["kill"],
+            "false_deaths": false_deaths + len(others), "job_failed": failed,
+            "false_death_reasons": [f"{d.dead.role} {d.dead.rank}: {d.reason}" for _, d in decisions[:false_deaths]
+                                    if d.dead is not None][:8] + [f"{d.dead.role} {d.dead.rank}: {d.reason}"
+                                                                  for d in others][:8], "detect_kill_ms": found["kill"],
             "detect_freeze_ms": found["freeze"], "detect_lost_host_ms": found["lost host"]}
 
 

@@ -133,10 +133,11 @@ class EpochRecord:
                 self._generation = current
             return self._generation
 
-    def current_epoch(self, rank: int) -> Epoch | None:
+    def current_epoch(self, rank: int, *, fresh: bool = False) -> Epoch | None:
         """The epoch rank ``rank``'s trainer must send with now; None when no
-        coordinator publishes epochs (every epoch is accepted then)."""
-        generation = self.generation()
+        coordinator publishes epochs (every epoch is accepted then). ``fresh``: read from
+        the store, never on the hint (``generation``)."""
+        generation = self.generation(fresh=fresh)
         return None if generation is None else generation.epoch(rank) or Epoch(generation=generation.number,
                                                                                  member=-2)
 
@@ -172,9 +173,9 @@ class CommitRecord:
         """The coordinator's current generation and trainers (``EpochRecord.generation``)."""
         return self.epochs.generation()
 
-    def current_epoch(self, rank: int) -> Epoch | None:
+    def current_epoch(self, rank: int, *, fresh: bool = False) -> Epoch | None:
         """The epoch rank ``rank``'s trainer must stream with now (``EpochRecord.current_epoch``)."""
-        return self.epochs.current_epoch(rank)
+        return self.epochs.current_epoch(rank, fresh=fresh)
 
     def acknowledge(self, rank: int, step: int, epoch: Epoch = NO_EPOCH, holder: str = "") -> int | None:
         """Record that rank ``rank``'s standby (registered with nonce ``holder``; "" for a

@@ -835,6 +835,12 @@ class JobStore:
         """The verified value under ``key``, or None (absent, or not trustworthy: logged)."""
         return self.read(key)[0]
 
+    @property
+    def reads_absent_together(self) -> bool:
+        """Whether ``get_many`` reads keys that may be absent in a few requests (etcd), not
+        one request each once any is absent (a TCPStore: its multi-get waits for every key)."""
+        return getattr(self.raw, "get_present", None) is not None
+
     def get_many(self, keys_: Sequence[Key[T]]) -> list[T | None]:
         full = [self.full(k) for k in keys_]
         present = getattr(self.raw, "get_present", None)  # etcd: absent keys too, in one range each 128

@@ -180,6 +180,10 @@ class MirrorStream:
         same trainer (a failover elsewhere: the step is redone, its stream is moot).
         Raises FencedError when the rank belongs to another process now."""
         current = self._record.current_epoch(self.rank)
+        if current is not None and current != epoch and epoch != NO_EPOCH:
+            # Never stop or skip on the liveness hint alone: a trainer promoted a moment ago streams in
+            # an epoch newer than the generation its answers may still vouch for.
+            current = self._record.current_epoch(self.rank, fresh=True)
         if current is None or current == epoch or epoch == NO_EPOCH:
             return False
         if current.member != epoch.member:

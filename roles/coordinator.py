@@ -465,8 +465,11 @@ class Coordinator:
                                               now - self._done_read_at > _DONE_RECHECK.total_seconds()):
             self._done_sweep = [r for r in range(self.world_size) if r not in self._done]
             self._done_read_at = now
-        batch, self._done_sweep = self._done_sweep[:_DONE_SWEEP], self._done_sweep[_DONE_SWEEP:]
-        self._done |= {r for r in batch if self.store.has(keys.done(r))}
+        # etcd reads absent keys together: the whole sweep in one range (32 requests a poll were 80 ms there).
+        size = len(self._done_sweep) if self.store.reads_absent_together else _DONE_SWEEP
+        batch, self._done_sweep = self._done_sweep[:size], self._done_sweep[size:]
+        flags = self.store.get_many([keys.done(r) for r in batch])
+        self._done |= {r for r, flag in zip(batch, flags) if flag is not None}
 
     def members_for_placement(self) -> list[tuple[str, int, str]]:
         """The live members as (role, rank, host): where agents place replacements (never beside a trainer)."""
@@ -671,8 +674,8 @@ class Coordinator:
         generation, exactly as after a failover but with nobody replaced."""
         if not self._moved(keys.regroup_count()) and self._regroup_asked_at is None:
             return  # no rank asked since the last look, and none is waiting
-        asked = [r for r in range(self.world_size)
-                 if (req := self.store.get(keys.regroup(r))) is not None and req.generation == self.generation]
+        requests = self.store.get_many([keys.regroup(r) for r in range(self.world_size)])
+        asked = [r for r, req in enumerate(requests) if req is not None and req.generation == self.generation]
         if not asked or self._failed is not None or self.record.last() is None:
             self._regroup_asked_at = None
             return

@@ -22,7 +22,7 @@ from replica.commit import EpochRecord, hint_generation
 from replica.data import Batches, prepare_extras
 from replica.divergence import Divergence, Measure, comparable
 from replica.errors import DivergenceError, FencedError, StoreWaitTimeoutError
-from replica.jobstate import Epoch, Flag, JobStore, Promotion, Regroup, Stamp, Text, keys
+from replica.jobstate import Epoch, Flag, Generation, JobStore, Promotion, Regroup, Stamp, Text, keys
 from replica.export import export_path, load_export, step_folder
 from replica.restore import materialize_optimizer_state, restore_snapshot
 from replica.roles import timing
@@ -288,10 +288,15 @@ class Job:
         return self._generation_number(store) > self.group.generation
 
     def _superseded(self, store: JobStore | None = None) -> bool:
-        """True when the coordinator gave this trainer's rank to another process."""
-        current = self._epochs.generation(store)
-        return (self.role == Role.TRAINER and current is not None and self.rank < len(current.trainers)
-                and current.trainers[self.rank] not in (-1, self.member))
+        """True when the coordinator gave this trainer's rank to another process. Never on a
+        hint alone (``hint_generation``): a standby promoted a moment ago still holds the
+        generation before its promotion, which the liveness answers may still vouch for (the
+        endpoint learns the new number after the store): what would stop it is read again."""
+        def given_away(current: Generation | None) -> bool:
+            return (self.role == Role.TRAINER and current is not None and self.rank < len(current.trainers)
+                    and current.trainers[self.rank] not in (-1, self.member))
+
+        return given_away(self._epochs.generation(store)) and given_away(self._epochs.generation(store, fresh=True))
 
     def _announced(self) -> tuple[int, int]:
         """The newer generation and the commit it resumes from. A step that failed
