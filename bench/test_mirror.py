@@ -225,8 +225,10 @@ def test_snapshot_pack_alone(benchmark):
     out = []
 
     def run() -> None:
-        out.append(subprocess.run([sys.executable, str(script), str(rounds)], capture_output=True, text=True,
-                                  timeout=300, check=True).stdout)
+        done = subprocess.run([sys.executable, str(script), str(rounds)], capture_output=True, text=True, timeout=300)
+        # A child that failed says why here (check=True threw its stderr away: one failure stayed unexplained).
+        assert done.returncode == 0, f"{script.name} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        out.append(done.stdout)
 
     benchmark.pedantic(run, rounds=1, iterations=1)
     seconds = json.loads(out[0].splitlines()[-1])

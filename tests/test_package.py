@@ -22,10 +22,9 @@ def test_subpackages_import_under_replica():
 
 
 def test_build_maps_folders_into_one_package(tmp_path):
-    subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
-        cwd=ROOT, check=True, capture_output=True,
-    )
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, f"setup.py build_py exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     for name, folder in PACKAGES.items():
         target = tmp_path.joinpath(*name.split("."))
         assert sorted(p.name for p in target.glob("*.py")) == sorted(p.name for p in folder.glob("*.py"))
