@@ -664,6 +664,25 @@ void bind_heartbeat(py::module& m) {
       "hmac_sha256_hex",
       [](const std::string& key, const std::string& message) { return hex(hmac_sha256(key, message)); },
       py::arg("key"), py::arg("message"), "HMAC-SHA256 as the heartbeat computes it (for tests)");
+  m.def(
+      "sign_value",
+      [](const std::string& mac_key, const std::string& key, const std::string& body) {
+        return py::bytes(signing::sign(mac_key, key, body));
+      },
+      py::arg("mac_key"), py::arg("key"), py::arg("body"),
+      "``body`` signed under the full store key ``key`` as the native threads sign (for tests: "
+      "JobStore.sign must give the same bytes)");
+  m.def(
+      "verify_value",
+      [](const std::string& mac_key, const std::string& key, const std::string& value) -> py::object {
+        std::string body;
+        if (!signing::verify(mac_key, key, value, &body)) {
+          return py::none();
+        }
+        return py::bytes(body);
+      },
+      py::arg("mac_key"), py::arg("key"), py::arg("value"),
+      "The body of ``value`` when it is signed under ``key``, else None, as the native threads verify (for tests)");
 }
 
 }  // namespace replica

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import hmac
+import random
 import time
 from datetime import timedelta
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from replica import _C, testetcd
 from replica.etcd import EtcdStore
+from replica.errors import JobStateError
 from replica.jobstate import Heartbeat, JobStore, ThreadHeartbeat, keys
 from replica.testetcd import EtcdCluster
 from replica.testing import wait_for
@@ -35,10 +37,56 @@ def store(request):
     return JobStore(raw, token=TOKEN)
 
 
+# RFC 4231's HMAC-SHA256 test cases 1-4, 6 and 7 (5 truncates its output): key, data, digest.
+RFC_4231 = [
+    (b"\x0b" * 20, b"Hi There", "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"),
+    (b"Jefe", b"what do ya want for nothing?", "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"),
+    (b"\xaa" * 20, b"\xdd" * 50, "773ea91e36800e46854db8ebd09181a72959098b3ef8c122d9635514ced565fe"),
+    (bytes(range(1, 26)), b"\xcd" * 50, "82558a389a443c0ea4cc819899f2083a85f0faa3e578f8077a2e3ff46729665b"),
+    (b"\xaa" * 131, b"Test Using Larger Than Block-Size Key - Hash Key First",
+     "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"),
+    (b"\xaa" * 131, b"This is a test using a larger than block-size key and a larger than block-size data. The key "
+                    b"needs to be hashed before being used by the HMAC algorithm.",
+     "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2"),
+]
+
+
 def test_the_native_hmac_is_hmac_sha256():
-    for key, message in [(b"k" * 32, b'replica/hb/3\x00{"beat":1,"member":3}'), (b"x" * 100, b""), (b"", b"a" * 200),
-                         (bytes(range(32)), bytes(range(256)) * 3)]:
-        assert _C.hmac_sha256_hex(key, message) == hmac.new(key, message, hashlib.sha256).hexdigest()
+    """csrc/signing.h's hand-written SHA-256 and HMAC against RFC 4231's vectors, and against
+    Python's (OpenSSL's) on edge lengths and on random keys and messages: every length of a
+    message around SHA-256's 64-byte block and its 55/56-byte padding edge."""
+    for key, message, digest in RFC_4231:
+        assert hmac.new(key, message, hashlib.sha256).hexdigest() == digest  # the vector itself
+        assert _C.hmac_sha256_hex(key, message) == digest
+    rng = random.Random(4231)
+    cases = [(b"k" * 32, b'replica/hb/3\x00{"beat":1,"member":3}'), (b"x" * 100, b""), (b"", b"a" * 200),
+             (bytes(range(32)), bytes(range(256)) * 3)]
+    cases += [(rng.randbytes(rng.choice([0, 1, 32, 63, 64, 65, 200])), rng.randbytes(n)) for n in range(0, 200)]
+    for key, message in cases:
+        assert _C.hmac_sha256_hex(key, message) == hmac.new(key, message, hashlib.sha256).hexdigest(), (key, message)
+
+
+def test_one_signed_format_in_both_languages():
+    """A value signed by the native threads (csrc/signing.h) is the bytes JobStore.put
+    writes, JobStore verifies what they sign and they verify what it signs; a value
+    changed anywhere, or under another key, verifies in neither."""
+    store = JobStore(dist.HashStore(), token=TOKEN)
+    rng = random.Random(7)
+    for member in range(40):
+        key = keys.heartbeat(member)
+        value = Heartbeat(member=member, beat=rng.randrange(1 << 40))
+        signed = store.sign(key, value)
+        body = signed.rpartition(b"\n")[0]
+        assert _C.sign_value(store._mac_key, store.full(key), body) == signed
+        assert _C.verify_value(store._mac_key, store.full(key), signed) == body
+        assert store.verify(key, _C.sign_value(store._mac_key, store.full(key), body)) == value
+        at = rng.randrange(len(signed))
+        tampered = signed[:at] + bytes([signed[at] ^ 1]) + signed[at + 1:]
+        assert _C.verify_value(store._mac_key, store.full(key), tampered) is None
+        with pytest.raises(JobStateError):
+            store.verify(key, tampered)
+        assert _C.verify_value(store._mac_key, store.full(keys.heartbeat(member + 1)), signed) is None
+    assert _C.verify_value(store._mac_key, "k", b"no signature") is None
 
 
 def test_beats_are_signed_rising_and_go_on_while_the_gil_is_held(store):
