@@ -457,9 +457,10 @@ class Coordinator:
     def _refresh_done(self) -> None:
         """The ranks done, read again when their counter moved, and every ``_DONE_RECHECK``
         (the counter is an unsigned hint: a lost or forged one only delays this). A done key
-        is mostly absent, so each is its own request: a sweep reads ``_DONE_SWEEP`` ranks not
-        known done per poll (a whole sweep in one poll held 1,024 ranks' polls ~0.7 s, and a
-        freeze's decision with them)."""
+        is mostly absent: on a TCPStore each is its own request, so a sweep reads
+        ``_DONE_SWEEP`` ranks not known done per poll (a whole sweep in one poll held 1,024
+        ranks' polls ~0.7 s, and a freeze's decision with them); on etcd the whole sweep is
+        one range."""
         now = time.monotonic()
         if self._moved(keys.done_count()) or (not self._done_sweep and
                                               now - self._done_read_at > _DONE_RECHECK.total_seconds()):
