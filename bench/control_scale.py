@@ -10,7 +10,7 @@ step what a rank does to the store and train nothing:
   stream: is its step superseded?) and the commit (``CommitRecord.wait`` at its next
   commit, which finds the step committed when the stream is shorter than the step);
 * the generation reads go through ``EpochRecord`` with the hint a role has from its
-  heartbeat's answers (``replica.commit.hint_generation``): each worker beats natively to
+  heartbeat's answers (``replica.jobstore.commit.hint_generation``): each worker beats natively to
   the coordinator's liveness endpoint (a ``LivenessServer`` in the main process) and its
   roles' reads ask the store only when the answered generation number moved;
 * observers (``READ_THREADS`` per worker, on connections not counted) wait for the
@@ -58,12 +58,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from replica.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
-from replica.jobstate import Generation, Heartbeat, JobStore, keys
+from replica.jobstore.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
+from replica.jobstore import Generation, Heartbeat, JobStore, keys
 from replica.roles import timing
 from replica.roles.timing import Deadlines
-from replica.stores import StoreAddress
-from replica.testing import CountingStore, spawn
+from replica.jobstore.stores import StoreAddress
+from replica._testing import CountingStore, spawn
 
 TOKEN = b"control-scale-token"
 T = timedelta(seconds=120)
@@ -591,7 +591,7 @@ def main(argv: list[str] | None = None) -> int:
                                    JobStore(master, token=TOKEN)))
                 del master
             elif kind == "etcd":
-                from replica import testetcd
+                from replica._testing import etcd as testetcd
 
                 if not testetcd.available():
                     print("control_scale: etcd is not installed; skipped", flush=True)
@@ -619,7 +619,7 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "tcp":
                     coordinators.append(run_coordinator(n, beats=beats))
                 else:
-                    from replica import testetcd
+                    from replica._testing import etcd as testetcd
 
                     if not testetcd.available():
                         print("control_scale: etcd is not installed; skipped", flush=True)

@@ -14,8 +14,8 @@ import os
 import sys
 from datetime import timedelta
 
-from replica.jobstate import JobStore, keys
-from replica.stores import StoreAddress
+from replica.jobstore import JobStore, keys
+from replica.jobstore.stores import StoreAddress
 
 
 def logged(store: JobStore, steps: int, world_size: int = 2) -> dict:

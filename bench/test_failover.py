@@ -24,7 +24,7 @@ import pytest
 
 from bench_results import machine, write_results
 from replica.roles.coordinator import Deadlines
-from replica.testing import busy_cores, free_port
+from replica._testing import busy_cores, free_port
 from test_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,11 +17,12 @@ import time
 import pytest
 
 from bench_results import machine, write_results
-from replica import testcluster, testetcd
+from replica._testing import cluster as testcluster
+from replica._testing import etcd as testetcd
 from replica.roles.coordinator import Deadlines
-from replica.testcluster import ClusterConfig, NetnsCluster
-from replica.testetcd import EtcdCluster
-from replica.testing import process_state
+from replica._testing.cluster import ClusterConfig, NetnsCluster
+from replica._testing.etcd import EtcdCluster
+from replica._testing import process_state
 from test_hosts import Job
 
 pytestmark = pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")

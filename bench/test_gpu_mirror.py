@@ -32,7 +32,7 @@ import torch.distributed as dist
 from bench_results import copy_seconds, machine, write_results
 from torch import nn
 
-from replica.testing import spawn
+from replica._testing import spawn
 
 pytestmark = pytest.mark.gpu
 

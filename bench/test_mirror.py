@@ -48,7 +48,7 @@ import torch.distributed as dist
 from bench_results import machine, write_results
 from fsdp_job import JobShape
 from mirror_roles import standby_main, trainer_main
-from replica.testing import ChildFailed, spawn
+from replica._testing import ChildFailed, spawn
 
 SHAPE = JobShape(dim=128, layers=4, seq=64, batch=16, samples=4096, total_steps=10_000)
 # The default backends: on one node the shm backend (the snapshot offered where it lies, one

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import replica
 from bench_results import cores_busy, cores_floor, usable_cores
 from replica import ops
-from replica.testing import RawUcx, cpu_since, spawn
+from replica._testing import RawUcx, cpu_since, spawn
 from replica.weights import WeightReceiver
 
 TOKEN = b"bench-weight-push-token"

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
 import replica  # noqa: E402
-from replica.testing import RawUcx, free_port, spawn  # noqa: E402
+from replica._testing import RawUcx, free_port, spawn  # noqa: E402
 from test_resync import _make_ucx, _transport_path  # noqa: E402  (bench/, the working directory)
 
 SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
@@ -113,7 +113,7 @@ def main(size: str, rounds: int, out: Path, pause_s: float = 0.0, backends: tupl
 
 def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
         backends: tuple[str, ...] | None = None) -> None:
-    from replica.vllm_worker import EngineWeights, ReceiverSpec
+    from replica.integrations.vllm.worker import EngineWeights, ReceiverSpec
 
     torch.manual_seed(0)
     make_model(work / "engine", 0, **SHAPES[size])

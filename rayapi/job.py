@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from replica.backends import parse_backends
-from replica.jobstate import keys
+from replica.session.backends import parse_backends
+from replica.jobstore import keys
 from replica.ray.agents import Placement, RayAgents
 from replica.ray.launch import ray_agents
 from replica.roles.coordinator import Coordinator

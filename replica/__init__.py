@@ -5,21 +5,23 @@ standby; when a trainer dies, its standby is promoted and training resumes from
 the last global commit. See README.md.
 """
 
-from replica import errors, ops
+from replica import _moved, errors, ops
 from replica.config import Config
-from replica.data import Batches
+from replica.state.data import Batches
 from replica.errors import *  # noqa: F403  (the typed errors are top-level API)
-from replica.export import load_export
-from replica.layout import StateLayout
-from replica.mirror import Mirror, fetch_mirror
-from replica.replicator import Replicator
-from replica.resilient import ResilientProcessGroup, init_resilient_process_group
-from replica.restore import restore_snapshot
-from replica.rng import RNGState
-from replica.snapshot import Snapshot
+from replica.state.export import load_export
+from replica.state.layout import StateLayout
+from replica.mirror.standby import Mirror, fetch_mirror
+from replica.mirror.replicator import Replicator
+from replica.distributed.resilient import ResilientProcessGroup, init_resilient_process_group
+from replica.state.restore import restore_snapshot
+from replica.state.rng import RNGState
+from replica.state.snapshot import Snapshot
 from replica.weights import WeightReceiver, WeightSync
 
 __version__ = "0.1.0"
+
+_moved.install()  # replica 0.1's module paths (replica.vllm_transfer, ...) keep working
 
 __all__ = sorted([
     *errors.__all__,

@@ -26,12 +26,12 @@ import threading
 import time
 from datetime import timedelta
 
-from replica.jobstate import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, RoleExit, Stamp, keys
+from replica.jobstore import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, RoleExit, Stamp, keys
 from replica.roles import timing
 from replica.roles.argparsing import Parser, existing_file, non_negative_int
 from replica.roles.env import HOST, ROLES, Action, Fault, Role, configure_logging, host_name, parse_faults
 from replica.roles.launch import LocalAgent
-from replica.stores import StoreAddress
+from replica.jobstore.stores import StoreAddress
 
 __all__ = ["HostAgent", "main", "parse_roles"]
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import TypeVar
 
-from replica.jobstate import AgentInfo, AgentOrder, JobStore, OrderKind, keys
+from replica.jobstore import AgentInfo, AgentOrder, JobStore, OrderKind, keys
 from replica.roles import timing
 from replica.roles.env import Role
 

@@ -23,11 +23,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from replica.commit import CommitRecord, publish_generation
+from replica.jobstore.commit import CommitRecord, publish_generation
 from replica.errors import JoinRefusedError
-from replica.jobstate import Failover as FailoverRecord
-from replica.jobstate import ExportRequest, Flag, Generation, Heartbeat, JobStore, Promotion, Stamp, Text, keys
-from replica.stores import StoreAddress, StoreKind
+from replica.jobstore import Failover as FailoverRecord
+from replica.jobstore import ExportRequest, Flag, Generation, Heartbeat, JobStore, Promotion, Stamp, Text, keys
+from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.roles import timing
 from replica.roles.env import ROLES, Role, host_name
 from replica.roles.timing import Deadlines
@@ -128,7 +128,7 @@ class Coordinator:
         else:
             raw = self._host_store(host, port)
             self._address = f"{self.host}:{self.port}"
-        #: The job state, signed under the token (``replica.jobstate``).
+        #: The job state, signed under the token (``replica.jobstore``).
         self.store = JobStore(raw, token=token)
         self.world_size = world_size
         self.rollouts = rollouts

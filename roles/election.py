@@ -29,9 +29,9 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from replica.errors import FencedError, JobStoreInUseError
-from replica.etcd import EtcdStore
-from replica.jobstate import JobStore, Number, Text, keys
-from replica.stores import StoreAddress
+from replica.jobstore.etcd import EtcdStore
+from replica.jobstore import JobStore, Number, Text, keys
+from replica.jobstore.stores import StoreAddress
 
 __all__ = ["BEAT", "Leadership", "SILENCE", "lead_new_job"]
 

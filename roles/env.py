@@ -11,8 +11,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-from replica.backends import parse_backends
-from replica.stores import StoreAddress
+from replica.session.backends import parse_backends
+from replica.jobstore.stores import StoreAddress
 
 __all__ = ["ACTIONS", "Action", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "check_faults",
            "configure_logging", "host_name", "parse_faults"]

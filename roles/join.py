@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 from replica.errors import JobStateError, JoinRefusedError, ReplicaError, StoreWaitTimeoutError
-from replica.jobstate import JobStore, JoinReply, keys
+from replica.jobstore import JobStore, JoinReply, keys
 from replica.roles import timing
 from replica.roles.env import host_name
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TextIO
 
-from replica.backends import BACKENDS, parse_backends
+from replica.session.backends import BACKENDS, parse_backends
 from replica.errors import ReplicaError
-from replica.export import resumable
+from replica.state.export import resumable
 from replica.roles.coordinator import Coordinator, MemberState
 from replica.roles.election import Leadership, lead_new_job
 from replica.roles.argparsing import (
@@ -37,7 +37,7 @@ from replica.roles.argparsing import (
 from replica.roles.env import HOST, Role, check_faults, configure_logging, parse_faults
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
-from replica.stores import StoreAddress, StoreKind
+from replica.jobstore.stores import StoreAddress, StoreKind
 
 __all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main", "open_job",
            "resume_point", "role_env", "start_roles", "state_options"]

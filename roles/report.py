@@ -12,8 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from replica.divergence import Divergence, Measure
-from replica.jobstate import keys
+from replica.state.divergence import Divergence, Measure
+from replica.jobstore import keys
 from replica.roles.env import parse_faults
 from replica.roles.rollouts import served_shards
 

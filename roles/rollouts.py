@@ -7,7 +7,7 @@ with a seed per prompt, by whichever engine claims it, so the completions do
 not depend on which engine served them or on how many are alive. An engine
 claims its own shards first (shard k belongs to engine k mod R), then any
 unclaimed one, or one whose claimer died (the coordinator lists dead members in
-``rollout/engine/{i}/dead_since``). The keys are ``replica.jobstate.keys``'
+``rollout/engine/{i}/dead_since``). The keys are ``replica.jobstore.keys``'
 ``rollout/...`` ones: ``seq`` (requests posted), ``req/{n}`` (request n, JSON),
 ``req/{n}/claim/{k}`` and ``req/{n}/result/{k}`` (JSON token ids); every value is signed."""
 
@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 
 import replica
-from replica.jobstate import JobStore, Number, Stamp, Text, keys
+from replica.jobstore import JobStore, Number, Stamp, Text, keys
 from replica.roles import timing
-from replica.stores import StoreAddress
-from replica.vllm_worker import EngineWeights, ReceiverSpec
+from replica.jobstore.stores import StoreAddress
+from replica.integrations.vllm.worker import EngineWeights, ReceiverSpec
 
 __all__ = ["RolloutClient", "Rollouts", "Sampling", "collect_results", "post_request", "request_rollouts",
            "result_keys", "serve_rollouts", "served_shards", "superseded"]

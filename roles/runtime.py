@@ -18,13 +18,13 @@ from typing import Any, NoReturn
 import torch
 
 import replica
-from replica.commit import EpochRecord, hint_generation
-from replica.data import Batches, prepare_extras
-from replica.divergence import Divergence, Measure, comparable
+from replica.jobstore.commit import EpochRecord, hint_generation
+from replica.state.data import Batches, prepare_extras
+from replica.state.divergence import Divergence, Measure, comparable
 from replica.errors import DivergenceError, FencedError, StoreWaitTimeoutError
-from replica.jobstate import Epoch, Flag, Generation, JobStore, Promotion, Regroup, Stamp, Text, keys
-from replica.export import export_path, load_export, step_folder
-from replica.restore import materialize_optimizer_state, restore_snapshot
+from replica.jobstore import Epoch, Flag, Generation, JobStore, Promotion, Regroup, Stamp, Text, keys
+from replica.state.export import export_path, load_export, step_folder
+from replica.state.restore import materialize_optimizer_state, restore_snapshot
 from replica.roles import timing
 from replica.roles.env import Role, RoleEnv, configure_logging
 from replica.roles.join import join
@@ -441,7 +441,7 @@ class Job:
 
     def _export(self, directory: str, steps: list[int]) -> None:
         """Write this role's versions of ``steps`` to the job's export folder (one folder
-        per step, ``replica.export.step_folder``), and say in the store what was written."""
+        per step, ``replica.state.export.step_folder``), and say in the store what was written."""
         self._exported = True
         written = []
         for step in steps:

@@ -16,7 +16,7 @@ from typing import Protocol
 from collections.abc import Callable
 
 from replica.errors import FencedError
-from replica.jobstate import keys
+from replica.jobstore import keys
 from replica.roles.coordinator import Coordinator, Decision, DecisionKind
 from replica.roles import timing
 from replica.roles.env import Fault, Role

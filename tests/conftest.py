@@ -5,8 +5,8 @@ import subprocess
 
 import pytest
 
-from replica import testetcd
-from replica.testetcd import EtcdCluster
+from replica._testing import etcd as testetcd
+from replica._testing.etcd import EtcdCluster
 from test_launch import RL, RL_STEPS, STEPS, launch
 
 

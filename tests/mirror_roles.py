@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 import replica
-from replica import ops, serialize
-from replica.backends import SHM_BACKEND
-from replica.restore import bind_state
-from replica.snapshot import Snapshot, collect_extras
-from replica.testing import RawUcx
+from replica import ops
+from replica.state import serialize
+from replica.session.backends import SHM_BACKEND
+from replica.state.restore import bind_state
+from replica.state.snapshot import Snapshot, collect_extras
+from replica._testing import RawUcx
 from fsdp_job import Job, JobShape, build_job, train_step
 
 __all__ = ["Probe", "standby_main", "trainer_main"]

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 import replica
-from replica.backends import backend_class, choose_backend, choose_backends
+from replica.session.backends import backend_class, choose_backend, choose_backends
 from replica.errors import TransportError
 from replica.transport import Locality, MemoryKind
 
@@ -38,7 +38,7 @@ def test_a_fallback_connection_keeps_off_shared_memory():
     """A peer refused by shm cannot map this process's memory, so UCX must not reach it
     through shared memory either (its FIFOs would time out): the fallback's transport
     takes the way to another host. Backends without the option ignore the request."""
-    from replica.backends import make_backend
+    from replica.session.backends import make_backend
 
     with make_backend("ucx", config(), share_memory=False) as transport:
         assert transport.config.share_memory is False
@@ -73,7 +73,7 @@ def test_a_shared_buffer_that_cannot_be_made_is_a_plain_one(monkeypatch, caplog)
     plain memory, with a warning (the shm backend then stages its buckets)."""
     import errno
 
-    from replica.backends import transfer_buffer
+    from replica.transport.buffers import transfer_buffer
     from replica.transport import shm
 
     def no_memfd(nbytes, **_):
@@ -89,7 +89,7 @@ def test_verify_threads_reach_the_backend_and_bad_values_are_refused():
     for bad in (-1, True, 1.5):
         with pytest.raises(ValueError, match="verify_threads"):
             config(verify_threads=bad)
-    from replica.backends import make_backend
+    from replica.session.backends import make_backend
 
     with make_backend("gloo", config(verify_threads=3)) as transport:
         assert transport.config.verify_threads == 3

@@ -11,11 +11,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-import replica.commit as commit
-from replica.commit import CommitRecord
+import replica.jobstore.commit as commit
+from replica.jobstore.commit import CommitRecord
 from replica.errors import CommitTimeoutError
-from replica.jobstate import Epoch, Generation, JobStore, keys
-from replica.testing import CountingStore
+from replica.jobstore import Epoch, Generation, JobStore, keys
+from replica._testing import CountingStore
 
 TOKEN = b"commit-scale-token"
 T = timedelta(seconds=30)

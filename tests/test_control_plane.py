@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 import replica
 from fsdp_job import JobShape, build_job, train_step
-from replica.commit import CommitRecord
+from replica.jobstore.commit import CommitRecord
 from replica.errors import CommitTimeoutError, FencedError, JobStateError
-from replica.jobstate import Commit, Epoch, Generation, Heartbeat, JobStore, keys
+from replica.jobstore import Commit, Epoch, Generation, Heartbeat, JobStore, keys
 from replica.roles import timing
 from replica.roles.coordinator import Coordinator, Deadlines
 from replica.roles.join import JoinRequest, post_request
@@ -194,7 +194,7 @@ def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_dead
     gone silent too (the host is lost or cut off), it is dead at the trainer deadline."""
     from replica.roles.coordinator import DecisionKind
     from replica.roles.agents import RemoteAgents
-    from replica.jobstate import AgentInfo, Number
+    from replica.jobstore import AgentInfo, Number
 
     deadlines = Deadlines(trainer=timedelta(milliseconds=300), rollout=timedelta(seconds=60))
     coord = Coordinator(world_size=1, token=TOKEN, rollouts=1, deadlines=deadlines)
@@ -248,7 +248,7 @@ def test_a_replacement_standby_late_to_start_leaves_its_rank_training_unprotecte
     coordinator's REPLACEMENT_WAIT (shorter than the trainer's own STANDBY_WAIT, after which
     the trainer would give up and the job fail) has its rank marked unprotected until it
     joins: training goes on. A standby that registers in time is simply waited for."""
-    from replica.registry import publish
+    from replica.jobstore.registry import publish
     from replica.roles.supervise import ReplacementWatch
 
     assert timing.REPLACEMENT_WAIT < timing.STANDBY_WAIT
@@ -269,7 +269,7 @@ def test_trainers_whose_done_keys_came_after_the_last_poll_finish_done():
     """The supervisor ends its loop on all_done(): the last trainers' done keys may come
     after its last poll, which marks members done. finish() marks them; they were left
     alive in the report (seen once in CI: both ranks finished within a millisecond)."""
-    from replica.jobstate import Flag
+    from replica.jobstore import Flag
     from replica.roles.coordinator import MemberState
 
     coord = Coordinator(world_size=1, token=TOKEN)
@@ -291,7 +291,7 @@ def test_a_regroup_waits_while_a_trainer_is_silent_and_its_death_decides():
     the regroup's grace ends first, but the silent peer's deadline decides: a failover,
     not a regroup "with no death" followed by one (seen in CI right after a coordinator
     took over: both clocks started together, the request's one poll earlier)."""
-    from replica.jobstate import Regroup
+    from replica.jobstore import Regroup
     from replica.roles.coordinator import DecisionKind
 
     coord = Coordinator(world_size=2, token=TOKEN, deadlines=Deadlines(trainer=timedelta(seconds=1)))

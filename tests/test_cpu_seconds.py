@@ -1,4 +1,4 @@
-"""replica.testing.cpu_seconds: the process CPU clock the benchmarks' core accounting
+"""replica._testing.cpu_seconds: the process CPU clock the benchmarks' core accounting
 reads (every thread of a process, at nanosecond resolution)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from replica.testing import cpu_seconds, cpu_since
+from replica._testing import cpu_seconds, cpu_since
 
 
 def _spin(seconds: float) -> None:

@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import replica
-from replica import serialize
-from replica.data import Batches, prepare_extras
+from replica.state import serialize
+from replica.state.data import Batches, prepare_extras
 from replica.errors import ReplicaError
 
 

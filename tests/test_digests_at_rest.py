@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 import replica
 from replica.errors import SnapshotCorruptedError
-from replica.export import load_export, write_export
-from replica.snapshot import Snapshot, bucket_digests
-from replica.testing import spawn, wait_for
+from replica.state.export import load_export, write_export
+from replica.state.snapshot import Snapshot, bucket_digests
+from replica._testing import spawn, wait_for
 from replica.transport.base import bucket_digest
 from test_mirror_integrity import assert_state_equal, config, job, mirrored, state_of, trained
 
@@ -74,7 +74,7 @@ def test_digests_are_the_wire_digests_and_capture_drops_them():
         snapshot.verify()
     assert (caught.value.rank, caught.value.step, caught.value.buckets) == (0, 7, (2,))
     j = job()
-    tensors = [t for _, t in replica.layout.state_tensors(j.model, None)]
+    tensors = [t for _, t in replica.state.layout.state_tensors(j.model, None)]
     snapshot.capture(tensors, b"", step=8)
     assert snapshot.digests is None  # they described the content the capture replaced
     # A capture asked for digests takes them while it packs (ops.pack_checksum), extras included.
@@ -164,7 +164,7 @@ def test_a_flip_in_the_zeros_past_the_extras_is_mended(store, caplog):
         at_two = state_of(j)
         (own,) = [s for s in rep._snapshots if s.step == 2]
         bucket = _flip_past_the_blob(own)
-        with caplog.at_level("WARNING", logger="replica.snapshot"):
+        with caplog.at_level("WARNING", logger="replica.state.snapshot"):
             assert rep.rollback() == 2
         assert f"bucket(s) [{bucket}]" in caplog.text and "zeroed again" in caplog.text
         assert own.bad_buckets() == []
@@ -264,7 +264,7 @@ def test_an_export_written_before_offset_keyed_digests_is_still_checked(tmp_path
     layout = replica.StateLayout.of(j.model, None, world_size=1, rank=0, extras_capacity=1 << 10,
                                     bucket_bytes=4 << 10)
     snapshot = Snapshot(layout)
-    tensors = [t for _, t in replica.layout.state_tensors(j.model, None)]
+    tensors = [t for _, t in replica.state.layout.state_tensors(j.model, None)]
     snapshot.capture(tensors, b"extras", step=5, digests=True)
     path = write_export(snapshot, tmp_path / "rank0.safetensors")
     old = [bucket_digest(snapshot.buffer[lo:hi]) for lo, hi in layout.buckets()]

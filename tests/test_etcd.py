@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from replica import testetcd
-from replica.etcd import EtcdConfig, EtcdError, EtcdStore
+from replica._testing import etcd as testetcd
+from replica.jobstore.etcd import EtcdConfig, EtcdError, EtcdStore
 from replica.errors import FencedError
-from replica.jobstate import JobStore, Text, keys
+from replica.jobstore import JobStore, Text, keys
 from replica.roles import election
 from replica.roles.election import Leadership
-from replica.stores import StoreAddress, StoreKind
-from replica.testetcd import EtcdCluster
+from replica.jobstore.stores import StoreAddress, StoreKind
+from replica._testing.etcd import EtcdCluster
 
 pytestmark = pytest.mark.skipif(not testetcd.available(), reason="etcd is not installed (make test installs it)")
 
@@ -154,8 +154,8 @@ def test_one_coordinator_leads_and_one_that_paused_is_replaced_and_writes_nothin
 _LEADER = """
 import sys, time
 from datetime import timedelta
-from replica.etcd import EtcdStore, EtcdConfig
-from replica.jobstate import JobStore
+from replica.jobstore.etcd import EtcdStore, EtcdConfig
+from replica.jobstore import JobStore
 from replica.roles.election import Leadership
 store = EtcdStore(EtcdConfig.from_environ(sys.argv[1], sys.argv[2]))
 lead = Leadership(JobStore(store, token=sys.argv[3].encode()))

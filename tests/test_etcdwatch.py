@@ -1,4 +1,4 @@
-"""The etcd watch stream's own HTTP reading (``replica.etcdwatch``), against a server
+"""The etcd watch stream's own HTTP reading (``replica.jobstore.etcdwatch``), against a server
 socket that sends what etcd's gateway sends, cut at every awkward place: messages
 split across chunks and chunks split across reads, with pauses longer than a read's
 deadline between them. (Against real etcd: tests/test_etcd.py.)"""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from replica.etcdwatch import WatchBroken, WatchStream
+from replica.jobstore.etcdwatch import WatchBroken, WatchStream
 
 MESSAGES = [{"result": {"created": True}}, {"result": {"events": [{"kv": {"key": "aw==", "value": "dg=="}}]}},
             {"result": {"events": [{"type": "DELETE", "kv": {"key": "aw=="}}]}}]

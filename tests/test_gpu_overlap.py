@@ -22,7 +22,7 @@ from torch import nn
 
 import replica
 from replica.config import DEVICE_BUCKET_BYTES
-from replica.testing import spawn
+from replica._testing import spawn
 
 pytestmark = pytest.mark.gpu
 

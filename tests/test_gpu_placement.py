@@ -1,4 +1,4 @@
-"""Snapshots of state that spans the GPU and the host (replica.placement): a CUDA model's
+"""Snapshots of state that spans the GPU and the host (replica.state.placement): a CUDA model's
 default AdamW keeps its step counters on the host; a standby may hold its mirror in pinned
 host memory and restore into a GPU model. Each way against ops.reference_pack on the host."""
 
@@ -9,10 +9,10 @@ import torch
 
 from replica import ops
 from replica.errors import ReplicaError
-from replica.layout import StateLayout, state_tensors
-from replica.placement import pack_state, state_device, unpack_state
-from replica.restore import materialize_optimizer_state
-from replica.snapshot import Snapshot
+from replica.state.layout import StateLayout, state_tensors
+from replica.state.placement import pack_state, state_device, unpack_state
+from replica.state.restore import materialize_optimizer_state
+from replica.state.snapshot import Snapshot
 
 pytestmark = pytest.mark.gpu
 

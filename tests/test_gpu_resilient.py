@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
-from replica.resilient import ResilientProcessGroup
-from replica.testing import spawn
+from replica.distributed.resilient import ResilientProcessGroup
+from replica._testing import spawn
 
 pytestmark = pytest.mark.gpu
 

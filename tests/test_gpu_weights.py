@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 import replica
-from replica.testing import spawn
+from replica._testing import spawn
 from replica.weights import WeightSync
 from weight_engine import EngineStandIn
 

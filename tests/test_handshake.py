@@ -27,8 +27,8 @@ from replica.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from replica.listener import Listener
-from replica.testing import spawn
+from replica.session.listener import Listener
+from replica._testing import spawn
 from replica.transport import MemoryKind, wire
 from replica.transport.control import (
     ControlledConnection,

@@ -15,12 +15,14 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from replica import _C, testetcd
-from replica.etcd import EtcdStore
+from replica import _C
+
+from replica._testing import etcd as testetcd
+from replica.jobstore.etcd import EtcdStore
 from replica.errors import JobStateError
-from replica.jobstate import Heartbeat, JobStore, ThreadHeartbeat, keys
-from replica.testetcd import EtcdCluster
-from replica.testing import wait_for
+from replica.jobstore import Heartbeat, JobStore, ThreadHeartbeat, keys
+from replica._testing.etcd import EtcdCluster
+from replica._testing import wait_for
 
 TOKEN = b"heartbeat-test-token"
 PERIOD = timedelta(milliseconds=20)

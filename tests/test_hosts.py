@@ -1,4 +1,4 @@
-"""Many hosts on one machine: a network-namespace cluster (replica.testcluster),
+"""Many hosts on one machine: a network-namespace cluster (replica._testing.cluster),
 its faults, and which way the data plane goes between and within hosts."""
 
 from __future__ import annotations
@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from replica import testcluster, testetcd
+from replica._testing import cluster as testcluster
+
+from replica._testing import etcd as testetcd
 from replica.roles.report import compare_reports
-from replica.testcluster import ClusterConfig, NetnsCluster
-from replica.testetcd import EtcdCluster
-from replica.testing import process_state
+from replica._testing.cluster import ClusterConfig, NetnsCluster
+from replica._testing.etcd import EtcdCluster
+from replica._testing import process_state
 from vllm_engine import vllm_available
 
 from test_launch import EXAMPLE, RL, RL_STEPS, STEPS, TOKEN, role_env

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from replica.export import export_path, load_export, resumable, step_folder
+from replica.state.export import export_path, load_export, resumable, step_folder
 from replica.roles.report import compare_reports
-from replica.testing import busy_cores, process_state
+from replica._testing import busy_cores, process_state
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_fsdp.py"

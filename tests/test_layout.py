@@ -6,8 +6,8 @@ import torch
 
 from replica import ops
 from replica.errors import LayoutMismatchError
-from replica.layout import StateLayout, state_tensors
-from replica.testing import free_port, spawn
+from replica.state.layout import StateLayout, state_tensors
+from replica._testing import free_port, spawn
 
 KiB = 1 << 10
 

@@ -13,9 +13,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from replica.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
-from replica.jobstate import Epoch, Generation, Heartbeat, JobStore, LivenessReply, keys
-from replica.testing import CountingStore, wait_for
+from replica.jobstore.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
+from replica.jobstore import Epoch, Generation, Heartbeat, JobStore, LivenessReply, keys
+from replica._testing import CountingStore, wait_for
 
 TOKEN = b"liveness-test-token"
 PERIOD = timedelta(milliseconds=20)

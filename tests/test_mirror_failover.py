@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from fsdp_job import JobShape
 from mirror_roles import TOKEN, standby_main, trainer_main
-from replica.jobstate import JobStore, keys
-from replica.testing import spawn
+from replica.jobstore import JobStore, keys
+from replica._testing import spawn
 
 SHAPE = JobShape(total_steps=20)
 CONFIG = {"bucket_bytes": 64 << 10}  # several buckets per rank

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import replica
 from fsdp_job import JobShape, build_job, train_step
 from replica.errors import LayoutMismatchError, ReplicaError, StandbyLostError
-from replica.layout import state_tensors
-from replica.testing import spawn, wait_for
+from replica.state.layout import state_tensors
+from replica._testing import spawn, wait_for
 
 TOKEN = b"mirror-unit-token"
 SHAPE = JobShape(layers=2)
@@ -416,17 +416,17 @@ def test_a_peer_that_cannot_share_memory_falls_back_to_ucx(store, pid_namespace,
 def test_a_fallback_that_cannot_start_leaves_the_listener_on_shared_memory(store, monkeypatch, caplog):
     """A fallback backend that fails to start (UCX without a usable device, say) is logged and
     left out: the standby still serves peers of its memory over shm and registers no fallback."""
-    import replica.listener
+    import replica.session.listener
     from replica.errors import TransportError
 
-    real = replica.listener.make_backend
+    real = replica.session.listener.make_backend
 
     def no_ucx(name, config):
         if name == "ucx":
             raise TransportError("UCX cannot start here (injected)")
         return real(name, config)
 
-    monkeypatch.setattr(replica.listener, "make_backend", no_ucx)
+    monkeypatch.setattr(replica.session.listener, "make_backend", no_ucx)
     j = job()
     with mirrored(store, j, config(**SHM)) as (mirror, rep):
         assert mirror.backend == "shm" and mirror.fallback is None
@@ -471,8 +471,8 @@ def test_the_next_versions_receives_are_posted_early_only_into_a_slot_nothing_ne
     standby posts the next version's receives before its BEGIN only into a free slot
     or the older version once the global commit covers the newer: while the commit
     lags (rank 1 has not acknowledged), the commit's version is kept."""
-    from replica.commit import CommitRecord
-    from replica.jobstate import JobStore
+    from replica.jobstore.commit import CommitRecord
+    from replica.jobstore import JobStore
 
     record = CommitRecord(JobStore(store, token=TOKEN), world_size=2)
     j = build_job(SHAPE, rank=0, world_size=2, fsdp=False, seed=0)

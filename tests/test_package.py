@@ -9,8 +9,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"replica": ROOT / "replica", "replica.transport": ROOT / "transport", "replica.roles": ROOT / "roles",
-            "replica.ray": ROOT / "rayapi"}
+# Folders of the checkout -> the installed package they become (pyproject.toml's package-dir).
+FOLDERS = {"replica": ROOT / "replica", "replica.transport": ROOT / "transport", "replica.roles": ROOT / "roles",
+           "replica.ray": ROOT / "rayapi"}
+# Subpackages of replica/ by concern; replica._testing is the tests' and stays out of the wheel.
+SUBPACKAGES = ("distributed", "integrations", "integrations/vllm", "jobstore", "mirror", "session", "state", "weights")
+PACKAGES = FOLDERS | {f"replica.{sub.replace('/', '.')}": ROOT / "replica" / sub for sub in SUBPACKAGES}
+
+
+def _modules() -> list[str]:
+    """Every module of the package (vLLM's are imported where vLLM is: their own tests)."""
+    names = []
+    for package, folder in PACKAGES.items():
+        names += [package] + [f"{package}.{p.stem}" for p in sorted(folder.glob("[!_]*.py"))]
+    return sorted(n for n in names if not n.startswith("replica.integrations.vllm."))
 
 
 def test_subpackages_import_under_replica():
@@ -28,28 +40,49 @@ def test_build_maps_folders_into_one_package(tmp_path):
     for name, folder in PACKAGES.items():
         target = tmp_path.joinpath(*name.split("."))
         assert sorted(p.name for p in target.glob("*.py")) == sorted(p.name for p in folder.glob("*.py"))
+    assert (ROOT / "replica" / "_testing").is_dir() and not (tmp_path / "replica" / "_testing").exists(), \
+        "the tests' helpers (replica/_testing) must stay out of the wheel"
+    shipped = {p.parent for p in (tmp_path / "replica").rglob("*.py")}
+    assert shipped == {tmp_path.joinpath(*name.split(".")) for name in PACKAGES}, "a folder of replica/ left out of the wheel"
 
 
-@pytest.mark.parametrize(
-    "name",
-    sorted(PACKAGES)
-    + ["replica.ops", "replica.errors", "replica.testing", "replica.serialize", "replica.rng", "replica.layout", "replica.snapshot",
-       "replica.config", "replica.backends", "replica.commit", "replica.protocol", "replica.restore", "replica.stream",
-       "replica.replicator", "replica.mirror", "replica.export", "replica.resilient", "replica.registry", "replica.listener",
-       "replica.weights", "replica.vllm_worker", "replica.placement", "replica.etcd", "replica.stores",
-       "replica.testetcd", "replica.testcluster", "replica.jobstate",
-       "replica.roles.env", "replica.roles.runtime", "replica.roles.coordinator", "replica.roles.launch",
-       "replica.roles.report", "replica.roles.cli", "replica.roles.join", "replica.roles.serve",
-       "replica.roles.supervise", "replica.roles.rollouts", "replica.roles.agent", "replica.roles.agents",
-       "replica.roles.election", "replica.ray.actor", "replica.ray.agents", "replica.ray.job", "replica.ray.launch"]
-    + [f"replica.transport.{p.stem}" for p in sorted((ROOT / "transport").glob("[!_]*.py"))],
-)
+@pytest.mark.parametrize("name", _modules())
 def test_all_is_explicit_sorted_and_resolves(name):
     module = importlib.import_module(name)
     exported = module.__all__
     assert list(exported) == sorted(exported)
     for attr in exported:
         assert hasattr(module, attr), f"{name}.__all__ names missing {attr}"
+
+
+def test_module_files_stay_small():
+    """No module over 600 lines: a longer one holds several concerns (split it along them)."""
+    long = {str(p.relative_to(ROOT)): n for folder in FOLDERS.values() for p in folder.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"modules over 600 lines: {long}"
+
+
+@pytest.mark.parametrize("old", sorted(__import__("replica._moved", fromlist=["MOVED"]).MOVED))
+def test_old_module_paths_still_import(old):
+    """replica 0.1's flat module paths load the module's new home: the same object, its own spec."""
+    from replica._moved import MOVED
+
+    module = importlib.import_module(old)
+    assert module is importlib.import_module(MOVED[old])
+    assert module.__spec__.name == MOVED[old]
+
+
+def test_old_paths_in_a_fresh_interpreter():
+    """The names users had: replica.Replicator, Mirror, Config, replica.roles.init, and the old
+    vLLM module paths (a vLLM configured with them), each in an interpreter of its own."""
+    code = ("import replica; from replica import Config, Mirror, Replicator\n"
+            "from replica.vllm_transfer import ReplicaWeightTransferEngine\n"
+            "from replica.vllm_plugin import register\n"
+            "from replica.mirror import Mirror as M, fetch_mirror\n"
+            "from replica.jobstate import JobStore, keys\n"
+            "import replica.roles; assert callable(replica.roles.init) and M is Mirror\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def _imports(path: Path) -> set[str]:
@@ -72,10 +105,29 @@ def _replica_imports(folder: Path, skip: tuple[str, ...] = ()) -> set[str]:
     return found
 
 
+# The shared bottom every layer may use: the typed errors, the kernels, time and names.
+BOTTOM = ("replica.errors", "replica.ops", "replica._C", "replica.timing", "replica.envvars")
+_SESSION = BOTTOM + ("replica.config", "replica.transport", "replica.state", "replica.jobstore", "replica.session")
+# replica/<subpackage> -> what it may import. State and transport know nothing of the job
+# store or the roles; the job store knows nothing of the state, the sessions or transport.
+LAYERS = {
+    "state": BOTTOM + ("replica.transport", "replica.state"),
+    "jobstore": BOTTOM + ("replica.jobstore",),
+    "distributed": BOTTOM + ("replica.distributed",),
+    "session": _SESSION,
+    "mirror": _SESSION + ("replica.distributed", "replica.mirror"),
+    "weights": _SESSION + ("replica.weights",),
+    "integrations": _SESSION + ("replica.weights", "replica.integrations"),
+}
+
+
+def _outside(imports: set[str], allowed: tuple[str, ...]) -> set[str]:
+    return {n for n in imports if not any(n == a or n.startswith(a + ".") for a in allowed)}
+
+
 def test_layers_point_down_only():
-    # transport may use only the shared bottom of replica (the kernels and the errors).
-    allowed_in_transport = ("replica.errors", "replica.ops", "replica._C", "replica.transport")
-    bad = {n for n in _replica_imports(ROOT / "transport") if not n.startswith(allowed_in_transport)}
+    # transport may use only the shared bottom of replica.
+    bad = _outside(_replica_imports(ROOT / "transport"), BOTTOM + ("replica.transport",))
     assert not bad, f"transport imports higher layers: {bad}"
     bad = {n for n in _replica_imports(ROOT / "replica") if n.startswith("replica.roles")}
     assert not bad, f"replica imports roles: {bad}"
@@ -83,6 +135,19 @@ def test_layers_point_down_only():
     bad = {n for n in _replica_imports(ROOT / "replica") | _replica_imports(ROOT / "roles", skip=("cli.py",))
            if n.startswith("replica.ray")}
     assert not bad, f"replica or roles import replica.ray: {bad}"
+    for sub, allowed in LAYERS.items():
+        bad = _outside(_replica_imports(ROOT / "replica" / sub), allowed)
+        assert not bad, f"replica/{sub} imports what its layer may not: {bad}"
+    # Nothing shipped imports the tests' helpers; nothing in the tree imports an old module path.
+    from replica._moved import MOVED
+
+    for folder in FOLDERS.values():
+        for path in folder.rglob("*.py"):
+            names = {n for n in _imports(path) if n.startswith("replica.")}
+            if "_testing" not in path.parts:
+                assert not {n for n in names if n.startswith("replica._testing")}, f"{path} imports the tests' helpers"
+            old = {n for n in names if any(n == o or n.startswith(o + ".") for o in MOVED)}
+            assert not old, f"{path} imports old module paths {old} (replica._moved keeps them for users only)"
 
 
 def test_layer_check_sees_imports(tmp_path):

@@ -1,4 +1,4 @@
-"""replica.pagebuffer.PageBuffer: a buffer whose pages go back to the OS as its
+"""replica.weights.pagebuffer.PageBuffer: a buffer whose pages go back to the OS as its
 contents are used up (the bounded staged apply of an engine's weights)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from replica.pagebuffer import PageBuffer
+from replica.weights.pagebuffer import PageBuffer
 
 
 def _resident(buf: PageBuffer) -> int:

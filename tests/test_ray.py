@@ -19,9 +19,9 @@ ray = pytest.importorskip("ray", reason="replica[ray] is not installed (make tes
 from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from replica.commit import CommitRecord  # noqa: E402
-from replica.etcd import EtcdStore  # noqa: E402
-from replica.jobstate import JobStore  # noqa: E402
+from replica.jobstore.commit import CommitRecord  # noqa: E402
+from replica.jobstore.etcd import EtcdStore  # noqa: E402
+from replica.jobstore import JobStore  # noqa: E402
 from replica.ray import Placement, PlacementError, RayJob, RayJobConfig, Sampling  # noqa: E402
 from replica.ray.launch import parse_placement  # noqa: E402
 from replica.roles.report import compare_reports, load_report  # noqa: E402

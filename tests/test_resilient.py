@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replica import resilient
-from replica.resilient import ResilientProcessGroup, _device_type
+from replica.distributed import resilient
+from replica.distributed.resilient import ResilientProcessGroup, _device_type
 
 
 def make_group(**kw) -> ResilientProcessGroup:
@@ -120,7 +120,7 @@ def test_nccl_watchdog_is_told_to_keep_survivors_alive(monkeypatch, caplog):
     assert os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] == "100"  # nor a minute's wait for a dump
     monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     monkeypatch.setenv("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    with caplog.at_level(logging.WARNING, logger="replica.resilient"):
+    with caplog.at_level(logging.WARNING, logger="replica.distributed.resilient"):
         resilient._nccl_environment()
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3" and "2 is expected" in caplog.text  # the user's, kept
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from replica.roles.report import compare_reports
-from replica.testing import busy_cores, process_state
+from replica._testing import busy_cores, process_state
 from test_launch import ROOT, free_port, launch, role_env, start_coordinator, wait_for_key
 from vllm_engine import vllm_available
 

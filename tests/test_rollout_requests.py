@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from replica.errors import StoreWaitTimeoutError
-from replica.jobstate import JobStore, Number, Text, keys
+from replica.jobstore import JobStore, Number, Text, keys
 from replica.roles.rollouts import Sampling, request_rollouts
 
 TOKEN = b"rollout-requests"

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from replica import serialize
-from replica.rng import RNGState
+from replica.state import serialize
+from replica.state.rng import RNGState
 
 
 def test_round_trip_is_exact():

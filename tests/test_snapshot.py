@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from replica import RNGState, serialize
+from replica import RNGState
+
+from replica.state import serialize
 from replica.errors import LayoutMismatchError, ReplicaError
-from replica.layout import StateLayout, state_tensors
-from replica.snapshot import Snapshot, apply_extras, collect_extras
+from replica.state.layout import StateLayout, state_tensors
+from replica.state.snapshot import Snapshot, apply_extras, collect_extras
 
 
 def setup():

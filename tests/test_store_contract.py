@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replica.etcd import EtcdStore
-from replica.jobstate import Commit, JobStore, Text, keys
+from replica.jobstore.etcd import EtcdStore
+from replica.jobstore import Commit, JobStore, Text, keys
 
 TOKEN = b"store-contract-token"
 _namespaces = iter(range(10**6))  # the session's etcd cluster (tests/conftest.py) is shared
@@ -179,8 +179,8 @@ def test_a_job_stores_read_of_many_keys_some_absent_is_exact_and_on_etcd_a_few_r
     """JobStore.get_many with most keys absent (the coordinator's read of every rank's
     transport reports): the values present, None for the others and for a forged one; on
     etcd in one range over the keys' prefix, not a request per key."""
-    from replica.jobstate import JobStore, LostReports, keys
-    from replica.testing import CountingStore
+    from replica.jobstore import JobStore, LostReports, keys
+    from replica._testing import CountingStore
 
     jobs = JobStore(store, token=TOKEN)
     names = [keys.lost(r) for r in range(300)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from replica.errors import TransportError
-from replica.testing import spawn
+from replica._testing import spawn
 from replica.transport import shm
 from replica.transport.ipc import HOST_OFFER_BYTES, MAX_EXPORTS, IpcConfig, IpcTransport, ShmTransport
 from replica.transport.ucx import UcxConfig, UcxTransport

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from replica.errors import TransportError
-from replica.testing import spawn
+from replica._testing import spawn
 from replica.transport.base import PIECE_BYTES
 from replica.transport.ipc import MAX_HOST_BYTES, IpcConfig, IpcTransport
 

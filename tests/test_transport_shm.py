@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from replica.errors import PeerDisconnectedError, SharedMemoryUnavailableError, TransportError
-from replica.testing import spawn, wait_for
+from replica._testing import spawn, wait_for
 from replica.transport import Locality, MemoryKind
 from replica.transport import shm
 from replica.transport.base import bucket_digest

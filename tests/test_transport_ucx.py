@@ -28,7 +28,7 @@ from transport_contract import (
     peer_main,
     run_transport_contract,
 )
-from replica.testing import spawn, wait_for
+from replica._testing import spawn, wait_for
 
 
 def make_ucx(token: bytes, **options) -> UcxTransport:

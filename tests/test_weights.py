@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from replica.jobstate import JobStore, keys
+from replica.jobstore import JobStore, keys
 import replica
 from replica.weights import ModelSource, WeightSync, tensor_buckets, weight_layout
 from weight_engine import EngineStandIn

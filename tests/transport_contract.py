@@ -18,7 +18,7 @@ from replica.errors import (
     PeerDisconnectedError,
     TransferTimeoutError,
 )
-from replica.testing import Child, process_state, spawn
+from replica._testing import Child, process_state, spawn
 from replica.transport import Connection, Transport, shm
 from replica.transport.base import PIECE_BYTES, bucket_digest
 

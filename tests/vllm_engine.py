@@ -47,7 +47,7 @@ def make_llm(folder: Path, **kw):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     from vllm import LLM
 
-    from replica.vllm_worker import EngineWeights
+    from replica.integrations.vllm.worker import EngineWeights
 
     return LLM(model=str(folder), skip_tokenizer_init=True, dtype="float32", block_size=32, enforce_eager=True,
                max_model_len=256, max_num_seqs=8, seed=0, **{**EngineWeights.ENGINE_ARGS, **kw})

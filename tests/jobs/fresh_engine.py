@@ -21,7 +21,7 @@ if __name__ == "__main__":
     llm = make_llm(Path(sys.argv[1]))
     out = {}
     if len(sys.argv) > 3 and sys.argv[3] == "--receive":
-        from replica.vllm_worker import EngineWeights, ReceiverSpec
+        from replica.integrations.vllm.worker import EngineWeights, ReceiverSpec
 
         port, index, step, token = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
         weights = EngineWeights(llm, ReceiverSpec(index=index, store=f"127.0.0.1:{port}",

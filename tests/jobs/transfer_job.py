@@ -24,7 +24,7 @@ if __name__ == "__main__":
     from vllm import LLM
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
-    from replica.vllm_transfer import LLMClient, ReplicaTrainerInitInfo
+    from replica.integrations.vllm.transfer import LLMClient, ReplicaTrainerInitInfo
     from vllm_engine import greedy
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -11,7 +11,7 @@ import sys
 import time
 from datetime import timedelta
 
-from replica.stores import StoreAddress
+from replica.jobstore.stores import StoreAddress
 
 
 def main() -> None:

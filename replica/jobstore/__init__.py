@@ -1,0 +1,70 @@
+"""The job store: the signed schema of the job's control state and what is built on it.
+
+* ``records``: the typed values (frozen dataclasses); ``codec``: their canonical JSON;
+  ``keys``: every key and the type of its value;
+* ``store``: ``JobStore``, which signs on write and verifies on read over a
+  torch.distributed ``Store`` (a ``TCPStore``, or etcd through ``etcd``/``etcdwatch``;
+  ``stores`` opens either from an address); ``heartbeat``: a role's beat on a thread;
+* ``commit``: the global commit record (``CommitRecord``) and the epochs that fence it;
+  ``registry``: where each rank's standby listens.
+
+Layer: uses only ``replica.errors`` and the native ``replica._C`` below it; knows nothing
+of the state, the sessions or the roles above it.
+"""
+
+from replica.jobstore.heartbeat import ThreadHeartbeat
+from replica.jobstore.keys import Key, keys
+from replica.jobstore.records import (
+    Ack,
+    AckSummary,
+    AgentInfo,
+    AgentOrder,
+    Commit,
+    Epoch,
+    ExportRequest,
+    Failover,
+    Flag,
+    Generation,
+    Heartbeat,
+    JoinReply,
+    LivenessReply,
+    LostReports,
+    Number,
+    OrderKind,
+    Promotion,
+    Registration,
+    Regroup,
+    RoleExit,
+    Stamp,
+    Text,
+)
+from replica.jobstore.store import JobStore
+
+__all__ = [
+    "Ack",
+    "AckSummary",
+    "AgentInfo",
+    "AgentOrder",
+    "Commit",
+    "Epoch",
+    "ExportRequest",
+    "Failover",
+    "Flag",
+    "Generation",
+    "Heartbeat",
+    "JobStore",
+    "JoinReply",
+    "Key",
+    "LivenessReply",
+    "LostReports",
+    "Number",
+    "OrderKind",
+    "Promotion",
+    "Registration",
+    "Regroup",
+    "RoleExit",
+    "Stamp",
+    "Text",
+    "ThreadHeartbeat",
+    "keys",
+]

@@ -1,0 +1,405 @@
+"""The job's control state: every key any role or the library reads or writes
+in the job store, with its typed value, and the ``JobStore`` that signs and
+verifies them.
+
+The store (a torch.distributed ``TCPStore``, later etcd) has no authentication of
+its own: anyone who reaches its port can write any key. So every value a role
+acts on is signed: HMAC-SHA256 under a key derived from the job token, over the
+full key and the value (which carries its epoch where it has one). A value that
+fails verification, or does not parse, is ignored and logged (which key, never
+the token): readers see it as absent, and a writer replaces it. Only plain
+counters (``JobStore.count``) are unsigned: they allocate numbers (join
+requests, request ids) and carry nothing a role trusts.
+
+Keys, under ``Config.store_prefix`` (default ``replica``), are built by the
+functions below and nowhere else. Values are frozen dataclasses encoded as JSON.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import hmac
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from replica import _C
+from replica.errors import JobStateError, StoreWaitTimeoutError
+from replica.jobstore.codec import T, decode_value, encode_value
+from replica.jobstore.etcd import EtcdStore
+from replica.jobstore.heartbeat import ThreadHeartbeat
+from replica.jobstore.keys import Key, keys
+
+__all__ = ["JobStore"]
+
+logger = logging.getLogger(__name__)
+
+
+_MAC_HEX = 64
+_VERIFIED_KEPT = 16384  # verified values remembered (``_Verified``): a job's registrations and a step's acks
+_POLL_FIRST = 50e-6  # a poll's first pause (seconds), doubling up to _POLL_MOST
+_POLL_MOST = timedelta(milliseconds=2)
+_BLOCK_SLICE_S = 0.05  # a wait with abort() or a period blocks in the store this long at a time
+
+# What JobStore.read expects and would write in its compare-and-set, never a value the
+# store holds (values are signed JSON): the answer when the key is absent.
+_ABSENT = b"\x00replica:absent\x00"
+
+_KEY_LABEL = b"replica job store v1"
+
+
+def _quietly_timed(raw: dist.Store) -> bool:
+    """Whether a wait on ``raw`` may time out every ``_BLOCK_SLICE_S`` without a trace: etcd's
+    (a poll of its own, every 20 ms at most), not a TCPStore's (each wait that times out logs
+    two warnings from torch's C++, which no Python call silences: its waiters check instead)."""
+    return isinstance(getattr(raw, "inner", raw), EtcdStore)
+
+
+
+class _Verified:
+    """Values this job store verified, by key and signed bytes (a signature covers both,
+    and the job's key does not change): the registrations every commit's raise reads
+    again, unchanged, are verified once, not at each raise (1,024 ranks: half of the
+    raise's 40 ms of verifying). The least recently read go past ``_VERIFIED_KEPT``;
+    values are frozen records, shared safely."""
+
+    def __init__(self) -> None:
+        self._values: collections.OrderedDict[tuple[str, bytes], Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: str, raw: bytes) -> Any:
+        with self._lock:
+            value = self._values.get((path, raw))
+            if value is not None:
+                self._values.move_to_end((path, raw))
+            return value
+
+    def put(self, path: str, raw: bytes, value: Any) -> None:
+        with self._lock:
+            self._values[(path, raw)] = value
+            while len(self._values) > _VERIFIED_KEPT:
+                self._values.popitem(last=False)
+
+
+class JobStore:
+    """A torch.distributed ``Store`` seen through the schema: values are signed on
+    write and verified on read; the prefix is applied here and nowhere else.
+
+    Reads never raise on what is in the store: a forged, unsigned or malformed
+    value is logged (once per key and value) and read as absent. Waits have
+    deadlines. Thread-safe as far as the underlying store client is; give a
+    thread that must never wait behind another (heartbeats) a store of its own
+    (``reconnect``)."""
+
+    def __init__(self, store: dist.Store, *, token: bytes, prefix: str = "replica"):
+        if not isinstance(token, bytes) or not token:
+            raise ValueError("the job store needs the job's token")
+        self.raw = store
+        self.prefix = prefix
+        self._mac_key = hmac.new(token, _KEY_LABEL, hashlib.sha256).digest()
+        self._token = token
+        self._logged: set[tuple[str, bytes]] = set()
+        self._log_lock = threading.Lock()
+        self._verified = _Verified()
+        self._local = threading.local()  # each thread's own connection (``own``)
+
+    @classmethod
+    def of(cls, store: dist.Store | JobStore, *, token: bytes, prefix: str = "replica") -> JobStore:
+        """``store`` itself if it is a JobStore already, else a view of it."""
+        return store if isinstance(store, JobStore) else cls(store, token=token, prefix=prefix)
+
+    def __repr__(self) -> str:  # never the token
+        return f"JobStore(prefix={self.prefix!r})"
+
+    @property
+    def job(self) -> str:
+        """Which job this is (its token and prefix), as a name that reveals neither: what
+        per-job state in a process is keyed by (``replica.jobstore.commit.hint_generation``)."""
+        return hmac.new(self._mac_key, b"job\0" + self.prefix.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def reconnect(self, timeout: timedelta) -> JobStore:
+        """The same job store on a connection of its own (a ``TCPStore`` client, or an
+        ``EtcdStore`` whose calls time out after ``timeout``)."""
+        if isinstance(self.raw, EtcdStore):
+            config = dataclasses.replace(self.raw.config, request_timeout=timeout, unreachable_after=timeout)
+            return self._view(EtcdStore(config, fence=self.raw.fence))
+        return self._view(dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout))
+
+    def heartbeat(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta,
+                  store_after: timedelta = timedelta(seconds=1), liveness: tuple[str, int] | None = None):
+        """Start writing ``Heartbeat(member, beat)`` with a rising ``beat`` every ``period``
+        from a native thread on a TCP connection of its own (TCPStore only), signed as
+        ``put`` signs: it needs no GIL, so a main thread busy in Python does not delay
+        it. It beats while ``touch()`` was called within ``python_grace`` (a hung
+        interpreter is a dead role); ``stop()`` ends it. Returns the ``replica._C.Heartbeat``.
+
+        ``aim(host, port)`` sends the beats to the coordinator's liveness endpoint
+        (``liveness_server``, one UDP datagram each, the same signed value) instead of the
+        store, which then takes them only while no answer came for ``store_after``; each
+        answer carries the job's generation number (``generation``, ``reply_age``).
+        ``liveness``: aimed there from the first beat.
+
+        On etcd the native thread speaks the members' HTTP gateway; over https
+        (``EtcdConfig.ca_file``) the beat comes from a Python thread with the same
+        contract (``ThreadHeartbeat``), which waits for the GIL behind a busy main thread
+        and writes to the store only."""
+        if isinstance(self.raw, EtcdStore) and self.raw.config.ca_file:
+            return ThreadHeartbeat(self.reconnect(io_timeout), member, period=period, python_grace=python_grace)
+        aimed = {"liveness_host": liveness[0], "liveness_port": liveness[1]} if liveness is not None else {}
+        if isinstance(self.raw, EtcdStore):
+            config, full = self.raw.config, self.full(keys.heartbeat(member))
+            return _C.Heartbeat.on_etcd(endpoints=list(config.endpoints), user=config.user, password=config.password,
+                                        key=full, store_key=config.namespace + full, mac_key=self._mac_key,
+                                        member=member, period_s=period.total_seconds(),
+                                        io_timeout_s=io_timeout.total_seconds(),
+                                        python_grace_s=python_grace.total_seconds(),
+                                        store_after_s=store_after.total_seconds(), **aimed)
+        return _C.Heartbeat(host=self.raw.host, port=self.raw.port, key=self.full(keys.heartbeat(member)),
+                            mac_key=self._mac_key, member=member, period_s=period.total_seconds(),
+                            io_timeout_s=io_timeout.total_seconds(), python_grace_s=python_grace.total_seconds(),
+                            store_after_s=store_after.total_seconds(), **aimed)
+
+    def liveness_server(self, host: str, port: int = 0):
+        """The coordinator's liveness endpoint: a native thread on a UDP socket bound to
+        ``host:port`` (0: any free port) that verifies each role's beat (the value
+        ``heartbeat`` signs), keeps when each member's beat last rose (``ages``,
+        ``beats``) and answers it with the generation number set by ``set_generation``.
+        Returns the ``replica._C.LivenessServer``; ``stop()`` ends it."""
+        return _C.LivenessServer(host=host, port=port, prefix=self.prefix, mac_key=self._mac_key)
+
+    def full(self, key: Key | str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def sub(self, name: str) -> dist.Store:
+        """A raw store under ``{prefix}/{name}`` for torch's own rendezvous (unsigned)."""
+        return dist.PrefixStore(self.full(name), self.raw)
+
+    # signing
+
+    def sign(self, key: Key[T], value: T) -> bytes:
+        if not isinstance(value, key.value):
+            raise TypeError(f"{key.path} holds {key.value.__name__}, not {type(value).__name__}")
+        body = encode_value(value)
+        return body + b"\n" + self._mac(key, body).encode()
+
+    def verify(self, key: Key[T], raw: bytes) -> T:
+        """The value ``raw`` holds under ``key``; JobStateError if unsigned, forged or malformed.
+        A value verified before under the same key is not verified again (``_Verified``)."""
+        known = self._verified.get(key.path, raw)
+        if known is not None:
+            return known
+        body, sep, mac = raw.rpartition(b"\n")
+        if not sep or len(mac) != _MAC_HEX:
+            raise JobStateError(f"{self.full(key)} is not signed")
+        if not hmac.compare_digest(mac.decode("ascii", "replace"), self._mac(key, body)):
+            raise JobStateError(f"{self.full(key)} carries a wrong signature")
+        value = decode_value(key.value, body)
+        self._verified.put(key.path, raw, value)
+        return value
+
+    def _mac(self, key: Key, body: bytes) -> str:
+        return hmac.digest(self._mac_key, self.full(key).encode() + b"\0" + body, "sha256").hex()
+
+    def _ignored(self, key: Key, raw: bytes, exc: JobStateError) -> None:
+        with self._log_lock:
+            if (key.path, raw) in self._logged:
+                return
+            if len(self._logged) > 4096:
+                self._logged.clear()
+            self._logged.add((key.path, raw))
+        logger.warning("ignored a value of %s in the job store: %s", self.full(key), exc)
+
+    # typed access
+
+    def put(self, key: Key[T], value: T) -> None:
+        self.raw.set(self.full(key), self.sign(key, value))
+
+    def read(self, key: Key[T]) -> tuple[T | None, bytes | None]:
+        """(verified value or None, raw bytes or None when absent). One request: a
+        compare-and-set that can never write (``_ABSENT`` is no signed value) answers
+        with the value, or with ``_ABSENT`` when there is none (a ``get`` of a missing
+        key blocks, so a read was a ``check`` and a ``get``: two requests)."""
+        raw = self.read_raw(self.full(key))
+        if raw is None:
+            return None, None
+        try:
+            return self.verify(key, raw), raw
+        except JobStateError as exc:
+            self._ignored(key, raw, exc)
+            return None, raw
+
+    def read_raw(self, name: str) -> bytes | None:
+        """The bytes under the full key ``name`` as they are (unverified: a plain counter,
+        a join request signed its own way), or None when absent; one request (``read``)."""
+        raw = self.raw.compare_set(name, _ABSENT, _ABSENT)
+        return None if raw == _ABSENT else raw
+
+    def get(self, key: Key[T]) -> T | None:
+        """The verified value under ``key``, or None (absent, or not trustworthy: logged)."""
+        return self.read(key)[0]
+
+    @property
+    def reads_absent_together(self) -> bool:
+        """Whether ``get_many`` reads keys that may be absent in a few requests (etcd), not
+        one request each once any is absent (a TCPStore: its multi-get waits for every key)."""
+        return getattr(self.raw, "get_present", None) is not None
+
+    def get_many(self, keys_: Sequence[Key[T]]) -> list[T | None]:
+        full = [self.full(k) for k in keys_]
+        present = getattr(self.raw, "get_present", None)  # etcd: absent keys too, in one range each 128
+        if present is not None:
+            values = present(full)
+        elif not self.raw.check(full):
+            return [self.get(k) for k in keys_]
+        else:
+            values = self.raw.multi_get(full)
+        out: list[T | None] = []
+        for key, raw in zip(keys_, values):
+            if raw is None:
+                out.append(None)
+                continue
+            try:
+                out.append(self.verify(key, raw))
+            except JobStateError as exc:
+                self._ignored(key, raw, exc)
+                out.append(None)
+        return out
+
+    def has(self, key: Key) -> bool:
+        """True when ``key`` holds a verified value."""
+        return self.get(key) is not None
+
+    def delete(self, key: Key) -> None:
+        self.raw.delete_key(self.full(key))
+
+    def compare_set(self, key: Key[T], expected: bytes | None, value: T) -> tuple[T | None, bytes]:
+        """Write ``value`` if ``key`` still holds ``expected`` (raw bytes as read; None:
+        absent); returns what it holds after, verified (None if not trustworthy) and raw."""
+        new = self.sign(key, value)
+        raw = self.raw.compare_set(self.full(key), b"" if expected is None else expected, new)
+        if raw == new:
+            return value, raw
+        try:
+            return self.verify(key, raw), raw
+        except JobStateError as exc:
+            self._ignored(key, raw, exc)
+            return None, raw
+
+    def wait(self, key: Key[T], timeout: timedelta, *, what: str | None = None) -> T:
+        """Block until ``key`` holds a verified value; StoreWaitTimeoutError after ``timeout``.
+        Blocks in the store, on the calling thread's own connection (``wait_for``)."""
+        return self.wait_for(lambda store: store.get(key), wake=lambda: [key], timeout=timeout,
+                             what=what or self.full(key))
+
+    def wait_for(self, ready: Callable[[JobStore], T | None], *, wake: Callable[[], Sequence[Key | str]],
+                 timeout: timedelta, what: str, abort: Callable[[], None] | None = None,
+                 every: timedelta | None = None, poll: timedelta = _POLL_MOST,
+                 quiet: Callable[[], bool] | None = None, quiet_every: timedelta | None = None) -> T:
+        """Wait until ``ready(store)`` returns something other than None, and return it.
+
+        ``wake()`` names the keys whose existence announces that ``ready`` may have
+        changed (a new generation's ``failover/{g}``, a step's ``commit_reached``
+        marker): a hint only, never trusted, since ``ready`` reads the signed values.
+        Every store call of the wait goes over the calling thread's own connection
+        (``own``), so a wait never holds a connection another thread is using (a
+        heartbeat behind a blocking wait was a false death).
+
+        Without ``abort`` and ``every`` the wait blocks in the store until the wake
+        keys exist. With ``abort()`` (called between looks; it raises to end the wait)
+        or ``every`` (evaluate ``ready`` at least this often: for what no key
+        announces) it blocks in slices of at most 50 ms on etcd, and on a TCPStore
+        checks the wake keys' existence, pausing up to ``poll`` in between. While the wake keys exist but
+        ``ready`` still says no (a key written ahead of its value, or forged), and
+        with no wake keys at all, ``ready`` itself is polled, pausing up to ``poll``. StoreWaitTimeoutError
+        after ``timeout``; a store error (the store gone) is raised as it is.
+
+        ``quiet()``: True while something other than the store vouches that nothing the
+        wake keys announce happened (a fresh liveness answer with an unchanged generation
+        number): the wake keys are then not asked, and ``ready`` is evaluated every
+        ``quiet_every`` (``every`` if None) only, so a long wait costs the store almost
+        nothing."""
+        own = self.own()
+        deadline = time.monotonic() + timeout.total_seconds()
+        blocking = abort is None and every is None
+        delay, most = _POLL_FIRST, poll.total_seconds()
+        woken, evaluated = True, 0.0  # ready() is evaluated first
+        while True:
+            hushed = quiet is not None and quiet()
+            period = quiet_every if hushed and quiet_every is not None else every
+            if woken or (period is not None and time.monotonic() - evaluated >= period.total_seconds()):
+                value = ready(own)
+                if value is not None:
+                    return value
+                evaluated = time.monotonic()
+            if abort is not None:
+                abort()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreWaitTimeoutError(f"no {what} within {timeout}")
+            if hushed:
+                time.sleep(min(most, left))
+                woken = False
+                continue
+            names = [self.full(k) for k in wake()]
+            if blocking and names and not own.raw.check(names):
+                woken = own._block(names, timedelta(seconds=left))
+                delay = _POLL_FIRST
+                continue
+            if names and not woken and _quietly_timed(own.raw):
+                # The keys were absent at the last look: block on them in the store, a slice at a
+                # time (abort() and ready() between slices), not a check every few ms (N trainers
+                # each checking 500 times a second while they wait for a commit: 256 of them
+                # waiting on etcd put its commit a second behind the last ack).
+                due = left if period is None else evaluated + period.total_seconds() - time.monotonic()
+                woken = own._block(names, timedelta(seconds=max(0.001, min(left, _BLOCK_SLICE_S, due))))
+                delay = _POLL_FIRST
+                continue
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, most)
+            woken = not names or own.raw.check(names)
+
+    def own(self) -> JobStore:
+        """This job store on the calling thread's own connection (``TCPStore.clone``),
+        made at its first use in the thread. A store without connections (``HashStore``,
+        in-process, whose waits hold no lock) is shared as it is."""
+        own = getattr(self._local, "store", None)
+        if own is None:
+            # (a client wrapping a TCPStore, replica._testing.CountingStore, says so)
+            connects = isinstance(self.raw, dist.TCPStore) or getattr(self.raw, "clone_per_thread", False)
+            raw = self.raw.clone() if connects else self.raw
+            own = self._local.store = self if raw is self.raw else self._view(raw)
+        return own
+
+    def on(self, raw: dist.Store) -> JobStore:
+        """The same job (token, prefix) over another client of its store (a fenced one)."""
+        return self._view(raw)
+
+    def _view(self, raw: dist.Store) -> JobStore:
+        """The same job (key, prefix, log of ignored values) over another client."""
+        view = object.__new__(JobStore)
+        view.raw, view.prefix, view._mac_key, view._token = raw, self.prefix, self._mac_key, self._token
+        view._logged, view._log_lock, view._verified = self._logged, self._log_lock, self._verified
+        view._local = threading.local()
+        view._local.store = view
+        return view
+
+    def _block(self, names: list[str], timeout: timedelta) -> bool:
+        """Block until every key of ``names`` exists; False when ``timeout`` passed first."""
+        try:
+            self.raw.wait(names, timeout)
+            return True
+        except dist.DistStoreError:  # the wait timed out (a lost store is a DistNetworkError)
+            return False
+
+    # unsigned counters
+
+    def count(self, name: str, add: int = 0) -> int:
+        """Add to a plain counter (``keys.join_seq()`` ...) and return it."""
+        return self.raw.add(self.full(name), add)
