@@ -24,7 +24,7 @@ import torch
 from bench_results import cores_busy, cores_floor, machine, usable_cores, write_results
 from replica import ops
 from replica._testing import cpu_since, free_port, receive_bucketed, send_bucketed, spawn
-from replica.transport import Transport, shm
+from replica.transport import Transport, memfd
 from replica.transport.base import PIECE_BYTES, bucket_digest
 from replica.transport.ucx import UcxConfig, UcxTransport
 
@@ -57,7 +57,6 @@ UCX_PATHS = {
     "ucx_default": ("^cma,knem,xpmem", False),
     "ucx_default_verified": ("^cma,knem,xpmem", True),
 }
-
 
 
 def _transport_peer(pipe, make, device: str) -> None:
@@ -100,7 +99,8 @@ def _make_ipc() -> Transport:
 
 
 def _make_shm() -> Transport:
-    from replica.transport.ipc import IpcConfig, ShmTransport
+    from replica.transport.ipc import IpcConfig
+    from replica.transport.shm import ShmTransport
 
     return ShmTransport(IpcConfig(token=TOKEN, verify=True))
 
@@ -189,7 +189,7 @@ def _measure(benchmark, path, nbytes: int, device: str = "cpu", medians=_medians
     name, peer, one_round = path
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
     if shared:  # where the mirror's snapshots and the weight sync's packed version live for the shm backend
-        buf = shm.shared_empty(nbytes).copy_(buf)
+        buf = memfd.shared_empty(nbytes).copy_(buf)
     assert peer.request("size", nbytes) == ("ok",)
     rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
     warmup = 0 if benchmark.disabled else 2

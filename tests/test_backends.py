@@ -74,14 +74,14 @@ def test_a_shared_buffer_that_cannot_be_made_is_a_plain_one(monkeypatch, caplog)
     import errno
 
     from replica.transport.buffers import transfer_buffer
-    from replica.transport import shm
+    from replica.transport import memfd
 
     def no_memfd(nbytes, **_):
         raise OSError(errno.EMFILE, "Too many open files (injected)")
 
-    monkeypatch.setattr(shm, "shared_empty", no_memfd)
+    monkeypatch.setattr(memfd, "shared_empty", no_memfd)
     buf = transfer_buffer(1 << 20, shared=True)
-    assert buf.numel() == 1 << 20 and not buf.any() and shm.region_of(buf) is None
+    assert buf.numel() == 1 << 20 and not buf.any() and memfd.region_of(buf) is None
     assert any("cannot allocate" in r.getMessage() and "injected" in r.getMessage() for r in caplog.records)
 
 

@@ -280,12 +280,15 @@ def test_export_loads_back(committed_mirror, tmp_path):
     mirror, j = committed_mirror
     path = mirror.export(tmp_path)
     assert path.name == "rank00000.safetensors"
-    safetensors = pytest.importorskip("safetensors.torch")
-    tensors = safetensors.load_file(path)  # a standard safetensors file
+    from safetensors.torch import load_file
+    from test_export import assert_safe_open_reads
+
+    tensors = load_file(path)  # a standard safetensors file
     assert torch.equal(tensors["model.embed.weight"], j.model.embed.weight.detach())
     assert tensors["model.blocks.1.qkv.weight"].dtype == torch.bfloat16
     snapshot = replica.load_export(path)
     assert snapshot.step == 2
+    assert_safe_open_reads(path, snapshot)  # every tensor and the metadata, as load_export read them
     fresh = job(seed=5)
     replica.restore_snapshot(snapshot, fresh.model, fresh.optimizer, fresh.extra, rank=0, world_size=1)
     assert_state_equal(state_of(fresh), state_of(j))
@@ -361,14 +364,14 @@ def test_fetch_from_the_standby(committed_mirror, store):
 def test_fetch_from_the_standby_over_shared_memory(store):
     """Over the shm backend the standby's versions live in shared memory too: a fetch gets
     them offered where they lie, and restores exactly."""
-    from replica.transport import shm
+    from replica.transport import memfd
 
     j = job()
     cfg = config(**SHM)
     with mirrored(store, j, cfg) as (mirror, rep):
         trained(j, 2, rep)
         rep.wait_committed()
-        assert mirror.backend == "shm" and all(shm.region_of(s.buffer) is not None for s in mirror._slots)
+        assert mirror.backend == "shm" and all(memfd.region_of(s.buffer) is not None for s in mirror._slots)
         snapshot = replica.fetch_mirror(rank=0, world_size=1, store=store, config=cfg)
         assert snapshot.step == 2
         fresh = job(seed=5)

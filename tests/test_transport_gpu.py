@@ -11,8 +11,9 @@ import torch
 
 from replica.errors import TransportError
 from replica._testing import spawn
-from replica.transport import shm
-from replica.transport.ipc import HOST_OFFER_BYTES, MAX_EXPORTS, IpcConfig, IpcTransport, ShmTransport
+from replica.transport import memfd
+from replica.transport.ipc import HOST_OFFER_BYTES, MAX_EXPORTS, IpcConfig, IpcTransport
+from replica.transport.shm import ShmTransport
 from replica.transport.ucx import UcxConfig, UcxTransport
 
 from transport_contract import (CHECKS, STALL_CYCLES, MiB, T, check_round_trip_sizes, connected, empty, pattern,
@@ -246,6 +247,6 @@ def test_shm_host_buckets_to_a_cuda_peer_and_back(shared):
     GPU buffer, its digest checked there, and the peer's CUDA IPC export lands back in
     host memory here."""
     sizes = (HOST_OFFER_BYTES - 1, HOST_OFFER_BYTES, 3 * MiB + 5, 80 * MiB + 3)
-    alloc = shm.shared_empty if shared else (lambda n: torch.empty(n, dtype=torch.uint8))
+    alloc = memfd.shared_empty if shared else (lambda n: torch.empty(n, dtype=torch.uint8))
     conn = check_round_trip_sizes(make_shm, sizes, "cpu", peer_device="cuda", alloc=alloc)
     assert (conn.staged_sends > 0) != shared

@@ -21,9 +21,10 @@ import torch
 from replica.errors import PeerDisconnectedError, SharedMemoryUnavailableError, TransportError
 from replica._testing import spawn, wait_for
 from replica.transport import Locality, MemoryKind
-from replica.transport import shm
+from replica.transport import memfd
 from replica.transport.base import bucket_digest
-from replica.transport.ipc import HOST_OFFER_BYTES, MAX_HOST_BYTES, IpcConfig, IpcTransport, ShmTransport
+from replica.transport.ipc import HOST_OFFER_BYTES, MAX_HOST_BYTES, IpcConfig, IpcTransport
+from replica.transport.shm import ShmTransport
 
 from transport_contract import (
     CHECKS,
@@ -126,13 +127,13 @@ def test_capabilities_say_host_and_cuda_on_this_node():
 
 
 def test_shared_buffers_go_where_they_lie_others_are_staged():
-    """A bucket in ``shm.shared_empty`` memory is offered in place (no staging copy);
+    """A bucket in ``memfd.shared_empty`` memory is offered in place (no staging copy);
     any other host bucket is copied into a staging region first, which the next send
     reuses. Both arrive exact with the digest of the whole, offset-keyed."""
     n = 3 * MiB + 8
     with make_shm(b"job-token") as transport, spawn(peer_main, make_shm, b"job-token") as peer:
         conn = connected(transport, peer)
-        shared = shm.shared_empty(2 * n)
+        shared = memfd.shared_empty(2 * n)
         shared[n:].copy_(pattern(n, 11))
         peer.send("recv_verify", n, 70)
         sent = conn.send(shared[n:], tag=70, timeout=T, offset=8 * 1000)
@@ -203,14 +204,14 @@ def test_a_killed_senders_bucket_copies_out_whole_or_fails_cleanly():
 
 @contextlib.contextmanager
 def foreign_memfd(name: str, seals: int = 0):
-    """The record of a 4 KiB memfd that ``shm.shared_empty`` did not make: ``name``d so,
+    """The record of a 4 KiB memfd that ``memfd.shared_empty`` did not make: ``name``d so,
     sealed with ``seals``."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, 4096)
         if seals:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-        yield shm._RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, 4096)
+        yield memfd._RECORD.pack(os.getpid(), fd, os.fstat(fd).st_ino, 4096)
     finally:
         os.close(fd)
 
@@ -219,25 +220,26 @@ def test_an_unsealed_region_is_refused():
     """A region the peer could shrink under the reader (SIGBUS) is never mapped."""
     with foreign_memfd("replica-shm") as record:  # named as ours, but not sealed
         with pytest.raises(TransportError, match="not sealed"):
-            shm.map_region(record)
+            memfd.map_region(record)
 
 
 def test_a_record_of_another_file_is_refused():
-    held = shm.shared_empty(4096)
-    region = shm.region_of(held)
-    assert region is not None and shm.map_region(region.record).numel() == 4096
-    pid, fd, inode, size = shm._RECORD.unpack(region.record)
+    held = memfd.shared_empty(4096)
+    region = memfd.region_of(held)
+    assert region is not None and memfd.map_region(region.record).numel() == 4096
+    pid, fd, inode, size = memfd._RECORD.unpack(region.record)
     with pytest.raises(TransportError, match="not the peer's shared memory"):
-        shm.map_region(shm._RECORD.pack(pid, fd, inode + 1, size))
+        memfd.map_region(memfd._RECORD.pack(pid, fd, inode + 1, size))
     with pytest.raises(TransportError, match="same PID namespace"):
-        shm.map_region(shm._RECORD.pack(pid, 1 << 20, inode, size))
+        memfd.map_region(memfd._RECORD.pack(pid, 1 << 20, inode, size))
 
 
 _NAMESPACED_PEER = textwrap.dedent("""
     import sys
     from datetime import timedelta
     from replica.errors import TransportError
-    from replica.transport.ipc import IpcConfig, ShmTransport
+    from replica.transport.ipc import IpcConfig
+    from replica.transport.shm import ShmTransport
     with ShmTransport(IpcConfig(token=b"job-token")) as transport:
         try:
             transport.connect(sys.argv[1], timedelta(seconds=30))
@@ -290,7 +292,7 @@ def test_a_side_that_cannot_make_shared_memory_is_refused_with_the_typed_error(m
     import errno
     import threading
 
-    real = shm.shared_empty
+    real = memfd.shared_empty
     listener_side = failing == "listener"
 
     def no_memfd(nbytes):  # the listener's handshakes run on threads of their own
@@ -298,7 +300,7 @@ def test_a_side_that_cannot_make_shared_memory_is_refused_with_the_typed_error(m
             raise OSError(errno.EMFILE, "Too many open files (injected)")
         return real(nbytes)
 
-    monkeypatch.setattr(shm, "shared_empty", no_memfd)
+    monkeypatch.setattr(memfd, "shared_empty", no_memfd)
     with make_shm(b"job-token") as server, make_shm(b"job-token") as client:
         address = server.listen()
         with pytest.raises(SharedMemoryUnavailableError, match="could not make" if listener_side else "injected"):
@@ -310,19 +312,19 @@ def test_a_side_that_cannot_make_shared_memory_is_refused_with_the_typed_error(m
 
 
 def test_a_region_closes_its_file_when_its_tensor_is_freed():
-    held = shm.shared_empty(8192)
-    pid, fd, _, _ = shm._RECORD.unpack(shm.region_of(held[100:]).record)
-    assert shm.region_of(held[100:]).offset == 100
+    held = memfd.shared_empty(8192)
+    pid, fd, _, _ = memfd._RECORD.unpack(memfd.region_of(held[100:]).record)
+    assert memfd.region_of(held[100:]).offset == 100
     assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:replica-shm")
     view = held[10:20]
     del held
     gc.collect()
-    assert shm.region_of(view) is not None  # a view keeps its region
+    assert memfd.region_of(view) is not None  # a view keeps its region
     del view
     gc.collect()
     assert not os.path.exists(f"/proc/self/fd/{fd}") or not os.readlink(f"/proc/self/fd/{fd}").startswith(
         "/memfd:replica-shm")
-    assert shm.region_of(torch.zeros(10, dtype=torch.uint8)) is None
+    assert memfd.region_of(torch.zeros(10, dtype=torch.uint8)) is None
 
 
 def test_only_replica_regions_are_mapped():
@@ -330,26 +332,26 @@ def test_only_replica_regions_are_mapped():
     other programs make) is refused before anything is mapped."""
     with foreign_memfd("someone-else", fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) as record:
         with pytest.raises(TransportError, match="not a replica shared-memory region"):
-            shm.map_region(record)
+            memfd.map_region(record)
 
 
 def test_an_offer_of_another_processs_region_is_refused():
     """A connection maps only regions of the process its handshake proved: an offer naming
     a region of any other process (here: this one's own, as a peer that knows its fds
     could try) is a protocol error, and nothing is mapped."""
-    from replica.transport import ipc
+    from replica.transport import ipc_frames
 
-    held = shm.shared_empty(HOST_OFFER_BYTES)
-    record = shm.region_of(held).record
+    held = memfd.shared_empty(HOST_OFFER_BYTES)
+    record = memfd.region_of(held).record
     with make_shm(b"job-token") as transport, spawn(peer_main, make_shm, b"job-token") as peer:
         conn = connected(transport, peer)
         assert conn._peer_pid == peer.pid != os.getpid()
-        offer = ipc._OFFER_FIXED.pack(9, 0, 0, 77, 0, HOST_OFFER_BYTES, True) + bytes(64) + ipc._HOST_EXPORT + record
+        offer = ipc_frames.OFFER_FIXED.pack(9, 0, 0, 77, 0, HOST_OFFER_BYTES, True) + bytes(64) + ipc_frames.HOST_EXPORT + record
         with pytest.raises(TransportError, match="another process made"):
-            conn._on_control(ipc._OFFER, offer)
+            conn._on_control(ipc_frames.OFFER, offer)
         assert conn.num_imports == 0
         # Nor is such a region taken as a receive's buffer to push into.
-        want = ipc._WANT_FIXED.pack(9, 0, 78, 0, HOST_OFFER_BYTES, True) + ipc._HOST_EXPORT + record
+        want = ipc_frames.WANT_FIXED.pack(9, 0, 78, 0, HOST_OFFER_BYTES, True) + ipc_frames.HOST_EXPORT + record
         with pytest.raises(TransportError, match="another process made"):
-            conn._on_control(ipc._WANT, want)
+            conn._on_control(ipc_frames.WANT, want)
         assert conn.num_dest_imports == 0

@@ -19,7 +19,7 @@ from replica.errors import (
     TransferTimeoutError,
 )
 from replica._testing import Child, process_state, spawn
-from replica.transport import Connection, Transport, shm
+from replica.transport import Connection, Transport, memfd
 from replica.transport.base import PIECE_BYTES, bucket_digest
 
 MiB = 1 << 20
@@ -31,7 +31,7 @@ STALL_CYCLES = 4_000_000_000
 MakeTransport = Callable[..., Transport]
 
 
-#: A ``device`` for the checks: host memory in shared-memory regions (``shm.shared_empty``),
+#: A ``device`` for the checks: host memory in shared-memory regions (``memfd.shared_empty``),
 #: which a peer on the shm backend maps, and may push into.
 SHARED = "shared"
 
@@ -40,13 +40,13 @@ def pattern(nbytes: int, seed: int, device: str = "cpu") -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
     if device == SHARED:
-        return shm.shared_empty(nbytes).copy_(data)
+        return memfd.shared_empty(nbytes).copy_(data)
     return data.to(device)
 
 
 def empty(nbytes: int, device: str, fill: int | None = None) -> torch.Tensor:
     if device == SHARED:
-        buf = shm.shared_empty(nbytes)
+        buf = memfd.shared_empty(nbytes)
         return buf if fill is None else buf.fill_(fill)
     if fill is None:
         return torch.empty(nbytes, dtype=torch.uint8, device=device)

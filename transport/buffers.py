@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from replica.transport import shm
+from replica.transport import memfd
 
 __all__ = ["transfer_buffer"]
 
@@ -27,7 +27,7 @@ def transfer_buffer(nbytes: int, *, device: torch.device | str = "cpu", pin_memo
     pin = device.type == "cpu" and pin_memory and torch.cuda.is_available()
     if device.type == "cpu" and shared:
         try:
-            return shm.shared_empty(nbytes, pinned=pin)
+            return memfd.shared_empty(nbytes, pinned=pin)
         except OSError as exc:  # no memfd here (out of descriptors, a seccomp filter): still a buffer
             logger.warning("cannot allocate %d bytes of shared memory (%s): a plain buffer instead (the shm "
                            "backend copies its buckets into shared memory, or its peers fall back)", nbytes, exc)

@@ -32,7 +32,7 @@ _BACKENDS = {
     "ucx": ("replica.transport.ucx", "UcxTransport", "UcxConfig", "ucxx"),
     "gloo": ("replica.transport.gloo", "GlooTransport", "GlooConfig", None),
     "ipc": ("replica.transport.ipc", "IpcTransport", "IpcConfig", None),
-    SHM_BACKEND: ("replica.transport.ipc", "ShmTransport", "IpcConfig", None),
+    SHM_BACKEND: ("replica.transport.shm", "ShmTransport", "IpcConfig", None),
 }
 
 

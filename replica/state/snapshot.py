@@ -112,7 +112,7 @@ class Snapshot:
     host (``replica.state.placement``). ``pin_memory`` pins a host buffer when CUDA is
     present, so copies to and from a GPU run asynchronously at full speed.
     ``shared`` puts a host buffer that is not pinned in shared memory
-    (``replica.transport.shm``), so the shm backend sends its buckets without a
+    (``replica.transport.memfd``), so the shm backend sends its buckets without a
     staging copy (``replica.transport.buffers.transfer_buffer``).
 
     ``digests`` holds one digest per ``layout.buckets()`` entry, taken when the
