@@ -8,7 +8,6 @@ flip really changed what the digest sees."""
 from __future__ import annotations
 
 import json
-import struct
 import time
 from datetime import timedelta
 
@@ -22,6 +21,7 @@ from replica.state.export import load_export, write_export
 from replica.state.snapshot import Snapshot, bucket_digests
 from replica._testing import spawn, wait_for
 from replica.transport.base import bucket_digest
+from test_export import assert_safe_open_reads
 from test_mirror_integrity import assert_state_equal, config, job, mirrored, state_of, trained
 
 T = timedelta(seconds=30)
@@ -247,14 +247,14 @@ def test_a_flip_with_no_trainer_to_repair_it_stays_refused(store):
 
 
 def _rewrite_metadata(path, change) -> None:
-    """Rewrite the JSON header of an export (safetensors: 8-byte length, header, body)."""
-    data = path.read_bytes()
-    (n,) = struct.unpack_from("<Q", data)
-    header = json.loads(data[8:8 + n])
-    change(header["__metadata__"])
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    """Rewrite the metadata of an export: the same tensors, the metadata ``change`` made."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    change(meta)
+    save_file(load_file(path), path, metadata=meta)
 
 
 def test_an_export_written_before_offset_keyed_digests_is_still_checked(tmp_path):
@@ -277,9 +277,10 @@ def test_an_export_written_before_offset_keyed_digests_is_still_checked(tmp_path
     _rewrite_metadata(path, to_protocol_1)
     loaded = load_export(path)
     assert loaded.digests == snapshot.digests and torch.equal(loaded.buffer, snapshot.buffer)
+    assert_safe_open_reads(path, loaded)
 
     data = bytearray(path.read_bytes())
-    data[-100] ^= 0x01  # a byte of the body (the extras sit last)
+    data[-100] ^= 0x01  # a byte of the body (of the last tensor safetensors wrote: every byte is in a bucket)
     path.write_bytes(bytes(data))
     with pytest.raises(SnapshotCorruptedError, match="changed since the file was written"):
         load_export(path)

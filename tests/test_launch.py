@@ -19,6 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from replica.state.export import export_path, load_export, resumable, step_folder
+from test_export import assert_safe_open_reads
 from replica.roles.report import compare_reports
 from replica._testing import busy_cores, process_state
 
@@ -328,6 +329,7 @@ def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path, options):
     assert "rank(s) [1] have no copy of it left" in failure, failure
     exported = load_export(export_path(step_folder(export, commit), 0))  # checked against its digests
     assert exported.step == commit and not export_path(step_folder(export, commit), 1).exists()
+    assert_safe_open_reads(export_path(step_folder(export, commit), 0), exported)
 
 
 @pytest.mark.slow  # tests/test_rl.py and tests/test_hosts.py start roles by hand beside `replica coordinator`
@@ -461,6 +463,8 @@ def test_coordinator_killed_roles_export_and_the_job_resumes_from_the_export(tmp
         assert f'{EXAMPLE.name}", line' not in output, output[-3000:]  # the script did not die of an exception
     step, folder = resumable(export, 2)
     assert step >= 4 and folder == step_folder(export, step), (step, folder)
+    for written in sorted(export.glob("step*/rank*.safetensors")):  # every file the roles exported
+        assert_safe_open_reads(written, load_export(written))
 
     code, resumed, output = launch(tmp_path, "--resume", str(export), name="resumed")
     assert code == 0, output[-4000:]

@@ -8,25 +8,23 @@ loopback unless configured otherwise, and the data path stays free to be fast.
 The accepting side runs each socket's handshake on a thread of its own under
 its own deadline, and ``accept()`` hands out only finished ones (see
 ``EndpointConfig``): a slow peer, or a crowd of silent sockets, delays no one.
+
+Here: the connection and transport every controlled backend (UCX, gloo, IPC, shm)
+builds on. Its parts: ``handshake`` (the token handshake and the listening socket),
+``framing`` (frames and the monitor thread that reads every socket), ``endpoint``
+(the configuration and where a peer is); their public names are re-exported here.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import hmac
-import ipaddress
 import itertools
 import logging
-import selectors
 import socket
-import struct
 import threading
 import time
 from abc import abstractmethod
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from replica.errors import (
@@ -36,8 +34,20 @@ from replica.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from replica.transport import wire
-from replica.transport.base import Connection, Locality, Transport, check_verify_threads
+from replica.transport.base import Connection, Locality, Transport
+from replica.transport.endpoint import EndpointConfig, is_local_address, keep_alive, peer_locality
+from replica.transport.framing import BYE, ControlMonitor, GRACEFUL, encode_frame
+from replica.transport.handshake import (
+    ControlServer,
+    HandshakeDeadline,
+    answer_challenge,
+    await_hello,
+    client_handshake,
+    exchange_verdicts,
+    parse_address,
+    send_welcome,
+    server_handshake,
+)
 
 __all__ = [
     "BYE",
@@ -57,282 +67,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"address must look like HOST:PORT, got {address!r}")
-    return host.strip("[]"), int(port)
-
-
-class _Deadline:
-    def __init__(self, timeout_s: float, what: str):
-        self.end = time.monotonic() + timeout_s
-        self.what = what
-
-    def remaining(self) -> float:
-        left = self.end - time.monotonic()
-        if left <= 0:
-            raise TransferTimeoutError(f"{self.what} timed out")
-        return left
-
-
-def _recv_exact(sock: socket.socket, n: int, deadline: _Deadline) -> bytes:
-    chunks = []
-    while n:
-        sock.settimeout(deadline.remaining())
-        try:
-            chunk = sock.recv(n)
-        except TimeoutError as exc:
-            raise TransferTimeoutError(f"{deadline.what} timed out") from exc
-        except OSError as exc:
-            raise PeerDisconnectedError(f"{deadline.what}: {exc}") from exc
-        if not chunk:
-            raise PeerDisconnectedError(f"{deadline.what}: peer closed the connection")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-def _send_all(sock: socket.socket, data: bytes, deadline: _Deadline) -> None:
-    sock.settimeout(deadline.remaining())
-    try:
-        sock.sendall(data)
-    except TimeoutError as exc:
-        raise TransferTimeoutError(f"{deadline.what} timed out") from exc
-    except OSError as exc:
-        raise PeerDisconnectedError(f"{deadline.what}: {exc}") from exc
-
-
-# A verdict's reason, at most (longer ones are cut).
-_MAX_VERDICT_BYTES = 1024
-
-
-def exchange_verdicts(sock: socket.socket, reason: str, *, peer: str, timeout_s: float) -> str:
-    """Tell the peer whether this side accepts the data path the handshake offered (``reason``:
-    why not, "" when it does) and return the peer's own verdict, within ``timeout_s``. Both
-    sides send first, then read, so neither waits on the other; called from ``_open``, before
-    the control monitor reads the socket."""
-    deadline = _Deadline(timeout_s, f"handshake with {peer}")
-    said = reason.encode("utf-8", "replace")[:_MAX_VERDICT_BYTES]
-    _send_all(sock, struct.pack("<H", len(said)) + said, deadline)
-    (n,) = struct.unpack("<H", _recv_exact(sock, 2, deadline))
-    if n > _MAX_VERDICT_BYTES:
-        raise TransportError(f"{peer} sent a {n}-byte verdict in its handshake")
-    said = _recv_exact(sock, n, deadline).decode("utf-8", "replace") if n else ""
-    return "".join(c if c.isprintable() else "?" for c in said)  # it is logged: no control characters
-
-
-MAX_ADDRESS_BYTES = 1 << 16
-
-
-def _read_address(sock, deadline):
-    def read(length: int) -> bytes:
-        if length > MAX_ADDRESS_BYTES:
-            raise ValueError(f"peer announced a {length}-byte address")
-        return _recv_exact(sock, length, deadline)
-    return read
-
-
-def _await_hello(sock: socket.socket, *, peer: str, token: bytes, deadline: _Deadline) -> wire.Hello:
-    """Server side, first half: challenge the client and check its proof of the token.
-
-    Junk or a wrong proof is an AuthenticationError (logged: who, never the token);
-    a client that vanishes or stalls meanwhile is a PeerDisconnectedError or
-    TransferTimeoutError, since that is no evidence of a wrong token."""
-    nonce = wire.new_nonce()
-    _send_all(sock, wire.encode_challenge(nonce), deadline)
-    try:
-        hello = wire.Hello.decode(_recv_exact(sock, wire.Hello.fixed_size(), deadline),
-                                  _read_address(sock, deadline))
-    except ValueError as exc:
-        logger.warning("refused connection from %s: no valid job token (%s)", peer, exc)
-        raise AuthenticationError(f"{peer} did not present a job token: {exc}") from exc
-    if not hmac.compare_digest(hello.proof, wire.proof(token, nonce, b"client")):
-        logger.warning("refused connection from %s: wrong job token", peer)
-        refusal = wire.Welcome(accepted=False, proof=bytes(wire.PROOF_BYTES), inbound_id=0, address=b"")
-        with contextlib.suppress(TransportError):  # refused either way, even if it is gone already
-            _send_all(sock, refusal.encode(), deadline)
-        raise AuthenticationError(f"{peer} presented a wrong job token")
-    return hello
-
-
-def _send_welcome(sock: socket.socket, hello: wire.Hello, *, token: bytes, address: bytes,
-                  inbound_id: int, deadline: _Deadline) -> None:
-    """Server side, second half: prove the token back and tell the client where to send."""
-    welcome = wire.Welcome(accepted=True, proof=wire.proof(token, hello.nonce, b"server"),
-                           inbound_id=inbound_id, address=address)
-    _send_all(sock, welcome.encode(), deadline)
-
-
-def server_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
-                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
-    """Challenge the client for the job token; returns its data address and tag id.
-
-    Raises AuthenticationError for a missing or wrong token; PeerDisconnectedError
-    or TransferTimeoutError (retryable) when the client closes or stalls."""
-    deadline = _Deadline(timeout_s, f"handshake with {peer}")
-    hello = _await_hello(sock, peer=peer, token=token, deadline=deadline)
-    _send_welcome(sock, hello, token=token, address=address, inbound_id=inbound_id, deadline=deadline)
-    return hello.address, hello.inbound_id
-
-
-def _client_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
-                      inbound_id: int, deadline: _Deadline) -> tuple[bytes, int]:
-    try:
-        server_nonce = wire.decode_challenge(_recv_exact(sock, wire.CHALLENGE_BYTES, deadline))
-    except ValueError as exc:
-        raise TransportError(f"{peer} is not a replica endpoint: {exc}") from exc
-    nonce = wire.new_nonce()
-    hello = wire.Hello(proof=wire.proof(token, server_nonce, b"client"), nonce=nonce,
-                       inbound_id=inbound_id, address=address)
-    _send_all(sock, hello.encode(), deadline)
-    # A server that refuses the token says so in its Welcome: an EOF or a stall
-    # here (it died, dropped a stalled handshake, or was at its cap) stays a
-    # PeerDisconnectedError / TransferTimeoutError, which callers may retry.
-    try:
-        welcome = wire.Welcome.decode(_recv_exact(sock, wire.Welcome.fixed_size(), deadline),
-                                      _read_address(sock, deadline))
-    except ValueError as exc:
-        raise TransportError(f"{peer} is not a replica endpoint: {exc}") from exc
-    if not welcome.accepted:
-        raise AuthenticationError(f"{peer} refused this side's job token")
-    if not hmac.compare_digest(welcome.proof, wire.proof(token, nonce, b"server")):
-        raise AuthenticationError(f"{peer} could not prove it holds the job token")
-    return welcome.address, welcome.inbound_id
-
-
-def client_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
-                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
-    """Answer the server's challenge and check its own proof; returns its data address and tag id.
-
-    Raises AuthenticationError when the server refuses this side's token or cannot
-    prove its own; PeerDisconnectedError or TransferTimeoutError (retryable) when
-    it closes or stalls."""
-    return _client_handshake(sock, peer=peer, token=token, address=address, inbound_id=inbound_id,
-                             deadline=_Deadline(timeout_s, f"handshake with {peer}"))
-
-
-class ControlServer:
-    """The listening socket (loopback unless told otherwise)."""
-
-    def __init__(self, host: str, port: int):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(64)
-        bound_host, bound_port = self._sock.getsockname()[:2]
-        self.address = f"[{bound_host}]:{bound_port}" if family == socket.AF_INET6 else f"{bound_host}:{bound_port}"
-
-    def accept(self, timeout_s: float) -> tuple[socket.socket, str]:
-        self._sock.settimeout(timeout_s)
-        try:
-            sock, addr = self._sock.accept()
-        except TimeoutError as exc:
-            raise TransferTimeoutError(f"no peer connected to {self.address} within {timeout_s:.3f} s") from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock, f"{addr[0]}:{addr[1]}"
-
-    def shutdown(self) -> None:
-        """Wake a thread blocked in ``accept`` (it raises OSError); ``close`` follows."""
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._sock.close()
-
-
-#: Frames on the control socket after the handshake: kind (u8), length (u32), payload.
-_FRAME = struct.Struct("<BI")
-BYE = 0xFF  # the peer closes on purpose
-MAX_FRAME_BYTES = 1 << 20
-GRACEFUL = "peer closed the connection"  # it sent BYE
-#: How long a control-frame send may block before the connection counts as dead.
-SEND_TIMEOUT_S = 10.0
-
-
-def encode_frame(kind: int, payload: bytes = b"") -> bytes:
-    return _FRAME.pack(kind, len(payload)) + payload
-
-
-class ControlMonitor:
-    """One thread reading every control socket of a transport: it hands framed
-    messages to their connection and tells it when the peer is gone.
-
-    epoll allows registering while another thread waits, so watch/forget need
-    no wake-up; the one-second select timeout only bounds how long close() waits.
-    """
-
-    def __init__(self) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._stopped = threading.Event()
-        # Set when a socket is watched: an idle monitor (nothing to select on) wakes at
-        # once, not at its next look, so a new connection's first frames wait for nothing.
-        self._watched = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="replica-control-monitor", daemon=True)
-        self._thread.start()
-
-    def watch(self, sock: socket.socket, conn: ControlledConnection) -> None:
-        # Timeout mode, not non-blocking: recv runs only after select said the
-        # socket is readable, and a frame send may block for a bounded time.
-        sock.settimeout(SEND_TIMEOUT_S)
-        self._selector.register(sock, selectors.EVENT_READ, (conn, bytearray()))
-        self._watched.set()
-
-    def forget(self, sock: socket.socket) -> None:
-        try:
-            self._selector.unregister(sock)
-        except (KeyError, ValueError):
-            pass
-
-    def close(self) -> None:
-        self._stopped.set()
-        self._watched.set()
-        self._thread.join(timeout=5)
-        self._selector.close()
-
-    def _run(self) -> None:
-        while not self._stopped.is_set():
-            if not self._selector.get_map():
-                self._watched.wait(0.05)
-                self._watched.clear()
-                continue
-            for key, _ in self._selector.select(timeout=1.0):
-                conn, pending = key.data
-                reason = self._read(key.fileobj, conn, pending)
-                if reason is not None:
-                    self.forget(key.fileobj)
-                    conn._peer_lost(reason)
-
-    @staticmethod
-    def _read(sock: socket.socket, conn: ControlledConnection, pending: bytearray) -> str | None:
-        try:
-            data = sock.recv(1 << 16)
-        except (BlockingIOError, TimeoutError):
-            return None
-        except OSError as exc:
-            return f"control connection failed: {exc}"
-        if not data:
-            return "peer closed the connection or died"
-        pending += data
-        while len(pending) >= _FRAME.size:
-            kind, length = _FRAME.unpack_from(pending)
-            if kind == BYE:
-                return GRACEFUL
-            if length > MAX_FRAME_BYTES:
-                return f"peer sent a {length}-byte control frame"
-            if len(pending) < _FRAME.size + length:
-                break
-            payload = bytes(pending[_FRAME.size:_FRAME.size + length])
-            del pending[:_FRAME.size + length]
-            try:
-                conn._on_control(kind, payload)
-            except Exception as exc:  # noqa: BLE001 - a bad frame ends the connection, not the monitor
-                return f"bad control frame {kind}: {exc}"
-        return None
-
 
 _MAX_CONNECTIONS = (1 << 16) - 1
 #: How often the accept thread looks whether the transport closed (close() also wakes it).
@@ -363,99 +97,6 @@ class _RateLimitedLog:
         if skipped:
             msg += f" ({skipped} more like it in the last {self._interval_s:.0f} s)"
         logger.warning(msg, *args)
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class EndpointConfig:
-    """What every backend's config has: the job token, where ``listen()`` binds
-    (loopback unless told otherwise), whether buckets carry digests, and how
-    accepted connections authenticate.
-
-    Each accepted connection proves the token and opens its data path on a
-    thread of its own, within ``handshake_timeout`` whatever timeout the caller
-    gives ``accept()``; ``accept()`` only hands out connections that finished,
-    so a slow or silent peer delays no other. One that takes longer is dropped,
-    and its ``connect()`` sees a retryable TransportError. At most
-    ``max_pending_handshakes`` handshakes run at once: a socket accepted beyond
-    that is closed at once (logged at most every few seconds), so idle or junk
-    sockets cannot use up threads; a genuine peer refused that way also sees a
-    retryable PeerDisconnectedError.
-    """
-
-    token: bytes
-    host: str = "127.0.0.1"
-    port: int = 0
-    verify: bool = True
-    # Threads a receiver hashes each piece of a host-memory bucket with, while
-    # the next arrives (0: every core this process may run on but two, which
-    # stay with the transport and the caller; at least one, at most AUTO_VERIFY_THREADS_MAX).
-    verify_threads: int = 0
-    handshake_timeout: timedelta = timedelta(seconds=10)
-    max_pending_handshakes: int = 64
-    # A peer whose machine stops answering (lost, or cut off by a partition: no
-    # reset ever comes) is reported lost after about this long, by the kernel's
-    # TCP keepalive on the control socket (see ``keep_alive``). A live process
-    # that is slow or stopped still answers: its kernel does.
-    peer_silence: timedelta = timedelta(seconds=5)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.token, bytes) or not self.token:
-            raise ValueError("token must be non-empty bytes (the job's secret)")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        check_verify_threads(self.verify_threads)
-        if not isinstance(self.handshake_timeout, timedelta) or self.handshake_timeout <= timedelta(0):
-            raise ValueError(f"handshake_timeout must be a positive timedelta, got {self.handshake_timeout!r}")
-        if isinstance(self.max_pending_handshakes, bool) or not isinstance(self.max_pending_handshakes, int) \
-                or self.max_pending_handshakes < 1:
-            raise ValueError(f"max_pending_handshakes must be an int >= 1, got {self.max_pending_handshakes!r}")
-        if not isinstance(self.peer_silence, timedelta) or self.peer_silence < timedelta(seconds=2):
-            raise ValueError(f"peer_silence must be a timedelta of at least 2 s, got {self.peer_silence!r}")
-
-    def __repr__(self) -> str:  # never print the token
-        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.name != "token")
-        return f"{type(self).__name__}({shown})"
-
-
-def keep_alive(sock: socket.socket, silence: timedelta) -> None:
-    """Have the kernel fail ``sock`` once its peer's machine has not answered for about
-    ``silence``: keepalive probes each second after a second idle, and a limit on how
-    long sent data may stay unacknowledged. Where the platform lacks an option
-    (not Linux), the one it has stays; heartbeats find the peer all the same."""
-    seconds = max(2, int(silence.total_seconds()))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", seconds - 1),
-                        ("TCP_USER_TIMEOUT", seconds * 1000)):
-        option = getattr(socket, name, None)
-        if option is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, option, value)
-
-
-def is_local_address(host: str) -> bool:
-    """Whether ``host`` (an IP address) is one of this network namespace's own: a
-    socket can bind it. Peers in other namespaces (other machines, containers,
-    the test cluster's hosts) are not local even when they share /dev/shm."""
-    try:
-        address = ipaddress.ip_address(host.split("%")[0])
-    except ValueError:
-        return False
-    if address.is_loopback:
-        return True
-    with socket.socket(socket.AF_INET6 if address.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.bind((host, 0))
-        except OSError:
-            return False
-    return True
-
-
-def peer_locality(sock: socket.socket) -> Locality:
-    """SAME_NODE when the control socket's peer has an address of this host."""
-    try:
-        host = sock.getpeername()[0]
-    except OSError:
-        return Locality.REMOTE
-    return Locality.SAME_NODE if is_local_address(host) else Locality.REMOTE
 
 
 class ControlledConnection(Connection):
@@ -636,21 +277,21 @@ class ControlledTransport(Transport):
 
     def _establish(self, sock: socket.socket, peer: str, *, server: bool, timeout_s: float) -> ControlledConnection:
         """Handshake and open the data path; the caller closes ``sock`` if this raises."""
-        deadline = _Deadline(timeout_s, f"handshake with {peer}")
+        deadline = HandshakeDeadline(timeout_s, f"handshake with {peer}")
         keep_alive(sock, self._peer_silence)
         # The server offers (and takes an id) only once the token is proven:
         # junk sockets cost no backend state.
-        hello = _await_hello(sock, peer=peer, token=self._token, deadline=deadline) if server else None
+        hello = await_hello(sock, peer=peer, token=self._token, deadline=deadline) if server else None
         recv_id = next(self._ids)
         if recv_id > _MAX_CONNECTIONS:
             raise TransportError(f"more than {_MAX_CONNECTIONS} connections on one transport")
         offer, state = self._offer(server, peer_locality(sock))
         try:
             if hello is not None:
-                _send_welcome(sock, hello, token=self._token, address=offer, inbound_id=recv_id, deadline=deadline)
+                send_welcome(sock, hello, token=self._token, address=offer, inbound_id=recv_id, deadline=deadline)
                 peer_offer, send_id = hello.address, hello.inbound_id
             else:
-                peer_offer, send_id = _client_handshake(sock, peer=peer, token=self._token, address=offer,
+                peer_offer, send_id = answer_challenge(sock, peer=peer, token=self._token, address=offer,
                                                         inbound_id=recv_id, deadline=deadline)
             try:
                 conn = self._open(sock=sock, peer=peer, peer_offer=peer_offer, send_id=send_id,

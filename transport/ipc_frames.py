@@ -7,7 +7,7 @@ import struct
 
 
 from replica.transport.base import valid_offset
-from replica.transport.control import MAX_FRAME_BYTES
+from replica.transport.framing import MAX_FRAME_BYTES
 from replica.transport.wire import HEADER_BYTES, BucketHeader
 
 __all__ = [

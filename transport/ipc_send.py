@@ -14,7 +14,7 @@ import torch
 from replica import ops
 from replica.errors import TransportError
 from replica.transport import memfd
-from replica.transport.control import MAX_FRAME_BYTES
+from replica.transport.framing import MAX_FRAME_BYTES
 from replica.transport.ipc_cuda import (
     Bucket,
     Export,

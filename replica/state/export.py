@@ -1,14 +1,15 @@
 """A committed snapshot as a safetensors file: the rank's local shards and
 optimizer state under their layout names, the encoded extras as the uint8
 tensor ``replica.extras``, and the layout JSON and step in the metadata.
-Readable by any safetensors reader; ``load_export`` turns it back into a
-``Snapshot`` that restores like a mirror does."""
+Written and read with the ``safetensors`` package, so any safetensors reader
+reads it; ``load_export`` turns it back into a ``Snapshot`` that restores like
+a mirror does. Files of the hand-written writer before (the same tensors and
+metadata, the tensors in layout order) are standard safetensors files too, and load the same."""
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import threading
 from pathlib import Path
 
@@ -22,13 +23,11 @@ from replica.transport.base import bucket_digest
 __all__ = ["EXTRAS_KEY", "export_path", "load_export", "resumable", "step_folder", "write_export"]
 
 EXTRAS_KEY = "replica.extras"
-_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-}
-_LENGTH = struct.Struct("<Q")
+# The dtypes a safetensors file has a code for (F64, F32, F16, BF16, F8_E4M3, F8_E5M2, I64 ... U8, BOOL).
+_DTYPES = frozenset({
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+})
 # Digests whose words are keyed from each bucket's offset in the snapshot (protocol 2).
 _KEYED_BY_OFFSET = "offset"
 
@@ -66,73 +65,96 @@ def resumable(directory: str | Path, world_size: int) -> tuple[int, Path]:
                        f"{seen or 'none'})")
 
 
+def _open(path: str | Path):
+    """``safetensors.safe_open`` on ``path``; ReplicaError (not the package's own error) for a
+    file it cannot read as safetensors: truncated, grown, or a header that does not parse.
+    A file that is not there stays a FileNotFoundError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except SafetensorError as exc:
+        raise ReplicaError(f"{path} is not a readable safetensors file ({exc}); it is not used") from exc
+
+
 def _step_of(path: Path) -> int:
-    with open(path, "rb") as f:
-        (n,) = _LENGTH.unpack(f.read(_LENGTH.size))
-        header = json.loads(f.read(n))
-    meta = header.get("__metadata__", {})
+    with _open(path) as f:
+        meta = f.metadata() or {}
     if "replica.step" not in meta:
         raise ReplicaError(f"{path} is not a replica export (no step in its metadata)")
     return int(meta["replica.step"])
 
 
 def write_export(snapshot: Snapshot, path: str | Path) -> Path:
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
     if snapshot.step is None:
         raise ReplicaError("export of a snapshot that holds no state")
     layout = snapshot.layout
     buffer = snapshot.buffer.cpu()
     extras = snapshot.extras()
-    header: dict[str, object] = {
-        "__metadata__": {"format": "pt", "replica.state.layout": layout.to_json(), "replica.step": str(snapshot.step)},
-    }
+    metadata = {"format": "pt", "replica.state.layout": layout.to_json(), "replica.step": str(snapshot.step)}
     if snapshot.digests is not None:  # the bucket digests it was received with: load_export checks them
-        header["__metadata__"]["replica.digests"] = json.dumps(snapshot.digests)
-        header["__metadata__"]["replica.digests_keyed"] = _KEYED_BY_OFFSET
-    pieces = []
-    end = 0
+        metadata["replica.digests"] = json.dumps(snapshot.digests)
+        metadata["replica.digests_keyed"] = _KEYED_BY_OFFSET
+    # Views of the buffer, no copies: safetensors writes each from where it lies.
+    tensors = {}
     for e in layout.entries:
         if e.dtype not in _DTYPES:
             raise ReplicaError(f"{e.name}: safetensors has no dtype for {e.dtype}")
-        header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [end, end + e.nbytes]}
-        pieces.append(buffer[e.offset:e.offset + e.nbytes])
-        end += e.nbytes
-    header[EXTRAS_KEY] = {"dtype": "U8", "shape": [len(extras)], "data_offsets": [end, end + len(extras)]}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+        tensors[e.name] = buffer[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+    tensors[EXTRAS_KEY] = (torch.frombuffer(bytearray(extras), dtype=torch.uint8) if extras
+                           else torch.empty(0, dtype=torch.uint8))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.{threading.get_ident()}.tmp")  # two writers of one file
-    with open(tmp, "wb") as f:
-        f.write(_LENGTH.pack(len(text)))
-        f.write(text)
-        for piece in pieces:
-            f.write(piece.numpy().data)
-        f.write(extras)
+    try:
+        # The mode a file created here gets (0o666 less the umask), as exports always had:
+        # safetensors writes a private temporary file (0600) and renames it over ``tmp``.
+        with open(tmp, "wb") as f:
+            mode = os.fstat(f.fileno()).st_mode & 0o777
+        save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, mode)
+    except SafetensorError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ReplicaError(f"could not write {path}: {exc}") from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)  # never a half-written file under the final name
     return path
 
 
 def load_export(path: str | Path) -> Snapshot:
     """The snapshot stored in an exported file (restore it with ``replica.restore_snapshot``),
-    checked against the digests written with it (SnapshotCorruptedError if it changed)."""
-    data = Path(path).read_bytes()
-    (n,) = _LENGTH.unpack_from(data)
-    header = json.loads(data[_LENGTH.size:_LENGTH.size + n])
-    meta = header.pop("__metadata__", {})
-    if "replica.state.layout" not in meta:
-        raise ReplicaError(f"{path} is not a replica export (no layout in its metadata)")
-    layout = StateLayout.from_json(meta["replica.state.layout"])
-    body = memoryview(data)[_LENGTH.size + n:]
-
-    def view(name: str, dtype: torch.dtype, shape) -> torch.Tensor:
-        lo, hi = header[name]["data_offsets"]
-        raw = torch.frombuffer(bytearray(body[lo:hi]), dtype=torch.uint8) if hi > lo else torch.empty(0, dtype=torch.uint8)
-        return raw.view(dtype).reshape(shape)
-
-    tensors = [view(e.name, dtype_of(e.dtype), e.shape) for e in layout.entries]
-    extras = view(EXTRAS_KEY, torch.uint8, (-1,)).numpy().tobytes()
+    checked against the digests written with it (SnapshotCorruptedError if it changed).
+    ReplicaError for a file that is not a readable safetensors file or not a replica export."""
+    with _open(path) as f:
+        meta = f.metadata() or {}
+        if "replica.state.layout" not in meta:
+            raise ReplicaError(f"{path} is not a replica export (no layout in its metadata)")
+        if "replica.step" not in meta:
+            raise ReplicaError(f"{path} is not a replica export (no step in its metadata)")
+        layout = StateLayout.from_json(meta["replica.state.layout"])
+        names = set(f.keys())
+        missing = [n for n in (*(e.name for e in layout.entries), EXTRAS_KEY) if n not in names]
+        if missing:
+            raise ReplicaError(f"{path} is not a replica export: its layout names tensors it does not hold "
+                               f"({missing[:5]})")
+        tensors = []
+        for e in layout.entries:
+            t = f.get_tensor(e.name)
+            if t.dtype != dtype_of(e.dtype) or tuple(t.shape) != tuple(e.shape):
+                raise ReplicaError(f"{path}: tensor {e.name} is {t.dtype} {tuple(t.shape)}, its layout says "
+                                   f"{e.dtype} {tuple(e.shape)}")
+            tensors.append(t)
+        extras = f.get_tensor(EXTRAS_KEY)
+        if extras.dtype != torch.uint8 or extras.dim() != 1:
+            raise ReplicaError(f"{path}: {EXTRAS_KEY} is {extras.dtype} {tuple(extras.shape)}, not a uint8 vector")
     snapshot = Snapshot(layout)
-    snapshot.capture(tensors, extras, step=int(meta["replica.step"]))
+    snapshot.capture(tensors, extras.numpy().tobytes(), step=int(meta["replica.step"]))
+    del tensors, extras
     if "replica.digests" in meta:  # a file that changed since it was written is never restored
         written = [int(d) for d in json.loads(meta["replica.digests"])]
         if meta.get("replica.digests_keyed") == _KEYED_BY_OFFSET:

@@ -1,0 +1,106 @@
+"""The control socket after its handshake: frames (kind, length, payload), the
+peripheral BYE, and the one thread per process that reads every connection's socket
+(``ControlMonitor``): a peer's death is its socket closing."""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import struct
+import threading
+from typing import TYPE_CHECKING
+
+
+if TYPE_CHECKING:
+    from replica.transport.control import ControlledConnection
+
+__all__ = ["BYE", "ControlMonitor", "GRACEFUL", "MAX_FRAME_BYTES", "SEND_TIMEOUT_S", "encode_frame"]
+
+
+_FRAME = struct.Struct("<BI")
+BYE = 0xFF  # the peer closes on purpose
+MAX_FRAME_BYTES = 1 << 20
+GRACEFUL = "peer closed the connection"  # it sent BYE
+#: How long a control-frame send may block before the connection counts as dead.
+SEND_TIMEOUT_S = 10.0
+
+
+def encode_frame(kind: int, payload: bytes = b"") -> bytes:
+    return _FRAME.pack(kind, len(payload)) + payload
+
+
+class ControlMonitor:
+    """One thread reading every control socket of a transport: it hands framed
+    messages to their connection and tells it when the peer is gone.
+
+    epoll allows registering while another thread waits, so watch/forget need
+    no wake-up; the one-second select timeout only bounds how long close() waits.
+    """
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._stopped = threading.Event()
+        # Set when a socket is watched: an idle monitor (nothing to select on) wakes at
+        # once, not at its next look, so a new connection's first frames wait for nothing.
+        self._watched = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="replica-control-monitor", daemon=True)
+        self._thread.start()
+
+    def watch(self, sock: socket.socket, conn: ControlledConnection) -> None:
+        # Timeout mode, not non-blocking: recv runs only after select said the
+        # socket is readable, and a frame send may block for a bounded time.
+        sock.settimeout(SEND_TIMEOUT_S)
+        self._selector.register(sock, selectors.EVENT_READ, (conn, bytearray()))
+        self._watched.set()
+
+    def forget(self, sock: socket.socket) -> None:
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._watched.set()
+        self._thread.join(timeout=5)
+        self._selector.close()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            if not self._selector.get_map():
+                self._watched.wait(0.05)
+                self._watched.clear()
+                continue
+            for key, _ in self._selector.select(timeout=1.0):
+                conn, pending = key.data
+                reason = self._read(key.fileobj, conn, pending)
+                if reason is not None:
+                    self.forget(key.fileobj)
+                    conn._peer_lost(reason)
+
+    @staticmethod
+    def _read(sock: socket.socket, conn: ControlledConnection, pending: bytearray) -> str | None:
+        try:
+            data = sock.recv(1 << 16)
+        except (BlockingIOError, TimeoutError):
+            return None
+        except OSError as exc:
+            return f"control connection failed: {exc}"
+        if not data:
+            return "peer closed the connection or died"
+        pending += data
+        while len(pending) >= _FRAME.size:
+            kind, length = _FRAME.unpack_from(pending)
+            if kind == BYE:
+                return GRACEFUL
+            if length > MAX_FRAME_BYTES:
+                return f"peer sent a {length}-byte control frame"
+            if len(pending) < _FRAME.size + length:
+                break
+            payload = bytes(pending[_FRAME.size:_FRAME.size + length])
+            del pending[:_FRAME.size + length]
+            try:
+                conn._on_control(kind, payload)
+            except Exception as exc:  # noqa: BLE001 - a bad frame ends the connection, not the monitor
+                return f"bad control frame {kind}: {exc}"
+        return None
