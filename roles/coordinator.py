@@ -12,28 +12,26 @@ silence, or (c) a missed heartbeat deadline, set per role.
 
 from __future__ import annotations
 
-import contextlib
-import enum
-import json
 import logging
 import socket
 import time
-from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from replica.jobstore.commit import CommitRecord, publish_generation
-from replica.errors import JoinRefusedError
+from replica.jobstore.commit import CommitRecord
 from replica.jobstore import Failover as FailoverRecord
-from replica.jobstore import ExportRequest, Flag, Generation, Heartbeat, JobStore, Promotion, Stamp, Text, keys
+from replica.jobstore import ExportRequest, Flag, JobStore, Promotion, Stamp, keys
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.roles import timing
-from replica.roles.env import ROLES, Role, host_name
+from replica.roles.env import Role, host_name
 from replica.roles.timing import Deadlines
-from replica.roles.join import JoinRequest, answer, pending_requests, refuse_unsigned
+from replica.roles.admission import Admission
+from replica.roles.beats import Beats
+from replica.roles.generations import Generations
+from replica.roles.members import Decision, DecisionKind, FailoverTimeline, Member, MemberState
 
-__all__ = ["Coordinator", "Deadlines", "Decision", "DecisionKind", "Failover", "Member", "MemberState"]
+__all__ = ["Coordinator", "Deadlines", "Decision", "DecisionKind", "FailoverTimeline", "Member", "MemberState"]
 
 logger = logging.getLogger(__name__)
 # The done keys are read again this often even when their counter did not move.
@@ -41,68 +39,7 @@ _DONE_RECHECK = timedelta(seconds=2)
 _DONE_SWEEP = 32  # done keys read per poll
 
 
-
-class MemberState(enum.StrEnum):
-    ALIVE = "alive"
-    DONE = "done"  # finished its work (a trainer's last step committed, a rollout told to stop)
-    DEAD = "dead"  # declared dead (exited, lost, or silent past its deadline)
-
-
-class DecisionKind(enum.StrEnum):
-    PROMOTED = "promoted"  # the rank's standby is its trainer now: start a new standby
-    STANDBY_LOST = "standby_lost"  # start a replacement standby
-    ROLLOUT_LOST = "rollout_lost"  # start a replacement engine
-    FAILED = "failed"  # the job cannot go on
-
-
-@dataclass(kw_only=True, slots=True)
-class Member:
-    """A row of the membership table."""
-
-    id: int
-    role: Role
-    rank: int
-    host: str
-    pid: int
-    generation: int
-    joined_at: float
-    since: float  # when it took its current role (a promoted standby's promotion)
-    state: MemberState = MemberState.ALIVE
-    # Liveness, on the coordinator's clock only (roles on other machines need not agree on time):
-    beats: int = field(default=0, repr=False)  # the highest verified heartbeat counter read
-    beat_at: float = field(default=0.0, repr=False)  # when it last changed
-    lost_base: int = field(default=0, repr=False)  # transport reports of its rank before it took its role
-    #: The longest heartbeat silence seen while it was alive (what its deadline is measured against).
-    max_silence_s: float = 0.0
-
-    def __str__(self) -> str:
-        return f"{self.role} {self.rank} (pid {self.pid} on {self.host})"
-
-
-@dataclass(kw_only=True, slots=True)
-class Failover:
-    rank: int
-    generation: int
-    commit: int | None
-    reason: str
-    decided_at: float
-    killed_at: float | None = None
-    timeline_ms: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class Decision:
-    """What the coordinator decided, for the agent to act on (``DecisionKind``)."""
-
-    kind: DecisionKind
-    rank: int
-    reason: str
-    dead: Member | None = None
-    #: ``failed`` because rank's state is lost: the surviving standbys can still export the commit.
-    state_lost: bool = False
-
-
-class Coordinator:
+class Coordinator(Admission, Beats, Generations):
     def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
                  deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None,
                  store: StoreAddress | None = None, fence: tuple[str, bytes] | None = None,
@@ -136,7 +73,7 @@ class Coordinator:
         self.deadlines = deadlines
         self.generation = 0
         self.members: list[Member] = []
-        self.failovers: list[Failover] = []
+        self.failovers: list[FailoverTimeline] = []
         self.standbys_replaced: list[dict] = []
         self.refused: list[dict] = []
         self.unprotected: set[int] = set()
@@ -183,22 +120,6 @@ class Coordinator:
         self._publish_members()
         self._publish_liveness()
 
-    def _liveness_address(self) -> str:
-        return f"{self._liveness_host}:{self.liveness.port}"
-
-    def _publish_liveness(self) -> None:
-        if self.liveness is not None:
-            self.store.put(keys.liveness(), Text(value=self._liveness_address()))
-
-    def liveness_report(self) -> dict | None:
-        """What the liveness endpoint heard (None: the beats went to the store only)."""
-        if self.liveness is None:
-            return None
-        survivors = [m.id for m in self.members if m.state != MemberState.DEAD]  # alive, or done at the end
-        return {"endpoint": self._liveness_address(), "datagrams": self.liveness.received,
-                "rejected": self.liveness.rejected, "members": len(survivors),
-                "members_heard": sum(1 for age in self.liveness.ages(survivors) if age >= 0)}
-
     def close(self) -> None:
         """Stop the liveness endpoint (the hosted store goes with the process)."""
         if self.liveness is not None:
@@ -218,50 +139,6 @@ class Coordinator:
         self.host, self.port = listener.getsockname()[:2]
         return dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
                              master_listen_fd=listener.detach(), timeout=timedelta(seconds=60))
-
-    def _take_over(self) -> None:
-        """Rebuild the coordinator's view from the store: the generation, the membership
-        table (every live member's deadline runs from now), the join requests answered
-        (one its predecessor admitted but did not answer is answered now), the ranks
-        without protection. The failover history before this point stays in the
-        predecessor's report."""
-        now = time.time()
-        generation = self.store.get(keys.generation())
-        self.generation = generation.number
-        if self.liveness is not None:
-            self.liveness.set_generation(self.generation)
-        self.takeover = {"at": now, "generation": self.generation, "commit": self.record.last()}
-        table = self.store.get(keys.members())
-        for row in json.loads(table.value) if table is not None else []:
-            member = Member(id=int(row["id"]), role=Role(row["role"]), rank=int(row["rank"]), host=str(row["host"]),
-                            pid=int(row["pid"]), generation=int(row["generation"]), joined_at=now, since=now,
-                            state=MemberState(row["state"]), beat_at=now,
-                            lost_base=self.record.lost_reports(int(row["rank"])),
-                            max_silence_s=float(row.get("max_silence_s", 0.0)))
-            beat = self.store.get(keys.heartbeat(member.id))
-            member.beats = beat.beat if beat is not None and beat.member == member.id else 0
-            self.members.append(member)
-        self.started = self.record.last() is not None or all(
-            any(m.role == Role.TRAINER and m.rank == r for m in self.members) for r in range(self.world_size))
-        for member in self.members:
-            self._seen = max(self._seen, member.id)
-            request = self.store.full(keys.join_request(member.id))
-            if not self.store.raw.check([request]):
-                continue
-            try:
-                joined = JoinRequest.decode(self.store.raw.get(request), self._token)
-            except JoinRefusedError as exc:  # overwritten since: it admits nobody
-                logger.warning("join request %d no longer verifies: %s", member.id, exc)
-                continue
-            self._nonces.add(joined.nonce)  # a replay of an admitted request stays refused
-            if not self.store.has(keys.join_reply(member.id)):  # admitted by the predecessor, which died first
-                answer(self.store, member.id, joined, generation=self.generation)
-        for rank in range(self.world_size):
-            if self.store.has(keys.unprotected(rank)):
-                self.unprotected.add(rank)
-                self._unprotected_reg[rank] = self.record.registration(rank)
-        logger.warning("took over the job at generation %d, commit %s, with %d members (%d alive)", self.generation,
-                       self.record.last(), len(self.members), len(self.alive()))
 
     @property
     def address(self) -> str:
@@ -481,81 +358,6 @@ class Coordinator:
 
     # --- joins ---
 
-    def _admit(self) -> None:
-        """Answer the pending joins. Per join a few requests; per batch (a poll's), the
-        generation and the membership table written once, then the answers: a job of
-        thousands of members joins in one batch or a few (written per join, the table made
-        its joins O(N^2): 9 s for 512 members, bench-scale)."""
-        admitted: list[tuple[int, JoinRequest, Member]] = []
-        live = {(m.role, m.rank) for m in self.alive()}
-        finished = self.finished()
-        if self._moved(keys.lost_count()):
-            self._lost = self.record.all_lost_reports()
-        for seq, raw in pending_requests(self.store, self._seen):
-            if raw is None:  # numbered, not yet written
-                first = self._numbered_at.setdefault(seq, time.monotonic())
-                if time.monotonic() - first < timing.JOIN_STRAGGLE.total_seconds():
-                    break
-                self._seen = seq
-                continue
-            self._seen = seq
-            try:
-                request = JoinRequest.decode(raw, self._token)
-            except JoinRefusedError as exc:  # its writer cannot verify a signed answer: say why, unsigned
-                logger.warning("refused a join: %s", exc)
-                self.refused.append({"reason": str(exc), "at": time.time()})
-                refuse_unsigned(self.store, seq, str(exc))
-                continue
-            refused = self._refusal(request, live=live, finished=finished)
-            if refused is not None:
-                # The reason names who asked, never the token presented.
-                logger.warning("refused a join: %s", refused)
-                self.refused.append({"reason": refused, "at": time.time()})
-                answer(self.store, seq, request, generation=self.generation, refused=refused)
-                continue
-            self._nonces.add(request.nonce)
-            now = time.time()
-            member = Member(id=seq, role=Role(request.role), rank=request.rank, host=request.host, pid=request.pid,
-                            generation=self.generation, joined_at=now, since=now, beat_at=now,
-                            lost_base=self._lost.get(request.rank, 0))
-            # Its heartbeat key exists from now on (unless it beat already): the read of every
-            # beat in one request finds them all.
-            self.store.compare_set(keys.heartbeat(member.id), None, Heartbeat(member=member.id, beat=0))
-            self.members.append(member)
-            live.add((member.role, member.rank))
-            if not self.started and all((Role.TRAINER, r) in live for r in range(self.world_size)):
-                self.started = True
-            admitted.append((seq, request, member))
-        if not admitted:
-            return
-        if any(m.role == Role.TRAINER for _, _, m in admitted):
-            self._publish_generation()  # their epochs exist before they can stream
-        self._publish_members()
-        for seq, request, member in admitted:
-            answer(self.store, seq, request, generation=self.generation)
-            logger.info("admitted %s", member)
-
-    def _refusal(self, request: JoinRequest, *, live: set[tuple[str, int]], finished: bool) -> str | None:
-        """Why ``request`` is refused (None: it is not). ``live``: the (role, rank) of every
-        live member, those admitted before it in this batch included."""
-        who = f"{request.role} {request.rank} (pid {request.pid} on {request.host})"
-        if request.nonce in self._nonces:
-            return f"replayed join request of {who}"
-        if request.role not in ROLES:
-            return f"{who}: unknown role {request.role!r} (expected one of {ROLES})"
-        ranks = self.rollouts if request.role == Role.ROLLOUT else self.world_size
-        if not 0 <= request.rank < ranks:
-            return f"{who}: rank {request.rank} is not in [0, {ranks})"
-        if finished:
-            return f"{who}: the job is over"
-        if request.role == Role.TRAINER and self.started:
-            return (f"{who}: the job is running (generation {self.generation}); a trainer cannot join late, "
-                    f"start a standby for its rank instead")
-        if (request.role, request.rank) in live:
-            holder = self._live(request.role, request.rank)
-            return f"{who}: rank {request.rank} already has a live {request.role}, {holder}"
-        return None
-
     # --- deaths ---
 
     def _promote(self, standby: Member, reason: str) -> None:
@@ -585,7 +387,7 @@ class Coordinator:
             logger.warning("%s drains and stops: its machine now hosts trainer %d (%d rollouts left)", engine,
                            rank, len(self.alive(Role.ROLLOUT)) - 1)
         self._publish_members()
-        self.failovers.append(Failover(rank=rank, generation=g, commit=commit, reason=reason, decided_at=decided))
+        self.failovers.append(FailoverTimeline(rank=rank, generation=g, commit=commit, reason=reason, decided_at=decided))
         logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted", rank,
                        reason, g, commit, standby)
 
@@ -614,139 +416,12 @@ class Coordinator:
             return [self._fail(-1, fatal.value)]
         return []
 
-    def _live(self, role: str, rank: int) -> Member | None:
-        return next((m for m in self.alive(role) if m.rank == rank), None)
-
-    def _last_beat(self, member: Member, now: float) -> float:
-        """When (on this clock) the member's signed heartbeat counter last rose
-        (a forged or replayed beat moves nothing); looks now."""
-        if self._heard([member], now):
-            self._beat_read(member, self.store.get(keys.heartbeat(member.id)), now)
-        return member.beat_at
-
-    @staticmethod
-    def _beat_read(member: Member, beat: Heartbeat | None, now: float) -> None:
-        if beat is not None and beat.member == member.id:
-            Coordinator._beat_rose(member, beat.beat, now)
-
-    @staticmethod
-    def _beat_rose(member: Member, number: int, at: float) -> None:
-        if number > member.beats and at >= member.beat_at:
-            member.max_silence_s = max(member.max_silence_s, at - member.beat_at)
-            member.beats, member.beat_at = number, at
-
-    def _heard(self, members: list[Member], now: float) -> list[Member]:
-        """Take each member's newest beat heard by the liveness endpoint (in memory, verified
-        there); returns the members it has not heard for LIVENESS_STORE_AFTER (or never),
-        whose beats go to the store meanwhile."""
-        if self.liveness is None:
-            return members
-        ids = [m.id for m in members]
-        unheard = []
-        for member, age, number in zip(members, self.liveness.ages(ids), self.liveness.beats(ids)):
-            if age >= 0:
-                self._beat_rose(member, number, now - age)
-            if age < 0 or age > timing.LIVENESS_STORE_AFTER.total_seconds():
-                unheard.append(member)
-        return unheard
-
-    def _read_beats(self, now: float) -> None:
-        """Every live member's heartbeat: from the liveness endpoint's table, and for the
-        members it has not heard lately from the store, in one request (each member's key is
-        written at its admission, so none is missing: a missing one would make it a request
-        per key)."""
-        unheard = self._heard(self.alive(), now)
-        if unheard:
-            for member, beat in zip(unheard, self.store.get_many([keys.heartbeat(m.id) for m in unheard])):
-                self._beat_read(member, beat, now)
-        self._beats_read_at = now
-
     def _moved(self, counter: str) -> bool:
         """Whether the plain counter ``counter`` moved since the last look (the first: yes)."""
         value = self.store.count(counter)
         moved = self._counters.get(counter) != value
         self._counters[counter] = value
         return moved
-
-    def _regroup(self, now: float) -> None:
-        """A trainer's step failed in the current generation with no death (a collective or
-        rendezvous timed out on a loaded machine): once a death had its deadline to show,
-        every trainer rolls back to the last commit and redoes the step in a fresh
-        generation, exactly as after a failover but with nobody replaced."""
-        if not self._moved(keys.regroup_count()) and self._regroup_asked_at is None:
-            return  # no rank asked since the last look, and none is waiting
-        requests = self.store.get_many([keys.regroup(r) for r in range(self.world_size)])
-        asked = [r for r, req in enumerate(requests) if req is not None and req.generation == self.generation]
-        if not asked or self._failed is not None or self.record.last() is None:
-            self._regroup_asked_at = None
-            return
-        if self._regroup_asked_at is None:
-            self._regroup_asked_at = now
-        if now - self._regroup_asked_at < self.deadlines.trainer.total_seconds():
-            return
-        # A trainer silent now may be dead: its own deadline decides, and a failover regroups
-        # every trainer anyway. (A coordinator that just took over starts both clocks at once,
-        # the request's and the silence's: the request's first look came a poll earlier.)
-        if any(now - self._last_beat(m, now) > timing.GONE_AFTER.total_seconds() for m in self.alive(Role.TRAINER)):
-            return
-        self._regroup_asked_at = None
-        commit = self.record.last()
-        self.generation += 1
-        g = self.generation
-        self.store.put(keys.failover(g), FailoverRecord(generation=g, commit=commit, rank=-1, member=-1))
-        self._publish_generation()
-        self.regroups.append({"generation": g, "commit": commit, "asked_by": asked, "at": now})
-        logger.warning("trainers %s found generation %d failed with no death: generation %d resumes from commit %s "
-                       "with the same trainers", asked, g - 1, g, commit)
-
-    def _guard_generation(self) -> None:
-        """Put the generation record back if anyone overwrote or deleted it (roles keep the
-        last one they verified meanwhile; newcomers need it to find their epochs). Its
-        number each poll; the whole record (every rank's member) when that is off, and
-        each ``BEAT_SCAN``."""
-        number = self.store.get(keys.generation_number())
-        if (number is not None and number.value == self.generation
-                and time.time() - self._generation_checked_at < timing.BEAT_SCAN.total_seconds()):
-            return
-        self._generation_checked_at = time.time()
-        current = self.store.get(keys.generation())
-        if current is None or current.number != self.generation:
-            logger.warning("the generation record in the job store was overwritten or removed; publishing it again")
-            self._publish_generation()
-
-    def _publish_generation(self) -> None:
-        """The generation and each rank's trainer in it: the epochs receivers accept."""
-        live = (self._live(Role.TRAINER, r) for r in range(self.world_size))
-        trainers = tuple(m.id if m is not None else -1 for m in live)
-        publish_generation(self.store, Generation(number=self.generation, trainers=trainers))
-        if self.liveness is not None:  # after the store: an answer never carries a number ahead of it
-            self.liveness.set_generation(self.generation)
-
-    def _publish_members(self) -> None:
-        if self._members_deferred:  # within a poll: once, at its end
-            self._members_dirty = True
-            return
-        self.store.put(keys.members(), Text(value=json.dumps(self.membership())))
-
-    @contextlib.contextmanager
-    def _members_batch(self):
-        """Write the membership table (O(N) bytes) once, after the block, however many
-        members it changed: a poll that declared 9 members dead at 1,024 ranks wrote it 9 times
-        (0.8 s, and every decision of the poll that late)."""
-        self._members_deferred = True
-        try:
-            yield
-        finally:
-            self._members_deferred = False
-            if self._members_dirty:
-                self._members_dirty = False
-                self._publish_members()
-
-    def membership(self) -> list[dict]:
-        """The membership table: role, rank, host, pid, generation and state of every member."""
-        shown = ("id", "role", "rank", "host", "pid", "generation", "state", "max_silence_s")
-        return [{k: round(v, 3) if k == "max_silence_s" else v for k, v in asdict(m).items() if k in shown}
-                for m in self.members]
 
     # --- the timeline ---
 
@@ -755,7 +430,7 @@ class Coordinator:
         stamp = self.store.get(keys.killed(fault))
         return None if stamp is None else stamp.at
 
-    def observe(self, failover: Failover, faults: list[str]) -> None:
+    def observe(self, failover: FailoverTimeline, faults: list[str]) -> None:
         """Fill in the failover's timeline from what the roles recorded."""
         g = failover.generation
         killed = [t for t in map(self.fired, faults) if t is not None]

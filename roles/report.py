@@ -18,7 +18,8 @@ from replica.roles.env import parse_faults
 from replica.roles.rollouts import served_shards
 
 if TYPE_CHECKING:
-    from replica.roles.coordinator import Coordinator, Failover
+    from replica.roles.coordinator import Coordinator
+    from replica.roles.members import FailoverTimeline
 
 __all__ = ["PHASES", "build_report", "compare_reports", "load_report", "print_timeline", "write_loss_png",
            "write_timeline_png"]
@@ -109,7 +110,7 @@ def compare_reports(reference: dict, other: dict) -> list[str]:
     return problems
 
 
-def print_timeline(failovers: list[Failover]) -> None:
+def print_timeline(failovers: list[FailoverTimeline]) -> None:
     if not failovers:
         return
     print("failover timeline (ms after the kill):")
@@ -139,7 +140,7 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
-def write_timeline_png(failovers: list[Failover], path: Path) -> bool:
+def write_timeline_png(failovers: list[FailoverTimeline], path: Path) -> bool:
     """One horizontal bar per failover, split at each mark; False without matplotlib."""
     plt = _pyplot("timeline")
     if plt is None:
