@@ -31,14 +31,15 @@ from replica.errors import ReplicaError
 from replica.ray.actor import RoleProcess, node_host_name
 from replica.roles.agents import replacement_site
 from replica.roles.env import Role
+from replica.timing import Deadline
 
 __all__ = ["Placement", "PlacementError", "RayAgents"]
 
 logger = logging.getLogger(__name__)
 
-_WAIT_SLICE_S = 1.0  # how long an actor's wait() blocks before it answers "still running"
-_NODES_EVERY_S = 0.5  # how often Ray's node table is read for dead nodes
-_RETRY_AFTER_S = 1.0  # a replacement whose actor died before it started is placed again after this
+_WAIT_SLICE = timedelta(seconds=1)  # how long an actor's wait() blocks before it answers "still running"
+_NODES_EVERY = timedelta(milliseconds=500)  # how often Ray's node table is read for dead nodes
+_RETRY_AFTER = timedelta(seconds=1)  # a replacement whose actor died before it started is placed again after this
 _BOOKKEEPING = ("node:", "memory", "object_store_memory", "accelerator_type:")  # resources no role asks for
 
 
@@ -121,8 +122,8 @@ class RayAgents:
         self._calls: dict[ray.ObjectRef, _Actor] = {}  # one where() or wait() in flight per live actor
         self._pg: PlacementGroup | None = None
         self._dead_nodes: set[str] = set()
-        self._nodes_read = 0.0
-        self._retries: list[tuple[float, _Actor]] = []  # (when, the replacement to place again)
+        self._next_nodes_read = Deadline.now()  # when Ray's node table is read next
+        self._retries: list[tuple[Deadline, _Actor]] = []  # (when, the replacement to place again)
 
     # --- placement ---
 
@@ -164,8 +165,8 @@ class RayAgents:
 
     def wait_started(self, timeout: timedelta) -> None:
         """Until every actor started so far runs its role; PlacementError after ``timeout``."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        while any(a.pid is None and a.code is None for a in self._actors) and time.monotonic() < deadline:
+        deadline = Deadline.after(timeout)
+        while any(a.pid is None and a.code is None for a in self._actors) and not deadline.expired:
             self._take(0.05)
         late = [f"{a.role} {a.rank}" for a in self._actors if a.pid is None]
         if late:
@@ -176,12 +177,13 @@ class RayAgents:
     def exits(self) -> list[tuple[int, int, str | None]]:
         gone = self._take(0.0)
         now = time.monotonic()
-        due = [a for when, a in self._retries if when <= now]
-        self._retries = [(when, a) for when, a in self._retries if when > now]
+        due = [a for when, a in self._retries if when.at <= now]
+        self._retries = [(when, a) for when, a in self._retries if when.at > now]
         for actor in due:
             if (not self._place(actor.role, actor.rank, actor.resources, first_try=actor.started)
                     and now - actor.started < self.placement.start_timeout.total_seconds()):
-                self._retries.append((now + _RETRY_AFTER_S, actor))  # nowhere yet: a lost node's bundle may move
+                # nowhere yet: a lost node's bundle may move
+                self._retries.append((Deadline(now) + _RETRY_AFTER, actor))
         return gone
 
     def _take(self, timeout_s: float) -> list[tuple[int, int, str | None]]:
@@ -206,7 +208,7 @@ class RayAgents:
                     # placed on a node that was dying (Ray had not declared it dead yet): place it again
                     logger.warning("the new %s %d's actor died before its role started (%s): placing it again",
                                    actor.role, actor.rank, type(exc).__name__)
-                    self._retries.append((now + _RETRY_AFTER_S, actor))
+                    self._retries.append((Deadline(now) + _RETRY_AFTER, actor))
                 elif actor.pid is None:
                     logger.error("%s %d's actor died before its role started: %s", actor.role, actor.rank, exc)
                 else:
@@ -233,7 +235,7 @@ class RayAgents:
         return gone
 
     def _ask(self, actor: _Actor) -> None:
-        self._calls[actor.handle.wait.remote(_WAIT_SLICE_S)] = actor
+        self._calls[actor.handle.wait.remote(_WAIT_SLICE.total_seconds())] = actor  # RoleProcess.wait takes seconds
 
     def replace_standby(self, rank: int) -> bool:
         return self._replace(Role.STANDBY, rank, self.placement.standby)
@@ -322,8 +324,8 @@ class RayAgents:
 
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         now = time.monotonic()
-        if now - self._nodes_read > _NODES_EVERY_S:
-            self._nodes_read = now
+        if self._next_nodes_read.expired:
+            self._next_nodes_read = Deadline(now) + _NODES_EVERY
             self._dead_nodes = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
         silent = {node_host_name(n) for n in self._dead_nodes}
         silent |= {a.host for a in self._actors if a.host and a.unavailable_since is not None
@@ -337,8 +339,8 @@ class RayAgents:
 
     def wait(self, timeout: timedelta) -> None:
         """Until every role ended by itself, ``timeout`` at most."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        while any(a.code is None for a in self._actors) and time.monotonic() < deadline:
+        deadline = Deadline.after(timeout)
+        while any(a.code is None for a in self._actors) and not deadline.expired:
             self._take(0.1)
 
     def stop(self) -> None:

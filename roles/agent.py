@@ -28,6 +28,7 @@ from datetime import timedelta
 
 from replica.jobstore import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, RoleExit, Stamp, keys
 from replica.roles import timing
+from replica.timing import Deadline, pause
 from replica.roles.argparsing import Parser, existing_file, non_negative_int
 from replica.roles.env import HOST, ROLES, Action, Fault, Role, configure_logging, host_name, parse_faults
 from replica.roles.launch import LocalAgent
@@ -110,7 +111,7 @@ class HostAgent:
                 logger.warning("[agent %d] the job store has not answered for %.1f s: asking again on a new "
                                "connection", self.index, silent)
                 self._start_talker()
-            time.sleep(timing.SUPERVISE_POLL.total_seconds())
+            pause(timing.SUPERVISE_POLL, self.ended)
         return 0
 
     def _obey(self, order: AgentOrder) -> None:
@@ -150,9 +151,9 @@ class HostAgent:
         store connect in progress ends within its timeout): a thread still inside c10d's
         TCPStore constructor when the interpreter exits aborts the process."""
         self._talker += 1
-        deadline = time.monotonic() + _TALKER_JOIN.total_seconds()
+        deadline = Deadline.after(_TALKER_JOIN)
         for thread in self._talkers:
-            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+            thread.join(timeout=deadline.remaining_s())
         if any(t.is_alive() for t in self._talkers):
             logger.warning("[agent %d] a talker is still in a store call after %s", self.index, _TALKER_JOIN)
         if self._slowed is not None:
@@ -215,7 +216,7 @@ class HostAgent:
             except Exception as exc:  # noqa: BLE001 - the next round asks again, on a new connection
                 logger.info("[agent %d] the job store: %s", self.index, exc)
                 store = None
-            time.sleep(timing.SUPERVISE_POLL.total_seconds())
+            pause(timing.SUPERVISE_POLL, self.ended)
 
 
 def interface_of(address: str) -> str:

@@ -16,6 +16,7 @@ from typing import TypeVar
 from replica.jobstore import AgentInfo, AgentOrder, JobStore, OrderKind, keys
 from replica.roles import timing
 from replica.roles.env import Role
+from replica.timing import Deadline
 
 __all__ = ["AGENT_SILENCE", "RemoteAgents", "replacement_site"]
 
@@ -36,7 +37,7 @@ def replacement_site(sites: Iterable[Site], *, host: Callable[[Site], str], trai
 # An agent that has not beaten (every 200 ms) for this long gets no new role: shorter than any
 # role's deadline, so the agent of a host lost with a role is passed over when that role is replaced.
 AGENT_SILENCE = timedelta(seconds=1)
-_WATCH_EVERY_S = 0.1
+_WATCH_EVERY = timedelta(milliseconds=100)  # how often exits() reads the agents' beats
 
 
 class RemoteAgents:
@@ -52,7 +53,7 @@ class RemoteAgents:
         self._beats: dict[int, tuple[int, float]] = {}  # index -> (beat, when it last rose, here)
         self._exits_seen: dict[int, int] = {}
         self._reported: set[tuple[str, int]] = set()
-        self._watched_at = 0.0
+        self._next_watch = Deadline.now()  # exits() reads the agents' beats when this passed
 
     def agents(self) -> dict[int, AgentInfo]:
         """The agents registered so far."""
@@ -82,9 +83,9 @@ class RemoteAgents:
     # --- supervise.Agent ---
 
     def exits(self) -> list[tuple[int, int, str]]:
-        if time.monotonic() - self._watched_at >= _WATCH_EVERY_S:
+        if self._next_watch.expired:
             self._watch_beats()
-            self._watched_at = time.monotonic()
+            self._next_watch = Deadline.after(_WATCH_EVERY)
         out = []
         for index in self.agents():
             seen = self._exits_seen.get(index, 0)

@@ -32,6 +32,7 @@ from replica.errors import FencedError, JobStoreInUseError
 from replica.jobstore.etcd import EtcdStore
 from replica.jobstore import JobStore, Number, Text, keys
 from replica.jobstore.stores import StoreAddress
+from replica.timing import Deadline, pause
 
 __all__ = ["BEAT", "Leadership", "SILENCE", "lead_new_job"]
 
@@ -68,12 +69,12 @@ class Leadership:
     def campaign(self, *, timeout: timedelta, give_up: Callable[[], bool] = lambda: False) -> bool:
         """Block until this candidate leads (True), ``give_up()`` says stop or ``timeout`` passed (False)."""
         raw: EtcdStore = self.candidate.raw
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = Deadline.after(timeout)
         beat_key = self.candidate.full(keys.coordinator_beat())
         seen: tuple[bytes | None, bytes | None] | None = None
         changed_at = read_at = time.monotonic()
         shown = False
-        while time.monotonic() < deadline and not give_up():
+        while not deadline.expired and not give_up():
             try:
                 holder, beat = raw.read([self._key, beat_key])
                 if (holder, beat) != seen:
@@ -96,7 +97,7 @@ class Leadership:
                     shown = True
             except (RuntimeError, OSError) as exc:  # etcd electing a leader, a member lost: look again
                 logger.info("campaign: %s", exc)
-            time.sleep(CAMPAIGN_POLL.total_seconds())
+            pause(CAMPAIGN_POLL, deadline=deadline)
         return False
 
     def _lead(self) -> None:

@@ -38,6 +38,7 @@ from replica.roles.env import HOST, Role, check_faults, configure_logging, parse
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
 from replica.jobstore.stores import StoreAddress, StoreKind
+from replica.timing import Deadline
 
 __all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main", "open_job",
            "resume_point", "role_env", "start_roles", "state_options"]
@@ -311,10 +312,10 @@ class LocalAgent:
 
     def wait(self, timeout: timedelta) -> None:
         """Until every process started here exited by itself, ``timeout`` at most."""
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = Deadline.after(timeout)
         for _, popen in self.procs.values():
             try:
-                popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+                popen.wait(timeout=deadline.remaining_s())
             except subprocess.TimeoutExpired:
                 return
 

@@ -24,6 +24,7 @@ from datetime import timedelta
 import replica
 from replica.jobstore import JobStore, Number, Stamp, Text, keys
 from replica.roles import timing
+from replica.timing import Deadline, pause
 from replica.jobstore.stores import StoreAddress
 from replica.integrations.vllm.worker import EngineWeights, ReceiverSpec
 
@@ -170,13 +171,13 @@ def request_rollouts(store: JobStore, prompts: Sequence[Sequence[int]], sampling
     if not prompts:
         return Rollouts(completions=[], versions=[])
     store = store.own()  # the caller's thread gets its own connection (the driver's coordinator uses its own)
-    start = time.monotonic()
+    deadline = Deadline.after(timeout)
     latest = store.wait_for(lambda own: own.get(keys.latest_version()), wake=lambda: [keys.latest_version()],
                             timeout=timeout, what="a first weight push of the trainers")
     n = post_request(store, prompts, sampling, step=-1, version=latest.value, num_shards=num_shards, at_least=True)
     wanted = result_keys(n, num_shards)
-    left = timedelta(seconds=max(timeout.total_seconds() - (time.monotonic() - start), 0.0))
-    store.wait_for(_all_set(wanted), wake=lambda: wanted, timeout=left, what=f"the completions of request {n}")
+    store.wait_for(_all_set(wanted), wake=lambda: wanted, timeout=deadline.remaining(),
+                   what=f"the completions of request {n}")
     return collect_results(store, n, len(prompts), num_shards)
 
 
@@ -204,12 +205,12 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
         posted = store.count(keys.request_seq())
         if seen >= posted:
             weights.update()  # apply a version as soon as it is complete
-            time.sleep(timing.ROLLOUT_POLL.total_seconds())
+            pause(timing.ROLLOUT_POLL)
             continue
         n = seen + 1
         text = store.get(keys.request(n))
         if text is None:  # numbered, not yet written (or not trustworthy): look again
-            time.sleep(timing.ROLLOUT_POLL.total_seconds())
+            pause(timing.ROLLOUT_POLL)
             continue
         request = json.loads(text.value)
         shard = _claim(store, n, request, index, num_engines)
@@ -217,7 +218,7 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
             if all(store.has(keys.result(n, k)) for k in range(len(request["shards"]))):
                 seen = n
             else:
-                time.sleep(timing.ROLLOUT_POLL.total_seconds())
+                pause(timing.ROLLOUT_POLL)
             continue
         if on_shard is not None:
             on_shard(request["step"])
@@ -258,8 +259,8 @@ def superseded(request: dict, served: int) -> bool:
 def _wait_version(weights: EngineWeights, version: int, stop: Callable[[], bool],
                   timeout: timedelta = timing.ROLLOUT_TIMEOUT) -> int | None:
     """Serve ``version`` once it has arrived; None if told to stop first."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    while time.monotonic() < deadline:
+    deadline = Deadline.after(timeout)
+    while not deadline.expired:
         if stop():
             return None
         try:

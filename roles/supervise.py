@@ -21,6 +21,7 @@ from replica.roles.coordinator import Coordinator, Decision, DecisionKind
 from replica.roles import timing
 from replica.roles.env import Fault, Role
 from replica.roles.report import build_report, print_timeline, write_timeline_png
+from replica.timing import Deadline, pause
 
 __all__ = ["Agent", "DEPOSED_EXIT", "JobSpec", "ReplacementWatch", "supervise"]
 
@@ -112,7 +113,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     no, another coordinator may lead, and this one stops at once, deciding nothing
     more and leaving the job as it is (DEPOSED_EXIT). ``cancel`` (set by a driver that
     shuts the job down) ends the loop as a timeout does: the end is announced, the report written."""
-    deadline = time.monotonic() + spec.timeout.total_seconds()
+    deadline = Deadline.after(spec.timeout)
     shown, errors = spec.first_step - 1, 0
     status, failure = 1, None
     exits: list[tuple[int, int, str | None]] = []  # seen by the agent, not yet taken in (kept until they are)
@@ -125,7 +126,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
             decisions.extend(coord.process_exited(pid, code, host=host))
             exits.pop(0)
 
-    while time.monotonic() < deadline:
+    while not deadline.expired:
         if cancel is not None and cancel.is_set():
             print("\nreplica: the job was shut down before its end", flush=True)
             break
@@ -170,7 +171,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
         if coord.all_done() and (agent is None or not agent.running(trainers)):
             status = 0
             break
-        time.sleep(timing.SUPERVISE_POLL.total_seconds())
+        pause(timing.SUPERVISE_POLL, cancel, deadline)
     else:
         print(f"\nreplica: the job did not finish within {spec.timeout.total_seconds():g} s", flush=True)
     print(flush=True)
@@ -195,9 +196,9 @@ def _linger(coord: Coordinator, agent: Agent | None) -> None:
     seen it (one cut off when the job ended learns of it once back), timing.FINISH_LINGER at
     most: a role or agent that found the store gone first would take the end for the
     coordinator's death (exit code 76)."""
-    until = time.monotonic() + timing.FINISH_LINGER.total_seconds()
+    until = Deadline.after(timing.FINISH_LINGER)
     waiting: set[str] = set()
-    while time.monotonic() < until:
+    while not until.expired:
         try:
             for pid, code, host in agent.exits() if agent is not None else ():
                 coord.exited_after_end(pid, code, host=host)
@@ -208,7 +209,7 @@ def _linger(coord: Coordinator, agent: Agent | None) -> None:
             return
         if not waiting:
             return
-        time.sleep(timing.SUPERVISE_POLL.total_seconds())
+        pause(timing.SUPERVISE_POLL, deadline=until)
     logger.warning("%s did not see the job's end within %g s; the coordinator stops all the same",
                    ", ".join(sorted(waiting)), timing.FINISH_LINGER.total_seconds())
 
@@ -251,9 +252,9 @@ def _export(coord: Coordinator, directory: Path) -> str:
         return ""
     print(f"\nreplica: the standbys export commit {commit} to {directory} ...", flush=True)
     standbys = {m.rank for m in coord.alive(Role.STANDBY)}
-    deadline = time.monotonic() + timing.EXPORT_WAIT.total_seconds()
-    while time.monotonic() < deadline and not standbys <= set(coord.exports()):
-        time.sleep(timing.SUPERVISE_POLL.total_seconds())
+    deadline = Deadline.after(timing.EXPORT_WAIT)
+    while not deadline.expired and not standbys <= set(coord.exports()):
+        pause(timing.SUPERVISE_POLL, deadline=deadline)
     answers = coord.exports()
     written = sorted(r for r, answer in answers.items() if not answer.startswith("error"))
     failed = {r: answer for r, answer in answers.items() if answer.startswith("error")}

@@ -9,10 +9,12 @@ import json
 import socket
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 
 from replica.jobstore.etcdwatch import WatchBroken, WatchStream
+from replica.timing import Deadline
 
 MESSAGES = [{"result": {"created": True}}, {"result": {"events": [{"kv": {"key": "aw==", "value": "dg=="}}]}},
             {"result": {"events": [{"type": "DELETE", "kv": {"key": "aw=="}}]}}]
@@ -61,13 +63,13 @@ def test_messages_come_whole_however_the_bytes_are_cut():
     pieces: list[bytes | float] = [wire[:3], 0.3, wire[3:50], wire[50:51], 0.3, wire[51:]]
     endpoint, got = _serve(pieces)
     stream = WatchStream(endpoint, "/v3/watch", {"create_request": {"key": "aw=="}},
-                         headers={"Authorization": "tok"}, ssl_context=None, timeout_s=5)
+                         headers={"Authorization": "tok"}, ssl_context=None, timeout=timedelta(seconds=5))
     try:
         out: list[dict] = []
         timed_out = 0
-        deadline = time.monotonic() + 20
-        while len(out) < len(MESSAGES) and time.monotonic() < deadline:
-            message = stream.next(time.monotonic() + 0.05)  # shorter than the pauses: reads run out, lose nothing
+        deadline = Deadline.after(timedelta(seconds=20))
+        while len(out) < len(MESSAGES) and not deadline.expired:
+            message = stream.next(Deadline.after(timedelta(milliseconds=50)))  # shorter than the pauses: reads run out, lose nothing
             if message is None:
                 timed_out += 1
             else:
@@ -77,7 +79,7 @@ def test_messages_come_whole_however_the_bytes_are_cut():
         assert request.startswith(b"POST /v3/watch HTTP/1.1\r\n") and b"Authorization: tok\r\n" in request
         assert json.loads(request.split(b"\r\n\r\n", 1)[1]) == {"create_request": {"key": "aw=="}}
         with pytest.raises(WatchBroken, match="closed"):
-            stream.next(time.monotonic() + 10)
+            stream.next(Deadline.after(timedelta(seconds=10)))
     finally:
         stream.close()
 
@@ -85,18 +87,18 @@ def test_messages_come_whole_however_the_bytes_are_cut():
 def test_a_refused_ended_or_garbled_watch_is_broken():
     endpoint, _ = _serve([], head=b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
     with pytest.raises(WatchBroken, match="refused"):
-        WatchStream(endpoint, "/v3/watch", {}, headers={}, ssl_context=None, timeout_s=5)
+        WatchStream(endpoint, "/v3/watch", {}, headers={}, ssl_context=None, timeout=timedelta(seconds=5))
     for wire, why in ((_chunked(b'{"result": {}}\n', [15]) + b"0\r\n\r\n", "ended"),
                       (b"zz\r\nnot hex\r\n", "chunk size"),
                       (_chunked(b"not json\n", [9]), "not a watch message")):
         endpoint, _ = _serve([wire, 5.0])
-        stream = WatchStream(endpoint, "/v3/watch", {}, headers={}, ssl_context=None, timeout_s=5)
+        stream = WatchStream(endpoint, "/v3/watch", {}, headers={}, ssl_context=None, timeout=timedelta(seconds=5))
         with pytest.raises(WatchBroken, match=why):
             while True:
-                stream.next(time.monotonic() + 10)
+                stream.next(Deadline.after(timedelta(seconds=10)))
         stream.close()
     with pytest.raises(WatchBroken):  # nobody listens
         probe = socket.create_server(("127.0.0.1", 0))
         port = probe.getsockname()[1]
         probe.close()
-        WatchStream(("127.0.0.1", port), "/v3/watch", {}, headers={}, ssl_context=None, timeout_s=2)
+        WatchStream(("127.0.0.1", port), "/v3/watch", {}, headers={}, ssl_context=None, timeout=timedelta(seconds=2))

@@ -13,7 +13,6 @@ import enum
 import logging
 import os
 import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from replica.errors import (
     TransferTimeoutError,
     TransportError,
 )
+from replica.timing import Backoff, Deadline, pause
 from replica.transport.wire import HEADER_BYTES, BucketHeader
 
 __all__ = [
@@ -237,15 +237,15 @@ class Pending(Protocol):
 
 # How long a failed backend operation waits for the control channel to report
 # the peer's death, so the caller sees PeerDisconnectedError, not a backend error.
-_EXPLAIN_S = 0.5
+_EXPLAIN = timedelta(milliseconds=500)
 # Polled backends (UCX): the first sleeps are short, since small transfers finish
 # within microseconds, and the longest is short too, since a sleep that outlasts
 # the transfer is pure latency. Python's sleep has ~50 us of timer slack anyway.
-_FIRST_POLL_SLEEP_S = 10e-6
-_MAX_POLL_SLEEP_S = 100e-6
+_FIRST_POLL_SLEEP = timedelta(microseconds=10)
+_MAX_POLL_SLEEP = timedelta(microseconds=100)
 # Backends with a completion event wake the waiter themselves, also on failure;
 # the slice only bounds how late a failure the backend did not signal is seen.
-_COMPLETION_SLICE_S = 0.05
+_COMPLETION_SLICE = timedelta(milliseconds=50)
 
 
 def _seconds(timeout: timedelta) -> float:
@@ -303,7 +303,7 @@ class Transfer:
         """
         if self._done:
             return self._header
-        deadline = time.monotonic() + _seconds(timeout)
+        deadline = Deadline.after(timeout)
         headers, sums = [], []
         with nvtx_range(f"replica::{self._kind}"):
             for piece in self._pieces:
@@ -318,21 +318,20 @@ class Transfer:
             self._header = self._conn._verify(self._tag, self._buf, headers, sums)
         return self._header
 
-    def _wait_piece(self, piece: _Piece, deadline: float, timeout: timedelta) -> None:
+    def _wait_piece(self, piece: _Piece, deadline: Deadline, timeout: timedelta) -> None:
         completion: threading.Event | None = getattr(piece.pending, "completion", None)
-        delay = _FIRST_POLL_SLEEP_S
+        polls: Backoff | None = None  # made at the first sleep: most pieces are done at once
         while not (piece.done or self._poll(piece)):
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if deadline.expired:
                 self._conn._fail(TransferTimeoutError(
                     f"{self._kind} of tag {self._tag} to {self._conn.peer} did not finish "
                     f"within {_seconds(timeout):.3f} s; connection closed"))
                 raise self._conn._error
             if completion is not None:
-                completion.wait(min(left, _COMPLETION_SLICE_S))
+                pause(_COMPLETION_SLICE, completion, deadline)
             else:
-                time.sleep(min(delay, left))
-                delay = min(delay * 2, _MAX_POLL_SLEEP_S)
+                polls = polls or Backoff(first=_FIRST_POLL_SLEEP, most=_MAX_POLL_SLEEP)
+                polls.sleep(deadline=deadline)
 
     def _poll(self, piece: _Piece) -> bool:
         # The transfer's own state first: a bucket that arrived completely
@@ -345,7 +344,7 @@ class Transfer:
             raise
         except Exception as exc:  # a backend error, often the first sign of the peer's death
             # The control channel says whether the peer is gone; give it a moment.
-            if not self._conn._failed.wait(_EXPLAIN_S):
+            if not self._conn._failed.wait(_EXPLAIN.total_seconds()):
                 self._conn._fail(TransportError(f"{self._kind} of tag {self._tag} failed: {exc}"))
             raise self._conn._error from exc
         if self._conn._error is not None:

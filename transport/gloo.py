@@ -13,19 +13,22 @@ import contextlib
 import logging
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from replica.timing import Deadline
 from replica.transport.base import Capabilities, Locality, MemoryKind
 from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig, parse_address
 
 __all__ = ["GlooConfig", "GlooConnection", "GlooTransport"]
 
 logger = logging.getLogger(__name__)
+
+# The least time the handshake's store waits and barrier get, also once its deadline passed.
+_LEAST_WAIT = timedelta(milliseconds=1)
 
 #: gloo tags are 32-bit signed; two per replica tag (header, payload).
 MAX_GLOO_TAG = (1 << 30) - 1
@@ -117,10 +120,10 @@ class GlooTransport(ControlledTransport):
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
         # Every wait here is bounded by the handshake's deadline: this may run on
         # the accepting side's handshake thread, and a peer can die at any point.
-        end = time.monotonic() + timeout_s
+        end = Deadline.after(timedelta(seconds=timeout_s))
 
         def left() -> timedelta:
-            return timedelta(seconds=max(end - time.monotonic(), 1e-3))
+            return max(end.remaining(), _LEAST_WAIT)
 
         if server:
             host, port = state.getsockname()[:2]

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from replica.timing import Deadline
+
 __all__ = ["BusyCores", "Child", "ChildFailed", "CountingStore", "RawUcx", "TornDown", "busy_cores", "cpu_seconds",
            "cpu_since", "free_port", "process_state", "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
 
@@ -198,9 +200,9 @@ class RawUcx:
 def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = 30.0) -> None:
     """Poll ``predicate()`` every 10 ms until it is true; AssertionError naming ``what``
     after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline.after(timedelta(seconds=timeout_s))
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert not deadline.expired, f"timed out waiting for {what}"
         time.sleep(0.01)
 
 

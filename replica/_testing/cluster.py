@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from replica._testing import TornDown
+from replica.timing import Deadline
 
 __all__ = ["ClusterConfig", "Host", "NetnsCluster", "available"]
 
@@ -109,7 +110,7 @@ class Host:
         """SIGKILL to every process on the host, at once; returns their pids. Its kernel
         still answers: peers' connections are reset. ``crash`` loses the machine."""
         killed: list[int] = []
-        deadline = time.monotonic() + self._kill_timeout.total_seconds()
+        deadline = Deadline.after(self._kill_timeout)
         while pids := self.pids():  # children forked while the first ones died, too
             for pid in pids:
                 try:
@@ -118,7 +119,7 @@ class Host:
                     continue
                 if pid not in killed:
                     killed.append(pid)
-            if time.monotonic() > deadline:
+            if deadline.expired:
                 raise RuntimeError(f"{self}: processes {pids} outlived SIGKILL for "
                                    f"{self._kill_timeout.total_seconds()} s")
             time.sleep(0.02)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from replica.jobstore.etcd import EtcdConfig
 from replica._testing import TornDown
+from replica.timing import Deadline
 
 __all__ = ["EtcdCluster", "EtcdMember", "available"]
 
@@ -162,13 +163,13 @@ class EtcdCluster(TornDown):
         return json.loads(done.stdout)
 
     def _ready(self, within: timedelta) -> None:
-        deadline = time.monotonic() + within.total_seconds()
+        deadline = Deadline.after(within)
         while True:
             try:
                 self._post(self.members[0], "/v3/kv/range", {"key": base64.b64encode(b"ready").decode()})
                 return
             except OSError as exc:
-                if time.monotonic() > deadline:
+                if deadline.expired:
                     dead = [m.name for m in self.members if not m.alive()]
                     raise RuntimeError(f"etcd cluster not ready within {within} ({exc}; exited: {dead}); "
                                        f"log: {self.log(self.members[0])[-2000:]}") from exc
@@ -205,7 +206,7 @@ class EtcdCluster(TornDown):
 
     def wait_member(self, member: EtcdMember, within: timedelta) -> None:
         """Until ``member`` (restarted) answers and has caught up with a leader."""
-        deadline = time.monotonic() + within.total_seconds()
+        deadline = Deadline.after(within)
         while True:
             try:
                 status = self._post(member, "/v3/maintenance/status", {})
@@ -213,7 +214,7 @@ class EtcdCluster(TornDown):
                     return
             except OSError:
                 pass
-            if time.monotonic() > deadline:
+            if deadline.expired:
                 raise RuntimeError(f"etcd member {member.name} did not come back within {within}")
             time.sleep(0.1)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from datetime import timedelta
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from replica.errors import ReplicaError
+from replica.timing import Deadline, pause
 
 __all__ = ["BACKEND_NAME", "ResilientProcessGroup", "init_resilient_process_group"]
 
@@ -67,6 +67,7 @@ _FORWARD = {
 
 # Unfinished NCCL works kept per generation before the finished ones are dropped.
 _MAX_TRACKED_WORKS = 1024
+_ARRIVE_POLL = timedelta(milliseconds=10)  # how often a connecting member looks for the others' arrival
 _GLOO_WAIT_SLICE = timedelta(milliseconds=50)  # how often a gloo wait looks for an abort (a finish wakes it at once)
 
 
@@ -295,14 +296,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
                 abort: Callable[[], bool] | None) -> None:
         prefix.set(f"arrived/{self.rank()}", b"1")
         names = [f"arrived/{r}" for r in range(self.size())]
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = Deadline.after(timeout)
         while not prefix.check(names):  # polled: a blocking wait would hold the store client for everyone
             if abort is not None and abort():
                 raise ReplicaError(f"generation {generation} was superseded before every member arrived")
-            if time.monotonic() > deadline:
+            if deadline.expired:
                 missing = [r for r in range(self.size()) if not prefix.check([f"arrived/{r}"])]
                 raise ReplicaError(f"generation {generation}: ranks {missing} did not arrive within {timeout}")
-            time.sleep(0.01)
+            pause(_ARRIVE_POLL, deadline=deadline)
 
     def abort(self, reason: str, *, wait: timedelta = timedelta(0)) -> bool:
         """Fail the current generation now: ``errored`` is set before this returns,
@@ -379,9 +380,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         returned; returns whether they have."""
         with self._lock:
             aborts = list(self._aborts)
-        deadline = time.monotonic() + max(0.0, timeout.total_seconds())
+        deadline = Deadline.after(timeout)
         for aborted in aborts:
-            if not aborted.wait(max(0.0, deadline - time.monotonic())):
+            if not aborted.wait(deadline.remaining_s()):
                 if warn:
                     logger.warning("[rank %d] aborting an old NCCL generation takes over %.1f s; going on",
                                    self.rank(), timeout.total_seconds())
@@ -429,9 +430,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         process may exit right after), and the old generations still being dropped (a
         process must not exit while a thread destroys a gloo group)."""
         self._release(self._timeout)
-        deadline = time.monotonic() + self._timeout.total_seconds()
+        deadline = Deadline.after(self._timeout)
         for drop in self._drops:
-            drop.join(max(0.0, deadline - time.monotonic()))
+            drop.join(deadline.remaining_s())
 
     for _name, _target in _FORWARD.items():
         locals()[_name] = _forward(_name, _target)

@@ -31,7 +31,6 @@ import logging
 import os
 import ssl
 import threading
-import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from replica.errors import FencedError, ReplicaError
 from replica.jobstore.etcdwatch import WatchBroken, WatchStream
+from replica.timing import Backoff, Deadline
 
 __all__ = ["EtcdConfig", "EtcdError", "EtcdStore", "parse_endpoints"]
 
@@ -52,9 +52,12 @@ _MAX_TXN_OPS = 128
 _SCAN_FROM = 16  # a read of this many keys or more ranges over the prefix they share (``_scan``)
 _SCAN_SLACK = 4  # while that prefix holds at most this many times as many keys
 _COUNTERS_KEPT = 4096  # counters whose last value ``add`` remembers (and prefixes whose size ``_scan`` does)
-_WATCH_TRUST_S = 1.0  # a wait on a watch reads its keys at least this often anyway
-_POLL_FIRST_S = 0.002
-_POLL_MOST_S = 0.02
+_WATCH_TRUST = timedelta(seconds=1)  # a wait on a watch reads its keys at least this often anyway
+_POLL_FIRST = timedelta(milliseconds=2)
+_POLL_MOST = timedelta(milliseconds=20)
+# A client's pauses between two rounds of its members while none answers.
+_UNREACHABLE_FIRST = timedelta(milliseconds=50)
+_UNREACHABLE_MOST = timedelta(milliseconds=500)
 
 
 class EtcdError(ReplicaError):
@@ -161,10 +164,10 @@ class _Client:
     def call(self, path: str, body: dict) -> dict:
         """POST ``body`` to ``path`` on the first member that answers; EtcdError when
         etcd refuses it, DistNetworkError when no member answered for ``unreachable_after``."""
-        deadline = time.monotonic() + self.config.unreachable_after.total_seconds()
+        deadline = Deadline.after(self.config.unreachable_after)
         n = len(self.config.endpoints)
         last: Exception | None = None
-        delay = 0.05
+        backoff = Backoff(first=_UNREACHABLE_FIRST, most=_UNREACHABLE_MOST)
         while True:
             start = self._member
             for i in range(n):
@@ -175,11 +178,10 @@ class _Client:
                     return out
                 except _Unavailable as exc:
                     last = exc
-            if time.monotonic() >= deadline:
+            if deadline.expired:
                 raise dist.DistNetworkError(f"no etcd member of {self._where()} answered within "
                                             f"{self.config.unreachable_after}: {last}")
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.5)
+            backoff.sleep(deadline=deadline)
 
     def _where(self) -> str:
         return ",".join(f"{h}:{p}" for h, p in self.config.endpoints)
@@ -258,7 +260,7 @@ class _Client:
             try:
                 headers = {"Authorization": self._token(index)} if self.config.user else {}
                 return WatchStream(self.config.endpoints[index], "/v3/watch", body, headers=headers,
-                                   ssl_context=self._ssl, timeout_s=self.config.request_timeout.total_seconds())
+                                   ssl_context=self._ssl, timeout=self.config.request_timeout)
             except (WatchBroken, _Unavailable, EtcdError) as exc:
                 last = exc
         raise WatchBroken(f"no etcd member of {self._where()} took a watch: {last}")
@@ -390,17 +392,17 @@ class EtcdStore(dist.Store):
         polled every 20 ms, 800 reads a second from 16 of them, and a wake came 10 ms late
         on average. The watch outlives a wait that timed out: a caller that waits in slices
         (``JobStore.wait_for``) asks nothing of etcd between writes. The keys are read
-        again at least every ``_WATCH_TRUST_S`` (a member cut off from its leader sends no
+        again at least every ``_WATCH_TRUST`` (a member cut off from its leader sends no
         events), and a wait falls back to polling while no watch can be opened."""
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = Deadline.after(timeout)
         names = tuple(keys)
         held = getattr(self._watching, "held", None)
         if held is not None and held[0] != names:
             self._unwatch()
             held = None
         while True:
-            if held is None or time.monotonic() >= held[2]:
+            if held is None or held[2].expired:
                 values, revision = self._read(list(names))
                 if all(v is not None for v in values):
                     self._unwatch()
@@ -417,7 +419,7 @@ class EtcdStore(dist.Store):
                 held = None
                 continue
             if message is None:
-                if time.monotonic() >= deadline:
+                if deadline.expired:
                     raise dist.DistStoreError(f"wait for {keys} timed out after {timeout}")
                 continue  # time to read the keys again
             result = message.get("result") or {}
@@ -429,13 +431,13 @@ class EtcdStore(dist.Store):
                 if len(names) == 1 and any(e.get("type", "PUT") == "PUT" for e in result["events"]):
                     self._unwatch()  # the one key was written: no read to learn it exists
                     return
-                held = (held[0], held[1], 0.0)  # a key of the range changed: read them now
+                held = (held[0], held[1], Deadline.after(timedelta(0)))  # a key of the range changed: read them now
 
     def _watch(self, names: tuple[str, ...], revision: int,
-               held: tuple[tuple[str, ...], WatchStream, float] | None):
+               held: tuple[tuple[str, ...], WatchStream, Deadline] | None):
         """The thread's watch of ``names`` (opened from ``revision``, or the one it has),
         with when to read the keys again; None when no member took a watch."""
-        trust = time.monotonic() + _WATCH_TRUST_S
+        trust = Deadline.after(_WATCH_TRUST)
         if held is not None:
             self._watching.held = held = (held[0], held[1], trust)
             return held
@@ -457,14 +459,12 @@ class EtcdStore(dist.Store):
             held[1].close()
             self._watching.held = None
 
-    def _poll(self, names: tuple[str, ...], deadline: float, timeout: timedelta) -> None:
-        delay = _POLL_FIRST_S
+    def _poll(self, names: tuple[str, ...], deadline: Deadline, timeout: timedelta) -> None:
+        backoff = Backoff(first=_POLL_FIRST, most=_POLL_MOST)
         while not self.check(list(names)):
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if deadline.expired:
                 raise dist.DistStoreError(f"wait for {list(names)} timed out after {timeout}")
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_MOST_S)
+            backoff.sleep(deadline=deadline)
 
     def delete_key(self, key: str) -> bool:
         reply = self._txn([], [{"request_delete_range": {"key": self._key(key)}}])

@@ -15,7 +15,9 @@ from __future__ import annotations
 import json
 import socket
 import ssl
-import time
+from datetime import timedelta
+
+from replica.timing import Deadline
 
 __all__ = ["WatchBroken", "WatchStream"]
 
@@ -31,21 +33,21 @@ class WatchBroken(Exception):
 class WatchStream:
     """``POST path`` with ``body`` to ``endpoint`` and read the streamed messages (``next``).
 
-    Raises ``WatchBroken`` when the connection or the request fails within ``timeout_s``."""
+    Raises ``WatchBroken`` when the connection or the request fails within ``timeout``."""
 
     def __init__(self, endpoint: tuple[str, int], path: str, body: dict, *, headers: dict[str, str],
-                 ssl_context: ssl.SSLContext | None, timeout_s: float):
+                 ssl_context: ssl.SSLContext | None, timeout: timedelta):
         self.endpoint = endpoint
         self._buffer = bytearray()  # received bytes not yet parsed (inside or between chunks)
         self._lines = bytearray()  # the chunks' payload not yet split into messages
         self._chunk_left = 0  # payload bytes of the current chunk still to come (+2 for its CRLF)
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline.after(timeout)
         host, port = endpoint
         payload = json.dumps(body).encode()
         head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(payload)}",
                 "Content-Type: application/json", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
         try:
-            sock = socket.create_connection(endpoint, timeout=timeout_s)
+            sock = socket.create_connection(endpoint, timeout=timeout.total_seconds())
             if ssl_context is not None:
                 sock = ssl_context.wrap_socket(sock, server_hostname=host)
         except OSError as exc:
@@ -61,8 +63,8 @@ class WatchStream:
             self.close()
             raise WatchBroken(f"{host}:{port}: the watch was refused (HTTP {status})")
 
-    def next(self, deadline: float) -> dict | None:
-        """The next message, or None when ``deadline`` (``time.monotonic()``) passed first
+    def next(self, deadline: Deadline) -> dict | None:
+        """The next message, or None when ``deadline`` passed first
         (the stream stays usable). WatchBroken when the stream ended or failed."""
         while True:
             line_end = self._lines.find(b"\n")
@@ -89,7 +91,7 @@ class WatchStream:
         except OSError:
             pass
 
-    def _read_head(self, deadline: float) -> tuple[int, bool]:
+    def _read_head(self, deadline: Deadline) -> tuple[int, bool]:
         """The response's status and whether its body is chunked; the buffer keeps what follows."""
         while b"\r\n\r\n" not in self._buffer:
             if len(self._buffer) > _READ_CHUNK or not self._receive(deadline):
@@ -129,9 +131,9 @@ class WatchStream:
             raise WatchBroken("a watch message too large")
         return moved
 
-    def _receive(self, deadline: float) -> bool:
+    def _receive(self, deadline: Deadline) -> bool:
         """Receive what the socket has, waiting until ``deadline``; False when it passed."""
-        left = deadline - time.monotonic()
+        left = deadline.remaining_s()
         if left <= 0:
             return False
         try:

@@ -23,7 +23,6 @@ import hashlib
 import hmac
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -36,6 +35,7 @@ from replica.jobstore.codec import T, decode_value, encode_value
 from replica.jobstore.etcd import EtcdStore
 from replica.jobstore.heartbeat import ThreadHeartbeat
 from replica.jobstore.keys import Key, keys
+from replica.timing import Backoff, Deadline, pause
 
 __all__ = ["JobStore"]
 
@@ -44,9 +44,10 @@ logger = logging.getLogger(__name__)
 
 _MAC_HEX = 64
 _VERIFIED_KEPT = 16384  # verified values remembered (``_Verified``): a job's registrations and a step's acks
-_POLL_FIRST = 50e-6  # a poll's first pause (seconds), doubling up to _POLL_MOST
+_POLL_FIRST = timedelta(microseconds=50)  # a poll's first pause, doubling up to _POLL_MOST
 _POLL_MOST = timedelta(milliseconds=2)
-_BLOCK_SLICE_S = 0.05  # a wait with abort() or a period blocks in the store this long at a time
+_BLOCK_SLICE = timedelta(milliseconds=50)  # a wait with abort() or a period blocks in the store this long at a time
+_BLOCK_LEAST = timedelta(milliseconds=1)
 
 # What JobStore.read expects and would write in its compare-and-set, never a value the
 # store holds (values are signed JSON): the answer when the key is absent.
@@ -56,7 +57,7 @@ _KEY_LABEL = b"replica job store v1"
 
 
 def _quietly_timed(raw: dist.Store) -> bool:
-    """Whether a wait on ``raw`` may time out every ``_BLOCK_SLICE_S`` without a trace: etcd's
+    """Whether a wait on ``raw`` may time out every ``_BLOCK_SLICE`` without a trace: etcd's
     (a poll of its own, every 20 ms at most), not a TCPStore's (each wait that times out logs
     two warnings from torch's C++, which no Python call silences: its waiters check instead)."""
     return isinstance(getattr(raw, "inner", raw), EtcdStore)
@@ -326,43 +327,42 @@ class JobStore:
         ``quiet_every`` (``every`` if None) only, so a long wait costs the store almost
         nothing."""
         own = self.own()
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = Deadline.after(timeout)
         blocking = abort is None and every is None
-        delay, most = _POLL_FIRST, poll.total_seconds()
-        woken, evaluated = True, 0.0  # ready() is evaluated first
+        polls = Backoff(first=min(_POLL_FIRST, poll), most=poll)
+        woken, evaluated = True, Deadline.now()  # ready() is evaluated first
         while True:
             hushed = quiet is not None and quiet()
             period = quiet_every if hushed and quiet_every is not None else every
-            if woken or (period is not None and time.monotonic() - evaluated >= period.total_seconds()):
+            if woken or (period is not None and (evaluated + period).expired):
                 value = ready(own)
                 if value is not None:
                     return value
-                evaluated = time.monotonic()
+                evaluated = Deadline.now()
             if abort is not None:
                 abort()
-            left = deadline - time.monotonic()
-            if left <= 0:
+            left = deadline.remaining()
+            if left <= timedelta(0):
                 raise StoreWaitTimeoutError(f"no {what} within {timeout}")
             if hushed:
-                time.sleep(min(most, left))
+                pause(min(poll, left))
                 woken = False
                 continue
             names = [self.full(k) for k in wake()]
             if blocking and names and not own.raw.check(names):
-                woken = own._block(names, timedelta(seconds=left))
-                delay = _POLL_FIRST
+                woken = own._block(names, left)
+                polls.reset()
                 continue
             if names and not woken and _quietly_timed(own.raw):
                 # The keys were absent at the last look: block on them in the store, a slice at a
                 # time (abort() and ready() between slices), not a check every few ms (N trainers
                 # each checking 500 times a second while they wait for a commit: 256 of them
                 # waiting on etcd put its commit a second behind the last ack).
-                due = left if period is None else evaluated + period.total_seconds() - time.monotonic()
-                woken = own._block(names, timedelta(seconds=max(0.001, min(left, _BLOCK_SLICE_S, due))))
-                delay = _POLL_FIRST
+                due = left if period is None else (evaluated + period).remaining()
+                woken = own._block(names, max(_BLOCK_LEAST, min(left, _BLOCK_SLICE, due)))
+                polls.reset()
                 continue
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, most)
+            polls.sleep(deadline=deadline)
             woken = not names or own.raw.check(names)
 
     def own(self) -> JobStore:

@@ -35,6 +35,7 @@ from replica.session.protocol import (
 from replica.state.snapshot import Snapshot
 from replica.transport.base import After, bucket_digest
 from replica.transport import Connection
+from replica.timing import pause
 
 __all__ = ["request_repair", "serve_repairs"]
 
@@ -42,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 # How often an idle trainer looks for a repair request: a repair is rare and never urgent
 # (the version stays refused until it is done), so a slow poll costs nothing.
-_POLL_S = 0.1
+_POLL = timedelta(milliseconds=100)
 
 
 def request_repair(conn: Connection, snapshot: Snapshot, step: int, buckets: Sequence[int], *,
@@ -105,24 +106,24 @@ def serve_repairs(connection: Callable[[], Connection | None], snapshots: Callab
     while not stop.is_set():
         conn = connection()
         if conn is None or not conn.alive:
-            stop.wait(_POLL_S)
+            pause(_POLL, stop)
             continue
         request = torch.zeros(REPLY_BYTES, dtype=torch.uint8)
         try:
             pending = conn.irecv(request, tag=REPAIR)
             while not pending.done():
                 # A dropped connection fails its receive; a replaced one is closed by the stream.
-                if stop.wait(_POLL_S) or connection() is not conn:
+                if pause(_POLL, stop) or connection() is not conn:
                     break
             else:
                 pending.wait(timeout)
                 repaired(_answer(conn, Reply.decode(request.numpy().tobytes()), snapshots(), timeout, who))
         except TransportError as exc:  # the session ended; the next connection gets a receive of its own
             logger.debug("[%s] repair receive ended: %s", who, exc)
-            stop.wait(_POLL_S)
+            pause(_POLL, stop)
         except Exception:  # noqa: BLE001 - a bad request must not end the trainer's repair service
             logger.exception("[%s] answering a repair request failed", who)
-            stop.wait(_POLL_S)
+            pause(_POLL, stop)
 
 
 def _answer(conn: Connection, request: Reply, snapshots: Sequence[Snapshot], timeout: timedelta, who: str) -> int:

@@ -35,6 +35,7 @@ from replica.state.restore import bind_state, restore_snapshot
 from replica.state.snapshot import Snapshot, Stateful, collect_extras
 from replica.mirror.stream import MirrorFaults, MirrorStream, StreamStats
 from replica.transport.base import nvtx_range
+from replica.timing import Deadline
 
 __all__ = ["CommitStats", "Replicator"]
 
@@ -383,16 +384,16 @@ class Replicator:
         announced), and once the commit is late, sends the step again if the standby that
         received it left before recording it (``MirrorStream.resend_unrecorded``)."""
         step, snapshot = self._last_step, self._snapshots[self._next ^ 1]
-        look = time.monotonic() + _RESEND_LOOK.total_seconds()
+        look = Deadline.after(_RESEND_LOOK)
 
         def abort() -> None:
             nonlocal look
             self._raise_stream_error()
             if interruptible and self.interrupted is not None and self.interrupted():
                 raise _Interrupted
-            if time.monotonic() >= look and snapshot.step == step:
+            if look.expired and snapshot.step == step:
                 self._stream.resend_unrecorded(snapshot, step, self.epoch())
-                look = time.monotonic() + _RESEND_LOOK.total_seconds()
+                look = Deadline.after(_RESEND_LOOK)
 
         return abort
 

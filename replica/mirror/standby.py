@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ from replica.state.restore import restore_snapshot
 from replica.state.snapshot import Snapshot, Stateful
 from replica.transport import Connection, MemoryKind
 from replica.transport.base import After, memory_kind
+from replica.timing import Backoff
 
 __all__ = ["Mirror", "MirrorStats", "fetch_mirror"]
 
@@ -69,7 +71,8 @@ logger = logging.getLogger(__name__)
 # The first and the longest pause between two reads of the global commit by a standby
 # that waits to learn its newest version is committed, so it can post the next one's
 # receives early (Mirror._prestage); the pause doubles from the first.
-_COMMIT_READ_PAUSES = (1e-3, 0.1)
+_COMMIT_READ_FIRST = timedelta(milliseconds=1)
+_COMMIT_READ_MOST = timedelta(milliseconds=100)
 
 
 
@@ -124,9 +127,8 @@ class Mirror(Listener):
         self._damaged: dict[Snapshot, tuple[int, ...]] = {}  # versions refused until repaired: their bad buckets
         self._scrubber: threading.Thread | None = None
         self._handed_over = False  # the versions belong to the rank's new trainer (hand_over)
-        # _prestage's reads of the global commit: the next one's time, and the pause after it.
-        self._next_commit_read = 0.0
-        self._commit_pause = _COMMIT_READ_PAUSES[0] / 2
+        # _prestage's reads of the global commit: when the next one is due, and the pause after it.
+        self._commit_reads = Backoff(first=_COMMIT_READ_FIRST, most=_COMMIT_READ_MOST)
         if model is not None:  # before anyone can find this mirror: no trainer gets in unchecked
             self.expect(model, optimizer)
         self._registration = self.record.publish_standby(rank, self.backend, self.address, self.fallback)
@@ -428,7 +430,7 @@ class Mirror(Listener):
         """The slot the next version may land in before its BEGIN arrives
         (``_take_slot`` without the store), or None while none is known to be free.
         Until one is, the commit is read from the store, the pauses between reads
-        doubling from the first to the longest of ``_COMMIT_READ_PAUSES`` after each
+        doubling from ``_COMMIT_READ_FIRST`` to ``_COMMIT_READ_MOST`` after each
         version's arrival: the trainer sends the next version only once that commit
         exists, so a few reads do."""
         def take() -> torch.Tensor | None:  # under _cond
@@ -439,10 +441,9 @@ class Mirror(Listener):
 
         with self._cond:
             buffer = take()
-            if buffer is not None or self._handed_over or time.monotonic() < self._next_commit_read:
+            if buffer is not None or self._handed_over or not self._commit_reads.due():
                 return buffer
-            self._commit_pause = min(self._commit_pause * 2, _COMMIT_READ_PAUSES[1])
-            self._next_commit_read = time.monotonic() + self._commit_pause
+            self._commit_reads.failed()  # this read: the next one after a longer pause
         try:
             self.record.last()  # outside the lock: a store round trip
         except Exception as exc:  # noqa: BLE001 - the version is staged when it arrives instead
@@ -458,8 +459,7 @@ class Mirror(Listener):
             slot.step = begin.step
             slot.digests = digests if self.config.verify else None  # kept: checked before every use
             self._damaged.pop(slot, None)  # marks of the content this one replaced
-            self._commit_pause = _COMMIT_READ_PAUSES[0] / 2  # its commit is read soon (_prestage)
-            self._next_commit_read = 0.0
+            self._commit_reads.reset()  # its commit is read soon (_prestage)
             self.stats.acked.append(begin.step)
             self._cond.notify_all()
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from replica.session.backends import backend_name
-from replica.session.bucketstream import RETRY_FIRST, Backoff, MirrorFaults, Outgoing, open_session
+from replica.session.bucketstream import RETRY_FIRST, MirrorFaults, Outgoing, open_session, registration_backoff
 from replica.jobstore.commit import NO_EPOCH, CommitRecord
 from replica.config import Config
 from replica.errors import (
@@ -29,6 +29,7 @@ from replica.mirror.repair import serve_repairs
 from replica.state.snapshot import Snapshot
 from replica.transport import Connection, Transport
 from replica.transport.base import memory_kind
+from replica.timing import Deadline
 
 __all__ = ["MirrorFaults", "MirrorStream", "StreamStats"]
 
@@ -202,7 +203,7 @@ class MirrorStream:
         superseded generation is dropped; a fenced trainer raises."""
         if self._superseded(step, epoch):
             return
-        retry, tried = Backoff(), None
+        retry, tried = registration_backoff(), None
         first: TransportError | None = None  # the failure that left the rank unprotected
         deadline, budget = None, timedelta(0)  # from the first failure, or while none is registered
         while True:
@@ -211,7 +212,7 @@ class MirrorStream:
             current = self._registration if self._conn is not None else self._record.registration(self.rank)
             if current is not None and (current != tried or retry.due()):
                 if current != tried:
-                    retry, tried = Backoff(), current
+                    retry, tried = registration_backoff(), current
                 try:
                     self._stream(snapshot, step, epoch, current)
                 except (LayoutMismatchError, StandbyLostError):
@@ -230,7 +231,7 @@ class MirrorStream:
                                      "until it is reached again or a replacement registers (waiting up to %s)",
                                      self.rank, step, exc, self.rank, self._config.standby_wait)
                         first, budget = exc, self._config.standby_wait
-                        deadline = time.monotonic() + budget.total_seconds()
+                        deadline = Deadline.after(budget)
                     else:
                         logger.info("[trainer rank %d step %d] the standby at %s is still unreachable (%s); next "
                                     "try in %s", self.rank, step, current, exc, pause)
@@ -246,13 +247,13 @@ class MirrorStream:
                 return
             if deadline is None:  # no standby registered yet
                 budget = max(self._config.timeout, self._config.standby_wait)
-                deadline = time.monotonic() + budget.total_seconds()
-            if time.monotonic() >= deadline or self._closing.is_set():
+                deadline = Deadline.after(budget)
+            if deadline.expired or self._closing.is_set():
                 raise StandbyLostError(f"no standby of rank {self.rank} could be reached within {budget}"
                                        + (f" after {first}" if first is not None else "")) from first
             if self._superseded(step, epoch):
                 return
-            time.sleep(RETRY_FIRST.total_seconds())
+            self._closing.wait(RETRY_FIRST.total_seconds())  # a close ends the wait at once
 
     def _acknowledge_unprotected(self, step: int, epoch: Epoch) -> bool:
         """When the coordinator says no standby will come for this rank (and none has

@@ -16,7 +16,7 @@ for each ``BEGIN`` (until the listener closes or a newer sender replaces this
 one), checks its bucket count and epoch, receives and verifies the buckets and
 acknowledges.
 
-``Backoff`` paces the retries of a registration that could not be reached.
+``registration_backoff()`` paces the retries of a registration that could not be reached.
 """
 
 from __future__ import annotations
@@ -66,15 +66,16 @@ from replica.session.protocol import (
 )
 from replica.transport import BucketHeader, Connection, MemoryKind, Transfer, Transport
 from replica.transport.base import After
+from replica.timing import Backoff, Deadline
 
 __all__ = [
-    "Backoff",
     "MirrorFaults",
     "Outgoing",
     "SendCounts",
     "accept_sender",
     "open_session",
     "receive_versions",
+    "registration_backoff",
     "wait_first",
 ]
 
@@ -100,25 +101,10 @@ class SendCounts(Protocol):
     resent_buckets: int
 
 
-class Backoff:
+def registration_backoff() -> Backoff:
     """When to try a registration again after a failure: ``RETRY_FIRST`` after the
     first, doubling up to ``RETRY_MOST``."""
-
-    def __init__(self) -> None:
-        self._delay = RETRY_FIRST
-        self._next = 0.0  # time.monotonic() of the next try; due at once before any failure
-        self.failures = 0
-
-    def due(self) -> bool:
-        return time.monotonic() >= self._next
-
-    def failed(self) -> timedelta:
-        """Record a failed try; returns the pause before the next one."""
-        delay = self._delay
-        self._next = time.monotonic() + delay.total_seconds()
-        self._delay = min(delay * 2, RETRY_MOST)
-        self.failures += 1
-        return delay
+    return Backoff(first=RETRY_FIRST, most=RETRY_MOST)
 
 
 # --- the sender ---
@@ -275,7 +261,8 @@ class Outgoing:
 # The longest sleep of a receiver between two looks for its sender's next message: the
 # latency a new version may wait before its receives are posted, against ~2,000 wake-ups a
 # second of an idle standby (~1% of a core).
-_MAX_IDLE_POLL_S = 0.5e-3
+_FIRST_IDLE_POLL = timedelta(microseconds=50)
+_MAX_IDLE_POLL = timedelta(microseconds=500)
 
 
 def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callable[[], str | None],
@@ -283,8 +270,8 @@ def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callabl
     """The first of ``transfers`` to finish. ``gone()`` names a reason to stop waiting
     (the listener closed, a newer sender took over) or None; ``within`` bounds the wait
     (None: the next message comes when it comes); ``idle()`` runs between looks."""
-    deadline = None if within is None else time.monotonic() + within.total_seconds()
-    delay = 50e-6
+    deadline = None if within is None else Deadline.after(within)
+    polls = Backoff(first=_FIRST_IDLE_POLL, most=_MAX_IDLE_POLL)
     while True:
         for transfer in transfers:
             if transfer.done():
@@ -293,12 +280,11 @@ def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callabl
         reason = gone()
         if reason is not None:
             raise PeerDisconnectedError(reason, graceful=True)
-        if deadline is not None and time.monotonic() > deadline:
+        if deadline is not None and deadline.expired:
             raise TransferTimeoutError(f"{conn.peer} sent nothing after connecting")
         if idle is not None:
             idle()
-        time.sleep(delay)
-        delay = min(delay * 2, _MAX_IDLE_POLL_S)
+        polls.sleep()
 
 
 def _fence(conn: Connection, epoch: Epoch, step: int, current: Epoch | None, *, who: str, timeout: timedelta,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from replica import ops
 from replica.session.backends import SHM_BACKEND
 from replica.transport.buffers import transfer_buffer
-from replica.session.bucketstream import Backoff, MirrorFaults, Outgoing, open_session
+from replica.session.bucketstream import MirrorFaults, Outgoing, open_session, registration_backoff
 from replica.jobstore.commit import NO_EPOCH
 from replica.config import Config
 from replica.errors import FencedError, LayoutMismatchError, ReplicaError, TransportError
@@ -26,6 +26,7 @@ from replica.session.protocol import fingerprint_int
 from replica.jobstore.registry import registration
 from replica.transport import Connection, Transport
 from replica.transport.base import memory_kind
+from replica.timing import Backoff
 from replica.weights.layout import ModelSource, WeightSource, tensor_buckets, weight_layout
 
 __all__ = ["SyncStats", "WeightSync"]
@@ -304,7 +305,7 @@ class WeightSync:
                 logger.warning("weight sync: engine %d at %s refused the layout: %s", i, current, exc)
             except (FencedError, TransportError) as exc:
                 skipped[i] = str(exc)
-                pause = self._retry.setdefault(current, Backoff()).failed()
+                pause = self._retry.setdefault(current, registration_backoff()).failed()
                 if isinstance(exc, FencedError):
                     self._fenced[current] = epoch
                 logger.warning("weight sync: engine %d at %s %s (%s); next try in %s", i, current,
