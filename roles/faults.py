@@ -7,11 +7,13 @@ import logging
 import os
 import signal
 import time
+from datetime import timedelta
 
 import torch
 
 from replica.jobstore import Stamp, keys
 from replica.roles.env import Role
+from replica.timing import pause
 
 
 __all__ = ["Faults"]
@@ -64,7 +66,7 @@ class Faults:
             self.store.has(key)
             logger.warning("[%s rank %d step %d] injected fault %s fires", self.role, self.rank, step, f)
             if f.action == "stall":
-                time.sleep(f.seconds)
+                pause(timedelta(seconds=f.seconds))
             elif f.action == "freeze":
                 for handler in logging.getLogger().handlers:  # what it logged is out before it stops
                     handler.flush()

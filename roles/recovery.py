@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import NoReturn
 
 
@@ -18,6 +19,7 @@ from replica.jobstore.commit import hint_generation
 from replica.errors import StoreWaitTimeoutError
 from replica.jobstore import Flag, Generation, JobStore, Promotion, Regroup, Stamp, Text, keys
 from replica.roles import timing
+from replica.timing import Deadline, pause
 from replica.roles.env import Role
 
 from replica.roles.exits import ExitCode, exit_now
@@ -26,6 +28,7 @@ __all__ = ["Recovery"]
 
 logger = logging.getLogger(__name__)
 _HEARTBEAT_LOG_EVERY = 50  # repeated failures: one warning in 50 (5 s)
+_STORE_RETRY = timedelta(milliseconds=200)  # a role whose store call failed tries it again this often
 
 
 def _endpoint(address: str) -> tuple[str, int]:
@@ -187,7 +190,7 @@ class Recovery:
         role exits (code 76). Runs once, from whichever thread finds it first."""
         if not self._lost.acquire(blocking=False):  # another thread is at it, and exits the process
             while True:
-                time.sleep(1)
+                pause(timedelta(seconds=1))
         logger.error("[%s rank %d] the job store is gone (%s): the coordinator died or is cut off; this %s "
                      "exports the versions it holds to %s and stops", self.role, self.rank, exc, self.role,
                      self.env.export_dir)
@@ -210,12 +213,12 @@ class Recovery:
         """A store call of the role's own thread failed: if the store stays unreachable for
         timing.STORE_LOST, the coordinator is gone (``_coordinator_lost``); else ``exc`` was
         something else, and it is raised again."""
-        deadline = time.monotonic() + timing.STORE_LOST.total_seconds()
-        while time.monotonic() < deadline:
+        deadline = Deadline.after(timing.STORE_LOST)
+        while not deadline.expired:
             try:
                 self.store.reconnect(timing.HEARTBEAT_IO).get(keys.generation())
             except (RuntimeError, OSError):  # still unreachable
-                time.sleep(0.2)
+                pause(_STORE_RETRY, deadline=deadline)
                 continue
             raise exc  # the store answers: the failure was something else
         self._coordinator_lost(exc)

@@ -23,8 +23,8 @@ import itertools
 import logging
 import socket
 import threading
-import time
 from abc import abstractmethod
+from datetime import timedelta
 from typing import Any
 
 from replica.errors import (
@@ -34,6 +34,7 @@ from replica.errors import (
     TransferTimeoutError,
     TransportError,
 )
+from replica.timing import Deadline, pause
 from replica.transport.base import Connection, Locality, Transport
 from replica.transport.endpoint import EndpointConfig, is_local_address, keep_alive, peer_locality
 from replica.transport.framing import BYE, ControlMonitor, GRACEFUL, encode_frame
@@ -70,32 +71,31 @@ logger = logging.getLogger(__name__)
 
 _MAX_CONNECTIONS = (1 << 16) - 1
 #: How often the accept thread looks whether the transport closed (close() also wakes it).
-_ACCEPT_SLICE_S = 0.2
+_ACCEPT_SLICE = timedelta(milliseconds=200)
 #: How long close() waits for the accept and handshake threads.
-_CLOSE_WAIT_S = 5.0
+_CLOSE_WAIT = timedelta(seconds=5)
 #: Junk-socket floods log one line per interval, not one per socket.
-_LOG_INTERVAL_S = 5.0
+_LOG_INTERVAL = timedelta(seconds=5)
 
 
 class _RateLimitedLog:
     """Warns at most once per interval; the next warning counts those left out."""
 
-    def __init__(self, interval_s: float):
-        self._interval_s = interval_s
+    def __init__(self, interval: timedelta):
+        self._interval = interval
         self._lock = threading.Lock()
-        self._next = 0.0
+        self._next = Deadline.now()
         self._skipped = 0
 
     def warning(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
         with self._lock:
-            if now < self._next:
+            if not self._next.expired:
                 self._skipped += 1
                 return
             skipped, self._skipped = self._skipped, 0
-            self._next = now + self._interval_s
+            self._next = Deadline.after(self._interval)
         if skipped:
-            msg += f" ({skipped} more like it in the last {self._interval_s:.0f} s)"
+            msg += f" ({skipped} more like it in the last {self._interval.total_seconds():.0f} s)"
         logger.warning(msg, *args)
 
 
@@ -167,8 +167,8 @@ class ControlledTransport(Transport):
         self._handshakes: dict[socket.socket, threading.Thread] = {}
         self._arrived = threading.Condition(self._lock)
         self._finished: collections.deque[ControlledConnection | AuthenticationError] = collections.deque()
-        self._overflow_log = _RateLimitedLog(_LOG_INTERVAL_S)
-        self._failure_log = _RateLimitedLog(_LOG_INTERVAL_S)
+        self._overflow_log = _RateLimitedLog(_LOG_INTERVAL)
+        self._failure_log = _RateLimitedLog(_LOG_INTERVAL)
         self._closed = False
 
     def _listen(self) -> str:
@@ -188,16 +188,15 @@ class ControlledTransport(Transport):
         cut short by EOF or its deadline is logged, not raised here."""
         if self._server is None:
             raise TransportError("accept() before listen()")
-        end = time.monotonic() + timeout_s
+        deadline = Deadline.after(timedelta(seconds=timeout_s))
         with self._arrived:
             while not self._finished:
                 if self._closed:
                     raise TransportError("accept() on a closed transport")
-                left = end - time.monotonic()
-                if left <= 0:
+                if deadline.expired:
                     raise TransferTimeoutError(f"no peer finished a handshake with {self._server.address} "
                                                f"within {timeout_s:.3f} s")
-                self._arrived.wait(left)
+                self._arrived.wait(deadline.remaining_s())
             item = self._finished.popleft()
         if isinstance(item, AuthenticationError):
             raise item
@@ -219,7 +218,7 @@ class ControlledTransport(Transport):
     def _accept_loop(self, server: ControlServer) -> None:
         while not self._closed:
             try:
-                sock, peer = server.accept(_ACCEPT_SLICE_S)
+                sock, peer = server.accept(_ACCEPT_SLICE.total_seconds())
             except TransferTimeoutError:
                 continue
             except OSError as exc:
@@ -227,7 +226,7 @@ class ControlledTransport(Transport):
                     return
                 # Out of descriptors, most likely: say so, and give the process a moment.
                 self._overflow_log.warning("accepting on %s failed: %s", server.address, exc)
-                time.sleep(_ACCEPT_SLICE_S)
+                pause(_ACCEPT_SLICE)
                 continue
             thread = threading.Thread(target=self._handshake, args=(sock, peer), name="replica-handshake",
                                       daemon=True)
@@ -334,13 +333,13 @@ class ControlledTransport(Transport):
         if self._server is not None:
             self._server.shutdown()
             if self._acceptor is not None:
-                self._acceptor.join(timeout=_CLOSE_WAIT_S)
+                self._acceptor.join(timeout=_CLOSE_WAIT.total_seconds())
             self._server.close()
         # A thread still opening a data path (gloo's store) finds the transport
         # closed when done and closes what it made.
-        end = time.monotonic() + _CLOSE_WAIT_S
+        deadline = Deadline.after(_CLOSE_WAIT)
         for thread in handshakes:
-            thread.join(timeout=max(0.0, end - time.monotonic()))
+            thread.join(timeout=deadline.remaining_s())
         for conn in unclaimed:
             conn.close()
         with self._lock:

@@ -9,12 +9,13 @@ import socket
 import struct
 import threading
 from typing import TYPE_CHECKING
+from datetime import timedelta
 
 
 if TYPE_CHECKING:
     from replica.transport.control import ControlledConnection
 
-__all__ = ["BYE", "ControlMonitor", "GRACEFUL", "MAX_FRAME_BYTES", "SEND_TIMEOUT_S", "encode_frame"]
+__all__ = ["BYE", "ControlMonitor", "GRACEFUL", "MAX_FRAME_BYTES", "SEND_TIMEOUT", "encode_frame"]
 
 
 _FRAME = struct.Struct("<BI")
@@ -22,7 +23,7 @@ BYE = 0xFF  # the peer closes on purpose
 MAX_FRAME_BYTES = 1 << 20
 GRACEFUL = "peer closed the connection"  # it sent BYE
 #: How long a control-frame send may block before the connection counts as dead.
-SEND_TIMEOUT_S = 10.0
+SEND_TIMEOUT = timedelta(seconds=10)
 
 
 def encode_frame(kind: int, payload: bytes = b"") -> bytes:
@@ -49,7 +50,7 @@ class ControlMonitor:
     def watch(self, sock: socket.socket, conn: ControlledConnection) -> None:
         # Timeout mode, not non-blocking: recv runs only after select said the
         # socket is readable, and a frame send may block for a bounded time.
-        sock.settimeout(SEND_TIMEOUT_S)
+        sock.settimeout(SEND_TIMEOUT.total_seconds())
         self._selector.register(sock, selectors.EVENT_READ, (conn, bytearray()))
         self._watched.set()
 

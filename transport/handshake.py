@@ -9,9 +9,10 @@ import hmac
 import logging
 import socket
 import struct
-import time
+from datetime import timedelta
 
 from replica.errors import AuthenticationError, PeerDisconnectedError, TransferTimeoutError, TransportError
+from replica.timing import Deadline
 from replica.transport import wire
 
 __all__ = [
@@ -38,15 +39,17 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class HandshakeDeadline:
+    """A handshake's ``Deadline``, in the seconds a socket's timeout takes: ``remaining()``
+    raises ``TransferTimeoutError`` naming what timed out once it has passed."""
+
     def __init__(self, timeout_s: float, what: str):
-        self.end = time.monotonic() + timeout_s
+        self._deadline = Deadline.after(timedelta(seconds=timeout_s))
         self.what = what
 
     def remaining(self) -> float:
-        left = self.end - time.monotonic()
-        if left <= 0:
+        if self._deadline.expired:
             raise TransferTimeoutError(f"{self.what} timed out")
-        return left
+        return self._deadline.remaining_s()
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: HandshakeDeadline) -> bytes:

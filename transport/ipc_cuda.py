@@ -17,7 +17,7 @@ import torch
 
 from replica.errors import TransportError
 from replica.transport import memfd
-from replica.transport.ipc_frames import IPC_EVENT_HANDLE_BYTES, READY_SPIN_S
+from replica.transport.ipc_frames import IPC_EVENT_HANDLE_BYTES, READY_SPIN
 
 __all__ = [
     "Bucket",
@@ -62,7 +62,7 @@ _map_lock = threading.Lock()
 
 
 def completes_soon(event) -> bool:
-    deadline = time.perf_counter() + READY_SPIN_S
+    deadline = time.perf_counter() + READY_SPIN.total_seconds()  # a spin of microseconds: perf_counter's resolution
     while not event.query():
         if time.perf_counter() >= deadline:
             return False

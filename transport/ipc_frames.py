@@ -4,6 +4,7 @@ on what rides the control socket, and the codec of their variable parts."""
 from __future__ import annotations
 
 import struct
+from datetime import timedelta
 
 
 from replica.transport.base import valid_offset
@@ -13,7 +14,7 @@ from replica.transport.wire import HEADER_BYTES, BucketHeader
 __all__ = [
     "ACK",
     "CUDA_EXPORT",
-    "EXPLAIN_S",
+    "EXPLAIN",
     "EXPORT_FIXED",
     "HOST",
     "HOST_EXPORT",
@@ -31,7 +32,7 @@ __all__ = [
     "OFFER_FIXED",
     "PUSHED",
     "PUSHED_FIXED",
-    "READY_SPIN_S",
+    "READY_SPIN",
     "RELEASE",
     "U64",
     "WANT",
@@ -87,11 +88,11 @@ IPC_EVENT_HANDLE_BYTES = 64
 # monitor's, or the caller's in irecv): a hand-off to the completion thread costs more.
 INLINE_COPY_BYTES = 4 << 20
 # How long a copy that failed waits for the control socket to report the peer's death.
-EXPLAIN_S = 0.5
+EXPLAIN = timedelta(seconds=0.5)
 # An event recorded behind finished work completes within microseconds; this
 # long the sender looks before handing the offer to the ready thread (a thread
 # hop costs tens of microseconds).
-READY_SPIN_S = 20e-6
+READY_SPIN = timedelta(microseconds=20)
 
 
 def blobs(*blobs: bytes) -> bytes:

@@ -13,7 +13,7 @@ from replica import ops
 from replica.errors import TransportError
 from replica.transport import memfd
 from replica.transport.ipc_cuda import Export, HostImport, HostMessage, Import, Offer, Outgoing, Recv, Want, copy_stream
-from replica.transport.ipc_frames import ACK, CUDA_EXPORT, EXPLAIN_S, EXPORT_FIXED, HOST, HOST_EXPORT, HOST_FIXED, HOST_MORE, INLINE_COPY_BYTES, MAX_HOST_BYTES, MAX_IMPORTS, OFFER, OFFER_FIXED, PUSHED, PUSHED_FIXED, RELEASE, U64, WANT, WANT_FIXED, digest_offset, read_blobs
+from replica.transport.ipc_frames import ACK, CUDA_EXPORT, EXPLAIN, EXPORT_FIXED, HOST, HOST_EXPORT, HOST_FIXED, HOST_MORE, INLINE_COPY_BYTES, MAX_HOST_BYTES, MAX_IMPORTS, OFFER, OFFER_FIXED, PUSHED, PUSHED_FIXED, RELEASE, U64, WANT, WANT_FIXED, digest_offset, read_blobs
 from replica.transport.wire import HEADER_BYTES
 
 __all__ = ["Receiving"]
@@ -279,7 +279,7 @@ class Receiving:
         except Exception as exc:  # noqa: BLE001 - a failed copy fails the connection, not the thread
             # A region that cannot be opened any more most often means its owner died:
             # the control socket says so within moments, and then that is the error.
-            if inline or not self._failed.wait(EXPLAIN_S):
+            if inline or not self._failed.wait(EXPLAIN.total_seconds()):
                 self._fail(exc if isinstance(exc, TransportError) else
                            TransportError(f"receiving tag {message.tag} from {self.peer} failed: {exc}"))
             receive.completion.set()
