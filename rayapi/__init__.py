@@ -22,7 +22,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("replica.ray needs Ray: pip install 'replica[ray]'") from exc
 
-from replica.ray.agents import Placement, PlacementError, RayAgents
+from replica.ray.ray_agents import Placement, PlacementError, RayAgents
 from replica.ray.job import RayJob, RayJobConfig
 from replica.ray.launch import ray_agents, role_env_for_ray
 from replica.roles.rollouts import Rollouts, Sampling

@@ -14,7 +14,7 @@ import threading
 
 import ray
 
-from replica.roles.launch import die_with_launcher
+from replica.roles.local_agent import die_with_launcher
 
 __all__ = ["RoleProcess", "node_host_name", "unnice"]
 

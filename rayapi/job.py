@@ -13,12 +13,12 @@ from pathlib import Path
 
 from replica.session.backends import parse_backends
 from replica.jobstore import keys
-from replica.ray.agents import Placement, RayAgents
+from replica.ray.ray_agents import Placement, RayAgents
 from replica.ray.launch import ray_agents
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
 from replica.roles.env import HOST, Role, parse_faults
-from replica.roles.launch import open_job, start_roles
+from replica.roles.local_agent import open_job, start_roles
 from replica.roles.rollouts import Rollouts, Sampling, request_rollouts
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines

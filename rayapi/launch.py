@@ -9,7 +9,7 @@ from pathlib import Path
 
 import ray
 
-from replica.ray.agents import Placement, RayAgents
+from replica.ray.ray_agents import Placement, RayAgents
 
 __all__ = ["parse_placement", "ray_agents", "role_env_for_ray"]
 

@@ -1,13 +1,20 @@
 """What every ``replica`` command shares to read its command line: errors as one line
-(``replica launch: error: ...``, exit code 2, no usage dump, no traceback), and the
-value types its options take, each refusing a bad value with its reason."""
+(``replica launch: error: ...``, exit code 2, no usage dump, no traceback), the
+value types its options take, each refusing a bad value with its reason, and the option
+groups several commands take (deadlines, the state to resume from)."""
 
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 from pathlib import Path
 
-__all__ = ["Parser", "existing_file", "non_negative_int", "port", "positive_float", "positive_int", "writable_file"]
+from replica.errors import ReplicaError
+from replica.state.export import resumable
+from replica.roles.timing import Deadlines
+
+__all__ = ["Parser", "deadline_options", "deadlines_of", "existing_file", "non_negative_int", "port", "positive_float",
+           "positive_int", "resume_point", "state_options", "writable_file"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -68,3 +75,37 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: need an integer") from None
+
+
+def deadline_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heartbeat-deadline", type=positive_float, default=Deadlines().trainer.total_seconds(),
+                   help="seconds without a heartbeat before a live but silent trainer is declared dead "
+                        "(a process that exits is declared dead at once)")
+    p.add_argument("--standby-deadline", type=positive_float, default=None,
+                   help="the same for standbys (default: --heartbeat-deadline)")
+
+
+def state_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--export-dir", type=Path, default=Path("replica-export"),
+                   help="where the standbys write the last commit when the job cannot go on (a rank's state lost; "
+                        "the job store gone), one folder per step (default: ./replica-export)")
+    p.add_argument("--resume", type=Path, default=None,
+                   help="start from an export: a folder with one file per rank (Mirror.export), or a job's export "
+                        "folder (its newest step of which every rank's file is there)")
+
+
+def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> tuple[int, Path] | None:
+    """The step and folder ``--resume`` names (None without it); a parser error if it holds no complete export."""
+    if args.resume is None:
+        return None
+    try:
+        step, folder = resumable(args.resume, world_size)
+    except ReplicaError as exc:
+        parser.error(f"--resume: {exc}")
+    return step, folder.resolve()
+
+
+def deadlines_of(args: argparse.Namespace) -> Deadlines:
+    trainer = timedelta(seconds=args.heartbeat_deadline)
+    return Deadlines(trainer=trainer, standby=timedelta(seconds=args.standby_deadline) if args.standby_deadline
+                     else trainer)

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return coordinator(argv[1:])
     if argv[0] == "agent":
-        from replica.roles.agent import main as agent
+        from replica.roles.host_agent import main as agent
 
         return agent(argv[1:])
     if argv[0] == "compare":
@@ -46,7 +46,6 @@ def _ray_agents(**kwargs):
 
 
 def _compare(argv: list[str]) -> int:
-    import argparse
     from pathlib import Path
 
     from replica.roles.report import compare_reports, load_report, write_loss_png

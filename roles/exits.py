@@ -1,5 +1,5 @@
 """How a role's process ends: its exit codes, which the agents and the launcher read
-(``replica.roles.supervise``, ``replica.roles.agent``), and the one way to end at once."""
+(``replica.roles.supervise``, ``replica.roles.host_agent``), and the one way to end at once."""
 
 from __future__ import annotations
 

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import secrets
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -20,11 +16,9 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TextIO
 
-from replica.session.backends import BACKENDS, parse_backends
+from replica.session.backends import BACKENDS
 from replica.errors import ReplicaError
-from replica.state.export import resumable
 from replica.roles.coordinator import Coordinator, MemberState
-from replica.roles.election import Leadership, lead_new_job
 from replica.roles.argparsing import (
     Parser,
     existing_file,
@@ -36,39 +30,10 @@ from replica.roles.argparsing import (
 )
 from replica.roles.env import HOST, Role, check_faults, configure_logging, parse_faults
 from replica.roles.supervise import JobSpec, supervise
-from replica.roles.timing import Deadlines
-from replica.jobstore.stores import StoreAddress, StoreKind
-from replica.timing import Deadline
+from replica.roles.local_agent import LocalAgent, open_job, start_roles
+from replica.roles.argparsing import deadline_options, deadlines_of, resume_point, state_options
 
-__all__ = ["LocalAgent", "StatusLines", "deadline_options", "deadlines_of", "die_with_launcher", "main", "open_job",
-           "resume_point", "role_env", "start_roles", "state_options"]
-
-# Run as `python -I -S -c _DIE_WITH_LAUNCHER LAUNCHER_PID ARGV...`, before anything of the job is
-# imported: set PR_SET_PDEATHSIG, then exec ARGV in the same process (the setting survives exec, and
-# the script runs exactly as `python script.py` would). This replaces preexec_fn, which may deadlock
-# in a launcher with threads. The signal comes when the launcher's forking thread exits; one that
-# died before the prctl sends nothing, so the parent is checked after it.
-_DIE_WITH_LAUNCHER = """\
-import ctypes, os, signal, sys
-launcher, argv = int(sys.argv[1]), sys.argv[2:]
-libc = ctypes.CDLL(None, use_errno=True)
-if libc.prctl(ctypes.c_int(1), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0), ctypes.c_ulong(0),
-              ctypes.c_ulong(0)) != 0:  # 1: PR_SET_PDEATHSIG
-    raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-if os.getppid() != launcher:
-    os.kill(os.getpid(), signal.SIGKILL)
-os.execv(argv[0], argv)
-"""
-
-
-def die_with_launcher(argv: list[str]) -> list[str]:
-    """``argv`` wrapped so that the process it starts is SIGKILLed when this process
-    dies (Linux; elsewhere ``argv`` unchanged). Start it from the main thread: the
-    signal fires when the thread that started it exits."""
-    if not sys.platform.startswith("linux"):
-        return argv
-    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *argv]
-
+__all__ = ["StatusLines", "main"]
 
 class StatusLines:
     """The launcher's stdout. Role processes write to the same terminal at any time, so
@@ -115,90 +80,6 @@ class StatusLines:
 
     def __getattr__(self, name: str):
         return getattr(self._out, name)
-
-
-def deadline_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heartbeat-deadline", type=positive_float, default=Deadlines().trainer.total_seconds(),
-                   help="seconds without a heartbeat before a live but silent trainer is declared dead "
-                        "(a process that exits is declared dead at once)")
-    p.add_argument("--standby-deadline", type=positive_float, default=None,
-                   help="the same for standbys (default: --heartbeat-deadline)")
-
-
-def state_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--export-dir", type=Path, default=Path("replica-export"),
-                   help="where the standbys write the last commit when the job cannot go on (a rank's state lost; "
-                        "the job store gone), one folder per step (default: ./replica-export)")
-    p.add_argument("--resume", type=Path, default=None,
-                   help="start from an export: a folder with one file per rank (Mirror.export), or a job's export "
-                        "folder (its newest step of which every rank's file is there)")
-
-
-def resume_point(parser: argparse.ArgumentParser, args: argparse.Namespace, world_size: int) -> tuple[int, Path] | None:
-    """The step and folder ``--resume`` names (None without it); a parser error if it holds no complete export."""
-    if args.resume is None:
-        return None
-    try:
-        step, folder = resumable(args.resume, world_size)
-    except ReplicaError as exc:
-        parser.error(f"--resume: {exc}")
-    return step, folder.resolve()
-
-
-def deadlines_of(args: argparse.Namespace) -> Deadlines:
-    trainer = timedelta(seconds=args.heartbeat_deadline)
-    return Deadlines(trainer=trainer, standby=timedelta(seconds=args.standby_deadline) if args.standby_deadline
-                     else trainer)
-
-
-def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int, rollouts: int, mirror_device: str,
-             export_dir: Path, resume: Path | None, backends: str = "", strict: bool = False) -> dict[str, str]:
-    """The environment every role of a launched job starts with (this one's, plus the job's)."""
-    # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
-    # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
-    # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
-    # UCX prints an error line of its own when an endpoint to a killed peer is closed
-    # ("error during flush: Connection reset by remote peer"): replica reports and handles every
-    # peer death itself. UCX_LOG_LEVEL=error (or any level) set by the user is kept.
-    env = dict({"TORCH_GLOO_LAZY_INIT": "1", "UCX_LOG_LEVEL": "fatal"}, **os.environ)
-    env.update(REPLICA_WORLD_SIZE=str(world_size), REPLICA_STORE=store, REPLICA_TOKEN=token,
-               REPLICA_INJECT=inject, REPLICA_STEPS=str(steps), REPLICA_ROLLOUTS=str(rollouts),
-               REPLICA_MIRROR_DEVICE="" if mirror_device == "model" else mirror_device,
-               REPLICA_EXPORT_DIR=str(export_dir.resolve()), REPLICA_RESUME=str(resume) if resume else "",
-               REPLICA_BACKENDS=backends, REPLICA_STRICT="1" if strict else "")
-    return env
-
-
-def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
-             mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None, store: str = "",
-             backends: str = "", strict: bool = False) -> tuple[Coordinator, dict[str, str], Leadership | None]:
-    """A launched job's coordinator and the environment its roles start with; the job's token
-    is ``REPLICA_TOKEN`` or a fresh one. The job store is hosted by the coordinator on
-    ``host:port``, or, with ``store`` (``etcd://HOSTS/NAMESPACE``), kept in etcd: then the
-    coordinator leads by an election claim that fences its writes (the Leadership returned;
-    resign it when the job ends) and the namespace must hold no other job
-    (JobStoreInUseError). ``backends``: every role's ``Config.backends``, comma-separated ("":
-    the default). ``strict``: a step that diverges after a failover ends the job.
-    ValueError for a bad ``store`` or an unknown backend."""
-    backends = ",".join(parse_backends(backends))  # refused before anything starts
-    token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
-    address = StoreAddress.parse(store) if store else None
-    if address is not None and address.kind != StoreKind.ETCD:
-        raise ValueError(f"the job store {store!r}: a launcher hosts its own store (--host/--port) or keeps the job "
-                         "in etcd (etcd://HOSTS/NAMESPACE)")
-    leadership = lead_new_job(address, token.encode()) if address is not None else None
-    try:
-        coord = Coordinator(world_size=trainers, token=token.encode(), host=host, port=port, deadlines=deadlines,
-                            rollouts=rollouts, resume_from=resume[0] if resume else None, store=address,
-                            fence=leadership.claim if leadership is not None else None)
-    except BaseException:
-        if leadership is not None:
-            leadership.resign()
-        raise
-    env = role_env(store=coord.address, token=token, world_size=trainers, inject=inject, steps=steps,
-                   rollouts=rollouts, mirror_device=mirror_device, export_dir=export_dir,
-                   resume=resume[1] if resume else None, backends=backends, strict=strict)
-    return coord, env, leadership
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -255,97 +136,6 @@ def _parser() -> argparse.ArgumentParser:
     deadline_options(p)
     state_options(p)
     return p
-
-
-class LocalAgent:
-    """Starts the role processes on this machine and reports their exits."""
-
-    def __init__(self, *, script: list[str], env: dict[str, str], replacements: int):
-        self._script = script
-        self._env = env
-        self._replacements = replacements
-        self.procs: dict[int, tuple[str, subprocess.Popen]] = {}
-        self._reported: set[int] = set()
-
-    def start(self, role: str, rank: int) -> int:
-        if threading.current_thread() is not threading.main_thread():
-            # PR_SET_PDEATHSIG fires when the forking *thread* exits, not the launcher.
-            raise RuntimeError("LocalAgent.start must be called from the main thread")
-        env = dict(self._env, REPLICA_ROLE=role, REPLICA_RANK=str(rank))
-        popen = subprocess.Popen(die_with_launcher([sys.executable, *self._script]), env=env)
-        self.procs[popen.pid] = (role, popen)
-        return popen.pid
-
-    def exits(self) -> list[tuple[int, int, None]]:
-        gone = []
-        for pid, (_, popen) in self.procs.items():
-            if pid not in self._reported and popen.poll() is not None:
-                self._reported.add(pid)
-                gone.append((pid, popen.returncode, None))
-        return gone
-
-    def replace_standby(self, rank: int) -> bool:
-        return self._replace(Role.STANDBY, rank)
-
-    def replace_rollout(self, index: int) -> bool:
-        return self._replace(Role.ROLLOUT, index)
-
-    def _replace(self, role: str, rank: int) -> bool:
-        if self._replacements == 0:
-            return False
-        self._replacements -= 1
-        self.start(role, rank)
-        return True
-
-    def kill(self, pid: int, host: str | None = None) -> None:
-        if pid in self.procs and self.procs[pid][1].poll() is None:
-            os.kill(pid, signal.SIGKILL)
-
-    def silent_hosts(self, longer_than: timedelta) -> set[str]:
-        return set()  # one machine: its processes' exits are seen at once
-
-    def unaware_of_end(self) -> set[str]:
-        return set()  # this agent is the coordinator's own process
-
-    def running(self, pids: set[int]) -> bool:
-        return any(self.procs[pid][1].poll() is None for pid in pids if pid in self.procs)
-
-    def wait(self, timeout: timedelta) -> None:
-        """Until every process started here exited by itself, ``timeout`` at most."""
-        deadline = Deadline.after(timeout)
-        for _, popen in self.procs.values():
-            try:
-                popen.wait(timeout=deadline.remaining_s())
-            except subprocess.TimeoutExpired:
-                return
-
-    def stop(self) -> None:
-        """Let standbys see the job's end and exit; kill whatever is left."""
-        for _, popen in self.procs.values():
-            if popen.poll() is None:
-                try:
-                    popen.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    popen.kill()
-                    popen.wait()
-
-    def failed_codes(self, pids: set[int]) -> dict[int, int]:
-        return {pid: self.procs[pid][1].returncode for pid in pids if pid in self.procs and
-                self.procs[pid][1].returncode}
-
-
-def start_roles(coord: Coordinator, agent, *, trainers: int, standbys: int, rollouts: int) -> None:
-    """Start a job's roles through its agent (``start(role, rank)``): engines first (they start
-    slowest), then standbys, then trainers; ranks without a standby are marked unprotected."""
-    for rank in range(standbys, trainers):
-        coord.set_unprotected(rank)
-        print(f"replica: WARNING rank {rank} is UNPROTECTED: it has no standby", flush=True)
-    for index in range(rollouts):
-        agent.start(Role.ROLLOUT, index)
-    for rank in range(standbys):
-        agent.start(Role.STANDBY, rank)
-    for rank in range(trainers):
-        agent.start(Role.TRAINER, rank)
 
 
 def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | None = None) -> int:

@@ -11,17 +11,26 @@ import argparse
 import os
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 from replica.errors import FencedError
 from replica.jobstore import JobStore, keys
-from replica.roles.argparsing import Parser, non_negative_int, port, positive_float, positive_int, writable_file
-from replica.roles.agents import RemoteAgents
+from replica.roles.argparsing import (
+    Parser,
+    deadline_options,
+    deadlines_of,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    resume_point,
+    state_options,
+    writable_file,
+)
+from replica.roles.remote_agents import RemoteAgents
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.roles.env import configure_logging, parse_faults
-from replica.roles.launch import deadline_options, deadlines_of, resume_point, state_options
 from replica.roles.supervise import DEPOSED_EXIT, JobSpec, supervise
 
 __all__ = ["main"]

@@ -193,7 +193,7 @@ def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_dead
     """An engine's own deadline allows long generations (60 s); on a host whose agent has
     gone silent too (the host is lost or cut off), it is dead at the trainer deadline."""
     from replica.roles.coordinator import DecisionKind
-    from replica.roles.agents import RemoteAgents
+    from replica.roles.remote_agents import RemoteAgents
     from replica.jobstore import AgentInfo, Number
 
     deadlines = Deadlines(trainer=timedelta(milliseconds=300), rollout=timedelta(seconds=60))
@@ -232,7 +232,7 @@ def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_dead
 
 
 def test_a_replacement_goes_to_the_least_loaded_host_without_a_trainer():
-    from replica.roles.agents import replacement_site
+    from replica.roles.remote_agents import replacement_site
 
     hosts = {"a": 0, "b": 2, "c": 1, "d": 1}  # host -> its live members
     pick = lambda trainer_hosts: replacement_site(hosts, host=lambda h: h, trainer_hosts=trainer_hosts,  # noqa: E731

@@ -195,7 +195,7 @@ def test_a_launcher_keeps_its_job_in_etcd_and_never_shares_a_namespace(etcd, mon
     a namespace that holds a job, or that another coordinator leads, is refused with a clear
     error, on the command line too (exit 2, nothing started)."""
     from replica.errors import JobStoreInUseError
-    from replica.roles.launch import open_job
+    from replica.roles.local_agent import open_job
     from replica.roles.timing import Deadlines
 
     for name, value in etcd.environ().items():

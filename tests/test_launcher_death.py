@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from replica.roles.launch import StatusLines, die_with_launcher
+from replica.roles.launch import StatusLines
+from replica.roles.local_agent import die_with_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_fsdp.py"

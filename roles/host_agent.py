@@ -30,8 +30,9 @@ from replica.jobstore import AgentInfo, AgentOrder, Flag, JobStore, Number, Orde
 from replica.roles import timing
 from replica.timing import Deadline, pause
 from replica.roles.argparsing import Parser, existing_file, non_negative_int
+from replica.roles.exits import ExitCode
 from replica.roles.env import HOST, ROLES, Action, Fault, Role, configure_logging, host_name, parse_faults
-from replica.roles.launch import LocalAgent
+from replica.roles.local_agent import LocalAgent
 from replica.jobstore.stores import StoreAddress
 
 __all__ = ["HostAgent", "main", "parse_roles"]
@@ -87,7 +88,7 @@ class HostAgent:
     # --- the main thread ---
 
     def run(self) -> int:
-        """Until the job's end (0), or the store unreachable for STORE_LOST (76)."""
+        """Until the job's end (0), or the store unreachable for STORE_LOST (``ExitCode.COORDINATOR_LOST``)."""
         self._start_talker()
         while not self.ended.is_set():
             exits = [(pid, code) for pid, code, _ in self.local.exits()]
@@ -106,7 +107,7 @@ class HostAgent:
                 print(f"replica: agent {self.index}: the job store does not answer ({silent:.0f} s); waiting for "
                       "the roles to export and stop", flush=True)
                 self.local.wait(timing.EXPORT_WAIT)
-                return 76
+                return ExitCode.COORDINATOR_LOST
             if silent > self.STALL.total_seconds() and time.monotonic() - self._started_at > self.STALL.total_seconds():
                 logger.warning("[agent %d] the job store has not answered for %.1f s: asking again on a new "
                                "connection", self.index, silent)

@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from replica.errors import ReplicaError
 from replica.ray.actor import RoleProcess, node_host_name
-from replica.roles.agents import replacement_site
+from replica.roles.remote_agents import replacement_site
 from replica.roles.env import Role
 from replica.timing import Deadline
 
