@@ -6,7 +6,7 @@ plain DataLoader of two workers, and the divergence guard stays silent (it compa
 GPU only under deterministic algorithms, which the script turns on).
 
 The GPU machines have no package registry: carry the wheels of transformers (and what it
-needs) and torchdata (README, "On a GPU"); without them this module skips, saying so."""
+needs) and torchdata (docs/operations.md, "On a GPU"); without them this module skips, saying so."""
 
 from __future__ import annotations
 

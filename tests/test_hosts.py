@@ -153,7 +153,7 @@ def test_a_peer_host_cut_off_is_found_without_any_traffic(cluster):
                 proc.wait()
 
 
-# --- a job across hosts, started as the README's multi-node recipe says ---
+# --- a job across hosts, started as docs/failover.md's multi-node recipe says ---
 
 STORE_PORT = 29400
 

@@ -39,7 +39,7 @@ def make_shm(token: bytes) -> ShmTransport:
 
 
 # The GPU machines lent to the project have no package registry: UCX runs there only when
-# its wheels were carried (README, "On a GPU"); without them its cases skip, saying so.
+# its wheels were carried (docs/operations.md, "On a GPU"); without them its cases skip, saying so.
 _NEEDS_UCXX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
 BACKENDS = pytest.mark.parametrize("make", [make_ipc, pytest.param(make_ucx, marks=_NEEDS_UCXX)], ids=["ipc", "ucx"])
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a bare GPU machine (CUDA 13, its own torch, no registry) for replica's GPU checks:
-# installs the wheels carried in .whl (ucxx-cu13 and what it needs; see README "GPU checks"),
+# installs the wheels carried in .whl (ucxx-cu13 and what it needs; see docs/operations.md "On a GPU"),
 # then builds replica._C in place for the local GPU. Source it: it exports PYTHONPATH.
 set -u
 PY=${PY:-python3}

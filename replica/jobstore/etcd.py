@@ -38,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 
 from replica.errors import FencedError, ReplicaError
+from replica.jobstore.bounded import BoundedMap
 from replica.jobstore.etcdwatch import WatchBroken, WatchStream
 from replica.timing import Backoff, Deadline
 
@@ -284,8 +285,9 @@ class EtcdStore(dist.Store):
         self.config = config
         self._client = _Client(config)
         self._watching = threading.local()  # each thread's open watch (``wait``): its keys and stream
-        self._counters: dict[str, tuple[str, int]] = {}  # counter -> (mod revision, value) written last (``add``)
-        self._prefix_sizes: dict[bytes, int] = {}  # how many keys a prefix held at its last scan (``_scan``)
+        # counter -> (mod revision, value) written last (``add``); how many keys a prefix held at its last scan
+        self._counters: BoundedMap[str, tuple[str, int]] = BoundedMap(_COUNTERS_KEPT)
+        self._prefix_sizes: BoundedMap[bytes, int] = BoundedMap(_COUNTERS_KEPT)
         self._ns = config.namespace.encode()
         self.set_timeout(config.timeout)
         self.fence = fence
@@ -365,9 +367,7 @@ class EtcdStore(dist.Store):
 
     def _remember(self, key: str, counter: tuple[str, int]) -> None:
         """What this store last wrote to counter ``key`` (its mod revision and value)."""
-        if len(self._counters) >= _COUNTERS_KEPT:
-            self._counters.clear()
-        self._counters[key] = counter
+        self._counters.put(key, counter)
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """``TCPStore.compare_set``: write ``desired`` if ``key`` holds ``expected`` (empty:
@@ -553,9 +553,7 @@ class EtcdStore(dist.Store):
             return None  # (a prefix known to hold many more: a commit's group of 32 ranks among 1,024)
         reply = self._client.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
                                                    "limit": str(_SCAN_SLACK * len(keys))})
-        if len(self._prefix_sizes) >= _COUNTERS_KEPT:
-            self._prefix_sizes.clear()
-        self._prefix_sizes[prefix] = int(reply.get("count") or 0)  # every key in the range, beyond the limit too
+        self._prefix_sizes.put(prefix, int(reply.get("count") or 0))  # every key in the range, beyond the limit too
         if reply.get("more"):
             return None
         held = {_unb64(kv["key"]): _unb64(kv.get("value")) for kv in reply.get("kvs") or []}

@@ -17,7 +17,6 @@ functions below and nowhere else. Values are frozen dataclasses encoded as JSON.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import hmac
@@ -31,6 +30,7 @@ import torch.distributed as dist
 
 from replica import _C
 from replica.errors import JobStateError, StoreWaitTimeoutError
+from replica.jobstore.bounded import BoundedMap
 from replica.jobstore.codec import T, decode_value, encode_value
 from replica.jobstore.etcd import EtcdStore
 from replica.jobstore.heartbeat import ThreadHeartbeat
@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 _MAC_HEX = 64
-_VERIFIED_KEPT = 16384  # verified values remembered (``_Verified``): a job's registrations and a step's acks
+_VERIFIED_KEPT = 16384  # verified values remembered: a job's registrations and a step's acks
+_LOGGED_KEPT = 4096  # bad values remembered as logged already (each is logged once)
 _POLL_FIRST = timedelta(microseconds=50)  # a poll's first pause, doubling up to _POLL_MOST
 _POLL_MOST = timedelta(milliseconds=2)
 _BLOCK_SLICE = timedelta(milliseconds=50)  # a wait with abort() or a period blocks in the store this long at a time
@@ -63,32 +64,6 @@ def _quietly_timed(raw: dist.Store) -> bool:
     return isinstance(getattr(raw, "inner", raw), EtcdStore)
 
 
-
-class _Verified:
-    """Values this job store verified, by key and signed bytes (a signature covers both,
-    and the job's key does not change): the registrations every commit's raise reads
-    again, unchanged, are verified once, not at each raise (1,024 ranks: half of the
-    raise's 40 ms of verifying). The least recently read go past ``_VERIFIED_KEPT``;
-    values are frozen records, shared safely."""
-
-    def __init__(self) -> None:
-        self._values: collections.OrderedDict[tuple[str, bytes], Any] = collections.OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, path: str, raw: bytes) -> Any:
-        with self._lock:
-            value = self._values.get((path, raw))
-            if value is not None:
-                self._values.move_to_end((path, raw))
-            return value
-
-    def put(self, path: str, raw: bytes, value: Any) -> None:
-        with self._lock:
-            self._values[(path, raw)] = value
-            while len(self._values) > _VERIFIED_KEPT:
-                self._values.popitem(last=False)
-
-
 class JobStore:
     """A torch.distributed ``Store`` seen through the schema: values are signed on
     write and verified on read; the prefix is applied here and nowhere else.
@@ -106,9 +81,12 @@ class JobStore:
         self.prefix = prefix
         self._mac_key = hmac.new(token, _KEY_LABEL, hashlib.sha256).digest()
         self._token = token
-        self._logged: set[tuple[str, bytes]] = set()
-        self._log_lock = threading.Lock()
-        self._verified = _Verified()
+        self._logged: BoundedMap[tuple[str, bytes], None] = BoundedMap(_LOGGED_KEPT)
+        # Values verified here, by key and signed bytes (a signature covers both, and the job's key
+        # does not change): the registrations every commit's raise reads again, unchanged, are
+        # verified once, not at each raise (1,024 ranks: half of the raise's 40 ms of verifying).
+        # Values are frozen records, shared safely.
+        self._verified: BoundedMap[tuple[str, bytes], Any] = BoundedMap(_VERIFIED_KEPT)
         self._local = threading.local()  # each thread's own connection (``own``)
 
     @classmethod
@@ -192,8 +170,8 @@ class JobStore:
 
     def verify(self, key: Key[T], raw: bytes) -> T:
         """The value ``raw`` holds under ``key``; JobStateError if unsigned, forged or malformed.
-        A value verified before under the same key is not verified again (``_Verified``)."""
-        known = self._verified.get(key.path, raw)
+        A value verified before under the same key is not verified again (``_verified``)."""
+        known = self._verified.get((key.path, raw))
         if known is not None:
             return known
         body, sep, mac = raw.rpartition(b"\n")
@@ -202,20 +180,15 @@ class JobStore:
         if not hmac.compare_digest(mac.decode("ascii", "replace"), self._mac(key, body)):
             raise JobStateError(f"{self.full(key)} carries a wrong signature")
         value = decode_value(key.value, body)
-        self._verified.put(key.path, raw, value)
+        self._verified.put((key.path, raw), value)
         return value
 
     def _mac(self, key: Key, body: bytes) -> str:
         return hmac.digest(self._mac_key, self.full(key).encode() + b"\0" + body, "sha256").hex()
 
     def _ignored(self, key: Key, raw: bytes, exc: JobStateError) -> None:
-        with self._log_lock:
-            if (key.path, raw) in self._logged:
-                return
-            if len(self._logged) > 4096:
-                self._logged.clear()
-            self._logged.add((key.path, raw))
-        logger.warning("ignored a value of %s in the job store: %s", self.full(key), exc)
+        if self._logged.first_time((key.path, raw)):
+            logger.warning("ignored a value of %s in the job store: %s", self.full(key), exc)
 
     # typed access
 
@@ -385,7 +358,7 @@ class JobStore:
         """The same job (key, prefix, log of ignored values) over another client."""
         view = object.__new__(JobStore)
         view.raw, view.prefix, view._mac_key, view._token = raw, self.prefix, self._mac_key, self._token
-        view._logged, view._log_lock, view._verified = self._logged, self._log_lock, self._verified
+        view._logged, view._verified = self._logged, self._verified
         view._local = threading.local()
         view._local.store = view
         return view
