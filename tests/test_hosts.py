@@ -225,7 +225,7 @@ class Job:
             time.sleep(0.05)
 
     def start_role(self, name: str, role: str, rank: int, host, *, held: bool = False) -> None:
-        """A role as the README's recipe starts one, on ``host``. ``held``: started now
+        """A role as docs/failover.md's recipe starts one, on ``host``. ``held``: started now
         but held after its imports until ``release(name)`` (tests/jobs/held_role.py)."""
         env = role_env(STORE_PORT, role, rank, REPLICA_STORE=self.store, REPLICA_HOST=host.address,
                        GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **self._extra)

@@ -170,3 +170,24 @@ def test_extension_does_not_carry_its_own_libstdcxx():
     copies = [line for line in nm.stdout.splitlines() if "std::locale::" in line]
     assert not copies, (f"{_C.__file__} defines {len(copies)} std::locale symbols of its own (libstdc++ linked "
                         f"statically), e.g. {copies[0]}; rebuild with the system compiler")
+
+
+def _calls_monotonic_plus(path: Path) -> list[int]:
+    """Lines of ``time.monotonic() + ...``: a deadline written by hand instead of ``replica.timing.Deadline``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            left = node.left
+            if (isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr == "monotonic"
+                    and isinstance(left.func.value, ast.Name) and left.func.value.id == "time"):
+                found.append(node.lineno)
+    return found
+
+
+def test_deadlines_are_written_one_way(tmp_path):
+    """Every deadline is a ``replica.timing.Deadline``: no ``time.monotonic() +`` outside that module."""
+    hand = {f"{p.relative_to(ROOT)}:{line}" for folder in FOLDERS.values() for p in folder.rglob("*.py")
+            if p != ROOT / "replica" / "timing.py" for line in _calls_monotonic_plus(p)}
+    assert not hand, f"deadlines written by hand (use replica.timing.Deadline): {sorted(hand)}"
+    (tmp_path / "m.py").write_text("import time\nend = time.monotonic() + 5\n")
+    assert _calls_monotonic_plus(tmp_path / "m.py") == [2]  # the check can fail
