@@ -51,6 +51,7 @@ from bench_results import RESULTS_DIR, machine  # noqa: E402
 from ettr_model import (Failure, Projection, Target, best_interval, figures, poisson_schedule,  # noqa: E402
                         project, step_time)
 
+from replica import envvars  # noqa: E402
 from replica._testing import cluster as testcluster  # noqa: E402
 from replica.state.export import resumable  # noqa: E402
 from replica.errors import ReplicaError  # noqa: E402
@@ -96,12 +97,12 @@ class Attempt:
         self.launched_at = time.time()
         coord = cluster.hosts[0]
         self.store = f"{coord.address}:{STORE_PORT}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("REPLICA_")}
-        self.env.update(REPLICA_TOKEN=token, WORLD_SIZE="2", REPLICA_STEPS=str(steps), REPLICA_ROLLOUTS="3",
-                        REPLICA_EXPORT_DIR=str(folder / "export"), TORCH_GLOO_LAZY_INIT="1",
-                        GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", PYTHONPATH=str(ROOT))
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(envvars.PREFIX)}
+        self.env.update({envvars.TOKEN: token, envvars.TORCH_WORLD_SIZE: "2", envvars.STEPS: str(steps),
+                         envvars.ROLLOUTS: "3", envvars.EXPORT_DIR: str(folder / "export"), envvars.GLOO_LAZY_INIT: "1",
+                         "GLOO_SOCKET_IFNAME": "eth0", envvars.UCX_LOG_LEVEL: "fatal", "PYTHONPATH": str(ROOT)})
         if resume_export is not None:
-            self.env["REPLICA_RESUME"] = str(resume_export)
+            self.env[envvars.RESUME] = str(resume_export)
         self.script = [str(SCRIPT)]
         options = ["--agents", str(WORKERS)]
         if system == "checkpoint_restart":

@@ -14,6 +14,7 @@ import os
 import sys
 from datetime import timedelta
 
+from replica import envvars
 from replica.jobstore import JobStore, keys
 from replica.jobstore.stores import StoreAddress
 
@@ -31,7 +32,7 @@ def logged(store: JobStore, steps: int, world_size: int = 2) -> dict:
 
 def main() -> None:
     address, timeout_s = StoreAddress.parse(sys.argv[1]), float(sys.argv[2])
-    store = JobStore(address.connect(timeout=timedelta(seconds=timeout_s)), token=os.environ["REPLICA_TOKEN"].encode())
+    store = JobStore(address.connect(timeout=timedelta(seconds=timeout_s)), token=os.environ[envvars.TOKEN].encode())
     print(json.dumps("ready"), flush=True)
     for line in sys.stdin:
         query = line.strip()

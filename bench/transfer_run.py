@@ -39,6 +39,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
+from replica import envvars  # noqa: E402
 from replica._testing import spawn  # noqa: E402
 from weight_sync_run import SHAPES, _sender  # noqa: E402  (bench/, the working directory)
 
@@ -100,7 +101,7 @@ def main(size: str, syncs: int, mode: str, out: Path) -> None:
     if mode not in _MODES:
         raise SystemExit(f"mode is one of {', '.join(_MODES)}, not {mode!r}")
     staged, buffers = _MODES[mode]
-    os.environ["REPLICA_TOKEN"] = TOKEN
+    os.environ[envvars.TOKEN] = TOKEN
     with tempfile.TemporaryDirectory(prefix="replica-bench-transfer-") as work:
         make_model(Path(work) / "engine", 0, **SHAPES[size])
         make_model(Path(work) / "trained", 1, **SHAPES[size])

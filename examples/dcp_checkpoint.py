@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from replica.roles.env import Role
+
 __all__ = ["Checkpoints", "add_arguments"]
 
 _DONE = ".done"  # written by rank 0 once every rank's part is in: holds the save's seconds
@@ -83,7 +85,7 @@ class Checkpoints:
                 extra: Mapping[str, object]) -> None:
         """A trainer of a ``replica.roles`` job: load the newest checkpoint, if any, and tell
         the job it starts after it (``job.restored``). Call before ``job.replicate``."""
-        if job.role == "trainer" and (last := self.newest()) is not None:
+        if job.role == Role.TRAINER and (last := self.newest()) is not None:
             self.load(last, model, optimizer, extra, rank=job.rank)
             job.restored(last)
 

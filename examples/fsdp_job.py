@@ -134,10 +134,10 @@ def role_device(kind: str) -> torch.device:
     (NCCL binds to it)."""
     if kind != "cuda":
         return torch.device("cpu")
-    import os
+    from replica.roles.env import RoleEnv
 
     deterministic_cuda()
-    rank = int(os.environ.get("REPLICA_RANK", os.environ.get("RANK", "0")))
+    rank = RoleEnv.from_environ().rank  # before replica.roles.init(), which builds the process group
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
     return device

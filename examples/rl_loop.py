@@ -23,6 +23,7 @@ import torch
 import replica
 import replica.roles
 from dcp_checkpoint import Checkpoints, add_arguments
+from replica.roles.env import Role
 from replica.roles.rollouts import Sampling
 
 VOCAB, HIDDEN, LAYERS = 256, 128, 2
@@ -81,13 +82,13 @@ def main() -> None:
     add_arguments(parser)
     checkpoints = Checkpoints.of(parser, parser.parse_args())
     job = replica.roles.init()
-    if job.role == "rollout":
+    if job.role == Role.ROLLOUT:
         job.serve_rollouts(make_engine)
         return
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    total = int(os.environ.get("REPLICA_STEPS", "50"))
+    total = job.env.steps  # replica launch --steps
     world = job.env.world_size
     model = build_policy()
     mesh = init_device_mesh("cpu", (world,))

@@ -5,7 +5,6 @@ settings that make a GPU run repeatable bit for bit. ``--checkpoint-dir D
 --checkpoint-every K``: the checkpoint-restart baseline (examples/dcp_checkpoint.py)."""
 
 import argparse
-import os
 
 import torch
 from dcp_checkpoint import Checkpoints, add_arguments  # beside this file
@@ -23,7 +22,7 @@ def main() -> None:
     torch.set_num_threads(1)
     device = role_device(args.device)
     job = replica.roles.init()
-    total = int(os.environ.get("REPLICA_STEPS", "20"))
+    total = job.env.steps  # replica launch --steps
     shape = JobShape(total_steps=total)
     state = build_job(shape, rank=job.rank, world_size=job.env.world_size, device=device)
     if checkpoints is not None:

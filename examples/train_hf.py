@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -92,7 +91,7 @@ def main() -> None:
     torch.set_num_threads(1)
     device = role_device(args.device)
     job = replica.roles.init()
-    total = int(os.environ["REPLICA_STEPS"])
+    total = job.env.steps  # replica launch --steps
     model = build_model(device, world_size=job.env.world_size, dropout=args.dropout)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     warmup = max(1, total // 4)

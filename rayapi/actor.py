@@ -14,6 +14,7 @@ import threading
 
 import ray
 
+from replica import envvars
 from replica.roles.local_agent import die_with_launcher
 
 __all__ = ["RoleProcess", "node_host_name", "unnice"]
@@ -60,9 +61,9 @@ class RoleProcess:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("a role actor must run its methods on the main thread (max_concurrency=1)")
         self.node = ray.get_runtime_context().get_node_id()
-        env = {**os.environ, **env, "REPLICA_HOST_NAME": node_host_name(self.node)}
+        env = {**os.environ, **env, envvars.HOST_NAME: node_host_name(self.node)}
         # The address its listeners bind: the node's, unless the job pinned one.
-        env.setdefault("REPLICA_HOST", ray.util.get_node_ip_address())
+        env.setdefault(envvars.HOST, ray.util.get_node_ip_address())
         unnice()
         self.popen = subprocess.Popen(die_with_launcher([sys.executable, *argv]), env=env)
 

@@ -9,17 +9,21 @@ from pathlib import Path
 
 import ray
 
+from replica import envvars
 from replica.ray.ray_agents import Placement, RayAgents
+from replica.roles.env import Role
 
 __all__ = ["parse_placement", "ray_agents", "role_env_for_ray"]
 
 # What of the driver's environment the roles take to other nodes: the job's and its libraries'
 # settings, not the driver machine's (paths, credentials of other tools).
-_CARRIED = ("REPLICA_", "UCX_", "TORCH_", "NCCL_", "GLOO_", "OMP_NUM_THREADS", "PYTHONPATH", "HF_", "VLLM_")
+_CARRIED = (envvars.PREFIX, "UCX_", "TORCH_", "NCCL_", "GLOO_", "OMP_NUM_THREADS", "PYTHONPATH", "HF_", "VLLM_")
 
 
 def role_env_for_ray(env: dict[str, str]) -> dict[str, str]:
-    """The part of a launched job's environment (``launch.role_env``) its Ray actors carry."""
+    """The part of a launched job's environment (``replica.roles.local_agent.role_env``) its Ray
+    actors carry: every replica variable (``replica.roles.env.job_environ``'s among them) and
+    its libraries' settings."""
     return {k: v for k, v in env.items() if k.startswith(_CARRIED)}
 
 
@@ -31,11 +35,12 @@ def parse_placement(text: str) -> Placement:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--ray-placement is not JSON: {exc}") from exc
-    known = {"trainer", "rollout", "standby", "strategy", "timeout_s", "start_timeout_s"}
+    roles = tuple(map(str, Role))  # Placement's resource fields are named after the roles
+    known = {*roles, "strategy", "timeout_s", "start_timeout_s"}
     if not isinstance(spec, dict) or set(spec) - known:
         raise ValueError(f"--ray-placement takes an object with keys {sorted(known)}, got {text!r}")
     kwargs: dict = {}
-    for role in ("trainer", "rollout", "standby"):
+    for role in roles:
         if role in spec:
             resources = spec[role]
             if not isinstance(resources, dict) or not all(

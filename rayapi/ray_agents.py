@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from replica.errors import ReplicaError
 from replica.ray.actor import RoleProcess, node_host_name
 from replica.roles.remote_agents import replacement_site
-from replica.roles.env import Role
+from replica.roles.env import Role, member_environ
 from replica.timing import Deadline
 
 __all__ = ["Placement", "PlacementError", "RayAgents"]
@@ -82,7 +82,7 @@ def _actor_options(resources: dict[str, float]) -> dict:
 
 @dataclass(kw_only=True, slots=True)
 class _Actor:
-    role: str
+    role: Role
     rank: int
     handle: object
     resources: dict[str, float]
@@ -142,23 +142,23 @@ class RayAgents:
                 f"{len(bundles)} bundles {bundles} with strategy {self.placement.strategy} ({self._trainers} trainers, "
                 f"{max(self._rollouts, self._standbys)} rollout machines); the cluster's {len(nodes)} live nodes have {nodes}")
 
-    def start(self, role: str, rank: int) -> None:
+    def start(self, role: Role, rank: int) -> None:
         """A role in its bundle (after ``reserve``): trainer r in bundle r, rollout and standby r
         in bundle trainers + r. Replacements: ``_replace``."""
         resources = {Role.TRAINER: self.placement.trainer, Role.ROLLOUT: self.placement.rollout,
                      Role.STANDBY: self.placement.standby}[Role(role)]
         self._launch(role, rank, resources, rank if role == Role.TRAINER else self._trainers + rank)
 
-    def _launch(self, role: str, rank: int, resources: dict[str, float], bundle: int | None,
+    def _launch(self, role: Role, rank: int, resources: dict[str, float], bundle: int | None,
                 node: str | None = None, *, started: float | None = None) -> None:
         """An actor in ``bundle`` of the job's placement group, or (None) pinned to ``node``;
         ``started``: a replacement's first try (its start timeout counts from there)."""
         strategy = (PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle)
                     if bundle is not None else NodeAffinitySchedulingStrategy(node_id=node, soft=False))
-        env = dict(self._env, REPLICA_ROLE=str(role), REPLICA_RANK=str(rank))
+        env = {**self._env, **member_environ(role, rank)}
         handle = self._remote.options(scheduling_strategy=strategy, name=None,
                                       **_actor_options(resources)).remote(self._script, env)
-        actor = _Actor(role=str(role), rank=rank, handle=handle, resources=resources, bundle=bundle,
+        actor = _Actor(role=Role(role), rank=rank, handle=handle, resources=resources, bundle=bundle,
                        started=started or time.monotonic(), replacement=started is not None)
         self._actors.append(actor)
         self._calls[handle.where.remote()] = actor
@@ -243,7 +243,7 @@ class RayAgents:
     def replace_rollout(self, index: int) -> bool:
         return self._replace(Role.ROLLOUT, index, self.placement.rollout)
 
-    def _replace(self, role: str, rank: int, resources: dict[str, float]) -> bool:
+    def _replace(self, role: Role, rank: int, resources: dict[str, float]) -> bool:
         if self._replacements == 0:
             return False
         if not self._place(role, rank, resources, first_try=time.monotonic()):
@@ -251,7 +251,7 @@ class RayAgents:
         self._replacements -= 1
         return True
 
-    def _place(self, role: str, rank: int, resources: dict[str, float], *, first_try: float) -> bool:
+    def _place(self, role: Role, rank: int, resources: dict[str, float], *, first_try: float) -> bool:
         """Start a replacement where ``_bundle_for``/``_node_for`` say, on a node Ray has not
         declared dead and where none of the job's actors is unreachable now."""
         suspect = {a.node for a in self._actors if a.unavailable_since is not None and a.code is None}
@@ -362,7 +362,7 @@ class RayAgents:
         """Where each role runs: ``"trainer 0"`` -> Ray node id (live roles)."""
         return {f"{a.role} {a.rank}": a.node for a in self._actors if a.code is None and a.node}
 
-    def actor(self, role: str, rank: int):
+    def actor(self, role: Role | str, rank: int):
         """The live actor handle of a role (None if it has none)."""
         return next((a.handle for a in reversed(self._actors) if a.role == role and a.rank == rank and a.code is None),
                     None)

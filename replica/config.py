@@ -8,12 +8,13 @@ from datetime import timedelta
 
 import torch
 
+from replica import envvars
 from replica.ops import ALIGNMENT
 from replica.transport.base import check_verify_threads
 
 __all__ = ["Config", "DEVICE_BUCKET_BYTES", "HOST_BUCKET_BYTES", "token_from_env"]
 
-TOKEN_ENV = "REPLICA_TOKEN"
+TOKEN_ENV = envvars.TOKEN  # the name this module had for it (replica.envvars holds every name)
 
 #: ``Config.bucket_bytes`` when unset, for state in device memory: a bucket costs a few
 #: frames and thread hops whatever its size, and a GPU moves 64 MiB in about a millisecond
@@ -26,9 +27,9 @@ HOST_BUCKET_BYTES = 4 << 20
 
 def token_from_env() -> bytes:
     """The job token from ``REPLICA_TOKEN`` (read when called, never at import)."""
-    token = os.environ.get(TOKEN_ENV, "")
+    token = os.environ.get(envvars.TOKEN, "")
     if not token:
-        raise ValueError(f"no job token: pass Config(token=...) or set {TOKEN_ENV}")
+        raise ValueError(f"no job token: pass Config(token=...) or set {envvars.TOKEN}")
     return token.encode()
 
 

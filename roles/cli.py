@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+from replica.roles.exits import ExitCode
+
 __all__ = ["main"]
 
 _USAGE = """usage: replica launch [--trainers N] [--steps N] [--inject SPEC] [--report PATH] [--ray ADDRESS] SCRIPT [ARGS...]
@@ -17,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(_USAGE)
-        return 0 if argv else 2
+        return ExitCode.OK if argv else ExitCode.USAGE
     if argv[0] == "launch":
         from replica.roles.launch import main as launch
 
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "compare":
         return _compare(argv[1:])
     print(f"replica: bad command {' '.join(argv)!r}\n{_USAGE}", file=sys.stderr)
-    return 2
+    return ExitCode.USAGE
 
 
 def _ray_agents(**kwargs):
@@ -69,7 +71,7 @@ def _compare(argv: list[str]) -> int:
         print(f"replica: {line}")
     if problems:
         print(f"replica: {len(problems)} losses differ from the reference")
-        return 1
+        return ExitCode.FAILED
     rewards = [float.fromhex(m["reward"]) for m in b.get("metrics_hex", {}).get("0", []) if m and "reward" in m]
     if len(rewards) >= 10:
         first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
@@ -79,7 +81,7 @@ def _compare(argv: list[str]) -> int:
     print(f"replica: the loss trajectory of all {a['trainers']} ranks over {a['steps']} steps equals the "
           f"reference bit for bit (faults fired: {', '.join(fired) or 'none'}; "
           f"failovers: {len(b.get('failovers', []))})")
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from replica.jobstore.commit import CommitRecord
 from replica.jobstore import Failover as FailoverRecord
-from replica.jobstore import ExportRequest, Flag, JobStore, Promotion, Stamp, keys
+from replica.jobstore import ExportOutcome, ExportRequest, Flag, JobStore, Promotion, Stamp, keys
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.roles import timing
 from replica.roles.env import Role, host_name
@@ -29,7 +29,7 @@ from replica.roles.timing import Deadlines
 from replica.roles.admission import Admission
 from replica.roles.beats import Beats
 from replica.roles.generations import Generations
-from replica.roles.members import Decision, DecisionKind, FailoverTimeline, Member, MemberState
+from replica.roles.members import Decision, DecisionKind, FailoverTimeline, Mark, Member, MemberState
 
 __all__ = ["Coordinator", "Deadlines", "Decision", "DecisionKind", "FailoverTimeline", "Member", "MemberState"]
 
@@ -404,10 +404,11 @@ class Coordinator(Admission, Beats, Generations):
             self.store.put(keys.export(), ExportRequest(commit=commit, directory=directory))
         return commit
 
-    def exports(self) -> dict[int, str]:
-        """What each standby answered to the export request: the file, or "error: ..."."""
-        answers = self.store.get_many([keys.exported(r) for r in range(self.world_size)])
-        return {r: a.value for r, a in enumerate(answers) if a is not None}
+    def exports(self, commit: int) -> dict[int, ExportOutcome]:
+        """What each rank's standby answered so far to the request to export ``commit``
+        (``request_export``): the file it wrote, or why it wrote none."""
+        answers = self.store.get_many([keys.exported(r, commit) for r in range(self.world_size)])
+        return {r: a for r, a in enumerate(answers) if a is not None}
 
     def _check_fatal(self) -> list[Decision]:
         """A role that hit an error no failover can fix (a layout mismatch) reports it here."""
@@ -436,9 +437,9 @@ class Coordinator(Admission, Beats, Generations):
         killed = [t for t in map(self.fired, faults) if t is not None]
         failover.killed_at = max((k for k in killed if k <= failover.decided_at), default=None)
         t0 = failover.killed_at or failover.decided_at
-        failover.timeline_ms["detect"] = (failover.decided_at - t0) * 1e3
-        for name, key in (("promote", keys.restored(g)), ("reconnect", keys.reconnected(g)),
-                          ("resumed", keys.resumed(g))):
+        failover.timeline_ms[Mark.DETECT] = (failover.decided_at - t0) * 1e3
+        for name, key in ((Mark.PROMOTE, keys.restored(g)), (Mark.RECONNECT, keys.reconnected(g)),
+                          (Mark.RESUMED, keys.resumed(g))):
             stamp = self.store.get(key)
             if stamp is not None:
                 failover.timeline_ms[name] = (stamp.at - t0) * 1e3

@@ -4,18 +4,24 @@ never at import."""
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import os
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
-from replica.session.backends import parse_backends
+from replica import envvars
 from replica.jobstore.stores import StoreAddress
+from replica.session.backends import parse_backends
 
-__all__ = ["ACTIONS", "Action", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "check_faults",
-           "configure_logging", "host_name", "parse_faults"]
+__all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "base_environ",
+           "check_faults", "configure_logging", "host_name", "job_environ", "member_environ", "parse_faults"]
+
+#: The job's step count when the launcher is not told (``replica launch --steps``) and a
+#: role's environment does not say (``RoleEnv.steps``).
+DEFAULT_STEPS = 20
 
 
 class Role(enum.StrEnum):
@@ -36,6 +42,8 @@ class Action(enum.StrEnum):
 
 HOST = "host"  # the target of host faults (kill, partition, slow): RANK is the host agent's --index
 _HOST_ACTIONS = (Action.KILL, Action.PARTITION, Action.SLOW)
+_TIMED = {Action.STALL: timedelta(seconds=3), Action.PARTITION: timedelta(seconds=10)}  # their default duration
+_DEFAULT_RATE_MBIT = 100.0  # a slow link's default rate
 
 
 class Phase(enum.StrEnum):
@@ -67,20 +75,49 @@ class Fault:
     logged step STEP: ``kill:host:N@STEP`` (every process of the agent, and itself),
     ``partition:host:N@STEP[:SECONDS]`` (the link of the agent's address down that
     long, default 10 s, then up), ``slow:host:N@STEP[:MBIT]`` (that link limited to
-    MBIT Mbit/s, default 100, until the agent ends). They need root where the agent runs."""
+    MBIT Mbit/s, default 100, until the agent ends). They need root where the agent runs.
+
+    Built from strings too (``Fault(action="stall", role="trainer", ...)``): they become
+    the enums; ValueError for a fault that is not one of these."""
 
     action: Action = Action.KILL
     role: Role | str  # a Role, or HOST
     rank: int
     step: int
-    phase: Phase = Phase.FORWARD
-    seconds: float = 3.0
+    phase: Phase = Phase.FORWARD  # kill, freeze: where in the step it fires
+    duration: timedelta | None = None  # stall, partition (only): how long (None: their default, 3 s and 10 s)
+    rate_mbit: float | None = None  # slow (only): the link's rate in Mbit/s (None: 100)
     generation: int | None = None
+
+    def __post_init__(self) -> None:
+        action, phase = Action(self.action), Phase(self.phase)
+        role = HOST if self.role == HOST else Role(self.role)
+        if (role == HOST and action not in _HOST_ACTIONS) or (role != HOST and action in (Action.PARTITION,
+                                                                                             Action.SLOW)):
+            raise ValueError("a host takes kill, partition or slow; partition and slow take only a host")
+        duration, rate = self.duration, self.rate_mbit
+        if action in _TIMED:
+            duration = _TIMED[action] if duration is None else duration
+            if duration <= timedelta(0):
+                raise ValueError(f"{action}: its duration must be > 0, got {duration}")
+        elif duration is not None:
+            raise ValueError(f"{action} takes no duration")
+        if action == Action.SLOW:
+            rate = _DEFAULT_RATE_MBIT if rate is None else float(rate)
+            if rate <= 0:
+                raise ValueError(f"slow: its rate must be > 0 Mbit/s, got {rate:g}")
+        elif rate is not None:
+            raise ValueError(f"{action} takes no rate")
+        for name, value in (("action", action), ("role", role), ("phase", phase), ("duration", duration),
+                            ("rate_mbit", rate)):
+            object.__setattr__(self, name, value)
 
     def __str__(self) -> str:
         when = "" if self.generation is None else f":g{self.generation}"
-        if self.action in ("stall", "partition", "slow"):
-            return f"{self.action}:{self.role}:{self.rank}@{self.step}:{self.seconds:g}{when}"
+        if self.duration is not None:
+            return f"{self.action}:{self.role}:{self.rank}@{self.step}:{self.duration.total_seconds():g}{when}"
+        if self.rate_mbit is not None:
+            return f"{self.action}:{self.role}:{self.rank}@{self.step}:{self.rate_mbit:g}{when}"
         if self.role == HOST:
             return f"{self.action}:{self.role}:{self.rank}@{self.step}"
         return f"{self.action}:{self.role}:{self.rank}@{self.step}:{self.phase}{when}"
@@ -109,6 +146,8 @@ def check_faults(faults: tuple[Fault, ...], *, trainers: int, standbys: int, rol
 
 
 def parse_faults(spec: str) -> tuple[Fault, ...]:
+    """The faults of an ``--inject`` spec (comma-separated, as ``Fault`` says); ValueError
+    naming the first bad one. ``",".join(map(str, faults))`` gives the spec back."""
     faults = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         try:
@@ -118,32 +157,63 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
             generation = int(extra.pop()[1:]) if extra and extra[-1].startswith("g") else None
             if len(extra) > 1:
                 raise ValueError("too many fields")
-            if action in ("stall", "partition", "slow"):
-                default = {"stall": 3, "partition": 10, "slow": 100}[action]
-                fault = Fault(action=action, role=role, rank=int(rank), step=int(step),
-                              seconds=float(extra[0] if extra else default), generation=generation)
-            else:
-                fault = Fault(action=action, role=role, rank=int(rank), step=int(step),
-                              phase=extra[0] if extra else "forward", generation=generation)
+            if action not in ACTIONS or (role not in ROLES and role != HOST) or (
+                    action not in (*_TIMED, Action.SLOW) and extra and extra[0] not in PHASES):
+                raise ValueError(f"action one of {ACTIONS}, role one of {ROLES} or {HOST}, phase one of {PHASES}")
         except ValueError as exc:
             raise ValueError(f"bad fault {item!r}: expected kill|freeze:ROLE:RANK@STEP[:PHASE][:gGEN], "
                              "stall:ROLE:RANK@STEP[:SECONDS][:gGEN], kill:host:N@STEP, "
-                             "partition:host:N@STEP[:SECONDS] or slow:host:N@STEP[:MBIT]") from exc
-        if action not in ACTIONS or fault.phase not in PHASES or (role not in ROLES and role != HOST):
-            raise ValueError(f"bad fault {item!r}: action one of {ACTIONS}, role one of {ROLES} or {HOST}, phase "
-                             f"one of {PHASES}")
-        if (role == HOST and action not in _HOST_ACTIONS) or (role != HOST and action in ("partition", "slow")):
-            raise ValueError(f"bad fault {item!r}: a host takes kill, partition or slow; partition and slow take "
-                             "only a host")
-        if fault.seconds <= 0:
-            raise ValueError(f"bad fault {item!r}: its duration or rate must be > 0")
-        faults.append(dataclasses.replace(fault, action=Action(action), role=HOST if role == HOST else Role(role),
-                                          phase=Phase(fault.phase)))
+                             f"partition:host:N@STEP[:SECONDS] or slow:host:N@STEP[:MBIT] ({exc})") from exc
+        common = dict(action=action, role=role, generation=generation)
+        try:
+            if action in _TIMED:
+                fault = Fault(**common, rank=int(rank), step=int(step),
+                              duration=timedelta(seconds=float(extra[0])) if extra else None)
+            elif action == Action.SLOW:
+                fault = Fault(**common, rank=int(rank), step=int(step), rate_mbit=float(extra[0]) if extra else None)
+            else:
+                fault = Fault(**common, rank=int(rank), step=int(step), phase=extra[0] if extra else Phase.FORWARD)
+        except (ValueError, OverflowError) as exc:  # OverflowError: a duration timedelta cannot hold
+            raise ValueError(f"bad fault {item!r}: {exc}") from exc
+        faults.append(fault)
     return tuple(faults)
+
+
+def base_environ() -> dict[str, str]:
+    """This process's environment with the defaults every role process starts with where
+    the user set nothing else."""
+    # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
+    # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
+    # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
+    # UCX prints an error line of its own when an endpoint to a killed peer is closed
+    # ("error during flush: Connection reset by remote peer"): replica reports and handles every
+    # peer death itself. UCX_LOG_LEVEL=error (or any level) set by the user is kept.
+    return {envvars.GLOO_LAZY_INIT: "1", envvars.UCX_LOG_LEVEL: "fatal", **os.environ}
+
+
+def job_environ(*, store: str, token: str, world_size: int, steps: int = DEFAULT_STEPS, inject: str = "",
+                rollouts: int = 0, mirror_device: str = "", export_dir: str = "", resume: str = "",
+                backends: Sequence[str] = (), strict: bool = False) -> dict[str, str]:
+    """What every role of a job shares in its environment, as ``RoleEnv.from_environ`` reads
+    it: the launchers' half of the contract (``member_environ`` adds each process's role and
+    rank). ``inject``: the ``--inject`` spec; "" for ``mirror_device``, ``export_dir``: the
+    reader's default."""
+    return {envvars.STORE: store, envvars.TOKEN: token, envvars.WORLD_SIZE: str(world_size),
+            envvars.STEPS: str(steps), envvars.INJECT: inject, envvars.ROLLOUTS: str(rollouts),
+            envvars.MIRROR_DEVICE: mirror_device, envvars.EXPORT_DIR: export_dir, envvars.RESUME: resume,
+            envvars.BACKENDS: ",".join(backends), envvars.STRICT: "1" if strict else ""}
+
+
+def member_environ(role: Role, rank: int) -> dict[str, str]:
+    """What one role process adds to its job's environment (``job_environ``): its role and rank."""
+    return {envvars.ROLE: str(Role(role)), envvars.RANK: str(rank)}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RoleEnv:
+    """What a role process learns from its environment (``from_environ``); the launchers
+    write it with ``job_environ`` and ``member_environ`` (``to_environ`` is both)."""
+
     role: Role
     rank: int
     world_size: int
@@ -151,6 +221,7 @@ class RoleEnv:
     token: bytes = field(repr=False)
     faults: tuple[Fault, ...] = ()
     host: str = "127.0.0.1"  # where this role's data-plane listeners bind (a routable address across nodes)
+    steps: int = DEFAULT_STEPS  # the job's step count (``replica launch --steps``), for the script
     rollouts: int = 0  # rollout engines in the job
     mirror_device: str = ""  # where a standby holds its mirror: "" = its model's device, or "cpu"
     export_dir: str = "replica-export"  # where a standby writes its versions when the job cannot go on
@@ -159,33 +230,44 @@ class RoleEnv:
     strict: bool = False  # a divergence after a failover ends the job (replica launch --strict)
 
     @classmethod
-    def from_environ(cls) -> RoleEnv:
-        env = os.environ
-        missing = [k for k in ("REPLICA_ROLE", "REPLICA_TOKEN") if not env.get(k)]
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> RoleEnv:
+        """Read from ``environ`` (default: this process's environment); RuntimeError when
+        it names no role or token, ValueError for a value that does not parse."""
+        env = os.environ if environ is None else environ
+        missing = [k for k in (envvars.ROLE, envvars.TOKEN) if not env.get(k)]
         if missing:
             raise RuntimeError(f"{', '.join(missing)} not set: start role processes with `replica launch`")
-        store = StoreAddress.parse(env.get("REPLICA_STORE") or
-                                   env.get("MASTER_ADDR", "127.0.0.1") + ":" + env.get("REPLICA_STORE_PORT", "29400"))
-        role = env["REPLICA_ROLE"]
+        store = StoreAddress.parse(env.get(envvars.STORE) or env.get(envvars.MASTER_ADDR, "127.0.0.1") + ":" +
+                                   env.get(envvars.STORE_PORT, "29400"))
+        role = env[envvars.ROLE]
         if role not in ROLES:
-            raise RuntimeError(f"REPLICA_ROLE must be one of {ROLES}, got {role!r}")
-        return cls(role=Role(role), rank=int(env.get("REPLICA_RANK", env.get("RANK", "0"))),
-                   world_size=int(env.get("REPLICA_WORLD_SIZE", env.get("WORLD_SIZE", "1"))),
-                   store=store, token=env["REPLICA_TOKEN"].encode(),
-                   faults=parse_faults(env.get("REPLICA_INJECT", "")), host=env.get("REPLICA_HOST", "127.0.0.1"),
-                   rollouts=int(env.get("REPLICA_ROLLOUTS", "0")), mirror_device=env.get("REPLICA_MIRROR_DEVICE", ""),
-                   export_dir=env.get("REPLICA_EXPORT_DIR") or "replica-export", resume=env.get("REPLICA_RESUME", ""),
-                   backends=parse_backends(env.get("REPLICA_BACKENDS", "")),
-                   strict=env.get("REPLICA_STRICT", "") == "1")
+            raise RuntimeError(f"{envvars.ROLE} must be one of {ROLES}, got {role!r}")
+        return cls(role=Role(role), rank=int(env.get(envvars.RANK, env.get(envvars.TORCH_RANK, "0"))),
+                   world_size=int(env.get(envvars.WORLD_SIZE, env.get(envvars.TORCH_WORLD_SIZE, "1"))),
+                   store=store, token=env[envvars.TOKEN].encode(),
+                   faults=parse_faults(env.get(envvars.INJECT, "")), host=env.get(envvars.HOST, "127.0.0.1"),
+                   steps=int(env.get(envvars.STEPS) or DEFAULT_STEPS),
+                   rollouts=int(env.get(envvars.ROLLOUTS, "0")), mirror_device=env.get(envvars.MIRROR_DEVICE, ""),
+                   export_dir=env.get(envvars.EXPORT_DIR) or "replica-export", resume=env.get(envvars.RESUME, ""),
+                   backends=parse_backends(env.get(envvars.BACKENDS, "")),
+                   strict=env.get(envvars.STRICT, "") == "1")
+
+    def to_environ(self) -> dict[str, str]:
+        """This role's variables as the launchers write them: ``from_environ`` of them is this."""
+        return {**job_environ(store=str(self.store), token=self.token.decode(), world_size=self.world_size,
+                              steps=self.steps, inject=",".join(map(str, self.faults)), rollouts=self.rollouts,
+                              mirror_device=self.mirror_device, export_dir=self.export_dir, resume=self.resume,
+                              backends=self.backends, strict=self.strict),
+                **member_environ(self.role, self.rank), envvars.HOST: self.host}
 
 
 def host_name() -> str:
     """The name the job knows this machine by: ``REPLICA_HOST_NAME`` where set (Ray sets its
     node's id, so nodes sharing one machine are told apart), else the hostname."""
-    return os.environ.get("REPLICA_HOST_NAME") or socket.gethostname()
+    return os.environ.get(envvars.HOST_NAME) or socket.gethostname()
 
 
 def configure_logging() -> None:
     """Log to stderr at ``REPLICA_LOG`` (default WARNING) in every role and the coordinator."""
-    logging.basicConfig(level=os.environ.get("REPLICA_LOG", "WARNING"),
+    logging.basicConfig(level=os.environ.get(envvars.LOG, "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

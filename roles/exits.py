@@ -1,5 +1,6 @@
-"""How a role's process ends: its exit codes, which the agents and the launcher read
-(``replica.roles.supervise``, ``replica.roles.host_agent``), and the one way to end at once."""
+"""How replica's processes end: their exit codes (a role's, which the agents and the launcher
+read: ``replica.roles.supervise``, ``replica.roles.host_agent``; and the commands' own), and
+the one way to end at once."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ __all__ = ["ExitCode", "exit_now"]
 
 class ExitCode(enum.IntEnum):
     OK = 0
+    #: A command whose job failed or did not finish in time (``replica launch``, ``replica coordinator``).
+    FAILED = 1
+    #: A command refused before anything started: a bad command line or setting (argparse's status too).
+    USAGE = 2
+    #: A coordinator that lost its leadership (another one leads the job now).
+    DEPOSED = 3
     #: A trainer that found itself replaced (fenced): another holds its rank now.
     FENCED = 75
     #: A role (or agent) whose job store went away: the coordinator died with no successor.

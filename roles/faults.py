@@ -7,12 +7,11 @@ import logging
 import os
 import signal
 import time
-from datetime import timedelta
 
 import torch
 
 from replica.jobstore import Stamp, keys
-from replica.roles.env import Role
+from replica.roles.env import Action, Phase, Role
 from replica.timing import pause
 
 
@@ -31,16 +30,16 @@ class Faults:
             return
 
         def on_backward(module, grad_output):
-            self._fault("backward", self._step)
+            self._fault(Phase.BACKWARD, self._step)
 
         # The last module holding parameters sees its output's gradient early in backward.
         last = [m for m in model.modules() if m is not model and any(True for _ in m.parameters(recurse=False))][-1]
         last.register_full_backward_pre_hook(on_backward)
-        optimizer.register_step_pre_hook(lambda *a: self._fault("optimizer", self._step))
+        optimizer.register_step_pre_hook(lambda *a: self._fault(Phase.OPTIMIZER, self._step))
 
         def on_collective(name: str) -> None:
             if name == "reduce_scatter_single":  # FSDP2's gradient reduce-scatter
-                self._fault("reduce-scatter", self._step)
+                self._fault(Phase.REDUCE_SCATTER, self._step)
 
         self.group.on_collective = on_collective
 
@@ -51,7 +50,7 @@ class Faults:
             if f.role == Role.ROLLOUT and f.rank == self.rank and f.step <= step:
                 self._fault(f.phase, f.step)
 
-    def _fault(self, phase: str, step: int) -> None:
+    def _fault(self, phase: Phase, step: int) -> None:
         for f in self.env.faults:
             if f.rank != self.rank or f.role != self.role or f.step != step or f.phase != phase:
                 continue
@@ -65,9 +64,9 @@ class Faults:
             # TCPStore set is not acknowledged, and a SIGKILL with unread replies resets the connection).
             self.store.has(key)
             logger.warning("[%s rank %d step %d] injected fault %s fires", self.role, self.rank, step, f)
-            if f.action == "stall":
-                pause(timedelta(seconds=f.seconds))
-            elif f.action == "freeze":
+            if f.action == Action.STALL:
+                pause(f.duration)
+            elif f.action == Action.FREEZE:
                 for handler in logging.getLogger().handlers:  # what it logged is out before it stops
                     handler.flush()
                 os.kill(os.getpid(), signal.SIGSTOP)

@@ -26,12 +26,13 @@ import threading
 import time
 from datetime import timedelta
 
+from replica import envvars
 from replica.jobstore import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, RoleExit, Stamp, keys
 from replica.roles import timing
 from replica.timing import Deadline, pause
 from replica.roles.argparsing import Parser, existing_file, non_negative_int
 from replica.roles.exits import ExitCode
-from replica.roles.env import HOST, ROLES, Action, Fault, Role, configure_logging, host_name, parse_faults
+from replica.roles.env import HOST, ROLES, Action, Fault, Role, base_environ, configure_logging, host_name, parse_faults
 from replica.roles.local_agent import LocalAgent
 from replica.jobstore.stores import StoreAddress
 
@@ -113,7 +114,7 @@ class HostAgent:
                                "connection", self.index, silent)
                 self._start_talker()
             pause(timing.SUPERVISE_POLL, self.ended)
-        return 0
+        return ExitCode.OK
 
     def _obey(self, order: AgentOrder) -> None:
         if order.kind == OrderKind.START and order.role in ROLES:
@@ -137,15 +138,15 @@ class HostAgent:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == Action.PARTITION:
             _ip("link", "set", "dev", device, "down")
-            heal = threading.Timer(fault.seconds, _ip, ("link", "set", "dev", device, "up"))
+            heal = threading.Timer(fault.duration.total_seconds(), _ip, ("link", "set", "dev", device, "up"))
             heal.daemon = True
             heal.start()
         elif fault.action == Action.SLOW:
-            _tc("qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{fault.seconds:g}mbit", "burst", "256kb",
+            _tc("qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{fault.rate_mbit:g}mbit", "burst", "256kb",
                 "latency", "100ms")
             self._slowed = device
             logger.warning("[agent %d] the link of %s (%s) is limited to %g Mbit/s", self.index, self.address, device,
-                           fault.seconds)
+                           fault.rate_mbit)
 
     def close(self) -> None:
         """Stop talking; undo what faults left (a slowed link). The talkers are joined (a
@@ -252,8 +253,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if not os.environ.get("REPLICA_TOKEN"):
-        parser.error("set REPLICA_TOKEN to the job's secret token")
+    if not os.environ.get(envvars.TOKEN):
+        parser.error(f"set {envvars.TOKEN} to the job's secret token")
     try:
         address = StoreAddress.parse(args.store)
         roles = parse_roles(args.roles)
@@ -263,12 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--index must be >= 0, got {args.index}")
     configure_logging()
     # The coordinator may come up after the agents (ROLE_WAIT); the talker's connections fail fast.
-    store = JobStore(address.connect(timeout=timing.ROLE_WAIT), token=os.environ["REPLICA_TOKEN"].encode())
-    env = dict({"TORCH_GLOO_LAZY_INIT": "1", "UCX_LOG_LEVEL": "fatal"}, **os.environ)
-    env.update(REPLICA_STORE=str(address), REPLICA_HOST=args.address)
+    store = JobStore(address.connect(timeout=timing.ROLE_WAIT), token=os.environ[envvars.TOKEN].encode())
+    # The rest of the job's variables (job_environ's) come from the agent's own environment.
+    env = {**base_environ(), envvars.STORE: str(address), envvars.HOST: args.address}
     local = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=0)
     agent = HostAgent(store=store, index=args.index, address=args.address, local=local,
-                      faults=parse_faults(os.environ.get("REPLICA_INJECT", "")))
+                      faults=parse_faults(os.environ.get(envvars.INJECT, "")))
     print(f"replica: agent {args.index} on {agent.host} ({args.address}) for the job at {address}", flush=True)
     for role, rank in roles:
         local.start(role, rank)
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         agent.close()
         local.stop()
-    print(f"replica: agent {args.index}: " + ("the job ended" if status == 0 else "stopped"), flush=True)
+    print(f"replica: agent {args.index}: " + ("the job ended" if status == ExitCode.OK else "stopped"), flush=True)
     return status
 
 

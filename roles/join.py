@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 
+from replica import envvars
 from replica.errors import JobStateError, JoinRefusedError, ReplicaError, StoreWaitTimeoutError
 from replica.jobstore import JobStore, JoinReply, keys
 from replica.roles import timing
@@ -121,7 +122,7 @@ def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timede
 
 def _unsigned(role: str, rank: int, raw: bytes) -> JoinRefusedError:
     return JoinRefusedError(f"{role} rank {rank} was not admitted: the only reply is not signed with this "
-                            f"process's token ({_reason(raw)}); is REPLICA_TOKEN the job's?")
+                            f"process's token ({_reason(raw)}); is {envvars.TOKEN} the job's?")
 
 
 def _reason(raw: bytes) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import TextIO
 
+from replica import envvars
 from replica.session.backends import BACKENDS
 from replica.errors import ReplicaError
 from replica.roles.coordinator import Coordinator, MemberState
@@ -28,7 +29,8 @@ from replica.roles.argparsing import (
     positive_int,
     writable_file,
 )
-from replica.roles.env import HOST, Role, check_faults, configure_logging, parse_faults
+from replica.roles.env import DEFAULT_STEPS, HOST, Role, check_faults, configure_logging, parse_faults
+from replica.roles.exits import ExitCode
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.local_agent import LocalAgent, open_job, start_roles
 from replica.roles.argparsing import deadline_options, deadlines_of, resume_point, state_options
@@ -88,12 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     p.add_argument("--trainers", type=positive_int, default=2)
     p.add_argument("--rollouts", type=non_negative_int, default=0,
-                   help="rollout engines (the script serves them: see README)")
+                   help="rollout engines (the script serves them: see docs/weight-sync.md)")
     p.add_argument("--standbys", type=non_negative_int, default=None,
                    help="standbys to start, for ranks 0..K-1 (default: one per trainer); the others are unprotected")
     p.add_argument("--replacements", type=int, default=-1,
                    help="new standbys the launcher may start for promoted or dead ones (default: no limit)")
-    p.add_argument("--steps", type=positive_int, default=20, help="passed to the script as REPLICA_STEPS")
+    p.add_argument("--steps", type=positive_int, default=DEFAULT_STEPS,
+                   help=f"the job's step count: the script's job.env.steps ({envvars.STEPS})")
     p.add_argument("--inject", default="", help="kill:trainer:RANK@STEP[:PHASE][:gGEN],kill:standby:RANK@STEP,"
                                                 "kill:rollout:INDEX@STEP (while generating for STEP),"
                                                 "freeze:trainer:RANK@STEP[:PHASE] (SIGSTOP), "
@@ -130,8 +133,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port, default=0, help="the job store's port (default: any free one)")
     p.add_argument("--store", default="", metavar="etcd://H1:2379,H2:2379,H3:2379/JOB",
                    help="keep the job's state in etcd instead of hosting a store (credentials in "
-                        "REPLICA_ETCD_USER/REPLICA_ETCD_PASSWORD, REPLICA_ETCD_CA: the roles read them too); the "
-                        "namespace must hold no other job")
+                        f"{envvars.ETCD_USER}/{envvars.ETCD_PASSWORD}, {envvars.ETCD_CA}: the roles read them too); "
+                        "the namespace must hold no other job")
     p.add_argument("--timeout", type=positive_float, default=600, help="seconds before the whole job is abandoned")
     deadline_options(p)
     state_options(p)
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         parser.error(str(exc))
     except ReplicaError as exc:
         print(f"replica: {exc}", flush=True)
-        return 2
+        return ExitCode.USAGE
     try:
         return _run(args, coord, env, standbys=standbys, faults=faults, resume=resume, ray_agents=ray_agents,
                     leading=leadership.leading if leadership is not None else None)
@@ -185,14 +188,14 @@ def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, s
     if args.ray:
         if ray_agents is None:
             print("replica: --ray: run this through the `replica` command (it needs replica[ray])", flush=True)
-            return 2
+            return ExitCode.USAGE
         try:
             agent = ray_agents(address=args.ray, placement=args.ray_placement, script=script, env=env,
                                replacements=args.replacements, trainers=args.trainers, rollouts=args.rollouts,
                                standbys=standbys, members=coord.members_for_placement)
         except (ReplicaError, ValueError) as exc:
             print(f"replica: {exc}", flush=True)
-            return 2
+            return ExitCode.USAGE
     else:
         agent = LocalAgent(script=script, env=env, replacements=args.replacements)
     try:
@@ -206,7 +209,7 @@ def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, s
     finally:
         agent.stop()
     codes = agent.failed_codes({m.pid for m in coord.members if m.role == Role.TRAINER and m.state == MemberState.DONE})
-    if status == 0 and codes:
+    if status == ExitCode.OK and codes:
         print(f"replica: trainers finished but exited with codes {codes}", flush=True)
     return status
 

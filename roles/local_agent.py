@@ -15,10 +15,11 @@ import threading
 from datetime import timedelta
 from pathlib import Path
 
+from replica import envvars
 from replica.session.backends import parse_backends
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership, lead_new_job
-from replica.roles.env import Role
+from replica.roles.env import Role, base_environ, job_environ, member_environ
 from replica.roles.timing import Deadlines
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.timing import Deadline
@@ -55,20 +56,12 @@ def die_with_launcher(argv: list[str]) -> list[str]:
 
 def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int, rollouts: int, mirror_device: str,
              export_dir: Path, resume: Path | None, backends: str = "", strict: bool = False) -> dict[str, str]:
-    """The environment every role of a launched job starts with (this one's, plus the job's)."""
-    # Lazy gloo connections: a generation's group is built in ~1 ms and connects at its
-    # first collective, instead of waiting out gloo's connect back-off (measured: ~150 ms
-    # off every failover here). Set TORCH_GLOO_LAZY_INIT=0 to opt out.
-    # UCX prints an error line of its own when an endpoint to a killed peer is closed
-    # ("error during flush: Connection reset by remote peer"): replica reports and handles every
-    # peer death itself. UCX_LOG_LEVEL=error (or any level) set by the user is kept.
-    env = dict({"TORCH_GLOO_LAZY_INIT": "1", "UCX_LOG_LEVEL": "fatal"}, **os.environ)
-    env.update(REPLICA_WORLD_SIZE=str(world_size), REPLICA_STORE=store, REPLICA_TOKEN=token,
-               REPLICA_INJECT=inject, REPLICA_STEPS=str(steps), REPLICA_ROLLOUTS=str(rollouts),
-               REPLICA_MIRROR_DEVICE="" if mirror_device == "model" else mirror_device,
-               REPLICA_EXPORT_DIR=str(export_dir.resolve()), REPLICA_RESUME=str(resume) if resume else "",
-               REPLICA_BACKENDS=backends, REPLICA_STRICT="1" if strict else "")
-    return env
+    """The environment every role of a launched job starts with (this one's, plus the job's:
+    ``replica.roles.env.job_environ``, which ``RoleEnv.from_environ`` reads)."""
+    return {**base_environ(), **job_environ(
+        store=store, token=token, world_size=world_size, steps=steps, inject=inject, rollouts=rollouts,
+        mirror_device="" if mirror_device == "model" else mirror_device, export_dir=str(export_dir.resolve()),
+        resume=str(resume) if resume else "", backends=parse_backends(backends), strict=strict)}
 
 
 def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
@@ -83,7 +76,7 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
     the default). ``strict``: a step that diverges after a failover ends the job.
     ValueError for a bad ``store`` or an unknown backend."""
     backends = ",".join(parse_backends(backends))  # refused before anything starts
-    token = os.environ.get("REPLICA_TOKEN") or secrets.token_hex(16)
+    token = os.environ.get(envvars.TOKEN) or secrets.token_hex(16)
     address = StoreAddress.parse(store) if store else None
     if address is not None and address.kind != StoreKind.ETCD:
         raise ValueError(f"the job store {store!r}: a launcher hosts its own store (--host/--port) or keeps the job "
@@ -113,11 +106,11 @@ class LocalAgent:
         self.procs: dict[int, tuple[str, subprocess.Popen]] = {}
         self._reported: set[int] = set()
 
-    def start(self, role: str, rank: int) -> int:
+    def start(self, role: Role, rank: int) -> int:
         if threading.current_thread() is not threading.main_thread():
             # PR_SET_PDEATHSIG fires when the forking *thread* exits, not the launcher.
             raise RuntimeError("LocalAgent.start must be called from the main thread")
-        env = dict(self._env, REPLICA_ROLE=role, REPLICA_RANK=str(rank))
+        env = {**self._env, **member_environ(role, rank)}
         popen = subprocess.Popen(die_with_launcher([sys.executable, *self._script]), env=env)
         self.procs[popen.pid] = (role, popen)
         return popen.pid
@@ -136,7 +129,7 @@ class LocalAgent:
     def replace_rollout(self, index: int) -> bool:
         return self._replace(Role.ROLLOUT, index)
 
-    def _replace(self, role: str, rank: int) -> bool:
+    def _replace(self, role: Role, rank: int) -> bool:
         if self._replacements == 0:
             return False
         self._replacements -= 1

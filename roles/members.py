@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from replica.roles.env import Role
 
 
-__all__ = ["Decision", "DecisionKind", "FailoverTimeline", "Member", "MemberState"]
+__all__ = ["Decision", "DecisionKind", "FailoverTimeline", "Mark", "Member", "MemberState"]
 
 
 class MemberState(enum.StrEnum):
@@ -51,6 +51,15 @@ class Member:
         return f"{self.role} {self.rank} (pid {self.pid} on {self.host})"
 
 
+class Mark(enum.StrEnum):
+    """The marks of a failover's timeline, in order (ms after the kill, or the decision)."""
+
+    DETECT = "detect"  # the coordinator declared the trainer dead
+    PROMOTE = "promote"  # the promoted standby restored the commit
+    RECONNECT = "reconnect"  # the promoted standby is in the new generation's process group
+    RESUMED = "resumed"  # the first step after the failover is done
+
+
 @dataclass(kw_only=True, slots=True)
 class FailoverTimeline:
     """One failover as the coordinator saw it: the rank, the generation and commit it
@@ -62,7 +71,7 @@ class FailoverTimeline:
     reason: str
     decided_at: float
     killed_at: float | None = None
-    timeline_ms: dict[str, float] = field(default_factory=dict)
+    timeline_ms: dict[Mark, float] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -187,7 +187,7 @@ class Recovery:
         """The job store is unreachable (the coordinator died): nobody can decide a failover
         any more. Standbys and trainers write every version they hold to the export folder
         (the newest step all ranks wrote is where ``replica launch --resume`` starts); every
-        role exits (code 76). Runs once, from whichever thread finds it first."""
+        role exits (ExitCode.COORDINATOR_LOST). Runs once, from whichever thread finds it first."""
         if not self._lost.acquire(blocking=False):  # another thread is at it, and exits the process
             while True:
                 pause(timedelta(seconds=1))

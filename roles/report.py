@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from replica.state.divergence import Divergence, Measure
 from replica.jobstore import keys
-from replica.roles.env import parse_faults
+from replica.roles.env import Action, parse_faults
+from replica.roles.members import Mark
 from replica.roles.rollouts import served_shards
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ __all__ = ["PHASES", "build_report", "compare_reports", "load_report", "print_ti
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("detect", "promote", "reconnect", "resumed")  # timeline marks, in ms after the kill
+PHASES = tuple(Mark)  # a failover's timeline marks, in order (ms after the kill)
 
 
 def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: str | None) -> dict:
@@ -191,7 +192,7 @@ def write_loss_png(reference: dict, other: dict, path: Path, *, names: tuple[str
         if not fault.get("fired_at"):
             continue
         (parsed,) = parse_faults(fault["fault"])
-        color = "tab:red" if parsed.action == "kill" else "tab:orange"
+        color = "tab:red" if parsed.action == Action.KILL else "tab:orange"
         loss_ax.axvline(parsed.step, color=color, linestyle="--", linewidth=1, label=f"{fault['fault']} fired")
         time_ax.axvline(parsed.step, color=color, linestyle="--", linewidth=1)
     for failover in other.get("failovers", []):

@@ -21,11 +21,11 @@ from replica.jobstore.commit import EpochRecord
 from replica.state.data import Batches, prepare_extras
 from replica.state.divergence import Divergence, Measure, comparable
 from replica.errors import DivergenceError, FencedError
-from replica.jobstore import Epoch, Flag, JobStore, Stamp, Text, keys
+from replica.jobstore import Epoch, ExportOutcome, ExportStatus, Flag, JobStore, Stamp, Text, keys
 from replica.state.export import export_path, load_export, step_folder
 from replica.state.restore import materialize_optimizer_state, restore_snapshot
 from replica.roles import timing
-from replica.roles.env import Role, RoleEnv, configure_logging
+from replica.roles.env import Phase, Role, RoleEnv, configure_logging
 from replica.roles.join import join
 from replica.roles.exits import ExitCode, exit_now
 from replica.roles.faults import Faults
@@ -82,7 +82,7 @@ class Job(Recovery, Faults):
         """Mirror ``model``, ``optimizer`` and ``extra`` (``Stateful`` objects: LR schedulers,
         ``replica.RNGState()``, and data loaders, which are wrapped in ``replica.Batches``:
         take the batches from ``next_batch(name)``). Everything that feeds the loss must be
-        in there; see the README, "What must be in the mirrored state"."""
+        in there; see docs/mirror.md, "What must be in the mirrored state"."""
         extra = prepare_extras(extra)
         self._bound = (model, optimizer, extra)
         if self.role == Role.TRAINER and self.env.resume:
@@ -147,7 +147,7 @@ class Job(Recovery, Faults):
         logger.warning("[trainer rank %d] resumed from the export of step %d in %s", self.rank, snapshot.step, folder)
 
     def commit(self, step: int) -> bool:
-        self._fault("commit", step)
+        self._fault(Phase.COMMIT, step)
         try:
             with self._store_guard():
                 done = self._rep.commit(step)
@@ -159,7 +159,7 @@ class Job(Recovery, Faults):
         for found in self._rep.divergences[self._divergences_seen:]:
             self._divergence(found)
         self._divergences_seen = len(self._rep.divergences)
-        self._fault("mirror", step)  # the stream of this step is in flight now
+        self._fault(Phase.MIRROR, step)  # the stream of this step is in flight now
         return done
 
     # --- the divergence guard ---
@@ -231,7 +231,11 @@ class Job(Recovery, Faults):
         finally:
             self.close()
 
-    def steps(self, total: int) -> Iterator[int]:
+    def steps(self, total: int | None = None) -> Iterator[int]:
+        """The steps this role trains, up to ``total`` (default: the job's, ``env.steps``:
+        ``replica launch --steps``): from the first after a resume, a standby's from the one
+        after its promotion, a step again after a failover rolled the job back to it."""
+        total = self.env.steps if total is None else total
         step = self._resumed_from + 1
         if self.role == Role.STANDBY:
             promoted = self._wait_promotion()
@@ -240,7 +244,7 @@ class Job(Recovery, Faults):
             step = promoted + 1
         while step <= total:
             self._step = step
-            self._fault("forward", step)
+            self._fault(Phase.FORWARD, step)
             yield step
             with self._store_guard():
                 if self.group.check() is not None or self._failover_announced():
@@ -293,17 +297,18 @@ class Job(Recovery, Faults):
         """Write this role's versions of ``steps`` to the job's export folder (one folder
         per step, ``replica.state.export.step_folder``), and say in the store what was written."""
         self._exported = True
-        written = []
+        outcomes = []
         for step in steps:
             try:
                 path = self._holder().export(step_folder(directory, step), step=step)
-                written.append(str(path))
+                outcomes.append(ExportOutcome(rank=self.rank, step=step, status=ExportStatus.WRITTEN, path=str(path)))
                 logger.warning("[%s rank %d] exported step %d to %s", self.role, self.rank, step, path)
             except replica.ReplicaError as exc:
-                written.append(f"error: {exc}")
+                outcomes.append(ExportOutcome(rank=self.rank, step=step, status=ExportStatus.FAILED, error=str(exc)))
                 logger.error("[%s rank %d] could not export step %d: %s", self.role, self.rank, step, exc)
         with contextlib.suppress(RuntimeError):  # the store may be gone (that may be why it exports)
-            self.store.put(keys.exported(self.rank), Text(value="; ".join(written)))
+            for outcome in outcomes:
+                self.store.put(keys.exported(self.rank, outcome.step), outcome)
 
 
 def init() -> Job:

@@ -12,6 +12,7 @@ import os
 import sys
 from datetime import timedelta
 
+from replica import envvars
 from replica.errors import FencedError
 from replica.jobstore import JobStore, keys
 from replica.roles.argparsing import (
@@ -31,7 +32,8 @@ from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.roles.env import configure_logging, parse_faults
-from replica.roles.supervise import DEPOSED_EXIT, JobSpec, supervise
+from replica.roles.exits import ExitCode
+from replica.roles.supervise import JobSpec, supervise
 
 __all__ = ["main"]
 
@@ -48,8 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=port, default=29400)
     p.add_argument("--store", default="",
                    help="keep the job's state in etcd instead of hosting a store: etcd://H1:2379,H2:2379,H3:2379/JOB "
-                        "(credentials in REPLICA_ETCD_USER/REPLICA_ETCD_PASSWORD). Start this command on two or more "
-                        "hosts: one leads, the others take over when it dies")
+                        f"(credentials in {envvars.ETCD_USER}/{envvars.ETCD_PASSWORD}). Start this command on two "
+                        "or more hosts: one leads, the others take over when it dies")
     p.add_argument("--agents", type=non_negative_int, default=0,
                    help="the number of hosts that run `replica agent` (indices 0 .. N-1): their exit reports are "
                         "detection signals and they start replacements (default: none)")
@@ -75,9 +77,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    token = os.environ.get("REPLICA_TOKEN", "")
+    token = os.environ.get(envvars.TOKEN, "")
     if not token:
-        parser.error("set REPLICA_TOKEN to the job's secret token (every role presents it when it joins)")
+        parser.error(f"set {envvars.TOKEN} to the job's secret token (every role presents it when it joins)")
     try:
         deadlines = deadlines_of(args)
     except ValueError as exc:
@@ -102,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         job = leadership.candidate
         if not leadership.campaign(timeout=timedelta(seconds=args.timeout), give_up=lambda: job.has(keys.finished())):
             print("replica: the job ended under another coordinator", flush=True)
-            return 0
+            return ExitCode.OK
         print("replica: this coordinator leads", flush=True)
     try:
         coord = Coordinator(world_size=args.world_size, token=token.encode(), host=args.host, port=args.port,
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args, coord, resume, leadership)
     except FencedError as exc:
         print(f"replica: another coordinator leads now ({exc}); this one stops", flush=True)
-        return DEPOSED_EXIT
+        return ExitCode.DEPOSED
     finally:
         if leadership is not None:
             leadership.resign()
@@ -128,7 +130,7 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
               flush=True)
     print(f"replica: coordinator of {args.world_size} trainer ranks at {coord.address}", flush=True)
     if resume and resume[1]:
-        print(f"replica: resuming from step {resume[0]}: start the trainers with REPLICA_RESUME={resume[1]}",
+        print(f"replica: resuming from step {resume[0]}: start the trainers with {envvars.RESUME}={resume[1]}",
               flush=True)
     elif resume:
         print(f"replica: resuming from step {resume[0]}: the trainers restore it from their own checkpoint",
@@ -137,7 +139,7 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
     agents = RemoteAgents(coord.store, count=args.agents, replacements=args.replacements,
                           members=coord.members_for_placement) if args.agents else None
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
-    faults = parse_faults(os.environ.get("REPLICA_INJECT", ""))
+    faults = parse_faults(os.environ.get(envvars.INJECT, ""))
     return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                                     timeline_png=timeline, export_dir=args.export_dir,
                                     train_while_replacing=args.train_while_replacing,

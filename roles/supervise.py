@@ -16,14 +16,15 @@ from typing import Protocol
 from collections.abc import Callable
 
 from replica.errors import FencedError
-from replica.jobstore import keys
+from replica.jobstore import ExportStatus, keys
 from replica.roles.coordinator import Coordinator, Decision, DecisionKind
 from replica.roles import timing
 from replica.roles.env import Fault, Role
+from replica.roles.exits import ExitCode
 from replica.roles.report import build_report, print_timeline, write_timeline_png
 from replica.timing import Deadline, pause
 
-__all__ = ["Agent", "DEPOSED_EXIT", "JobSpec", "ReplacementWatch", "supervise"]
+__all__ = ["Agent", "JobSpec", "ReplacementWatch", "supervise"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,6 @@ class JobSpec:
     first_step: int = 1  # a job resumed from an export of step N starts at N + 1
 
 
-DEPOSED_EXIT = 3  # the exit status of a coordinator that lost its leadership (another one leads)
-
-
 class ReplacementWatch:
     """Ranks whose training waits for a new standby: one not up (no new registration) within
     ``wait`` has its rank marked unprotected until it comes, so training goes on unprotected
@@ -107,15 +105,15 @@ class ReplacementWatch:
 
 
 def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
-              leading: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> int:
+              leading: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> ExitCode:
     """Run the job to its end; returns the exit status (0: every rank finished).
     ``leading()`` (an elected coordinator's) is asked before every round: once it says
     no, another coordinator may lead, and this one stops at once, deciding nothing
-    more and leaving the job as it is (DEPOSED_EXIT). ``cancel`` (set by a driver that
+    more and leaving the job as it is (ExitCode.DEPOSED). ``cancel`` (set by a driver that
     shuts the job down) ends the loop as a timeout does: the end is announced, the report written."""
     deadline = Deadline.after(spec.timeout)
     shown, errors = spec.first_step - 1, 0
-    status, failure = 1, None
+    status, failure = ExitCode.FAILED, None
     exits: list[tuple[int, int, str | None]] = []  # seen by the agent, not yet taken in (kept until they are)
     decisions: list[Decision] = []
     replacing = ReplacementWatch(coord)
@@ -133,7 +131,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
         if leading is not None and not leading():
             print("\nreplica: another coordinator leads now (this one was silent or cut off); this one stops",
                   flush=True)
-            return DEPOSED_EXIT
+            return ExitCode.DEPOSED
         decisions.clear()
         exits.extend(agent.exits() if agent is not None else [])
         def hosts() -> None:
@@ -151,7 +149,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
                 work()
             except FencedError as exc:
                 print(f"\nreplica: another coordinator leads now ({exc}); this one stops", flush=True)
-                return DEPOSED_EXIT
+                return ExitCode.DEPOSED
             except Exception:  # noqa: BLE001 - nothing in the store may end the job's loop; say what broke
                 errors += 1
                 if errors == 1 or errors % 100 == 0:
@@ -169,7 +167,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
                   f"{sorted(coord.unprotected) or 'none'}", end="", flush=True)
         trainers = {m.pid for m in coord.members if m.role == Role.TRAINER}
         if coord.all_done() and (agent is None or not agent.running(trainers)):
-            status = 0
+            status = ExitCode.OK
             break
         pause(timing.SUPERVISE_POLL, cancel, deadline)
     else:
@@ -195,7 +193,7 @@ def _linger(coord: Coordinator, agent: Agent | None) -> None:
     """Keep the store up until the roles have seen the end and left, and every host agent has
     seen it (one cut off when the job ended learns of it once back), timing.FINISH_LINGER at
     most: a role or agent that found the store gone first would take the end for the
-    coordinator's death (exit code 76)."""
+    coordinator's death (ExitCode.COORDINATOR_LOST)."""
     until = Deadline.after(timing.FINISH_LINGER)
     waiting: set[str] = set()
     while not until.expired:
@@ -253,11 +251,11 @@ def _export(coord: Coordinator, directory: Path) -> str:
     print(f"\nreplica: the standbys export commit {commit} to {directory} ...", flush=True)
     standbys = {m.rank for m in coord.alive(Role.STANDBY)}
     deadline = Deadline.after(timing.EXPORT_WAIT)
-    while not deadline.expired and not standbys <= set(coord.exports()):
+    while not deadline.expired and not standbys <= set(coord.exports(commit)):
         pause(timing.SUPERVISE_POLL, deadline=deadline)
-    answers = coord.exports()
-    written = sorted(r for r, answer in answers.items() if not answer.startswith("error"))
-    failed = {r: answer for r, answer in answers.items() if answer.startswith("error")}
+    answers = coord.exports(commit)
+    written = sorted(r for r, answer in answers.items() if answer.status == ExportStatus.WRITTEN)
+    failed = {r: answer.error for r, answer in answers.items() if answer.status == ExportStatus.FAILED}
     lost = sorted(set(range(coord.world_size)) - set(answers))
     text = f"; commit {commit} of rank(s) {written} was exported to {directory}"
     if failed:

@@ -3,7 +3,7 @@
 timeouts, the standby wait, the scrub) are ``replica.Config`` fields; the
 deadlines after which a silent role is declared dead are ``Deadlines``, set per
 job (``replica launch --heartbeat-deadline``). Why each value is what it is
-stands beside it; the README's "Deadlines" section explains them for users."""
+stands beside it; docs/operations.md's "Deadlines" section explains them for users."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ LATE_REPORT = timedelta(seconds=1)  # a transport report this soon after a promo
 EXPORT_WAIT = timedelta(seconds=60)  # how long a failing job waits for its standbys' exports
 # After the job's end the coordinator keeps its store up until every role has seen the end and
 # left (no heartbeat for GONE_AFTER: beats come every 100 ms), FINISH_LINGER at most: a role that
-# found the store gone first would take the end for the coordinator's death (exit code 76).
+# found the store gone first would take the end for the coordinator's death (ExitCode.COORDINATOR_LOST).
 FINISH_LINGER = timedelta(seconds=10)
 GONE_AFTER = timedelta(milliseconds=500)
 

@@ -281,7 +281,7 @@ def test_a_wait_goes_on_when_the_member_it_watches_on_dies(etcd):
     _, opened = _counted(store)
     with pytest.raises(dist.DistStoreError):
         store.wait(["k"], timedelta(milliseconds=100))
-    watched = store._watching.held[1].endpoint
+    watched = store._watching.held.stream.endpoint
     (member,) = [m for m in etcd.members if m.endpoint == watched]
     member.kill()
     try:

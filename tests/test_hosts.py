@@ -17,6 +17,7 @@ import pytest
 from replica._testing import cluster as testcluster
 
 from replica._testing import etcd as testetcd
+from replica.roles.exits import ExitCode
 from replica.roles.report import compare_reports
 from replica._testing.cluster import ClusterConfig, NetnsCluster
 from replica._testing.etcd import EtcdCluster
@@ -345,7 +346,7 @@ def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path,
 
 # In `make test-slow` (35-45 s). It failed 2 runs in 5 until 2026-11-26: when the job ended
 # during the partition, the coordinator stopped its store at once; the cut-off agent, back, found
-# no store (exit 76) and the zombie's kill order was never carried out. The coordinator now keeps
+# no store (exit COORDINATOR_LOST) and the zombie's kill order was never carried out. The coordinator now keeps
 # its store up until every agent heard from within STORE_LOST has seen the end (agent/{i}/ended,
 # written once its ordered kills are done and reported), FINISH_LINGER at most: 5 runs in 5 pass.
 @pytest.mark.slow
@@ -368,11 +369,11 @@ def test_a_partitioned_trainer_host_is_fenced_and_the_job_ends_bit_identical(clu
     (failover,) = result["failovers"]
     assert failover["rank"] == 1 and "no heartbeat" in failover["reason"], failover
     assert failover["commit"] >= 2, failover  # what was committed before the cut stays
-    # Healed, its agent kills it as ordered (-9), or it found its rank given away first (75); cut
+    # Healed, its agent kills it as ordered (-9), or it found its rank given away first (FENCED); cut
     # off for longer than the store's deadline, it could not tell a partition from the
-    # coordinator's death and stopped too (76).
+    # coordinator's death and stopped too (COORDINATOR_LOST).
     (zombie,) = [e for e in result["late_exits"] if e["role"] == "trainer" and e["rank"] == 1]
-    assert zombie["code"] in (-9, 75, 76), result["late_exits"]
+    assert zombie["code"] in (-9, ExitCode.FENCED, ExitCode.COORDINATOR_LOST), result["late_exits"]
     if zombie["code"] == -9:
         assert "killed pid" in job.output("agent1"), job.output("agent1")[-4000:]
     new = [m for m in result["members"] if m["role"] == "standby" and m["rank"] == 1 and m["state"] != "dead"]
@@ -400,8 +401,8 @@ def test_a_partitioned_standby_host_leaves_its_rank_unprotected_until_a_new_stan
 
     codes = job.partitioned(cluster.hosts[4], after="replica/loss/1/3", meanwhile=while_cut_off)
     old = job.output("standby1")
-    # Healed near the end, it may see the job over (0) before it sees its place taken (75).
-    assert codes["standby1"] in (0, 75, 76), (codes, job.outputs())
+    # Healed near the end, it may see the job over (0) before it sees its place taken (FENCED).
+    assert codes["standby1"] in (ExitCode.OK, ExitCode.FENCED, ExitCode.COORDINATOR_LOST), (codes, job.outputs())
     assert "Exception in thread" not in old, old[-4000:]  # every failure was handled where it happened
     assert {k: c for k, c in codes.items() if k != "standby1"} == {
         "coordinator": 0, "standby0": 0, "standby1-new": 0, "trainer0": 0, "trainer1": 0}, (codes, job.outputs())

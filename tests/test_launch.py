@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from replica.state.export import export_path, load_export, resumable, step_folder
 from test_export import assert_safe_open_reads
+from replica.roles.exits import ExitCode
 from replica.roles.report import compare_reports
 from replica._testing import busy_cores, process_state
 
@@ -125,18 +126,59 @@ def test_a_survivor_dies_right_after_the_first_failover(tmp_path, reference):
 
 
 def test_fault_specs_round_trip():
-    from replica.roles.env import Fault, parse_faults
+    from replica.roles.env import HOST, Action, Fault, Phase, Role, parse_faults
 
-    specs = "kill:trainer:0@4:forward:g1,stall:trainer:1@3:14:g2,kill:standby:1@3,stall:trainer:0@2"
+    specs = ("kill:trainer:0@4:forward:g1,stall:trainer:1@3:14:g2,kill:standby:1@3,stall:trainer:0@2,"
+             "partition:host:1@5,slow:host:0@2:12.5,kill:host:2@7,partition:host:0@3:0.5")
     faults = parse_faults(specs)
-    assert faults[0] == Fault(role="trainer", rank=0, step=4, phase="forward", generation=1)
-    assert faults[1] == Fault(action="stall", role="trainer", rank=1, step=3, seconds=14, generation=2)
-    assert (faults[2].generation, faults[3].seconds) == (None, 3)
+    assert faults[0] == Fault(role=Role.TRAINER, rank=0, step=4, phase=Phase.FORWARD, generation=1)
+    assert faults[1] == Fault(action=Action.STALL, role=Role.TRAINER, rank=1, step=3, duration=timedelta(seconds=14),
+                              generation=2)
+    assert faults[1] == Fault(action="stall", role="trainer", rank=1, step=3, duration=timedelta(seconds=14),
+                              generation=2)  # strings become the enums
+    assert type(faults[1].action) is Action and type(faults[1].role) is Role and type(faults[0].phase) is Phase
+    assert (faults[2].generation, faults[3].duration) == (None, timedelta(seconds=3))
+    assert (faults[4].duration, faults[4].rate_mbit) == (timedelta(seconds=10), None)  # a partition's default
+    assert (faults[5].role, faults[5].rate_mbit, faults[5].duration) == (HOST, 12.5, None)  # Mbit/s, not seconds
+    assert parse_faults("slow:host:0@2")[0].rate_mbit == 100
     assert ",".join(map(str, faults)) == "kill:trainer:0@4:forward:g1,stall:trainer:1@3:14:g2," \
-                                         "kill:standby:1@3:forward,stall:trainer:0@2:3"
-    for bad in ("kill:trainer:0@4:forward:g", "kill:trainer:0@4:forward:extra:g1", "kill:trainer:0@4:gx"):
+                                         "kill:standby:1@3:forward,stall:trainer:0@2:3,partition:host:1@5:10," \
+                                         "slow:host:0@2:12.5,kill:host:2@7,partition:host:0@3:0.5"
+    assert parse_faults(",".join(map(str, faults))) == faults
+    for bad in ("kill:trainer:0@4:forward:g", "kill:trainer:0@4:forward:extra:g1", "kill:trainer:0@4:gx",
+                "kill:trainer:0@4:sideways", "stall:trainer:0@4:-1", "slow:host:0@2:0", "stall:trainer:0@4:inf"):
         with pytest.raises(ValueError, match="bad fault"):
             parse_faults(bad)
+    for wrong in (dict(action=Action.SLOW, role=Role.TRAINER), dict(action=Action.STALL, role=HOST),
+                  dict(action=Action.KILL, role=Role.TRAINER, duration=timedelta(seconds=1)),
+                  dict(action=Action.STALL, role=Role.TRAINER, rate_mbit=10.0)):
+        with pytest.raises(ValueError):
+            Fault(rank=0, step=1, **wrong)
+
+
+def test_role_env_is_what_the_launchers_write():
+    """The launchers' writer (job_environ + member_environ, RoleEnv.to_environ) and the roles'
+    reader (RoleEnv.from_environ) are one contract: every field survives the round trip."""
+    import dataclasses
+
+    from replica import envvars
+    from replica.jobstore.stores import StoreAddress
+    from replica.roles.env import Role, RoleEnv, job_environ, member_environ, parse_faults
+
+    env = RoleEnv(role=Role.STANDBY, rank=3, world_size=4, store=StoreAddress.parse("10.0.0.1:29500"), token=b"tok",
+                  faults=parse_faults("kill:trainer:1@3:backward,stall:standby:0@2:4:g1"), host="10.0.0.2",
+                  steps=7, rollouts=2, mirror_device="cpu", export_dir="/x/export", resume="/x/old",
+                  backends=("ucx", "gloo"), strict=True)
+    defaults = RoleEnv(role=Role.TRAINER, rank=0, world_size=1, store=StoreAddress.parse("127.0.0.1:1"), token=b"t")
+    changed = {f.name for f in dataclasses.fields(RoleEnv) if getattr(env, f.name) != getattr(defaults, f.name)}
+    assert changed == {f.name for f in dataclasses.fields(RoleEnv)}, "a field the round trip does not exercise"
+    written = env.to_environ()
+    assert RoleEnv.from_environ(written) == env
+    assert all(name.startswith(envvars.PREFIX) for name in written)
+    launched = {**job_environ(store="127.0.0.1:29400", token="t", world_size=2), **member_environ(Role.ROLLOUT, 1)}
+    read = RoleEnv.from_environ(launched)
+    assert (read.role, read.rank, read.world_size, read.steps, read.export_dir) == (Role.ROLLOUT, 1, 2, 20,
+                                                                                   "replica-export")
 
 
 def test_the_fault_matrix_under_load(tmp_path, reference):
@@ -400,7 +442,7 @@ def test_a_frozen_trainer_waking_up_after_its_failover_stops_by_itself(tmp_path,
     agent kills it, its connections stay open, so only the heartbeat deadline finds it, and
     its standby is promoted. Once the job has resumed without it, it wakes up (SIGCONT) with
     its old epoch, gloo connections and mirror stream: it finds its rank given away and exits
-    by itself (code 75) without touching the job, which ends bit-identical."""
+    by itself (ExitCode.FENCED, 75) without touching the job, which ends bit-identical."""
     port, report = free_port(), tmp_path / "run.json"
     inject = {"REPLICA_INJECT": "freeze:trainer:1@5:backward"}
     coordinator = start_coordinator(port, report, **inject)
@@ -423,7 +465,7 @@ def test_a_frozen_trainer_waking_up_after_its_failover_stops_by_itself(tmp_path,
             p.kill()
     assert frozen_when_replaced == "T"  # the freeze fired and lasted past the deadline
     assert coordinator.returncode == 0, output[-4000:]
-    assert zombie.returncode == 75, zombie_output[-4000:]
+    assert zombie.returncode == ExitCode.FENCED, zombie_output[-4000:]
     # It woke up (a stopped process exits with nothing) and found its rank given away. Its own
     # "woke up" line may never be written: the watch thread that fences it can exit first.
     assert "injected fault freeze:trainer:1@5:backward fires" in zombie_output, zombie_output[-4000:]
@@ -439,7 +481,7 @@ def test_a_frozen_trainer_waking_up_after_its_failover_stops_by_itself(tmp_path,
 
 def test_coordinator_killed_roles_export_and_the_job_resumes_from_the_export(tmp_path, reference):
     """The coordinator (and with it the job store) is SIGKILLed mid-run. Every role finds
-    the store gone, writes the versions it holds to the export folder and exits (code 76)
+    the store gone, writes the versions it holds to the export folder and exits (ExitCode.COORDINATOR_LOST, 76)
     instead of hanging or dying with a traceback; `replica launch --resume` then continues
     from the newest step all ranks exported, bit-identical to the run that never failed."""
     port, report, export = free_port(), tmp_path / "run.json", tmp_path / "export"
@@ -458,7 +500,7 @@ def test_coordinator_killed_roles_export_and_the_job_resumes_from_the_export(tmp
         for p in (coordinator, *roles):
             p.kill()
     for p, output in zip(roles, outputs):
-        assert p.returncode == 76, output[-3000:]  # stopped by itself, not hung, no traceback
+        assert p.returncode == ExitCode.COORDINATOR_LOST, output[-3000:]  # stopped by itself, not hung, no traceback
         assert "the job store is gone" in output, output[-3000:]
         assert f'{EXAMPLE.name}", line' not in output, output[-3000:]  # the script did not die of an exception
     step, folder = resumable(export, 2)

@@ -192,3 +192,38 @@ def test_deadlines_are_written_one_way(tmp_path):
     assert not hand, f"deadlines written by hand (use replica.timing.Deadline): {sorted(hand)}"
     (tmp_path / "m.py").write_text("import time\nend = time.monotonic() + 5\n")
     assert _calls_monotonic_plus(tmp_path / "m.py") == [2]  # the check can fail
+
+
+def _env_names_spelled_out(path: Path) -> list[str]:
+    """Where ``path`` spells out a replica environment variable instead of naming it from
+    ``replica.envvars``: a string (an f-string's text parts too) or a keyword argument
+    (``dict(REPLICA_X=...)``) that starts with ``REPLICA_``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("REPLICA_"):
+            found.append(f"{path}:{node.lineno}: {node.value[:40]!r}")
+        elif isinstance(node, ast.keyword) and node.arg is not None and node.arg.startswith("REPLICA_"):
+            found.append(f"{path}:{node.value.lineno}: {node.arg}=")
+    return found
+
+
+def test_environment_variables_are_named_in_one_module():
+    """Every REPLICA_* variable is a constant of replica/envvars.py, which writers and readers
+    both import: nothing shipped, no example and no benchmark spells one out."""
+    names = ROOT / "replica" / "envvars.py"
+    found = [hit for folder in (*FOLDERS.values(), ROOT / "examples", ROOT / "bench")
+             for path in sorted(folder.rglob("*.py")) if path != names for hit in _env_names_spelled_out(path)]
+    assert not found, "environment variables spelled out (use replica.envvars):\n" + "\n".join(found)
+    from replica import envvars
+
+    values = [getattr(envvars, n) for n in envvars.__all__]
+    assert len(values) == len(set(values)), "two constants of replica.envvars name one variable"
+
+
+def test_environment_name_check_sees_literals(tmp_path):
+    # The rule above must be able to fail: a plain string, an f-string's text and a keyword.
+    (tmp_path / "m.py").write_text('import os\nos.environ.get("REPLICA_TOKEN")\nx = f"REPLICA_STEPS={1}"\n'
+                                   'dict(REPLICA_ROLE="trainer")\n"""Prose may name REPLICA_TOKEN."""\n'
+                                   'y = "set REPLICA_TOKEN"\n')
+    found = _env_names_spelled_out(tmp_path / "m.py")
+    assert sorted(int(hit.split(": ", 1)[0].rsplit(":", 1)[1]) for hit in found) == [2, 3, 4], found

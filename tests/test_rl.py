@@ -17,6 +17,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from replica.roles.exits import ExitCode
 from replica.roles.report import compare_reports
 from replica._testing import busy_cores, process_state
 from test_launch import ROOT, free_port, launch, role_env, start_coordinator, wait_for_key
@@ -69,7 +70,7 @@ def test_a_frozen_leader_waking_up_after_its_failover_pushes_no_weights(tmp_path
     (SIGSTOP) at the start of step 4, before that step's push, in a `replica coordinator`
     job (no agent kills it): the heartbeat deadline finds it, its standby is promoted
     and pushes from then on. Woken (SIGCONT) once the job resumed, the zombie still holds
-    its old epoch and its engine connection; it must exit by itself (code 75), and no
+    its old epoch and its engine connection; it must exit by itself (ExitCode.FENCED, 75), and no
     rollout of step 4 or later may be made with weights it sent (each shard records the
     epoch of the leader that sent the weights it was made with)."""
     port, report = free_port(), tmp_path / "run.json"
@@ -97,8 +98,8 @@ def test_a_frozen_leader_waking_up_after_its_failover_pushes_no_weights(tmp_path
     zombie_output = outputs[3]
     assert frozen_when_replaced == "T"  # the freeze fired and lasted past the deadline
     assert coordinator.returncode == 0, output[-4000:]
-    assert zombie.returncode == 75, zombie_output[-4000:]
-    # Exit code 75 once it woke up: its fence (the watch thread) may exit before the main
+    assert zombie.returncode == ExitCode.FENCED, zombie_output[-4000:]
+    # ExitCode.FENCED once it woke up: its fence (the watch thread) may exit before the main
     # thread logs "woke up", so the log line that proves the freeze fired is the injection's.
     assert "injected fault freeze:" in zombie_output and "fires" in zombie_output, zombie_output[-4000:]
     result = json.loads(report.read_text())

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from replica import envvars
 from replica.jobstore.etcd import EtcdConfig
 from replica._testing import TornDown
 from replica.timing import Deadline
@@ -202,7 +203,7 @@ class EtcdCluster(TornDown):
 
     def environ(self) -> dict[str, str]:
         """What a role needs in its environment to use this cluster."""
-        return {"REPLICA_ETCD_USER": _USER, "REPLICA_ETCD_PASSWORD": self.password, "REPLICA_ETCD_CA": self.ca_file}
+        return {envvars.ETCD_USER: _USER, envvars.ETCD_PASSWORD: self.password, envvars.ETCD_CA: self.ca_file}
 
     def wait_member(self, member: EtcdMember, within: timedelta) -> None:
         """Until ``member`` (restarted) answers and has caught up with a leader."""

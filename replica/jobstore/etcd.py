@@ -25,6 +25,7 @@ lost ``TCPStore`` does; waits that run out raise ``DistStoreError``.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import http.client
 import json
 import logging
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from replica import envvars
 from replica.errors import FencedError, ReplicaError
 from replica.jobstore.bounded import BoundedMap
 from replica.jobstore.etcdwatch import WatchBroken, WatchStream
@@ -116,9 +118,9 @@ class EtcdConfig:
         ``REPLICA_ETCD_CA`` / ``REPLICA_ETCD_CERT`` / ``REPLICA_ETCD_KEY``."""
         env = os.environ
         return cls(endpoints=parse_endpoints(endpoints), namespace=namespace or "replica-job/",
-                   user=env.get("REPLICA_ETCD_USER", ""), password=env.get("REPLICA_ETCD_PASSWORD", ""),
-                   ca_file=env.get("REPLICA_ETCD_CA", ""), cert_file=env.get("REPLICA_ETCD_CERT", ""),
-                   key_file=env.get("REPLICA_ETCD_KEY", ""), **overrides)
+                   user=env.get(envvars.ETCD_USER, ""), password=env.get(envvars.ETCD_PASSWORD, ""),
+                   ca_file=env.get(envvars.ETCD_CA, ""), cert_file=env.get(envvars.ETCD_CERT, ""),
+                   key_file=env.get(envvars.ETCD_KEY, ""), **overrides)
 
     @property
     def scheme(self) -> str:
@@ -271,6 +273,16 @@ class _Client:
             conn.close()
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _HeldWatch:
+    """A thread's open watch (``EtcdStore.wait``): of which keys, its stream, and when to
+    read the keys again whatever it says (``_WATCH_TRUST``, or at once after an event)."""
+
+    names: tuple[str, ...]
+    stream: WatchStream
+    read_by: Deadline
+
+
 class EtcdStore(dist.Store):
     """A ``torch.distributed.Store`` on etcd (see the module's docstring). Thread-safe:
     each thread has connections of its own, so a thread's blocking wait never holds
@@ -398,11 +410,11 @@ class EtcdStore(dist.Store):
         deadline = Deadline.after(timeout)
         names = tuple(keys)
         held = getattr(self._watching, "held", None)
-        if held is not None and held[0] != names:
+        if held is not None and held.names != names:
             self._unwatch()
             held = None
         while True:
-            if held is None or held[2].expired:
+            if held is None or held.read_by.expired:
                 values, revision = self._read(list(names))
                 if all(v is not None for v in values):
                     self._unwatch()
@@ -412,7 +424,7 @@ class EtcdStore(dist.Store):
                 self._poll(names, deadline, timeout)
                 return
             try:
-                message = held[1].next(min(deadline, held[2]))
+                message = held.stream.next(min(deadline, held.read_by))
             except WatchBroken as exc:
                 logger.debug("the watch of %s broke: %s", names, exc)
                 self._unwatch()
@@ -431,15 +443,16 @@ class EtcdStore(dist.Store):
                 if len(names) == 1 and any(e.get("type", "PUT") == "PUT" for e in result["events"]):
                     self._unwatch()  # the one key was written: no read to learn it exists
                     return
-                held = (held[0], held[1], Deadline.after(timedelta(0)))  # a key of the range changed: read them now
+                held.read_by = Deadline.now()  # a key of the range changed: read them now
 
     def _watch(self, names: tuple[str, ...], revision: int,
-               held: tuple[tuple[str, ...], WatchStream, Deadline] | None):
+               held: _HeldWatch | None) -> _HeldWatch | None:
         """The thread's watch of ``names`` (opened from ``revision``, or the one it has),
         with when to read the keys again; None when no member took a watch."""
         trust = Deadline.after(_WATCH_TRUST)
         if held is not None:
-            self._watching.held = held = (held[0], held[1], trust)
+            held.read_by = trust
+            self._watching.held = held
             return held
         first, last = self._ns + _bytes(min(names)), self._ns + _bytes(max(names))
         request = {"key": _b64(first), "start_revision": str(revision)}
@@ -450,13 +463,13 @@ class EtcdStore(dist.Store):
         except WatchBroken as exc:
             logger.debug("no watch of %s: %s", names, exc)
             return None
-        self._watching.held = held = (names, stream, trust)
+        self._watching.held = held = _HeldWatch(names=names, stream=stream, read_by=trust)
         return held
 
     def _unwatch(self) -> None:
         held = getattr(self._watching, "held", None)
         if held is not None:
-            held[1].close()
+            held.stream.close()
             self._watching.held = None
 
     def _poll(self, names: tuple[str, ...], deadline: Deadline, timeout: timedelta) -> None:

@@ -8,7 +8,7 @@ from typing import Generic
 
 from replica.jobstore.codec import T
 from replica.jobstore.records import (
-    Ack, AckSummary, AgentInfo, AgentOrder, Commit, ExportRequest, Failover, Flag, Generation,
+    Ack, AckSummary, AgentInfo, AgentOrder, Commit, ExportOutcome, ExportRequest, Failover, Flag, Generation,
     Heartbeat, JoinReply, LivenessReply, LostReports, Number, Promotion, Registration, Regroup, RoleExit, Stamp, Text,
 )
 
@@ -195,8 +195,8 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key("export", ExportRequest)
 
     @staticmethod
-    def exported(rank: int) -> Key[Text]:
-        return Key(f"exported/{rank}", Text)  # the file written, or why not ("error: ...")
+    def exported(rank: int, step: int) -> Key[ExportOutcome]:
+        return Key(f"exported/{rank}/{step}", ExportOutcome)  # the answer to an ExportRequest of that step
 
     @staticmethod
     def fatal() -> Key[Text]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Ack", "AckSummary", "AgentInfo", "AgentOrder", "Commit", "Epoch", "ExportRequest", "Failover", "Flag", "Generation", "Heartbeat", "JoinReply", "LivenessReply", "LostReports", "Number", "OrderKind", "Promotion", "Registration", "Regroup", "RoleExit", "Stamp", "Text"]
+__all__ = ["Ack", "AckSummary", "AgentInfo", "AgentOrder", "Commit", "Epoch", "ExportOutcome", "ExportRequest",
+           "ExportStatus", "Failover", "Flag", "Generation", "Heartbeat", "JoinReply", "LivenessReply", "LostReports",
+           "Number", "OrderKind", "Promotion", "Registration", "Regroup", "RoleExit", "Stamp", "Text"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True, order=True)
@@ -169,6 +171,29 @@ class ExportRequest:
 
     commit: int
     directory: str
+
+
+class ExportStatus(enum.StrEnum):
+    WRITTEN = "written"  # the version is in the file ``path``
+    FAILED = "failed"  # it could not be written: ``error`` says why
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ExportOutcome:
+    """What rank ``rank``'s role did with its version of ``step`` when asked to export it
+    (``ExportRequest``): the file it wrote, or why it wrote none."""
+
+    rank: int
+    step: int
+    status: ExportStatus
+    path: str | None = None  # WRITTEN only
+    error: str | None = None  # FAILED only
+
+    def __post_init__(self) -> None:
+        if (self.path is not None) != (self.status == ExportStatus.WRITTEN) or (
+                self.error is not None) != (self.status == ExportStatus.FAILED):
+            raise ValueError(f"an export outcome {self.status} takes "
+                             f"{'a path' if self.status == ExportStatus.WRITTEN else 'an error'} and nothing else")
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from replica import envvars
 from replica.jobstore.etcd import EtcdConfig, EtcdStore, parse_endpoints
 
 __all__ = ["StoreAddress", "StoreKind"]
@@ -45,7 +46,8 @@ class StoreAddress:
         if scheme == "etcd":
             hosts, slash, namespace = rest.partition("/")
             if "@" in hosts:
-                raise ValueError("put etcd credentials in REPLICA_ETCD_USER / REPLICA_ETCD_PASSWORD, not the address")
+                raise ValueError(f"put etcd credentials in {envvars.ETCD_USER} / {envvars.ETCD_PASSWORD}, "
+                                 "not the address")
             namespace = namespace.strip("/")
             return cls(kind=StoreKind.ETCD, endpoints=parse_endpoints(hosts),
                        namespace=f"{namespace}/" if namespace else "replica-job/")

@@ -2,13 +2,13 @@
 trainers, so the mirrored state's layout cannot match (a script whose model
 differs between roles)."""
 
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 import replica.roles
+from replica.roles.env import Role
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from fsdp_job import JobShape, build_job, train_step  # noqa: E402
@@ -17,8 +17,8 @@ from fsdp_job import JobShape, build_job, train_step  # noqa: E402
 def main() -> None:
     torch.set_num_threads(1)
     job = replica.roles.init()
-    total = int(os.environ.get("REPLICA_STEPS", "20"))
-    shape = JobShape(total_steps=total, dim=96 if job.role == "standby" else 64)
+    total = job.env.steps
+    shape = JobShape(total_steps=total, dim=96 if job.role == Role.STANDBY else 64)
     state = build_job(shape, rank=job.rank, world_size=job.env.world_size)
     job.replicate(state.model, state.optimizer, state.extra)
     for step in job.steps(total):

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch
 
+from replica import envvars
 from replica.errors import PeerDisconnectedError
 from replica.transport.ucx import UcxConfig, UcxTransport
 
@@ -22,7 +23,7 @@ T = timedelta(seconds=60)
 
 def main() -> None:
     mode, where, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    token = os.environ["REPLICA_TOKEN"].encode()
+    token = os.environ[envvars.TOKEN].encode()
     if mode == "hold":
         with UcxTransport(UcxConfig(token=token)) as transport:
             conn = transport.connect(where, T)
