@@ -64,6 +64,7 @@ from replica.roles import timing
 from replica.roles.timing import Deadlines
 from replica.jobstore.stores import StoreAddress
 from replica._testing import CountingStore, spawn
+from replica.timing import Deadline
 
 from control_scale_report import merged, report
 
@@ -337,8 +338,8 @@ def _member_beats(pipe, address: str, environ: dict[str, str], n: int, index: in
     if endpoint is not None:
         beats = dict(zip(members, _native_beats(store, members, endpoint)))
         pipe.send(("ready",))
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        end = Deadline.after(timedelta(seconds=seconds))
+        while not end.expired:
             for b in beats.values():
                 b.touch()  # a role's watch: the interpreter lives
             while pipe.poll():
@@ -359,8 +360,8 @@ def _member_beats(pipe, address: str, environ: dict[str, str], n: int, index: in
     silent: set[int] = set()
     beat = 0
     pipe.send(("ready",))
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    end = Deadline.after(timedelta(seconds=seconds))
+    while not end.expired:
         round_start = time.monotonic()
         while pipe.poll():
             command = pipe.recv()
@@ -431,14 +432,14 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         poll_s, decisions = [], []
         cpu, wall = time.process_time(), time.monotonic()
 
-        def loop(until: float) -> None:
-            while time.monotonic() < until:
+        def loop(until: Deadline) -> None:
+            while not until.expired:
                 t = time.perf_counter()
                 decisions.extend((time.monotonic(), d) for d in coord.poll())
                 poll_s.append(time.perf_counter() - t)
                 time.sleep(max(0.0, timing.SUPERVISE_POLL.total_seconds() - poll_s[-1]))
 
-        loop(time.monotonic() + seconds)  # beats and polls, nobody dies
+        loop(Deadline.after(timedelta(seconds=seconds)))  # beats and polls, nobody dies
         steady_cpu = (time.process_time() - cpu) / (time.monotonic() - wall)
         false_deaths = len(decisions)
         steady_poll = sorted(poll_s)
@@ -452,7 +453,7 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         for b in beaters:
             b.send("silence", [m for group in faults.values() for m in group])
         record.report_lost(2)
-        loop(at + 2 * deadlines.trainer.total_seconds() + 1)
+        loop(Deadline.after(2 * deadlines.trainer + timedelta(seconds=1)))
         # The faults took effect when the beaters stopped the beats (a loaded beater takes a
         # while to act on the order): detection runs from then.
         silenced = [b.recv(60) for b in beaters]

@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ import pytest
 from bench_results import machine, write_results
 from replica.roles.coordinator import Deadlines
 from replica._testing import busy_cores, free_port
+from replica.timing import Deadline
 from test_launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,14 +114,14 @@ def _run_baseline(directory: Path, **env) -> None:
                                        MASTER_PORT=port, CKPT_DIR=str(directory), CKPT_EVERY=str(CKPT_EVERY),
                                        STEPS=str(STEPS), PYTHONPATH=str(ROOT / "examples"), **env),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(2)]
-    deadline = time.monotonic() + 300
+    deadline = Deadline.after(timedelta(seconds=300))
     while any(p.poll() is None for p in procs):
         if any(p.returncode not in (None, 0) for p in procs):
             time.sleep(0.05)  # one rank died: the job is lost, as a torchrun job would be; stop the rest
             for p in procs:
                 if p.poll() is None:
                     p.kill()
-        if time.monotonic() > deadline:
+        if deadline.expired:
             for p in procs:
                 p.kill()
             raise TimeoutError("baseline job did not finish")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
+from datetime import timedelta
 
 import pytest
 
@@ -23,6 +23,7 @@ from replica.roles.coordinator import Deadlines
 from replica._testing.cluster import ClusterConfig, NetnsCluster
 from replica._testing.etcd import EtcdCluster
 from replica._testing import process_state
+from replica.timing import Deadline, pause
 from test_hosts import Job
 
 pytestmark = pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")
@@ -55,9 +56,9 @@ def test_trainer_host_lost(benchmark, cluster, tmp_path):
         job = Job(cluster, folder, inject="freeze:trainer:1@5:backward")
         try:
             doomed = job.procs["trainer1"]
-            deadline = time.monotonic() + 180
-            while process_state(doomed.pid) != "T" and time.monotonic() < deadline:
-                time.sleep(0.02)
+            deadline = Deadline.after(timedelta(seconds=180))
+            while process_state(doomed.pid) != "T" and not deadline.expired:
+                pause(timedelta(milliseconds=20))
             cluster.hosts[2].crash()
             codes = job.finish()
         finally:

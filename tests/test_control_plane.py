@@ -20,6 +20,7 @@ from replica.jobstore import Commit, Epoch, Generation, Heartbeat, JobStore, key
 from replica.roles import timing
 from replica.roles.coordinator import Coordinator, Deadlines
 from replica.roles.join import JoinRequest, post_request
+from replica.timing import Deadline
 
 TOKEN = b"control-plane-token"
 T = timedelta(seconds=30)
@@ -137,9 +138,9 @@ def test_the_coordinator_ignores_forged_state_and_survives_garbage():
     assert coord.unprotected == set() and coord.failovers == []
     # The forged heartbeat counter keeps nothing alive: the trainer is declared dead on its deadline
     # (before the first commit, which fails the job: the fault fired and was decided on real beats only).
-    deadline = time.monotonic() + 30
+    deadline = Deadline.after(timedelta(seconds=30))
     decisions = []
-    while not decisions and time.monotonic() < deadline:
+    while not decisions and not deadline.expired:
         decisions = coord.poll()
         time.sleep(0.05)
     assert [d.kind for d in decisions] == ["failed"] and "no heartbeat" in decisions[0].reason
@@ -208,8 +209,8 @@ def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_dead
     agents = RemoteAgents(coord.store, count=1, replacements=0, members=lambda: [])
     assert agents.silent_hosts(deadlines.trainer) == set()  # its first beat was just seen
     beat = 1
-    until = time.monotonic() + 1.0
-    while time.monotonic() < until:  # agent and engine beat: nothing happens
+    until = Deadline.after(timedelta(seconds=1.0))
+    while not until.expired:  # agent and engine beat: nothing happens
         beat += 1
         jobs.put(keys.agent_beat(0), Number(value=beat))
         jobs.put(keys.heartbeat(seq), Heartbeat(member=seq, beat=beat))
@@ -218,8 +219,8 @@ def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_dead
         time.sleep(0.05)
     # Both silent past the trainer deadline, far inside the engine's own; the coordinator
     # polls on meanwhile, as its loop does (it reads every beat each BEAT_SCAN).
-    until = time.monotonic() + deadlines.trainer.total_seconds() + 2 * timing.BEAT_SCAN.total_seconds() + 0.1
-    while time.monotonic() < until:
+    until = Deadline.after(deadlines.trainer + 2 * timing.BEAT_SCAN + timedelta(seconds=0.1))
+    while not until.expired:
         coord.poll()
         time.sleep(0.05)
     silent = agents.silent_hosts(deadlines.trainer)
@@ -317,8 +318,8 @@ def test_a_regroup_waits_while_a_trainer_is_silent_and_its_death_decides():
     time.sleep(0.2)
     beat(*seqs)  # rank 1's last beat, after the grace started
     decisions = []
-    until = time.monotonic() + 5
-    while not decisions and time.monotonic() < until:
+    until = Deadline.after(timedelta(seconds=5))
+    while not decisions and not until.expired:
         beat(seqs[0])
         decisions = coord.poll()
         time.sleep(0.02)

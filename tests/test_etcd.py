@@ -21,6 +21,7 @@ from replica.errors import FencedError
 from replica.jobstore import JobStore, Text, keys
 from replica.roles import election
 from replica.roles.election import Leadership
+from replica.timing import Deadline
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica._testing.etcd import EtcdCluster
 
@@ -286,8 +287,8 @@ def test_a_wait_goes_on_when_the_member_it_watches_on_dies(etcd):
     member.kill()
     try:
         def write_once_watched_again() -> None:
-            deadline = time.monotonic() + 30
-            while len(opened) < 2 and time.monotonic() < deadline:
+            deadline = Deadline.after(timedelta(seconds=30))
+            while len(opened) < 2 and not deadline.expired:
                 time.sleep(0.01)
             EtcdStore(store.config).set("k", b"v")
 

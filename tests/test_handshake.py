@@ -29,6 +29,7 @@ from replica.errors import (
 )
 from replica.session.listener import Listener
 from replica._testing import spawn
+from replica.timing import Deadline
 from replica.transport import MemoryKind, wire
 from replica.transport.control import (
     ControlledConnection,
@@ -135,9 +136,9 @@ def log(caplog):
 
 
 def eventually(condition, within_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + within_s
+    deadline = Deadline.after(timedelta(seconds=within_s))
     while not condition():
-        if time.monotonic() > deadline:
+        if deadline.expired:
             return False
         time.sleep(0.02)
     return True
@@ -193,8 +194,8 @@ def accepting(transport) -> queue.Queue:
     accepted: queue.Queue = queue.Queue()
 
     def loop() -> None:
-        end = time.monotonic() + 60
-        while time.monotonic() < end:
+        end = Deadline.after(timedelta(seconds=60))
+        while not end.expired:
             try:
                 accepted.put(transport.accept(POLL))
                 return
@@ -332,8 +333,8 @@ def test_a_silent_socket_is_dropped_at_the_handshake_deadline(log):
             closed, _ = closed_by_server(raw, 30.0)
             assert closed, "a silent socket outlived its handshake deadline"
             assert time.monotonic() - start >= timeout.total_seconds() * 0.9
-        deadline = time.monotonic() + 10  # the handshake thread logs just after it closed the socket
-        while "timed out" not in log.text and time.monotonic() < deadline:
+        deadline = Deadline.after(timedelta(seconds=10))  # the handshake thread logs just after it closed the socket
+        while "timed out" not in log.text and not deadline.expired:
             time.sleep(0.01)
         assert "timed out" in log.text
         with pytest.raises(TransferTimeoutError):  # a dropped handshake is no refusal to raise

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from replica._testing import cluster as testcluster
 from replica._testing import etcd as testetcd
 from replica.roles.exits import ExitCode
 from replica.roles.report import compare_reports
+from replica.timing import Deadline
 from replica._testing.cluster import ClusterConfig, NetnsCluster
 from replica._testing.etcd import EtcdCluster
 from replica._testing import process_state
@@ -84,9 +86,9 @@ def test_hosts_have_their_own_addresses_and_links_that_fail(cluster):
 def test_killing_a_host_kills_everything_on_it(cluster):
     host = cluster.hosts[5]
     procs = [host.popen(["sleep", "600"]) for _ in range(3)]
-    deadline = time.monotonic() + 30  # each is in the host once `ip netns exec` has entered it
+    deadline = Deadline.after(timedelta(seconds=30))  # each is in the host once `ip netns exec` has entered it
     while not {p.pid for p in procs} <= set(host.pids()):
-        assert time.monotonic() < deadline, f"{[p.pid for p in procs]} never all showed in {host.pids()}"
+        assert not deadline.expired, f"{[p.pid for p in procs]} never all showed in {host.pids()}"
         time.sleep(0.02)
     killed = host.kill()
     assert {p.pid for p in procs} <= set(killed)
@@ -219,9 +221,9 @@ class Job:
                 self.start_role(f"{role}{rank}", role, rank, cluster.hosts[first + rank])
 
     def wait_output(self, name: str, text: str, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline.after(timedelta(seconds=timeout_s))
         while text not in self.output(name):
-            assert self.procs[name].poll() is None and time.monotonic() < deadline, \
+            assert self.procs[name].poll() is None and not deadline.expired, \
                 f"{name} never said {text!r}:\n{self.outputs()}"
             time.sleep(0.05)
 
@@ -265,10 +267,10 @@ class Job:
 
     def finish(self, timeout_s: float = 240) -> dict[str, int | None]:
         """Wait for every process (the coordinator first); kill what is left. Exit codes by name."""
-        deadline = time.monotonic() + timeout_s
+        deadline = Deadline.after(timedelta(seconds=timeout_s))
         try:
             for proc in self.procs.values():
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                proc.wait(timeout=max(1.0, deadline.remaining_s()))
         except subprocess.TimeoutExpired:
             pass
         finally:
@@ -319,10 +321,10 @@ def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path,
     job = Job(cluster, tmp_path, inject="freeze:trainer:1@5:backward")
     doomed = job.procs["trainer1"]
     try:
-        deadline = time.monotonic() + 180
+        deadline = Deadline.after(timedelta(seconds=180))
         while process_state(doomed.pid) != "T":
             assert doomed.poll() is None and job.procs["coordinator"].poll() is None, job.outputs()
-            assert time.monotonic() < deadline, "trainer 1 never reached step 5"
+            assert not deadline.expired, "trainer 1 never reached step 5"
             time.sleep(0.05)
         lost = cluster.hosts[2].crash()
         assert doomed.pid in lost

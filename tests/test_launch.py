@@ -22,6 +22,7 @@ from replica.state.export import export_path, load_export, resumable, step_folde
 from test_export import assert_safe_open_reads
 from replica.roles.exits import ExitCode
 from replica.roles.report import compare_reports
+from replica.timing import Deadline
 from replica._testing import busy_cores, process_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,10 +54,10 @@ def free_port() -> int:
 
 
 def wait_for_key(store: dist.Store, key: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline.after(timedelta(seconds=timeout_s))
     while not store.check([key]):
         assert proc.poll() is None, "the job ended early"
-        assert time.monotonic() < deadline, f"{key} never appeared"
+        assert not deadline.expired, f"{key} never appeared"
         time.sleep(0.05)
 
 

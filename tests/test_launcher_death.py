@@ -13,12 +13,14 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from replica.roles.launch import StatusLines
 from replica.roles.local_agent import die_with_launcher
+from replica.timing import Deadline
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_fsdp.py"
@@ -119,7 +121,7 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job):
     threading.Thread(target=read, daemon=True).start()
     children: dict[int, tuple[str, int]] = {}
     try:
-        deadline = time.monotonic() + 240
+        deadline = Deadline.after(timedelta(seconds=240))
 
         def ready() -> bool:
             if job == "stalled-trainer":  # trainer 0 sits in its stalled step
@@ -130,7 +132,7 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job):
 
         while not ready():
             assert launcher.poll() is None, "the launcher ended early:\n" + "".join(output)[-4000:]
-            assert time.monotonic() < deadline, "the job never got going:\n" + "".join(output)[-4000:]
+            assert not deadline.expired, "the job never got going:\n" + "".join(output)[-4000:]
             time.sleep(0.2)
         # The roles: the children running the script (not a short-lived helper the launcher may run).
         children = {pid: v for pid, v in _children(launcher.pid).items() if str(script) in _cmdline(pid)}
@@ -140,9 +142,9 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job):
         os.kill(launcher.pid, signal.SIGKILL)
         assert launcher.wait(timeout=30) == -signal.SIGKILL  # the launcher was killed, not ended by itself
 
-        deadline = time.monotonic() + 10
+        deadline = Deadline.after(timedelta(seconds=10))
         while (left := [pid for pid, (_, started) in children.items() if _alive(pid, started)]) and \
-                time.monotonic() < deadline:
+                not deadline.expired:
             time.sleep(0.05)
         assert left == [], f"roles {[_role(pid) for pid in left]} outlived their launcher"
     finally:

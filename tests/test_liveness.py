@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from replica.jobstore.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
 from replica.jobstore import Epoch, Generation, Heartbeat, JobStore, LivenessReply, keys
+from replica.timing import Deadline
 from replica._testing import CountingStore, wait_for
 
 TOKEN = b"liveness-test-token"
@@ -177,8 +178,8 @@ def test_the_coordinator_times_beats_it_hears_and_reads_the_store_only_for_the_u
             udp.aim(host, int(port))
             wait_for(lambda: udp.replies > 0, "an answer")
             before_aim = jobs.get(keys.heartbeat(members[0])).beat  # 0 (the admission's) or the first beat
-            end = time.monotonic() + deadline.total_seconds() * 2
-            while time.monotonic() < end:
+            end = Deadline.after(deadline * 2)
+            while not end.expired:
                 assert coord.poll() == []  # nobody is taken for dead
                 time.sleep(0.02)
             assert jobs.get(keys.heartbeat(members[0])).beat == before_aim <= 1  # never written since the aim

@@ -23,6 +23,7 @@ import replica
 from fsdp_job import JobShape, build_job, train_step
 from replica.errors import LayoutMismatchError, ReplicaError, StandbyLostError
 from replica.state.layout import state_tensors
+from replica.timing import Deadline
 from replica._testing import spawn, wait_for
 
 TOKEN = b"mirror-unit-token"
@@ -170,16 +171,16 @@ def test_standby_dying_mid_transfer_keeps_the_last_commit(store, via):
         assert rep.wait_committed() == 2
         # The standby records its acknowledgement before it replies: freeze it only once the
         # trainer's stream has its reply too, or the stream waits on a frozen peer for step 2.
-        deadline = time.monotonic() + 30
-        while rep.stream_stats.acked_step != 2 and time.monotonic() < deadline:
+        deadline = Deadline.after(timedelta(seconds=30))
+        while rep.stream_stats.acked_step != 2 and not deadline.expired:
             time.sleep(0.001)
         assert rep.stream_stats.acked_step == 2
         at_two = state_of(j)
         sent = rep.stream_stats.bytes_sent
         standby.freeze()
         trained(j, 1, rep, first=3)
-        deadline = time.monotonic() + 30
-        while rep.stream_stats.bytes_sent == sent and time.monotonic() < deadline:
+        deadline = Deadline.after(timedelta(seconds=30))
+        while rep.stream_stats.bytes_sent == sent and not deadline.expired:
             time.sleep(0.001)
         assert rep.stream_stats.bytes_sent > sent  # step 3 is on its way ...
         standby.kill()  # ... when the standby dies
@@ -217,8 +218,8 @@ def test_trainer_dying_mid_transfer_leaves_the_mirror_on_its_commit(store, via):
         trainer.send("go")
         trainer.process.join(60)
         assert trainer.process.exitcode == -signal.SIGKILL
-        deadline = time.monotonic() + 10
-        while mirror.held_steps() != [2] and time.monotonic() < deadline:
+        deadline = Deadline.after(timedelta(seconds=10))
+        while mirror.held_steps() != [2] and not deadline.expired:
             time.sleep(0.01)
         assert mirror.held_steps() == [2]  # step 1's version was being overwritten by step 3, never completed
         assert mirror.stats.bytes_received > 0

@@ -25,6 +25,7 @@ from replica.jobstore import JobStore  # noqa: E402
 from replica.ray import Placement, PlacementError, RayJob, RayJobConfig, Sampling  # noqa: E402
 from replica.ray.launch import parse_placement  # noqa: E402
 from replica.roles.report import compare_reports, load_report  # noqa: E402
+from replica.timing import Deadline  # noqa: E402
 from test_launch import EXAMPLE, ROOT, STEPS  # noqa: E402
 
 TOKEN = "ray-test-token"
@@ -67,9 +68,9 @@ def _job(tmp_path, **overrides) -> RayJob:
 
 
 def _until(what, check, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline.after(timedelta(seconds=timeout_s))
     while not check():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
+        assert not deadline.expired, f"{what} did not happen within {timeout_s} s"
         time.sleep(0.05)
 
 

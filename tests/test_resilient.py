@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from replica.distributed import resilient
 from replica.distributed.resilient import ResilientProcessGroup, _device_type
+from replica.timing import Deadline
 
 
 def make_group(**kw) -> ResilientProcessGroup:
@@ -217,8 +218,8 @@ def test_nccl_abort_never_blocks_the_caller(nccl_group):
     assert not group.abort("the coordinator announced a failover", wait=timedelta(milliseconds=100))
     assert time.monotonic() - start < 2  # ncclCommAbort hangs here, the caller does not
     assert "announced a failover" in str(group.errored)
-    deadline = time.monotonic() + 10
-    while not backends[0].aborted_on and time.monotonic() < deadline:
+    deadline = Deadline.after(timedelta(seconds=10))
+    while not backends[0].aborted_on and not deadline.expired:
         time.sleep(0.01)
     assert backends[0].aborted_on  # the abort did start
     assert allreduce(group, 2.0).item() == 2.0 and len(backends[0].works) == 1  # nothing posted any more

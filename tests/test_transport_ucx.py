@@ -10,6 +10,7 @@ import torch
 
 from replica.errors import PeerDisconnectedError
 
+from replica.timing import Deadline
 from replica.transport.base import PIECE_BYTES
 from replica.transport.ucx import UcxConfig, UcxTransport
 
@@ -96,8 +97,8 @@ def test_a_peer_gone_without_goodbye_retires_the_worker():
             with pytest.raises(PeerDisconnectedError):
                 receive.wait(T)
         assert transport.retired_workers == 1 and transport._worker is not first
-        deadline = time.monotonic() + 10  # the connection is released just after its error shows
-        while not first.stopped and time.monotonic() < deadline:
+        deadline = Deadline.after(timedelta(seconds=10))  # the connection is released just after its error shows
+        while not first.stopped and not deadline.expired:
             time.sleep(0.01)
         assert first.stopped, "the retired worker's progress thread still runs"
         second = transport._worker
@@ -249,8 +250,8 @@ def _drops_racing_completions(pipe, rounds: int) -> None:
         # The closes cancelled the receives still posted. (Sends to a peer that closed
         # stay with the worker until it stops: UCX cancels no send of an endpoint
         # without error handling.)
-        deadline = time.monotonic() + 10
-        while client._worker.abandoned and time.monotonic() < deadline:
+        deadline = Deadline.after(timedelta(seconds=10))
+        while client._worker.abandoned and not deadline.expired:
             time.sleep(0.01)
         pipe.send(("ok", i + 1, stuck, client._worker.abandoned, fewest_posts > 0, most_held > 0))
         if stuck:

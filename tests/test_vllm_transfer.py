@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import replica
 from replica.jobstore import Epoch, Generation, JobStore, keys
+from replica.timing import Deadline
 from vllm_engine import greedy, make_llm, make_model, vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
@@ -102,9 +103,9 @@ def _serve(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
              "--weight-transfer-config", json.dumps({"backend": "replica"})], env=env, stdout=out, stderr=out,
             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = Deadline.after(timedelta(seconds=300))
     while True:
-        if server.poll() is not None or time.monotonic() > deadline:
+        if server.poll() is not None or deadline.expired:
             _stop(server)
             raise AssertionError(f"vllm serve did not come up: {log.read_text()[-3000:]}")
         try:

@@ -19,6 +19,7 @@ from replica.errors import (
     TransferTimeoutError,
 )
 from replica._testing import Child, process_state, spawn
+from replica.timing import Deadline
 from replica.transport import Connection, Transport, memfd
 from replica.transport.base import PIECE_BYTES, bucket_digest
 
@@ -355,8 +356,8 @@ def check_frozen_peer_times_out(make: MakeTransport, timeout_s: float = 1.0, dev
     with make(b"job-token") as transport, spawn(peer_main, make, b"job-token", device) as peer:
         conn = connected(transport, peer)
         peer.freeze()
-        deadline = time.monotonic() + 5
-        while process_state(peer.pid) != "T" and time.monotonic() < deadline:
+        deadline = Deadline.after(timedelta(seconds=5))
+        while process_state(peer.pid) != "T" and not deadline.expired:
             time.sleep(0.01)
         assert process_state(peer.pid) == "T", "the peer was not stopped"
         start = time.monotonic()
@@ -403,8 +404,8 @@ def check_completed_transfer_survives_peer_exit(make: MakeTransport, device: str
         peer.send("exit")
         peer.process.join(30)
         assert peer.process.exitcode == 0, "the peer did not exit"
-        deadline = time.monotonic() + 5
-        while conn.alive and time.monotonic() < deadline:
+        deadline = Deadline.after(timedelta(seconds=5))
+        while conn.alive and not deadline.expired:
             time.sleep(0.01)
         assert not conn.alive, "the peer's exit was not noticed"
         receive.wait(T)

@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 
 from replica.jobstore.stores import StoreAddress
+from replica.timing import Deadline
 
 
 def main() -> None:
@@ -20,8 +21,8 @@ def main() -> None:
     print("ready", flush=True)
     for line in sys.stdin:
         key = line.strip()
-        deadline = time.monotonic() + timeout_s
-        while not store.check([key]) and time.monotonic() < deadline:
+        deadline = Deadline.after(timedelta(seconds=timeout_s))
+        while not store.check([key]) and not deadline.expired:
             time.sleep(0.02)
         print("ok" if store.check([key]) else "timeout", key, flush=True)
 
