@@ -127,9 +127,12 @@ def open_session(registration: Registration, *, memory: MemoryKind, config: Conf
     timeout = config.timeout
     transport, conn = connect(registration, memory, config, peer=peer)
     try:
+        # Posted before the epoch goes out: a refusal (FENCED) the peer sends just before it
+        # closes is delivered, not lost to the close (seen under load: "peer closed").
+        posted = post_reply(conn)
         send_epoch(conn, epoch, timeout)
         send_layout(conn, layout, timeout)
-        reply = _expect_reply(conn, -1, timeout, peer)
+        reply = _expect_reply(conn, -1, timeout, peer, posted)
         if reply.status == Status.LAYOUT_MISMATCH:
             raise LayoutMismatchError(f"{peer} refused {mismatch}")
         if reply.status == Status.FENCED:
