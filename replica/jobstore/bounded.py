@@ -35,21 +35,20 @@ class BoundedMap(Generic[K, V]):
 
     def put(self, key: K, value: V) -> None:
         with self._lock:
-            self._entries[key] = value
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.limit:
-                self._entries.popitem(last=False)
+            self._put(key, value)
 
     def first_time(self, key: K) -> bool:
         """Remember ``key``; True when it was not remembered already (log once per key)."""
         with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return False
-            self._entries[key] = None  # type: ignore[assignment]
-            while len(self._entries) > self.limit:
-                self._entries.popitem(last=False)
-            return True
+            known = key in self._entries
+            self._put(key, None)  # type: ignore[arg-type]
+            return not known
+
+    def _put(self, key: K, value: V) -> None:  # under _lock
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.limit:
+            self._entries.popitem(last=False)
 
     def __len__(self) -> int:
         with self._lock:
