@@ -19,7 +19,7 @@ $(VENV)/.deps: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q "setuptools>=77" wheel numpy "pytest>=8" "pytest-benchmark>=4" pytest-timeout expecttest ninja ucxx-cu12 nvtx safetensors matplotlib ray==2.60.0 torchdata==0.11.0
+	$(PIP) install -q "setuptools>=77" wheel numpy "pytest>=8" "pytest-benchmark>=4" pytest-timeout expecttest ninja ucxx-cu12 nvtx safetensors matplotlib ray==2.60.0 torchdata==0.11.0 nixl==1.5.1
 	# vLLM for the rollout role (CPU build; it pins the same torch). Its torchvision/torchaudio/
 	# torchcodec come as CUDA builds that fail against CPU torch and break transformers' imports;
 	# a text-only engine needs none of them.

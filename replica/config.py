@@ -42,7 +42,8 @@ class Config:
     capabilities fit the snapshot's memory and the peer's locality is used. By
     default a GPU mirror on one node takes CUDA IPC (``"ipc"``), a host mirror on one
     node shared memory with one copy (``"shm"``: the trainer's host snapshots then live
-    in shared memory), anything else UCX (gloo where UCX is not installed). A listener
+    in shared memory), anything else UCX (NIXL where UCX is not installed and NIXL is,
+    gloo where neither is; ``"nixl"``: docs/transports.md). A listener
     on ``"shm"`` also listens on the next backend that fits, for peers that cannot map
     its memory (another user or PID namespace), and they connect there instead.
     Every network wait is bounded by ``timeout``; ``commit_timeout`` bounds
@@ -75,7 +76,7 @@ class Config:
 
     token: bytes = field(repr=False)
     host: str = "127.0.0.1"
-    backends: tuple[str, ...] = ("ipc", "shm", "ucx", "gloo")
+    backends: tuple[str, ...] = ("ipc", "shm", "ucx", "nixl", "gloo")
     bucket_bytes: int | None = None
     extras_capacity: int = 1 << 20
     num_inflight_buckets: int = 8

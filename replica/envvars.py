@@ -25,6 +25,8 @@ __all__ = [
     "LOG",
     "MASTER_ADDR",
     "MIRROR_DEVICE",
+    "NIXL_BACKEND",
+    "NIXL_PARAMS",
     "PREFIX",
     "RANK",
     "RESUME",
@@ -82,6 +84,12 @@ EXPORT_DIR = "REPLICA_EXPORT_DIR"
 RESUME = "REPLICA_RESUME"
 #: The data plane's transports, comma-separated (--backends). Written by the launchers; read by RoleEnv.
 BACKENDS = "REPLICA_BACKENDS"
+#: The NIXL backend plugin the "nixl" transport uses (UCX by default; LIBFABRIC on AWS EFA). Written by
+#: the user; read where a nixl transport is made (replica.session.backends.nixl_options).
+NIXL_BACKEND = "REPLICA_NIXL_BACKEND"
+#: That plugin's init parameters, name=value pairs separated by commas (UCX: ucx_error_handling_mode=none).
+#: Written by the user; read with NIXL_BACKEND.
+NIXL_PARAMS = "REPLICA_NIXL_PARAMS"
 #: "1": a divergence after a failover ends the job (--strict). Written by the launchers; read by RoleEnv.
 STRICT = "REPLICA_STRICT"
 

@@ -16,7 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from replica import envvars
-from replica.session.backends import parse_backends
+from replica.session.backends import check_backends, parse_backends
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership, lead_new_job
 from replica.roles.env import Role, base_environ, job_environ, member_environ
@@ -74,8 +74,11 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
     resign it when the job ends) and the namespace must hold no other job
     (JobStoreInUseError). ``backends``: every role's ``Config.backends``, comma-separated ("":
     the default). ``strict``: a step that diverges after a failover ends the job.
-    ValueError for a bad ``store`` or an unknown backend."""
-    backends = ",".join(parse_backends(backends))  # refused before anything starts
+    ValueError for a bad ``store`` or an unknown backend; TransportError for a named backend
+    that cannot work here (NIXL not installed, or without the plugin asked for)."""
+    names = parse_backends(backends)  # refused before anything starts
+    check_backends(names)
+    backends = ",".join(names)
     token = os.environ.get(envvars.TOKEN) or secrets.token_hex(16)
     address = StoreAddress.parse(store) if store else None
     if address is not None and address.kind != StoreKind.ETCD:

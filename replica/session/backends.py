@@ -9,9 +9,11 @@ import importlib
 import importlib.util
 import ipaddress
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from replica import envvars
 from replica.config import Config
 from replica.errors import SharedMemoryUnavailableError, TransportError
 from replica.transport import Connection, Locality, MemoryKind, Transport, select_transport
@@ -19,20 +21,26 @@ from replica.transport import Connection, Locality, MemoryKind, Transport, selec
 if TYPE_CHECKING:
     from replica.jobstore import Registration
 
-__all__ = ["BACKENDS", "SHM_BACKEND", "backend_class", "backend_name", "choose_backend", "choose_backends", "connect", "locality_of",
-           "make_backend", "parse_backends"]
+__all__ = ["BACKENDS", "NIXL_BACKEND", "SHM_BACKEND", "backend_class", "backend_name", "check_backends",
+           "choose_backend", "choose_backends", "connect", "locality_of", "make_backend", "nixl_options",
+           "parse_backends"]
 
 logger = logging.getLogger(__name__)
 
 #: The backend that sends host buffers in shared memory where they lie (``Snapshot(shared=True)``).
 SHM_BACKEND = "shm"
 
-# name -> (module, transport class, config class, the package it needs at run time)
+#: The backend over NVIDIA's NIXL (``replica.transport.nixl``).
+NIXL_BACKEND = "nixl"
+
+# name -> (module, transport class, config class, the package it needs at run time, how to install it)
+_UCX_HINT = "pip install 'replica[cu12]' or 'replica[cu13]', matching torch.version.cuda"
 _BACKENDS = {
-    "ucx": ("replica.transport.ucx", "UcxTransport", "UcxConfig", "ucxx"),
-    "gloo": ("replica.transport.gloo", "GlooTransport", "GlooConfig", None),
-    "ipc": ("replica.transport.ipc", "IpcTransport", "IpcConfig", None),
-    SHM_BACKEND: ("replica.transport.shm", "ShmTransport", "IpcConfig", None),
+    "ucx": ("replica.transport.ucx", "UcxTransport", "UcxConfig", "ucxx", _UCX_HINT),
+    "gloo": ("replica.transport.gloo", "GlooTransport", "GlooConfig", None, ""),
+    "ipc": ("replica.transport.ipc", "IpcTransport", "IpcConfig", None, ""),
+    SHM_BACKEND: ("replica.transport.shm", "ShmTransport", "IpcConfig", None, ""),
+    NIXL_BACKEND: ("replica.transport.nixl", "NixlTransport", "NixlConfig", "nixl", "pip install 'replica[nixl]'"),
 }
 
 
@@ -53,12 +61,11 @@ def parse_backends(text: str) -> tuple[str, ...]:
 def _load(name: str) -> tuple[type[Transport], type]:
     if name not in _BACKENDS:
         raise ValueError(f"unknown transport backend {name!r}; known: {', '.join(sorted(_BACKENDS))}")
-    module, transport, config, needs = _BACKENDS[name]
-    # The UCX module loads ucxx only when a transport is built: without this check a machine
-    # without it (ucxx is an extra: replica[cu12] / replica[cu13]) would choose UCX and fail later.
+    module, transport, config, needs, hint = _BACKENDS[name]
+    # The UCX and NIXL modules load their library only when a transport is built: without this
+    # check a machine without it (each is an extra) would choose the backend and fail later.
     if needs is not None and importlib.util.find_spec(needs) is None:
-        raise TransportError(f"transport backend {name!r} is not available: {needs} is not installed "
-                             f"(pip install 'replica[cu12]' or 'replica[cu13]', matching torch.version.cuda)")
+        raise TransportError(f"transport backend {name!r} is not available: {needs} is not installed ({hint})")
     try:
         mod = importlib.import_module(module)
     except ImportError as exc:
@@ -73,7 +80,7 @@ def backend_class(name: str) -> type[Transport]:
 def backend_name(transport: Transport) -> str:
     """The name ``transport``'s backend goes by in ``Config.backends``."""
     kind = type(transport)
-    for name, (module, cls, _, _) in _BACKENDS.items():
+    for name, (module, cls, *_) in _BACKENDS.items():
         if (kind.__module__, kind.__name__) == (module, cls):
             return name
     raise ValueError(f"{kind.__name__} is not one of replica's transport backends")
@@ -156,5 +163,41 @@ def make_backend(name: str, config: Config, *, share_memory: bool = True) -> Tra
     transport, backend_config = _load(name)
     options = {} if share_memory or "share_memory" not in backend_config.__dataclass_fields__ else {
         "share_memory": False}
+    if name == NIXL_BACKEND:
+        options.update(nixl_options())
     return transport(backend_config(token=config.token, host=config.host, verify=config.verify,
                                     verify_threads=config.verify_threads, **options))
+
+
+def nixl_options(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+    """The NIXL plugin and its parameters from the environment (``REPLICA_NIXL_BACKEND``,
+    default UCX; ``REPLICA_NIXL_PARAMS``, ``name=value`` pairs separated by commas).
+    ValueError for a malformed value."""
+    env = os.environ if environ is None else environ
+    options: dict[str, object] = {}
+    plugin = env.get(envvars.NIXL_BACKEND, "").strip()
+    if plugin:
+        options["plugin"] = plugin
+    params = []
+    for item in filter(None, (part.strip() for part in env.get(envvars.NIXL_PARAMS, "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{envvars.NIXL_PARAMS} holds name=value pairs separated by commas, got {item!r}")
+        params.append((key.strip(), value.strip()))
+    if params:
+        options["plugin_params"] = tuple(params)
+    return options
+
+
+def check_backends(names: Sequence[str]) -> None:
+    """Refuse, before anything starts, backends named explicitly that cannot work here:
+    NIXL not installed, or without the plugin ``REPLICA_NIXL_BACKEND`` names (this also
+    starts this process's NIXL agent, off any failover's path). TransportError or
+    ValueError saying why."""
+    if NIXL_BACKEND in names:
+        _load(NIXL_BACKEND)
+        from replica.transport.nixl import NixlConfig
+        from replica.transport.nixl_agent import shared_agent
+
+        config = NixlConfig(token=b"check", **nixl_options())
+        shared_agent(config.plugin, config.plugin_params)

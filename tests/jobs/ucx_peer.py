@@ -1,4 +1,5 @@
-"""One side of a UCX transfer between test-cluster hosts (tests/test_hosts.py).
+"""One side of a UCX (or, with a fourth argument ``nixl``, NIXL) transfer between
+test-cluster hosts (tests/test_hosts.py, tests/test_transport_nixl.py).
 
     ucx_peer.py listen HOST NBYTES   -> prints "address A", receives NBYTES, prints "received SUM"
     ucx_peer.py send ADDRESS NBYTES  -> sends NBYTES of 7s, prints "sent"
@@ -16,13 +17,22 @@ import torch
 
 from replica import envvars
 from replica.errors import PeerDisconnectedError
-from replica.transport.ucx import UcxConfig, UcxTransport
-
 T = timedelta(seconds=60)
+
+
+def _backend(name: str):
+    if name == "nixl":
+        from replica.transport.nixl import NixlConfig, NixlTransport
+
+        return NixlConfig, NixlTransport
+    from replica.transport.ucx import UcxConfig, UcxTransport
+
+    return UcxConfig, UcxTransport
 
 
 def main() -> None:
     mode, where, nbytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    UcxConfig, UcxTransport = _backend(sys.argv[4] if len(sys.argv) > 4 else "ucx")
     token = os.environ[envvars.TOKEN].encode()
     if mode == "hold":
         with UcxTransport(UcxConfig(token=token)) as transport:
