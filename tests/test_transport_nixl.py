@@ -170,3 +170,121 @@ def test_a_killed_peer_frees_nothing_it_did_not_own():
             fresh_conn.send(pattern(MiB, 2), tag=40, timeout=T)
             receive.wait(T)
             assert torch.equal(back, pattern(MiB, 2)) and fresh.recv() == ("ok",)
+
+
+# --- the failover demo over NIXL, and a bad plugin refused by `replica launch` ---
+
+
+def test_a_trainer_killed_with_its_mirror_on_nixl(tmp_path, reference):
+    """``--backends nixl,gloo``: every mirror goes over NIXL; trainer 1 dies in its backward,
+    its standby takes over, and the losses equal the failure-free run's bit for bit."""
+    from replica.roles.report import compare_reports
+    from test_launch import STEPS, launch
+
+    code, report, output = launch(tmp_path, "--backends", "nixl,gloo", "--inject", "kill:trainer:1@3:backward",
+                                  env={"REPLICA_LOG": "INFO"})
+    assert code == 0, output[-4000:]
+    assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
+    assert [f["rank"] for f in report["failovers"]] == [1], report["failovers"]
+    assert "over nixl" in output and "over shm" not in output and "over gloo" not in output, output[-4000:]
+    assert compare_reports(reference, report) == []
+    assert report["last_commit"] == STEPS
+
+
+def test_a_nixl_plugin_that_is_not_there_stops_the_launch_before_anything_starts():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--backends", "nixl",
+                           str(root / "examples" / "train_fsdp.py")], cwd=root, capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, REPLICA_NIXL_BACKEND="NOSUCH"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "NIXL has no backend 'NOSUCH'; this installation has" in proc.stdout, proc.stdout + proc.stderr
+    assert "job store at" not in proc.stdout  # nothing started: the coordinator prints that first
+
+
+def test_weights_pushed_over_nixl_arrive_exact_and_a_corrupted_bucket_is_resent():
+    """The weight push on ``backends=("nixl",)``: buckets of 256 KiB (NIXL writes, registered
+    once: the leader's packed version and the engine's receive buffer), a bad link caught
+    by the digests and the bucket resent, every version exact."""
+    import torch.distributed as dist
+
+    import replica
+    from replica.weights import WeightSync
+    from weight_engine import EngineStandIn
+
+    store = dist.HashStore()
+    config = replica.Config(token=b"weights-token", bucket_bytes=256 << 10, timeout=timedelta(seconds=20),
+                            backends=("nixl",))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 600), torch.nn.ReLU(), torch.nn.Linear(600, 256))
+    engine = EngineStandIn(0, store, config=config, wait=timedelta(seconds=30))
+    sync = WeightSync(model, store=store, num_engines=1, config=config)
+    try:
+        for step in (1, 2, 3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            sync.faults.corrupt_buckets = int(step == 2)
+            stats = sync.push(step)
+            assert stats.engines_synced == [0]
+            assert engine.receiver.apply(engine.load) == step
+            assert all(torch.equal(engine.weights[n], p.detach()) for n, p in model.named_parameters())
+        assert sync.faults.corrupted == 1 and engine.receiver.stats.corrupted_buckets == 1  # the fault fired
+        conn = sync._links[0].conn
+        assert engine.receiver.backend == "nixl" and type(conn).__name__ == "NixlConnection"
+    finally:
+        sync.close()
+        engine.receiver.close()
+
+
+# --- between two network-namespace hosts ---
+
+
+def _python_on(host, *args: str, env: dict[str, str]):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    return host.popen([sys.executable, *args], env=dict(os.environ, REPLICA_TOKEN="nixl-hosts", PYTHONPATH=str(root),
+                                                        **env),
+                      cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.netns
+def test_nixl_between_two_hosts_crosses_their_link():
+    """64 MiB from a process on one network-namespace host to one on another, over NIXL's UCX
+    plugin on tcp (``UCX_TLS``, as NIXL reads it: these hosts share one machine, where UCX would
+    otherwise write through the kernel, cma, without touching the link); the bytes arrive exact
+    and cross the sender's link."""
+    from pathlib import Path
+
+    from replica._testing import cluster as testcluster
+
+    if not testcluster.available():
+        pytest.skip("needs root and `ip netns`")
+    peer = str(Path(__file__).resolve().parent / "jobs" / "ucx_peer.py")
+    nbytes = 64 * MiB
+    env = {"UCX_TLS": "tcp,self", "UCX_LOG_LEVEL": "fatal"}
+    with testcluster.NetnsCluster(testcluster.ClusterConfig(hosts=2)) as cluster:
+        a, b = cluster.hosts
+        receiver = _python_on(b, peer, "listen", b.address, str(nbytes), "nixl", env=env)
+        try:
+            line = receiver.stdout.readline().split()
+            while line and line[0] != "address":  # NIXL's own log lines come first
+                line = receiver.stdout.readline().split()
+            assert line[:1] == ["address"], receiver.communicate(timeout=30)[0][-3000:]
+            before = a.link_bytes()[1]
+            sender = _python_on(a, peer, "send", line[1], str(nbytes), "nixl", env=env)
+            out = sender.communicate(timeout=120)[0]
+            assert sender.returncode == 0 and "sent" in out, out[-3000:]
+            received = receiver.communicate(timeout=60)[0]
+            assert receiver.returncode == 0 and f"received {7 * nbytes}" in received, received[-3000:]
+            crossed = a.link_bytes()[1] - before
+            assert crossed >= nbytes, f"{crossed} bytes crossed the link for a {nbytes}-byte transfer"
+        finally:
+            receiver.kill()
