@@ -6,8 +6,9 @@ bench/test_resync_hosts.py. Commands on stdin, one per line; answers on stdout.
     hosts_peer.py PATH send ADDRESS   -> "size N", "round" (send one buffer, wait for its ack:
                                          answers "done"), "exit"
 
-PATH: ucx (replica's UCX transport, digests off), ucx_verified (digests on), tcp (a plain
-socket: the link's limit), gloo (torch.distributed send/recv)."""
+PATH: ucx (replica's UCX transport, digests off), ucx_verified (digests on), nixl and
+nixl_verified (replica's NIXL transport), tcp (a plain socket: the link's limit), gloo
+(torch.distributed send/recv)."""
 
 from __future__ import annotations
 
@@ -57,8 +58,13 @@ class Tcp:
 
 
 class Ucx:
-    def __init__(self, role: str, where: str, verify: bool):
-        from replica.transport.ucx import UcxConfig, UcxTransport
+    """replica's UCX transport, or (``nixl``) its NIXL transport: the same calls."""
+
+    def __init__(self, role: str, where: str, verify: bool, nixl: bool = False):
+        if nixl:
+            from replica.transport.nixl import NixlConfig as UcxConfig, NixlTransport as UcxTransport
+        else:
+            from replica.transport.ucx import UcxConfig, UcxTransport
 
         if role == "recv":
             self.transport = UcxTransport(UcxConfig(token=TOKEN, host=where, verify=verify))
@@ -107,7 +113,9 @@ def main() -> None:
     path, role, where = sys.argv[1:4]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
     link = {"tcp": lambda: Tcp(role, where), "ucx": lambda: Ucx(role, where, False),
-            "ucx_verified": lambda: Ucx(role, where, True), "gloo": lambda: Gloo(role, where)}[path]()
+            "ucx_verified": lambda: Ucx(role, where, True), "gloo": lambda: Gloo(role, where),
+            "nixl": lambda: Ucx(role, where, False, nixl=True),
+            "nixl_verified": lambda: Ucx(role, where, True, nixl=True)}[path]()
     say("connected")
     ack = torch.zeros(ACK, dtype=torch.uint8)
     buf, digest = torch.empty(0, dtype=torch.uint8), None
@@ -115,7 +123,7 @@ def main() -> None:
         cmd = line.split()
         if cmd[0] == "size":
             buf = torch.randint(0, 256, (int(cmd[1]),), dtype=torch.uint8)
-            if path == "ucx_verified":
+            if path.endswith("_verified"):
                 from replica.transport.base import bucket_digest
 
                 digest = bucket_digest(buf)  # taken when packing, as the mirror does

@@ -1,5 +1,6 @@
 """The weight sync's transfer without vLLM (weight_push_run.py, in a process of its
-own): a 1 GiB model pushed over UCX with digests and without them, in alternate
+own): a 1 GiB model pushed over UCX (and over NIXL, where it is installed: results
+weight_push_nixl) with digests and without them, in alternate
 rounds, beside raw UCX of the same bytes between the same processes, and the
 sender's pack and the receiver's checksum alone (what digests add to the cores).
 `make bench` writes bench/results/weight_push.json and weight_push.md; `make test`
@@ -14,18 +15,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench_results import machine, write_results
+from replica.transport.nixl_agent import nixl_installed
 
 HERE = Path(__file__).parent
 MIB, ROUNDS = 1024, 8
-TARGET = 0.8  # transfer_vs_raw_ucx (issue 13), here over UCX
+TARGET = 0.8  # transfer_vs_raw_ucx (issue 13)
 
 
-def test_weight_push_ucx(benchmark, tmp_path):
+# backend (Config.backends of both ends) -> (results name, how the table names the transport)
+BACKENDS = {"ucx,gloo": ("weight_push", "UCX"), "nixl": ("weight_push_nixl", "NIXL (its UCX plugin)")}
+
+
+@pytest.mark.parametrize("backends", list(BACKENDS), ids=lambda b: b.split(",")[0])
+def test_weight_push(benchmark, tmp_path, backends):
+    if backends == "nixl" and not nixl_installed():
+        pytest.skip("NIXL is not installed (pip install 'replica[nixl]')")
+    results, over = BACKENDS[backends]
     out = tmp_path / "push.json"
     mib, rounds = (32, 1) if benchmark.disabled else (MIB, ROUNDS)
-    subprocess.run([sys.executable, str(HERE / "weight_push_run.py"), str(mib), str(rounds), str(out), "ucx,gloo"],
-                   check=True, timeout=900, cwd=HERE)
+    proc = subprocess.run([sys.executable, str(HERE / "weight_push_run.py"), str(mib), str(rounds), str(out),
+                           backends], timeout=900, cwd=HERE, capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]  # the run's own words, not only its code
     result = json.loads(out.read_text())
     assert result["bytes"] == mib << 20
     assert all(len(v) == rounds and min(v) > 0 for v in result["all"].values()), result["all"]
@@ -39,8 +52,8 @@ def test_weight_push_ucx(benchmark, tmp_path):
         return
     spread = {name: f"{min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} ms" for name, v in result["all"].items()}
     cpu, busy = result["cpu_s"], result["cores_busy"]
-    write_results("weight_push", {**result, "target_verified_vs_raw_ucx": TARGET, "machine": machine()}, [
-        f"| {result['bytes'] >> 20} MiB over UCX, {rounds} rounds | median | rounds | vs raw UCX |",
+    write_results(results, {**result, "target_verified_vs_raw_ucx": TARGET, "machine": machine()}, [
+        f"| {result['bytes'] >> 20} MiB over {over}, {rounds} rounds | median | rounds | vs raw UCX |",
         "|---|---|---|---|",
         f"| raw UCX, no digests, same processes | {result['raw_ucx_s'] * 1e3:.0f} ms | {spread['raw_ucx']} | 1.00x |",
         f"| push without digests | {result['plain_s'] * 1e3:.0f} ms | {spread['plain']} |"

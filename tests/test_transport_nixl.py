@@ -118,7 +118,6 @@ def test_the_environment_names_the_plugin_and_a_bad_one_stops_the_launch():
         "plugin": "LIBFABRIC", "plugin_params": (("a", "1"), ("b", "x"))}
     with pytest.raises(ValueError, match="name=value"):
         backends.nixl_options({"REPLICA_NIXL_PARAMS": "junk"})
-    from roles.local_agent import open_job  # noqa: F401 - importable the way `replica launch` uses it
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("REPLICA_NIXL_BACKEND", "NOSUCH")
