@@ -5,7 +5,6 @@ hosts. Skipped where NIXL is not installed (`make test` installs it: replica[nix
 from __future__ import annotations
 
 import functools
-import threading
 from datetime import timedelta
 
 import pytest
@@ -24,6 +23,7 @@ from transport_contract import (
     connected,
     empty,
     messages_of_a_bucket,
+    pair,
     pattern,
     peer_main,
     run_transport_contract,
@@ -52,21 +52,12 @@ def test_a_large_bucket_goes_in_pieces_and_small_ones_whole():
     assert messages_of_a_bucket(make_nixl, 2 * PIECE_BYTES + 4099) == [PIECE_BYTES, PIECE_BYTES, 4099]
 
 
-def _pair(server, client):
-    address = server.listen()
-    accepted = []
-    acceptor = threading.Thread(target=lambda: accepted.append(server.accept(T)))
-    acceptor.start()
-    conn = client.connect(address, T)
-    acceptor.join()
-    return conn, accepted[0]
-
 
 def test_a_storage_is_registered_once_for_every_bucket_in_it():
     """Buckets sent from slices of one buffer into slices of another: each side registers
     its storage once, whatever the number of buckets; the bytes arrive exact."""
     with make_nixl(b"job-token") as server, make_nixl(b"job-token") as client:
-        conn, other = _pair(server, client)
+        conn, other = pair(server, client)
         before = client.agent.registered
         source, target = pattern(32 * MiB, 4), empty(32 * MiB, "cpu", fill=0)
         for _ in range(3):
@@ -81,7 +72,7 @@ def test_a_storage_is_registered_once_for_every_bucket_in_it():
 
 def test_a_send_larger_than_its_receive_is_refused_by_the_receiver():
     with make_nixl(b"job-token") as server, make_nixl(b"job-token") as client:
-        conn, other = _pair(server, client)
+        conn, other = pair(server, client)
         receive = other.irecv(empty(MiB, "cpu", fill=0), tag=3)
         conn.send(pattern(2 * MiB, 1), tag=3, timeout=T)
         with pytest.raises(TransportError, match="bytes into a"):
@@ -94,7 +85,7 @@ def test_small_messages_need_no_posted_receive():
     from replica.transport.nixl import INLINE_BYTES
 
     with make_nixl(b"job-token") as server, make_nixl(b"job-token") as client:
-        conn, other = _pair(server, client)
+        conn, other = pair(server, client)
         small = pattern(INLINE_BYTES - 8, 2)
         conn.send(small, tag=9, timeout=timedelta(seconds=5))
         other.send(small, tag=9, timeout=timedelta(seconds=5))

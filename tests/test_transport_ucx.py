@@ -6,7 +6,6 @@ from datetime import timedelta
 import time
 
 import pytest
-import torch
 
 from replica.errors import PeerDisconnectedError
 
@@ -25,6 +24,7 @@ from transport_contract import (
     connected,
     empty,
     messages_of_a_bucket,
+    pair,
     pattern,
     peer_main,
     run_transport_contract,
@@ -110,24 +110,12 @@ def test_a_peer_gone_without_goodbye_retires_the_worker():
         assert transport.retired_workers == 1 and transport._worker is second and not second.stopped
 
 
-def _pair(server: UcxTransport, client: UcxTransport):
-    import threading
-
-    address = server.listen()
-    accepted = []
-    acceptor = threading.Thread(target=lambda: accepted.append(server.accept(T)))
-    acceptor.start()
-    conn = client.connect(address, T)
-    acceptor.join()
-    return conn, accepted[0]
-
-
 def _posts_after_close(pipe) -> None:
     # Runs in a child: before the fix, UCX took the process down with SIGSEGV here.
     import threading
 
     with make_ucx(b"job-token") as server, make_ucx(b"job-token") as client:
-        conn, _ = _pair(server, client)
+        conn, _ = pair(server, client)
         data = pattern(4 * MiB, 1)
         refused = []
         # The losing side of the race, made certain: the connection closes between
@@ -142,7 +130,7 @@ def _posts_after_close(pipe) -> None:
         # And as it happens: posts from two threads while a third closes.
         racing = []
         for _ in range(20):
-            conn, accepted = _pair(server, client)
+            conn, accepted = pair(server, client)
 
             def post_until_refused(conn=conn):
                 while True:
@@ -186,7 +174,7 @@ def test_a_transfer_dropped_in_flight_is_held_by_its_worker_until_it_finishes():
     import gc
 
     with make_ucx(b"job-token") as server, make_ucx(b"job-token") as client:
-        conn, other = _pair(server, client)
+        conn, other = pair(server, client)
         worker = conn._worker
         buf = empty(4 * MiB, "cpu", fill=0)
         address = buf.data_ptr()
@@ -216,7 +204,7 @@ def _drops_racing_completions(pipe, rounds: int) -> None:
         stuck = 0
         fewest_posts, most_held = None, 0  # the fault fired: posts on both sides, drops held unfinished
         for i in range(rounds):
-            conn, other = _pair(server, client)
+            conn, other = pair(server, client)
             stop = threading.Event()
             posts = [0, 0]
 

@@ -165,6 +165,19 @@ def connected(transport: Transport, peer: Child):
     return conn
 
 
+def pair(server: Transport, client: Transport) -> tuple[Connection, Connection]:
+    """Two transports of this process connected: (the client's connection, the server's)."""
+    import threading
+
+    address = server.listen()
+    accepted = []
+    acceptor = threading.Thread(target=lambda: accepted.append(server.accept(T)))
+    acceptor.start()
+    conn = client.connect(address, T)
+    acceptor.join()
+    return conn, accepted[0]
+
+
 # --- the checks ---
 
 
