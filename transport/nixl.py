@@ -30,6 +30,7 @@ import logging
 import struct
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
@@ -38,7 +39,14 @@ from replica.errors import PeerDisconnectedError, TransportError
 from replica.transport.base import Capabilities, Locality, MemoryKind
 from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
 from replica.transport.framing import MAX_FRAME_BYTES
-from replica.transport.nixl_agent import DEFAULT_PLUGIN, Agent, Region, check_plugin_name, shared_agent
+from replica.transport.nixl_agent import (
+    DEFAULT_PLUGIN,
+    PROGRESS_WAKEUP,
+    Agent,
+    Region,
+    check_plugin_name,
+    shared_agent,
+)
 from replica.transport.wire import HEADER_BYTES
 
 __all__ = ["INLINE_BYTES", "NixlConfig", "NixlConnection", "NixlTransport"]
@@ -66,10 +74,15 @@ class NixlConfig(EndpointConfig):
 
     plugin: str = DEFAULT_PLUGIN
     plugin_params: tuple[tuple[str, str], ...] = ()
+    # How often the agent's idle progress thread wakes (work wakes it at once). NIXL's own
+    # default spins: a core per process, which trainers sharing their cores cannot spare.
+    progress_wakeup: timedelta = PROGRESS_WAKEUP
 
     def __post_init__(self) -> None:
         super(NixlConfig, self).__post_init__()
         check_plugin_name(self.plugin)
+        if not isinstance(self.progress_wakeup, timedelta) or self.progress_wakeup <= timedelta(0):
+            raise ValueError(f"progress_wakeup must be a positive timedelta, got {self.progress_wakeup!r}")
         for pair in self.plugin_params:
             if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
                 raise ValueError(f"plugin_params holds (name, value) pairs of str, got {pair!r}")
@@ -322,7 +335,8 @@ class NixlTransport(ControlledTransport):
                                 locality=Locality.SAME_NODE | Locality.REMOTE)
 
     def __init__(self, config: NixlConfig):
-        self._agent = shared_agent(config.plugin, config.plugin_params)  # fails before anything listens
+        # Fails before anything listens; made once per process (see nixl_agent).
+        self._agent = shared_agent(config.plugin, config.plugin_params, config.progress_wakeup)
         super().__init__(config)
         self.config = config
 

@@ -200,4 +200,4 @@ def check_backends(names: Sequence[str]) -> None:
         from replica.transport.nixl_agent import shared_agent
 
         config = NixlConfig(token=b"check", **nixl_options())
-        shared_agent(config.plugin, config.plugin_params)
+        shared_agent(config.plugin, config.plugin_params, config.progress_wakeup)
