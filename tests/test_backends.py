@@ -58,8 +58,10 @@ def test_shm_when_listed_takes_host_memory_within_the_node_only():
 
 
 def test_uninstalled_ucxx_falls_back_instead_of_failing_later(monkeypatch):
+    # Neither UCX nor NIXL (the default's next choice where UCX is missing: tests/test_transport_nixl.py)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ucxx" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("ucxx", "nixl") else real(name, *a))
     with pytest.raises(TransportError, match="ucxx is not installed"):
         backend_class("ucx")
     assert choose_backend(config(), MemoryKind.HOST, Locality.REMOTE) == "gloo"
