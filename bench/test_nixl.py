@@ -3,7 +3,9 @@
 * one-way resync between two processes, 512 MiB (1 MiB in `make test`'s smoke run),
   digests off and on, NIXL and UCX pairs alive together and timed in alternate rounds
   over sessions of fresh pairs (on two cores a pair keeps its pace for its life:
-  test_resync.py), each round a buffer and its 8-byte acknowledgement;
+  test_resync.py), each round a buffer and its 8-byte acknowledgement; both ends of
+  every pair in processes of their own, this one only says when (a process that holds
+  ucxx's UCX slows NIXL's: replica.transport.nixl_agent);
 * what NIXL costs a failover: a fresh process's agent start (its UCX plugin's context
   and worker: made when the transport is, at the role's start) and a connection to a
   listening peer (the handshake with the agents' metadata), beside UCX's.
@@ -25,7 +27,7 @@ from bench_results import machine, write_results
 from replica._testing import spawn
 from replica.transport.base import bucket_digest
 from replica.transport.nixl_agent import nixl_installed
-from test_resync import TOKEN, UCX_PATHS, T, _make_ucx, _transport_path
+from test_resync import TOKEN, UCX_PATHS, T, _make_ucx, _transport_peer
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'replica[nixl]')")
 
@@ -50,27 +52,71 @@ def _maker(name: str):
     return functools.partial(_make_ucx, *UCX_PATHS[name])
 
 
+def _sender(pipe, name: str) -> None:
+    """A path's sending end, in a process of its own: NIXL's UCX and ucxx's must not share
+    one (see replica.transport.nixl_agent). Listens, accepts the receiving end, then sends
+    one buffer per "round" and waits for its acknowledgement."""
+    with _maker(name)() as transport:
+        pipe.send(("address", transport.listen()))
+        conn = transport.accept(T)
+        ack = torch.zeros(8, dtype=torch.uint8)
+        buf, digest = None, None
+        while True:
+            cmd = pipe.recv()
+            if cmd[0] == "size":
+                buf = torch.randint(0, 256, (cmd[1],), dtype=torch.uint8)
+                digest = bucket_digest(buf)  # the pack's, before the transfer (as in the mirror)
+                pipe.send(("ok",))
+            elif cmd[0] == "round":
+                got = conn.irecv(ack, tag=2)
+                conn.send(buf, tag=1, timeout=T, digest=digest)
+                got.wait(T)
+                pipe.send(("done",))
+            else:
+                break
+        conn.close()
+
+
+@contextlib.contextmanager
+def _path(name: str):
+    """Both ends of ``name`` in processes of their own; yields a function that runs one
+    round (a buffer one way, its acknowledgement back)."""
+    with spawn(_sender, name, name=f"{name}-send") as sender, \
+            spawn(_transport_peer, _maker(name), "cpu", name=f"{name}-recv") as receiver:
+        reply = sender.recv(timeout=120)
+        assert reply[0] == "address", reply
+        receiver.send(reply[1])
+
+        def one_round() -> None:
+            assert sender.request("round") == ("done",)
+
+        try:
+            yield sender, receiver, one_round
+        finally:
+            with contextlib.suppress(Exception):
+                receiver.send("exit")
+                sender.send("exit")
+
+
 def test_nixl_against_ucx_interleaved(benchmark):
     nbytes = MiB if benchmark.disabled else BYTES
     sessions, rounds, warmup = (1, 1, 0) if benchmark.disabled else (SESSIONS, ROUNDS, 1)
-    buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    digest = bucket_digest(buf)  # the pack's, before the transfer (as in the mirror)
     seconds: dict[str, list[float]] = {name: [] for name in PATHS}
 
     def session() -> None:
         with contextlib.ExitStack() as stack:
-            paths = {name: stack.enter_context(_transport_path(name, _maker(name), "cpu")) for name in PATHS}
-            for _, peer, _ in paths.values():
-                assert peer.request("size", nbytes) == ("ok",)
-                peer.send("rounds", rounds + warmup)
+            paths = {name: stack.enter_context(_path(name)) for name in PATHS}
+            for sender, receiver, _ in paths.values():
+                assert sender.request("size", nbytes) == ("ok",) and receiver.request("size", nbytes) == ("ok",)
+                receiver.send("rounds", rounds + warmup)
             for r in range(rounds + warmup):
                 for name in PATHS[::1 if r % 2 else -1]:
                     start = time.perf_counter()
-                    paths[name][2](buf, digest)
+                    paths[name][2]()
                     if r >= warmup:
                         seconds[name].append(time.perf_counter() - start)
-            for _, peer, _ in paths.values():
-                assert peer.recv(timeout=300) == ("ok",)
+            for _, receiver, _ in paths.values():
+                assert receiver.recv(timeout=300) == ("ok",)
 
     benchmark.extra_info.update(bytes=nbytes, sessions=sessions, rounds=rounds)
     benchmark.pedantic(session, rounds=sessions, iterations=1)
