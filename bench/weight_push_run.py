@@ -33,6 +33,7 @@ import replica
 from bench_results import cores_busy, cores_floor, usable_cores
 from replica import ops
 from replica._testing import RawUcx, cpu_since, spawn
+from replica.session.backends import check_backends
 from replica.weights import WeightReceiver
 
 TOKEN = b"bench-weight-push-token"
@@ -76,6 +77,9 @@ def _engine(pipe, port: int, backends: tuple[str, ...]) -> None:
 
 def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "gloo")) -> None:
     torch.set_num_threads(1)
+    # NIXL's agent before the raw baseline's ucxx: a process that loads ucxx's UCX first slows
+    # NIXL's (replica.transport.nixl_agent). The engine's process makes its receivers first.
+    check_backends(backends)
     layers = max(1, mib // 16)
     model = torch.nn.Sequential(*[torch.nn.Linear(LAYER, LAYER, bias=False) for _ in range(layers)])
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
