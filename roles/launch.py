@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                         "stays free for the standby's rollouts; promotion copies the state to the GPU)")
     p.add_argument("--backends", default="",
                    help="the transports of every role's data plane, comma-separated, in order of preference "
-                        f"(of {', '.join(BACKENDS)}; default: replica.Config's, ipc,shm,ucx,gloo: CUDA IPC and "
+                        f"(of {', '.join(BACKENDS)}; default: replica.Config's, ipc,shm,ucx,nixl,gloo: CUDA IPC and "
                         "shared memory within a node, UCX across nodes); e.g. ucx,gloo keeps host memory on UCX")
     p.add_argument("--report", type=writable_file, help="write the job report (losses, faults, timeline) as JSON")
     p.add_argument("--strict", action="store_true",
