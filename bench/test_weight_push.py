@@ -25,6 +25,8 @@ MIB, ROUNDS = 1024, 8
 TARGET = 0.8  # transfer_vs_raw_ucx (issue 13)
 
 
+# `make test`: the UCX case (tests/test_transport_nixl.py pushes weights over NIXL).
+SMOKE_PARAMS = {"backends": {"ucx,gloo"}}
 # backend (Config.backends of both ends) -> (results name, how the table names the transport)
 BACKENDS = {"ucx,gloo": ("weight_push", "UCX"), "nixl": ("weight_push_nixl", "NIXL (its UCX plugin)")}
 

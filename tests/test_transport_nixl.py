@@ -44,6 +44,7 @@ def test_contract_nixl(check):
     run_transport_contract(make_nixl, check)
 
 
+@pytest.mark.slow  # `make test-slow`: 512 MiB goes in check_peer_killed_mid_transfer already
 def test_round_trip_512_mib():
     run_transport_contract(make_nixl, functools.partial(check_round_trip_sizes, sizes=(512 * MiB,)))
 
