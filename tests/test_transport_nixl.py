@@ -246,6 +246,50 @@ def _python_on(host, *args: str, env: dict[str, str]):
                       cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _first_word(proc, word: str) -> list[str]:
+    """The first line of ``proc``'s output that starts with ``word`` (NIXL logs lines of its own first)."""
+    while line := proc.stdout.readline():
+        if line.split()[:1] == [word]:
+            return line.split()
+    raise AssertionError(f"no {word!r} line; exit code {proc.wait()}")
+
+
+@pytest.mark.netns
+def test_a_peer_killed_on_another_host_is_found_at_once():
+    """A NIXL connection between two network-namespace hosts: the listening process killed
+    (SIGKILL), the other finds its connection dead through the control socket within
+    moments, as over UCX (tests/test_hosts.py)."""
+    import time
+    from pathlib import Path
+
+    from replica._testing import cluster as testcluster
+
+    if not testcluster.available():
+        pytest.skip("needs root and `ip netns`")
+    peer = str(Path(__file__).resolve().parent / "jobs" / "ucx_peer.py")
+    env = {"UCX_TLS": "tcp,self", "UCX_LOG_LEVEL": "fatal"}
+    with testcluster.NetnsCluster(testcluster.ClusterConfig(hosts=2)) as cluster:
+        a, b = cluster.hosts
+        listener = _python_on(b, peer, "listen", b.address, "0", "nixl", env=env)
+        holder = None
+        try:
+            address = _first_word(listener, "address")[1]
+            holder = _python_on(a, peer, "hold", address, "0", "nixl", env=env)
+            _first_word(holder, "connected")
+            time.sleep(0.5)  # the listener's side is up too
+            listener.kill()  # SIGKILL: ip netns exec, unshare and sh each exec the next
+            killed = time.monotonic()
+            _first_word(holder, "lost")
+            found = time.monotonic() - killed
+            assert found < 5 * 1.0, f"a killed peer on another host was found after {found:.2f} s"
+            print(f"a killed NIXL peer on another host was found after {found * 1e3:.0f} ms")
+        finally:
+            for proc in (listener, holder):
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
+
+
 @pytest.mark.netns
 def test_nixl_between_two_hosts_crosses_their_link():
     """64 MiB from a process on one network-namespace host to one on another, over NIXL's UCX
@@ -265,12 +309,9 @@ def test_nixl_between_two_hosts_crosses_their_link():
         a, b = cluster.hosts
         receiver = _python_on(b, peer, "listen", b.address, str(nbytes), "nixl", env=env)
         try:
-            line = receiver.stdout.readline().split()
-            while line and line[0] != "address":  # NIXL's own log lines come first
-                line = receiver.stdout.readline().split()
-            assert line[:1] == ["address"], receiver.communicate(timeout=30)[0][-3000:]
+            address = _first_word(receiver, "address")[1]
             before = a.link_bytes()[1]
-            sender = _python_on(a, peer, "send", line[1], str(nbytes), "nixl", env=env)
+            sender = _python_on(a, peer, "send", address, str(nbytes), "nixl", env=env)
             out = sender.communicate(timeout=120)[0]
             assert sender.returncode == 0 and "sent" in out, out[-3000:]
             received = receiver.communicate(timeout=60)[0]
