@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from bench_results import machine, write_results
-from replica._testing import spawn
-from replica.transport.base import bucket_digest
+from replica._testing import RawUcx, spawn
+from replica.transport.base import PIECE_BYTES, bucket_digest
 from replica.transport.nixl_agent import nixl_installed
 from test_resync import TOKEN, UCX_PATHS, T, _make_ucx, _transport_peer
 
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not instal
 MiB = 1 << 20
 BYTES, SESSIONS, ROUNDS = 512 * MiB, 3, 6
 TARGET = 0.9  # NIXL against replica's UCX backend, same transfer, same node
-PATHS = ("ucx_default", "ucx_default_verified", "nixl", "nixl_verified")
+PATHS = ("raw_ucx", "ucx_default", "ucx_default_verified", "nixl", "nixl_verified")
 SMOKE_PATHS = ("ucx_default", "nixl_verified")  # `make test`: the code, both backends, digests once
 SMOKE_PARAMS = {"name": {"nixl"}}  # test_startup_and_connection: NIXL's (UCX's is timed in `make bench`)
 
@@ -79,15 +79,57 @@ def _sender(pipe, name: str) -> None:
         conn.close()
 
 
+def _raw_receiver(pipe) -> None:
+    """Raw UCX's receiving end (``replica._testing.RawUcx``: ucxx tag messages of PIECE_BYTES,
+    no protocol, no digests), speaking ``_transport_peer``'s commands."""
+    with RawUcx(token=TOKEN, timeout=T) as raw:
+        pipe.send(("address", raw.listen()))
+        buf = None
+        while (cmd := pipe.recv())[0] != "exit":
+            if cmd[0] == "size":
+                buf = torch.empty(cmd[1], dtype=torch.uint8)
+                pipe.send(("ok",))
+            elif cmd[0] == "rounds":
+                for _ in range(cmd[1]):
+                    raw.receive(buf, PIECE_BYTES)
+                pipe.send(("ok",))
+
+
+def _raw_sender(pipe) -> None:
+    with RawUcx(token=TOKEN, timeout=T) as raw:
+        address, buf = pipe.recv()[0], None
+        while (cmd := pipe.recv())[0] != "exit":
+            if cmd[0] == "size":
+                buf = torch.randint(0, 256, (cmd[1],), dtype=torch.uint8)
+                pipe.send(("ok",))
+            elif cmd[0] == "round":
+                raw.send(address, buf, PIECE_BYTES)
+                pipe.send(("done",))
+
+
 @contextlib.contextmanager
-def _path(name: str):
-    """Both ends of ``name`` in processes of their own; yields a function that runs one
-    round (a buffer one way, its acknowledgement back)."""
+def _ends(name: str):
+    """(sender, receiver) of ``name``, connected."""
+    if name == "raw_ucx":
+        with spawn(_raw_receiver, name="raw-recv") as receiver, spawn(_raw_sender, name="raw-send") as sender:
+            reply = receiver.recv(timeout=120)
+            assert reply[0] == "address", reply
+            sender.send(reply[1])
+            yield sender, receiver
+        return
     with spawn(_sender, name, name=f"{name}-send") as sender, \
             spawn(_transport_peer, _maker(name), "cpu", name=f"{name}-recv") as receiver:
         reply = sender.recv(timeout=120)
         assert reply[0] == "address", reply
         receiver.send(reply[1])
+        yield sender, receiver
+
+
+@contextlib.contextmanager
+def _path(name: str):
+    """Both ends of ``name`` in processes of their own; yields them and a function that
+    runs one round (a buffer one way, its acknowledgement back)."""
+    with _ends(name) as (sender, receiver):
 
         def one_round() -> None:
             assert sender.request("round") == ("done",)
@@ -178,11 +220,13 @@ def report():
         "ms": {name: [s * 1e3 for s in v] for name, v in _seconds.items()},
         "nixl_vs_ucx": med["ucx_default"] / med["nixl"],
         "nixl_verified_vs_ucx_verified": med["ucx_default_verified"] / med["nixl_verified"],
+        "nixl_vs_raw_ucx": med["raw_ucx"] / med["nixl"],
         "target": TARGET,
         "startup": _startup,
         "machine": machine(),
     }
-    labels = {"ucx_default": "replica/UCX, default (shared-memory FIFOs)",
+    labels = {"raw_ucx": "raw UCX (ucxx tag messages of 16 MiB, no protocol, no digests)",
+              "ucx_default": "replica/UCX, default (shared-memory FIFOs)",
               "ucx_default_verified": "replica/UCX, default, digests on",
               "nixl": "replica/NIXL, UCX plugin, defaults (cma within a node)",
               "nixl_verified": "replica/NIXL, digests on"}
@@ -195,7 +239,8 @@ def report():
     ok = lambda r: "yes" if r >= TARGET else "**no**"  # noqa: E731
     lines.append(f"\nNIXL / UCX: {result['nixl_vs_ucx']:.2f}x digests off ({ok(result['nixl_vs_ucx'])}), "
                  f"{result['nixl_verified_vs_ucx_verified']:.2f}x digests on "
-                 f"({ok(result['nixl_verified_vs_ucx_verified'])}); target >= {TARGET}.")
+                 f"({ok(result['nixl_verified_vs_ucx_verified'])}); target >= {TARGET}. NIXL / raw UCX: "
+                 f"{result['nixl_vs_raw_ucx']:.2f}x.")
     lines.append("\n| start-up, fresh process (medians of 5; max) | transport made | connected |")
     lines.append("|---|---|---|")
     for name in ("ucx_default", "nixl"):
