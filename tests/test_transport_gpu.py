@@ -1,4 +1,5 @@
-"""The transport contract on device memory: CUDA IPC, and UCX (cuda_ipc / cuda_copy);
+"""The transport contract on device memory: CUDA IPC, UCX (cuda_ipc / cuda_copy) and NIXL
+(its UCX plugin, VRAM registrations);
 then what device memory adds: stream ordering against kernels still queued on the
 buffer, and CUDA IPC's exports, mappings and host control messages."""
 
@@ -38,10 +39,19 @@ def make_shm(token: bytes) -> ShmTransport:
     return ShmTransport(IpcConfig(token=token))
 
 
-# The GPU machines lent to the project have no package registry: UCX runs there only when
-# its wheels were carried (docs/operations.md, "On a GPU"); without them its cases skip, saying so.
+def make_nixl(token: bytes):
+    from replica.transport.nixl import NixlConfig, NixlTransport
+
+    return NixlTransport(NixlConfig(token=token))
+
+
+# The GPU machines lent to the project have no package registry: UCX and NIXL run there only
+# when their wheels were carried (docs/operations.md, "On a GPU"); without them their cases
+# skip, saying so.
 _NEEDS_UCXX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
-BACKENDS = pytest.mark.parametrize("make", [make_ipc, pytest.param(make_ucx, marks=_NEEDS_UCXX)], ids=["ipc", "ucx"])
+_NEEDS_NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="NIXL is not installed")
+BACKENDS = pytest.mark.parametrize("make", [make_ipc, pytest.param(make_ucx, marks=_NEEDS_UCXX),
+                                            pytest.param(make_nixl, marks=_NEEDS_NIXL)], ids=["ipc", "ucx", "nixl"])
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
