@@ -10,9 +10,11 @@ milliseconds, measured in docs/transports.md).
 
 Memory is registered once per tensor storage, not per bucket: a storage is registered
 whole the first time a send or a receive touches any part of it, and stays registered
-while it is in use; past ``MAX_REGIONS`` registered storages, the least recently used
-one that no transfer is using is deregistered. A registration holds its storage, so
-the memory cannot be freed and reused while NIXL may still write into it.
+while the process keeps it (a standby's receive buffer, a trainer's snapshots: every
+step's buckets reuse one registration). A registration holds its storage, so the memory
+cannot be freed and reused while NIXL may still write into it; once no transfer uses it
+and nothing but the registration holds the storage, it is deregistered and the memory
+goes back; past ``MAX_REGIONS`` registrations, idle ones go too, least recently used first.
 
 NIXL's Python agent is not safe to call from several threads at once: every call
 here holds the agent's lock.
@@ -104,6 +106,15 @@ class Region:
         return self.base <= addr and addr + nbytes <= self.base + self.nbytes
 
 
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _only_ours(storage: Any) -> bool:
+    """Whether nothing but a registration holds ``storage`` (no tensor of the process is
+    left on it). False where torch cannot say: the storage then stays until evicted."""
+    return _use_count is not None and _use_count(storage._cdata) <= 1
+
+
 def _where(flat: torch.Tensor) -> tuple[str, int]:
     if flat.device.type == "cuda":
         return "VRAM", flat.device.index if flat.device.index is not None else torch.cuda.current_device()
@@ -155,6 +166,7 @@ class Agent:
     _regions: collections.OrderedDict = field(default_factory=collections.OrderedDict)
     _ids: Any = field(default_factory=lambda: itertools.count(1))
     _remotes: collections.Counter = field(default_factory=collections.Counter)
+    _made: int = 0
 
     @classmethod
     def start(cls, plugin: str, params: dict[str, str], wakeup: timedelta = PROGRESS_WAKEUP) -> Agent:
@@ -239,6 +251,7 @@ class Agent:
                 metadata = self._agent.get_partial_agent_metadata(descs, False, [self.plugin])
             except Exception as exc:
                 raise TransportError(f"NIXL could not register {nbytes} bytes of {mem_type}: {exc}") from exc
+            self._made += 1
             region = Region(id=next(self._ids), base=base, nbytes=nbytes, mem_type=mem_type, device=device,
                             descs=descs, keep=storage, metadata=bytes(metadata), uses=1)
             self._regions[region.id] = region
@@ -250,10 +263,19 @@ class Agent:
             region.uses -= 1
             self._evict()
 
+    def release_idle(self) -> None:
+        """Deregister now what ``done_with`` would at its next call (storages nothing else holds)."""
+        with self._lock:
+            self._evict()
+
     def _evict(self) -> None:
-        """Deregister idle storages, oldest first, while more than MAX_REGIONS are held."""
-        excess = len(self._regions) - MAX_REGIONS
-        for region in [r for r in self._regions.values() if r.uses == 0][:max(excess, 0)]:
+        """Deregister idle storages nothing else holds, then idle ones, oldest first, while
+        more than MAX_REGIONS are held."""
+        idle = [r for r in self._regions.values() if r.uses == 0]
+        orphans = [r for r in idle if _only_ours(r.keep)]
+        excess = len(self._regions) - len(orphans) - MAX_REGIONS
+        rest = [r for r in idle if r not in orphans][:max(excess, 0)]
+        for region in orphans + rest:
             del self._regions[region.id]
             try:
                 self._agent.deregister_memory(region.descs, [self.plugin])
@@ -262,8 +284,15 @@ class Agent:
 
     @property
     def registered(self) -> int:
+        """Storages registered now."""
         with self._lock:
             return len(self._regions)
+
+    @property
+    def registrations(self) -> int:
+        """Registrations made so far (each storage once while it stays registered)."""
+        with self._lock:
+            return self._made
 
     # --- transfers ---
 
