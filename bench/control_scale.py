@@ -100,7 +100,7 @@ def _raise_open_files() -> None:
 def _native_beats(store: JobStore, members: list[int], endpoint: tuple[str, int]) -> list:
     return [store.heartbeat(m, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
                             python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER,
-                            liveness=endpoint) for m in members]
+                            store_period=timing.LIVENESS_STORE_PERIOD, liveness=endpoint) for m in members]
 
 
 def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int, endpoint: tuple[str, int]) -> None:
@@ -339,9 +339,21 @@ def _member_beats(pipe, address: str, environ: dict[str, str], n: int, index: in
         beats = dict(zip(members, _native_beats(store, members, endpoint)))
         pipe.send(("ready",))
         end = Deadline.after(timedelta(seconds=seconds))
+        aimed, aimed_at, reaim = f"{endpoint[0]}:{endpoint[1]}", time.monotonic(), timing.LIVENESS_REAIM.total_seconds()
         while not end.expired:
             for b in beats.values():
                 b.touch()  # a role's watch: the interpreter lives
+            # and, while no answer comes, it points its beat at the endpoint the coordinator published
+            # (one read here for the simulated roles, each role's own in a job: a coordinator that moved)
+            unanswered = [b for b in beats.values() if b.reply_age > reaim]
+            if unanswered and time.monotonic() - aimed_at > reaim:
+                aimed_at = time.monotonic()
+                published = store.get(keys.liveness())
+                if published is not None and published.value != aimed:
+                    aimed = published.value
+                    host, _, port = aimed.rpartition(":")
+                    for b in beats.values():
+                        b.aim(host, int(port))
             while pipe.poll():
                 command = pipe.recv()
                 if command[0] == "silence":
@@ -432,12 +444,12 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         poll_s, decisions = [], []
         cpu, wall = time.process_time(), time.monotonic()
 
-        def loop(until: Deadline) -> None:
+        def loop(until: Deadline, coordinator=coord, decided=decisions, polls=poll_s) -> None:
             while not until.expired:
                 t = time.perf_counter()
-                decisions.extend((time.monotonic(), d) for d in coord.poll())
-                poll_s.append(time.perf_counter() - t)
-                time.sleep(max(0.0, timing.SUPERVISE_POLL.total_seconds() - poll_s[-1]))
+                decided.extend((time.monotonic(), d) for d in coordinator.poll())
+                polls.append(time.perf_counter() - t)
+                time.sleep(max(0.0, timing.SUPERVISE_POLL.total_seconds() - polls[-1]))
 
         loop(Deadline.after(timedelta(seconds=seconds)))  # beats and polls, nobody dies
         steady_cpu = (time.process_time() - cpu) / (time.monotonic() - wall)
@@ -459,6 +471,21 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         silenced = [b.recv(60) for b in beaters]
         assert all(m[0] == "silenced" for m in silenced), silenced
         applied = max(m[1] for m in silenced)
+        takeover = None
+        if etcd is not None:  # the coordinator dies; one elected after it takes over from the job's state in etcd
+            coord.close()
+            t = time.perf_counter()
+            successor = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint",
+                                    store=StoreAddress.parse(etcd[0]))
+            took = time.perf_counter() - t
+            after, polls_after = [], []
+            # Its members' deadlines run from the takeover; the roles find its endpoint within LIVENESS_REAIM.
+            loop(Deadline.after(2 * deadlines.trainer + timedelta(seconds=1)), successor, after, polls_after)
+            successor.close()
+            takeover = {"takeover_s": took, "members": len(successor.members), "alive": len(successor.alive()),
+                        "false_deaths": len(after), "reasons": [f"{d.dead.role} {d.dead.rank}: {d.reason}"
+                                                                for _, d in after if d.dead is not None][:8],
+                        "poll_ms_median": statistics.median(polls_after) * 1e3}
         for b in beaters:
             b.send("exit")
     found = {}
@@ -476,7 +503,7 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
             "false_death_reasons": [f"{d.dead.role} {d.dead.rank}: {d.reason}" for _, d in decisions[:false_deaths]
                                     if d.dead is not None][:8] + [f"{d.dead.role} {d.dead.rank}: {d.reason}"
                                                                   for d in others][:8], "detect_kill_ms": found["kill"],
-            "detect_freeze_ms": found["freeze"], "detect_lost_host_ms": found["lost host"]}
+            "detect_freeze_ms": found["freeze"], "detect_lost_host_ms": found["lost host"], "takeover": takeover}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -143,13 +143,23 @@ std::string json_string(const std::string& text) {
 // An etcd cluster, through its v3 HTTP/JSON gateway (plain http; https goes through the Python
 // beat): one kept-alive connection to one member at a time, the next member after any failure,
 // every send and receive under the I/O deadline, authenticated per member (etcd's simple tokens
-// are valid only on the member that issued them).
+// are valid only on the member that issued them). It starts with the tokens the role's own store
+// holds (kept valid by that store's use) and authenticates only where one is refused or missing.
 class EtcdSink : public Sink {
  public:
   EtcdSink(std::vector<std::pair<std::string, int>> endpoints, std::string user, std::string password,
-           std::chrono::milliseconds timeout)
-      : endpoints_(std::move(endpoints)), user_(std::move(user)), password_(std::move(password)), timeout_(timeout) {
+           std::chrono::milliseconds timeout, std::vector<std::string> tokens = {}, size_t first = 0)
+      : endpoints_(std::move(endpoints)),
+        user_(std::move(user)),
+        password_(std::move(password)),
+        timeout_(timeout),
+        tokens_(std::move(tokens)) {
     TORCH_CHECK(!endpoints_.empty(), "replica.Heartbeat: no etcd endpoint");
+    TORCH_CHECK(tokens_.empty() || tokens_.size() == endpoints_.size(),
+                "replica.Heartbeat: one token per etcd endpoint ('' for none), got ", tokens_.size(), " for ",
+                endpoints_.size());
+    tokens_.resize(endpoints_.size());
+    current_ = first % endpoints_.size();
   }
 
   ~EtcdSink() override {
@@ -162,15 +172,15 @@ class EtcdSink : public Sink {
     for (size_t tried = 0; tried < endpoints_.size(); ++tried) {
       try {
         for (int attempt = 0; attempt < 2; ++attempt) {
-          if (!user_.empty() && token_.empty()) {
+          if (!user_.empty() && tokens_[current_].empty()) {
             authenticate();
           }
-          const auto [status, reply] = post("/v3/kv/put", body, token_);
+          const auto [status, reply] = post("/v3/kv/put", body, tokens_[current_]);
           if (status == 200) {
             return;
           }
           if (status == 401 && !user_.empty() && attempt == 0) {
-            token_.clear();  // expired, or issued by another member
+            tokens_[current_].clear();  // expired, or issued by another member
             continue;
           }
           throw std::runtime_error("etcd answered " + std::to_string(status) + ": " + reply.substr(0, 200));
@@ -178,7 +188,6 @@ class EtcdSink : public Sink {
       } catch (const std::exception& exc) {
         error = endpoint_name() + ": " + exc.what();
         disconnect();
-        token_.clear();
         current_ = (current_ + 1) % endpoints_.size();
       }
     }
@@ -236,7 +245,7 @@ class EtcdSink : public Sink {
       throw std::runtime_error("etcd refused the beat's user (" + std::to_string(status) + ")");
     }
     const size_t end = reply.find('"', at + field.size());
-    token_ = reply.substr(at + field.size(), end - at - field.size());
+    tokens_[current_] = reply.substr(at + field.size(), end - at - field.size());
   }
 
   std::pair<int, std::string> post(const std::string& path, const std::string& body, const std::string& token) {
@@ -322,9 +331,9 @@ class EtcdSink : public Sink {
   const std::string user_;
   const std::string password_;
   const std::chrono::milliseconds timeout_;
+  std::vector<std::string> tokens_;  // per endpoint ('' : none yet)
   size_t current_ = 0;
   int fd_ = -1;
-  std::string token_;
   std::string buffer_;
 };
 
@@ -336,7 +345,7 @@ class Heartbeat {
   // it is written (the same, or with an etcd namespace before it).
   Heartbeat(std::unique_ptr<Sink> sink, std::string key, std::string store_key, std::string mac_key, int64_t member,
             double period_s, double python_grace_s, double store_after_s, const std::string& liveness_host = "",
-            int liveness_port = 0)
+            int liveness_port = 0, double store_period_s = 0.0)
       : sink_(std::move(sink)),
         key_(std::move(key)),
         store_key_(std::move(store_key)),
@@ -345,6 +354,7 @@ class Heartbeat {
         period_(to_duration(period_s, "period")),
         python_grace_(to_duration(python_grace_s, "python_grace")),
         store_after_(to_duration(store_after_s, "store_after")),
+        store_period_(store_period_s == 0.0 ? period_ : to_duration(store_period_s, "store_period")),
         touched_(Clock::now().time_since_epoch().count()) {
     TORCH_CHECK(mac_key_.size() == 32, "replica.Heartbeat: the key must be the job's 32-byte derived key");
     wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
@@ -529,16 +539,26 @@ class Heartbeat {
     }
   }
 
+  // The datagram first: a store write that blocks (a store under load) does not hold it back.
+  // While the endpoint does not answer the store takes a beat every store_period, not every
+  // beat: a coordinator's death sent every role's beats to the store at once (2,048 roles at
+  // 10 a second are 20,000 writes a second, more than a 3-member etcd takes), and its
+  // successor found the store too slow to read them. Not aimed, the store takes every beat.
   void send(int64_t beat) {
     const std::string value = signing::sign(mac_key_, key_, liveness::beat_body(beat, member_));
-    bool stored = false;
-    if (to_store()) {
-      sink_->write(store_key_, value);  // throws: counted as a failure below
-      stored = true;
+    const bool sent = udp_ >= 0 && ::send(udp_, value.data(), value.size(), MSG_DONTWAIT) >= 0;
+    const int error = errno;
+    if (!to_store()) {
+      if (!sent) {
+        throw std::runtime_error(std::string("liveness endpoint: ") + std::strerror(error));
+      }
+      return;
     }
-    if (udp_ >= 0 && ::send(udp_, value.data(), value.size(), MSG_DONTWAIT) < 0 && !stored) {
-      throw std::runtime_error(std::string("liveness endpoint: ") + std::strerror(errno));
+    if (udp_ >= 0 && Clock::now() < store_next_) {
+      return;  // the store took one lately; the datagram (unanswered so far) went out all the same
     }
+    sink_->write(store_key_, value);  // throws: counted as a failure by run()
+    store_next_ = Clock::now() + store_period_;
   }
 
   void run() {
@@ -594,6 +614,7 @@ class Heartbeat {
   const Clock::duration period_;
   const Clock::duration python_grace_;
   const Clock::duration store_after_;
+  const Clock::duration store_period_;
   std::atomic<int64_t> touched_;
   std::atomic<int64_t> beats_{0};
   std::atomic<int64_t> failing_since_{0};
@@ -609,6 +630,7 @@ class Heartbeat {
   int wake_ = -1;
   int udp_ = -1;                 // the beat's thread only
   Clock::time_point aimed_at_;   // the beat's thread only
+  Clock::time_point store_next_;  // the beat's thread only: the store's next fallback beat, not before
   std::thread thread_;
 };
 
@@ -621,33 +643,34 @@ void bind_heartbeat(py::module& m) {
                         "A liveness beat written by a native thread (no GIL): see replica.jobstate.JobStore.heartbeat")
       .def(py::init([](std::string host, int port, std::string key, std::string mac_key, int64_t member,
                        double period_s, double io_timeout_s, double python_grace_s, double store_after_s,
-                       std::string liveness_host, int liveness_port) {
+                       std::string liveness_host, int liveness_port, double store_period_s) {
              auto sink = std::make_unique<TcpStoreSink>(std::move(host), port, Heartbeat::io_timeout(io_timeout_s));
              std::string store_key = key;
              return std::make_unique<Heartbeat>(std::move(sink), std::move(key), std::move(store_key),
                                                 std::move(mac_key), member, period_s, python_grace_s, store_after_s,
-                                                liveness_host, liveness_port);
+                                                liveness_host, liveness_port, store_period_s);
            }),
            py::arg("host"), py::arg("port"), py::arg("key"), py::arg("mac_key"), py::arg("member"),
            py::arg("period_s"), py::arg("io_timeout_s"), py::arg("python_grace_s"), py::arg("store_after_s") = 1.0,
-           py::arg("liveness_host") = "", py::arg("liveness_port") = 0,
+           py::arg("liveness_host") = "", py::arg("liveness_port") = 0, py::arg("store_period_s") = 0.0,
            py::call_guard<py::gil_scoped_release>())
       .def_static(
           "on_etcd",
           [](std::vector<std::pair<std::string, int>> endpoints, std::string user, std::string password,
              std::string key, std::string store_key, std::string mac_key, int64_t member, double period_s,
              double io_timeout_s, double python_grace_s, double store_after_s, std::string liveness_host,
-             int liveness_port) {
+             int liveness_port, double store_period_s, std::vector<std::string> tokens, size_t first) {
             auto sink = std::make_unique<EtcdSink>(std::move(endpoints), std::move(user), std::move(password),
-                                                   Heartbeat::io_timeout(io_timeout_s));
+                                                   Heartbeat::io_timeout(io_timeout_s), std::move(tokens), first);
             return std::make_unique<Heartbeat>(std::move(sink), std::move(key), std::move(store_key),
                                                std::move(mac_key), member, period_s, python_grace_s, store_after_s,
-                                               liveness_host, liveness_port);
+                                               liveness_host, liveness_port, store_period_s);
           },
           py::arg("endpoints"), py::arg("user"), py::arg("password"), py::arg("key"), py::arg("store_key"),
           py::arg("mac_key"), py::arg("member"), py::arg("period_s"), py::arg("io_timeout_s"),
           py::arg("python_grace_s"), py::arg("store_after_s") = 1.0, py::arg("liveness_host") = "",
-          py::arg("liveness_port") = 0, py::call_guard<py::gil_scoped_release>(),
+          py::arg("liveness_port") = 0, py::arg("store_period_s") = 0.0,
+          py::arg("tokens") = std::vector<std::string>{}, py::arg("first") = 0, py::call_guard<py::gil_scoped_release>(),
           "The beat written to an etcd cluster through its HTTP gateway (plain http)")
       .def("touch", &Heartbeat::touch)
       .def("stop", &Heartbeat::stop, py::call_guard<py::gil_scoped_release>())

@@ -43,6 +43,7 @@ class Member:
     # Liveness, on the coordinator's clock only (roles on other machines need not agree on time):
     beats: int = field(default=0, repr=False)  # the highest verified heartbeat counter read
     beat_at: float = field(default=0.0, repr=False)  # when it last changed
+    checked_at: float = field(default=0.0, repr=False)  # when its beats were last read outside a scan of all
     lost_base: int = field(default=0, repr=False)  # transport reports of its rank before it took its role
     #: The longest heartbeat silence seen while it was alive (what its deadline is measured against).
     max_silence_s: float = 0.0

@@ -247,7 +247,7 @@ class Recovery:
             aimed, endpoint = None, None
         beat = self.store.heartbeat(self.member, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
                                     python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER,
-                                    liveness=endpoint)
+                                    store_period=timing.LIVENESS_STORE_PERIOD, liveness=endpoint)
         self._beat = beat
         hint_generation(self.store, self._fresh_generation)
         store: JobStore | None = None

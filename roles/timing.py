@@ -24,6 +24,7 @@ __all__ = [
     "LIVENESS_FRESH",
     "LIVENESS_REAIM",
     "LIVENESS_STORE_AFTER",
+    "LIVENESS_STORE_PERIOD",
     "NCCL_TIMEOUT",
     "PROCESS_GROUP_TIMEOUT",
     "PROMOTION_WAIT",
@@ -82,6 +83,11 @@ STORE_LOST = timedelta(seconds=10)  # the store unreachable this long: the coord
 # every member it has not heard that long; the role reads the endpoint's address again every
 # LIVENESS_REAIM while no answer comes.
 LIVENESS_STORE_AFTER = timedelta(seconds=1)
+# Meanwhile the store takes one beat in five (the datagrams go on every beat): a coordinator's death
+# sends every role's beats to the store at once, and at 10 a second 1,024 ranks' were 20,000 writes a
+# second, more than a 3-member etcd takes (its successor could not read them: false deaths). Five
+# beats a 2.5 s deadline.
+LIVENESS_STORE_PERIOD = timedelta(milliseconds=500)
 LIVENESS_REAIM = timedelta(seconds=1)
 # An answer this recent vouches for the generation number it carried: a role's checks of the
 # generation (each step, each HEARTBEAT_PERIOD, a waiting standby's) ask the store only when it

@@ -5,10 +5,12 @@ real 3-member etcd cluster with authentication (the beat speaks its HTTP gateway
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 import hmac
 import random
+import socket
 import time
 from datetime import timedelta
 
@@ -23,6 +25,7 @@ from replica.errors import JobStateError
 from replica.jobstore import Heartbeat, JobStore, ThreadHeartbeat, keys
 from replica._testing.etcd import EtcdCluster
 from replica._testing import wait_for
+from replica.timing import Deadline
 
 TOKEN = b"heartbeat-test-token"
 PERIOD = timedelta(milliseconds=20)
@@ -184,3 +187,66 @@ def test_on_etcd_over_https_the_beat_is_a_python_thread(tmp_path):
             assert store.get(keys.heartbeat(11)).beat >= 3
         finally:
             beat.stop()
+
+
+def test_while_unanswered_the_store_takes_a_beat_each_store_period(store):
+    """Aimed at an endpoint that never answers, the datagrams go on every beat and the store
+    takes one beat each ``store_period`` once ``store_after`` passed (a coordinator's death
+    sends every role's beats to the store at once: at every beat, 2,048 roles overran etcd)."""
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sink.bind(("127.0.0.1", 0))
+    sink.setblocking(False)
+    with pytest.raises(ValueError, match="at least the period"):
+        store.heartbeat(20, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30),
+                        store_period=PERIOD / 2)
+    store_period = timedelta(milliseconds=400)
+    beat = store.heartbeat(20, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30),
+                           store_after=timedelta(milliseconds=100), store_period=store_period,
+                           liveness=sink.getsockname())
+    seen, datagrams = set(), 0
+    try:
+        watched = Deadline.after(timedelta(seconds=2))
+        while not watched.expired:
+            beat.touch()
+            value = store.get(keys.heartbeat(20))
+            if value is not None:
+                seen.add(value.beat)
+            try:
+                while sink.recv(4096):
+                    datagrams += 1
+            except BlockingIOError:
+                pass
+            time.sleep(0.01)
+        beats = beat.beats
+    finally:
+        beat.stop()
+        sink.close()
+    assert beats >= 20, beats  # every 20 ms (fewer on a loaded machine)
+    assert datagrams >= beats // 2, (datagrams, beats)  # each beat's datagram went out
+    # At most one write each 400 ms in 2 s (at every beat it would have been ~100); at least two.
+    assert 2 <= len(seen) <= 2 / store_period.total_seconds() + 1, sorted(seen)
+
+
+def test_on_etcd_the_beat_writes_with_the_tokens_of_its_store(etcd):
+    """The native beat starts with the simple tokens the role's store holds (etcd renews them
+    as that store uses them) and authenticates nowhere: given a wrong password it still beats,
+    where a beat without the tokens is refused (an authentication per role, all at once after
+    a coordinator's death, held etcd for seconds)."""
+    raw = EtcdStore(etcd.config(namespace=f"{etcd.namespace}heartbeat-tokens/"))
+    store = JobStore(raw, token=TOKEN)
+    store.put(keys.heartbeat(21), Heartbeat(member=21, beat=0))  # the store authenticates (its token)
+    raw.config = dataclasses.replace(raw.config, password="not-the-password")  # what the beat is given
+    beat = store.heartbeat(21, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
+    config = raw.config
+    refused = _C.Heartbeat.on_etcd(endpoints=list(config.endpoints), user=config.user, password=config.password,
+                                   key="k", store_key=config.namespace + "k", mac_key=b"k" * 32, member=22,
+                                   period_s=0.02, io_timeout_s=2, python_grace_s=30)
+    try:
+        wait_for(lambda: beat.beats >= 3, "beats with the store's tokens")
+        assert store.get(keys.heartbeat(21)).beat >= 3
+        assert beat.failing_for == 0, beat.last_error
+        wait_for(lambda: refused.failing_for > 0, "the beat without tokens refused")
+        assert refused.beats == 0 and "refused the beat's user" in refused.last_error, refused.last_error
+    finally:
+        beat.stop()
+        refused.stop()

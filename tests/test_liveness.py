@@ -152,6 +152,21 @@ def test_the_generation_hint_saves_store_reads_and_the_commit_never_uses_it(stor
         hint_generation(jobs, None)
 
 
+def _silenced_is_found(coord, beat, rank: int, deadline: timedelta) -> None:
+    """Stop ``beat`` (trainer ``rank``'s, before the first commit) and poll ``coord`` until it
+    decides: the job fails for that rank's silence, within 5x its deadline."""
+    beat.stop()
+    stopped = time.monotonic()
+    decisions = []
+    while not decisions and time.monotonic() - stopped < 30:
+        decisions = coord.poll()
+        time.sleep(0.02)
+    took = time.monotonic() - stopped
+    assert [(d.kind.value, d.rank) for d in decisions] == [("failed", rank)], decisions
+    assert "no heartbeat" in decisions[0].reason
+    assert took < deadline.total_seconds() * 5, took
+
+
 def test_the_coordinator_times_beats_it_hears_and_reads_the_store_only_for_the_unheard():
     """A trainer that beats to the coordinator's endpoint only stays alive past its
     deadline with its store key untouched; one that beats to the store only (its
@@ -185,16 +200,7 @@ def test_the_coordinator_times_beats_it_hears_and_reads_the_store_only_for_the_u
             assert jobs.get(keys.heartbeat(members[0])).beat == before_aim <= 1  # never written since the aim
             assert jobs.get(keys.heartbeat(members[1])).beat > 5  # the other's beats went to the store
             assert coord.liveness_report()["members_heard"] == 1
-            udp.stop()  # the fault: the endpoint hears nothing more from member 0
-            stopped = time.monotonic()
-            decisions = []
-            while not decisions and time.monotonic() - stopped < 30:
-                decisions = coord.poll()
-                time.sleep(0.02)
-            took = time.monotonic() - stopped
-            assert [(d.kind.value, d.rank) for d in decisions] == [("failed", 0)], decisions  # before the first commit
-            assert "no heartbeat" in decisions[0].reason
-            assert took < deadline.total_seconds() * 5, took
+            _silenced_is_found(coord, udp, 0, deadline)  # the fault: the endpoint hears nothing more from member 0
         finally:
             udp.stop()
             stored.stop()
@@ -212,3 +218,45 @@ def test_a_beat_aimed_from_the_start_never_writes_the_store(store):
     finally:
         beat.stop()
         server.stop()
+
+
+def test_a_deadline_is_met_within_a_poll_not_a_scan_of_every_beat(monkeypatch):
+    """Between the coordinator's reads of every beat (``BEAT_SCAN``, here longer than the
+    test) a poll looks at the liveness endpoint's table and reads the store's beats of the
+    members it shows overdue only: a member that stops beating to the endpoint is declared
+    dead at its deadline, with no scan of every beat in between, and a member beating to
+    the store only (never heard at the endpoint) is read there and kept alive."""
+    from replica.roles import timing
+    from replica.roles.coordinator import Coordinator, Deadlines
+    from replica.roles.join import JoinRequest, post_request
+
+    monkeypatch.setattr(timing, "BEAT_SCAN", timedelta(seconds=600))
+    deadline = timedelta(seconds=1)
+    coord = Coordinator(world_size=3, token=TOKEN, deadlines=Deadlines(trainer=deadline, standby=deadline))
+    jobs = JobStore(dist.TCPStore("127.0.0.1", coord.port, is_master=False, timeout=timedelta(seconds=30)),
+                    token=TOKEN)
+    beats = []
+    try:
+        host, _, port = jobs.get(keys.liveness()).value.rpartition(":")
+        members = [post_request(jobs, JoinRequest(role="trainer", rank=r, host="h", pid=100 + r, nonce=f"n{r}"), TOKEN)
+                   for r in range(3)]
+        assert coord.poll() == []  # admits them, and reads every beat (the first scan)
+        scanned_at = coord._beats_read_at
+        assert scanned_at > 0
+        for m in members:
+            beats.append(jobs.heartbeat(m, period=timedelta(milliseconds=100), io_timeout=IO, python_grace=GRACE,
+                                        store_after=timedelta(seconds=60)))
+        beats[0].aim(host, int(port))
+        beats[1].aim(host, int(port))  # beats[2]: the store only
+        wait_for(lambda: beats[0].replies > 0 and beats[1].replies > 0, "answers")
+        end = Deadline.after(deadline * 3)
+        while not end.expired:
+            assert coord.poll() == []  # the store-only member is read when overdue, and alive
+            time.sleep(0.02)
+        assert jobs.get(keys.heartbeat(members[2])).beat > 10
+        _silenced_is_found(coord, beats[1], 1, deadline)  # the fault
+        assert coord._beats_read_at == scanned_at  # found by a poll's look, not by a scan of every beat
+    finally:
+        for b in beats:
+            b.stop()
+        coord.close()

@@ -219,6 +219,14 @@ class _Client:
                 self._tokens[endpoint] = token
         return token
 
+    def tokens(self) -> tuple[int, list[str]]:
+        """The member that answered last and the simple token held for each member ('' where
+        none), that member's made now if there is none (a call of its own)."""
+        if self.config.user:
+            self._token(self._member)
+        with self._tokens_lock:
+            return self._member, [self._tokens.get(e, "") for e in self.config.endpoints]
+
     def _post(self, endpoint: tuple[str, int], path: str, body: bytes, headers: dict) -> tuple[int, dict]:
         conns: dict = self._local.__dict__.setdefault("conns", {})
         timeout = self.config.request_timeout.total_seconds()
@@ -306,6 +314,14 @@ class EtcdStore(dist.Store):
 
     def __repr__(self) -> str:  # never the password
         return f"EtcdStore({self._client._where()}, namespace={self.config.namespace!r})"
+
+    def tokens(self) -> tuple[int, list[str]]:
+        """For a native heartbeat's writes: the member this store talks to and the simple token
+        it holds for each member ('' where none), so that the heartbeat authenticates nowhere
+        (an authentication is a bcrypt hash on the member: a coordinator's death sent every
+        role's beats to the store at once, 2,048 authentications that held etcd for seconds);
+        the tokens stay valid while this store uses them (etcd renews a token on each use)."""
+        return self._client.tokens()
 
     def fenced(self, key: str, value: bytes) -> EtcdStore:
         """The same store, its writes fenced by ``key`` holding ``value``."""

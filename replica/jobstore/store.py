@@ -112,7 +112,8 @@ class JobStore:
         return self._view(dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout))
 
     def heartbeat(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta,
-                  store_after: timedelta = timedelta(seconds=1), liveness: tuple[str, int] | None = None):
+                  store_after: timedelta = timedelta(seconds=1), liveness: tuple[str, int] | None = None,
+                  store_period: timedelta | None = None):
         """Start writing ``Heartbeat(member, beat)`` with a rising ``beat`` every ``period``
         from a native thread on a TCP connection of its own (TCPStore only), signed as
         ``put`` signs: it needs no GIL, so a main thread busy in Python does not delay
@@ -121,8 +122,9 @@ class JobStore:
 
         ``aim(host, port)`` sends the beats to the coordinator's liveness endpoint
         (``liveness_server``, one UDP datagram each, the same signed value) instead of the
-        store, which then takes them only while no answer came for ``store_after``; each
-        answer carries the job's generation number (``generation``, ``reply_age``).
+        store, which then takes them only while no answer came for ``store_after``, one each
+        ``store_period`` (default: every beat) while the datagrams go on every ``period``;
+        each answer carries the job's generation number (``generation``, ``reply_age``).
         ``liveness``: aimed there from the first beat.
 
         On etcd the native thread speaks the members' HTTP gateway; over https
@@ -132,9 +134,15 @@ class JobStore:
         if isinstance(self.raw, EtcdStore) and self.raw.config.ca_file:
             return ThreadHeartbeat(self.reconnect(io_timeout), member, period=period, python_grace=python_grace)
         aimed = {"liveness_host": liveness[0], "liveness_port": liveness[1]} if liveness is not None else {}
+        if store_period is not None:
+            if store_period < period:
+                raise ValueError(f"store_period ({store_period}) must be at least the period ({period})")
+            aimed["store_period_s"] = store_period.total_seconds()
         if isinstance(self.raw, EtcdStore):
             config, full = self.raw.config, self.full(keys.heartbeat(member))
+            first, tokens = self.raw.tokens()
             return _C.Heartbeat.on_etcd(endpoints=list(config.endpoints), user=config.user, password=config.password,
+                                        tokens=tokens, first=first,
                                         key=full, store_key=config.namespace + full, mac_key=self._mac_key,
                                         member=member, period_s=period.total_seconds(),
                                         io_timeout_s=io_timeout.total_seconds(),
@@ -225,15 +233,19 @@ class JobStore:
         one request each once any is absent (a TCPStore: its multi-get waits for every key)."""
         return getattr(self.raw, "get_present", None) is not None
 
-    def get_many(self, keys_: Sequence[Key[T]]) -> list[T | None]:
-        full = [self.full(k) for k in keys_]
-        present = getattr(self.raw, "get_present", None)  # etcd: absent keys too, in one range each 128
+    def read_raw_many(self, names: Sequence[str]) -> list[bytes | None]:
+        """``read_raw`` of each full key in ``names``: in a few requests on etcd (absent keys
+        too, in one range each 128), in one on a TCPStore when every key is present (its
+        multi-get waits for absent ones), else one each."""
+        present = getattr(self.raw, "get_present", None)
         if present is not None:
-            values = present(full)
-        elif not self.raw.check(full):
-            return [self.get(k) for k in keys_]
-        else:
-            values = self.raw.multi_get(full)
+            return list(present(list(names)))
+        if not self.raw.check(list(names)):
+            return [self.read_raw(name) for name in names]
+        return list(self.raw.multi_get(list(names)))
+
+    def get_many(self, keys_: Sequence[Key[T]]) -> list[T | None]:
+        values = self.read_raw_many([self.full(k) for k in keys_]) if keys_ else []
         out: list[T | None] = []
         for key, raw in zip(keys_, values):
             if raw is None:
