@@ -1,10 +1,8 @@
 """``EtcdStore``: the job store on an etcd cluster, for jobs on many hosts.
 
-A ``torch.distributed.Store`` (so ``JobStore``, the commit record and gloo's
-rendezvous use it as they use the embedded ``TCPStore``) that speaks etcd's v3
-HTTP/JSON gateway with the standard library: no client package (the ``etcd3``
-client fails to import with protobuf 7), one keep-alive HTTP connection per
-thread and member.
+A ``torch.distributed.Store`` (used as the embedded ``TCPStore`` is) that speaks etcd's v3
+HTTP/JSON gateway with the standard library (``etcd3`` fails to import with protobuf 7),
+one keep-alive HTTP connection per thread and member.
 
 What it adds over ``TCPStore``: the state survives the loss of any one host (a
 3-member cluster keeps a quorum), etcd's users and roles authenticate every call
@@ -12,9 +10,8 @@ What it adds over ``TCPStore``: the state survives the loss of any one host (a
 store can be fenced: its writes apply only while a key holds a given value (the
 coordinator's claim, ``replica.roles.election``).
 
-Every call has a deadline (``EtcdConfig.request_timeout``) and moves on to the
-next member when one does not answer in time: a write in flight to a lost leader
-otherwise hangs ~7 s. Retries are safe: puts are idempotent, counters and
+Every call has a deadline (``EtcdConfig.request_timeout``) and moves on to the next member
+when one does not answer in time (a write to a lost leader hangs ~7 s otherwise). Retries are safe: puts are idempotent, counters and
 compare-and-set are transactions that compare revisions or values, and a retried
 compare-and-set that already applied reads back its own value, which callers
 take for success (``TCPStore.compare_set`` semantics). A cluster that answers on
@@ -220,8 +217,7 @@ class _Client:
         return token
 
     def tokens(self) -> tuple[int, list[str]]:
-        """The member that answered last and the simple token held for each member ('' where
-        none), that member's made now if there is none (a call of its own)."""
+        """``EtcdStore.tokens``: the last member's token is made now if there is none."""
         if self.config.user:
             self._token(self._member)
         with self._tokens_lock:
@@ -316,11 +312,10 @@ class EtcdStore(dist.Store):
         return f"EtcdStore({self._client._where()}, namespace={self.config.namespace!r})"
 
     def tokens(self) -> tuple[int, list[str]]:
-        """For a native heartbeat's writes: the member this store talks to and the simple token
-        it holds for each member ('' where none), so that the heartbeat authenticates nowhere
-        (an authentication is a bcrypt hash on the member: a coordinator's death sent every
-        role's beats to the store at once, 2,048 authentications that held etcd for seconds);
-        the tokens stay valid while this store uses them (etcd renews a token on each use)."""
+        """The member this store talks to and its simple token for each member ('' where none),
+        for a native beat to write with, not authenticating (a bcrypt hash on the member: all
+        roles' at once, after a coordinator's death, held etcd for seconds); valid while this
+        store uses them (etcd renews a token on each use)."""
         return self._client.tokens()
 
     def fenced(self, key: str, value: bytes) -> EtcdStore:
