@@ -43,7 +43,7 @@ def cluster():
 
 
 def python_on(host, *args: str, stdin=None, env: dict[str, str] | None = None) -> subprocess.Popen:
-    env = dict(os.environ, REPLICA_TOKEN=TOKEN, UCX_LOG_LEVEL="fatal", PYTHONPATH=str(ROOT), **(env or {}))
+    env = {**os.environ, "REPLICA_TOKEN": TOKEN, "UCX_LOG_LEVEL": "fatal", "PYTHONPATH": str(ROOT), **(env or {})}
     return host.popen([sys.executable, *args], env=env, cwd=ROOT, stdin=stdin, stdout=subprocess.PIPE,
                       stderr=subprocess.STDOUT, text=True)
 

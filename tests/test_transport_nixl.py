@@ -29,6 +29,7 @@ from transport_contract import (
     run_transport_contract,
 )
 from replica._testing import spawn
+from test_hosts import python_on
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'replica[nixl]')")
 
@@ -240,18 +241,6 @@ def test_weights_pushed_over_nixl_arrive_exact_and_a_corrupted_bucket_is_resent(
 # --- between two network-namespace hosts ---
 
 
-def _python_on(host, *args: str, env: dict[str, str]):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    return host.popen([sys.executable, *args], env=dict(os.environ, REPLICA_TOKEN="nixl-hosts", PYTHONPATH=str(root),
-                                                        **env),
-                      cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 def _first_word(proc, word: str) -> list[str]:
     """The first line of ``proc``'s output that starts with ``word`` (NIXL logs lines of its own first)."""
     while line := proc.stdout.readline():
@@ -276,11 +265,11 @@ def test_a_peer_killed_on_another_host_is_found_at_once():
     env = {"UCX_TLS": "tcp,self", "UCX_LOG_LEVEL": "fatal"}
     with testcluster.NetnsCluster(testcluster.ClusterConfig(hosts=2)) as cluster:
         a, b = cluster.hosts
-        listener = _python_on(b, peer, "listen", b.address, "0", "nixl", env=env)
+        listener = python_on(b, peer, "listen", b.address, "0", "nixl", env=env)
         holder = None
         try:
             address = _first_word(listener, "address")[1]
-            holder = _python_on(a, peer, "hold", address, "0", "nixl", env=env)
+            holder = python_on(a, peer, "hold", address, "0", "nixl", env=env)
             _first_word(holder, "connected")
             time.sleep(0.5)  # the listener's side is up too
             listener.kill()  # SIGKILL: ip netns exec, unshare and sh each exec the next
@@ -313,11 +302,11 @@ def test_nixl_between_two_hosts_crosses_their_link():
     env = {"UCX_TLS": "tcp,self", "UCX_LOG_LEVEL": "fatal"}
     with testcluster.NetnsCluster(testcluster.ClusterConfig(hosts=2)) as cluster:
         a, b = cluster.hosts
-        receiver = _python_on(b, peer, "listen", b.address, str(nbytes), "nixl", env=env)
+        receiver = python_on(b, peer, "listen", b.address, str(nbytes), "nixl", env=env)
         try:
             address = _first_word(receiver, "address")[1]
             before = a.link_bytes()[1]
-            sender = _python_on(a, peer, "send", address, str(nbytes), "nixl", env=env)
+            sender = python_on(a, peer, "send", address, str(nbytes), "nixl", env=env)
             out = sender.communicate(timeout=120)[0]
             assert sender.returncode == 0 and "sent" in out, out[-3000:]
             received = receiver.communicate(timeout=60)[0]
