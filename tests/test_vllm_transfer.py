@@ -465,7 +465,8 @@ def test_a_killed_engine_is_skipped_and_its_replacement_refreshed(engine, models
             _stop(replacement)
 
 
-@pytest.mark.parametrize("mode", ["in_place", "staged"])
+# staged: `make test-slow` (its correctness is test_staged_with_one_buffer_...; `make bench` measures both)
+@pytest.mark.parametrize("mode", ["in_place", pytest.param("staged", marks=pytest.mark.slow)])
 def test_the_engines_memory_stays_bounded_over_syncs(tmp_path, mode):
     """In place (the backend's default) and staged with one receive buffer, the engine holds
     the live weights, one more copy and a fixed overhead: asserted loosely here, the engine
