@@ -61,6 +61,7 @@ import torch.distributed as dist
 from replica.jobstore.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
 from replica.jobstore import Generation, Heartbeat, JobStore, keys
 from replica.roles import timing
+from replica.roles.recovery import aim_beats
 from replica.roles.timing import Deadlines
 from replica.jobstore.stores import StoreAddress
 from replica._testing import CountingStore, spawn
@@ -345,15 +346,9 @@ def _member_beats(pipe, address: str, environ: dict[str, str], n: int, index: in
                 b.touch()  # a role's watch: the interpreter lives
             # and, while no answer comes, it points its beat at the endpoint the coordinator published
             # (one read here for the simulated roles, each role's own in a job: a coordinator that moved)
-            unanswered = [b for b in beats.values() if b.reply_age > reaim]
-            if unanswered and time.monotonic() - aimed_at > reaim:
+            if time.monotonic() - aimed_at > reaim and any(b.reply_age > reaim for b in beats.values()):
                 aimed_at = time.monotonic()
-                published = store.get(keys.liveness())
-                if published is not None and published.value != aimed:
-                    aimed = published.value
-                    host, _, port = aimed.rpartition(":")
-                    for b in beats.values():
-                        b.aim(host, int(port))
+                aimed = aim_beats(list(beats.values()), store, aimed, f"beater {index}")
             while pipe.poll():
                 command = pipe.recv()
                 if command[0] == "silence":
@@ -390,6 +385,11 @@ def _member_beats(pipe, address: str, environ: dict[str, str], n: int, index: in
         if left > 0:
             time.sleep(left)
     pipe.send(("late",))
+
+
+def _why(decision) -> str:
+    """A death the coordinator decided, for the report: who, and its reason."""
+    return f"{decision.dead.role} {decision.dead.rank}: {decision.reason}"
 
 
 def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
@@ -483,8 +483,7 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
             loop(Deadline.after(2 * deadlines.trainer + timedelta(seconds=1)), successor, after, polls_after)
             successor.close()
             takeover = {"takeover_s": took, "members": len(successor.members), "alive": len(successor.alive()),
-                        "false_deaths": len(after), "reasons": [f"{d.dead.role} {d.dead.rank}: {d.reason}"
-                                                                for _, d in after if d.dead is not None][:8],
+                        "false_deaths": len(after), "reasons": [_why(d) for _, d in after if d.dead is not None][:8],
                         "poll_ms_median": statistics.median(polls_after) * 1e3}
         for b in beaters:
             b.send("exit")
@@ -500,9 +499,8 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
             "poll_ms_median": statistics.median(steady_poll) * 1e3,
             "poll_ms_p99": steady_poll[min(len(steady_poll) - 1, math.ceil(0.99 * len(steady_poll)) - 1)] * 1e3,
             "false_deaths": false_deaths + len(others), "job_failed": failed,
-            "false_death_reasons": [f"{d.dead.role} {d.dead.rank}: {d.reason}" for _, d in decisions[:false_deaths]
-                                    if d.dead is not None][:8] + [f"{d.dead.role} {d.dead.rank}: {d.reason}"
-                                                                  for d in others][:8], "detect_kill_ms": found["kill"],
+            "false_death_reasons": [_why(d) for _, d in decisions[:false_deaths] if d.dead is not None][:8]
+            + [_why(d) for d in others][:8], "detect_kill_ms": found["kill"],
             "detect_freeze_ms": found["freeze"], "detect_lost_host_ms": found["lost host"], "takeover": takeover}
 
 

@@ -4,12 +4,11 @@ the store's heartbeat keys, read into each member's last beat."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 
 from replica.jobstore import Heartbeat, Text, keys
 from replica.roles import timing
-from replica.roles.env import ROLES
+from replica.roles.env import ROLES, Role
 from replica.roles.members import Member, MemberState
 
 
@@ -74,9 +73,23 @@ class Beats:
                 unheard.append(member)
         return unheard
 
-    def _recheck_overdue(self, now: float, limit: Callable[[Member], float]) -> None:
+    def _limit(self, member: Member, now: float) -> tuple[float, bool]:
+        """The silence (s) past which ``member`` is dead, and whether its standby reported its
+        connection gone (then a short silence confirms it)."""
+        deadline = self.deadlines.of(member.role).total_seconds()
+        if member.role != Role.TRAINER:
+            return deadline, False
+        reports = self._lost.get(member.rank, 0)
+        # A report this soon after the promotion may still be about its predecessor.
+        if now - member.since < timing.LATE_REPORT.total_seconds():
+            member.lost_base = reports
+        if reports > member.lost_base:
+            return min(deadline, self.deadlines.confirm.total_seconds()), True
+        return deadline, False
+
+    def _recheck_overdue(self, now: float) -> None:
         """Between reads of every beat, each poll: the members the liveness endpoint's table
-        (in memory) shows silent past ``limit`` (their deadline) have their beats read now, the
+        (in memory) shows silent past their ``_limit`` have their beats read now, the
         store's too where they beat there, and their silence is measured as of now. A deadline
         is met within a poll, not up to a ``BEAT_SCAN`` late (a freeze was found 2.7-2.9 s after
         a 2.5 s deadline at 1,024 ranks, bench-scale)."""
@@ -91,7 +104,7 @@ class Beats:
         if not candidates:
             return
         unheard = {m.id for m in self._heard(candidates, now)}
-        overdue = [m for m in candidates if now - m.beat_at > limit(m)]
+        overdue = [m for m in candidates if now - m.beat_at > self._limit(m, now)[0]]
         stale = [m for m in overdue if m.id in unheard]
         if stale:
             for member, beat in zip(stale, self.store.get_many([keys.heartbeat(m.id) for m in stale])):

@@ -165,7 +165,7 @@ class Coordinator(Admission, Beats, Generations):
         if now - self._beats_read_at >= timing.BEAT_SCAN.total_seconds():
             self._read_beats(now)
         else:
-            self._recheck_overdue(now, lambda m: self._limit(m, now)[0])
+            self._recheck_overdue(now)
         self._refresh_done()
         self._regroup(now)
         for member in self.alive():
@@ -181,20 +181,6 @@ class Coordinator(Admission, Beats, Generations):
                 decisions += self.declare_dead(member, f"no heartbeat for {silent:.1f} s (the {member.role} "
                                                        f"deadline is {deadline:g} s)")
         return decisions
-
-    def _limit(self, member: Member, now: float) -> tuple[float, bool]:
-        """The silence (s) past which ``member`` is dead, and whether its standby reported its
-        connection gone (then a short silence confirms it)."""
-        deadline = self.deadlines.of(member.role).total_seconds()
-        if member.role != Role.TRAINER:
-            return deadline, False
-        reports = self._lost.get(member.rank, 0)
-        # A report this soon after the promotion may still be about its predecessor.
-        if now - member.since < timing.LATE_REPORT.total_seconds():
-            member.lost_base = reports
-        if reports > member.lost_base:
-            return min(deadline, self.deadlines.confirm.total_seconds()), True
-        return deadline, False
 
     def _reprotect(self) -> None:
         """An unprotected rank is protected again once a live standby of it has published its

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import NoReturn
 
@@ -24,7 +24,7 @@ from replica.roles.env import Role
 
 from replica.roles.exits import ExitCode, exit_now
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "aim_beats"]
 
 logger = logging.getLogger(__name__)
 _HEARTBEAT_LOG_EVERY = 50  # repeated failures: one warning in 50 (5 s)
@@ -37,6 +37,25 @@ def _endpoint(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"not a host:port: {address!r}")
     return host, int(port)
+
+
+def aim_beats(beats: Sequence, store: JobStore, aimed: str | None, who: str) -> str | None:
+    """Point ``beats`` (native ``Heartbeat``s) at the liveness endpoint the coordinator
+    published, if it moved from ``aimed``; returns the address aimed at (None: none
+    published, the beats stay in the store). ``who`` names them in the log."""
+    published = store.get(keys.liveness())
+    if published is None or published.value == aimed:
+        return aimed
+    try:
+        endpoint = _endpoint(published.value)
+        for beat in beats:
+            beat.aim(*endpoint)
+    except (RuntimeError, ValueError) as exc:  # unresolvable here: the store path goes on
+        logger.warning("%s cannot beat to the liveness endpoint %s (%s); beating to the job store", who,
+                       published.value, exc)
+        return aimed
+    logger.info("%s beating to the liveness endpoint %s", who, published.value)
+    return published.value
 
 
 class Recovery:
@@ -268,7 +287,7 @@ class Recovery:
                     reaim = timing.LIVENESS_REAIM.total_seconds()
                     if beat.reply_age > reaim and time.monotonic() - aimed_at > reaim:
                         aimed_at = time.monotonic()  # first, and while no answer comes: the coordinator may have moved
-                        aimed = self._aim(beat, store, aimed)
+                        aimed = aim_beats([beat], store, aimed, f"[{self.role} rank {self.rank}]")
                     if self._superseded(store):
                         self._fenced_exit()
                     if self.group is not None and self.role == Role.TRAINER and \
@@ -290,21 +309,6 @@ class Recovery:
         finally:
             hint_generation(self.store, None)
             beat.stop()
-
-    def _aim(self, beat, store: JobStore, aimed: str | None) -> str | None:
-        """Point the beat at the liveness endpoint the coordinator published, if it moved;
-        returns the address aimed at (None: none published, the beats stay in the store)."""
-        published = store.get(keys.liveness())
-        if published is None or published.value == aimed:
-            return aimed
-        try:
-            beat.aim(*_endpoint(published.value))
-        except (RuntimeError, ValueError) as exc:  # unresolvable here: the store path goes on
-            logger.warning("[%s rank %d] cannot beat to the liveness endpoint %s (%s); beating to the job store",
-                           self.role, self.rank, published.value, exc)
-            return aimed
-        logger.info("[%s rank %d] beating to the liveness endpoint %s", self.role, self.rank, published.value)
-        return published.value
 
     def _fresh_generation(self) -> int | None:
         """The generation number the coordinator's last liveness answer carried, while that

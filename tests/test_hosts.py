@@ -48,6 +48,14 @@ def python_on(host, *args: str, stdin=None, env: dict[str, str] | None = None) -
                       stderr=subprocess.STDOUT, text=True)
 
 
+def reap(*procs: subprocess.Popen | None) -> None:
+    """Kill and wait for each process started (None: never started)."""
+    for proc in procs:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
 def reaches(src, dst, port: int, timeout_s: float = 2.0) -> bool:
     """Whether a TCP connection from ``src`` to ``dst``'s listener on ``port`` opens."""
     code = (f"import socket\ntry:\n socket.create_connection(({dst.address!r}, {port}), timeout={timeout_s})\n"
@@ -150,10 +158,7 @@ def test_a_peer_host_cut_off_is_found_without_any_traffic(cluster):
         assert found_after < 5 * 5, f"a cut-off peer was found after {found_after:.1f} s"
         print(f"a cut-off peer was found after {found_after:.1f} s")
     finally:
-        for proc in (listener, holder):
-            if proc is not None:
-                proc.kill()
-                proc.wait()
+        reap(listener, holder)
 
 
 # --- a job across hosts, started as docs/failover.md's multi-node recipe says ---

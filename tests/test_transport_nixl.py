@@ -29,7 +29,7 @@ from transport_contract import (
     run_transport_contract,
 )
 from replica._testing import spawn
-from test_hosts import python_on
+from test_hosts import python_on, reap
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'replica[nixl]')")
 
@@ -279,10 +279,7 @@ def test_a_peer_killed_on_another_host_is_found_at_once():
             assert found < 5 * 1.0, f"a killed peer on another host was found after {found:.2f} s"
             print(f"a killed NIXL peer on another host was found after {found * 1e3:.0f} ms")
         finally:
-            for proc in (listener, holder):
-                if proc is not None:
-                    proc.kill()
-                    proc.wait()
+            reap(listener, holder)
 
 
 @pytest.mark.netns

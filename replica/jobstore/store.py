@@ -133,11 +133,11 @@ class JobStore:
         and writes to the store only."""
         if isinstance(self.raw, EtcdStore) and self.raw.config.ca_file:
             return ThreadHeartbeat(self.reconnect(io_timeout), member, period=period, python_grace=python_grace)
-        aimed = {"liveness_host": liveness[0], "liveness_port": liveness[1]} if liveness is not None else {}
+        options = {"liveness_host": liveness[0], "liveness_port": liveness[1]} if liveness is not None else {}
         if store_period is not None:
             if store_period < period:
                 raise ValueError(f"store_period ({store_period}) must be at least the period ({period})")
-            aimed["store_period_s"] = store_period.total_seconds()
+            options["store_period_s"] = store_period.total_seconds()
         if isinstance(self.raw, EtcdStore):
             config, full = self.raw.config, self.full(keys.heartbeat(member))
             first, tokens = self.raw.tokens()
@@ -147,11 +147,11 @@ class JobStore:
                                         member=member, period_s=period.total_seconds(),
                                         io_timeout_s=io_timeout.total_seconds(),
                                         python_grace_s=python_grace.total_seconds(),
-                                        store_after_s=store_after.total_seconds(), **aimed)
+                                        store_after_s=store_after.total_seconds(), **options)
         return _C.Heartbeat(host=self.raw.host, port=self.raw.port, key=self.full(keys.heartbeat(member)),
                             mac_key=self._mac_key, member=member, period_s=period.total_seconds(),
                             io_timeout_s=io_timeout.total_seconds(), python_grace_s=python_grace.total_seconds(),
-                            store_after_s=store_after.total_seconds(), **aimed)
+                            store_after_s=store_after.total_seconds(), **options)
 
     def liveness_server(self, host: str, port: int = 0):
         """The coordinator's liveness endpoint: a native thread on a UDP socket bound to
@@ -237,12 +237,13 @@ class JobStore:
         """``read_raw`` of each full key in ``names``: in a few requests on etcd (absent keys
         too, in one range each 128), in one on a TCPStore when every key is present (its
         multi-get waits for absent ones), else one each."""
+        names = list(names)
         present = getattr(self.raw, "get_present", None)
         if present is not None:
-            return list(present(list(names)))
-        if not self.raw.check(list(names)):
+            return list(present(names))
+        if not self.raw.check(names):
             return [self.read_raw(name) for name in names]
-        return list(self.raw.multi_get(list(names)))
+        return list(self.raw.multi_get(names))
 
     def get_many(self, keys_: Sequence[Key[T]]) -> list[T | None]:
         values = self.read_raw_many([self.full(k) for k in keys_]) if keys_ else []
