@@ -499,3 +499,12 @@ def test_the_next_versions_receives_are_posted_early_only_into_a_slot_nothing_ne
         fresh = build_job(SHAPE, rank=0, world_size=2, fsdp=False, seed=5)
         assert mirror.restore(fresh.model, fresh.optimizer, fresh.extra, rank=0, world_size=2) == 3
         assert_state_equal(state_of(fresh), state_of(j))
+
+
+def test_a_refused_fetch_always_says_why(committed_mirror, store):
+    """A standby that does not hold the asked step answers so and hangs up at once; the
+    fetcher's receive of that answer is posted before it asks, so the answer arrives
+    before the end of the connection however the two race (thirty times; N_REFUSALS=300 under load to stress it)."""
+    for _ in range(int(os.environ.get("N_REFUSALS", "30"))):
+        with pytest.raises(ReplicaError, match="does not hold step 99"):
+            replica.fetch_mirror(rank=0, world_size=1, store=store, config=config(), step=99)

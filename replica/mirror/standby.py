@@ -52,8 +52,8 @@ from replica.session.protocol import (
     answer_layout,
     as_tensor,
     fingerprint_int,
+    post_reply,
     recv_layout,
-    recv_reply,
     send_layout,
     send_reply,
 )
@@ -490,9 +490,11 @@ def fetch_mirror(*, rank: int, world_size: int, store: dist.Store | JobStore, co
     device = torch.device(device)
     transport, conn = connect(registration, memory_kind(device), config, peer=f"the standby of rank {rank}")
     with transport:
+        # Posted before the request: a refusal the standby sends just before it hangs up is delivered.
+        answer = post_reply(conn)
         conn.send(as_tensor((-1 if step is None else step).to_bytes(8, "little", signed=True)), tag=FETCH,
                   timeout=timeout)
-        reply = recv_reply(conn, timeout)
+        reply = answer(timeout)
         if reply.status == Status.DAMAGED:
             raise SnapshotCorruptedError(
                 f"the standby of rank {rank} refused to send step {reply.step}: its copy changed in memory since "
