@@ -18,6 +18,8 @@ Needs root and ``ip netns`` (iproute2); ``available()`` says whether both are he
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import ipaddress
 import json
 import os
@@ -32,9 +34,15 @@ from datetime import timedelta
 from replica._testing import TornDown
 from replica.timing import Deadline
 
-__all__ = ["ClusterConfig", "Host", "NetnsCluster", "available"]
+__all__ = ["ClusterConfig", "Host", "NetnsCluster", "available", "enter"]
 
 _IP = "ip"
+_CLONE_NEWNET = 0x40000000  # <sched.h>; os.setns comes with Python 3.12
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def available() -> bool:
@@ -46,6 +54,17 @@ def available() -> bool:
     if made:
         subprocess.run([_IP, "netns", "del", probe], capture_output=True)
     return made
+
+
+def enter(netns: str) -> None:
+    """Move the calling thread into the network namespace ``netns``; the threads and
+    processes it starts after are there too. For a process that must talk over a host's
+    link without ``Host.command``'s wrapper (a test's spawned child): sockets made before
+    stay where they were, and the file system (``/sys`` included) is still the machine's."""
+    with open(f"/var/run/netns/{netns}", "rb") as ns:
+        if _libc().setns(ns.fileno(), _CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {netns}: {os.strerror(errno)}")
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -137,6 +156,10 @@ class Host:
 
     def heal(self) -> None:
         _run(_IP, "-n", self._switch, "link", "set", self._port, "up")
+
+    def enter(self) -> None:
+        """Move the calling thread into this host's network namespace (``enter``)."""
+        enter(self.netns)
 
     def link_bytes(self) -> tuple[int, int]:
         """(received, sent) bytes on the host's link so far."""
