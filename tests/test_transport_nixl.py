@@ -80,6 +80,41 @@ def test_a_storage_is_registered_once_for_every_bucket_in_it():
         assert not bases & {r.base for r in client.agent._regions.values()}, "a dropped storage stayed registered"
 
 
+def _receive_into_fresh_buffers(pipe, nbytes: int, count: int) -> None:
+    """Connect to the address sent; receive ``count`` buckets, each into a buffer of its own
+    that is dropped before the next; send back where each lay and what it held."""
+    with make_nixl(b"job-token") as transport:
+        conn = transport.connect(pipe.recv()[0], T)
+        where, held = [], []
+        for _ in range(count):
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            where.append(buf.data_ptr())
+            conn.recv(buf, tag=5, timeout=T)
+            held.append((int(buf.min()), int(buf.max())))
+            del buf
+        pipe.send((where, held, transport.agent.registered))
+        pipe.recv()  # the sender has what it needs: the connection may go
+
+
+def test_a_new_buffer_where_a_deregistered_one_lay_receives_exact():
+    """A receiver that drops each buffer after use: its registration goes (the memory goes
+    back), and the allocator hands the same address to a later buffer, registered anew with
+    fresh metadata. The sender's NIXL still holds the old metadata for that range (it has no
+    call to forget one registration of a peer); every write lands exact all the same, and the
+    receiver holds at most two registrations."""
+    nbytes, count = 4 * MiB, 12
+    with make_nixl(b"job-token") as transport, spawn(_receive_into_fresh_buffers, nbytes, count) as peer:
+        peer.send(transport.listen())
+        conn = transport.accept(T)
+        for i in range(count):
+            conn.send(torch.full((nbytes,), i, dtype=torch.uint8), tag=5, timeout=T)
+        where, held, registered = peer.recv()
+        peer.send("done")
+    assert held == [(i, i) for i in range(count)]
+    assert len(set(where)) < count, "no address came back: the case was not made"
+    assert registered <= 2, registered
+
+
 def test_a_send_larger_than_its_receive_is_refused_by_the_receiver():
     with make_nixl(b"job-token") as server, make_nixl(b"job-token") as client:
         conn, other = pair(server, client)

@@ -214,7 +214,15 @@ class Agent:
         if peer == self.name:
             return
         with self._lock:
-            self._agent.add_remote_agent(metadata)
+            try:
+                self._agent.add_remote_agent(metadata)
+            except Exception as exc:
+                # NIXL keeps a peer's metadata for memory the peer has deregistered since (it
+                # cannot forget one registration), and refuses a new key for the very same range
+                # (NIXL_ERR_NOT_ALLOWED). Where keys are per registration (RDMA), a new buffer
+                # at a freed one's address would hit it: this connection ends, loudly, and the
+                # next one (its peer loaded afresh once no connection holds it) starts clean.
+                raise TransportError(f"NIXL refused {peer}'s metadata for a new registration: {exc}") from exc
 
     def drop_peer(self, name: str) -> None:
         if name == self.name:
