@@ -5,7 +5,9 @@
 # each cut to what is left of BUDGET seconds (default 540), so a run that runs out still
 # says the most. Logs go to /tmp/gpu-logs and, packed, to ${OUT:-gpu-out}/logs.tgz beside the
 # result tables (a device call returns at most 8 files).
-# Usage: tools/gpu_check.sh [tests|bench|all|overlap] [extra pytest args]
+# Usage: tools/gpu_check.sh [tests|bench|all|overlap|nixl] [extra pytest args]
+# nixl: NIXL on device memory (tests/test_transport_gpu.py's nixl cases), after
+# `tools/gpu_wheels.sh nixl` here and with .whl carried (the base wheels do not fit beside it).
 # overlap: the mirror-beside-the-step checks first (tests/test_gpu_overlap.py, the transport's
 # GPU tests, the mirror and weight-sync benchmarks), then the other GPU tests in what is left.
 set -u -o pipefail
@@ -43,6 +45,10 @@ if [[ $WHAT == overlap ]]; then
   for f in tests/test_gpu_failover.py tests/test_gpu_real_job.py tests/test_gpu_placement.py tests/test_gpu_weights.py; do
     phase "$(basename $f .py)" 200 $P -m gpu $f --timeout 150 "$@"
   done
+fi
+if [[ $WHAT == nixl ]]; then
+  python3 -c "import nixl" 2>/dev/null || { echo "NIXL is not installed: tools/gpu_wheels.sh nixl, carry .whl"; exit 1; }
+  phase nixl_gpu 400 $P -m gpu tests/test_transport_gpu.py -k nixl --timeout 150 "$@"
 fi
 if [[ $WHAT == tests || $WHAT == all ]]; then
   phase ops 90 $P -m gpu tests/test_ops.py tests/test_pack_checksum.py --timeout 60 "$@"
