@@ -504,7 +504,7 @@ def test_the_next_versions_receives_are_posted_early_only_into_a_slot_nothing_ne
 def test_a_refused_fetch_always_says_why(committed_mirror, store):
     """A standby that does not hold the asked step answers so and hangs up at once; the
     fetcher's receive of that answer is posted before it asks, so the answer arrives
-    before the end of the connection however the two race (thirty times; N_REFUSALS=300 under load to stress it)."""
-    for _ in range(int(os.environ.get("N_REFUSALS", "30"))):
+    before the end of the connection however the two race (twenty times; N_REFUSALS=300 under load to stress it)."""
+    for _ in range(int(os.environ.get("N_REFUSALS", "20"))):
         with pytest.raises(ReplicaError, match="does not hold step 99"):
             replica.fetch_mirror(rank=0, world_size=1, store=store, config=config(), step=99)
