@@ -371,6 +371,10 @@ def test_a_tensor_parallel_multiprocess_engine_each_worker_receives(models):
     assert result["first"] == expected["first"]
 
 
+# `make test-slow`: make test syncs a `vllm serve` over the same routes in
+# test_a_killed_engine_is_skipped_and_its_replacement_refreshed (its completions equal an
+# in-process engine's); this one also compares log-probabilities with a fresh engine's.
+@pytest.mark.slow
 def test_the_openai_server_is_synced_through_its_weight_transfer_routes(models, tmp_path):
     """`vllm serve` (the OpenAI-compatible server, multi-process) with the replica backend,
     synced by a trainer over its HTTP routes (vLLM's HTTP client): its completions equal a
