@@ -364,14 +364,12 @@ def test_contract_nixl_between_two_hosts(check, two_hosts):
     """The whole contract with its two ends on two network-namespace hosts, NIXL's UCX
     plugin on tcp (these hosts share one machine, where UCX would otherwise move bytes
     through the kernel or shared memory): each check passes, its bytes over the link."""
-    from pathlib import Path
-
     from test_hosts import ROOT
 
     a, b = two_hosts
     before = sum(a.link_bytes())
     proc = python_on(a, "-c", _CHECK_ON_HOST, check.__name__, f"{a.netns},{a.address}", f"{b.netns},{b.address}",
-                     env={"UCX_TLS": "tcp,self", "PYTHONPATH": f"{ROOT}:{Path(__file__).resolve().parent}"})
+                     env={"UCX_TLS": "tcp,self", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
     try:
         out = proc.communicate(timeout=600)[0]
     finally:

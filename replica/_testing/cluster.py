@@ -157,10 +157,6 @@ class Host:
     def heal(self) -> None:
         _run(_IP, "-n", self._switch, "link", "set", self._port, "up")
 
-    def enter(self) -> None:
-        """Move the calling thread into this host's network namespace (``enter``)."""
-        enter(self.netns)
-
     def link_bytes(self) -> tuple[int, int]:
         """(received, sent) bytes on the host's link so far."""
         out = _run(_IP, "-n", self.netns, "-s", "-j", "link", "show", "eth0").stdout
