@@ -12,7 +12,10 @@ The loader goes into ``job.replicate`` with the rest of the state; the loop take
 batches from ``job.next_batch("train")``. After a failover the next batch is the one the
 failure-free run took, and the losses equal it bit for bit (``replica compare``).
 ``--unmirrored-noise`` plants a random draw from a generator that is *not* in the
-mirrored state: the divergence guard catches the redo that differs."""
+mirrored state: the divergence guard catches the redo that differs. ``--compile layers|model``
+compiles each decoder layer, or the whole sharded model; a standby runs one micro-step in
+``job.warm_up`` while it waits, so that a promotion does not compile (``--no-warm-up``: it does,
+and says so)."""
 
 from __future__ import annotations
 
@@ -58,7 +61,7 @@ def build_loader(kind: str, *, rank: int, world_size: int, workers: int, batch: 
     return DataLoader(data, batch_size=batch, sampler=sampler, num_workers=workers)
 
 
-def build_model(device: torch.device, *, world_size: int, dropout: float):
+def build_model(device: torch.device, *, world_size: int, dropout: float, compile: str = "none"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -72,8 +75,12 @@ def build_model(device: torch.device, *, world_size: int, dropout: float):
     mesh = init_device_mesh(device.type, (world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
+        if compile == "layers":
+            layer.compile()  # per block, before sharding (torchtitan's order); names unchanged
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if compile == "model":
+        return torch.compile(model)  # an OptimizedModule: its names gain "_orig_mod."
     return model
 
 
@@ -87,12 +94,15 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.1, help="attention dropout")
     parser.add_argument("--unmirrored-noise", action="store_true",
                         help="plant a random draw outside the mirrored state (the divergence guard must catch it)")
+    parser.add_argument("--compile", choices=("none", "layers", "model"), default="none",
+                        help="torch.compile each decoder layer, or the whole sharded model")
+    parser.add_argument("--no-warm-up", action="store_true", help="let a promoted standby compile in its failover")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = role_device(args.device)
     job = replica.roles.init()
     total = job.env.steps  # replica launch --steps
-    model = build_model(device, world_size=job.env.world_size, dropout=args.dropout)
+    model = build_model(device, world_size=job.env.world_size, dropout=args.dropout, compile=args.compile)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     warmup = max(1, total // 4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -101,16 +111,23 @@ def main() -> None:
                           batch=args.batch)
     job.replicate(model, optimizer, {"train": loader, "scheduler": scheduler, "rng": replica.RNGState()})
     noise = torch.Generator().manual_seed(99 + job.rank)  # not mirrored: only with --unmirrored-noise
+
+    def micro_step(batch: dict[str, torch.Tensor], planted: bool = False) -> torch.Tensor:
+        out = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device))
+        loss = out.loss / args.accumulate
+        if planted:
+            loss = loss * (1 + 1e-3 * torch.rand((), generator=noise)).to(device)
+        loss.backward()
+        return loss.detach()
+
+    # A standby compiles (and warms CUDA) now, on a sample batch of the real shapes, not in a failover.
+    sample = torch.zeros(args.batch, SEQ, dtype=torch.long)
+    if not args.no_warm_up:
+        job.warm_up(lambda: micro_step({"input_ids": sample, "labels": sample}))
     for step in job.steps(total):
         total_loss = torch.zeros((), device=device)
         for _ in range(args.accumulate):
-            batch = job.next_batch("train")
-            out = model(input_ids=batch["input_ids"].to(device), labels=batch["labels"].to(device))
-            loss = out.loss / args.accumulate
-            if args.unmirrored_noise:
-                loss = loss * (1 + 1e-3 * torch.rand((), generator=noise)).to(device)
-            loss.backward()
-            total_loss += loss.detach()
+            total_loss += micro_step(job.next_batch("train"), planted=args.unmirrored_noise)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
         scheduler.step()

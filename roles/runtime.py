@@ -24,6 +24,7 @@ from replica.errors import DivergenceError, FencedError
 from replica.jobstore import Epoch, ExportOutcome, ExportStatus, Flag, JobStore, Stamp, Text, keys
 from replica.state.export import export_path, load_export, step_folder
 from replica.state.restore import materialize_optimizer_state, restore_snapshot
+from replica.mirror.warmup import WarmUp, compiled_graphs, warm_up
 from replica.roles import timing
 from replica.roles.env import Phase, Role, RoleEnv, configure_logging
 from replica.roles.join import join
@@ -74,6 +75,8 @@ class Job(Recovery, Faults):
         self._losses: dict[int, str] = {}  # step -> the loss this process logged for it (hex)
         self._redo_in_store: set[int] = set()  # steps a promoted standby redoes that its trainer logged
         self._divergences_seen = 0  # of self._rep.divergences, those reported
+        self._warming = False  # a warm-up step runs now
+        self._warmed: WarmUp | None = None  # what this standby's warm-up did
 
     # --- what the script calls ---
 
@@ -114,6 +117,47 @@ class Job(Recovery, Faults):
         """The next batch of the data loader passed as ``extra[name]`` (``batches(name)``)."""
         return next(self.batches(name))
 
+    def warm_up(self, step: Callable[[], object]) -> WarmUp | None:
+        """On a standby, run ``step()`` once now, while it waits for a promotion, so that the
+        first step after a failover does not pay for ``torch.compile`` (tracing, code
+        generation) and CUDA's first-step work: a forward and a backward on a sample batch of
+        the real shapes, no optimizer step. Its collectives complete without communicating
+        (its loss and gradients are garbage); afterwards the gradients are dropped and every
+        global RNG is as before. Batches from the job's loaders, ``log``, ``commit`` and an
+        optimizer step are refused inside it (``replica.mirror.warmup``). A trainer returns
+        None at once (its first step compiles). A promotion that comes meanwhile waits for it.
+        The promoted standby says so if its first step compiled graphs the warm-up did not."""
+        if self._bound is None:
+            raise replica.ReplicaError("warm_up() before replicate()")
+        if self.role != Role.STANDBY:
+            return None
+        model, optimizer, extra = self._bound
+        self._warming = True
+        try:
+            self._warmed = warm_up(step, model=model, optimizer=optimizer, extra=extra, group=self.group)
+        finally:
+            self._warming = False
+        logger.info("[standby rank %d] warmed up in %.1f s (%d graphs compiled)", self.rank, self._warmed.seconds,
+                    self._warmed.graphs)
+        return self._warmed
+
+    def _not_warming(self, what: str) -> None:
+        if self._warming:
+            raise replica.ReplicaError(f"{what}() inside warm_up(): a warm-up step's loss and state are garbage")
+
+    def _first_step_compiled(self, graphs: int) -> None:
+        """A promoted standby's first step compiled ``graphs`` graphs, inside the failover."""
+        if graphs <= 0:
+            return
+        if self._warmed is None:
+            logger.warning("[trainer rank %d] the promoted standby's first step compiled %d torch.compile graph(s) "
+                           "inside the failover; job.warm_up(step) compiles them while the standby waits "
+                           "(docs/mirror.md)", self.rank, graphs)
+        else:
+            logger.warning("[trainer rank %d] the promoted standby's first step compiled %d torch.compile graph(s) "
+                           "its warm-up did not: give warm_up() a batch of the real shapes and the step's whole "
+                           "code path (docs/mirror.md)", self.rank, graphs)
+
     def on_restore(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(step)`` whenever this process's state was rolled back to the
         commit ``step`` (a survivor of a failover) or restored there (a promoted standby),
@@ -147,6 +191,7 @@ class Job(Recovery, Faults):
         logger.warning("[trainer rank %d] resumed from the export of step %d in %s", self.rank, snapshot.step, folder)
 
     def commit(self, step: int) -> bool:
+        self._not_warming("commit")
         self._fault(Phase.COMMIT, step)
         try:
             with self._store_guard():
@@ -198,6 +243,7 @@ class Job(Recovery, Faults):
         (``reward=...``) for the job report. A step redone after a failover is checked
         against the loss it had before (the divergence guard)."""
         # Reading the loss waits for the step's kernels, after which NCCL has reported any failure.
+        self._not_warming("log")
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         with self._store_guard():
             self._log(step, value, metrics)
@@ -237,15 +283,19 @@ class Job(Recovery, Faults):
         after its promotion, a step again after a failover rolled the job back to it."""
         total = self.env.steps if total is None else total
         step = self._resumed_from + 1
+        graphs = None  # a promoted standby's compiled graphs before its first step
         if self.role == Role.STANDBY:
             promoted = self._wait_promotion()
             if promoted is None:
                 return
-            step = promoted + 1
+            step, graphs = promoted + 1, compiled_graphs()
         while step <= total:
             self._step = step
             self._fault(Phase.FORWARD, step)
             yield step
+            if graphs is not None:
+                self._first_step_compiled(compiled_graphs() - graphs)
+                graphs = None
             with self._store_guard():
                 if self.group.check() is not None or self._failover_announced():
                     step = self._recover() + 1

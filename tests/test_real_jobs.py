@@ -24,10 +24,11 @@ pytest.importorskip("transformers", reason="examples/train_hf.py builds a Huggin
 LOADERS = {"stateful": ("--loader", "stateful"), "plain-workers": ("--loader", "plain", "--workers", "2")}
 
 
-def run(tmp_path: Path, loader: str, *options: str, name: str = "run") -> tuple[int, dict, str]:
+def run(tmp_path: Path, loader: str, *options: str, name: str = "run",
+        script_args: tuple[str, ...] = ()) -> tuple[int, dict, str]:
     if loader == "stateful":
         pytest.importorskip("torchdata", reason="the StatefulDataLoader is torchdata's (replica[data])")
-    return launch(tmp_path, *options, name=name, script=HF, steps=STEPS, script_args=LOADERS[loader])
+    return launch(tmp_path, *options, name=name, script=HF, steps=STEPS, script_args=LOADERS[loader] + script_args)
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,48 @@ def test_a_real_job_killed_twice_in_a_row_is_bit_identical(tmp_path, references,
     """Trainer 1 dies at step 3, then trainer 0 (a survivor of the first failover) at step 6."""
     assert_bit_identical(references(loader), *run(tmp_path, loader, "--inject",
                                                   "kill:trainer:1@3:backward,kill:trainer:0@6:optimizer"), kills=2)
+
+
+@pytest.fixture(scope="module")
+def compiled_references(tmp_path_factory, references):
+    """The failure-free run of each ``--compile`` mode (made once, when a test asks for it)."""
+    made = {}
+
+    def reference(mode: str) -> dict:
+        if mode not in made:
+            code, report, output = run(tmp_path_factory.mktemp(f"hf-compile-{mode}"), "stateful", name="reference",
+                                       script_args=("--compile", mode))
+            assert code == 0, output[-4000:]
+            assert compare_reports(references("stateful"), report) != [], \
+                "the compiled run equals the eager one: did torch.compile take effect?"
+            made[mode] = report
+        return made[mode]
+
+    return reference
+
+
+COMPILED_IN_FAILOVER = "first step compiled"  # the promoted standby's line when it compiles in its failover
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,phase", [("layers", "optimizer"), ("model", "backward")])
+def test_a_compiled_real_job_killed_once_is_bit_identical(tmp_path, compiled_references, mode, phase):
+    """``torch.compile`` per decoder layer (before sharding) or of the whole sharded model (an
+    ``OptimizedModule``, its names prefixed). The standby compiled in its warm-up
+    (``job.warm_up``), so its first step after the promotion compiles nothing, and the redo
+    equals the compiled failure-free run bit for bit."""
+    code, report, output = run(tmp_path, "stateful", "--inject", f"kill:trainer:1@5:{phase}",
+                               script_args=("--compile", mode))
+    assert_bit_identical(compiled_references(mode), code, report, output)
+    assert COMPILED_IN_FAILOVER not in output, "the warm-up did not cover the promoted standby's first step"
+
+
+@pytest.mark.slow
+def test_a_standby_without_a_warm_up_says_it_compiled_in_the_failover(tmp_path, compiled_references):
+    code, report, output = run(tmp_path, "stateful", "--inject", "kill:trainer:1@5:backward",
+                               script_args=("--compile", "model", "--no-warm-up"))
+    assert_bit_identical(compiled_references("model"), code, report, output)
+    assert COMPILED_IN_FAILOVER in output and "job.warm_up(step)" in output, output[-4000:]
 
 
 def test_a_random_draw_outside_the_mirrored_state_is_caught(tmp_path):

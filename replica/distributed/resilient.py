@@ -22,11 +22,12 @@ records a failure they report; ``errored`` alone is a plain read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 
 import torch
@@ -142,7 +143,7 @@ def _forward(name: str, target: str):
             inners, generation = self._inners, self._generation
         inner = inners.get(device, inners.get("cpu")) if inners else None
         if inner is None or self._error is not None:
-            if self._error is None:
+            if self._error is None and not self._rehearsing:
                 self._record(ReplicaError("collective on a process group with no members configured"), generation)
             return _Work(self, None, generation)
         try:
@@ -221,6 +222,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._aborted = -1  # the last generation whose NCCL backend abort() was started for
         self._drops: list[threading.Thread] = []  # old generations' gloo groups being dropped
         self.on_collective: Callable[[str], None] | None = None  # called with each collective's name (tests)
+        self._rehearsing = False
 
     @property
     def group_name(self) -> str:  # the base class keeps no name for Python subclasses
@@ -266,6 +268,25 @@ class ResilientProcessGroup(dist.ProcessGroup):
                 self._works = deque(w for w in self._works if id(w) not in finished)
         return self._error
 
+    @contextlib.contextmanager
+    def rehearsal(self) -> Iterator[None]:
+        """While in it, collectives complete at once without communicating, their outputs
+        left as they were (garbage), and no failure is recorded: a member that is not
+        connected yet (a standby) runs a step ahead of time, so that ``torch.compile`` and
+        CUDA's first-step work are done before its promotion (``replica.mirror.warmup``).
+        Refused on a connected group, and ``configure`` is refused inside it."""
+        with self._lock:
+            if self._inners or self._generation >= 0:
+                raise ReplicaError(f"a rehearsal needs a group not connected yet; generation {self._generation} is")
+            if self._rehearsing:
+                raise ReplicaError("a rehearsal is already running")
+            self._rehearsing = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._rehearsing = False
+
     def configure(self, generation: int, *, timeout: timedelta | None = None,
                   ready_timeout: timedelta | None = None, ready_abort: Callable[[], bool] | None = None) -> None:
         """Connect generation ``generation``: every member calls this with the same
@@ -278,6 +299,8 @@ class ResilientProcessGroup(dist.ProcessGroup):
         that wait early with ReplicaError (the generation was superseded)."""
         if generation <= self._generation:
             raise ValueError(f"generation {generation} is not newer than {self._generation}")
+        if self._rehearsing:
+            raise ReplicaError(f"generation {generation} cannot be connected during a rehearsal")
         timeout = timeout or self._timeout
         prefix = dist.PrefixStore(f"generation/{generation}", self._store)
         if ready_timeout is not None:

@@ -2,7 +2,8 @@
 
 ``replicator`` (``Replicator``: the trainer's side, its commits and redo checks), ``stream``
 (the sender's stream of versions), ``standby`` (``Mirror``: the standby's receiver, and
-``fetch_mirror``), ``repair`` (a standby's damaged buckets fetched again).
+``fetch_mirror``), ``repair`` (a standby's damaged buckets fetched again), ``warmup`` (a
+standby's step run ahead of time, so that a promotion does not compile).
 
 Layer: above ``replica.session``, ``replica.state``, ``replica.jobstore`` and
 ``replica.distributed``.

@@ -128,6 +128,7 @@ class Batches:
         self.epoch = 0
         self.taken = 0  # batches taken from the current epoch
         self.restores = 0
+        self.held: str | None = None  # why batches are refused now (a warm-up runs), else None
         self._it: Iterator | None = None
         self._started: dict[str, Any] | None = None  # the generator states the epoch's iterator was made from
         self._restored: dict[str, Any] | None = None  # a state restored, applied at the next batch
@@ -137,6 +138,8 @@ class Batches:
         return self
 
     def __next__(self) -> Any:
+        if self.held is not None:
+            raise ReplicaError(f"{self.name}: {self.held}")
         if self._it is None:
             self._start()
         try:
