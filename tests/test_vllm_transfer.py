@@ -347,6 +347,9 @@ def test_bad_input_is_a_clear_error(engine):
         llm.update_weights({"update_info": {"step": 3}})
 
 
+# `make test-slow` (64 s; `make test` keeps a margin under CI's 30 minutes). `make test` still
+# syncs a `vllm serve` engine through the API in the killed-engine test.
+@pytest.mark.slow
 def test_a_tensor_parallel_multiprocess_engine_each_worker_receives(models):
     """vLLM's default engine (the LLM, the engine core and each worker a process of its own)
     with tensor parallelism 2, synced through the API by a trainer in the LLM's process: each
@@ -469,8 +472,10 @@ def test_a_killed_engine_is_skipped_and_its_replacement_refreshed(engine, models
             _stop(replacement)
 
 
-# staged: `make test-slow` (its correctness is test_staged_with_one_buffer_...; `make bench` measures both)
-@pytest.mark.parametrize("mode", ["in_place", pytest.param("staged", marks=pytest.mark.slow)])
+# `make test-slow`, both modes (27 s each; `make test` keeps a margin under CI's 30 minutes; staged's
+# correctness is test_staged_with_one_buffer_...; `make bench` measures both)
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["in_place", "staged"])
 def test_the_engines_memory_stays_bounded_over_syncs(tmp_path, mode):
     """In place (the backend's default) and staged with one receive buffer, the engine holds
     the live weights, one more copy and a fixed overhead: asserted loosely here, the engine
