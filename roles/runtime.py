@@ -75,7 +75,6 @@ class Job(Recovery, Faults):
         self._losses: dict[int, str] = {}  # step -> the loss this process logged for it (hex)
         self._redo_in_store: set[int] = set()  # steps a promoted standby redoes that its trainer logged
         self._divergences_seen = 0  # of self._rep.divergences, those reported
-        self._warming = False  # a warm-up step runs now
         self._warmed: WarmUp | None = None  # what this standby's warm-up did
 
     # --- what the script calls ---
@@ -132,17 +131,13 @@ class Job(Recovery, Faults):
         if self.role != Role.STANDBY:
             return None
         model, optimizer, extra = self._bound
-        self._warming = True
-        try:
-            self._warmed = warm_up(step, model=model, optimizer=optimizer, extra=extra, group=self.group)
-        finally:
-            self._warming = False
+        self._warmed = warm_up(step, model=model, optimizer=optimizer, extra=extra, group=self.group)
         logger.info("[standby rank %d] warmed up in %.1f s (%d graphs compiled)", self.rank, self._warmed.seconds,
                     self._warmed.graphs)
         return self._warmed
 
     def _not_warming(self, what: str) -> None:
-        if self._warming:
+        if self.group is not None and self.group.rehearsing:  # a warm-up step runs now
             raise replica.ReplicaError(f"{what}() inside warm_up(): a warm-up step's loss and state are garbage")
 
     def _first_step_compiled(self, graphs: int) -> None:

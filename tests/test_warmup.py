@@ -70,7 +70,6 @@ def _standby(pipe) -> None:
         "errored": group.errored,
         "first_graphs": first.graphs,
         "again_graphs": run(step).graphs,  # the same step: dynamo's graph is reused
-        "seconds": first.seconds,
     }
     refusals = {"optimizer": lambda: (step(), optimizer.step()), "loader": lambda: next(loader),
                 "connect": lambda: group.configure(0)}

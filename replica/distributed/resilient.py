@@ -268,6 +268,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
                 self._works = deque(w for w in self._works if id(w) not in finished)
         return self._error
 
+    @property
+    def rehearsing(self) -> bool:
+        """Whether a ``rehearsal`` runs now."""
+        return self._rehearsing
+
     @contextlib.contextmanager
     def rehearsal(self) -> Iterator[None]:
         """While in it, collectives complete at once without communicating, their outputs
