@@ -49,7 +49,10 @@ def extension():
     )
 
 
+# REPLICA_NO_EXTENSION=1: the package without replica._C, which `make build` then builds in
+# place (ninja, incremental); `make` installs the editable package this way so that the
+# extension is compiled once, not twice.
 setup(
-    ext_modules=[extension()],
+    ext_modules=[] if os.environ.get("REPLICA_NO_EXTENSION") == "1" else [extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
 )

@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not testetcd.available():
                     print("control_scale: etcd is not installed; skipped", flush=True)
                     continue
-                with testetcd.EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=25200) as cluster:
+                with testetcd.EtcdCluster(addresses=["127.0.0.1"] * 3) as cluster:
                     import os
 
                     os.environ.update(cluster.environ())
@@ -565,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not testetcd.available():
                         print("control_scale: etcd is not installed; skipped", flush=True)
                         continue
-                    with testetcd.EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=25300) as cluster:
+                    with testetcd.EtcdCluster(addresses=["127.0.0.1"] * 3) as cluster:
                         address = f"etcd://{cluster.endpoints}/{cluster.namespace.rstrip('/')}"
                         coordinators.append(run_coordinator(n, beats=beats, etcd=(address, cluster.environ())))
                 print(f"control_scale: {json.dumps(coordinators[-1])}", flush=True)

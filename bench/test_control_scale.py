@@ -46,7 +46,7 @@ def test_the_real_coordinator_under_simulated_members_and_its_successor():
 
     if not testetcd.available():
         pytest.skip("etcd is not installed (make test installs etcd-server)")
-    with testetcd.EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=25600) as cluster:
+    with testetcd.EtcdCluster(addresses=["127.0.0.1"] * 3) as cluster:
         address = f"etcd://{cluster.endpoints}/{cluster.namespace.rstrip('/')}"
         result = control_scale.run_coordinator(12, seconds=1.0, etcd=(address, cluster.environ()))
     deadline_ms = timing.Deadlines().trainer.total_seconds() * 1e3

@@ -1,9 +1,11 @@
 """Fixtures shared by test modules."""
 
+import json
 import os
 import subprocess
 
 import pytest
+from filelock import FileLock
 
 from replica._testing import etcd as testetcd
 from replica._testing.etcd import EtcdCluster
@@ -20,14 +22,30 @@ def server():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
 
 
+def _once_per_run(tmp_path_factory, name: str, make) -> dict:
+    """``make(folder)``'s JSON-able result, made once per test run: under pytest-xdist the
+    first worker to ask makes it while the others wait on a file lock, then read it."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return make(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent  # the same folder for every worker of the run
+    with FileLock(str(shared / f"{name}.lock")):
+        made = shared / f"{name}.json"
+        if not made.exists():
+            made.write_text(json.dumps(make(shared / name)))
+        return json.loads(made.read_text())
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """The report of examples/train_fsdp.py run by `replica launch` without faults: every
-    faulty run of that job must match its losses bit for bit. Made once per session."""
-    code, report, output = launch(tmp_path_factory.mktemp("reference"), name="reference")
-    assert code == 0, output[-4000:]
-    assert report["failovers"] == [] and report["last_commit"] == STEPS
-    return report
+    faulty run of that job must match its losses bit for bit. Made once per run."""
+    def make(folder):
+        folder.mkdir(exist_ok=True)
+        code, report, output = launch(folder, name="reference")
+        assert code == 0, output[-4000:]
+        assert report["failovers"] == [] and report["last_commit"] == STEPS
+        return report
+    return _once_per_run(tmp_path_factory, "reference", make)
 
 
 @pytest.fixture(scope="session")
@@ -35,12 +53,15 @@ def rl_reference(tmp_path_factory):
     """The RL loop (examples/rl_loop.py) without faults, for the runs with faults to match
     (losses and rewards). Which engines serve which shards, and how many there are, does not
     change a single completion: it runs on one engine and no standbys (cheaper)."""
-    code, report, output = launch(tmp_path_factory.mktemp("rl-reference"), "--rollouts", "1", "--standbys", "0",
-                                  "--steps", str(RL_STEPS), name="reference", script=RL)
-    assert code == 0, output[-4000:]
-    assert report["last_commit"] == RL_STEPS and report["failovers"] == []
-    assert all(m.get("reward") for m in report["metrics_hex"]["0"])  # every step scored its rollouts
-    return report
+    def make(folder):
+        folder.mkdir(exist_ok=True)
+        code, report, output = launch(folder, "--rollouts", "1", "--standbys", "0", "--steps", str(RL_STEPS),
+                                      name="reference", script=RL)
+        assert code == 0, output[-4000:]
+        assert report["last_commit"] == RL_STEPS and report["failovers"] == []
+        assert all(m.get("reward") for m in report["metrics_hex"]["0"])  # every step scored its rollouts
+        return report
+    return _once_per_run(tmp_path_factory, "rl-reference", make)
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +70,7 @@ def etcd():
     (each test takes a namespace of its own where it needs an empty store)."""
     if not testetcd.available():
         pytest.skip("etcd is not installed (make test installs etcd-server)")
-    with EtcdCluster(addresses=["127.0.0.1"] * 3, base_port=24200) as cluster:
+    with EtcdCluster(addresses=["127.0.0.1"] * 3) as cluster:
         yield cluster
 
 

@@ -88,7 +88,7 @@ def test_a_cluster_that_does_not_answer_is_an_error_within_its_deadline(etcd):
 
 
 def test_tls_when_certificates_are_given(tmp_path):
-    with EtcdCluster(addresses=["127.0.0.1"], base_port=24400, tls=True) as etcd:
+    with EtcdCluster(addresses=["127.0.0.1"], tls=True) as etcd:
         store = EtcdStore(etcd.config())
         assert store.config.scheme == "https"
         store.set("k", b"v")

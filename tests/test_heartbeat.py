@@ -178,7 +178,7 @@ def test_on_etcd_a_lost_member_moves_the_beat_to_another(etcd):
 
 @pytest.mark.skipif(not testetcd.available(), reason="etcd is not installed (make test installs etcd-server)")
 def test_on_etcd_over_https_the_beat_is_a_python_thread(tmp_path):
-    with EtcdCluster(addresses=["127.0.0.1"], base_port=24650, tls=True) as etcd:
+    with EtcdCluster(addresses=["127.0.0.1"], tls=True) as etcd:
         store = JobStore(EtcdStore(etcd.config()), token=TOKEN)
         beat = store.heartbeat(11, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
         try:

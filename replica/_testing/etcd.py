@@ -26,7 +26,7 @@ from pathlib import Path
 
 from replica import envvars
 from replica.jobstore.etcd import EtcdConfig
-from replica._testing import TornDown
+from replica._testing import TornDown, free_ports
 from replica.timing import Deadline
 
 __all__ = ["EtcdCluster", "EtcdMember", "available"]
@@ -82,25 +82,32 @@ class EtcdMember:
 class EtcdCluster(TornDown):
     """``with EtcdCluster(addresses=["127.0.0.1"] * 3) as etcd: etcd.config(namespace="job/")``."""
 
-    def __init__(self, *, addresses: Sequence[str], base_port: int = 23790,
+    def __init__(self, *, addresses: Sequence[str], base_port: int | None = None,
                  spawns: Sequence[Callable[..., subprocess.Popen]] | None = None,
                  via: Sequence[Callable[[list[str]], list[str]]] | None = None, namespace: str = "replica-job/",
                  tls: bool = False):
         """``tls``: clients speak https to the members, whose certificate a CA made here signed
-        (``ca_file``); not with ``via``."""
+        (``ca_file``); not with ``via``. ``base_port``: member i listens on ``base_port + 2i``
+        (clients) and the port after it (peers); None: on free ports of ``addresses`` (so that
+        clusters of tests running side by side never meet)."""
         if len(addresses) < 1:
             raise ValueError("an etcd cluster needs at least one member")
         if tls and via:
             raise ValueError("a TLS test cluster is reached directly (no via)")
+        if base_port is None and len(set(addresses)) != 1:
+            raise ValueError("members on several addresses need a base_port")
         self.namespace = namespace
         self.tls = tls
         self.password = secrets.token_hex(16)
         self._root_password = secrets.token_hex(16)
         self._dir = Path(tempfile.mkdtemp(prefix="replica-etcd-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         spawns = list(spawns) if spawns is not None else [subprocess.Popen] * len(addresses)
-        self.members = [EtcdMember(name=f"m{i}", address=a, client_port=base_port + 2 * i,
-                                   peer_port=base_port + 2 * i + 1, spawn=spawns[i], via=via[i] if via else None)
-                        for i, a in enumerate(addresses)]
+        free = free_ports(2 * len(addresses), addresses[0]) if base_port is None else []
+        ports = [(base_port + 2 * i, base_port + 2 * i + 1) if base_port is not None else (free[2 * i], free[2 * i + 1])
+                 for i in range(len(addresses))]
+        self.members = [EtcdMember(name=f"m{i}", address=a, client_port=client, peer_port=peer, spawn=spawns[i],
+                                   via=via[i] if via else None)
+                        for i, (a, (client, peer)) in enumerate(zip(addresses, ports, strict=True))]
 
     @property
     def ca_file(self) -> str:
