@@ -20,8 +20,10 @@ import collections
 import ctypes
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
@@ -29,7 +31,9 @@ import torch
 
 from replica.errors import PeerDisconnectedError, TransportError
 from replica.transport.base import Capabilities, Locality, MemoryKind
+from replica.timing import Deadline
 from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
+from replica.transport.framing import GRACEFUL
 
 __all__ = ["UcxConfig", "UcxConnection", "UcxTransport"]
 
@@ -40,6 +44,10 @@ _KIND_HEADER = 1
 # How long a connection's release waits for the progress thread to run each of
 # its cancel and close steps (ns, as ucxx takes it): moments, unless that thread is stuck.
 _CLOSE_WAIT_NS = 2_000_000_000
+# A peer that said goodbye sent everything before it: receives still posted when its goodbye
+# is read may only wait for the progress thread to complete them (late on a loaded machine;
+# failing the connection would cancel them, data and all). They get this long first.
+_DRAIN_AFTER_BYE = timedelta(milliseconds=500)
 
 
 # repr=False keeps EndpointConfig.__repr__, which leaves the token out.
@@ -152,17 +160,21 @@ class _Requests:
     (a transfer abandoned, a post half made when the connection closed) pass to
     their worker with their buffers, which drops them once they finished."""
 
-    __slots__ = ("_requests", "_keep", "_worker")
+    __slots__ = ("_requests", "_keep", "_worker", "__weakref__")
 
     def __init__(self, worker: "_Worker", requests: list, keep):
         self._worker = worker
         self._requests = requests
         self._keep = keep  # buffers UCX reads or writes until the requests finish
 
+    @property
+    def finished(self) -> bool:
+        """Every request completed (delivered, failed or cancelled)."""
+        return all(r.completed for r in self._requests)
+
     def poll(self) -> bool:
-        for r in self._requests:
-            if not r.completed:
-                return False
+        if not self.finished:
+            return False
         for r in self._requests:
             r.check_error()
         self._keep = None
@@ -257,6 +269,7 @@ class UcxConnection(ControlledConnection):
         # posts and the close take turns on this lock, and nothing is posted after.
         self._posting = threading.Lock()
         self._released = False
+        self._receives: weakref.WeakSet[_Requests] = weakref.WeakSet()  # posted, maybe unfinished
 
     def _tag(self, conn_id: int, tag: int, kind: int):
         # UCX matches tags per worker, not per endpoint: the top 16 bits say
@@ -290,7 +303,25 @@ class UcxConnection(ControlledConnection):
             posted._requests.append(ep.tag_recv(_array(header_buf), tag=self._tag(self._recv_id, tag, _KIND_HEADER)))
             posted._requests.append(ep.tag_recv(_array(flat), tag=self._tag(self._recv_id, tag, _KIND_PAYLOAD)))
         self._post(post)
+        self._receives.add(posted)
         return posted
+
+    def _peer_lost(self, reason: str) -> None:
+        if reason == GRACEFUL and not all(r.finished for r in list(self._receives)):
+            # The connection fails only after the drain: until then a waiter still sees its
+            # receive complete, not the error. On a thread of its own: the caller (the control
+            # monitor) watches other connections too.
+            threading.Thread(target=self._drain_then_lost, args=(reason,), daemon=True,
+                             name="replica-ucx-drain").start()
+            return
+        super()._peer_lost(reason)
+
+    def _drain_then_lost(self, reason: str) -> None:
+        """After the peer's goodbye: let the progress thread complete what already arrived."""
+        deadline = Deadline.after(_DRAIN_AFTER_BYE)
+        while not deadline.expired and not all(r.finished for r in list(self._receives)):
+            time.sleep(0.001)
+        super()._peer_lost(reason)
 
     def _release(self) -> None:
         with self._posting:
