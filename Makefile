@@ -80,7 +80,7 @@ XDIST = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
 test: build
 	$(PY) -m pytest tests bench --benchmark-disable -m "not slow" --durations=30 $(XDIST) $(PYTEST_ARGS)
 
-# Tests too long for `make test`'s 30 minutes (vLLM engines on network-namespace hosts).
+# The long end-to-end matrix (marker `slow`); CI runs it after `make test`.
 test-slow: build
 	$(PY) -m pytest tests -m slow $(PYTEST_ARGS)
 

@@ -20,7 +20,6 @@ import collections
 import ctypes
 import logging
 import threading
-import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,7 +30,7 @@ import torch
 
 from replica.errors import PeerDisconnectedError, TransportError
 from replica.transport.base import Capabilities, Locality, MemoryKind
-from replica.timing import Deadline
+from replica.timing import Backoff, Deadline
 from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
 from replica.transport.framing import GRACEFUL
 
@@ -306,8 +305,11 @@ class UcxConnection(ControlledConnection):
         self._receives.add(posted)
         return posted
 
+    def _receives_finished(self) -> bool:
+        return all(r.finished for r in list(self._receives))
+
     def _peer_lost(self, reason: str) -> None:
-        if reason == GRACEFUL and not all(r.finished for r in list(self._receives)):
+        if reason == GRACEFUL and not self._receives_finished():
             # The connection fails only after the drain: until then a waiter still sees its
             # receive complete, not the error. On a thread of its own: the caller (the control
             # monitor) watches other connections too.
@@ -319,8 +321,9 @@ class UcxConnection(ControlledConnection):
     def _drain_then_lost(self, reason: str) -> None:
         """After the peer's goodbye: let the progress thread complete what already arrived."""
         deadline = Deadline.after(_DRAIN_AFTER_BYE)
-        while not deadline.expired and not all(r.finished for r in list(self._receives)):
-            time.sleep(0.001)
+        polls = Backoff(first=timedelta(milliseconds=1), most=timedelta(milliseconds=10))
+        while not deadline.expired and not self._receives_finished():
+            polls.sleep(deadline=deadline)
         super()._peer_lost(reason)
 
     def _release(self) -> None:

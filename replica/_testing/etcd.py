@@ -102,9 +102,11 @@ class EtcdCluster(TornDown):
         self._root_password = secrets.token_hex(16)
         self._dir = Path(tempfile.mkdtemp(prefix="replica-etcd-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         spawns = list(spawns) if spawns is not None else [subprocess.Popen] * len(addresses)
-        free = free_ports(2 * len(addresses), addresses[0]) if base_port is None else []
-        ports = [(base_port + 2 * i, base_port + 2 * i + 1) if base_port is not None else (free[2 * i], free[2 * i + 1])
-                 for i in range(len(addresses))]
+        if base_port is None:
+            free = free_ports(2 * len(addresses), addresses[0])
+            ports = list(zip(free[::2], free[1::2]))
+        else:
+            ports = [(base_port + 2 * i, base_port + 2 * i + 1) for i in range(len(addresses))]
         self.members = [EtcdMember(name=f"m{i}", address=a, client_port=client, peer_port=peer, spawn=spawns[i],
                                    via=via[i] if via else None)
                         for i, (a, (client, peer)) in enumerate(zip(addresses, ports, strict=True))]
