@@ -1,5 +1,6 @@
-"""Helpers for multi-process tests: spawn-context children that forward their
-tracebacks, can be killed or frozen, and are always cleaned up."""
+"""Helpers for multi-process tests: children forked from a server that imported torch
+once (the state of a fresh interpreter, without its 1.5-2 s of imports each) that forward
+their tracebacks, can be killed or frozen, and are always cleaned up."""
 
 from __future__ import annotations
 
@@ -48,15 +49,43 @@ class TornDown:
     def __exit__(self, *exc) -> None:
         self.close()
 
-_CTX = mp.get_context("spawn")
+# Children come from multiprocessing's fork server: one process per test process that imports
+# these modules once, before any thread or communicator exists, and forks a child per Child.
+# A child starts from that server's state, not this process's: the environment, working
+# directory and import path of the moment are handed to it (``_child_main``), as spawn does.
+# Only imports go into the server: nothing that starts a thread, opens a transport or reads
+# the environment once for good.
+_PRELOAD = ["torch", "torch.distributed", "numpy", "replica"]
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(_PRELOAD)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class _Context:
+    """What a spawned child would inherit from its parent at its start."""
+
+    environ: dict[str, str]
+    cwd: str
+    path: list[str]
+
+    @staticmethod
+    def here() -> _Context:
+        return _Context(environ=dict(os.environ), cwd=os.getcwd(), path=list(sys.path))
+
+    def enter(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
 
 
 class ChildFailed(RuntimeError):
     """A child process raised (its traceback is the message) or died."""
 
 
-def _child_main(conn, target, args) -> None:
+def _child_main(conn, context: _Context, target, args) -> None:
     try:
+        context.enter()
         target(conn, *args)
     except BaseException:  # forward everything, including KeyboardInterrupt/SystemExit
         with contextlib.suppress(Exception):
@@ -65,11 +94,11 @@ def _child_main(conn, target, args) -> None:
 
 
 class Child:
-    """A spawned process running ``target(pipe, *args)``; talk to it with send/recv."""
+    """A child process running ``target(pipe, *args)``; talk to it with send/recv."""
 
     def __init__(self, target: Callable[..., Any], *args: Any, name: str = "child"):
         self._conn, child_conn = _CTX.Pipe()
-        self.process = _CTX.Process(target=_child_main, args=(child_conn, target, args), name=name, daemon=True)
+        self.process = _CTX.Process(target=_child_main, args=(child_conn, _Context.here(), target, args), name=name, daemon=True)
         self.process.start()
         child_conn.close()
         self.name = name
