@@ -60,6 +60,17 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(_PRELOAD)
 
 
+def _environ_now() -> dict[str, str]:
+    """A copy of ``os.environ``; taken again if another thread changed it meanwhile (an
+    in-process vLLM engine sets variables from its threads: the copy raised RuntimeError)."""
+    for _ in range(100):
+        try:
+            return dict(os.environ)
+        except RuntimeError:
+            continue
+    return dict(os.environ)
+
+
 @dataclass(kw_only=True, frozen=True, slots=True)
 class _Context:
     """What a spawned child would inherit from its parent at its start."""
@@ -70,7 +81,7 @@ class _Context:
 
     @staticmethod
     def here() -> _Context:
-        return _Context(environ=dict(os.environ), cwd=os.getcwd(), path=list(sys.path))
+        return _Context(environ=_environ_now(), cwd=os.getcwd(), path=list(sys.path))
 
     def enter(self) -> None:
         os.environ.clear()
