@@ -402,6 +402,7 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         raise ValueError(f"the coordinator run needs N >= 12 (its faults hit ranks 2 .. 11), got {n}")
     from replica.roles.coordinator import Coordinator
     from replica.roles.join import JoinRequest, post_request
+    from replica.roles.probe import Verdict
 
     deadlines = Deadlines()
     if etcd is not None:
@@ -415,6 +416,11 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         coord = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint")
         address, environ = f"127.0.0.1:{coord.port}", {}
     store = JobStore(_connect(address, environ), token=TOKEN)
+    # The agents' view of the processes, simulated as the members are (no agent runs here): what
+    # a host agent would say of each fault's members once it is set; of every other member,
+    # nothing (UNKNOWN: the deadline alone decides, so a false death still counts as one).
+    views: dict[int, tuple[Verdict, str]] = {}
+    coord.probe = lambda member: views.get(member.id, (Verdict.UNKNOWN, ""))
     endpoint = None if coord.liveness is None else ("127.0.0.1", coord.liveness.port)
     # The members' join numbers come first, so that they beat from the moment they are admitted.
     first = store.count(keys.join_seq()) + 1
@@ -461,6 +467,9 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         killed, frozen = members[("trainer", 2)], members[("trainer", 3)]
         host = [members[("standby", r)] for r in range(4, min(n, 12))]
         faults = {"kill": [killed], "freeze": [frozen], "lost host": host}
+        views.update({killed: (Verdict.GONE, "its process is gone (simulated)"),
+                      frozen: (Verdict.DEAD, "its process is stopped (simulated)")})
+        views.update({m: (Verdict.GONE, "its host's agent is silent too (simulated)") for m in host})
         at = time.monotonic()
         for b in beaters:
             b.send("silence", [m for group in faults.values() for m in group])
@@ -478,6 +487,7 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
             successor = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint",
                                     store=StoreAddress.parse(etcd[0]))
             took = time.perf_counter() - t
+            successor.probe = coord.probe
             after, polls_after = [], []
             # Its members' deadlines run from the takeover; the roles find its endpoint within LIVENESS_REAIM.
             loop(Deadline.after(2 * deadlines.trainer + timedelta(seconds=1)), successor, after, polls_after)

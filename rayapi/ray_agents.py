@@ -31,6 +31,7 @@ from replica.errors import ReplicaError
 from replica.ray.actor import RoleProcess, node_host_name
 from replica.roles.remote_agents import replacement_site
 from replica.roles.env import Role, member_environ
+from replica.roles.probe import Verdict, by_host
 from replica.timing import Deadline
 
 __all__ = ["Placement", "PlacementError", "RayAgents"]
@@ -38,6 +39,7 @@ __all__ = ["Placement", "PlacementError", "RayAgents"]
 logger = logging.getLogger(__name__)
 
 _WAIT_SLICE = timedelta(seconds=1)  # how long an actor's wait() blocks before it answers "still running"
+_NODE_SILENCE = timedelta(seconds=1)  # a node unreachable this long confirms a silent role's death
 _NODES_EVERY = timedelta(milliseconds=500)  # how often Ray's node table is read for dead nodes
 _RETRY_AFTER = timedelta(seconds=1)  # a replacement whose actor died before it started is placed again after this
 _BOOKKEEPING = ("node:", "memory", "object_store_memory", "accelerator_type:")  # resources no role asks for
@@ -334,6 +336,9 @@ class RayAgents:
 
     def running(self, pids: set[int]) -> bool:
         return any(a.code is None for a in self._actors if a.pid in pids)
+
+    def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:  # noqa: ARG002 - nodes only
+        return by_host(host or "", self.silent_hosts(_NODE_SILENCE))
 
     # --- the end ---
 

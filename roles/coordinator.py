@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -29,7 +30,10 @@ from replica.roles.timing import Deadlines
 from replica.roles.admission import Admission
 from replica.roles.beats import Beats
 from replica.roles.generations import Generations
+from replica.roles.judgement import Judgement
+from replica.roles.stalls import StallLog
 from replica.roles.members import Decision, DecisionKind, FailoverTimeline, Mark, Member, MemberState
+from replica.roles.probe import Verdict
 
 __all__ = ["Coordinator", "Deadlines", "Decision", "DecisionKind", "FailoverTimeline", "Member", "MemberState"]
 
@@ -39,7 +43,7 @@ _DONE_RECHECK = timedelta(seconds=2)
 _DONE_SWEEP = 32  # done keys read per poll
 
 
-class Coordinator(Admission, Beats, Generations):
+class Coordinator(Admission, Beats, Generations, Judgement):
     def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
                  deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None,
                  store: StoreAddress | None = None, fence: tuple[str, bytes] | None = None,
@@ -84,6 +88,13 @@ class Coordinator(Admission, Beats, Generations):
         # deadline passed, or a death the deadline found before the agent saw the exit (for the report).
         self.late_exits: list[dict] = []
         self.regroups: list[dict] = []  # fresh generations after a step failed with no death
+        #: The coordinator's own stalls (gaps between its polls): silence in them is not counted.
+        self.stalls = StallLog(after=timing.COORDINATOR_STALL, keep=timing.STALL_MEMORY)
+        #: A second look at a member silent past its deadline (its agent's view of the process);
+        #: None: the deadline alone decides (no agent sees the roles' processes).
+        self.probe: Callable[[Member], tuple[Verdict, str]] | None = None
+        self.suspected_stalls: list[dict] = []  # silences judged stalls, not deaths (for the report)
+        self._held: dict[int, dict] = {}  # member id -> its open entry of suspected_stalls
         self._regroup_asked_at: float | None = None
         # What a poll reads only now and then (see poll): when every beat was last read, the
         # plain counters' last values, the ranks done, each rank's transport reports.
@@ -144,6 +155,11 @@ class Coordinator(Admission, Beats, Generations):
     def address(self) -> str:
         return self._address
 
+    @property
+    def failure(self) -> str | None:
+        """Why the job failed (None: it did not)."""
+        return self._failed
+
     # --- the agent's calls ---
 
     def poll(self) -> list[Decision]:
@@ -156,6 +172,8 @@ class Coordinator(Admission, Beats, Generations):
 
     def _poll(self) -> list[Decision]:
         decisions = self._check_fatal()
+        now = time.time()
+        self._note_own_stall(now)
         self._admit()
         self._reprotect()
         self._guard_generation()
@@ -168,19 +186,20 @@ class Coordinator(Admission, Beats, Generations):
             self._recheck_overdue(now)
         self._refresh_done()
         self._regroup(now)
+        overdue: list[tuple[Member, float, float]] = []
+        quiet = 0  # members silent for QUIET or longer
         for member in self.alive():
             if self._mark_done(member):
                 continue
-            # Silent as of the last read of its beats: never longer than it was.
-            silent = max(0.0, max(self._beats_read_at, member.checked_at) - member.beat_at)
+            silent = self._silence(member)
+            quiet += silent >= timing.QUIET.total_seconds()
             _, lost = self._limit(member, now)
             if lost and silent > self.deadlines.confirm.total_seconds():
                 decisions += self.declare_dead(member, f"its standby saw the connection vanish and it has sent "
                                                        f"no heartbeat for {silent * 1e3:.0f} ms")
             elif silent > (deadline := self.deadlines.of(member.role).total_seconds()):
-                decisions += self.declare_dead(member, f"no heartbeat for {silent:.1f} s (the {member.role} "
-                                                       f"deadline is {deadline:g} s)")
-        return decisions
+                overdue.append((member, silent, deadline))
+        return decisions + self._judge_silent(overdue, quiet, now)
 
     def _reprotect(self) -> None:
         """An unprotected rank is protected again once a live standby of it has published its
@@ -263,8 +282,9 @@ class Coordinator(Admission, Beats, Generations):
             self.standbys_replaced.append({"rank": member.rank, "reason": reason, "at": time.time()})
             return [Decision(kind=DecisionKind.STANDBY_LOST, rank=member.rank, reason=reason, dead=member)]
         if self.record.last() is None:
-            return [self._fail(member.rank, f"trainer {member.rank} died ({reason}) before the first global "
-                                            "commit: there is no state to resume from; start the job again")]
+            return [self._fail(member.rank, restart=True,
+                               reason=f"trainer {member.rank} died ({reason}) before the first global commit: "
+                                      "there is no state to resume from")]
         standby = self._live(Role.STANDBY, member.rank)
         if standby is None:
             return [self._fail(member.rank, state_lost=True,
@@ -387,10 +407,10 @@ class Coordinator(Admission, Beats, Generations):
         logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted", rank,
                        reason, g, commit, standby)
 
-    def _fail(self, rank: int, reason: str, *, state_lost: bool = False) -> Decision:
+    def _fail(self, rank: int, reason: str, *, state_lost: bool = False, restart: bool = False) -> Decision:
         self._failed = reason
         logger.error("the job failed: %s", reason)
-        return Decision(kind=DecisionKind.FAILED, rank=rank, reason=reason, state_lost=state_lost)
+        return Decision(kind=DecisionKind.FAILED, rank=rank, reason=reason, state_lost=state_lost, restart=restart)
 
     def request_export(self, directory: str) -> int | None:
         """Ask every standby to write its version of the last commit to ``directory``

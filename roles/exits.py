@@ -26,6 +26,9 @@ class ExitCode(enum.IntEnum):
     COORDINATOR_LOST = 76
     #: A role whose redone step diverged from what it computed before the failure, under --strict.
     DIVERGED = 77
+    #: ``supervise``'s, never a process's: the job failed before its first global commit and may
+    #: start again from its start (``replica launch`` does, ``JobSpec.restarts_left`` times).
+    RESTART = 78
 
 
 def exit_now(code: ExitCode) -> NoReturn:

@@ -160,27 +160,42 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging()
-    try:
-        coord, env, leadership = open_job(
-            trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host, port=args.port,
-            inject=args.inject, steps=args.steps, mirror_device=args.mirror_device, export_dir=args.export_dir,
-            resume=resume, store=args.store, backends=args.backends, strict=args.strict)
-    except ValueError as exc:
-        parser.error(str(exc))
-    except ReplicaError as exc:
-        print(f"replica: {exc}", flush=True)
-        return ExitCode.USAGE
-    try:
-        return _run(args, coord, env, standbys=standbys, faults=faults, resume=resume, ray_agents=ray_agents,
-                    leading=leadership.leading if leadership is not None else None)
-    finally:
-        if leadership is not None:
-            leadership.resign()
+    # A job that fails before its first global commit starts again from its start: once, or
+    # --replacements N times (0: never). Nothing was committed, so nothing is lost; the faults
+    # that fired are not injected again. Not with etcd (the job's namespace holds the failed
+    # attempt) nor a fixed --port (the failed attempt's store holds it until this process ends).
+    allowed = 0 if args.store or args.port else (1 if args.replacements < 0 else args.replacements)
+    restarts: list[dict] = []
+    while True:
+        try:
+            coord, env, leadership = open_job(
+                trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host,
+                port=args.port, inject=",".join(map(str, faults)), steps=args.steps,
+                mirror_device=args.mirror_device, export_dir=args.export_dir, resume=resume, store=args.store,
+                backends=args.backends, strict=args.strict)
+        except ValueError as exc:
+            parser.error(str(exc))
+        except ReplicaError as exc:
+            print(f"replica: {exc}", flush=True)
+            return ExitCode.USAGE
+        try:
+            status = _run(args, coord, env, standbys=standbys, faults=faults, resume=resume, ray_agents=ray_agents,
+                          leading=leadership.leading if leadership is not None else None,
+                          restarts_left=allowed - len(restarts), restarts=tuple(restarts))
+            if status != ExitCode.RESTART:
+                return status
+            fired = [f for f in faults if coord.fired(str(f)) is not None]
+            restarts.append({"reason": coord.failure, "faults_fired": [str(f) for f in fired]})
+            faults = [f for f in faults if f not in fired]
+        finally:
+            coord.close()
+            if leadership is not None:
+                leadership.resign()
 
 
 def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, standbys: int, faults: list,
          resume: tuple[int, Path] | None, ray_agents: Callable[..., object] | None,
-         leading: Callable[[], bool] | None) -> int:
+         leading: Callable[[], bool] | None, restarts_left: int, restarts: tuple[dict, ...]) -> int:
     print(f"replica: job store at {coord.address}; {args.trainers} trainers, {standbys} standbys, "
           f"{args.rollouts} rollouts" + (f"; resuming from step {resume[0]} in {resume[1]}" if resume else ""),
           flush=True)
@@ -203,7 +218,8 @@ def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, s
         timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
         spec = JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                        timeline_png=timeline, train_while_replacing=args.train_while_replacing,
-                       export_dir=args.export_dir, first_step=resume[0] + 1 if resume else 1)
+                       export_dir=args.export_dir, first_step=resume[0] + 1 if resume else 1,
+                       restarts_left=restarts_left, restarts=restarts)
         with contextlib.redirect_stdout(StatusLines(sys.stdout)):
             status = supervise(coord, spec, agent, leading=leading)
     finally:

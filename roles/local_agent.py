@@ -19,7 +19,8 @@ from replica import envvars
 from replica.session.backends import check_backends, parse_backends
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership, lead_new_job
-from replica.roles.env import Role, base_environ, job_environ, member_environ
+from replica.roles.env import Role, base_environ, host_name, job_environ, member_environ
+from replica.roles.probe import ProcessView, Verdict, verdict_of
 from replica.roles.timing import Deadlines
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.timing import Deadline
@@ -108,6 +109,7 @@ class LocalAgent:
         self._replacements = replacements
         self.procs: dict[int, tuple[str, subprocess.Popen]] = {}
         self._reported: set[int] = set()
+        self._views: dict[int, ProcessView] = {}  # each process's last look (probe)
 
     def start(self, role: Role, rank: int) -> int:
         if threading.current_thread() is not threading.main_thread():
@@ -145,6 +147,11 @@ class LocalAgent:
 
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         return set()  # one machine: its processes' exits are seen at once
+
+    def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:
+        if pid not in self.procs or host not in (None, host_name()):
+            return Verdict.UNKNOWN, ""
+        return verdict_of(self._views, pid)
 
     def unaware_of_end(self) -> set[str]:
         return set()  # this agent is the coordinator's own process

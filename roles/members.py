@@ -85,3 +85,5 @@ class Decision:
     dead: Member | None = None
     #: ``failed`` because rank's state is lost: the surviving standbys can still export the commit.
     state_lost: bool = False
+    #: ``failed`` before the first global commit: nothing is lost by starting the job again.
+    restart: bool = False

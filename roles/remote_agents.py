@@ -16,6 +16,7 @@ from typing import TypeVar
 from replica.jobstore import AgentInfo, AgentOrder, JobStore, OrderKind, keys
 from replica.roles import timing
 from replica.roles.env import Role
+from replica.roles.probe import Verdict, by_host
 from replica.timing import Deadline
 
 __all__ = ["AGENT_SILENCE", "RemoteAgents", "replacement_site"]
@@ -126,6 +127,9 @@ class RemoteAgents:
         now = time.monotonic()
         return {info.host for index, info in self.agents().items()
                 if index in self._beats and now - self._beats[index][1] > longer_than.total_seconds()}
+
+    def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:  # noqa: ARG002 - hosts only
+        return by_host(host or "", self.silent_hosts(AGENT_SILENCE))
 
     def _replace(self, role: Role, rank: int) -> bool:
         if self._replacements == 0:

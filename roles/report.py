@@ -6,6 +6,7 @@ also printed as a table and plotted (PNG, with matplotlib when installed), and
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 from dataclasses import asdict
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
     from replica.roles.coordinator import Coordinator
     from replica.roles.members import FailoverTimeline
 
-__all__ = ["PHASES", "build_report", "compare_reports", "load_report", "print_timeline", "write_loss_png",
-           "write_timeline_png"]
+__all__ = ["PHASES", "build_report", "compare_reports", "load_report", "print_timeline", "summary_lines",
+           "write_loss_png", "write_timeline_png"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,11 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         "unprotected_spans": coord.unprotected_spans,
         "rollouts_lost": coord.rollouts_lost,
         "late_exits": coord.late_exits,
+        # Members silent past their deadline judged stalled, not dead (their process ran, or many
+        # were silent together): when, why, and how it ended (recovered, dead, left).
+        "suspected_stalls": [{k: v for k, v in s.items() if k != "looked"} for s in coord.suspected_stalls],
+        # The coordinator's own stalls (gaps between its polls), whose span counted against no member.
+        "coordinator_stalls": coord.stalls.summary(),
         "engine_versions": {str(i): _version(coord, i) for i in range(coord.rollouts)},
         "rollout_shards": served_shards(coord.store) if coord.rollouts else [],
         "rollouts_retired": coord.rollouts_retired,
@@ -109,6 +115,33 @@ def compare_reports(reference: dict, other: dict) -> list[str]:
         for found in report.get("divergences", []):
             problems.append(f"{which}: the divergence guard found: {Divergence.from_json(json.dumps(found)).describe()}")
     return problems
+
+
+def summary_lines(report: dict) -> list[str]:
+    """What happened in a run, in a few lines for the end of `replica launch` (the report holds
+    the details): failovers, divergences, suspected stalls, unprotected spans, the coordinator's
+    own stalls."""
+    failovers = report["failovers"]
+    lines = [f"{report['steps']} steps, last commit {report['last_commit']}"
+             + (f"; the job failed: {report['failure']}" if report["failure"] else "")]
+    lines.append(f"failovers: {len(failovers)}" + (" (" + ", ".join(
+        f"rank {f['rank']} from commit {f['commit']}" for f in failovers) + ")" if failovers else ""))
+    divergences = report["divergences"]
+    lines.append(f"divergences after a failover: {len(divergences)}" + (" (" + ", ".join(
+        f"rank {d.get('rank')} step {d.get('step')}" for d in divergences) + "; see the report)" if divergences else ""))
+    stalls = report.get("suspected_stalls", [])
+    outcomes = collections.Counter(s["outcome"] or "open" for s in stalls)
+    lines.append(f"suspected stalls: {len(stalls)}" + (" (" + ", ".join(
+        f"{n} {outcome}" for outcome, n in sorted(outcomes.items())) + ")" if stalls else ""))
+    spans = report["unprotected_spans"]
+    lines.append(f"unprotected spans: {len(spans)}" + (" (" + ", ".join(
+        f"rank {s['rank']} from commit {s['from_commit']} to "
+        f"{'the end' if s['until_commit'] is None else s['until_commit']}" for s in spans) + ")" if spans else ""))
+    own = report.get("coordinator_stalls", {})
+    if own.get("count"):
+        lines.append(f"coordinator stalls: {own['count']} ({own['total_s']:.1f} s in all, the longest "
+                     f"{own['longest_s']:.1f} s; they counted against no member)")
+    return [f"replica: {line}" for line in lines]
 
 
 def print_timeline(failovers: list[FailoverTimeline]) -> None:

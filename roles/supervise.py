@@ -21,7 +21,8 @@ from replica.roles.coordinator import Coordinator, Decision, DecisionKind
 from replica.roles import timing
 from replica.roles.env import Fault, Role
 from replica.roles.exits import ExitCode
-from replica.roles.report import build_report, print_timeline, write_timeline_png
+from replica.roles.probe import Verdict
+from replica.roles.report import build_report, print_timeline, summary_lines, write_timeline_png
 from replica.timing import Deadline, pause
 
 __all__ = ["Agent", "JobSpec", "ReplacementWatch", "supervise"]
@@ -54,6 +55,10 @@ class Agent(Protocol):
     def unaware_of_end(self) -> set[str]:
         """Hosts whose agent has not seen the job's end yet (none where the agent is this process)."""
 
+    def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:
+        """A second look at a role silent past its deadline: its process (or its host) as this
+        agent sees it (``replica.roles.probe``)."""
+
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class JobSpec:
@@ -68,6 +73,10 @@ class JobSpec:
     # Where the standbys write the last commit when a rank's state is lost (None: they do not).
     export_dir: Path | None = None
     first_step: int = 1  # a job resumed from an export of step N starts at N + 1
+    # How many more times a job that fails before its first global commit may start again from its
+    # start (supervise then returns ExitCode.RESTART); what the earlier attempts were, for the report.
+    restarts_left: int = 0
+    restarts: tuple[dict, ...] = ()
 
 
 class ReplacementWatch:
@@ -113,10 +122,12 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     shuts the job down) ends the loop as a timeout does: the end is announced, the report written."""
     deadline = Deadline.after(spec.timeout)
     shown, errors = spec.first_step - 1, 0
-    status, failure = ExitCode.FAILED, None
+    status, failure, restart = ExitCode.FAILED, None, None
     exits: list[tuple[int, int, str | None]] = []  # seen by the agent, not yet taken in (kept until they are)
     decisions: list[Decision] = []
     replacing = ReplacementWatch(coord)
+    if agent is not None:
+        coord.probe = lambda member: agent.probe(member.pid, member.host)
 
     def take_exits() -> None:  # one at a time: an exit is never lost to a failure while it is handled
         while exits:
@@ -156,6 +167,13 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
                     logger.exception("the coordinator's poll failed (%d times so far); going on", errors)
         for decision in decisions:
             failure = failure or _act(coord, decision, agent, spec, replacing)
+            if decision.restart and spec.restarts_left > 0:
+                restart = decision.reason
+        if restart is not None:
+            print(f"\nreplica: {restart}; nothing was committed, so nothing is lost: the job starts again from its "
+                  f"start (restart {len(spec.restarts) + 1}, {spec.restarts_left - 1} more allowed)", flush=True)
+            status = ExitCode.RESTART
+            break
         if failure is not None:
             print(f"\nreplica: {failure}", flush=True)
             break
@@ -179,7 +197,9 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     for failover in coord.failovers:
         coord.observe(failover, faults)
     report = build_report(coord, steps=spec.steps, faults=faults, failure=failure)
+    report["restarts"] = list(spec.restarts)
     print_timeline(coord.failovers)
+    print("\n".join(summary_lines(report)), flush=True)
     if spec.report is not None:
         spec.report.write_text(json.dumps(report, indent=2) + "\n")
         print(f"replica: report written to {spec.report}")

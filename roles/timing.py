@@ -13,6 +13,7 @@ from datetime import timedelta
 __all__ = [
     "BEAT_SCAN",
     "COMMIT_WAIT",
+    "COORDINATOR_STALL",
     "Deadlines",
     "EXPORT_WAIT",
     "FINISH_LINGER",
@@ -27,14 +28,19 @@ __all__ = [
     "LIVENESS_STORE_PERIOD",
     "NCCL_TIMEOUT",
     "PROCESS_GROUP_TIMEOUT",
+    "PROBE_EVERY",
     "PROMOTION_WAIT",
     "PYTHON_GRACE",
+    "QUIET",
     "REPLACEMENT_WAIT",
     "ROLE_WAIT",
     "ROLLOUT_POLL",
     "ROLLOUT_REFRESH",
     "ROLLOUT_STEAL_AFTER",
     "ROLLOUT_TIMEOUT",
+    "STALL_HOLD",
+    "STALL_LOGGED",
+    "STALL_MEMORY",
     "STANDBY_LOOK",
     "STANDBY_POLL",
     "STANDBY_QUIET_LOOK",
@@ -138,3 +144,17 @@ ROLLOUT_POLL = timedelta(milliseconds=5)  # an engine looks for requests
 ROLLOUT_STEAL_AFTER = timedelta(milliseconds=500)  # an unclaimed shard of another engine is taken after this
 ROLLOUT_REFRESH = timedelta(milliseconds=50)  # the leader brings newly joined engines up to date while it waits
 ROLLOUT_TIMEOUT = timedelta(seconds=600)  # a version or a request's completions
+
+# --- the judgement of a silence (replica.roles.judgement) ---
+# A gap between the coordinator's polls (every SUPERVISE_POLL) longer than this is its own stall:
+# the silence of every member in it is not counted (a poll's own work, up to this, is not one).
+COORDINATOR_STALL = timedelta(milliseconds=250)
+STALL_MEMORY = timedelta(minutes=2)  # its stalls are kept this long (longer than any deadline)
+STALL_LOGGED = timedelta(seconds=1)  # and said in the log from this long
+# A member silent past its deadline whose process runs (or waits in the kernel: a fork, reclaim, an
+# fsync), or one of many silent together, is held as a stall this long at most, then declared dead.
+STALL_HOLD = timedelta(seconds=15)
+PROBE_EVERY = timedelta(milliseconds=250)  # a held member's process is looked at again this often
+# Members silent this long (ten beats) count as silent together when more than one host's worth (or
+# every member) are: a suspected stall of the machine, not that many deaths.
+QUIET = timedelta(seconds=1)

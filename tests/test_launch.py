@@ -33,13 +33,20 @@ RL_STEPS = 6
 TOKEN = "test-job-token-7f3a9c"
 
 
+def launch_command(tmp_path: Path, *options: str, name: str = "run", script: Path = EXAMPLE, steps: int = STEPS,
+                   script_args: tuple[str, ...] = (), timeout_s: float = 240) -> list[str]:
+    """The `replica launch` command line of ``launch`` (its report: ``tmp_path / f"{name}.json"``)."""
+    return [sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(steps), "--timeout", str(timeout_s),
+            "--report", str(tmp_path / f"{name}.json"), "--export-dir", str(tmp_path / f"{name}-export"), *options,
+            str(script), *script_args]
+
+
 def launch(tmp_path: Path, *options: str, name: str = "run", script: Path = EXAMPLE, steps: int = STEPS,
            script_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
            timeout_s: float = 240) -> tuple[int, dict, str]:
     report = tmp_path / f"{name}.json"
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(steps), "--timeout",
-                           str(timeout_s), "--report", str(report), "--export-dir", str(tmp_path / f"{name}-export"), *options,
-                           str(script), *script_args],
+    proc = subprocess.run(launch_command(tmp_path, *options, name=name, script=script, steps=steps,
+                                         script_args=script_args, timeout_s=timeout_s),
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout_s + 60,
                           env=None if env is None else dict(os.environ, **env))
     output = proc.stdout + proc.stderr
