@@ -72,11 +72,13 @@ DEBUG_INFO ?= 0
 build: $(VENV)/.deps $(VENV)/.system
 	REPLICA_DEBUG_INFO=$(DEBUG_INFO) $(PY) setup.py -q build_ext --inplace
 
-# WORKERS: pytest-xdist workers (0: one process). Tests that must not run side by side share an
-# xdist_group (--dist loadgroup), as do a module's tests that share a module-scoped fixture.
-# 2 by default (1 on a one-core machine: 0); measured on 2 cores: docs/operations.md#development.
+# WORKERS: pytest-xdist workers (0: one process), 2 by default (0 on a one-core machine); measured
+# on 2 cores in docs/operations.md#development. A file's tests run on one worker, in order
+# (--dist loadfile): its module fixtures (a netns cluster, a vLLM engine, a Ray cluster) are built
+# once. (xdist_group cannot do it: pytest-xdist 3.8 renames items by `_nodeid`, which pytest 9
+# no longer reads, so --dist loadgroup silently spreads a group over the workers.)
 WORKERS ?= $(if $(filter 1,$(shell nproc 2>/dev/null || echo 1)),0,2)
-XDIST = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadgroup)
+XDIST = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist loadfile)
 test: build
 	$(PY) -m pytest tests bench --benchmark-disable -m "not slow" --durations=30 $(XDIST) $(PYTEST_ARGS)
 

@@ -152,7 +152,8 @@ def test_engine_serves_its_version_while_the_next_is_prepared(job, monkeypatch):
     monkeypatch.setattr(vllm_staging, "_process", slow_process)
     trained = make_model(root / "seed3", 3)
     sync = replica.WeightSync(trained, store=store, num_engines=1, config=CONFIG)
-    step = weights.version + 1
+    before = weights.version  # None when no other test of the module synced before this one
+    step = (before or 0) + 1
     sync.push(step)
     during = 0
     while not llm.collective_rpc("replica_wait", args=(step, 0.0))[0]:
@@ -163,7 +164,7 @@ def test_engine_serves_its_version_while_the_next_is_prepared(job, monkeypatch):
         assert greedy(llm)[0] == served  # the live model is untouched
         during += 1
     assert during >= 1 and len(slowed) > 4  # generation did overlap preparation
-    assert weights.version == step - 1 and weights.update() == step
+    assert weights.version == before and weights.update() == step
     assert weights.staging == "staged"
     new, first = greedy(llm)
     sync.close()
