@@ -29,8 +29,8 @@ from replica.timing import Deadline  # noqa: E402
 from test_launch import EXAMPLE, ROOT, STEPS  # noqa: E402
 
 TOKEN = "ray-test-token"
-# One Ray cluster at a time (its module fixture): under pytest-xdist (make test) a file's tests run
-# on one worker (--dist loadfile).
+# The module's Ray cluster: under pytest-xdist (make test) each worker that runs a test of this
+# module starts one.
 
 WORKERS = 5  # 2 trainer machines, 2 rollout machines (the standbys), 1 spare
 
