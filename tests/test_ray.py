@@ -5,8 +5,10 @@ faulty run's losses must equal the failure-free ``replica launch`` run bit for b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ from replica.ray import Placement, PlacementError, RayJob, RayJobConfig, Samplin
 from replica.ray.launch import parse_placement  # noqa: E402
 from replica.roles.report import compare_reports, load_report  # noqa: E402
 from replica.timing import Deadline  # noqa: E402
+from replica._testing import descendants  # noqa: E402
 from test_launch import EXAMPLE, ROOT, STEPS  # noqa: E402
 
 TOKEN = "ray-test-token"
@@ -148,7 +151,13 @@ def test_a_trainer_node_removed_without_notice(cluster, tmp_path, reference):
         node_id = job.roles()["trainer 0"]
         _until("commit 3", lambda: (job.commit() or 0) >= 3)
         node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+        # Every process on the node dies with its raylet, as on a lost machine (a worker left alone
+        # notices its raylet's death only later: once the job finished meanwhile, with no failover).
+        on_node = descendants(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
         cluster.remove_node(node, allow_graceful=False)
+        for pid in on_node:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         assert job.wait(timedelta(minutes=4)) == 0
         failovers = job.failovers()
         placed = job.roles()

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import pytest
 
-from replica._testing import process_state, wait_for
+from replica._testing import descendants, process_state, wait_for
 from replica.roles.probe import ProcessState, Verdict, judge, look, verdict_of
 from replica.roles.report import compare_reports
 from replica.roles.stalls import StallLog
@@ -76,20 +76,6 @@ def test_the_probe_tells_a_stopped_an_idle_a_running_and_a_gone_process_apart():
 
 # --- the job ---
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            with open(f"/proc/{parent}/task/{parent}/children") as f:
-                children = [int(c) for c in f.read().split()]
-        except OSError:
-            continue
-        out += children
-        todo += children
-    return out
-
-
 class Job:
     """`replica launch` of the example job (2 trainers, 2 standbys) in the background, its
     output (the launcher's and the roles') read as it comes."""
@@ -116,7 +102,7 @@ class Job:
         assert self.proc.poll() is None, self.output[-4000:]
 
     def roles(self) -> list[int]:
-        return _descendants(self.proc.pid)
+        return descendants(self.proc.pid)
 
     def finish(self) -> tuple[int, dict, str]:
         code = self.proc.wait(timeout=300)

@@ -25,7 +25,7 @@ import torch
 from replica.timing import Deadline
 
 __all__ = ["BusyCores", "Child", "ChildFailed", "CountingStore", "RawUcx", "TornDown", "busy_cores", "cpu_seconds",
-           "cpu_since", "free_port", "process_state", "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
+           "cpu_since", "descendants", "free_port", "process_state", "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
 
 
 class TornDown:
@@ -278,6 +278,21 @@ def cpu_since(*pids: int) -> Callable[[], float]:
 
     start = used()
     return lambda: used() - start
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), as /proc shows them now."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            with open(f"/proc/{parent}/task/{parent}/children") as f:
+                children = [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+        found += children
+        todo += children
+    return found
 
 
 def process_state(pid: int) -> str:
