@@ -77,17 +77,14 @@ class Judgement:
                 continue
             verdict, why = looks[member.id]
             said = f"no heartbeat for {silent:.1f} s (the {member.role} deadline is {deadline:g} s)"
-            if verdict == Verdict.GONE or (not together and verdict in (Verdict.DEAD, Verdict.UNKNOWN)):
+            dead = verdict == Verdict.GONE or (not together and verdict in (Verdict.DEAD, Verdict.UNKNOWN))
+            if dead or silent > timing.STALL_HOLD.total_seconds():
                 entry = self._held.pop(member.id, None)
                 if entry is not None:
                     entry.update(outcome="dead", until=now)
+                if not dead:
+                    said += f", longer than a stall may last ({timing.STALL_HOLD.total_seconds():g} s)"
                 decisions += self.declare_dead(member, f"{said}; {why}" if why else said)
-            elif silent > timing.STALL_HOLD.total_seconds():
-                entry = self._held.pop(member.id, None)
-                if entry is not None:
-                    entry.update(outcome="dead", until=now)
-                decisions += self.declare_dead(member, f"{said}, longer than a stall may last "
-                                                       f"({timing.STALL_HOLD.total_seconds():g} s){'; ' + why if why else ''}")
             elif member.id not in self._held:
                 why = why or "nothing else sees its process"
                 entry = {"member": str(member), "role": member.role, "rank": member.rank, "at": now,

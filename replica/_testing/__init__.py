@@ -25,7 +25,8 @@ import torch
 from replica.timing import Deadline
 
 __all__ = ["BusyCores", "Child", "ChildFailed", "CountingStore", "RawUcx", "TornDown", "busy_cores", "cpu_seconds",
-           "cpu_since", "descendants", "free_port", "process_state", "receive_bucketed", "send_bucketed", "spawn", "wait_for"]
+           "cpu_since", "descendants", "free_port", "process_state", "receive_bucketed", "send_bucketed", "spawn",
+           "wait_for"]
 
 
 class TornDown:
@@ -109,7 +110,8 @@ class Child:
 
     def __init__(self, target: Callable[..., Any], *args: Any, name: str = "child"):
         self._conn, child_conn = _CTX.Pipe()
-        self.process = _CTX.Process(target=_child_main, args=(child_conn, _Context.here(), target, args), name=name, daemon=True)
+        self.process = _CTX.Process(target=_child_main, args=(child_conn, _Context.here(), target, args), name=name,
+                                    daemon=True)
         self.process.start()
         child_conn.close()
         self.name = name
