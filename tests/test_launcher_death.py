@@ -92,6 +92,11 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _runs(pid: int, script: Path) -> bool:
+    """The process runs ``script`` itself: ``python SCRIPT ...``, not the wrapper that will exec it."""
+    return _cmdline(pid)[1:2] == [str(script)]
+
+
 # Two jobs whose roles would outlive their launcher without the parent-death signal:
 # * roles that never join (they never touch the job store, whose loss ends a waiting role),
 # * the demo job, killed while trainer 0 is in a 600 s step (a stall fault): the store's loss
@@ -126,16 +131,18 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job):
         def ready() -> bool:
             if job == "stalled-trainer":  # trainer 0 sits in its stalled step
                 return any("injected fault stall:trainer:0@2:600 fires" in line for line in list(output))
-            # all four run the script (past the wrapper that set their parent-death signal)
+            # all four run the script, past the wrapper that set their parent-death signal (whose
+            # command line names the script too) and past its exec (while the kernel builds the new
+            # image, /proc/PID/environ and cmdline read empty)
             found = _children(launcher.pid)
-            return len(found) == 4 and all(str(script) in _cmdline(pid) for pid in found)
+            return len(found) == 4 and all(_runs(pid, script) for pid in found)
 
         while not ready():
             assert launcher.poll() is None, "the launcher ended early:\n" + "".join(output)[-4000:]
             assert not deadline.expired, "the job never got going:\n" + "".join(output)[-4000:]
             time.sleep(0.2)
         # The roles: the children running the script (not a short-lived helper the launcher may run).
-        children = {pid: v for pid, v in _children(launcher.pid).items() if str(script) in _cmdline(pid)}
+        children = {pid: v for pid, v in _children(launcher.pid).items() if _runs(pid, script)}
         assert sorted(_role(pid) for pid in children) == ["standby 0", "standby 1", "trainer 0", "trainer 1"]
         assert all(_alive(pid, started) for pid, (_, started) in children.items())
 
