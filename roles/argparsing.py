@@ -14,7 +14,7 @@ from replica.state.export import resumable
 from replica.roles.timing import Deadlines
 
 __all__ = ["Parser", "deadline_options", "deadlines_of", "existing_file", "non_negative_int", "port", "positive_float",
-           "positive_int", "resume_point", "state_options", "writable_file"]
+           "positive_int", "resume_point", "start_options", "state_options", "writable_file"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -83,6 +83,13 @@ def deadline_options(p: argparse.ArgumentParser) -> None:
                         "(a process that exits is declared dead at once)")
     p.add_argument("--standby-deadline", type=positive_float, default=None,
                    help="the same for standbys (default: --heartbeat-deadline)")
+
+
+def start_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--exec-roles", action="store_true",
+                   help="start each role as a fresh interpreter (`python SCRIPT`) instead of forking it from a server "
+                        "that imported torch once (seconds slower a role; for a script that sets, before importing "
+                        "torch, environment variables that torch reads at import)")
 
 
 def state_options(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,8 @@ from replica.jobstore.stores import StoreAddress
 from replica.session.backends import parse_backends
 
 __all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "base_environ",
-           "check_faults", "configure_logging", "host_name", "job_environ", "member_environ", "parse_faults"]
+           "check_faults", "configure_logging", "host_name", "job_environ", "member_environ", "parse_faults",
+           "role_name"]
 
 #: The job's step count when the launcher is not told (``replica launch --steps``) and a
 #: role's environment does not say (``RoleEnv.steps``).
@@ -177,6 +178,11 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
             raise ValueError(f"bad fault {item!r}: {exc}") from exc
         faults.append(fault)
     return tuple(faults)
+
+
+def role_name(role: Role, rank: int) -> str:
+    """A role process's name (``ps -o comm``): ``trainer 0``, ``standby 12``, ``rollout 3``."""
+    return f"{role.value} {rank}"
 
 
 def base_environ() -> dict[str, str]:

@@ -30,7 +30,7 @@ from replica import envvars
 from replica.jobstore import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, RoleExit, Stamp, keys
 from replica.roles import timing
 from replica.timing import Deadline, pause
-from replica.roles.argparsing import Parser, existing_file, non_negative_int
+from replica.roles.argparsing import Parser, existing_file, non_negative_int, start_options
 from replica.roles.exits import ExitCode
 from replica.roles.env import HOST, ROLES, Action, Fault, Role, base_environ, configure_logging, host_name, parse_faults
 from replica.roles.local_agent import LocalAgent
@@ -245,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=non_negative_int, required=True, help="this host's agent number, 0 .. --agents - 1")
     p.add_argument("--address", default="127.0.0.1", help="this host's routable address (REPLICA_HOST of its roles)")
     p.add_argument("--roles", default="", help="roles to start at once, e.g. trainer:0 or standby:1,rollout:1")
+    start_options(p)
     p.add_argument("script", type=existing_file, help="the job's script (the same on every host)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     store = JobStore(address.connect(timeout=timing.ROLE_WAIT), token=os.environ[envvars.TOKEN].encode())
     # The rest of the job's variables (job_environ's) come from the agent's own environment.
     env = {**base_environ(), envvars.STORE: str(address), envvars.HOST: args.address}
-    local = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=0)
+    local = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=0, exec_roles=args.exec_roles)
     agent = HostAgent(store=store, index=args.index, address=args.address, local=local,
                       faults=parse_faults(os.environ.get(envvars.INJECT, "")))
     print(f"replica: agent {args.index} on {agent.host} ({args.address}) for the job at {address}", flush=True)

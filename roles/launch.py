@@ -33,7 +33,7 @@ from replica.roles.env import DEFAULT_STEPS, HOST, Role, check_faults, configure
 from replica.roles.exits import ExitCode
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.local_agent import LocalAgent, open_job, start_roles
-from replica.roles.argparsing import deadline_options, deadlines_of, resume_point, state_options
+from replica.roles.argparsing import deadline_options, deadlines_of, resume_point, start_options, state_options
 
 __all__ = ["StatusLines", "main"]
 
@@ -138,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=600, help="seconds before the whole job is abandoned")
     deadline_options(p)
     state_options(p)
+    start_options(p)
     return p
 
 
@@ -212,7 +213,7 @@ def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, s
             print(f"replica: {exc}", flush=True)
             return ExitCode.USAGE
     else:
-        agent = LocalAgent(script=script, env=env, replacements=args.replacements)
+        agent = LocalAgent(script=script, env=env, replacements=args.replacements, exec_roles=args.exec_roles)
     try:
         start_roles(coord, agent, trainers=args.trainers, standbys=standbys, rollouts=args.rollouts)
         timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)

@@ -19,10 +19,11 @@ from replica import envvars
 from replica.session.backends import check_backends, parse_backends
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership, lead_new_job
-from replica.roles.env import Role, base_environ, host_name, job_environ, member_environ
+from replica.roles.env import Role, base_environ, host_name, job_environ, member_environ, role_name
 from replica.roles.probe import ProcessView, Verdict, verdict_of
 from replica.roles.timing import Deadlines
 from replica.jobstore.stores import StoreAddress, StoreKind
+from replica.processes import ScriptProcess, start_script
 from replica.timing import Deadline
 
 __all__ = ["LocalAgent", "die_with_launcher", "open_job", "role_env", "start_roles"]
@@ -103,20 +104,27 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
 class LocalAgent:
     """Starts the role processes on this machine and reports their exits."""
 
-    def __init__(self, *, script: list[str], env: dict[str, str], replacements: int):
+    def __init__(self, *, script: list[str], env: dict[str, str], replacements: int, exec_roles: bool = False):
+        """``script``: the script and its arguments, run in every role. ``exec_roles``: each role
+        a fresh interpreter (``python SCRIPT``), instead of a child of a server that imported
+        torch once (``replica.processes``: started in milliseconds, not seconds)."""
         self._script = script
         self._env = env
         self._replacements = replacements
-        self.procs: dict[int, tuple[str, subprocess.Popen]] = {}
+        self._exec_roles = exec_roles
+        self.procs: dict[int, tuple[str, subprocess.Popen | ScriptProcess]] = {}
         self._reported: set[int] = set()
         self._views: dict[int, ProcessView] = {}  # each process's last look (probe)
 
     def start(self, role: Role, rank: int) -> int:
-        if threading.current_thread() is not threading.main_thread():
-            # PR_SET_PDEATHSIG fires when the forking *thread* exits, not the launcher.
-            raise RuntimeError("LocalAgent.start must be called from the main thread")
         env = {**self._env, **member_environ(role, rank)}
-        popen = subprocess.Popen(die_with_launcher([sys.executable, *self._script]), env=env)
+        if self._exec_roles:
+            if threading.current_thread() is not threading.main_thread():
+                # PR_SET_PDEATHSIG fires when the forking *thread* exits, not the launcher.
+                raise RuntimeError("LocalAgent.start must be called from the main thread")
+            popen = subprocess.Popen(die_with_launcher([sys.executable, *self._script]), env=env)
+        else:
+            popen = start_script(self._script, env=env, name=role_name(role, rank))
         self.procs[popen.pid] = (role, popen)
         return popen.pid
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from replica._testing import descendants, role_of
 from replica.roles.launch import StatusLines
 from replica.roles.local_agent import die_with_launcher
 from replica.timing import Deadline
@@ -42,30 +43,10 @@ def _proc(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[19])
 
 
-def _children(ppid: int) -> dict[int, tuple[str, int]]:
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if int(fields[1]) == ppid:
-            found[int(entry.name)] = (fields[0], int(fields[19]))
-    return found
-
-
 def _alive(pid: int, started: int) -> bool:
     """Running (a zombie is dead; a recycled pid is another process)."""
     now = _proc(pid)
     return now is not None and now[1] == started and now[0] not in ("Z", "X")
-
-
-def _role(pid: int) -> str:
-    env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
-    return f"{env.get('REPLICA_ROLE')} {env.get('REPLICA_RANK')}"
 
 
 def test_wrapped_command_runs_as_is_with_the_parent_death_signal_set():
@@ -105,15 +86,19 @@ _SLEEPER = "import time\ntime.sleep(600)\n"
 _STALLED = ("--inject", "stall:trainer:0@2:600")
 
 
+@pytest.mark.parametrize("start", ["forked", "exec"])
 @pytest.mark.parametrize("job", ["sleeper", "stalled-trainer"])
-def test_roles_die_with_a_killed_launcher(tmp_path, job):
+def test_roles_die_with_a_killed_launcher(tmp_path, job, start):
     """SIGKILL `replica launch` while its 2 trainers and 2 standbys run; they must all be
-    gone within 10 s."""
+    gone within 10 s: forked from the launcher's fork server (the default), or each a fresh
+    interpreter (``--exec-roles``)."""
     script = EXAMPLE
     options: tuple[str, ...] = _STALLED
     if job == "sleeper":
         script, options = tmp_path / "sleeper.py", ()
         script.write_text(_SLEEPER)
+    if start == "exec":
+        options = (*options, "--exec-roles")
     launcher = subprocess.Popen([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", "100", "--timeout",
                                  "600", *options, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
@@ -124,6 +109,20 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job):
             output.append(line)
 
     threading.Thread(target=read, daemon=True).start()
+
+    def roles() -> dict[int, str]:
+        """The processes below the launcher that run the script as a role. A forked one is named
+        for its role once its parent-death signal is set; an exec'd one runs the script itself,
+        past the wrapper that set the signal (whose command line names the script too) and past
+        its exec (while the kernel builds the new image, /proc/PID/environ and cmdline read empty)."""
+        found = {}
+        for pid in descendants(launcher.pid):
+            if start == "exec" and not _runs(pid, script):
+                continue
+            if (role := role_of(pid)) is not None:
+                found[pid] = f"{role[0]} {role[1]}"
+        return found
+
     children: dict[int, tuple[str, int]] = {}
     try:
         deadline = Deadline.after(timedelta(seconds=240))
@@ -131,20 +130,16 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job):
         def ready() -> bool:
             if job == "stalled-trainer":  # trainer 0 sits in its stalled step
                 return any("injected fault stall:trainer:0@2:600 fires" in line for line in list(output))
-            # all four run the script, past the wrapper that set their parent-death signal (whose
-            # command line names the script too) and past its exec (while the kernel builds the new
-            # image, /proc/PID/environ and cmdline read empty)
-            found = _children(launcher.pid)
-            return len(found) == 4 and all(_runs(pid, script) for pid in found)
+            return len(roles()) == 4
 
         while not ready():
             assert launcher.poll() is None, "the launcher ended early:\n" + "".join(output)[-4000:]
             assert not deadline.expired, "the job never got going:\n" + "".join(output)[-4000:]
             time.sleep(0.2)
-        # The roles: the children running the script (not a short-lived helper the launcher may run).
-        children = {pid: v for pid, v in _children(launcher.pid).items() if _runs(pid, script)}
-        assert sorted(_role(pid) for pid in children) == ["standby 0", "standby 1", "trainer 0", "trainer 1"]
-        assert all(_alive(pid, started) for pid, (_, started) in children.items())
+        found = roles()
+        assert sorted(found.values()) == ["standby 0", "standby 1", "trainer 0", "trainer 1"]
+        children = {pid: _proc(pid) for pid in found}
+        assert all(v is not None and _alive(pid, v[1]) for pid, v in children.items())
 
         os.kill(launcher.pid, signal.SIGKILL)
         assert launcher.wait(timeout=30) == -signal.SIGKILL  # the launcher was killed, not ended by itself
@@ -153,7 +148,7 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job):
         while (left := [pid for pid, (_, started) in children.items() if _alive(pid, started)]) and \
                 not deadline.expired:
             time.sleep(0.05)
-        assert left == [], f"roles {[_role(pid) for pid in left]} outlived their launcher"
+        assert left == [], f"roles {[found[pid] for pid in left]} outlived their launcher"
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import pytest
 
-from replica._testing import descendants, process_state, wait_for
+from replica._testing import descendants, process_state, role_of, wait_for
 from replica.roles.probe import ProcessState, Verdict, judge, look, verdict_of
 from replica.roles.report import compare_reports
 from replica.roles.stalls import StallLog
@@ -102,7 +102,8 @@ class Job:
         assert self.proc.poll() is None, self.output[-4000:]
 
     def roles(self) -> list[int]:
-        return descendants(self.proc.pid)
+        """The job's role processes (not the launcher's fork server)."""
+        return [pid for pid in descendants(self.proc.pid) if role_of(pid) is not None]
 
     def finish(self) -> tuple[int, dict, str]:
         code = self.proc.wait(timeout=300)
@@ -188,7 +189,7 @@ def test_a_trainer_stopped_alone_is_still_convicted_and_failed_over(job, referen
     load); it wakes up replaced and stops by itself; the losses are the failure-free run's."""
     run = job("--inject", "freeze:trainer:1@3:backward")  # SIGSTOPs itself
     run.said("injected fault freeze:trainer:1@3")
-    trainer = next(pid for pid in run.roles() if _role_of(pid) == ("trainer", "1"))
+    trainer = next(pid for pid in run.roles() if role_of(pid) == ("trainer", 1))
     wait_for(lambda: process_state(trainer) == "T", "trainer 1 to stop")
     time.sleep(8.0)
     with contextlib.suppress(ProcessLookupError):  # the launcher kills a member it declared dead (fencing)
@@ -203,15 +204,6 @@ def test_a_trainer_stopped_alone_is_still_convicted_and_failed_over(job, referen
     assert f"replica: failovers: 1 (rank 1 from commit {failover['commit']})" in output
     assert "replica: suspected stalls: 0\n" in output
     assert compare_reports(reference, report) == []
-
-
-def _role_of(pid: int) -> tuple[str, str] | None:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-    except OSError:
-        return None
-    return env.get(b"REPLICA_ROLE", b"").decode(), env.get(b"REPLICA_RANK", b"").decode()
 
 
 def test_a_death_before_the_first_commit_restarts_the_job_from_its_start(tmp_path, reference):

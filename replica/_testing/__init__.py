@@ -5,8 +5,8 @@ their tracebacks, can be killed or frozen, and are always cleaned up."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
+from replica.processes import SERVER, Inherited
 from replica.timing import Deadline
 
 __all__ = ["BusyCores", "Child", "ChildFailed", "CountingStore", "RawUcx", "TornDown", "busy_cores", "cpu_seconds",
-           "cpu_since", "descendants", "free_port", "process_state", "receive_bucketed", "send_bucketed", "spawn",
-           "wait_for"]
+           "cpu_since", "descendants", "free_port", "process_state", "receive_bucketed", "role_of", "send_bucketed",
+           "spawn", "wait_for"]
 
 
 class TornDown:
@@ -50,52 +51,15 @@ class TornDown:
     def __exit__(self, *exc) -> None:
         self.close()
 
-# Children come from multiprocessing's fork server: one process per test process that imports
-# these modules once, before any thread or communicator exists, and forks a child per Child.
-# A child starts from that server's state, not this process's: the environment, working
-# directory and import path of the moment are handed to it (``_child_main``), as spawn does.
-# Only imports go into the server: nothing that starts a thread, opens a transport or reads
-# the environment once for good.
-_PRELOAD = ["torch", "torch.distributed", "numpy", "replica"]
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(_PRELOAD)
-
-
-def _environ_now() -> dict[str, str]:
-    """A copy of ``os.environ``; taken again if another thread changed it meanwhile (an
-    in-process vLLM engine sets variables from its threads: the copy raised RuntimeError)."""
-    for _ in range(100):
-        try:
-            return dict(os.environ)
-        except RuntimeError:
-            continue
-    return dict(os.environ)
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class _Context:
-    """What a spawned child would inherit from its parent at its start."""
-
-    environ: dict[str, str]
-    cwd: str
-    path: list[str]
-
-    @staticmethod
-    def here() -> _Context:
-        return _Context(environ=_environ_now(), cwd=os.getcwd(), path=list(sys.path))
-
-    def enter(self) -> None:
-        os.environ.clear()
-        os.environ.update(self.environ)
-        os.chdir(self.cwd)
-        sys.path[:] = self.path
+# Children come from the fork server of `replica.processes` (torch imported once there): the
+# environment, working directory and import path of the moment are handed to each.
 
 
 class ChildFailed(RuntimeError):
     """A child process raised (its traceback is the message) or died."""
 
 
-def _child_main(conn, context: _Context, target, args) -> None:
+def _child_main(conn, context: Inherited, target, args) -> None:
     try:
         context.enter()
         target(conn, *args)
@@ -109,8 +73,8 @@ class Child:
     """A child process running ``target(pipe, *args)``; talk to it with send/recv."""
 
     def __init__(self, target: Callable[..., Any], *args: Any, name: str = "child"):
-        self._conn, child_conn = _CTX.Pipe()
-        self.process = _CTX.Process(target=_child_main, args=(child_conn, _Context.here(), target, args), name=name,
+        self._conn, child_conn = SERVER.Pipe()
+        self.process = SERVER.Process(target=_child_main, args=(child_conn, Inherited.here(), target, args), name=name,
                                     daemon=True)
         self.process.start()
         child_conn.close()
@@ -287,14 +251,41 @@ def descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
         parent = todo.pop()
+        children = []
         try:
-            with open(f"/proc/{parent}/task/{parent}/children") as f:
-                children = [int(c) for c in f.read().split()]
+            threads = os.listdir(f"/proc/{parent}/task")
         except OSError:
             continue
+        for thread in threads:  # each thread's own children: a child forked by another thread too
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children") as f:
+                    children += [int(c) for c in f.read().split()]
+            except OSError:
+                continue
         found += children
         todo += children
     return found
+
+
+_ROLE_NAME = re.compile(r"(trainer|standby|rollout) (\d+)")
+
+
+def role_of(pid: int) -> tuple[str, int] | None:
+    """The role and rank of a launched job's process: its name (a role forked from the fork
+    server is named so), else its environment (a role started with ``--exec-roles``); None
+    for another process, or one gone."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            named = _ROLE_NAME.fullmatch(f.read().strip())
+        if named:
+            return named[1], int(named[2])
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    except OSError:
+        return None
+    if b"REPLICA_ROLE" not in env or b"REPLICA_RANK" not in env:
+        return None
+    return env[b"REPLICA_ROLE"].decode(), int(env[b"REPLICA_RANK"])
 
 
 def process_state(pid: int) -> str:

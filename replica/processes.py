@@ -1,0 +1,219 @@
+"""Processes forked from a preloaded server: a child that starts in milliseconds, with
+torch already imported, instead of a fresh interpreter that imports it again (1.5-2 s of
+CPU each, several seconds on a loaded machine).
+
+The server is multiprocessing's fork server: one process per parent, started (exec'd, so
+clean: no thread, no communicator, nothing of the parent's) on first use, that imports
+``PRELOAD`` once and forks a child per request. A child starts from the server's state, not
+its parent's: the environment, working directory and import path the parent chose are
+handed to it (``Inherited``), as exec would. Only imports go into the server: nothing that
+starts a thread, opens a transport or reads the environment once for good (torch reads its
+thread counts and CUDA devices at first use, not at import). The server listens on a Unix
+socket in a private (0700) directory; it exits when its parent does.
+
+``start_script`` runs a user script in such a child as ``python SCRIPT ARGS`` would: as
+``__main__``, with its directory first on ``sys.path``, its exit status that of the script
+(an uncaught exception: 1), non-daemon threads joined and ``atexit`` handlers run before it
+exits. The child is SIGKILLed when its parent dies, even by SIGKILL, and is named for what it
+is (``ps -o comm``, ``top``). Linux only."""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import multiprocessing as mp
+from multiprocessing import reduction
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+__all__ = ["PRELOAD", "SERVER", "Inherited", "ScriptProcess", "environ_now", "start_script"]
+
+PRELOAD = ["torch", "torch.distributed", "numpy", "replica"]
+SERVER = mp.get_context("forkserver")
+SERVER.set_forkserver_preload(PRELOAD)
+
+_PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
+_NAME_BYTES = 15  # the kernel keeps 15 bytes of a process name (/proc/PID/comm)
+
+
+def environ_now() -> dict[str, str]:
+    """A copy of ``os.environ``; taken again if another thread changed it meanwhile (an
+    in-process vLLM engine sets variables from its threads: the copy raised RuntimeError)."""
+    for _ in range(100):
+        try:
+            return dict(os.environ)
+        except RuntimeError:
+            continue
+    return dict(os.environ)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Inherited:
+    """What an exec'd child would inherit from its parent at its start."""
+
+    environ: dict[str, str]
+    cwd: str
+    path: list[str]
+
+    @staticmethod
+    def here(environ: dict[str, str] | None = None) -> Inherited:
+        """This process's working directory and import path, and ``environ`` (default: its own)."""
+        return Inherited(environ=environ_now() if environ is None else dict(environ), cwd=os.getcwd(),
+                         path=list(sys.path))
+
+    def enter(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this child when the server dies; the server exits when the parent that started it
+    does. A parent already gone before the signal was set sends nothing: then the pipe it sent
+    this child's start through reads EOF, and the child kills itself."""
+    # The server exits once no client holds its liveness pipe; multiprocessing hands each child
+    # a copy (for children of its own), which would keep the server up after the parent died.
+    from multiprocessing import forkserver
+    if forkserver._forkserver._forkserver_alive_fd is not None:
+        os.close(forkserver._forkserver._forkserver_alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None  # a child of this child starts a server of its own
+    if not sys.platform.startswith("linux"):
+        return
+    if _libc().prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
+                     ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    parent = mp.parent_process()
+    if parent is not None and not parent.is_alive():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _set_name(name: str) -> None:
+    if sys.platform.startswith("linux"):
+        _libc().prctl(ctypes.c_int(_PR_SET_NAME), ctypes.c_char_p(name.encode()[:_NAME_BYTES]), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
+def _exit_status(exc: SystemExit) -> int:
+    """``sys.exit(code)`` as the interpreter turns it into a status."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _finish(status: int) -> None:
+    """End as the interpreter would: wait for non-daemon threads, run ``atexit``, flush, exit
+    (without the fork server's own exit path, which skips ``atexit``)."""
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed or broken stream: nothing more can be said
+                pass
+        os._exit(status)
+
+
+def _run_script(inherited: Inherited, argv: list[str], name: str, stdout, stderr) -> None:
+    _die_with_parent()
+    _set_name(name)
+    for fd, stream in ((stdout.detach(), sys.stdout), (stderr.detach(), sys.stderr)):
+        stream.flush()
+        os.dup2(fd, stream.fileno())  # the starter's at the start, as exec'd children have them
+        os.close(fd)
+    inherited.enter()
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python SCRIPT` puts it first
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        status = 0
+    except SystemExit as exc:
+        status = _exit_status(exc)
+    except BaseException as exc:
+        sys.excepthook(type(exc), exc, _from_script(exc.__traceback__, argv[0]))
+        status = 1
+    _finish(status)
+
+
+def _from_script(tb, script: str):
+    """The traceback from the script's own frame on (as the interpreter prints it: no runpy, no
+    ``_run_script``); all of it when no frame is the script's."""
+    first = tb
+    while first is not None and first.tb_frame.f_code.co_filename != script:
+        first = first.tb_next
+    return first or tb
+
+
+class ScriptProcess:
+    """A script started by ``start_script``, with the part of ``subprocess.Popen`` the
+    launcher uses: ``pid``, ``poll``, ``returncode`` (negative: the signal that ended it),
+    ``wait`` (``subprocess.TimeoutExpired`` past its timeout), ``kill``."""
+
+    def __init__(self, process: mp.process.BaseProcess, argv: list[str]):
+        self._process = process
+        self.args = argv
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        if self._process.exitcode is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def join(self, timeout: timedelta) -> bool:
+        """True once it ended, within ``timeout``."""
+        self._process.join(timeout.total_seconds())
+        return self._process.exitcode is not None
+
+
+def start_script(argv: list[str], *, env: dict[str, str], name: str) -> ScriptProcess:
+    """Run ``python *argv`` (``argv[0]`` a script path) in a child of the fork server, with
+    environment ``env`` and this process's working directory, named ``name`` (15 bytes shown).
+    ValueError for an empty ``argv``; FileNotFoundError for a script that is not there."""
+    if not argv:
+        raise ValueError("start_script needs a script path")
+    if not os.path.isfile(argv[0]):
+        raise FileNotFoundError(f"no script at {argv[0]!r}")
+    # not daemonic: a daemonic process may not start processes (a DataLoader's workers)
+    std = (reduction.DupFd(sys.stdout.fileno()), reduction.DupFd(sys.stderr.fileno()))  # sent along at the start
+    process = SERVER.Process(target=_run_script, args=(Inherited.here(env), list(argv), name, *std), name=name,
+                             daemon=False)
+    process.start()
+    # Not joined by multiprocessing at this process's exit, as a daemonic one would not be: a
+    # parent that ends without stopping it ends it (the server goes, and the signal comes).
+    mp.process._children.discard(process)
+    return ScriptProcess(process, list(argv))

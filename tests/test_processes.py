@@ -1,0 +1,143 @@
+"""A script forked from the preloaded server (``replica.processes.start_script``) runs as
+``python SCRIPT`` would, reports its status as ``subprocess.Popen`` does, and dies with the
+process that started it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from replica._testing import descendants, wait_for
+from replica.processes import start_script
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server's children are Linux only")
+
+# What a script sees of its start, written as JSON to argv[1]; then it ends as argv[2] says.
+_SCRIPT = '''
+import atexit, json, os, sys, threading, time
+import multiprocessing as mp
+
+def square(x):  # run in a spawned child: found again through this script, as `python SCRIPT` allows
+    return x * x
+
+def write_late(path):
+    time.sleep(0.3)
+    with open(path, "w") as f:
+        f.write("joined")
+
+if __name__ == "__main__":
+    out, end = sys.argv[1], sys.argv[2]
+    with mp.get_context("spawn").Pool(1) as pool:
+        spawned = pool.map(square, [3])
+    forked = mp.get_context("fork").Process(target=time.sleep, args=(0,))  # a DataLoader's workers do this
+    forked.start()
+    forked.join()
+    seen = {"name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+            "given": os.environ.get("GIVEN"), "parent_only": os.environ.get("PARENT_ONLY"),
+            "comm": open("/proc/self/comm").read().strip(), "spawned": spawned, "forked": forked.exitcode,
+            "torch_preloaded": "torch" in sys.modules}
+    with open(out, "w") as f:
+        json.dump(seen, f)
+    atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
+    threading.Thread(target=write_late, args=(out + ".thread",)).start()  # not daemonic: waited for
+    if end == "raise":
+        raise RuntimeError("the script failed")
+    if end.startswith("exit"):
+        sys.exit(int(end[4:]))
+    if end == "sleep":
+        time.sleep(600)
+'''
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    path = tmp_path / "scripts" / "job.py"
+    path.parent.mkdir()
+    path.write_text(_SCRIPT)
+    return path
+
+
+def test_a_script_runs_as_python_would_run_it(tmp_path, script, monkeypatch):
+    monkeypatch.setenv("PARENT_ONLY", "1")
+    out = tmp_path / "seen.json"
+    proc = start_script([str(script), str(out), "exit0"], env={"GIVEN": "yes", "PATH": os.environ["PATH"]},
+                        name="trainer 3")
+    assert proc.wait(timeout=120) == 0 and proc.returncode == 0 and proc.poll() == 0
+    seen = json.loads(out.read_text())
+    assert seen == {"name": "__main__", "argv": [str(script), str(out), "exit0"], "path0": str(script.parent),
+                    "cwd": os.getcwd(), "given": "yes", "parent_only": None, "comm": "trainer 3", "spawned": [9],
+                    "forked": 0, "torch_preloaded": True}
+    assert (tmp_path / "seen.json.atexit").read_text() == "ran"      # atexit handlers ran
+    assert (tmp_path / "seen.json.thread").read_text() == "joined"   # a non-daemon thread was waited for
+
+
+@pytest.mark.parametrize(("end", "status"), [("exit3", 3), ("raise", 1)])
+def test_its_status_is_the_scripts(tmp_path, script, capfd, end, status):
+    out = tmp_path / "seen.json"
+    proc = start_script([str(script), str(out), end], env=dict(os.environ), name="standby 0")
+    assert proc.wait(timeout=120) == status
+    assert (tmp_path / "seen.json.atexit").read_text() == "ran"
+    if end == "raise":  # as the interpreter prints it
+        assert "RuntimeError: the script failed" in capfd.readouterr().err
+
+
+def test_a_killed_script_reads_as_popen_reads_it(tmp_path, script):
+    out = tmp_path / "seen.json"
+    proc = start_script([str(script), str(out), "sleep"], env=dict(os.environ), name="rollout 0")
+    wait_for(out.exists, "the script's start", timeout_s=120)
+    with pytest.raises(subprocess.TimeoutExpired):
+        proc.wait(timeout=0.1)
+    assert proc.poll() is None
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert proc.join(timedelta(seconds=0))
+
+
+def test_bad_input_is_refused(tmp_path):
+    with pytest.raises(ValueError):
+        start_script([], env={}, name="x")
+    with pytest.raises(FileNotFoundError, match="no script"):
+        start_script([str(tmp_path / "missing.py")], env={}, name="x")
+
+
+_STARTER = ("import os, sys, time; from replica.processes import start_script; "
+            "proc = start_script(sys.argv[1:], env=dict(os.environ), name='trainer 0'); "
+            "print(proc.pid, flush=True); time.sleep(600)")
+
+
+def test_a_script_dies_with_the_process_that_started_it(tmp_path, script):
+    """Its starter SIGKILLed: the starter's fork server exits and the script gets its
+    parent-death signal."""
+    out = tmp_path / "seen.json"
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, str(script), str(out), "sleep"],
+                               stdout=subprocess.PIPE, text=True)
+    pid = 0
+    try:
+        pid = int(starter.stdout.readline())
+        wait_for(out.exists, "the script's start", timeout_s=120)
+        assert pid in descendants(starter.pid)
+        starter.kill()
+        starter.wait(timeout=30)
+        wait_for(lambda: not _running(pid), "the script's death", timeout_s=10)
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait()
+        if pid and _running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
