@@ -4,10 +4,13 @@ GiB of touched memory beats every 5 ms (replica._C.Heartbeat, aimed at a livenes
 this process) and forks FORKS times; this process samples the child's silence every 1 ms and
 prints the forks' durations and the longest silence, as JSON.
 
-Measured on the 2-core development machine (idle): 4 GiB, forks of 89-121 ms, longest silence
-118 ms; 12 GiB, forks of 272-346 ms, longest silence 340 ms: the beat thread is silent for the
-whole fork (~28 ms a GiB here; a fork write-protects every private page of the parent, and the
-beat thread's first write to its stack or heap waits for the fork to end)."""
+Measured on the 2-core development machine (idle), the beat signing on its one thread: 4 GiB,
+forks of 89-121 ms, longest silence 118 ms; 12 GiB, forks of 272-346 ms, longest silence 340 ms:
+the beat thread was silent for the whole fork (~28 ms a GiB here; a fork write-protects every
+private page of the parent, and the beat thread's first write to its stack or heap waited for
+the fork to end). With the sender of pre-signed datagrams in memory a fork leaves alone
+(csrc/heartbeat.cpp): 4 GiB, forks of 88-100 ms, longest silence 8.5 ms; 12 GiB, forks of
+191-233 ms, longest silence 11.2 ms (the period is 5 ms). `tests/test_fork_beats.py` checks it."""
 from __future__ import annotations
 
 import json

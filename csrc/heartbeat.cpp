@@ -25,7 +25,12 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -37,6 +42,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <chrono>
+#include <climits>
+#include <new>
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
@@ -337,6 +344,81 @@ class EtcdSink : public Sink {
   std::string buffer_;
 };
 
+// --- the sender's memory: what a fork of this process neither copies nor holds back ---
+//
+// While the kernel copies a process's page tables for fork() it holds the process's memory map
+// and write-protects its private pages (to share them copy-on-write): a thread of the process
+// that faults meanwhile waits for the whole copy: 100 ms a fork of a 4 GiB process, 340 ms at
+// 12 GiB (bench/fork_silence.py), and a loader's workers fork at every epoch. Signing a beat
+// allocates, so a beat thread that signs faults at its first beat in a fork. So a beat is made
+// by two threads:
+// * the sender wakes every period and sends the next datagram, signed ahead of time, with one
+//   send(2). It does not fault: its stack, its thread descriptor, its counters and the signed
+//   datagrams live in one mapping that is populated, locked where the limit allows, and marked
+//   MADV_WIPEONFORK (a fork neither copies nor write-protects it); it allocates nothing, takes
+//   no lock and blocks every signal (a handler would write the interpreter's memory). Beyond
+//   that mapping it only reads memory that is present (the beat's settings, the last touch).
+// * the control thread (run()) signs the beats to come into the ring, reads the endpoint's
+//   answers, changes the socket over (aim) and writes the store while the endpoint does not
+//   answer. It may wait out a fork: the ring holds kRing periods of beats.
+
+constexpr int64_t kRing = 64;
+constexpr size_t kSenderStack = size_t{1} << 20;  // glibc puts the thread's descriptor and static TLS in it
+
+struct Slot {
+  std::atomic<int64_t> beat{0};  // which beat the bytes are (0: none yet)
+  uint32_t length = 0;
+  char data[liveness::kMaxDatagram];
+};
+
+struct Outbox {
+  std::atomic<uint32_t> stopping{0};  // a futex word: stop() wakes the sender's sleep
+  std::atomic<int> fd{-1};            // the endpoint's socket (-1: none; the store takes the beats)
+  std::atomic<int64_t> beat{0};       // the last beat made: sent, or left for the store
+  std::atomic<int64_t> sent{0};       // the last beat whose datagram went out
+  std::atomic<int64_t> loops{0};      // the sender's periods so far
+  std::atomic<int> send_errno{0};     // the last datagram's error (0: it went out)
+  std::atomic<int64_t> unsigned_beats{0};  // beats due with no signed datagram ready (the signer late)
+  std::atomic<bool> paused{false};
+  Slot slots[kRing];
+};
+
+// One anonymous mapping for the sender, populated at once; fork_proof() when a fork leaves it alone.
+class SenderMemory {
+ public:
+  SenderMemory() {
+    const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    outbox_bytes_ = (sizeof(Outbox) + page - 1) / page * page;
+    size_ = outbox_bytes_ + kSenderStack;
+    void* at = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    TORCH_CHECK(at != MAP_FAILED, "replica.Heartbeat: mmap of the sender's memory: ", std::strerror(errno));
+    base_ = static_cast<char*>(at);
+    fork_proof_ = ::madvise(base_, size_, MADV_WIPEONFORK) == 0;  // Linux >= 4.14
+    locked_ = ::mlock(base_, size_) == 0;  // RLIMIT_MEMLOCK may refuse: then only swapping could page it out
+    outbox_ = new (base_) Outbox();
+  }
+  ~SenderMemory() {
+    outbox_->~Outbox();
+    ::munmap(base_, size_);
+  }
+  SenderMemory(const SenderMemory&) = delete;
+  SenderMemory& operator=(const SenderMemory&) = delete;
+
+  Outbox& outbox() const { return *outbox_; }
+  char* stack() const { return base_ + outbox_bytes_; }
+  size_t stack_size() const { return kSenderStack; }
+  bool fork_proof() const { return fork_proof_; }
+  bool locked() const { return locked_; }
+
+ private:
+  char* base_ = nullptr;
+  size_t size_ = 0;
+  size_t outbox_bytes_ = 0;
+  bool fork_proof_ = false;
+  bool locked_ = false;
+  Outbox* outbox_ = nullptr;
+};
+
 // --- the beat ---
 
 class Heartbeat {
@@ -362,7 +444,10 @@ class Heartbeat {
     if (liveness_port != 0) {  // aimed from the first beat: the store sees none while it is answered
       aimed_ = resolve(liveness_host, liveness_port);
       aim_changed_ = true;
+      change_over();
     }
+    refill();
+    start_sender();
     thread_ = std::thread([this] { run(); });
   }
 
@@ -384,6 +469,14 @@ class Heartbeat {
   }
 
   void stop() {
+    Outbox& out = memory_.outbox();
+    if (sender_started_) {
+      out.stopping.store(1, std::memory_order_release);
+      ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&out.stopping), FUTEX_WAKE | FUTEX_PRIVATE_FLAG, INT_MAX,
+                nullptr, nullptr, 0);
+      ::pthread_join(sender_, nullptr);
+      sender_started_ = false;
+    }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
@@ -392,11 +485,20 @@ class Heartbeat {
     if (thread_.joinable()) {
       thread_.join();
     }
+    for (const auto& [fd, loops] : retired_) {
+      ::close(fd);
+    }
+    retired_.clear();
+    if (udp_ >= 0) {
+      ::close(udp_);
+      udp_ = -1;
+      out.fd.store(-1);
+    }
   }
 
   // Beat to the coordinator's liveness endpoint at host:port (UDP) from now on; the store
   // only while no answer came for ``store_after`` (an endpoint out of reach: a firewall, a
-  // coordinator that moved). Resolved here; the beat's thread changes over at its next beat.
+  // coordinator that moved). Resolved here; the control thread changes over at once.
   void aim(const std::string& host, int port) {
     const Target target = resolve(host, port);
     {
@@ -407,8 +509,9 @@ class Heartbeat {
     signal();
   }
 
+  // The newest beat that went out: as a datagram, or written to the store.
   int64_t beats() const {
-    return beats_.load();
+    return std::max(memory_.outbox().sent.load(), stored_.load());
   }
 
   // Seconds since the first of the failures in a row (0 while beats get through).
@@ -426,7 +529,17 @@ class Heartbeat {
   }
 
   bool paused() const {
-    return paused_.load();
+    return memory_.outbox().paused.load();
+  }
+
+  // Whether a fork of this process leaves the sender alone (MADV_WIPEONFORK took).
+  bool fork_proof() const {
+    return memory_.fork_proof();
+  }
+
+  // Beats that were due when no signed datagram was ready (the control thread held up that long).
+  int64_t unsigned_beats() const {
+    return memory_.outbox().unsigned_beats.load();
   }
 
   // The newest generation number a verified answer of the endpoint carried (-1: none yet).
@@ -478,7 +591,100 @@ class Heartbeat {
     [[maybe_unused]] const ssize_t n = ::write(wake_, &one, sizeof(one));
   }
 
-  // The beat's thread only: a socket connected to the newest target.
+  bool alive() const {
+    return Clock::now() - Clock::time_point(Clock::duration(touched_.load())) < python_grace_;
+  }
+
+  // --- the sender's thread: nothing below allocates, locks, or writes outside memory_ ---
+
+  void start_sender() {
+    pthread_attr_t attr;
+    ::pthread_attr_init(&attr);
+    int rc = ::pthread_attr_setstack(&attr, memory_.stack(), memory_.stack_size());
+    sigset_t all, old;
+    ::sigfillset(&all);
+    ::pthread_sigmask(SIG_SETMASK, &all, &old);  // the new thread starts with every signal blocked
+    if (rc == 0) {
+      rc = ::pthread_create(&sender_, &attr, &Heartbeat::sender_main, this);
+    }
+    ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    ::pthread_attr_destroy(&attr);
+    TORCH_CHECK(rc == 0, "replica.Heartbeat: cannot start the sender thread: ", std::strerror(rc));
+    sender_started_ = true;
+  }
+
+  static void* sender_main(void* self) {
+    static_cast<Heartbeat*>(self)->send_beats();
+    return nullptr;
+  }
+
+  void send_beats() noexcept {
+    Outbox& out = memory_.outbox();
+    const int64_t period_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(period_).count();
+    timespec next{};
+    ::clock_gettime(CLOCK_MONOTONIC, &next);
+    while (out.stopping.load(std::memory_order_acquire) == 0) {
+      const bool live = alive();
+      out.paused.store(!live);
+      if (live) {
+        beat_once(out);
+      }
+      out.loops.fetch_add(1);
+      // The next period, woken early by stop(); one that passed meanwhile is not made up for.
+      timespec now{};
+      ::clock_gettime(CLOCK_MONOTONIC, &now);
+      const int64_t now_ns = now.tv_sec * 1'000'000'000 + now.tv_nsec;
+      int64_t next_ns = next.tv_sec * 1'000'000'000 + next.tv_nsec + period_ns;
+      next_ns = std::max(next_ns, now_ns);
+      next.tv_sec = next_ns / 1'000'000'000;
+      next.tv_nsec = next_ns % 1'000'000'000;
+      // FUTEX_WAIT_BITSET: an absolute CLOCK_MONOTONIC deadline
+      ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&out.stopping), FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, 0,
+                &next, nullptr, FUTEX_BITSET_MATCH_ANY);
+    }
+  }
+
+  static void beat_once(Outbox& out) {
+    const int64_t beat = out.beat.load() + 1;
+    const int fd = out.fd.load();
+    if (fd < 0) {
+      out.beat.store(beat);  // no endpoint: the control thread writes it to the store
+      return;
+    }
+    const Slot& slot = out.slots[beat % kRing];
+    if (slot.beat.load(std::memory_order_acquire) != beat) {
+      out.unsigned_beats.fetch_add(1);
+      return;
+    }
+    const ssize_t n = ::send(fd, slot.data, slot.length, MSG_DONTWAIT);
+    out.send_errno.store(n >= 0 ? 0 : errno);
+    if (n >= 0) {
+      out.sent.store(beat);
+    }
+    out.beat.store(beat);
+  }
+
+  // --- the control thread ---
+
+  // Sign the beats to come: every one up to kRing past the last one made.
+  void refill() {
+    Outbox& out = memory_.outbox();
+    const int64_t made = out.beat.load();
+    while (signed_upto_ < made + kRing) {
+      const int64_t beat = std::max(signed_upto_, made) + 1;
+      const std::string value = signing::sign(mac_key_, key_, liveness::beat_body(beat, member_));
+      TORCH_CHECK(value.size() <= liveness::kMaxDatagram, "replica.Heartbeat: a signed beat of ", value.size(),
+                  " bytes");
+      Slot& slot = out.slots[beat % kRing];
+      std::memcpy(slot.data, value.data(), value.size());
+      slot.length = static_cast<uint32_t>(value.size());
+      slot.beat.store(beat, std::memory_order_release);
+      signed_upto_ = beat;
+    }
+  }
+
+  // A socket connected to the newest target; the sender takes it at its next beat, and the old
+  // one is closed once the sender has gone round twice since (it may be sending on it).
   void change_over() {
     std::optional<Target> target;
     {
@@ -488,10 +694,6 @@ class Heartbeat {
       }
       aim_changed_ = false;
       target = aimed_;
-    }
-    if (udp_ >= 0) {
-      ::close(udp_);
-      udp_ = -1;
     }
     const int fd = ::socket(target->address.ss_family, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0 || ::connect(fd, reinterpret_cast<const sockaddr*>(&target->address), target->length) != 0) {
@@ -503,11 +705,27 @@ class Heartbeat {
       last_error_ = error;
       return;
     }
+    Outbox& out = memory_.outbox();
+    const int old = out.fd.exchange(fd);
+    if (old >= 0) {
+      retired_.emplace_back(old, out.loops.load());
+    }
     udp_ = fd;
     aimed_at_ = Clock::now();
   }
 
-  // Whether the store should take this beat too: not aimed, or no answer for store_after.
+  void close_retired() {
+    const int64_t loops = memory_.outbox().loops.load();
+    std::erase_if(retired_, [loops](const std::pair<int, int64_t>& fd) {
+      if (loops < fd.second + 2) {
+        return false;
+      }
+      ::close(fd.first);
+      return true;
+    });
+  }
+
+  // Whether the store should take the beats too: not aimed, or no answer for store_after.
   bool to_store() const {
     if (udp_ < 0) {
       return true;
@@ -539,30 +757,43 @@ class Heartbeat {
     }
   }
 
-  // The datagram first: a store write that blocks (a store under load) does not hold it back.
-  // While the endpoint does not answer the store takes a beat every store_period, not every
-  // beat: a coordinator's death sent every role's beats to the store at once (2,048 roles at
-  // 10 a second are 20,000 writes a second, more than a 3-member etcd takes), and its
-  // successor found the store too slow to read them. Not aimed, the store takes every beat.
-  void send(int64_t beat) {
-    const std::string value = signing::sign(mac_key_, key_, liveness::beat_body(beat, member_));
-    const bool sent = udp_ >= 0 && ::send(udp_, value.data(), value.size(), MSG_DONTWAIT) >= 0;
-    const int error = errno;
+  void failed(const std::string& error) {
+    int64_t expected = 0;
+    failing_since_.compare_exchange_strong(expected, Clock::now().time_since_epoch().count());
+    std::lock_guard<std::mutex> guard(mutex_);
+    last_error_ = error;
+  }
+
+  // Once a period: the sender's datagrams are the beat while the endpoint answers. Otherwise the
+  // store takes the newest beat made, once a store_period while aimed (a coordinator's death
+  // sent every role's beats to the store at once: 2,048 roles at 10 a second are 20,000 writes a
+  // second, more than a 3-member etcd takes, and its successor found the store too slow to read
+  // them), every beat when not aimed.
+  void check() {
     if (!to_store()) {
-      if (!sent) {
-        throw std::runtime_error(std::string("liveness endpoint: ") + std::strerror(error));
+      const int error = memory_.outbox().send_errno.load();
+      if (error == 0) {
+        failing_since_.store(0);
+      } else {
+        failed(std::string("liveness endpoint: ") + std::strerror(error));
       }
       return;
     }
-    if (udp_ >= 0 && Clock::now() < store_next_) {
-      return;  // the store took one lately; the datagram (unanswered so far) went out all the same
+    const int64_t beat = memory_.outbox().beat.load();
+    if (beat <= stored_.load() || (udp_ >= 0 && Clock::now() < store_next_)) {
+      return;
     }
-    sink_->write(store_key_, value);  // throws: counted as a failure by run()
-    store_next_ = Clock::now() + store_period_;
+    try {
+      sink_->write(store_key_, signing::sign(mac_key_, key_, liveness::beat_body(beat, member_)));
+      stored_.store(beat);
+      store_next_ = Clock::now() + store_period_;
+      failing_since_.store(0);
+    } catch (const std::exception& exc) {
+      failed(exc.what());
+    }
   }
 
   void run() {
-    int64_t beat = 0;
     auto next = Clock::now();
     for (;;) {
       {
@@ -572,24 +803,15 @@ class Heartbeat {
         }
       }
       change_over();
+      close_retired();
+      refill();
       if (Clock::now() >= next) {
         next = Clock::now() + period_;
-        const bool alive = Clock::now() - Clock::time_point(Clock::duration(touched_.load())) < python_grace_;
-        paused_.store(!alive);
-        if (alive) {
-          try {
-            send(beat + 1);
-            beats_.store(++beat);
-            failing_since_.store(0);
-          } catch (const std::exception& exc) {
-            int64_t expected = 0;
-            failing_since_.compare_exchange_strong(expected, Clock::now().time_since_epoch().count());
-            std::lock_guard<std::mutex> guard(mutex_);
-            last_error_ = exc.what();
-          }
+        if (alive()) {
+          check();
         }
       }
-      // Wait for the next beat, reading answers meanwhile; stop() and aim() wake it.
+      // Wait for the next period, reading answers meanwhile; stop() and aim() wake it.
       pollfd fds[2] = {{wake_, POLLIN, 0}, {udp_, POLLIN, 0}};
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(next - Clock::now()).count();
       ::poll(fds, udp_ >= 0 ? 2 : 1, static_cast<int>(std::max<int64_t>(left, 0)) + 1);
@@ -601,12 +823,9 @@ class Heartbeat {
         read_replies();
       }
     }
-    if (udp_ >= 0) {
-      ::close(udp_);
-    }
   }
 
-  std::unique_ptr<Sink> sink_;  // used by the beat's thread only
+  std::unique_ptr<Sink> sink_;  // used by the control thread only
   const std::string key_;
   const std::string store_key_;
   const std::string mac_key_;
@@ -616,21 +835,25 @@ class Heartbeat {
   const Clock::duration store_after_;
   const Clock::duration store_period_;
   std::atomic<int64_t> touched_;
-  std::atomic<int64_t> beats_{0};
   std::atomic<int64_t> failing_since_{0};
-  std::atomic<bool> paused_{false};
   std::atomic<int64_t> generation_{-1};
   std::atomic<int64_t> replied_at_{0};
   std::atomic<int64_t> replies_{0};
+  SenderMemory memory_;
+  pthread_t sender_{};
+  bool sender_started_ = false;
   mutable std::mutex mutex_;
   bool stopping_ = false;
   bool aim_changed_ = false;
   std::optional<Target> aimed_;
   std::string last_error_;
   int wake_ = -1;
-  int udp_ = -1;                 // the beat's thread only
-  Clock::time_point aimed_at_;   // the beat's thread only
-  Clock::time_point store_next_;  // the beat's thread only: the store's next fallback beat, not before
+  int udp_ = -1;                  // the control thread's: the newest socket (the sender's too)
+  std::vector<std::pair<int, int64_t>> retired_;  // sockets replaced, with the sender's loops then
+  int64_t signed_upto_ = 0;       // the control thread's: the newest beat signed into the ring
+  std::atomic<int64_t> stored_{0};  // the newest beat the store took (written by the control thread)
+  Clock::time_point aimed_at_;    // the control thread's
+  Clock::time_point store_next_;  // the control thread's: the store's next fallback beat, not before
   std::thread thread_;
 };
 
@@ -677,6 +900,9 @@ void bind_heartbeat(py::module& m) {
       .def_property_readonly("beats", &Heartbeat::beats)
       .def_property_readonly("failing_for", &Heartbeat::failing_for)
       .def_property_readonly("paused", &Heartbeat::paused)
+      .def_property_readonly("fork_proof", &Heartbeat::fork_proof,
+                             "Whether a fork of this process leaves the beat's sender alone (MADV_WIPEONFORK)")
+      .def_property_readonly("unsigned_beats", &Heartbeat::unsigned_beats)
       .def_property_readonly("last_error", &Heartbeat::last_error)
       .def("aim", &Heartbeat::aim, py::arg("host"), py::arg("port"), py::call_guard<py::gil_scoped_release>(),
            "Beat to the coordinator's liveness endpoint (UDP) from now on; the store only while it does not answer")

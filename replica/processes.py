@@ -32,7 +32,7 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
-__all__ = ["PRELOAD", "SERVER", "Inherited", "ScriptProcess", "environ_now", "start_script"]
+__all__ = ["Inherited", "PRELOAD", "SERVER", "ScriptProcess", "environ_now", "start_script"]
 
 PRELOAD = ["torch", "torch.distributed", "numpy", "replica"]
 SERVER = mp.get_context("forkserver")
@@ -98,6 +98,15 @@ def _die_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _as_a_fresh_interpreter() -> None:
+    """multiprocessing as ``python SCRIPT`` has it: the platform's start method (a fork server's
+    child has the fork server's forced on it: a DataLoader's workers would come from a server
+    of this child's, as children of that server, not of the role), no parent, a key of its own."""
+    mp.set_start_method(None, force=True)
+    mp.process._parent_process = None
+    mp.current_process().authkey = os.urandom(32)
+
+
 def _set_name(name: str) -> None:
     if sys.platform.startswith("linux"):
         _libc().prctl(ctypes.c_int(_PR_SET_NAME), ctypes.c_char_p(name.encode()[:_NAME_BYTES]), ctypes.c_ulong(0),
@@ -133,8 +142,9 @@ def _finish(status: int) -> None:
 
 def _run_script(inherited: Inherited, argv: list[str], name: str, stdout, stderr) -> None:
     _die_with_parent()
+    _as_a_fresh_interpreter()
     _set_name(name)
-    for fd, stream in ((stdout.detach(), sys.stdout), (stderr.detach(), sys.stderr)):
+    for fd, stream in ((stdout, sys.stdout), (stderr, sys.stderr)):
         stream.flush()
         os.dup2(fd, stream.fileno())  # the starter's at the start, as exec'd children have them
         os.close(fd)
@@ -150,6 +160,21 @@ def _run_script(inherited: Inherited, argv: list[str], name: str, stdout, stderr
         sys.excepthook(type(exc), exc, _from_script(exc.__traceback__, argv[0]))
         status = 1
     _finish(status)
+
+
+class _SentFd:
+    """A file descriptor of this process that arrives in the child as one of its own (an int):
+    sent with the child's start, over the fork server's socket."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received, (reduction.DupFd(self.fd),)  # pickled by Process.start: sent with it
+
+
+def _received(fd) -> int:
+    return fd.detach()
 
 
 def _from_script(tb, script: str):
@@ -209,7 +234,7 @@ def start_script(argv: list[str], *, env: dict[str, str], name: str) -> ScriptPr
     if not os.path.isfile(argv[0]):
         raise FileNotFoundError(f"no script at {argv[0]!r}")
     # not daemonic: a daemonic process may not start processes (a DataLoader's workers)
-    std = (reduction.DupFd(sys.stdout.fileno()), reduction.DupFd(sys.stderr.fileno()))  # sent along at the start
+    std = (_SentFd(sys.stdout.fileno()), _SentFd(sys.stderr.fileno()))
     process = SERVER.Process(target=_run_script, args=(Inherited.here(env), list(argv), name, *std), name=name,
                              daemon=False)
     process.start()

@@ -40,7 +40,7 @@ if __name__ == "__main__":
     forked = mp.get_context("fork").Process(target=time.sleep, args=(0,))  # a DataLoader's workers do this
     forked.start()
     forked.join()
-    seen = {"name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+    seen = {"start_method": mp.get_start_method(), "parent": mp.parent_process(), "name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
             "given": os.environ.get("GIVEN"), "parent_only": os.environ.get("PARENT_ONLY"),
             "comm": open("/proc/self/comm").read().strip(), "spawned": spawned, "forked": forked.exitcode,
             "torch_preloaded": "torch" in sys.modules}
@@ -72,7 +72,7 @@ def test_a_script_runs_as_python_would_run_it(tmp_path, script, monkeypatch):
                         name="trainer 3")
     assert proc.wait(timeout=120) == 0 and proc.returncode == 0 and proc.poll() == 0
     seen = json.loads(out.read_text())
-    assert seen == {"name": "__main__", "argv": [str(script), str(out), "exit0"], "path0": str(script.parent),
+    assert seen == {"start_method": "fork", "parent": None, "name": "__main__", "argv": [str(script), str(out), "exit0"], "path0": str(script.parent),
                     "cwd": os.getcwd(), "given": "yes", "parent_only": None, "comm": "trainer 3", "spawned": [9],
                     "forked": 0, "torch_preloaded": True}
     assert (tmp_path / "seen.json.atexit").read_text() == "ran"      # atexit handlers ran
