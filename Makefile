@@ -72,13 +72,14 @@ DEBUG_INFO ?= 0
 build: $(VENV)/.deps $(VENV)/.system
 	REPLICA_DEBUG_INFO=$(DEBUG_INFO) $(PY) setup.py -q build_ext --inplace
 
-# WORKERS: pytest-xdist workers (0: one process), 2 by default (0 on a one-core machine); measured
-# on 2 cores in docs/operations.md#development. Tests go to whichever worker is free (--dist load):
+# WORKERS: pytest-xdist workers (0: one process), 3 by default (0 on a one-core machine): most
+# tests wait on processes, deadlines and holds, not on the cores; measured on 2 cores in
+# docs/operations.md#development. Tests go to whichever worker is free (--dist load):
 # none depends on another's order, and a module fixture may be built once per worker. (By file,
 # --dist loadfile, a fresh clone took 18 min 29 s against 15 min 11 s: the last big file ran alone.
 # xdist_group does nothing here: pytest-xdist 3.8 renames grouped items through `_nodeid`, which
 # pytest 9 no longer reads.)
-WORKERS ?= $(if $(filter 1,$(shell nproc 2>/dev/null || echo 1)),0,2)
+WORKERS ?= $(if $(filter 1,$(shell nproc 2>/dev/null || echo 1)),0,3)
 XDIST = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist load)
 test: build
 	$(PY) -m pytest tests bench --benchmark-disable -m "not slow" --durations=30 $(XDIST) $(PYTEST_ARGS)

@@ -326,7 +326,7 @@ def test_staging_checks_the_vllm_release_and_its_internals(monkeypatch):
         check_vllm()
 
 
-def test_bad_input_is_a_clear_error(engine):
+def test_bad_input_is_a_clear_error(engine, models):
     from replica.integrations.vllm.transfer import ReplicaInitInfo, ReplicaTrainerInitInfo, ReplicaUpdateInfo
 
     with pytest.raises(ValueError, match="bad job store address"):
@@ -341,10 +341,14 @@ def test_bad_input_is_a_clear_error(engine):
         ReplicaUpdateInfo(version=-1)
     with pytest.raises(ValueError, match="engines >= 1"):
         ReplicaTrainerInitInfo(rank=0, store="127.0.0.1:1", engines=0)
-    llm, _ = engine
-    llm.start_weight_update()
-    with pytest.raises(Exception, match="unexpected keyword argument 'step'"):
-        llm.update_weights({"update_info": {"step": 3}})
+    llm, store = engine
+    trainer = _trainer(store, llm, models[1])  # the engine initialized, whichever tests ran before on this worker
+    try:
+        llm.start_weight_update()
+        with pytest.raises(Exception, match="unexpected keyword argument 'step'"):
+            llm.update_weights({"update_info": {"step": 3}})
+    finally:
+        trainer.shutdown()
 
 
 # `make test-slow` (64 s; `make test` keeps a margin under CI's 30 minutes). `make test` still
