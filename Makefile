@@ -31,10 +31,7 @@ DEV_EXTRAS := test cu12 plot ray data nixl vllm
 LEFT_OUT := torchvision torchaudio torchcodec
 UV = $(PYTHON) -m uv
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
-# No --compile-bytecode: compiling all 24,000 modules took 33 s of a fresh install; each module a
-# test imports is compiled once, at its first import, and its .pyc written then (make unexports
-# PYTHONDONTWRITEBYTECODE), which the later processes read.
-UV_FLAGS = -q -p $(PY) $(foreach f,$(FIND_LINKS),--find-links $(f))
+UV_FLAGS = -q --compile-bytecode -p $(PY) $(foreach f,$(FIND_LINKS),--find-links $(f))
 $(VENV)/.deps: pyproject.toml setup.py
 	@if $(UV) --version >/dev/null 2>&1 || $(PYTHON) -m pip install -q uv; then $(MAKE) --no-print-directory uv-deps; \
 	else echo "uv could not be installed: installing with pip"; $(MAKE) --no-print-directory pip-deps; fi
