@@ -17,7 +17,7 @@ comma := ,
 unexport PYTHONDONTWRITEBYTECODE
 space := $(subst ,, )
 
-.PHONY: test durations test-slow demo demo-rl demo-rl-ray bench bench-scale ettr build cuda-check clean
+.PHONY: test test-slow demo demo-rl demo-rl-ray bench bench-scale ettr build cuda-check clean
 
 # Dependencies: rebuilt only when the project's metadata changes. Installed with uv (from
 # the registry with pip when it is missing; pip alone if that fails too): the pins live in
@@ -83,11 +83,6 @@ WORKERS ?= $(if $(filter 1,$(shell nproc 2>/dev/null || echo 1)),0,3)
 XDIST = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist load)
 test: build
 	$(PY) -m pytest tests bench --benchmark-disable -m "not slow" --durations=30 $(XDIST) $(PYTEST_ARGS)
-
-# `make test` again, timing each test file into tests/durations.json: files run longest first
-# (conftest.py). Run it after adding a long test; commit the file.
-durations: build
-	$(PY) -m pytest tests bench --benchmark-disable -m "not slow" $(XDIST) --record-durations tests/durations.json $(PYTEST_ARGS)
 
 # The long end-to-end matrix (marker `slow`); CI runs it after `make test`.
 test-slow: build
