@@ -30,7 +30,6 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
-from datetime import timedelta
 
 __all__ = ["Inherited", "PRELOAD", "SERVER", "ScriptProcess", "environ_now", "start_script"]
 
@@ -218,11 +217,6 @@ class ScriptProcess:
                 os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-    def join(self, timeout: timedelta) -> bool:
-        """True once it ended, within ``timeout``."""
-        self._process.join(timeout.total_seconds())
-        return self._process.exitcode is not None
 
 
 def start_script(argv: list[str], *, env: dict[str, str], name: str) -> ScriptProcess:
