@@ -9,7 +9,14 @@
 // the tensors are borrowed, the call starts below autograd and bumps the
 // version counters of what it wrote, as the ADInplaceOrView fallback would.
 // Device, fake/meta and Python-mode dispatch are unchanged.
-#include <torch/extension.h>
+// The headers this file uses, not torch/extension.h (the whole C++ frontend, 28 s of compile
+// against 12 s).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include "replica.h"
 #include "simd.h"
