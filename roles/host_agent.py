@@ -27,7 +27,7 @@ import time
 from datetime import timedelta
 
 from replica import envvars
-from replica.jobstore import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, RoleExit, Stamp, keys
+from replica.jobstore import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, ProcessLooks, RoleExit, Stamp, keys
 from replica.roles import timing
 from replica.timing import Deadline, pause
 from replica.roles.argparsing import Parser, existing_file, non_negative_int, start_options
@@ -203,6 +203,11 @@ class HostAgent:
                             if not fired:
                                 self._firing.append(fault)
                 if time.monotonic() - beat_at >= AGENT_BEAT.total_seconds():
+                    # Its verdicts first: a fresh beat vouches for looks at least as fresh.
+                    looks = self.local.looks()
+                    store.put(keys.agent_looks(self.index), ProcessLooks(
+                        pids=tuple(pid for pid, _, _ in looks), verdicts=tuple(str(v) for _, v, _ in looks),
+                        whys=tuple(why for _, _, why in looks)))
                     beat += 1
                     store.put(keys.agent_beat(self.index), Number(value=beat))
                     beat_at = time.monotonic()

@@ -161,6 +161,13 @@ class LocalAgent:
             return Verdict.UNKNOWN, ""
         return verdict_of(self._views, pid)
 
+    def looks(self) -> list[tuple[int, Verdict, str]]:
+        """(pid, verdict, why) of each role process whose exit was not reported yet, judged
+        from this look at it and the last (what a host agent writes with its beats, for the
+        coordinator's ``probe``). Reads ``/proc`` only: safe beside the thread that reaps."""
+        return [(pid, *verdict_of(self._views, pid, min_gap_s=0.0))
+                for pid in list(self.procs) if pid not in self._reported]
+
     def unaware_of_end(self) -> set[str]:
         return set()  # this agent is the coordinator's own process
 

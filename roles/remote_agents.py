@@ -128,8 +128,19 @@ class RemoteAgents:
         return {info.host for index, info in self.agents().items()
                 if index in self._beats and now - self._beats[index][1] > longer_than.total_seconds()}
 
-    def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:  # noqa: ARG002 - hosts only
-        return by_host(host or "", self.silent_hosts(AGENT_SILENCE))
+    def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:
+        """Gone with its host when that host's agent is silent too; else its agent's latest
+        verdict on the process (written with each beat, every ``AGENT_BEAT``); unknown when
+        no agent of that host lists it."""
+        verdict = by_host(host or "", self.silent_hosts(AGENT_SILENCE))
+        if verdict[0] != Verdict.UNKNOWN:
+            return verdict
+        for index, info in self.agents().items():
+            if info.host == host and (looks := self._store.get(keys.agent_looks(index))) is not None \
+                    and pid in looks.pids:
+                i = looks.pids.index(pid)
+                return Verdict(looks.verdicts[i]), f"{looks.whys[i]} (its agent's look)"
+        return verdict
 
     def _replace(self, role: Role, rank: int) -> bool:
         if self._replacements == 0:

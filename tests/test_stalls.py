@@ -20,6 +20,8 @@ from datetime import timedelta
 import pytest
 
 from replica._testing import descendants, process_state, role_of, wait_for
+from replica.jobstore import JobStore
+from replica.roles.remote_agents import RemoteAgents
 from replica.roles.probe import ProcessState, Verdict, judge, look, verdict_of
 from replica.roles.report import compare_reports
 from replica.roles.stalls import StallLog
@@ -72,6 +74,63 @@ def test_the_probe_tells_a_stopped_an_idle_a_running_and_a_gone_process_apart():
                 os.kill(p.pid, signal.SIGCONT)
                 p.kill()
                 p.wait()
+
+
+ROLE_SCRIPT = """
+import os, time
+if os.environ["REPLICA_ROLE"] == "trainer" and os.environ["REPLICA_RANK"] == "0":
+    while True:  # a role that runs (a fork copying page tables, a long kernel)
+        pass
+time.sleep(600)  # one that only waits
+"""
+
+
+def test_a_host_agent_judges_its_processes_for_the_coordinator(server, tmp_path):
+    """Across hosts the second channel is the host agent: `replica agent` writes its verdicts on
+    the role processes it runs with its beats, and the coordinator's side (``RemoteAgents``)
+    reads them: a running process is stalled, a stopped or idle one dead, a pid no agent runs
+    unknown (the deadline decides), and every process of a host whose agent is silent gone."""
+    script = tmp_path / "role.py"
+    script.write_text(ROLE_SCRIPT)
+    env = {**os.environ, "REPLICA_TOKEN": "a-token-for-the-probe-test"}
+    agent = subprocess.Popen([sys.executable, "-m", "replica.roles.cli", "agent", "--store", f"127.0.0.1:{server.port}",
+                              "--index", "0", "--roles", "trainer:0,trainer:1", str(script)], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        store = JobStore(server, token=env["REPLICA_TOKEN"].encode())
+        agents = RemoteAgents(store, count=1, replacements=0, members=list)
+        wait_for(lambda: agents.agents(), "the agent to register", timeout_s=120)
+        host = agents.agents()[0].host
+        roles = {}
+        wait_for(lambda: roles.update({role_of(p): p for p in descendants(agent.pid)}) or
+                 {("trainer", 0), ("trainer", 1)} <= set(roles), "both roles to start", timeout_s=60)
+        busy, idle = roles[("trainer", 0)], roles[("trainer", 1)]
+
+        def verdict(pid: int, expected: Verdict, what: str) -> str:
+            wait_for(lambda: agents.probe(pid, host)[0] == expected, f"{what}: {agents.probe(pid, host)}")
+            return agents.probe(pid, host)[1]
+
+        assert "its process is running" in verdict(busy, Verdict.STALLED, "the running role")
+        assert verdict(idle, Verdict.DEAD, "the idle role") == "its process sleeps and uses no CPU (its agent's look)"
+        os.kill(idle, signal.SIGSTOP)
+        wait_for(lambda: agents.probe(idle, host) == (Verdict.DEAD, "its process is stopped (its agent's look)"),
+                 "the agent to see the stop")
+        assert agents.probe(agent.pid, host) == (Verdict.UNKNOWN, "")  # not a role: no agent vouches for it
+        assert agents.probe(busy, "another-host") == (Verdict.UNKNOWN, "")
+        os.kill(agent.pid, signal.SIGSTOP)  # its host, as far as anyone can tell, is gone
+        try:
+            assert verdict(busy, Verdict.GONE, "the silent agent's role") == "its host's agent is silent too"
+        finally:
+            os.kill(agent.pid, signal.SIGCONT)
+        assert verdict(busy, Verdict.STALLED, "the role of the agent back").endswith("(its agent's look)")
+    finally:
+        pids = descendants(agent.pid)
+        agent.kill()
+        agent.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
 
 
 # --- the job ---

@@ -9,7 +9,7 @@ from typing import Generic
 from replica.jobstore.codec import T
 from replica.jobstore.records import (
     Ack, AckSummary, AgentInfo, AgentOrder, Commit, ExportOutcome, ExportRequest, Failover, Flag, Generation,
-    Heartbeat, JoinReply, LivenessReply, LostReports, Number, Promotion, Registration, Regroup, RoleExit, Stamp, Text,
+    Heartbeat, JoinReply, LivenessReply, LostReports, Number, ProcessLooks, Promotion, Registration, Regroup, RoleExit, Stamp, Text,
 )
 
 __all__ = ["Key", "keys"]
@@ -160,6 +160,11 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
     @staticmethod
     def agent_beat(index: int) -> Key[Number]:
         return Key(f"agent/{index}/beat", Number)
+
+    @staticmethod
+    def agent_looks(index: int) -> Key[ProcessLooks]:
+        """Host agent ``index``'s latest verdicts on its role processes (written with its beat)."""
+        return Key(f"agent/{index}/looks", ProcessLooks)
 
     @staticmethod
     def agent_ended(index: int) -> Key[Flag]:

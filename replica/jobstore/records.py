@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 __all__ = ["Ack", "AckSummary", "AgentInfo", "AgentOrder", "Commit", "Epoch", "ExportOutcome", "ExportRequest",
            "ExportStatus", "Failover", "Flag", "Generation", "Heartbeat", "JoinReply", "LivenessReply", "LostReports",
-           "Number", "OrderKind", "Promotion", "Registration", "Regroup", "RoleExit", "Stamp", "Text"]
+           "Number", "OrderKind", "ProcessLooks", "Promotion", "Registration", "Regroup", "RoleExit", "Stamp", "Text"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True, order=True)
@@ -211,6 +211,18 @@ class AgentInfo:
     host: str
     address: str
     pid: int
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ProcessLooks:
+    """A host agent's verdicts on the role processes it runs, from its own looks at them
+    (``replica.roles.probe``: gone, dead, stalled), written with its beats: the coordinator's
+    second channel for a member of that host silent past its deadline. Parallel tuples, one
+    entry per process."""
+
+    pids: tuple[int, ...]
+    verdicts: tuple[str, ...]
+    whys: tuple[str, ...]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
