@@ -88,8 +88,13 @@ def _trainer(store, llm, model, backends: tuple[str, ...] | None = None, **info)
 def _serve(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """`vllm serve MODEL` (the OpenAI-compatible server, multi-process) with the replica
     backend and its weight-transfer routes, in a session of its own; once it is healthy."""
-    import requests
+    server, url = _start_server(model, log)
+    _wait_healthy(server, url, log)
+    return server, url
 
+
+def _start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """`_serve`'s start, without waiting for it (``_wait_healthy``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -102,7 +107,12 @@ def _serve(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
              "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
              "--weight-transfer-config", json.dumps({"backend": "replica"})], env=env, stdout=out, stderr=out,
             start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    return server, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(server: subprocess.Popen, url: str, log: Path) -> None:
+    import requests
+
     deadline = Deadline.after(timedelta(seconds=300))
     while True:
         if server.poll() is not None or deadline.expired:
@@ -110,7 +120,7 @@ def _serve(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
             raise AssertionError(f"vllm serve did not come up: {log.read_text()[-3000:]}")
         try:
             if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return server, url
+                return
         except requests.ConnectionError:
             pass
         time.sleep(1)
@@ -434,8 +444,14 @@ def test_a_killed_engine_is_skipped_and_its_replacement_refreshed(engine, models
     def version(url: str) -> str:
         return requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"]
 
-    server, url = _serve(root / "seed0", tmp_path / "first.log")
-    replacement = None
+    # The replacement starts beside the first (a spare, as a user would keep one warm): it gets
+    # nothing before it takes engine 1's place.
+    spare, spare_url = _start_server(root / "seed0", tmp_path / "replacement.log")
+    try:
+        server, url = _serve(root / "seed0", tmp_path / "first.log")
+    except BaseException:
+        _stop(spare, signal.SIGKILL)
+        raise
     try:
         client = EnginesClient([LLMClient(llm), ServerClient(url)])
         config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30))
@@ -459,7 +475,9 @@ def test_a_killed_engine_is_skipped_and_its_replacement_refreshed(engine, models
             now = greedy(llm)[0]
             assert now != served  # engine 0 applied version 61
 
-            replacement, url = _serve(root / "seed0", tmp_path / "replacement.log")
+            url = spare_url
+            _wait_healthy(spare, url, tmp_path / "replacement.log")
+            assert version(url) != "61"  # it got nothing until now
             client.replace(1, ServerClient(url))
             assert client.down == set()
             assert trainer.send_weights(62).engines_synced == [0, 1]
@@ -472,8 +490,7 @@ def test_a_killed_engine_is_skipped_and_its_replacement_refreshed(engine, models
                     p.mul_(-1.0)
     finally:
         _stop(server, signal.SIGKILL)
-        if replacement is not None:
-            _stop(replacement)
+        _stop(spare)
 
 
 # `make test-slow`, both modes (27 s each; `make test` keeps a margin under CI's 30 minutes; staged's
