@@ -3,13 +3,14 @@
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 from filelock import FileLock
 
 from replica._testing import etcd as testetcd
 from replica._testing.etcd import EtcdCluster
-from test_launch import RL, RL_STEPS, STEPS, launch
+from test_launch import RL, ROOT, RL_STEPS, STEPS, launch
 
 
 @pytest.fixture
@@ -62,6 +63,23 @@ def rl_reference(tmp_path_factory):
         assert all(m.get("reward") for m in report["metrics_hex"]["0"])  # every step scored its rollouts
         return report
     return _once_per_run(tmp_path_factory, "rl-reference", make)
+
+
+@pytest.fixture(scope="session")
+def fresh_seed1(tmp_path_factory):
+    """What a fresh vLLM engine started from the seed-1 weights (``vllm_engine.make_model``)
+    generates: its greedy tokens and first-token log-probabilities for the test prompts
+    (tests/jobs/fresh_engine.py, in a process of its own). Every sync to those weights must
+    equal it. Made once per run (an engine's start is 16 s of CPU)."""
+    def make(folder):
+        from vllm_engine import make_model
+
+        make_model(folder / "seed1", 1)
+        done = subprocess.run([sys.executable, str(ROOT / "tests" / "jobs" / "fresh_engine.py"), str(folder / "seed1"),
+                               str(folder / "fresh.json")], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads((folder / "fresh.json").read_text())
+    return _once_per_run(tmp_path_factory, "fresh-seed1", make)
 
 
 @pytest.fixture(scope="session")

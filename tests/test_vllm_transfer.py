@@ -37,21 +37,13 @@ TOKEN = "vllm-transfer-token"
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, fresh_seed1):
     """seed0 (what the engines start from), seed1 (the trained weights), and what a fresh
-    engine started from seed1 generates (in a process of its own, started at once)."""
+    engine started from seed1 generates (``fresh_seed1``)."""
     root = tmp_path_factory.mktemp("transfer")
     make_model(root / "seed0", 0)
     trained = make_model(root / "seed1", 1)
-    fresh = subprocess.Popen([sys.executable, str(ROOT / "tests" / "jobs" / "fresh_engine.py"), str(root / "seed1"),
-                              str(root / "fresh.json")])
-    yield root, trained, fresh
-    fresh.kill()
-
-
-def _fresh(root: Path, fresh: subprocess.Popen) -> dict:
-    assert fresh.wait(timeout=300) == 0
-    return json.loads((root / "fresh.json").read_text())
+    return root, trained, fresh_seed1
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +165,7 @@ def test_a_sync_through_vllms_api_equals_a_fresh_engine(engine, models):
     assert JobStore(store, token=TOKEN.encode()).get(keys.engine_version(0)).value == 1  # served, reported
     tokens, first = greedy(llm)
     assert tokens != before  # the weights did change
-    expected = _fresh(root, fresh)
+    expected = fresh
     assert tokens == expected["tokens"]
     assert first == [dict(f) for f in expected["first"]]  # log-probabilities equal, not just close
     trainer.shutdown()
@@ -189,7 +181,7 @@ def test_a_sync_through_shared_memory_equals_a_fresh_engine(engine, models):
     conn = trainer.sync._links[0].conn
     assert conn._host_offers and conn.num_exports == 1 and conn.staged_sends == 0
     tokens, first = greedy(llm)
-    expected = _fresh(root, fresh)
+    expected = fresh
     assert tokens == expected["tokens"]
     assert first == [dict(f) for f in expected["first"]]
     trainer.shutdown()
@@ -277,7 +269,7 @@ def test_staging_on_an_untested_vllm_falls_back_to_vllms_own_reload(engine, mode
     refused = [r.getMessage() for r in caplog.records if "applied in place from now on" in r.getMessage()]
     assert refused and "is not a release staging was tested with (0.31)" in refused[0]  # the check fired
     tokens, first = greedy(llm)
-    expected = _fresh(root, fresh)
+    expected = fresh
     assert tokens == expected["tokens"] and first == [dict(f) for f in expected["first"]]
 
 
@@ -317,7 +309,7 @@ def test_staged_with_one_buffer_drops_an_unused_prepared_version_and_stays_exact
     finally:
         trainer.shutdown()
     tokens, first = greedy(llm)
-    expected = _fresh(root, fresh)
+    expected = fresh
     assert tokens == expected["tokens"] and first == [dict(f) for f in expected["first"]]
 
 
@@ -419,7 +411,7 @@ def test_the_openai_server_is_synced_through_its_weight_transfer_routes(models, 
     finally:
         _stop(server)
     choices = sorted(answer["choices"], key=lambda c: c["index"])
-    expected = _fresh(root, fresh)
+    expected = fresh
     assert [c["token_ids"] for c in choices] == expected["tokens"]
     first = [{int(k.removeprefix("token_id:")): v for k, v in c["logprobs"]["top_logprobs"][0].items()}
              for c in choices]
