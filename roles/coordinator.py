@@ -106,6 +106,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         self._members_deferred = self._members_dirty = False
         self._done_sweep: list[int] = []  # the ranks still to be read in the current sweep of done keys
         self._lost: dict[int, int] = {}
+        self._exited: set[int] = set()  # the members whose process exit an agent reported
         self.rollouts_retired: list[int] = []  # engines stopped because their machine took a trainer's place
         self.started = False  # every rank's trainer has joined: no trainer may join any more
         self._token = token
@@ -227,6 +228,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
             if not self.finished():
                 decisions.append(self._fail(-1, f"process {pid} exited with code {code} before it joined the job"))
             return decisions
+        self._exited.add(member.id)
         if member.state == MemberState.DEAD:
             self._late_exit(member, code)
         if member.state != MemberState.ALIVE:
@@ -241,11 +243,14 @@ class Coordinator(Admission, Beats, Generations, Judgement):
 
     def exited_after_end(self, pid: int, code: int, *, host: str | None = None) -> None:
         """An exit reported after the job's end: a dead member's (a zombie killed once its host
-        was back) is recorded in ``late_exits``; nothing is decided any more."""
+        was back) is recorded in ``late_exits``; nothing is decided any more. A live member's
+        is its leaving (``still_here`` no longer counts it)."""
         host = host or host_name()
-        member = next((m for m in self.members if m.pid == pid and m.host == host and m.state == MemberState.DEAD),
-                      None)
-        if member is not None:
+        ours = [m for m in self.members if m.pid == pid and m.host == host]
+        member = next((m for m in ours if m.state != MemberState.DEAD), None)
+        if member is not None:  # a role that saw the end and left
+            self._exited.add(member.id)
+        elif (member := next(iter(ours), None)) is not None:
             self._late_exit(member, code)
 
     def _late_exit(self, member: Member, code: int) -> None:
@@ -338,10 +343,11 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         return self.store.has(keys.finished())
 
     def still_here(self, quiet: timedelta) -> list[Member]:
-        """Members not declared dead whose heartbeat rose within ``quiet``: not gone yet."""
+        """Members not declared dead whose heartbeat rose within ``quiet`` and whose exit no
+        agent reported: not gone yet."""
         now = time.time()
         return [m for m in self.members if m.state in (MemberState.ALIVE, MemberState.DONE)
-                and now - self._last_beat(m, now) < quiet.total_seconds()]
+                and m.id not in self._exited and now - self._last_beat(m, now) < quiet.total_seconds()]
 
     def all_done(self) -> bool:
         self._refresh_done()

@@ -180,11 +180,10 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
         step = _progress(coord, spec.steps, shown)
         if step > shown:
             shown = step
-            print(f"\rreplica: step {shown}/{spec.steps}  commit {coord.record.last()}  generation "
-                  f"{coord.generation}  failovers {len(coord.failovers)}  unprotected "
-                  f"{sorted(coord.unprotected) or 'none'}", end="", flush=True)
+            _show_progress(coord, shown, spec.steps)
         trainers = {m.pid for m in coord.members if m.role == Role.TRAINER}
         if coord.all_done() and (agent is None or not agent.running(trainers)):
+            _show_progress(coord, shown, spec.steps)  # the last commit, which came after the last loss
             status = ExitCode.OK
             break
         pause(timing.SUPERVISE_POLL, cancel, deadline)
@@ -284,6 +283,11 @@ def _export(coord: Coordinator, directory: Path) -> str:
         text += (f"; rank(s) {lost} have no copy of it left, so `replica launch --resume {directory}` needs their "
                  "files from elsewhere")
     return text
+
+
+def _show_progress(coord: Coordinator, step: int, total: int) -> None:
+    print(f"\rreplica: step {step}/{total}  commit {coord.record.last()}  generation {coord.generation}  failovers "
+          f"{len(coord.failovers)}  unprotected {sorted(coord.unprotected) or 'none'}", end="", flush=True)
 
 
 def _progress(coord: Coordinator, total: int, shown: int) -> int:

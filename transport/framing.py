@@ -4,6 +4,8 @@ peripheral BYE, and the one thread per process that reads every connection's soc
 
 from __future__ import annotations
 
+import contextlib
+import os
 import selectors
 import socket
 import struct
@@ -34,16 +36,17 @@ class ControlMonitor:
     """One thread reading every control socket of a transport: it hands framed
     messages to their connection and tells it when the peer is gone.
 
-    epoll allows registering while another thread waits, so watch/forget need
-    no wake-up; the one-second select timeout only bounds how long close() waits.
+    epoll allows registering while another thread waits, so watch/forget need no
+    wake-up; close() wakes the thread through a pipe of its own, watched beside the
+    sockets (a close used to wait for the next look, up to a second: the end of every
+    trainer's stream).
     """
 
     def __init__(self) -> None:
         self._selector = selectors.DefaultSelector()
         self._stopped = threading.Event()
-        # Set when a socket is watched: an idle monitor (nothing to select on) wakes at
-        # once, not at its next look, so a new connection's first frames wait for nothing.
-        self._watched = threading.Event()
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
         self._thread = threading.Thread(target=self._run, name="replica-control-monitor", daemon=True)
         self._thread.start()
 
@@ -52,7 +55,6 @@ class ControlMonitor:
         # socket is readable, and a frame send may block for a bounded time.
         sock.settimeout(SEND_TIMEOUT.total_seconds())
         self._selector.register(sock, selectors.EVENT_READ, (conn, bytearray()))
-        self._watched.set()
 
     def forget(self, sock: socket.socket) -> None:
         try:
@@ -62,17 +64,18 @@ class ControlMonitor:
 
     def close(self) -> None:
         self._stopped.set()
-        self._watched.set()
+        with contextlib.suppress(OSError):  # a full pipe has woken it already
+            os.write(self._wake_write, b"x")
         self._thread.join(timeout=5)
         self._selector.close()
+        for fd in (self._wake_read, self._wake_write):
+            os.close(fd)
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            if not self._selector.get_map():
-                self._watched.wait(0.05)
-                self._watched.clear()
-                continue
             for key, _ in self._selector.select(timeout=1.0):
+                if key.data is None:  # close() woke it
+                    continue
                 conn, pending = key.data
                 reason = self._read(key.fileobj, conn, pending)
                 if reason is not None:
