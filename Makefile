@@ -67,7 +67,8 @@ $(VENV)/.system: | $(VENV)/.deps
 
 # Incremental (ninja) rebuild of replica._C in place.
 # DEBUG_INFO=0 leaves out debug information (torch's headers make it most of the compile
-# time: 52 s against 97 s on 2 cores); `make build DEBUG_INFO=1` keeps it.
+# time); `make build DEBUG_INFO=1` keeps it. No source includes torch/extension.h (the whole C++ API:
+# 28 s a file against 6-16 s): 6 files in 51 s of CPU, 26 s on 2 cores.
 DEBUG_INFO ?= 0
 build: $(VENV)/.deps $(VENV)/.system
 	REPLICA_DEBUG_INFO=$(DEBUG_INFO) $(PY) setup.py -q build_ext --inplace

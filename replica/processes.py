@@ -20,6 +20,7 @@ is (``ps -o comm``, ``top``). Linux only."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import multiprocessing as mp
 from multiprocessing import reduction
@@ -188,11 +189,19 @@ def _from_script(tb, script: str):
 class ScriptProcess:
     """A script started by ``start_script``, with the part of ``subprocess.Popen`` the
     launcher uses: ``pid``, ``poll``, ``returncode`` (negative: the signal that ended it),
-    ``wait`` (``subprocess.TimeoutExpired`` past its timeout), ``kill``."""
+    ``wait`` (``subprocess.TimeoutExpired`` past its timeout), ``kill``.
+
+    The script is the fork server's child, not this process's: the server reaps it, and its
+    pid may be gone (or another process's) before its exit reaches this side. So it is
+    signalled through a pidfd taken at its start, never by pid."""
 
     def __init__(self, process: mp.process.BaseProcess, argv: list[str]):
         self._process = process
         self.args = argv
+        try:
+            self._pidfd: int | None = os.pidfd_open(process.pid)
+        except ProcessLookupError:  # gone already (reaped by the server): nothing to signal
+            self._pidfd = None
 
     @property
     def pid(self) -> int:
@@ -212,11 +221,15 @@ class ScriptProcess:
         return self._process.exitcode
 
     def kill(self) -> None:
-        if self._process.exitcode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL, unless it has exited (then nothing, as ``Popen.kill``)."""
+        if self._process.exitcode is None and self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):  # exited: its exit is on its way
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def __del__(self) -> None:
+        if getattr(self, "_pidfd", None) is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def start_script(argv: list[str], *, env: dict[str, str], name: str) -> ScriptProcess:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -150,8 +149,10 @@ class LocalAgent:
         return True
 
     def kill(self, pid: int, host: str | None = None) -> None:
-        if pid in self.procs and self.procs[pid][1].poll() is None:
-            os.kill(pid, signal.SIGKILL)
+        """SIGKILL role process ``pid`` unless it has exited (a process declared dead may have
+        exited meanwhile: then nothing)."""
+        if pid in self.procs:
+            self.procs[pid][1].kill()
 
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         return set()  # one machine: its processes' exits are seen at once

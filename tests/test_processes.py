@@ -99,6 +99,33 @@ def test_a_killed_script_reads_as_popen_reads_it(tmp_path, script):
     assert proc.wait(timeout=30) == -signal.SIGKILL
 
 
+def test_killing_a_script_gone_before_its_exit_is_read_is_nothing(tmp_path, script):
+    """The fork server reaps its children: a script's pid is gone (and may be another
+    process's) before its exit reaches the starter. kill() then neither raises nor signals
+    anything by that pid (a launcher killing a role declared dead that had just exited
+    crashed with ProcessLookupError)."""
+    from replica.roles.local_agent import LocalAgent
+
+    out = tmp_path / "seen.json"
+    proc = start_script([str(script), str(out), "exit0"], env=dict(os.environ), name="standby 0")
+    wait_for(lambda: not os.path.exists(f"/proc/{proc.pid}"), "the server to reap the script", timeout_s=120)
+    assert proc.wait(timeout=30) == 0
+    agent = LocalAgent(script=[str(script)], env=dict(os.environ), replacements=0)
+    agent.procs[proc.pid] = ("standby", proc)
+    # The race: reaped by the server, its exit not arrived here yet (a sentinel with nothing to read).
+    popen = proc._process._popen
+    quiet, never_written = os.pipe()
+    popen.returncode, sentinel, popen.sentinel = None, popen.sentinel, quiet
+    try:
+        assert proc.poll() is None
+        proc.kill()  # no ProcessLookupError, and nothing sent to whatever has that pid now
+        agent.kill(proc.pid)
+    finally:
+        popen.returncode, popen.sentinel = 0, sentinel
+        os.close(quiet)
+        os.close(never_written)
+
+
 def test_bad_input_is_refused(tmp_path):
     with pytest.raises(ValueError):
         start_script([], env={}, name="x")
