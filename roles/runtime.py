@@ -64,7 +64,7 @@ class Job(Recovery, Faults):
         self.group = None if env.role == Role.ROLLOUT else replica.init_resilient_process_group(
             store=self.store.sub(keys.process_group()), rank=env.rank, world_size=env.world_size,
             timeout=timing.PROCESS_GROUP_TIMEOUT, nccl_timeout=timing.NCCL_TIMEOUT,
-            generation=0 if env.role == Role.TRAINER else None)
+            generation=0 if env.role == Role.TRAINER else None, ready_timeout=timing.ROLE_WAIT)
         self._rep: replica.Replicator | None = None
         self._mirror: replica.Mirror | None = None
         self._bound: tuple | None = None

@@ -73,10 +73,12 @@ def _job(tmp_path, **overrides) -> RayJob:
     return RayJob(RayJobConfig(**(config | overrides)))
 
 
-def _until(what, check, timeout_s: float = 180) -> None:
+def _until(what, check, timeout_s: float = 180, job: RayJob | None = None) -> None:
+    """Until ``check()``; fails after ``timeout_s``, or at once when ``job`` ended first."""
     deadline = Deadline.after(timedelta(seconds=timeout_s))
     while not check():
         assert not deadline.expired, f"{what} did not happen within {timeout_s} s"
+        assert job is None or not job.done(), f"the job ended before {what}: {job.wait()}"
         time.sleep(0.05)
 
 
@@ -120,7 +122,7 @@ def test_failover_demo_on_ray_a_trainer_actor_killed(cluster, tmp_path, referenc
         job.start()
         nodes = job.roles()
         assert len({nodes["trainer 0"], nodes["trainer 1"], nodes["standby 0"], nodes["standby 1"]}) == 4  # spread
-        _until("commit 3", lambda: (job.commit() or 0) >= 3)
+        _until("commit 3", lambda: (job.commit() or 0) >= 3, job=job)
         # Ray starts its workers at niceness 15; the roles run at the raylet's (0 here), or a
         # loaded machine starves them (before the fix: no step done in 3 minutes under `busy`).
         roles = [m.pid for m in job.coordinator.members]
@@ -149,7 +151,7 @@ def test_a_trainer_node_removed_without_notice(cluster, tmp_path, reference):
     with _job(tmp_path) as job:
         job.start()
         node_id = job.roles()["trainer 0"]
-        _until("commit 3", lambda: (job.commit() or 0) >= 3)
+        _until("commit 3", lambda: (job.commit() or 0) >= 3, job=job)
         node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
         # Every process on the node dies with its raylet, as on a lost machine (a worker left alone
         # notices its raylet's death only later: once the job finished meanwhile, with no failover).
@@ -198,13 +200,13 @@ def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cl
     with _job(tmp_path, script=(str(rl),), rollouts=3, steps=RL_STEPS, timeout=timedelta(minutes=8)) as job:
         job.start()
         engine_node = job.roles()["rollout 2"]
-        _until("commit 1", lambda: (job.commit() or 0) >= 1, timeout_s=300)
+        _until("commit 1", lambda: (job.commit() or 0) >= 1, timeout_s=300, job=job)
         pushed = job.weights_version()
         asked = job.generate([[5, 6, 7], [8, 9], [10]], Sampling(max_tokens=4, seed=3))  # the driver asks too
         assert pushed is not None and min(asked.versions) >= pushed
         assert [len(c) for c in asked.completions] == [4, 4, 4]
         cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == engine_node), allow_graceful=False)
-        _until("commit 3", lambda: (job.commit() or 0) >= 3, timeout_s=300)
+        _until("commit 3", lambda: (job.commit() or 0) >= 3, timeout_s=300, job=job)
         ray.kill(job.actor("trainer", 1), no_restart=True)
         assert job.wait(timedelta(minutes=8)) == 0
         failovers = job.failovers()

@@ -56,6 +56,44 @@ def test_generations_abort_and_recovery():
     group.shutdown()
 
 
+def test_members_that_start_far_apart_connect_the_first_generation():
+    """Trainers start seconds apart (a loaded machine, Ray starting actors one by one): with
+    ``ready_timeout`` the first generation waits for every member before gloo's rendezvous,
+    whose own timeout (1 s here) the late one missed by far. (Without it a trainer on an
+    etcd store, a Python store under gloo, died of SIGABRT: pybind11 restored gloo's timeout
+    error twice.)"""
+    store = dist.HashStore()
+    groups: dict[int, ResilientProcessGroup] = {}
+    errors: list[BaseException] = []
+
+    def member(rank: int, late_s: float) -> None:
+        time.sleep(late_s)
+        try:
+            group = ResilientProcessGroup(store=store, rank=rank, world_size=2, timeout=timedelta(seconds=1),
+                                          name=f"test-late-{rank}", cuda=False)
+            group.configure(0, ready_timeout=timedelta(seconds=30))
+            groups[rank] = group
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r, 3.0 * r)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and sorted(groups) == [0, 1], errors
+    results = [None, None]
+    sums = [threading.Thread(target=lambda r=r: results.__setitem__(r, allreduce(groups[r], r + 1.0).item()))
+            for r in range(2)]
+    for t in sums:
+        t.start()
+    for t in sums:
+        t.join(30)
+    assert results == [3.0, 3.0]
+    for group in groups.values():
+        group.shutdown()
+
+
 def test_barrier_takes_its_options_as_a_keyword():
     """torch.distributed.barrier() (and so torch.distributed.checkpoint's save) passes opts=."""
     group = make_group()

@@ -536,12 +536,16 @@ def _create(opts, _backend_options) -> ResilientProcessGroup:
 def init_resilient_process_group(*, store: dist.Store, rank: int, world_size: int,
                                  timeout: timedelta = timedelta(seconds=30),
                                  nccl_timeout: timedelta | None = None,
-                                 generation: int | None = 0) -> ResilientProcessGroup:
+                                 generation: int | None = 0,
+                                 ready_timeout: timedelta | None = None) -> ResilientProcessGroup:
     """Initialize torch.distributed's default group as a ResilientProcessGroup and
     connect ``generation`` (None: build it unconnected, as a standby does, which
     may build its FSDP2 model before it joins). ``timeout`` and ``nccl_timeout``
-    as in ``ResilientProcessGroup``. The group's keys go into ``store`` as given:
-    pass a prefixed one (a role's ``JobStore.sub("pg")``) to keep them apart."""
+    as in ``ResilientProcessGroup``; ``ready_timeout`` as in ``configure``: members
+    started far apart (processes of a loaded machine, actors Ray starts one by one)
+    wait for each other that long before gloo's rendezvous, which ``timeout`` bounds.
+    The group's keys go into ``store`` as given: pass a prefixed one (a role's
+    ``JobStore.sub("pg")``) to keep them apart."""
     global _is_registered
     with _registered:
         if not _is_registered:
@@ -555,5 +559,5 @@ def init_resilient_process_group(*, store: dist.Store, rank: int, world_size: in
     if nccl_timeout is not None:
         group.nccl_timeout = nccl_timeout
     if generation is not None:
-        group.configure(generation)
+        group.configure(generation, ready_timeout=ready_timeout)
     return group
