@@ -54,8 +54,15 @@ class StallLog:
         return stall
 
     def overlap(self, start: float, end: float) -> float:
-        """Seconds of [start, end] the coordinator spent stalled."""
-        return sum(max(0.0, min(end, s.end) - max(start, s.start)) for s in self._stalls)
+        """Seconds of [start, end] the coordinator spent stalled. Asked for every member at every
+        poll, for silences that mostly began a beat ago: the stalls are in time order, newest
+        last, and the look stops at the first one that ended before ``start``."""
+        total = 0.0
+        for stall in reversed(self._stalls):
+            if stall.end <= start:
+                break
+            total += max(0.0, min(end, stall.end) - max(start, stall.start))
+        return total
 
     def silence(self, since: float, until: float) -> float:
         """The seconds from ``since`` to ``until`` that count as a member's silence: those in
