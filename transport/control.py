@@ -248,10 +248,12 @@ class ControlledTransport(Transport):
             conn = self._establish(sock, peer, server=True, timeout_s=self._handshake_timeout_s)
         except BaseException as exc:
             # Why, first: the peer sees its socket close and may act on it at once.
-            if isinstance(exc, TransportError) and not isinstance(exc, AuthenticationError):
+            if isinstance(exc, AuthenticationError):
+                pass  # logged where it was found; delivered below
+            elif isinstance(exc, TransportError):
                 if not self._closed:
                     self._failure_log.warning("handshake with %s failed: %s", peer, exc)
-            elif isinstance(exc, Exception) and not isinstance(exc, AuthenticationError):
+            elif isinstance(exc, Exception):
                 logger.exception("handshake with %s failed", peer)
             with self._lock:  # close() shuts down only sockets still listed, never a reused fd
                 self._handshakes.pop(sock, None)
