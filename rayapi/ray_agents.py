@@ -117,7 +117,9 @@ class RayAgents:
                  trainers: int, rollouts: int, standbys: int,
                  members: Callable[[], list[tuple[str, int, str]]]):
         self._script, self._env, self._replacements, self.placement = script, env, replacements, placement
-        self._members = members  # the coordinator's live members as (role, rank, host), for placement
+        # The coordinator's live members as (role, rank, host, domain), for placement. A Ray role's
+        # domain is its node (REPLICA_HOST_NAME: the node's id) unless REPLICA_DOMAIN says otherwise.
+        self._members = members
         self._trainers, self._rollouts, self._standbys = trainers, rollouts, standbys
         self._remote = ray.remote(RoleProcess)
         self._actors: list[_Actor] = []
@@ -258,7 +260,7 @@ class RayAgents:
         declared dead and where none of the job's actors is unreachable now."""
         suspect = {a.node for a in self._actors if a.unavailable_since is not None and a.code is None}
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in suspect}
-        trainer_hosts = {host for r, _, host in self._members() if r == Role.TRAINER}
+        trainer_hosts = {domain for r, _, _, domain in self._members() if r == Role.TRAINER}
         bundle = self._bundle_for(rank, resources, alive, trainer_hosts)
         node = self._node_for(resources, alive, trainer_hosts) if bundle is None else None
         if bundle is None and node is None and self.placement.strategy != "STRICT_SPREAD":
@@ -289,7 +291,7 @@ class RayAgents:
                 load[a.node] = load.get(a.node, 0) + 1
         fits = [n for n, info in alive.items()
                 if all(info["Resources"].get(k, 0.0) >= v for k, v in resources.items() if v > 0)]
-        return replacement_site(fits, host=node_host_name, trainer_hosts=trainer_hosts,
+        return replacement_site(fits, domain=node_host_name, trainer_domains=trainer_hosts,
                                 load=lambda n: load.get(n, 0), order=lambda n: n)
 
     def _bundle_for(self, rank: int, resources: dict[str, float], alive: dict[str, dict],
@@ -311,7 +313,7 @@ class RayAgents:
         # on a live node (a lost node's bundle waits for Ray to move it) with room, without a trainer;
         # the role's own bundle ranks first
         fits = [b for b in range(len(capacity)) if nodes.get(b) in alive and room(b)]
-        return replacement_site(fits, host=lambda b: node_host_name(nodes[b]), trainer_hosts=trainer_hosts,
+        return replacement_site(fits, domain=lambda b: node_host_name(nodes[b]), trainer_domains=trainer_hosts,
                                 load=lambda b: -1 if b == own else sum(1 for a in live if a.bundle == b),
                                 order=lambda b: b)
 

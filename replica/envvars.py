@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "BACKENDS",
+    "DOMAIN",
     "ETCD_CA",
     "ETCD_CERT",
     "ETCD_KEY",
@@ -69,6 +70,8 @@ HOST = "REPLICA_HOST"
 #: The name the job knows a role's machine by. Written by the Ray actors (the node's id); read by
 #: roles.env.host_name.
 HOST_NAME = "REPLICA_HOST_NAME"
+#: A role's failure domain (a rack, a switch, a zone), which its standby must not share; default: its host.
+DOMAIN = "REPLICA_DOMAIN"
 #: Faults to inject (--inject). Written by the launchers; read by RoleEnv, `replica agent`, `replica coordinator`.
 INJECT = "REPLICA_INJECT"
 #: The job's step count (--steps), for the script (RoleEnv.steps). Written by the launchers; read by RoleEnv.

@@ -59,6 +59,7 @@ class Admission:
             self._nonces.add(request.nonce)
             now = time.time()
             member = Member(id=seq, role=Role(request.role), rank=request.rank, host=request.host, pid=request.pid,
+                            domain=request.domain or request.host,
                             generation=self.generation, joined_at=now, since=now, beat_at=now,
                             lost_base=self._lost.get(request.rank, 0))
             # Its heartbeat key exists from now on (unless it beat already): the read of every

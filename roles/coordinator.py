@@ -371,9 +371,10 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         flags = self.store.get_many([keys.done(r) for r in batch])
         self._done |= {r for r, flag in zip(batch, flags) if flag is not None}
 
-    def members_for_placement(self) -> list[tuple[str, int, str]]:
-        """The live members as (role, rank, host): where agents place replacements (never beside a trainer)."""
-        return [(m.role, m.rank, m.host) for m in self.alive()]
+    def members_for_placement(self) -> list[tuple[str, int, str, str]]:
+        """The live members as (role, rank, host, domain): where agents place replacements (never in
+        a trainer's domain)."""
+        return [(m.role, m.rank, m.host, m.domain or m.host) for m in self.alive()]
 
     def alive(self, role: str | None = None) -> list[Member]:
         return [m for m in self.members if m.state == MemberState.ALIVE and role in (None, m.role)]

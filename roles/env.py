@@ -17,7 +17,7 @@ from replica.jobstore.stores import StoreAddress
 from replica.session.backends import parse_backends
 
 __all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "base_environ",
-           "check_faults", "configure_logging", "host_name", "job_environ", "member_environ", "parse_faults",
+           "check_faults", "configure_logging", "domain_name", "host_name", "job_environ", "member_environ", "parse_faults",
            "role_name"]
 
 #: The job's step count when the launcher is not told (``replica launch --steps``) and a
@@ -271,6 +271,13 @@ def host_name() -> str:
     """The name the job knows this machine by: ``REPLICA_HOST_NAME`` where set (Ray sets its
     node's id, so nodes sharing one machine are told apart), else the hostname."""
     return os.environ.get(envvars.HOST_NAME) or socket.gethostname()
+
+
+def domain_name() -> str:
+    """The failure domain of this process's roles: ``REPLICA_DOMAIN`` where set (a rack, a
+    switch, a zone: what fails together), else its host (``host_name``). A standby is placed
+    outside its trainer's domain (replica.roles.domains)."""
+    return os.environ.get(envvars.DOMAIN) or host_name()
 
 
 def configure_logging() -> None:

@@ -51,7 +51,8 @@ class Generations:
         beats = self.store.get_many([keys.heartbeat(int(row["id"])) for row in rows])
         for row, beat in zip(rows, beats):
             member = Member(id=int(row["id"]), role=Role(row["role"]), rank=int(row["rank"]), host=str(row["host"]),
-                            pid=int(row["pid"]), generation=int(row["generation"]), joined_at=now, since=now,
+                            domain=str(row.get("domain") or row["host"]), pid=int(row["pid"]),
+                            generation=int(row["generation"]), joined_at=now, since=now,
                             state=MemberState(row["state"]), beat_at=now, lost_base=lost.get(int(row["rank"]), 0),
                             max_silence_s=float(row.get("max_silence_s", 0.0)))
             member.beats = beat.beat if beat is not None and beat.member == member.id else 0
@@ -158,7 +159,7 @@ class Generations:
                 self._publish_members()
 
     def membership(self) -> list[dict]:
-        """The membership table: role, rank, host, pid, generation and state of every member."""
-        shown = ("id", "role", "rank", "host", "pid", "generation", "state", "max_silence_s")
+        """The membership table: role, rank, host, domain, pid, generation and state of every member."""
+        shown = ("id", "role", "rank", "host", "domain", "pid", "generation", "state", "max_silence_s")
         return [{k: round(v, 3) if k == "max_silence_s" else v for k, v in asdict(m).items() if k in shown}
                 for m in self.members]

@@ -32,7 +32,7 @@ from replica.roles import timing
 from replica.timing import Deadline, pause
 from replica.roles.argparsing import Parser, existing_file, non_negative_int, start_options
 from replica.roles.exits import ExitCode
-from replica.roles.env import HOST, ROLES, Action, Fault, Role, base_environ, configure_logging, host_name, parse_faults
+from replica.roles.env import HOST, ROLES, Action, Fault, Role, base_environ, configure_logging, domain_name, host_name, parse_faults
 from replica.roles.local_agent import LocalAgent
 from replica.jobstore.stores import StoreAddress
 
@@ -84,7 +84,9 @@ class HostAgent:
         self._talkers: list[threading.Thread] = []  # joined at close(): none may be inside the store's C++ at exit
         self.ended = threading.Event()
         self._slowed: str | None = None  # the interface a slow fault limited
-        store.put(keys.agent(index), AgentInfo(index=index, host=self.host, address=address, pid=os.getpid()))
+        self.domain = domain_name()
+        store.put(keys.agent(index), AgentInfo(index=index, host=self.host, address=address, pid=os.getpid(),
+                                               domain=self.domain))
 
     # --- the main thread ---
 
@@ -250,6 +252,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=non_negative_int, required=True, help="this host's agent number, 0 .. --agents - 1")
     p.add_argument("--address", default="127.0.0.1", help="this host's routable address (REPLICA_HOST of its roles)")
     p.add_argument("--roles", default="", help="roles to start at once, e.g. trainer:0 or standby:1,rollout:1")
+    p.add_argument("--domain", default="",
+                   help=f"this host's failure domain (a rack, a switch, a zone: what fails together; {envvars.DOMAIN} "
+                        "of its roles); replacement standbys never go to a trainer's domain (default: the host)")
     start_options(p)
     p.add_argument("script", type=existing_file, help="the job's script (the same on every host)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
@@ -273,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     store = JobStore(address.connect(timeout=timing.ROLE_WAIT), token=os.environ[envvars.TOKEN].encode())
     # The rest of the job's variables (job_environ's) come from the agent's own environment.
     env = {**base_environ(), envvars.STORE: str(address), envvars.HOST: args.address}
+    if args.domain:
+        os.environ[envvars.DOMAIN] = args.domain  # the agent's own AgentInfo
+        env[envvars.DOMAIN] = args.domain
     local = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=0, exec_roles=args.exec_roles)
     agent = HostAgent(store=store, index=args.index, address=args.address, local=local,
                       faults=parse_faults(os.environ.get(envvars.INJECT, "")))

@@ -27,7 +27,7 @@ from replica import envvars
 from replica.errors import JobStateError, JoinRefusedError, ReplicaError, StoreWaitTimeoutError
 from replica.jobstore import JobStore, JoinReply, keys
 from replica.roles import timing
-from replica.roles.env import host_name
+from replica.roles.env import domain_name, host_name
 
 __all__ = ["Admission", "JoinRequest", "answer", "join", "pending_requests", "post_request", "refuse_unsigned"]
 
@@ -42,6 +42,7 @@ class JoinRequest:
     host: str
     pid: int
     nonce: str
+    domain: str = ""  # its failure domain ("": its host)
 
     def encode(self, token: bytes) -> bytes:
         body = json.dumps(asdict(self), sort_keys=True)
@@ -54,7 +55,8 @@ class JoinRequest:
             body, mac = raw.decode().rsplit("\n", 1)
             fields = json.loads(body)
             request = cls(role=str(fields["role"]), rank=int(fields["rank"]), host=str(fields["host"]),
-                          pid=int(fields["pid"]), nonce=str(fields["nonce"]))
+                          pid=int(fields["pid"]), nonce=str(fields["nonce"]),
+                          domain=str(fields.get("domain") or fields["host"]))
         except (ValueError, KeyError, TypeError) as exc:
             raise JoinRefusedError(f"malformed join request: {exc}") from exc
         if not hmac.compare_digest(mac, _mac(token, body)):
@@ -83,7 +85,8 @@ def post_request(store: JobStore, request: JoinRequest, token: bytes) -> int:
 
 def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timedelta) -> Admission:
     """Ask the coordinator to admit this process; raises JoinRefusedError if refused."""
-    request = JoinRequest(role=role, rank=rank, host=host_name(), pid=os.getpid(), nonce=secrets.token_hex(16))
+    request = JoinRequest(role=role, rank=rank, host=host_name(), pid=os.getpid(), nonce=secrets.token_hex(16),
+                          domain=domain_name())
     seq = post_request(store, request, token)
     key = keys.join_reply(seq)
     unsigned: dict[str, object] = {}  # the last unverifiable reply ("raw") and since when ("at")

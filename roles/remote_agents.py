@@ -1,9 +1,10 @@
 """The coordinator's side of the host agents (``replica agent``): their exit
 reports come in as the local agent's do, replacements and kills go out as
 orders. Which host gets a replacement: a live agent's (its beat rose within
-``AGENT_SILENCE``) whose host runs no trainer (standbys and engines belong on
-rollout machines, and never beside the trainer they protect), the one with the
-fewest live members, then the lowest index."""
+``AGENT_SILENCE``) whose failure domain (``replica agent --domain``, else its host)
+runs no trainer (standbys and engines belong on rollout machines, and never in
+the domain of the trainer they protect), the one with the fewest live members,
+then the lowest index."""
 
 from __future__ import annotations
 
@@ -26,13 +27,13 @@ logger = logging.getLogger(__name__)
 Site = TypeVar("Site")
 
 
-def replacement_site(sites: Iterable[Site], *, host: Callable[[Site], str], trainer_hosts: set[str],
+def replacement_site(sites: Iterable[Site], *, domain: Callable[[Site], str], trainer_domains: set[str],
                      load: Callable[[Site], int], order: Callable[[Site], object]) -> Site | None:
     """Where a replacement standby or engine goes, among ``sites`` (hosts' agents, Ray nodes
-    or bundles) that can take it: one on a host that runs no trainer now, the least loaded,
-    then the first in ``order``; None if there is none. The one placement rule of every
-    launcher."""
-    candidates = [s for s in sites if host(s) not in trainer_hosts]
+    or bundles) that can take it: one in a failure domain (a host by default:
+    ``replica.roles.env.domain_name``) where no trainer runs now, the least loaded, then the
+    first in ``order``; None if there is none. The one placement rule of every launcher."""
+    candidates = [s for s in sites if domain(s) not in trainer_domains]
     return min(candidates, key=lambda s: (load(s), order(s)), default=None)
 
 # An agent that has not beaten (every 200 ms) for this long gets no new role: shorter than any
@@ -43,10 +44,10 @@ _WATCH_EVERY = timedelta(milliseconds=100)  # how often exits() reads the agents
 
 class RemoteAgents:
     """``supervise.Agent`` for agents on other hosts. ``members()`` gives the live
-    members as (role, rank, host) for placement; ``replacements`` < 0: no limit."""
+    members as (role, rank, host, domain) for placement; ``replacements`` < 0: no limit."""
 
     def __init__(self, store: JobStore, *, count: int, replacements: int,
-                 members: Callable[[], list[tuple[str, int, str]]]):
+                 members: Callable[[], list[tuple[str, int, str, str]]]):
         if count < 0:
             raise ValueError(f"need count >= 0, got {count}")
         self._store, self._count, self._replacements, self._members = store, count, replacements, members
@@ -146,14 +147,15 @@ class RemoteAgents:
         if self._replacements == 0:
             return False
         members = self._members()
-        trainer_hosts = {host for r, _, host in members if r == Role.TRAINER}
+        trainer_domains = {domain for r, _, _, domain in members if r == Role.TRAINER}
         load = {}
-        for _, _, host in members:
+        for _, _, host, _ in members:
             load[host] = load.get(host, 0) + 1
-        chosen = replacement_site(self.live(), host=lambda info: info.host, trainer_hosts=trainer_hosts,
-                                  load=lambda info: load.get(info.host, 0), order=lambda info: info.index)
+        chosen = replacement_site(self.live(), domain=lambda info: info.domain or info.host,
+                                  trainer_domains=trainer_domains, load=lambda info: load.get(info.host, 0),
+                                  order=lambda info: info.index)
         if chosen is None:
-            logger.warning("no live agent on a host without a trainer can start %s %d", role, rank)
+            logger.warning("no live agent in a failure domain without a trainer can start %s %d", role, rank)
             return False
         self._replacements -= 1
         self._order(chosen.index, AgentOrder(kind=OrderKind.START, role=str(role), rank=rank))

@@ -236,12 +236,53 @@ def test_a_replacement_goes_to_the_least_loaded_host_without_a_trainer():
     from replica.roles.remote_agents import replacement_site
 
     hosts = {"a": 0, "b": 2, "c": 1, "d": 1}  # host -> its live members
-    pick = lambda trainer_hosts: replacement_site(hosts, host=lambda h: h, trainer_hosts=trainer_hosts,  # noqa: E731
-                                                  load=hosts.get, order=lambda h: h)
+    pick = lambda trainer_hosts: replacement_site(hosts, domain=lambda h: h,  # noqa: E731
+                                                  trainer_domains=trainer_hosts, load=hosts.get, order=lambda h: h)
     assert pick(set()) == "a"
     assert pick({"a"}) == "c"  # c and d are as loaded: the first in order
     assert pick({"a", "c", "d"}) == "b"
     assert pick(set(hosts)) is None  # every host runs a trainer: nowhere
+    # Hosts in racks: a trainer in rack 1 rules out every host of rack 1, however idle.
+    rack = {"a": "rack1", "b": "rack2", "c": "rack1", "d": "rack2"}
+    in_racks = lambda trainer_racks: replacement_site(hosts, domain=rack.get,  # noqa: E731
+                                                      trainer_domains=trainer_racks, load=hosts.get,
+                                                      order=lambda h: h)
+    assert in_racks({"rack1"}) == "d"
+    assert in_racks({"rack1", "rack2"}) is None
+
+
+def test_a_replacement_standby_is_ordered_to_an_agent_outside_its_trainers_domain():
+    """Members and agents carry their failure domain (REPLICA_DOMAIN, `replica agent
+    --domain`): the coordinator's agents place a new standby on a host of another domain,
+    even when a host of the trainer's own domain is idle. A join that names no domain is
+    in its host's."""
+    from replica.roles.remote_agents import RemoteAgents
+    from replica.jobstore import AgentInfo, Number, OrderKind
+
+    coord = Coordinator(world_size=2, token=TOKEN, deadlines=Deadlines(trainer=timedelta(seconds=60)))
+    jobs = JobStore(raw_client(coord.port), token=TOKEN)
+    for rank, (host, domain) in enumerate((("h1", "rack1"), ("h4", ""))):
+        seq = post_request(jobs, JoinRequest(role="trainer", rank=rank, host=host, pid=100 + rank, nonce=f"d{rank}",
+                                             domain=domain), TOKEN)
+        coord.poll()
+        assert jobs.get(keys.join_reply(seq)).admitted
+    assert [(m["host"], m["domain"]) for m in coord.membership()] == [("h1", "rack1"), ("h4", "h4")]
+    assert sorted(d for *_, d in coord.members_for_placement()) == ["h4", "rack1"]
+    for index, (host, domain) in enumerate((("h2", "rack1"), ("h3", "rack2"), ("h4", ""))):
+        jobs.put(keys.agent(index), AgentInfo(index=index, host=host, address=f"10.0.0.{index}", pid=1, domain=domain))
+        jobs.put(keys.agent_beat(index), Number(value=1))
+    agents = RemoteAgents(coord.store, count=3, replacements=-1, members=coord.members_for_placement)
+    assert len(agents.live()) == 3
+    assert agents.replace_standby(0)
+    assert jobs.get(keys.agent_order(0, 1)) is None  # h2 is idle, but in trainer 0's rack
+    assert jobs.get(keys.agent_order(2, 1)) is None  # h4 runs trainer 1
+    order = jobs.get(keys.agent_order(1, 1))
+    assert (order.kind, order.role, order.rank) == (OrderKind.START, "standby", 0)
+    # Every other domain holds a trainer: nowhere to go.
+    jobs.put(keys.agent(1), AgentInfo(index=1, host="h3", address="10.0.0.1", pid=1, domain="rack1"))
+    agents = RemoteAgents(coord.store, count=3, replacements=-1, members=coord.members_for_placement)
+    assert not agents.replace_standby(1)
+    coord.close()
 
 
 def test_a_replacement_standby_late_to_start_leaves_its_rank_training_unprotected():

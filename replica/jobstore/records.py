@@ -205,12 +205,14 @@ class Flag:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class AgentInfo:
-    """Host agent ``index`` (``replica agent``): the host it runs on and its address."""
+    """Host agent ``index`` (``replica agent``): the host it runs on, its address and its
+    failure domain (``--domain``; "": the host)."""
 
     index: int
     host: str
     address: str
     pid: int
+    domain: str = ""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
