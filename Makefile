@@ -117,9 +117,9 @@ DEMO_KILL_STEP ?= 17
 demo: build
 	@mkdir -p demo
 	@echo "replica demo: 1/2 failure-free reference run ($(DEMO_STEPS) steps, 2 trainers + 2 standbys)"
-	$(VENV)/bin/replica launch --steps $(DEMO_STEPS) --report demo/reference.json examples/train_fsdp.py
+	$(VENV)/bin/replica launch --allow-shared-domain --steps $(DEMO_STEPS) --report demo/reference.json examples/train_fsdp.py
 	@echo "replica demo: 2/2 the same run, trainer 1 killed in the backward of step $(DEMO_KILL_STEP)"
-	$(VENV)/bin/replica launch --steps $(DEMO_STEPS) --inject kill:trainer:1@$(DEMO_KILL_STEP):backward \
+	$(VENV)/bin/replica launch --allow-shared-domain --steps $(DEMO_STEPS) --inject kill:trainer:1@$(DEMO_KILL_STEP):backward \
 	  --report demo/failover.json examples/train_fsdp.py
 	$(VENV)/bin/replica compare demo/reference.json demo/failover.json --plot demo/losses.png
 
@@ -131,9 +131,9 @@ DEMO_RL_STEPS ?= 50
 demo-rl: build
 	@mkdir -p demo
 	@echo "replica demo-rl: 1/2 failure-free reference run ($(DEMO_RL_STEPS) steps, 2 trainers + 2 standbys + 3 rollouts)"
-	$(VENV)/bin/replica launch --rollouts 3 --steps $(DEMO_RL_STEPS) --report demo/rl-reference.json examples/rl_loop.py
+	$(VENV)/bin/replica launch --allow-shared-domain --rollouts 3 --steps $(DEMO_RL_STEPS) --report demo/rl-reference.json examples/rl_loop.py
 	@echo "replica demo-rl: 2/2 the same run, trainer 1 killed at step 20, rollout 0 at step 30"
-	$(VENV)/bin/replica launch --rollouts 3 --steps $(DEMO_RL_STEPS) \
+	$(VENV)/bin/replica launch --allow-shared-domain --rollouts 3 --steps $(DEMO_RL_STEPS) \
 	  --inject kill:trainer:1@20:backward,kill:rollout:0@30 --report demo/rl-failover.json examples/rl_loop.py
 	$(VENV)/bin/replica compare demo/rl-reference.json demo/rl-failover.json --plot demo/rl-losses.png
 
@@ -142,7 +142,7 @@ demo-rl: build
 # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray on loopback (it otherwise advertises the
 # machine's external address, which some sandboxes cannot reach).
 RAY_DEMO := RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-RAY_DEMO_LAUNCH := $(RAY_DEMO) $(VENV)/bin/replica launch --ray auto --ray-placement '{"strategy": "PACK"}' --rollouts 3 --steps $(DEMO_RL_STEPS)
+RAY_DEMO_LAUNCH := $(RAY_DEMO) $(VENV)/bin/replica launch --allow-shared-domain --ray auto --ray-placement '{"strategy": "PACK"}' --rollouts 3 --steps $(DEMO_RL_STEPS)
 demo-rl-ray: build
 	@mkdir -p demo
 	$(RAY_DEMO) $(VENV)/bin/ray start --head --num-cpus 16 --include-dashboard=false --disable-usage-stats >/dev/null

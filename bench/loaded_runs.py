@@ -40,7 +40,7 @@ SCRIPT_ARGS = ("--loader", "plain", "--workers", "2")
 
 def _launch(folder: Path, name: str, steps: int, timeout_s: float, *options: str) -> tuple[int, dict | None, str]:
     report = folder / f"{name}.json"
-    command = [sys.executable, "-m", "replica.roles.cli", "launch", "--trainers", "2", "--steps", str(steps),
+    command = [sys.executable, "-m", "replica.roles.cli", "launch", "--allow-shared-domain", "--trainers", "2", "--steps", str(steps),
                "--timeout", str(timeout_s), "--report", str(report), "--export-dir", str(folder / f"{name}-export"),
                *options, str(SCRIPT), *SCRIPT_ARGS]
     try:

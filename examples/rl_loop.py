@@ -4,7 +4,7 @@ tokens in a target set), and FSDP2 trainers take a GRPO-style policy-gradient
 step; the weights are pushed into the engines in place before every step's
 rollouts. The same file runs as every role (trainer, standby, rollout).
 
-    replica launch --trainers 2 --rollouts 2 --steps 50 --report rl.json examples/rl_loop.py
+    replica launch --allow-shared-domain --trainers 2 --rollouts 2 --steps 50 --report rl.json examples/rl_loop.py
 
 With ``--checkpoint-dir D --checkpoint-every K`` the trainers also save a
 torch.distributed.checkpoint every K steps and start from the newest one in D

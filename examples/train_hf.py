@@ -5,7 +5,7 @@ precision policy, activation checkpointing, attention dropout, gradient accumula
 ``StatefulDataLoader``, or a plain ``DataLoader`` with a ``DistributedSampler``, with
 workers) whose samples are randomly masked. Run by ``replica launch`` in every role:
 
-    replica launch --steps 12 --inject kill:trainer:1@5:optimizer --report run.json \\
+    replica launch --allow-shared-domain --steps 12 --inject kill:trainer:1@5:optimizer --report run.json \\
         examples/train_hf.py --loader stateful
 
 The loader goes into ``job.replicate`` with the rest of the state; the loop takes its

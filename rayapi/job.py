@@ -17,7 +17,7 @@ from replica.ray.ray_agents import Placement, RayAgents
 from replica.ray.launch import ray_agents
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
-from replica.roles.env import HOST, Role, parse_faults
+from replica.roles.env import HOST, Role, parse_faults, shared_domains_allowed
 from replica.roles.local_agent import open_job, start_roles
 from replica.roles.rollouts import Rollouts, Sampling, request_rollouts
 from replica.roles.supervise import JobSpec, supervise
@@ -55,6 +55,9 @@ class RayJobConfig:
     address: str | None = None
     host: str = "127.0.0.1"
     store: str = ""  # etcd://HOSTS/NAMESPACE: the job's state in etcd (default: a store hosted by the driver)
+    # A standby may share its trainer's failure domain (its node, or REPLICA_DOMAIN); else such a
+    # job fails as set up wrong (ExitCode.USAGE). REPLICA_ALLOW_SHARED_DOMAIN=1 allows it too.
+    allow_shared_domain: bool = False
 
     def __post_init__(self):
         standbys = self.trainers if self.standbys is None else self.standbys
@@ -95,7 +98,7 @@ class RayJob:
         self.coordinator, env, self._leadership = open_job(
             trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host, inject=c.inject,
             steps=c.steps, mirror_device=c.mirror_device, export_dir=c.export_dir, store=c.store,
-            backends=c.backends, strict=c.strict)
+            backends=c.backends, strict=c.strict, shared_domains=shared_domains_allowed(c.allow_shared_domain))
         try:
             self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script),
                                      env=env, replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,

@@ -62,7 +62,7 @@ def parse_placement(text: str) -> Placement:
 
 def ray_agents(*, address: str, placement: str | Placement, script: list[str], env: dict[str, str],
                replacements: int, trainers: int, rollouts: int, standbys: int,
-               members: Callable[[], list[tuple[str, int, str]]]) -> RayAgents:
+               members: Callable[[], list[tuple[str, int, str, str]]]) -> RayAgents:
     """Connect to the Ray cluster at ``address`` and reserve the job's machines (PlacementError
     if it cannot within the placement's deadline). The script path is made absolute: every
     node must have it at that path (a shared folder, the image, or Ray's runtime_env)."""

@@ -11,6 +11,7 @@ and how the launchers write it, is ``replica.roles.env`` (``RoleEnv.from_environ
 from __future__ import annotations
 
 __all__ = [
+    "ALLOW_SHARED_DOMAIN",
     "BACKENDS",
     "DOMAIN",
     "ETCD_CA",
@@ -72,6 +73,8 @@ HOST = "REPLICA_HOST"
 HOST_NAME = "REPLICA_HOST_NAME"
 #: A role's failure domain (a rack, a switch, a zone), which its standby must not share; default: its host.
 DOMAIN = "REPLICA_DOMAIN"
+#: "1": a job may place a standby in its trainer's failure domain (one-machine demos and tests).
+ALLOW_SHARED_DOMAIN = "REPLICA_ALLOW_SHARED_DOMAIN"
 #: Faults to inject (--inject). Written by the launchers; read by RoleEnv, `replica agent`, `replica coordinator`.
 INJECT = "REPLICA_INJECT"
 #: The job's step count (--steps), for the script (RoleEnv.steps). Written by the launchers; read by RoleEnv.

@@ -98,4 +98,20 @@ class Admission:
         if (request.role, request.rank) in live:
             holder = self._live(request.role, request.rank)
             return f"{who}: rank {request.rank} already has a live {request.role}, {holder}"
-        return None
+        return self._misplacement(request, who)
+
+    def _misplacement(self, request: JoinRequest, who: str) -> str | None:
+        """Why ``request`` breaks the domain rule (a standby never in its trainer's failure
+        domain), unless the job allows it; before the first commit the job fails on it."""
+        if self.shared_domains or request.role not in (Role.TRAINER, Role.STANDBY):
+            return None
+        other = self._live(Role.STANDBY if request.role == Role.TRAINER else Role.TRAINER, request.rank)
+        domain = request.domain or request.host
+        if other is None or (other.domain or other.host) != domain:
+            return None
+        reason = (f"{who} is in failure domain {domain!r}, as {other} is: losing it would lose both copies of "
+                  f"rank {request.rank}; place standbys on other hosts (or set REPLICA_DOMAIN), or pass "
+                  "--allow-shared-domain")
+        if self.record.last() is None and self._misplaced is None:
+            self._misplaced = (request.rank, reason)
+        return reason

@@ -14,7 +14,7 @@ from replica.state.export import resumable
 from replica.roles.timing import Deadlines
 
 __all__ = ["Parser", "deadline_options", "deadlines_of", "existing_file", "non_negative_int", "port", "positive_float",
-           "positive_int", "resume_point", "start_options", "state_options", "writable_file"]
+           "positive_int", "resume_point", "shared_domain_option", "start_options", "state_options", "writable_file"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -83,6 +83,13 @@ def deadline_options(p: argparse.ArgumentParser) -> None:
                         "(a process that exits is declared dead at once)")
     p.add_argument("--standby-deadline", type=positive_float, default=None,
                    help="the same for standbys (default: --heartbeat-deadline)")
+
+
+def shared_domain_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-shared-domain", action="store_true",
+                   help="let a standby share its trainer's failure domain (its host, or REPLICA_DOMAIN): losing that "
+                        "domain then loses both copies of the rank. For one-machine demos and tests (also "
+                        "REPLICA_ALLOW_SHARED_DOMAIN=1); without it such a job is refused (exit 2)")
 
 
 def start_options(p: argparse.ArgumentParser) -> None:

@@ -47,7 +47,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
     def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
                  deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None,
                  store: StoreAddress | None = None, fence: tuple[str, bytes] | None = None,
-                 liveness: bool = True):
+                 liveness: bool = True, shared_domains: bool = True):
         """Host the job store on ``host:port`` (a ``TCPStore``), or, with ``store`` on etcd,
         keep the job's state there: if the store holds a running job already (its
         coordinator died), this one takes over from that state (``takeover``). ``fence``: an
@@ -55,7 +55,11 @@ class Coordinator(Admission, Beats, Generations, Judgement):
 
         ``liveness``: the roles beat to this coordinator's liveness endpoint, a UDP socket
         on ``host`` (any free port; its address is published as ``keys.liveness()``), not to
-        the store (``JobStore.liveness_server``); False: every beat is a store write."""
+        the store (``JobStore.liveness_server``); False: every beat is a store write.
+
+        ``shared_domains`` False (the launchers' default: ``--allow-shared-domain``): a standby
+        and the trainer of its rank in one failure domain are refused; before the first commit
+        that fails the job as set up wrong (``Decision.usage``)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not token:
@@ -114,6 +118,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         self._nonces: set[str] = set()
         self._numbered_at: dict[int, float] = {}
         self._failed: str | None = None
+        self.shared_domains = shared_domains
+        self._misplaced: tuple[int, str] | None = None  # a rank placed against the domain rule, and why
         #: When (``at``) and where (``generation``, ``commit``) this coordinator took over a running
         #: job from the state in the store; None when it started the job.
         self.takeover: dict | None = None
@@ -414,10 +420,12 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted", rank,
                        reason, g, commit, standby)
 
-    def _fail(self, rank: int, reason: str, *, state_lost: bool = False, restart: bool = False) -> Decision:
+    def _fail(self, rank: int, reason: str, *, state_lost: bool = False, restart: bool = False,
+              usage: bool = False) -> Decision:
         self._failed = reason
         logger.error("the job failed: %s", reason)
-        return Decision(kind=DecisionKind.FAILED, rank=rank, reason=reason, state_lost=state_lost, restart=restart)
+        return Decision(kind=DecisionKind.FAILED, rank=rank, reason=reason, state_lost=state_lost, restart=restart,
+                        usage=usage)
 
     def request_export(self, directory: str) -> int | None:
         """Ask every standby to write its version of the last commit to ``directory``
@@ -435,6 +443,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
 
     def _check_fatal(self) -> list[Decision]:
         """A role that hit an error no failover can fix (a layout mismatch) reports it here."""
+        if self._misplaced is not None and self._failed is None:
+            return [self._fail(self._misplaced[0], self._misplaced[1], usage=True)]
         fatal = self.store.get(keys.fatal()) if self._failed is None else None
         if fatal is not None:
             return [self._fail(-1, fatal.value)]

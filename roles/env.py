@@ -17,7 +17,7 @@ from replica.jobstore.stores import StoreAddress
 from replica.session.backends import parse_backends
 
 __all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "base_environ",
-           "check_faults", "configure_logging", "domain_name", "host_name", "job_environ", "member_environ", "parse_faults",
+           "check_faults", "configure_logging", "domain_name", "host_name", "shared_domains_allowed", "job_environ", "member_environ", "parse_faults",
            "role_name"]
 
 #: The job's step count when the launcher is not told (``replica launch --steps``) and a
@@ -278,6 +278,13 @@ def domain_name() -> str:
     switch, a zone: what fails together), else its host (``host_name``). A standby is placed
     outside its trainer's domain (replica.roles.domains)."""
     return os.environ.get(envvars.DOMAIN) or host_name()
+
+
+def shared_domains_allowed(flag: bool = False) -> bool:
+    """Whether a job may place a standby in its trainer's failure domain: ``--allow-shared-domain``
+    (``flag``) or ``REPLICA_ALLOW_SHARED_DOMAIN=1``. Losing that domain then loses both copies of
+    the rank's state; one-machine demos and tests allow it."""
+    return flag or os.environ.get(envvars.ALLOW_SHARED_DOMAIN) == "1"
 
 
 def configure_logging() -> None:

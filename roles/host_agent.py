@@ -30,9 +30,10 @@ from replica import envvars
 from replica.jobstore import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, ProcessLooks, RoleExit, Stamp, keys
 from replica.roles import timing
 from replica.timing import Deadline, pause
-from replica.roles.argparsing import Parser, existing_file, non_negative_int, start_options
+from replica.roles.argparsing import Parser, existing_file, non_negative_int, shared_domain_option, start_options
 from replica.roles.exits import ExitCode
-from replica.roles.env import HOST, ROLES, Action, Fault, Role, base_environ, configure_logging, domain_name, host_name, parse_faults
+from replica.roles.env import HOST, ROLES, Action, Fault, Role, base_environ, configure_logging, domain_name, host_name, parse_faults,
+                              shared_domains_allowed
 from replica.roles.local_agent import LocalAgent
 from replica.jobstore.stores import StoreAddress
 
@@ -256,6 +257,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"this host's failure domain (a rack, a switch, a zone: what fails together; {envvars.DOMAIN} "
                         "of its roles); replacement standbys never go to a trainer's domain (default: the host)")
     start_options(p)
+    shared_domain_option(p)
     p.add_argument("script", type=existing_file, help="the job's script (the same on every host)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -271,6 +273,12 @@ def main(argv: list[str] | None = None) -> int:
         roles = parse_roles(args.roles)
     except ValueError as exc:
         parser.error(str(exc))
+    both = sorted({rank for role, rank in roles if role == Role.TRAINER} &
+                  {rank for role, rank in roles if role == Role.STANDBY})
+    if both and not shared_domains_allowed(args.allow_shared_domain):
+        parser.error(f"--roles: the trainer and the standby of rank {both[0]} on one host (failure domain "
+                     f"{args.domain or domain_name()!r}): losing it would lose both copies of the rank; start the "
+                     "standby on another host, or pass --allow-shared-domain")
     if args.index < 0:
         parser.error(f"--index must be >= 0, got {args.index}")
     configure_logging()

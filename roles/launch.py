@@ -29,11 +29,27 @@ from replica.roles.argparsing import (
     positive_int,
     writable_file,
 )
-from replica.roles.env import DEFAULT_STEPS, HOST, Role, check_faults, configure_logging, parse_faults
+from replica.roles.env import (
+    DEFAULT_STEPS,
+    HOST,
+    Role,
+    check_faults,
+    configure_logging,
+    domain_name,
+    parse_faults,
+    shared_domains_allowed,
+)
 from replica.roles.exits import ExitCode
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.local_agent import LocalAgent, open_job, start_roles
-from replica.roles.argparsing import deadline_options, deadlines_of, resume_point, start_options, state_options
+from replica.roles.argparsing import (
+    deadline_options,
+    deadlines_of,
+    resume_point,
+    shared_domain_option,
+    start_options,
+    state_options,
+)
 
 __all__ = ["StatusLines", "main"]
 
@@ -138,6 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=600, help="seconds before the whole job is abandoned")
     deadline_options(p)
     state_options(p)
+    shared_domain_option(p)
     start_options(p)
     return p
 
@@ -151,6 +168,12 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
     if standbys > args.trainers:
         parser.error(f"--standbys {standbys}: at most one standby per trainer (--trainers {args.trainers})")
     resume = resume_point(parser, args, args.trainers)
+    shared = shared_domains_allowed(args.allow_shared_domain)
+    if standbys and not args.ray and not shared:
+        parser.error(f"every role of `replica launch` runs on this machine (failure domain {domain_name()!r}): the "
+                     "standby of rank 0 would share its trainer's domain, and losing the machine would lose both "
+                     "copies of its state. Place standbys on other machines (`replica agent`, --ray), or pass "
+                     "--allow-shared-domain (one-machine demos and tests)")
     try:
         faults = parse_faults(args.inject)
         if any(f.role == HOST for f in faults):
@@ -173,7 +196,7 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
                 trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host,
                 port=args.port, inject=",".join(map(str, faults)), steps=args.steps,
                 mirror_device=args.mirror_device, export_dir=args.export_dir, resume=resume, store=args.store,
-                backends=args.backends, strict=args.strict)
+                backends=args.backends, strict=args.strict, shared_domains=shared)
         except ValueError as exc:
             parser.error(str(exc))
         except ReplicaError as exc:

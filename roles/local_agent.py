@@ -67,7 +67,8 @@ def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int
 
 def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
              mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None, store: str = "",
-             backends: str = "", strict: bool = False) -> tuple[Coordinator, dict[str, str], Leadership | None]:
+             backends: str = "", strict: bool = False,
+             shared_domains: bool = True) -> tuple[Coordinator, dict[str, str], Leadership | None]:
     """A launched job's coordinator and the environment its roles start with; the job's token
     is ``REPLICA_TOKEN`` or a fresh one. The job store is hosted by the coordinator on
     ``host:port``, or, with ``store`` (``etcd://HOSTS/NAMESPACE``), kept in etcd: then the
@@ -75,6 +76,8 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
     resign it when the job ends) and the namespace must hold no other job
     (JobStoreInUseError). ``backends``: every role's ``Config.backends``, comma-separated ("":
     the default). ``strict``: a step that diverges after a failover ends the job.
+    ``shared_domains``: a standby may share its trainer's failure domain (else the job fails,
+    as set up wrong, when one joins there before the first commit).
     ValueError for a bad ``store`` or an unknown backend; TransportError for a named backend
     that cannot work here (NIXL not installed, or without the plugin asked for)."""
     names = parse_backends(backends)  # refused before anything starts
@@ -89,7 +92,8 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
     try:
         coord = Coordinator(world_size=trainers, token=token.encode(), host=host, port=port, deadlines=deadlines,
                             rollouts=rollouts, resume_from=resume[0] if resume else None, store=address,
-                            fence=leadership.claim if leadership is not None else None)
+                            fence=leadership.claim if leadership is not None else None,
+                            shared_domains=shared_domains)
     except BaseException:
         if leadership is not None:
             leadership.resign()

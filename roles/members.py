@@ -88,3 +88,6 @@ class Decision:
     state_lost: bool = False
     #: ``failed`` before the first global commit: nothing is lost by starting the job again.
     restart: bool = False
+    #: ``failed`` before the first global commit because the job is set up wrong (a standby in
+    #: its trainer's failure domain): the command's exit code is ``ExitCode.USAGE``.
+    usage: bool = False

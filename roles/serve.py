@@ -24,6 +24,7 @@ from replica.roles.argparsing import (
     positive_float,
     positive_int,
     resume_point,
+    shared_domain_option,
     state_options,
     writable_file,
 )
@@ -31,7 +32,7 @@ from replica.roles.remote_agents import RemoteAgents
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
 from replica.jobstore.stores import StoreAddress, StoreKind
-from replica.roles.env import configure_logging, parse_faults
+from replica.roles.env import configure_logging, parse_faults, shared_domains_allowed
 from replica.roles.exits import ExitCode
 from replica.roles.supervise import JobSpec, supervise
 
@@ -71,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=3600)
     deadline_options(p)
     state_options(p)
+    shared_domain_option(p)
     return p
 
 
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         coord = Coordinator(world_size=args.world_size, token=token.encode(), host=args.host, port=args.port,
                             deadlines=deadlines, rollouts=args.rollouts, resume_from=resume[0] if resume else None,
-                            store=store, fence=leadership.claim if leadership is not None else None)
+                            store=store, fence=leadership.claim if leadership is not None else None,
+                            shared_domains=shared_domains_allowed(args.allow_shared_domain))
         if coord.takeover is None:
             for rank in range(standbys, args.world_size):
                 coord.set_unprotected(rank)

@@ -169,6 +169,8 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
             failure = failure or _act(coord, decision, agent, spec, replacing)
             if decision.restart and spec.restarts_left > 0:
                 restart = decision.reason
+            if decision.kind == DecisionKind.FAILED and decision.usage:
+                status = ExitCode.USAGE  # set up wrong, before anything was committed
         if restart is not None:
             print(f"\nreplica: {restart}; nothing was committed, so nothing is lost: the job starts again from its "
                   f"start (restart {len(spec.restarts) + 1}, {spec.restarts_left - 1} more allowed)", flush=True)
