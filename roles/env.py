@@ -17,8 +17,8 @@ from replica.jobstore.stores import StoreAddress
 from replica.session.backends import parse_backends
 
 __all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "base_environ",
-           "check_faults", "configure_logging", "domain_name", "host_name", "shared_domains_allowed", "job_environ", "member_environ", "parse_faults",
-           "role_name"]
+           "check_faults", "configure_logging", "domain_name", "host_name", "job_environ", "member_environ", "parse_faults",
+           "role_name", "shared_domains_allowed"]
 
 #: The job's step count when the launcher is not told (``replica launch --steps``) and a
 #: role's environment does not say (``RoleEnv.steps``).

@@ -32,8 +32,19 @@ from replica.roles import timing
 from replica.timing import Deadline, pause
 from replica.roles.argparsing import Parser, existing_file, non_negative_int, shared_domain_option, start_options
 from replica.roles.exits import ExitCode
-from replica.roles.env import HOST, ROLES, Action, Fault, Role, base_environ, configure_logging, domain_name, host_name, parse_faults,
-                              shared_domains_allowed
+from replica.roles.env import (
+    HOST,
+    ROLES,
+    Action,
+    Fault,
+    Role,
+    base_environ,
+    configure_logging,
+    domain_name,
+    host_name,
+    parse_faults,
+    shared_domains_allowed,
+)
 from replica.roles.local_agent import LocalAgent
 from replica.jobstore.stores import StoreAddress
 
