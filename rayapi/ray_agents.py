@@ -117,8 +117,9 @@ class RayAgents:
                  trainers: int, rollouts: int, standbys: int,
                  members: Callable[[], list[tuple[str, int, str]]]):
         self._script, self._env, self._replacements, self.placement = script, env, replacements, placement
-        # The coordinator's live members as (role, rank, host, domain), for placement. A Ray role's
-        # domain is its node (REPLICA_HOST_NAME: the node's id) unless REPLICA_DOMAIN says otherwise.
+        # The coordinator's live members as (role, rank, host, domain), for placement. A Ray site's
+        # domain is its node (REPLICA_HOST_NAME: the node's id): node labels as domains are not
+        # read yet, so placement compares the members' hosts, whatever REPLICA_DOMAIN says.
         self._members = members
         self._trainers, self._rollouts, self._standbys = trainers, rollouts, standbys
         self._remote = ray.remote(RoleProcess)
@@ -260,7 +261,7 @@ class RayAgents:
         declared dead and where none of the job's actors is unreachable now."""
         suspect = {a.node for a in self._actors if a.unavailable_since is not None and a.code is None}
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in suspect}
-        trainer_hosts = {domain for r, _, _, domain in self._members() if r == Role.TRAINER}
+        trainer_hosts = {host for r, _, host, _ in self._members() if r == Role.TRAINER}
         bundle = self._bundle_for(rank, resources, alive, trainer_hosts)
         node = self._node_for(resources, alive, trainer_hosts) if bundle is None else None
         if bundle is None and node is None and self.placement.strategy != "STRICT_SPREAD":

@@ -59,7 +59,7 @@ class Admission:
             self._nonces.add(request.nonce)
             now = time.time()
             member = Member(id=seq, role=Role(request.role), rank=request.rank, host=request.host, pid=request.pid,
-                            domain=request.domain or request.host,
+                            domain=request.domain,
                             generation=self.generation, joined_at=now, since=now, beat_at=now,
                             lost_base=self._lost.get(request.rank, 0))
             # Its heartbeat key exists from now on (unless it beat already): the read of every
@@ -106,10 +106,9 @@ class Admission:
         if self.shared_domains or request.role not in (Role.TRAINER, Role.STANDBY):
             return None
         other = self._live(Role.STANDBY if request.role == Role.TRAINER else Role.TRAINER, request.rank)
-        domain = request.domain or request.host
-        if other is None or (other.domain or other.host) != domain:
+        if other is None or other.domain != request.domain:
             return None
-        reason = (f"{who} is in failure domain {domain!r}, as {other} is: losing it would lose both copies of "
+        reason = (f"{who} is in failure domain {request.domain!r}, as {other} is: losing it would lose both copies of "
                   f"rank {request.rank}; place standbys on other hosts (or set REPLICA_DOMAIN), or pass "
                   "--allow-shared-domain")
         if self.record.last() is None and self._misplaced is None:

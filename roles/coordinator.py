@@ -380,7 +380,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
     def members_for_placement(self) -> list[tuple[str, int, str, str]]:
         """The live members as (role, rank, host, domain): where agents place replacements (never in
         a trainer's domain)."""
-        return [(m.role, m.rank, m.host, m.domain or m.host) for m in self.alive()]
+        return [(m.role, m.rank, m.host, m.domain) for m in self.alive()]
 
     def alive(self, role: str | None = None) -> list[Member]:
         return [m for m in self.members if m.state == MemberState.ALIVE and role in (None, m.role)]

@@ -79,7 +79,7 @@ class HostAgent:
     STALL = timedelta(seconds=3)
 
     def __init__(self, *, store: JobStore, index: int, address: str, local: LocalAgent,
-                 faults: tuple[Fault, ...] = ()):
+                 faults: tuple[Fault, ...] = (), domain: str = ""):
         self.store, self.index, self.local, self.address = store, index, local, address
         self.host = host_name()
         self._lock = threading.Lock()
@@ -96,7 +96,7 @@ class HostAgent:
         self._talkers: list[threading.Thread] = []  # joined at close(): none may be inside the store's C++ at exit
         self.ended = threading.Event()
         self._slowed: str | None = None  # the interface a slow fault limited
-        self.domain = domain_name()
+        self.domain = domain or domain_name()
         store.put(keys.agent(index), AgentInfo(index=index, host=self.host, address=address, pid=os.getpid(),
                                                domain=self.domain))
 
@@ -284,11 +284,12 @@ def main(argv: list[str] | None = None) -> int:
         roles = parse_roles(args.roles)
     except ValueError as exc:
         parser.error(str(exc))
+    domain = args.domain or domain_name()
     both = sorted({rank for role, rank in roles if role == Role.TRAINER} &
                   {rank for role, rank in roles if role == Role.STANDBY})
     if both and not shared_domains_allowed(args.allow_shared_domain):
         parser.error(f"--roles: the trainer and the standby of rank {both[0]} on one host (failure domain "
-                     f"{args.domain or domain_name()!r}): losing it would lose both copies of the rank; start the "
+                     f"{domain!r}): losing it would lose both copies of the rank; start the "
                      "standby on another host, or pass --allow-shared-domain")
     if args.index < 0:
         parser.error(f"--index must be >= 0, got {args.index}")
@@ -298,11 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     # The rest of the job's variables (job_environ's) come from the agent's own environment.
     env = {**base_environ(), envvars.STORE: str(address), envvars.HOST: args.address}
     if args.domain:
-        os.environ[envvars.DOMAIN] = args.domain  # the agent's own AgentInfo
         env[envvars.DOMAIN] = args.domain
     local = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=0, exec_roles=args.exec_roles)
     agent = HostAgent(store=store, index=args.index, address=args.address, local=local,
-                      faults=parse_faults(os.environ.get(envvars.INJECT, "")))
+                      faults=parse_faults(os.environ.get(envvars.INJECT, "")), domain=domain)
     print(f"replica: agent {args.index} on {agent.host} ({args.address}) for the job at {address}", flush=True)
     for role, rank in roles:
         local.start(role, rank)

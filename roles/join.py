@@ -42,7 +42,7 @@ class JoinRequest:
     host: str
     pid: int
     nonce: str
-    domain: str = ""  # its failure domain ("": its host)
+    domain: str = ""  # its failure domain ("": its host; decode() fills it in)
 
     def encode(self, token: bytes) -> bytes:
         body = json.dumps(asdict(self), sort_keys=True)

@@ -37,7 +37,7 @@ class Member:
     host: str
     pid: int
     generation: int
-    domain: str = ""  # its failure domain (REPLICA_DOMAIN; "": its host)
+    domain: str = ""  # its failure domain (REPLICA_DOMAIN, else its host)
     joined_at: float
     since: float  # when it took its current role (a promoted standby's promotion)
     state: MemberState = MemberState.ALIVE
