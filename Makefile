@@ -155,9 +155,17 @@ demo-rl-ray: build
 	$(VENV)/bin/replica compare demo/rl-ray-reference.json demo/rl-ray-failover.json --plot demo/rl-ray-losses.png
 
 # Compile-only check of the CUDA sources against torch's headers: keeps the
-# CUDA code compiling on machines without a GPU or a CUDA build of torch.
-cuda-check: $(CUDA_OBJECTS)
-	@echo "cuda-check: $(words $(CUDA_OBJECTS)) CUDA sources compile for $(CUDA_ARCH)"
+# CUDA code compiling on machines without a GPU or a CUDA build of torch. In C++17:
+# torch 2.11 (the GPU machines' torch, pyproject's lowest) builds extensions with
+# -std=c++17, torch 2.13 with c++20; the C++ sources are checked in C++17 too.
+CXX_SOURCES := $(wildcard csrc/*.cpp)
+cuda-check: $(CUDA_OBJECTS) $(patsubst csrc/%.cpp,.cuda-check/%.cxx17,$(CXX_SOURCES))
+	@echo "cuda-check: $(words $(CUDA_OBJECTS)) CUDA sources compile for $(CUDA_ARCH); $(words $(CXX_SOURCES)) C++ sources in C++17"
+
+.cuda-check/%.cxx17: csrc/%.cpp $(wildcard csrc/*.h) $(VENV)/.deps
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 -fsyntax-only -fopenmp -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H \
+	  $(shell $(PY) -c "import sysconfig, torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths() + [sysconfig.get_paths()['include']]))") $< && touch $@
 
 # A CPU wheel of torch lacks the one generated c10 CUDA header; the shim holds
 # what a CUDA build of torch generates there.
@@ -167,7 +175,7 @@ $(CUDA_SHIM):
 	@printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > $@
 
 .cuda-check/%.o: csrc/cuda/%.cu csrc/replica.h csrc/checksum_mix.h $(wildcard csrc/cuda/*.cuh) $(VENV)/.deps $(CUDA_SHIM)
-	$(NVCC) -c $< -o $@ -std=c++20 -O3 -arch=$(CUDA_ARCH) --expt-relaxed-constexpr \
+	$(NVCC) -c $< -o $@ -std=c++17 -O3 -arch=$(CUDA_ARCH) --expt-relaxed-constexpr \
 	  -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H -I.cuda-check/include \
 	  $(shell $(PY) -c "import sysconfig, torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths() + [sysconfig.get_paths()['include']]))") \
 	  -D_GLIBCXX_USE_CXX11_ABI=$(shell $(PY) -c "import torch; print(int(torch.compiled_with_cxx11_abi()))")

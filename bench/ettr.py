@@ -41,15 +41,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_results import RESULTS_DIR, machine  # noqa: E402
-from ettr_model import (Failure, Projection, Target, best_interval, figures, poisson_schedule,  # noqa: E402
-                        project, step_time)
+from ettr_model import Failure, Target, best_interval, figures, poisson_schedule, step_time  # noqa: E402
+from ettr_projection import projection  # noqa: E402
 
 from replica import envvars  # noqa: E402
 from replica._testing import cluster as testcluster  # noqa: E402
@@ -63,6 +63,7 @@ SCRIPT = ROOT / "examples" / "rl_loop.py"
 PROBE = ROOT / "bench" / "store_probe.py"
 STORE_PORT = 29400
 WORKERS = 5  # hosts 1..5 run agents 0..4
+FLOOR_EVERY = 10  # replica's durable floor: a version every this many steps (--durable-every)
 PLACEMENT = {"replica": ("trainer:0", "trainer:1", "standby:0,rollout:0", "standby:1,rollout:1", "rollout:2"),
              "checkpoint_restart": ("trainer:0", "trainer:1", "rollout:0", "rollout:1", "rollout:2")}
 SYSTEMS = tuple(PLACEMENT)
@@ -114,6 +115,11 @@ class Attempt:
         else:
             options += ["--train-while-replacing"] if train_while_replacing else []
             options += ["--resume", str(resume_export)] if resume_export is not None else []
+            # The durable floor: what a pair loss (a rank's trainer and standby) goes back to. `replica
+            # coordinator` ends such a job (in-process resumes are `replica launch`'s): the next attempt
+            # starts from the newest of the floor and the export.
+            self.env.update({envvars.DURABLE: str(folder / "floor"), envvars.DURABLE_EVERY: str(FLOOR_EVERY),
+                             envvars.DURABLE_INTERVAL: "0"})
         self.procs: dict[str, subprocess.Popen] = {}
         self._start("coordinator", 0, ["-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps",
                                        str(steps), "--rollouts", "3", "--host", coord.address, "--port",
@@ -309,10 +315,14 @@ class Bench:
             if run.attempts > 1:
                 run.steps_redone += max(0, max(run.steps, default=0) - (resume_step or 0))
         elif run.attempts > 1:
-            try:
-                step, resume_export = resumable(folder / "export", 2)
-            except ReplicaError:
-                step = 0  # nothing exported: from the start
+            step = 0  # nothing exported, nothing on the floor: from the start
+            for where in (folder / "export", folder / "floor"):  # the newest of the two
+                try:
+                    found, path = resumable(where, 2)
+                except ReplicaError:
+                    continue
+                if found > step:
+                    step, resume_export = found, path
             run.steps_redone += max(0, max(run.steps, default=0) - step)
         return Attempt(self.cluster, folder, system=run.system, steps=self.steps, token=self.token,
                        number=run.attempts, resume_step=resume_step, resume_export=resume_export,
@@ -343,14 +353,19 @@ class Bench:
             return f"host {host} ({len(killed)} processes)" if killed else ""
         if attempt is None:
             return ""
-        pid = attempt.pid_of(str(failure.target), failure.index)
-        if pid is None:
-            return ""
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return ""
-        return f"{failure.target} {failure.index} (pid {pid})"
+        # A pair: the standby first, then its trainer (their trainer dying first would be an ordinary failover).
+        roles = ("standby", "trainer") if failure.target == Target.PAIR else (str(failure.target),)
+        hit = []
+        for role in roles:
+            pid = attempt.pid_of(role, failure.index)
+            if pid is None:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            hit.append(f"{role} {failure.index} (pid {pid})")
+        return " and ".join(hit)
 
 
 def ends_of(run: Run) -> dict[int, float]:
@@ -477,82 +492,6 @@ def table(result: dict) -> list[str]:
                          f"{run['steps_redone']} | {run['mean_recovery_s']:.1f} / {run['worst_recovery_s']:.1f} | "
                          f"{run['bit_identical']} |")
     return lines
-
-
-def _scale_results(path: Path | None) -> dict:
-    path = path or Path(__file__).resolve().parent / "results" / "control_scale.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def measured_detection(ranks: int, path: Path | None = None) -> tuple[float, int] | None:
-    """The detection time of a lost host (seconds) the control-plane simulator measured with
-    the real coordinator at the N nearest ``ranks`` (``make bench-scale``:
-    bench/results/control_scale.json), and that N; None before it ran. The runs whose members
-    beat to the liveness endpoint (the default) where there are any."""
-    runs = [c for c in _scale_results(path).get("coordinator", []) if c.get("detect_lost_host_ms")]
-    runs = [c for c in runs if c.get("beats") == "endpoint"] or runs
-    if not runs:
-        return None
-    nearest = min(runs, key=lambda c: abs(c["n"] - ranks))
-    return nearest["detect_lost_host_ms"] / 1e3, nearest["n"]
-
-
-def measured_control(ranks: int, step_s: float, path: Path | None = None) -> tuple[float, int] | None:
-    """A trainer's control-plane time per step (seconds) at the N nearest ``ranks`` the simulator
-    ran on the TCPStore: its own requests, plus any part of the commit's latency longer than
-    ``step_s`` (it waits for that at its next commit); and that N. None before it ran."""
-    runs = [r for r in _scale_results(path).get("runs", []) if r.get("store") == "tcp" and "trainer_ms_median" in r]
-    if not runs:
-        return None
-    nearest = min(runs, key=lambda r: abs(r["n"] - ranks))
-    late = max(0.0, nearest["commit_ms_median"] / 1e3 - step_s)
-    return nearest["trainer_ms_median"] / 1e3 + late, nearest["n"]
-
-
-def projection(result: dict) -> tuple[dict, list[str]]:
-    """The 256-GPU model, with this run's measured restart share where it has one, and the
-    detection time the control-plane simulator measured at that scale where it ran."""
-    timelines = [f["timeline_ms"] for runs in result["runs"].values() for report in
-                 runs.get("replica", {}).get("reports", []) for f in report["failovers"]]
-    measured = {}
-    if timelines:  # promotion and reconnection as measured in this run's failovers (medians)
-        measured = {"promote_s": statistics.median(t["promote"] for t in timelines) / 1e3,
-                    "reconnect_s": statistics.median(t["resumed"] - t["promote"] for t in timelines) / 1e3}
-    ranks = Projection().trainer_hosts * Projection().gpus_per_host
-    scale = measured_detection(ranks)
-    if scale is not None:
-        measured["detect_s"] = scale[0]
-    control = measured_control(ranks, Projection().step_s)
-    if control is not None:
-        measured["control_s"] = control[0]
-    model = replace(Projection(), wait_for_standby=not result["train_while_replacing"], **measured)
-    mtbfs = [3600 * h for h in (4, 1, 0.5, 0.25)]
-    rows = project(model, mtbfs)
-    source = "medians of this run's failovers" if measured else "measured across hosts"
-    lines = ["\n**Projection to 256 GPUs: a model, not a measurement.** 32 trainer hosts x 8 GPUs, a 32B dense "
-             f"policy ({model.state_gb:.0f} GB of training state, {model.per_host_gb():.0f} GB per host), a "
-             f"{model.step_s:g} s RL step; replica per failure: detection {model.detect_s:.2f} s ("
-             + (f"a lost host's detection by the real coordinator with {scale[1]} simulated ranks, make bench-scale"
-                if scale is not None else "the heartbeat deadline: a lost host") + "), promotion {model.promote_s:.2f} s and reconnection {model.reconnect_s:.1f} s "
-             f"({source}), half a "
-             f"step redone" + (f", a new standby's start ({model.standby_start_s:g} s, assumed) and resync at "
-                              f"{model.link_gb_s:g} GB/s" if model.wait_for_standby else
-                              " (training goes on while the new standby starts)")
-             + (f"; the control plane's time on a trainer's step {model.control_s * 1e3:.2f} ms (the simulator's, "
-                f"{control[1]} ranks on a TCPStore)" if control is not None else "")
-             + f"; checkpoint-restart: saves and loads at {model.storage_gb_s:g} GB/s "
-             f"aggregate, a restart of {model.restart_fixed_s:g} s plus the load (assumed), at its best interval.\n",
-             "| job MTBF | MTBF (steps) | replica | checkpoint-restart (K) |", "|---|---|---|---|"]
-    for row in rows:
-        lines.append(f"| {row['mtbf_s'] / 3600:g} h | {row['mtbf_steps']:.1f} | {row['replica']:.3f} | "
-                     f"{row['checkpoint_restart']:.3f} ({row['checkpoint_every']}) |")
-    lines.append("\nPublished, for comparison (their injection models are not published): RobustRL > 0.80 at its "
-                 "\"10% failure injection frequency\" on 256 GPUs, ByteRobust's restart-based recovery 0.60 there; "
-                 "ByteRobust 0.97 over three months on 9,600 GPUs.")
-    return {"assumptions": asdict(model), "rows": rows}, lines
 
 
 def plot(result: dict, path: Path) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import statistics
 
+from dataclasses import replace
+
 import pytest
 
 from ettr_model import (TARGETS, Projection, Target, best_interval, figures, modelled_ettr, poisson_schedule, project,
@@ -20,7 +22,8 @@ def test_the_schedule_is_poisson_with_the_asked_mean_and_fixed_by_its_seed():
     # Exponential gaps: the standard deviation is the mean (a fixed period would give 0).
     assert 0.85 < statistics.stdev(gaps) / statistics.mean(gaps) < 1.15
     kinds = {t: sum(1 for f in schedule if f.target == t) / len(schedule) for t in Target}
-    assert all(0.2 < share < 0.3 for share in kinds.values()), kinds
+    share = 1 / len(Target)  # each kind alike, pairs and hosts (correlated losses) among them
+    assert all(0.8 * share < got < 1.2 * share for got in kinds.values()), kinds
     assert all(0 <= f.index < TARGETS[f.target] for f in schedule)
     assert all(0 < f.at_s <= 20_000.0 for f in schedule)
     with pytest.raises(ValueError):
@@ -80,8 +83,28 @@ def test_the_projection_falls_with_the_failure_rate_and_replica_stays_above():
     for name in ("replica", "checkpoint_restart"):
         values = [r[name] for r in rows]
         assert values == sorted(values, reverse=True) and all(0 <= v <= 1 for v in values)
-    assert all(r["replica"] > r["checkpoint_restart"] for r in rows)
+    assert all(r["replica"] > r["replica_without_floor"] > r["checkpoint_restart"] for r in rows)
     assert Projection().per_host_gb() == pytest.approx(32e9 * 16 / 1e9 / 32)
+
+
+def test_pair_losses_cost_a_resume_from_the_floor_or_a_restart_without_it():
+    """A share of the failures lose every copy of some ranks (correlated: a switch takes a
+    trainer host and its standbys' host): with the floor each costs a restart of the roles, the
+    version's load and half the floor's cadence replayed; without, checkpoint-restart's ETTR at
+    the pair losses' own rate multiplies replica's."""
+    model = Projection()
+    alone = replace(model, pair_fraction=0.0)
+    single = model.detect_s + model.promote_s + model.reconnect_s + model.step_s / 2
+    assert alone.replica_ettr(3600) == pytest.approx(1 - single / 3600)  # no pair losses: failovers only
+    assert replace(alone, floor=False).replica_ettr(3600) == pytest.approx(alone.replica_ettr(3600))
+    resume = model.restart_fixed_s + model.state_gb / model.storage_gb_s + model.floor_every_s / 2 + model.step_s / 2
+    assert model.floor_resume_s() == pytest.approx(resume)
+    p = model.pair_fraction
+    assert model.replica_ettr(3600) == pytest.approx(1 - ((1 - p) * single + p * resume) / 3600)
+    without = replace(model, floor=False)
+    assert without.replica_ettr(3600) == pytest.approx((1 - (1 - p) * single / 3600) * model.baseline_ettr(3600 / p)[0])
+    assert replace(model, floor_every_s=model.step_s).replica_ettr(3600) > model.replica_ettr(3600)  # a tighter floor
+    assert replace(model, floor_overhead=0.01).replica_ettr(3600) == pytest.approx(model.replica_ettr(3600) * 0.99)
 
 
 def test_the_projection_takes_the_detection_measured_at_scale(tmp_path):
@@ -89,7 +112,7 @@ def test_the_projection_takes_the_detection_measured_at_scale(tmp_path):
     coordinator, a lost host) at the N nearest the projected ranks, when it ran."""
     import json
 
-    from ettr import measured_detection
+    from ettr_projection import measured_detection
 
     path = tmp_path / "control_scale.json"
     assert measured_detection(256, path) is None  # not run
@@ -105,7 +128,7 @@ def test_the_projection_takes_the_control_planes_time_per_step_measured_at_scale
     commit latency beyond a step, lowers the projected ETTR by its share of the step."""
     import json
 
-    from ettr import measured_control
+    from ettr_projection import measured_control
 
     path = tmp_path / "control_scale.json"
     assert measured_control(256, 120.0, path) is None  # not run

@@ -719,13 +719,16 @@ class Heartbeat {
 
   void close_retired() {
     const int64_t loops = memory_.outbox().loops.load();
-    std::erase_if(retired_, [loops](const std::pair<int, int64_t>& fd) {
-      if (loops < fd.second + 2) {
-        return false;
-      }
-      ::close(fd.first);
-      return true;
-    });
+    // C++17: torch 2.11 builds extensions with -std=c++17 (no std::erase_if).
+    retired_.erase(std::remove_if(retired_.begin(), retired_.end(),
+                                  [loops](const std::pair<int, int64_t>& fd) {
+                                    if (loops < fd.second + 2) {
+                                      return false;
+                                    }
+                                    ::close(fd.first);
+                                    return true;
+                                  }),
+                   retired_.end());
   }
 
   // Whether the store should take the beats too: not aimed, or no answer for store_after.

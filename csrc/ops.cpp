@@ -11,6 +11,7 @@
 // Device, fake/meta and Python-mode dispatch are unchanged.
 // The headers this file uses, not torch/extension.h (the whole C++ frontend, 28 s of compile
 // against 12 s).
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/python_variable.h>

@@ -94,6 +94,9 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.1, help="attention dropout")
     parser.add_argument("--unmirrored-noise", action="store_true",
                         help="plant a random draw outside the mirrored state (the divergence guard must catch it)")
+    parser.add_argument("--own-iterator", action="store_true",
+                        help="iterate the data loader directly, not through job.next_batch (against the README, but "
+                             "common): a redo after a failover takes other batches, and the divergence guard says so")
     parser.add_argument("--compile", choices=("none", "layers", "model"), default="none",
                         help="torch.compile each decoder layer, or the whole sharded model")
     parser.add_argument("--no-warm-up", action="store_true", help="let a promoted standby compile in its failover")
@@ -124,10 +127,22 @@ def main() -> None:
     sample = torch.zeros(args.batch, SEQ, dtype=torch.long)
     if not args.no_warm_up:
         job.warm_up(lambda: micro_step({"input_ids": sample, "labels": sample}))
+    own = None  # --own-iterator's
+
+    def next_batch() -> dict[str, torch.Tensor]:
+        nonlocal own
+        if not args.own_iterator:
+            return job.next_batch("train")
+        try:
+            return next(own) if own is not None else next(own := iter(loader))
+        except StopIteration:  # a new epoch
+            own = iter(loader)
+            return next(own)
+
     for step in job.steps(total):
         total_loss = torch.zeros((), device=device)
         for _ in range(args.accumulate):
-            total_loss += micro_step(job.next_batch("train"), planted=args.unmirrored_noise)
+            total_loss += micro_step(next_batch(), planted=args.unmirrored_noise)
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
         scheduler.step()

@@ -14,6 +14,9 @@ __all__ = [
     "ALLOW_SHARED_DOMAIN",
     "BACKENDS",
     "DOMAIN",
+    "DURABLE",
+    "DURABLE_EVERY",
+    "DURABLE_INTERVAL",
     "ETCD_CA",
     "ETCD_CERT",
     "ETCD_KEY",
@@ -35,6 +38,7 @@ __all__ = [
     "ROLE",
     "ROLLOUTS",
     "SIMD",
+    "SPARE",
     "STEPS",
     "STORE",
     "STORE_PORT",
@@ -83,9 +87,18 @@ STEPS = "REPLICA_STEPS"
 ROLLOUTS = "REPLICA_ROLLOUTS"
 #: Where standbys hold their mirrors ("" or cpu; --mirror-device). Written by the launchers; read by RoleEnv.
 MIRROR_DEVICE = "REPLICA_MIRROR_DEVICE"
+#: The durable floor's folder (--durable; "": no floor), and its cadence: a version every N steps
+#: (--durable-every) and at least every S seconds (--durable-interval). Written by the launchers;
+#: read by RoleEnv (replica.mirror.floor.FloorConfig).
+DURABLE = "REPLICA_DURABLE"
+DURABLE_EVERY = "REPLICA_DURABLE_EVERY"
+DURABLE_INTERVAL = "REPLICA_DURABLE_INTERVAL"
 #: Where roles export their versions when the job cannot go on (--export-dir). Written by the launchers;
 #: read by RoleEnv.
 EXPORT_DIR = "REPLICA_EXPORT_DIR"
+#: A spare standby's index (--spares): it waits bound to no rank until the launcher binds it to one
+#: (unset: not a spare). Written by the launchers; read by RoleEnv.
+SPARE = "REPLICA_SPARE"
 #: An export folder the trainers start from (--resume). Written by the launchers; read by RoleEnv.
 RESUME = "REPLICA_RESUME"
 #: The data plane's transports, comma-separated (--backends). Written by the launchers; read by RoleEnv.

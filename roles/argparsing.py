@@ -10,10 +10,11 @@ from datetime import timedelta
 from pathlib import Path
 
 from replica.errors import ReplicaError
+from replica.mirror.floor import FloorConfig
 from replica.state.export import resumable
 from replica.roles.timing import Deadlines
 
-__all__ = ["Parser", "deadline_options", "deadlines_of", "existing_file", "non_negative_int", "port", "positive_float",
+__all__ = ["Parser", "deadline_options", "deadlines_of", "durable_of_args", "durable_options", "existing_file", "non_negative_int", "port", "positive_float",
            "positive_int", "resume_point", "shared_domain_option", "start_options", "state_options", "writable_file"]
 
 
@@ -83,6 +84,28 @@ def deadline_options(p: argparse.ArgumentParser) -> None:
                         "(a process that exits is declared dead at once)")
     p.add_argument("--standby-deadline", type=positive_float, default=None,
                    help="the same for standbys (default: --heartbeat-deadline)")
+
+
+def durable_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--durable", type=Path, default=None, metavar="DIR",
+                   help="the durable floor: standbys write every so many committed versions to DIR (local to each "
+                        "standby's host, or shared), in the background; a version counts once every rank's part is "
+                        "written and its manifest signed; each standby keeps the newest two (docs/failover.md)")
+    p.add_argument("--durable-every", type=non_negative_int, default=50, metavar="STEPS",
+                   help="a durable version every STEPS steps (0: by --durable-interval only)")
+    p.add_argument("--durable-interval", type=float, default=600.0, metavar="SECONDS",
+                   help="and at least one every SECONDS (0: by --durable-every only)")
+
+
+def durable_of_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> FloorConfig | None:
+    """``durable_options``' settings; a bad combination is a usage error."""
+    if args.durable is None:
+        return None
+    try:
+        return FloorConfig(directory=args.durable.resolve(), every_steps=args.durable_every,
+                           interval=timedelta(seconds=args.durable_interval))
+    except ValueError as exc:
+        parser.error(f"--durable: {exc}")
 
 
 def shared_domain_option(p: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ _USAGE = """usage: replica launch [--trainers N] [--steps N] [--inject SPEC] [--
        replica coordinator --world-size N --steps N [--host H] [--port P] [--store etcd://...] [--agents N]
        replica agent --store ADDRESS --index N [--address A] [--roles ROLE:RANK,...] SCRIPT [ARGS...]
        replica compare REFERENCE.json OTHER.json [--plot LOSSES.png]
+       replica selftest [--quick] [--device cpu|cuda] [--trainers N] [--ray ADDRESS] [--report DIR]
 (each command's --help lists its options)"""
 
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         from replica.roles.host_agent import main as agent
 
         return agent(argv[1:])
+    if argv[0] == "selftest":
+        from replica.roles.selftest import main as selftest
+
+        return selftest(argv[1:])
     if argv[0] == "compare":
         return _compare(argv[1:])
     print(f"replica: bad command {' '.join(argv)!r}\n{_USAGE}", file=sys.stderr)

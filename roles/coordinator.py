@@ -85,7 +85,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         self.standbys_replaced: list[dict] = []
         self.refused: list[dict] = []
         self.unprotected: set[int] = set()
-        self.unprotected_spans: list[dict] = []  # rank, from_commit, until_commit (None: to the end)
+        # rank, from_commit, until_commit (None: to the end), from_at, until_at (time.time())
+        self.unprotected_spans: list[dict] = []
         self._unprotected_reg: dict[int, str | None] = {}  # a rank's standby registration when it lost protection
         self.rollouts_lost: list[dict] = []
         # Exits the agent reported for members already declared dead: a process killed once its
@@ -210,16 +211,20 @@ class Coordinator(Admission, Beats, Generations, Judgement):
 
     def _reprotect(self) -> None:
         """An unprotected rank is protected again once a live standby of it has published its
-        mirror (after building its model: until then the trainer would wait on it), not at its join."""
+        mirror (after building its model: until then the trainer would wait on it) and holds the
+        rank's newest commit (its first snapshot acknowledged), not at its join: a trainer that
+        dies before that takes the rank's state with it."""
         for rank in sorted(self.unprotected):
             current = self.record.registration(rank)
             if current is None or current == self._unprotected_reg.get(rank) or not self._live(Role.STANDBY, rank):
+                continue
+            if not self.record.standby_holds(rank, self.record.last() or 0):
                 continue
             self.unprotected.discard(rank)
             self.record.set_unprotected(rank, False)
             for span in self.unprotected_spans:
                 if span["rank"] == rank and span["until_commit"] is None:
-                    span["until_commit"] = self.record.last()
+                    span["until_commit"], span["until_at"] = self.record.last(), time.time()
             logger.warning("rank %d is protected again by its new standby", rank)
 
     def process_exited(self, pid: int, code: int, *, host: str | None = None) -> list[Decision]:
@@ -314,7 +319,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         """No standby protects ``rank`` now: its trainer acknowledges itself until a standby of it
         publishes its mirror (``until_standby_joins``: a replacement is starting; else none will come)."""
         if rank not in self.unprotected:
-            self.unprotected_spans.append({"rank": rank, "from_commit": self.record.last(), "until_commit": None})
+            self.unprotected_spans.append({"rank": rank, "from_commit": self.record.last(), "until_commit": None,
+                                           "from_at": time.time(), "until_at": None})
             self._unprotected_reg[rank] = self.record.registration(rank)  # that standby protects no more
         self.unprotected.add(rank)
         self.record.set_unprotected(rank, True)

@@ -11,13 +11,15 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 from replica import envvars
 from replica.jobstore.stores import StoreAddress
+from replica.mirror.floor import FloorConfig
 from replica.session.backends import parse_backends
 
 __all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "base_environ",
-           "check_faults", "configure_logging", "domain_name", "host_name", "job_environ", "member_environ", "parse_faults",
+           "check_faults", "configure_logging", "domain_name", "durable_of", "host_name", "job_environ", "member_environ", "parse_faults",
            "role_name", "shared_domains_allowed"]
 
 #: The job's step count when the launcher is not told (``replica launch --steps``) and a
@@ -39,6 +41,7 @@ class Action(enum.StrEnum):
     STALL = "stall"  # a slow step
     PARTITION = "partition"  # a host's link down for a while, then up again (its agent does it)
     SLOW = "slow"  # a host's link slowed to a rate for the rest of the job (tc tbf)
+    CORRUPT = "corrupt"  # a standby flips a byte of its durable part of the step once written (a rotting disk)
 
 
 HOST = "host"  # the target of host faults (kill, partition, slow): RANK is the host agent's --index
@@ -69,6 +72,8 @@ class Fault:
     ``freeze:ROLE:RANK@STEP[:PHASE][:gGEN]``: SIGSTOP it there (alive but silent, as a
     hung machine or a partition: only a heartbeat deadline finds it; SIGCONT wakes it).
     ``stall:ROLE:RANK@STEP[:SECONDS][:gGEN]``: a slow but live step (default 3 s).
+    ``corrupt:standby:RANK@STEP``: that standby flips one byte of its part of the durable
+    floor's version of STEP once it wrote it (``--durable``; a disk that rots).
     ``gGEN`` fires it only in process-group generation GEN (a trainer's step redone
     after a failover, or a promoted trainer's: ``g1`` is the first failover's).
 
@@ -96,6 +101,8 @@ class Fault:
         if (role == HOST and action not in _HOST_ACTIONS) or (role != HOST and action in (Action.PARTITION,
                                                                                              Action.SLOW)):
             raise ValueError("a host takes kill, partition or slow; partition and slow take only a host")
+        if action == Action.CORRUPT and role != Role.STANDBY:
+            raise ValueError("corrupt takes a standby (its part of a durable version)")
         duration, rate = self.duration, self.rate_mbit
         if action in _TIMED:
             duration = _TIMED[action] if duration is None else duration
@@ -125,10 +132,11 @@ class Fault:
 
 
 def check_faults(faults: tuple[Fault, ...], *, trainers: int, standbys: int, rollouts: int, first_step: int,
-                 last_step: int, agents: int | None = None) -> None:
+                 last_step: int, agents: int | None = None, durable: bool | None = None) -> None:
     """ValueError naming the first of ``faults`` that could never fire in this job: a rank
     it does not have, a step it does not run (``first_step`` .. ``last_step``), a host
-    without an agent (``agents``: the number of host agents; None: no host faults here)."""
+    without an agent (``agents``: the number of host agents; None: no host faults here), a
+    durable part corrupted in a job without a floor (``durable`` False; None: not known here)."""
     counts = {Role.TRAINER: ("trainers", trainers), Role.STANDBY: ("standbys", standbys),
               Role.ROLLOUT: ("rollouts", rollouts)}
     for fault in faults:
@@ -144,6 +152,8 @@ def check_faults(faults: tuple[Fault, ...], *, trainers: int, standbys: int, rol
             raise ValueError(f"fault {fault}: the job runs steps {first_step} .. {last_step}: it would never fire")
         if fault.generation is not None and fault.generation < 0:
             raise ValueError(f"fault {fault}: generations are numbered from 0")
+        if fault.action == Action.CORRUPT and durable is False:
+            raise ValueError(f"fault {fault}: the job writes no durable floor (--durable): it would never fire")
 
 
 def parse_faults(spec: str) -> tuple[Fault, ...]:
@@ -163,7 +173,7 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
                 raise ValueError(f"action one of {ACTIONS}, role one of {ROLES} or {HOST}, phase one of {PHASES}")
         except ValueError as exc:
             raise ValueError(f"bad fault {item!r}: expected kill|freeze:ROLE:RANK@STEP[:PHASE][:gGEN], "
-                             "stall:ROLE:RANK@STEP[:SECONDS][:gGEN], kill:host:N@STEP, "
+                             "stall:ROLE:RANK@STEP[:SECONDS][:gGEN], corrupt:standby:RANK@STEP, kill:host:N@STEP, "
                              f"partition:host:N@STEP[:SECONDS] or slow:host:N@STEP[:MBIT] ({exc})") from exc
         common = dict(action=action, role=role, generation=generation)
         try:
@@ -199,7 +209,8 @@ def base_environ() -> dict[str, str]:
 
 def job_environ(*, store: str, token: str, world_size: int, steps: int = DEFAULT_STEPS, inject: str = "",
                 rollouts: int = 0, mirror_device: str = "", export_dir: str = "", resume: str = "",
-                backends: Sequence[str] = (), strict: bool = False) -> dict[str, str]:
+                backends: Sequence[str] = (), strict: bool = False, durable: FloorConfig | None = None
+                ) -> dict[str, str]:
     """What every role of a job shares in its environment, as ``RoleEnv.from_environ`` reads
     it: the launchers' half of the contract (``member_environ`` adds each process's role and
     rank). ``inject``: the ``--inject`` spec; "" for ``mirror_device``, ``export_dir``: the
@@ -207,12 +218,30 @@ def job_environ(*, store: str, token: str, world_size: int, steps: int = DEFAULT
     return {envvars.STORE: store, envvars.TOKEN: token, envvars.WORLD_SIZE: str(world_size),
             envvars.STEPS: str(steps), envvars.INJECT: inject, envvars.ROLLOUTS: str(rollouts),
             envvars.MIRROR_DEVICE: mirror_device, envvars.EXPORT_DIR: export_dir, envvars.RESUME: resume,
-            envvars.BACKENDS: ",".join(backends), envvars.STRICT: "1" if strict else ""}
+            envvars.BACKENDS: ",".join(backends), envvars.STRICT: "1" if strict else "",
+            envvars.DURABLE: str(durable.directory) if durable is not None else "",
+            envvars.DURABLE_EVERY: str(durable.every_steps) if durable is not None else "",
+            envvars.DURABLE_INTERVAL: str(durable.interval.total_seconds()) if durable is not None else ""}
 
 
-def member_environ(role: Role, rank: int) -> dict[str, str]:
-    """What one role process adds to its job's environment (``job_environ``): its role and rank."""
-    return {envvars.ROLE: str(Role(role)), envvars.RANK: str(rank)}
+def durable_of(env: Mapping[str, str]) -> FloorConfig | None:
+    """The durable floor's settings in a role's environment (``job_environ``'s); None: no floor.
+    ValueError for a value that does not parse."""
+    if not env.get(envvars.DURABLE):
+        return None
+    defaults = FloorConfig(directory=Path(env[envvars.DURABLE]))
+    every = env.get(envvars.DURABLE_EVERY)
+    interval = env.get(envvars.DURABLE_INTERVAL)
+    return FloorConfig(directory=defaults.directory,
+                       every_steps=int(every) if every else defaults.every_steps,
+                       interval=timedelta(seconds=float(interval)) if interval else defaults.interval)
+
+
+def member_environ(role: Role, rank: int, *, spare: int | None = None) -> dict[str, str]:
+    """What one role process adds to its job's environment (``job_environ``): its role and rank
+    (a spare standby: its index, and a rank it takes from its binding)."""
+    return {envvars.ROLE: str(Role(role)), envvars.RANK: str(rank),
+            **({envvars.SPARE: str(spare)} if spare is not None else {})}
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -234,6 +263,8 @@ class RoleEnv:
     resume: str = ""  # an export folder (one file per rank, one step) the trainers start from
     backends: tuple[str, ...] = ()  # Config.backends of every role's data plane; (): Config's default
     strict: bool = False  # a divergence after a failover ends the job (replica launch --strict)
+    durable: FloorConfig | None = None  # the durable floor the standbys write (replica launch --durable)
+    spare: int | None = None  # a spare standby's index (--spares): bound to a rank by the launcher later
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RoleEnv:
@@ -256,15 +287,16 @@ class RoleEnv:
                    rollouts=int(env.get(envvars.ROLLOUTS, "0")), mirror_device=env.get(envvars.MIRROR_DEVICE, ""),
                    export_dir=env.get(envvars.EXPORT_DIR) or "replica-export", resume=env.get(envvars.RESUME, ""),
                    backends=parse_backends(env.get(envvars.BACKENDS, "")),
-                   strict=env.get(envvars.STRICT, "") == "1")
+                   strict=env.get(envvars.STRICT, "") == "1", durable=durable_of(env),
+                   spare=int(env[envvars.SPARE]) if env.get(envvars.SPARE) else None)
 
     def to_environ(self) -> dict[str, str]:
         """This role's variables as the launchers write them: ``from_environ`` of them is this."""
         return {**job_environ(store=str(self.store), token=self.token.decode(), world_size=self.world_size,
                               steps=self.steps, inject=",".join(map(str, self.faults)), rollouts=self.rollouts,
                               mirror_device=self.mirror_device, export_dir=self.export_dir, resume=self.resume,
-                              backends=self.backends, strict=self.strict),
-                **member_environ(self.role, self.rank), envvars.HOST: self.host}
+                              backends=self.backends, strict=self.strict, durable=self.durable),
+                **member_environ(self.role, self.rank, spare=self.spare), envvars.HOST: self.host}
 
 
 def host_name() -> str:

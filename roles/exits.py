@@ -29,6 +29,10 @@ class ExitCode(enum.IntEnum):
     #: ``supervise``'s, never a process's: the job failed before its first global commit and may
     #: start again from its start (``replica launch`` does, ``JobSpec.restarts_left`` times).
     RESTART = 78
+    #: ``supervise``'s, never a process's: a rank lost every in-memory copy of its state and the job
+    #: has a durable floor: it starts again from the floor's newest complete version (``replica launch``
+    #: does, as ``--resume`` from it).
+    RESUME = 79
 
 
 def exit_now(code: ExitCode) -> NoReturn:

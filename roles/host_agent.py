@@ -46,6 +46,7 @@ from replica.roles.env import (
     shared_domains_allowed,
 )
 from replica.roles.local_agent import LocalAgent
+from replica.roles.stalls import StallLog
 from replica.jobstore.stores import StoreAddress
 
 __all__ = ["HostAgent", "main", "parse_roles"]
@@ -92,6 +93,9 @@ class HostAgent:
         self._exits: list[tuple[int, int]] = []  # seen, not yet written (kept through store failures)
         self._killing: set[int] = set()  # pids killed as ordered whose exit was not seen yet
         self._talked_at = time.monotonic()  # the talker's last round that got through
+        #: This agent's own stalls (gaps between its polls: a process start in the loop, its process
+        #: stopped or starved); the store's silence in them is not counted, as the coordinator's.
+        self._stalls = StallLog(after=timing.COORDINATOR_STALL, keep=timing.STALL_MEMORY)
         self._talker = 0  # the current talker's number; older ones stop
         self._talkers: list[threading.Thread] = []  # joined at close(): none may be inside the store's C++ at exit
         self.ended = threading.Event()
@@ -104,8 +108,14 @@ class HostAgent:
 
     def run(self) -> int:
         """Until the job's end (0), or the store unreachable for STORE_LOST (``ExitCode.COORDINATOR_LOST``)."""
+        # The store's silence counts from the talker's start, not from this object's: starting the
+        # --roles before (the fork server's first start imports torch) takes seconds on a loaded
+        # machine, and was taken for the store's silence (exit COORDINATOR_LOST at once).
+        self._talked_at = time.monotonic()
         self._start_talker()
         while not self.ended.is_set():
+            now = time.monotonic()
+            self._stalls.tick(now)
             exits = [(pid, code) for pid, code, _ in self.local.exits()]
             with self._lock:
                 self._exits.extend(exits)
@@ -116,7 +126,7 @@ class HostAgent:
                 self._obey(order)
             for fault in firing:
                 self._fire(fault)
-            silent = time.monotonic() - self._talked_at
+            silent = self._stalls.silence(self._talked_at, now)  # this agent's own stalls are no silence of the store
             if silent > timing.STORE_LOST.total_seconds():
                 # Its roles find the store gone too: they export what they hold and stop by themselves.
                 print(f"replica: agent {self.index}: the job store does not answer ({silent:.0f} s); waiting for "

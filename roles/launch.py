@@ -39,12 +39,18 @@ from replica.roles.env import (
     parse_faults,
     shared_domains_allowed,
 )
+from replica.jobstore import keys
 from replica.roles.exits import ExitCode
+from replica.roles.report import build_report
+from replica.state.export import step_folder
+from replica.roles.spares import SparePool
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.local_agent import LocalAgent, open_job, start_roles
 from replica.roles.argparsing import (
     deadline_options,
     deadlines_of,
+    durable_of_args,
+    durable_options,
     resume_point,
     shared_domain_option,
     start_options,
@@ -116,8 +122,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--inject", default="", help="kill:trainer:RANK@STEP[:PHASE][:gGEN],kill:standby:RANK@STEP,"
                                                 "kill:rollout:INDEX@STEP (while generating for STEP),"
                                                 "freeze:trainer:RANK@STEP[:PHASE] (SIGSTOP), "
-                                                "stall:trainer:RANK@STEP[:SECONDS] (PHASE: forward, backward, "
+                                                "stall:trainer:RANK@STEP[:SECONDS], corrupt:standby:RANK@STEP "
+                                                "(its durable part of STEP; --durable) (PHASE: forward, backward, "
                                                 "reduce-scatter, optimizer, mirror, commit)")
+    p.add_argument("--spares", type=non_negative_int, default=0, metavar="N",
+                   help="start N spare standbys ahead, bound to no rank: a rank that loses its standby (a promotion, "
+                        "its death) gets a ready spare instead of a new process, and trains on meanwhile; each spare "
+                        "bound is refilled as --replacements allows (docs/failover.md)")
     p.add_argument("--train-while-replacing", action="store_true",
                    help="after a failover, train on unprotected while the rank's new standby starts (default: "
                         "commit() waits until the rank is protected again)")
@@ -154,6 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=positive_float, default=600, help="seconds before the whole job is abandoned")
     deadline_options(p)
     state_options(p)
+    durable_options(p)
     shared_domain_option(p)
     start_options(p)
     return p
@@ -169,6 +181,9 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         parser.error(f"--standbys {standbys}: at most one standby per trainer (--trainers {args.trainers})")
     resume = resume_point(parser, args, args.trainers)
     shared = shared_domains_allowed(args.allow_shared_domain)
+    durable = durable_of_args(parser, args)
+    if args.spares and args.ray:
+        parser.error("--spares with --ray: not yet (the Ray driver starts no spares); use --replacements")
     if standbys and not args.ray and not shared:
         parser.error(f"every role of `replica launch` runs on this machine (failure domain {domain_name()!r}): the "
                      "standby of rank 0 would share its trainer's domain, and losing the machine would lose both "
@@ -179,7 +194,7 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         if any(f.role == HOST for f in faults):
             raise ValueError("host faults need host agents (`replica agent`): `replica launch` runs on one machine")
         check_faults(faults, trainers=args.trainers, standbys=standbys, rollouts=args.rollouts,
-                     first_step=resume[0] + 1 if resume else 1, last_step=args.steps)
+                     first_step=resume[0] + 1 if resume else 1, last_step=args.steps, durable=durable is not None)
         deadlines = deadlines_of(args)
     except ValueError as exc:
         parser.error(str(exc))
@@ -190,13 +205,17 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
     # attempt) nor a fixed --port (the failed attempt's store holds it until this process ends).
     allowed = 0 if args.store or args.port else (1 if args.replacements < 0 else args.replacements)
     restarts: list[dict] = []
+    earlier: list[dict] = []  # the reports of attempts that went back to the durable floor
+    # A rank that lost every in-memory copy goes back to the floor's newest version: all roles start again
+    # from it, in this process (not with a fixed --port or etcd, which hold the attempt's store).
+    resumable_floor = durable is not None and not (args.store or args.port)
     while True:
         try:
             coord, env, leadership = open_job(
                 trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host,
                 port=args.port, inject=",".join(map(str, faults)), steps=args.steps,
                 mirror_device=args.mirror_device, export_dir=args.export_dir, resume=resume, store=args.store,
-                backends=args.backends, strict=args.strict, shared_domains=shared)
+                backends=args.backends, strict=args.strict, shared_domains=shared, durable=durable)
         except ValueError as exc:
             parser.error(str(exc))
         except ReplicaError as exc:
@@ -205,11 +224,18 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         try:
             status = _run(args, coord, env, standbys=standbys, faults=faults, resume=resume, ray_agents=ray_agents,
                           leading=leadership.leading if leadership is not None else None,
-                          restarts_left=allowed - len(restarts), restarts=tuple(restarts))
-            if status != ExitCode.RESTART:
+                          restarts_left=allowed - len(restarts), restarts=tuple(restarts),
+                          durable=resumable_floor, earlier=tuple(earlier))
+            if status not in (ExitCode.RESTART, ExitCode.RESUME):
                 return status
             fired = [f for f in faults if coord.fired(str(f)) is not None]
-            restarts.append({"reason": coord.failure, "faults_fired": [str(f) for f in fired]})
+            entry = {"reason": coord.failure, "faults_fired": [str(f) for f in fired]}
+            if status == ExitCode.RESUME:
+                version = coord.store.get(keys.floor_latest()).value
+                entry |= {"resumed_from_floor": version, "lost_commit": coord.record.last()}
+                earlier.insert(0, build_report(coord, steps=args.steps, faults=[str(f) for f in faults], failure=None))
+                resume = (version, step_folder(durable.directory, version))
+            restarts.append(entry)
             faults = [f for f in faults if f not in fired]
         finally:
             coord.close()
@@ -219,7 +245,8 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
 
 def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, standbys: int, faults: list,
          resume: tuple[int, Path] | None, ray_agents: Callable[..., object] | None,
-         leading: Callable[[], bool] | None, restarts_left: int, restarts: tuple[dict, ...]) -> int:
+         leading: Callable[[], bool] | None, restarts_left: int, restarts: tuple[dict, ...], durable: bool,
+         earlier: tuple[dict, ...]) -> int:
     print(f"replica: job store at {coord.address}; {args.trainers} trainers, {standbys} standbys, "
           f"{args.rollouts} rollouts" + (f"; resuming from step {resume[0]} in {resume[1]}" if resume else ""),
           flush=True)
@@ -239,13 +266,15 @@ def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, s
         agent = LocalAgent(script=script, env=env, replacements=args.replacements, exec_roles=args.exec_roles)
     try:
         start_roles(coord, agent, trainers=args.trainers, standbys=standbys, rollouts=args.rollouts)
+        spares = SparePool(coord.store, args.spares, start=agent.start_spare,
+                           refill=agent.take_replacement) if args.spares else None
         timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
         spec = JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                        timeline_png=timeline, train_while_replacing=args.train_while_replacing,
                        export_dir=args.export_dir, first_step=resume[0] + 1 if resume else 1,
-                       restarts_left=restarts_left, restarts=restarts)
+                       restarts_left=restarts_left, restarts=restarts, durable=durable, earlier=earlier)
         with contextlib.redirect_stdout(StatusLines(sys.stdout)):
-            status = supervise(coord, spec, agent, leading=leading)
+            status = supervise(coord, spec, agent, leading=leading, spares=spares)
     finally:
         agent.stop()
     codes = agent.failed_codes({m.pid for m in coord.members if m.role == Role.TRAINER and m.state == MemberState.DONE})

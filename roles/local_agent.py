@@ -16,6 +16,7 @@ from pathlib import Path
 
 from replica import envvars
 from replica.session.backends import check_backends, parse_backends
+from replica.mirror.floor import FloorConfig
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership, lead_new_job
 from replica.roles.env import Role, base_environ, host_name, job_environ, member_environ, role_name
@@ -56,19 +57,20 @@ def die_with_launcher(argv: list[str]) -> list[str]:
 
 
 def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int, rollouts: int, mirror_device: str,
-             export_dir: Path, resume: Path | None, backends: str = "", strict: bool = False) -> dict[str, str]:
+             export_dir: Path, resume: Path | None, backends: str = "", strict: bool = False,
+             durable: FloorConfig | None = None) -> dict[str, str]:
     """The environment every role of a launched job starts with (this one's, plus the job's:
     ``replica.roles.env.job_environ``, which ``RoleEnv.from_environ`` reads)."""
     return {**base_environ(), **job_environ(
         store=store, token=token, world_size=world_size, steps=steps, inject=inject, rollouts=rollouts,
         mirror_device="" if mirror_device == "model" else mirror_device, export_dir=str(export_dir.resolve()),
-        resume=str(resume) if resume else "", backends=parse_backends(backends), strict=strict)}
+        resume=str(resume) if resume else "", backends=parse_backends(backends), strict=strict, durable=durable)}
 
 
 def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
              mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None, store: str = "",
-             backends: str = "", strict: bool = False,
-             shared_domains: bool = True) -> tuple[Coordinator, dict[str, str], Leadership | None]:
+             backends: str = "", strict: bool = False, shared_domains: bool = True,
+             durable: FloorConfig | None = None) -> tuple[Coordinator, dict[str, str], Leadership | None]:
     """A launched job's coordinator and the environment its roles start with; the job's token
     is ``REPLICA_TOKEN`` or a fresh one. The job store is hosted by the coordinator on
     ``host:port``, or, with ``store`` (``etcd://HOSTS/NAMESPACE``), kept in etcd: then the
@@ -100,7 +102,7 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
         raise
     env = role_env(store=coord.address, token=token, world_size=trainers, inject=inject, steps=steps,
                    rollouts=rollouts, mirror_device=mirror_device, export_dir=export_dir,
-                   resume=resume[1] if resume else None, backends=backends, strict=strict)
+                   resume=resume[1] if resume else None, backends=backends, strict=strict, durable=durable)
     return coord, env, leadership
 
 
@@ -119,17 +121,30 @@ class LocalAgent:
         self._reported: set[int] = set()
         self._views: dict[int, ProcessView] = {}  # each process's last look (probe)
 
-    def start(self, role: Role, rank: int) -> int:
-        env = {**self._env, **member_environ(role, rank)}
+    def start(self, role: Role, rank: int, *, spare: int | None = None) -> int:
+        """Start the role process of ``rank`` (a spare standby: ``spare``, its index, and no rank
+        yet: ``roles/spares.py``); its pid."""
+        env = {**self._env, **member_environ(role, rank, spare=spare)}
         if self._exec_roles:
             if threading.current_thread() is not threading.main_thread():
                 # PR_SET_PDEATHSIG fires when the forking *thread* exits, not the launcher.
                 raise RuntimeError("LocalAgent.start must be called from the main thread")
             popen = subprocess.Popen(die_with_launcher([sys.executable, *self._script]), env=env)
         else:
-            popen = start_script(self._script, env=env, name=role_name(role, rank))
+            popen = start_script(self._script, env=env,
+                                 name=role_name(role, rank) if spare is None else f"spare {spare}")
         self.procs[popen.pid] = (role, popen)
         return popen.pid
+
+    def start_spare(self, index: int) -> int:
+        return self.start(Role.STANDBY, -1, spare=index)
+
+    def take_replacement(self) -> bool:
+        """One of the new standby or engine processes ``replacements`` allows, if any is left."""
+        if self._replacements == 0:
+            return False
+        self._replacements -= 1
+        return True
 
     def exits(self) -> list[tuple[int, int, None]]:
         gone = []
@@ -146,9 +161,8 @@ class LocalAgent:
         return self._replace(Role.ROLLOUT, index)
 
     def _replace(self, role: Role, rank: int) -> bool:
-        if self._replacements == 0:
+        if not self.take_replacement():
             return False
-        self._replacements -= 1
         self.start(role, rank)
         return True
 

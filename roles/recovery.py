@@ -188,6 +188,9 @@ class Recovery:
         self.store.put(keys.reconnected(generation), Stamp(at=time.time()))
         # The committed version restored from stays this rank's copy of the commit (no copy),
         # the other version takes the next step; closing the mirror waits for its threads.
+        if self._floor is not None:  # a trainer now: its new standby writes the rank's floor
+            floor, self._floor = self._floor, None
+            threading.Thread(target=floor.close, daemon=True, name="replica-floor-close").start()
         held = self._mirror.hand_over(commit)
         mirror, self._mirror = self._mirror, None
         threading.Thread(target=mirror.close, daemon=True, name="replica-mirror-close").start()

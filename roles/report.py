@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from replica.roles.coordinator import Coordinator
     from replica.roles.members import FailoverTimeline
 
-__all__ = ["PHASES", "build_report", "compare_reports", "load_report", "print_timeline", "summary_lines",
+__all__ = ["PHASES", "build_report", "compare_reports", "fill_from", "load_report", "print_timeline", "summary_lines",
            "write_loss_png", "write_timeline_png"]
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,31 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         # beat to the store).
         "liveness": coord.liveness_report(),
         "takeover": coord.takeover,  # this coordinator took over from a dead one (None: it ran the whole job)
+        "floor": _floor(coord, steps),
     }
+
+
+def _floor(coord: Coordinator, steps: int) -> dict:
+    """The durable floor (--durable): the complete versions it ever had (their manifests), the
+    newest, and how many parts could not be written."""
+    found = coord.store.get_many([keys.floor_version(s) for s in range(1, steps + 1)])
+    latest = coord.store.get(keys.floor_latest())
+    return {"versions": [v.step for v in found if v is not None], "latest": None if latest is None else latest.value,
+            "errors": coord.store.count(keys.floor_errors())}
+
+
+def fill_from(report: dict, earlier: dict) -> None:
+    """Steps ``report``'s attempt did not run (it resumed from a version of the job's durable floor)
+    take what ``earlier`` (an attempt before it) recorded: losses, metrics, step end times."""
+    have = {f["fault"] for f in report.get("faults", [])}
+    report["faults"] = [f for f in earlier.get("faults", []) if f["fault"] not in have and f.get("fired_at")] + \
+        report.get("faults", [])  # the faults that fired before (not injected again) stay on record
+    for field in ("losses_hex", "metrics_hex", "step_end_times"):
+        for rank, values in report.get(field, {}).items():
+            before = earlier.get(field, {}).get(rank, [])
+            for i, value in enumerate(values):
+                if value in (None, {}) and i < len(before) and before[i] not in (None, {}):
+                    values[i] = before[i]
 
 
 def _version(coord: Coordinator, index: int) -> int | None:
@@ -137,6 +161,11 @@ def summary_lines(report: dict) -> list[str]:
     lines.append(f"unprotected spans: {len(spans)}" + (" (" + ", ".join(
         f"rank {s['rank']} from commit {s['from_commit']} to "
         f"{'the end' if s['until_commit'] is None else s['until_commit']}" for s in spans) + ")" if spans else ""))
+    resumed = [r for r in report.get("restarts", []) if "resumed_from_floor" in r]
+    if resumed:
+        lines.append("resumed from the durable floor: " + ", ".join(
+            f"version {r['resumed_from_floor']} (commit {r['lost_commit']} lost: "
+            f"{r['lost_commit'] - r['resumed_from_floor']} steps replayed)" for r in resumed))
     own = report.get("coordinator_stalls", {})
     if own.get("count"):
         lines.append(f"coordinator stalls: {own['count']} ({own['total_s']:.1f} s in all, the longest "

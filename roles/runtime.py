@@ -20,6 +20,8 @@ import replica
 from replica.jobstore.commit import EpochRecord
 from replica.state.data import Batches, prepare_extras
 from replica.state.divergence import Divergence, Measure, comparable
+from replica.state.inputs import InputDigests
+from replica.mirror.floor import Floor
 from replica.errors import DivergenceError, FencedError
 from replica.jobstore import Epoch, ExportOutcome, ExportStatus, Flag, JobStore, Stamp, Text, keys
 from replica.state.export import export_path, load_export, step_folder
@@ -32,6 +34,7 @@ from replica.roles.exits import ExitCode, exit_now
 from replica.roles.faults import Faults
 from replica.roles.recovery import Recovery
 from replica.roles.rollouts import RolloutClient, serve_rollouts
+from replica.roles.spares import wait_for_binding
 
 __all__ = ["Job", "init"]
 
@@ -45,6 +48,11 @@ class Job(Recovery, Faults):
         self.role = env.role
         self.rank = env.rank
         self.store = JobStore(env.store.connect(timeout=timing.ROLE_WAIT), token=env.token)
+        if env.spare is not None:  # a spare standby: the rank comes with its binding (roles/spares.py)
+            bound = wait_for_binding(self.store, env)
+            if bound is None:
+                raise SystemExit(ExitCode.OK)  # the job ended without needing it
+            self.env, self.rank, env = bound, bound.rank, bound
         self._epochs = EpochRecord(self.store)  # the generation record, read whole only when its number moved
         # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
         self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=timing.ROLE_WAIT).member
@@ -67,6 +75,7 @@ class Job(Recovery, Faults):
             generation=0 if env.role == Role.TRAINER else None, ready_timeout=timing.ROLE_WAIT)
         self._rep: replica.Replicator | None = None
         self._mirror: replica.Mirror | None = None
+        self._floor: Floor | None = None  # a standby's durable floor (--durable)
         self._bound: tuple | None = None
         self._step = 0
         self._resumed_from = 0  # the step of the export this job started from (--resume)
@@ -76,6 +85,8 @@ class Job(Recovery, Faults):
         self._redo_in_store: set[int] = set()  # steps a promoted standby redoes that its trainer logged
         self._divergences_seen = 0  # of self._rep.divergences, those reported
         self._warmed: WarmUp | None = None  # what this standby's warm-up did
+        # The divergence guard's record of each forward's inputs (a standby's warm-up is not one of the job's).
+        self._inputs = InputDigests(skip=lambda: self.group is not None and self.group.rehearsing)
 
     # --- what the script calls ---
 
@@ -98,7 +109,10 @@ class Job(Recovery, Faults):
             self._mirror = replica.Mirror(rank=self.rank, world_size=self.env.world_size, store=self.store,
                                           config=self.config, model=model, optimizer=optimizer,
                                           device=self.env.mirror_device or None)
+            if self.env.durable is not None:  # the floor: some of the versions it holds, written to disk
+                self._floor = Floor(self._mirror, self.env.durable, on_written=self._floor_fault)
         self._install_faults(model, optimizer)
+        self._inputs.attach(model)
         return self
 
     def batches(self, name: str) -> Batches:
@@ -188,6 +202,7 @@ class Job(Recovery, Faults):
     def commit(self, step: int) -> bool:
         self._not_warming("commit")
         self._fault(Phase.COMMIT, step)
+        self._check_inputs(step)  # a loop that logs no loss (log() checks them first otherwise)
         try:
             with self._store_guard():
                 done = self._rep.commit(step)
@@ -217,10 +232,17 @@ class Job(Recovery, Faults):
         for old in sorted(self._losses)[:-_LOSSES_KEPT]:
             del self._losses[old]
 
+    def _check_inputs(self, step: int) -> None:
+        mismatch = self._inputs.settle(step)
+        if mismatch is not None:
+            self._divergence(Divergence(rank=self.rank, step=step, measure=Measure.INPUT, before=mismatch.before,
+                                        after=mismatch.after, comparable=comparable(self._bound[0]),
+                                        where=f"{mismatch.what} of forward {mismatch.forward} of the step"))
+
     def _divergence(self, found: Divergence) -> None:
         """One loud line (the replicator logs what it finds itself), a record in the job
         report, and under --strict the job's end."""
-        if found.measure is Measure.LOSS:
+        if found.measure in (Measure.LOSS, Measure.INPUT):
             (logger.error if found.comparable else logger.info)("[%s rank %d] %s", self.role, self.rank,
                                                                 found.describe())
         self.store.put(keys.divergence(self.rank, found.step, found.measure.value), Text(value=found.to_json()))
@@ -245,6 +267,7 @@ class Job(Recovery, Faults):
 
     def _log(self, step: int, value: float, metrics: Mapping[str, float]) -> None:
         if self.group.check() is None:
+            self._check_inputs(step)
             self._check_loss(step, value.hex())
             # One store round trip a step: the loss, when the step ended, the metrics.
             extra = "".join(f" {k}={float(v).hex()}" for k, v in sorted(metrics.items()))
@@ -258,7 +281,16 @@ class Job(Recovery, Faults):
                                   rank=self.rank, name_map=name_map, dtype=dtype, epoch=self.epoch)
         return RolloutClient(store=self.store, sync=sync, num_shards=num_shards,
                              epoch=lambda: self.group.generation,
-                             abort=lambda: self.group.errored is not None or self._failover_announced())
+                             abort=self._step_failed)
+
+    def _step_failed(self) -> bool:
+        """The step in progress failed (a trainer died): it is redone after the failover, and
+        what its rollout client answers from now on are placeholders, which the divergence
+        guard must not take for the step's inputs."""
+        failed = self.group.errored is not None or self._failover_announced()
+        if failed:
+            self._inputs.void()
+        return failed
 
     def serve_rollouts(self, make_llm) -> None:
         """The rollout role: run the engine ``make_llm()`` builds and serve until the job ends."""
@@ -286,6 +318,7 @@ class Job(Recovery, Faults):
             step, graphs = promoted + 1, compiled_graphs()
         while step <= total:
             self._step = step
+            self._inputs.begin(step)
             self._fault(Phase.FORWARD, step)
             yield step
             if graphs is not None:
@@ -310,10 +343,10 @@ class Job(Recovery, Faults):
         if threading.current_thread() is not self._watcher:
             # Its native beat thread is joined here, not torn down with the interpreter.
             self._watcher.join(timeout=(timing.HEARTBEAT_IO + timing.HEARTBEAT_PERIOD).total_seconds() * 2)
-        for closeable in (self._rep, self._mirror):
+        for closeable in (self._floor, self._rep, self._mirror):
             if closeable is not None:
                 closeable.close()
-        self._rep = self._mirror = None
+        self._rep = self._mirror = self._floor = None
         if self.group is not None:
             self.group.shutdown()
 

@@ -16,18 +16,21 @@ from typing import Protocol
 from collections.abc import Callable
 
 from replica.errors import FencedError
-from replica.jobstore import ExportStatus, keys
+from replica.jobstore import ExportStatus, Number, keys
+from replica.mirror.floor import check_version
 from replica.roles.coordinator import Coordinator, Decision, DecisionKind
 from replica.roles import timing
 from replica.roles.env import Fault, Role
 from replica.roles.exits import ExitCode
 from replica.roles.probe import Verdict
-from replica.roles.report import build_report, print_timeline, summary_lines, write_timeline_png
+from replica.roles.spares import SparePool
+from replica.roles.report import build_report, fill_from, print_timeline, summary_lines, write_timeline_png
 from replica.timing import Deadline, pause
 
 __all__ = ["Agent", "JobSpec", "ReplacementWatch", "supervise"]
 
 logger = logging.getLogger(__name__)
+_FLOOR_LOOKUP = 256  # the versions looked up in the job store at once, going back from the newest
 
 
 
@@ -77,6 +80,13 @@ class JobSpec:
     # start (supervise then returns ExitCode.RESTART); what the earlier attempts were, for the report.
     restarts_left: int = 0
     restarts: tuple[dict, ...] = ()
+    # The job has a durable floor (--durable): a rank's lost state is not the job's end when the floor has a
+    # complete version newer than this attempt's start (supervise then returns ExitCode.RESUME); and a rank
+    # whose standby is being replaced trains on meanwhile (as train_while_replacing), backed by the floor.
+    durable: bool = False
+    # The reports of the job's earlier attempts (a resume from the floor): the steps they ran and this one
+    # did not (up to the version it resumed from) are taken from them.
+    earlier: tuple[dict, ...] = ()
 
 
 class ReplacementWatch:
@@ -114,15 +124,18 @@ class ReplacementWatch:
 
 
 def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
-              leading: Callable[[], bool] | None = None, cancel: threading.Event | None = None) -> ExitCode:
+              leading: Callable[[], bool] | None = None, cancel: threading.Event | None = None,
+              spares: SparePool | None = None) -> ExitCode:
     """Run the job to its end; returns the exit status (0: every rank finished).
     ``leading()`` (an elected coordinator's) is asked before every round: once it says
     no, another coordinator may lead, and this one stops at once, deciding nothing
     more and leaving the job as it is (ExitCode.DEPOSED). ``cancel`` (set by a driver that
-    shuts the job down) ends the loop as a timeout does: the end is announced, the report written."""
+    shuts the job down) ends the loop as a timeout does: the end is announced, the report written.
+    ``spares``: standbys started ahead, bound to a rank that loses its standby before a new
+    process is started for it."""
     deadline = Deadline.after(spec.timeout)
     shown, errors = spec.first_step - 1, 0
-    status, failure, restart = ExitCode.FAILED, None, None
+    status, failure, restart, resume = ExitCode.FAILED, None, None, None
     exits: list[tuple[int, int, str | None]] = []  # seen by the agent, not yet taken in (kept until they are)
     decisions: list[Decision] = []
     replacing = ReplacementWatch(coord)
@@ -132,7 +145,8 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     def take_exits() -> None:  # one at a time: an exit is never lost to a failure while it is handled
         while exits:
             pid, code, host = exits[0]
-            decisions.extend(coord.process_exited(pid, code, host=host))
+            if spares is None or not spares.exited(pid):  # a spare not bound yet is no member
+                decisions.extend(coord.process_exited(pid, code, host=host))
             exits.pop(0)
 
     while not deadline.expired:
@@ -166,11 +180,20 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
                 if errors == 1 or errors % 100 == 0:
                     logger.exception("the coordinator's poll failed (%d times so far); going on", errors)
         for decision in decisions:
-            failure = failure or _act(coord, decision, agent, spec, replacing)
+            if decision.kind == DecisionKind.FAILED and decision.state_lost and spec.durable and resume is None:
+                version = _floor_version(coord, spec)
+                if version is not None:  # nothing to export: every role starts again from the floor
+                    resume = f"{decision.reason}; the job goes back to the durable floor's version of step {version}"
+                    continue
+            failure = failure or _act(coord, decision, agent, spec, replacing, spares)
             if decision.restart and spec.restarts_left > 0:
                 restart = decision.reason
             if decision.kind == DecisionKind.FAILED and decision.usage:
                 status = ExitCode.USAGE  # set up wrong, before anything was committed
+        if resume is not None:
+            print(f"\nreplica: {resume} and replays from there", flush=True)
+            status = ExitCode.RESUME
+            break
         if restart is not None:
             print(f"\nreplica: {restart}; nothing was committed, so nothing is lost: the job starts again from its "
                   f"start (restart {len(spec.restarts) + 1}, {spec.restarts_left - 1} more allowed)", flush=True)
@@ -193,12 +216,16 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
         print(f"\nreplica: the job did not finish within {spec.timeout.total_seconds():g} s", flush=True)
     print(flush=True)
     coord.finish()
-    _linger(coord, agent)
+    if status != ExitCode.RESUME:  # resuming: the agent stops every role, each starts again from the floor
+        _linger(coord, agent)
     faults = [str(f) for f in spec.faults]
     for failover in coord.failovers:
         coord.observe(failover, faults)
-    report = build_report(coord, steps=spec.steps, faults=faults, failure=failure)
+    report = build_report(coord, steps=spec.steps, faults=faults, failure=None if resume else failure)
     report["restarts"] = list(spec.restarts)
+    report["spares_bound"] = list(spares.bound) if spares is not None else []
+    for earlier in spec.earlier:
+        fill_from(report, earlier)
     print_timeline(coord.failovers)
     print("\n".join(summary_lines(report)), flush=True)
     if spec.report is not None:
@@ -233,8 +260,30 @@ def _linger(coord: Coordinator, agent: Agent | None) -> None:
                    ", ".join(sorted(waiting)), timing.FINISH_LINGER.total_seconds())
 
 
+def _floor_version(coord: Coordinator, spec: JobSpec) -> int | None:
+    """The durable floor's newest usable version (complete, its files read back and checked:
+    an unusable one is said and the one before it tried), if it is newer than this attempt's
+    start (a resume must make progress: a job that loses a rank again before a newer version
+    ends). Recorded as the floor's latest: the version every role starts again from."""
+    latest = coord.store.get(keys.floor_latest())
+    if latest is None:
+        return None
+    for first in range(latest.value, spec.first_step - 1, -_FLOOR_LOOKUP):  # newest first, a slice of steps at a time
+        steps = range(first, max(first - _FLOOR_LOOKUP, spec.first_step - 1), -1)
+        for step, version in zip(steps, coord.store.get_many([keys.floor_version(s) for s in steps])):
+            if version is None:
+                continue
+            problem = check_version(version)
+            if problem is None:
+                coord.store.put(keys.floor_latest(), Number(value=step))
+                return step
+            print(f"\nreplica: WARNING the durable floor's version of step {step} is not usable ({problem}): "
+                  "trying the one before it", flush=True)
+    return None
+
+
 def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobSpec,
-         replacing: ReplacementWatch) -> str | None:
+         replacing: ReplacementWatch, spares: SparePool | None = None) -> str | None:
     if decision.kind == DecisionKind.FAILED:
         exported = _export(coord, spec.export_dir) if decision.state_lost and spec.export_dir is not None else ""
         return f"the job failed: {decision.reason}{exported}"
@@ -247,13 +296,20 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobS
         return None
     what = "promoted its standby" if decision.kind == DecisionKind.PROMOTED else "training goes on"
     print(f"\nreplica: {decision.dead} is dead ({decision.reason}); {what}", flush=True)
-    if spec.train_while_replacing:  # before the new standby can join and protect the rank again
+    spare = spares.bind(decision.rank) if spares is not None else None
+    # With a durable floor the rank is never without a copy to go back to, and a spare protects it again
+    # soon: training does not wait for the new standby.
+    go_on = spec.train_while_replacing or spec.durable or spare is not None
+    if go_on:  # before the new standby can join and protect the rank again
         coord.set_unprotected(decision.rank, until_standby_joins=True)
-    if agent is not None and agent.replace_standby(decision.rank):
+    if spare is not None:
+        print(f"replica: spare {spare} is rank {decision.rank}'s new standby; the rank is unprotected until it "
+              "holds the rank's state, and training goes on meanwhile", flush=True)
+    elif agent is not None and agent.replace_standby(decision.rank):
         print(f"replica: rank {decision.rank} is unprotected until its new standby is up; "
-              + ("training goes on meanwhile" if spec.train_while_replacing else
+              + ("training goes on meanwhile" + (", backed by the durable floor" if spec.durable else "") if go_on else
                  f"training waits for it (up to {timing.REPLACEMENT_WAIT.total_seconds():g} s)"), flush=True)
-        if not spec.train_while_replacing:
+        if not go_on:
             replacing.started(decision.rank)
     else:
         coord.set_unprotected(decision.rank)

@@ -176,8 +176,9 @@ class Job:
     standby and one on host 5, started by the agents."""
 
     def __init__(self, cluster, folder: Path, inject: str = "", etcd: EtcdCluster | None = None,
-                 agents: bool = False, rl: bool = False):
-        self.folder, self.report = folder, folder / "run.json"
+                 agents: bool = False, rl: bool = False, durable: Path | None = None, resume: Path | None = None,
+                 name: str = "run"):
+        self.folder, self.report = folder, folder / f"{name}.json"
         coord_host = cluster.hosts[0]
         agents = agents or rl
         script, steps, rollouts = (RL, RL_STEPS, 3) if rl else (EXAMPLE, STEPS, 0)
@@ -185,6 +186,10 @@ class Job:
                                "REPLICA_ROLLOUTS": str(rollouts)}
         if inject:
             extra["REPLICA_INJECT"] = inject
+        if durable is not None:  # every third step, written by the standbys into one folder all hosts see
+            extra.update(REPLICA_DURABLE=str(durable), REPLICA_DURABLE_EVERY="3", REPLICA_DURABLE_INTERVAL="0")
+        if resume is not None:
+            extra["REPLICA_RESUME"] = str(resume)
         if etcd is not None:
             extra.update(etcd.environ())
             self.store = f"etcd://{etcd.endpoints}/{etcd.namespace}"
@@ -202,7 +207,8 @@ class Job:
             self._start(name, host, ["-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps",
                                      str(steps), "--rollouts", str(rollouts), *where, *listen, "--timeout", "300",
                                      "--report",
-                                     str(report), *(["--agents", "5"] if agents else [])],
+                                     str(report), *(["--agents", "5"] if agents else []),
+                                     *(["--resume", str(resume)] if resume is not None else [])],
                         dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
             if etcd is not None:
                 self.wait_output(name, "this coordinator leads" if name == "coordinator" else "waits to take over")
@@ -230,6 +236,15 @@ class Job:
         while text not in self.output(name):
             assert self.procs[name].poll() is None and not deadline.expired, \
                 f"{name} never said {text!r}:\n{self.outputs()}"
+            time.sleep(0.05)
+
+    def wait_stopped(self, name: str, where: str, timeout_s: float = 180) -> None:
+        """Until process ``name`` stopped itself (an injected freeze at ``where``)."""
+        deadline = Deadline.after(timedelta(seconds=timeout_s))
+        proc = self.procs[name]
+        while process_state(proc.pid) != "T":
+            assert proc.poll() is None and self.procs["coordinator"].poll() is None, self.outputs()
+            assert not deadline.expired, f"{name} never reached {where}"
             time.sleep(0.05)
 
     def start_role(self, name: str, role: str, rank: int, host, *, held: bool = False) -> None:
@@ -326,11 +341,7 @@ def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path,
     job = Job(cluster, tmp_path, inject="freeze:trainer:1@5:backward")
     doomed = job.procs["trainer1"]
     try:
-        deadline = Deadline.after(timedelta(seconds=180))
-        while process_state(doomed.pid) != "T":
-            assert doomed.poll() is None and job.procs["coordinator"].poll() is None, job.outputs()
-            assert not deadline.expired, "trainer 1 never reached step 5"
-            time.sleep(0.05)
+        job.wait_stopped("trainer1", "step 5")
         lost = cluster.hosts[2].crash()
         assert doomed.pid in lost
         codes = job.finish()
@@ -349,6 +360,46 @@ def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path,
     mirrored = cluster.hosts[3].link_bytes()[0] - standby_rx
     print(f"failover {failover}; standby 0's host received {mirrored} bytes")
     assert mirrored > STEPS * MiB, f"standby 0's host received {mirrored} bytes in {STEPS} steps"
+
+
+@pytest.mark.slow
+def test_a_trainer_host_lost_with_its_standbys_host_resumes_from_the_floor(cluster, tmp_path, reference):
+    """Rank 1's trainer host and the host of its standby are lost together in step 8 (the trainer
+    stops itself there so that the loss comes at a known point, then both machines go): rank 1's
+    state is in no memory any more. The standbys, on their own hosts, wrote every third commit to
+    a folder every host sees: `replica coordinator` (which does not restart roles itself) ends the
+    job saying the rank's state is lost, and a new job resumed from the floor's newest complete
+    version (`--resume DIR`, as the failure message says) ends bit-identical to the failure-free
+    run, its first attempt's steps included."""
+    floor = tmp_path / "floor"
+    first = Job(cluster, tmp_path, inject="freeze:trainer:1@8:backward", durable=floor)
+    doomed = first.procs["trainer1"]
+    try:
+        first.wait_stopped("trainer1", "step 8")
+        assert first.procs["standby1"].pid in cluster.hosts[4].crash()  # the standby's host, then the trainer's
+        assert doomed.pid in cluster.hosts[2].crash()
+        codes = first.finish()
+    finally:
+        first.kill()
+        cluster.hosts[4].heal()
+        cluster.hosts[2].heal()
+    assert codes["coordinator"] == ExitCode.FAILED, (codes, first.outputs())
+    lost = json.loads(first.report.read_text())
+    assert "state is lost" in (lost["failure"] or ""), lost["failure"]
+    versions = lost["floor"]["versions"]
+    assert versions and versions[-1] in (3, 6), lost["floor"]  # written before the loss, by both standbys
+    version = versions[-1]
+    second = Job(cluster, tmp_path, durable=floor, resume=floor / f"step{version:08d}", name="resumed")
+    try:
+        codes = second.finish()
+    finally:
+        second.kill()
+    assert codes["coordinator"] == 0, (codes, second.outputs())
+    resumed = json.loads(second.report.read_text())
+    assert resumed["last_commit"] == STEPS
+    for rank in ("0", "1"):  # the first attempt's steps up to the version, the resumed job's after it
+        assert lost["losses_hex"][rank][:version] == reference["losses_hex"][rank][:version], rank
+        assert resumed["losses_hex"][rank][version:] == reference["losses_hex"][rank][version:], rank
 
 
 # In `make test-slow` (35-45 s). It failed 2 runs in 5 until 2026-11-26: when the job ended

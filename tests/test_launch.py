@@ -159,9 +159,18 @@ def test_fault_specs_round_trip():
             parse_faults(bad)
     for wrong in (dict(action=Action.SLOW, role=Role.TRAINER), dict(action=Action.STALL, role=HOST),
                   dict(action=Action.KILL, role=Role.TRAINER, duration=timedelta(seconds=1)),
-                  dict(action=Action.STALL, role=Role.TRAINER, rate_mbit=10.0)):
+                  dict(action=Action.STALL, role=Role.TRAINER, rate_mbit=10.0),
+                  dict(action=Action.CORRUPT, role=Role.TRAINER)):
         with pytest.raises(ValueError):
             Fault(rank=0, step=1, **wrong)
+    corrupt = parse_faults("corrupt:standby:1@6")
+    assert corrupt[0].action == Action.CORRUPT and parse_faults(",".join(map(str, corrupt))) == corrupt
+    from replica.roles.env import check_faults
+
+    shape = dict(trainers=2, standbys=2, rollouts=0, first_step=1, last_step=10)
+    check_faults(corrupt, **shape, durable=True)
+    with pytest.raises(ValueError, match="writes no durable floor"):
+        check_faults(corrupt, **shape, durable=False)
 
 
 def test_role_env_is_what_the_launchers_write():
@@ -171,12 +180,15 @@ def test_role_env_is_what_the_launchers_write():
 
     from replica import envvars
     from replica.jobstore.stores import StoreAddress
+    from replica.mirror.floor import FloorConfig
     from replica.roles.env import Role, RoleEnv, job_environ, member_environ, parse_faults
 
     env = RoleEnv(role=Role.STANDBY, rank=3, world_size=4, store=StoreAddress.parse("10.0.0.1:29500"), token=b"tok",
                   faults=parse_faults("kill:trainer:1@3:backward,stall:standby:0@2:4:g1"), host="10.0.0.2",
                   steps=7, rollouts=2, mirror_device="cpu", export_dir="/x/export", resume="/x/old",
-                  backends=("ucx", "gloo"), strict=True)
+                  backends=("ucx", "gloo"), strict=True,
+                  durable=FloorConfig(directory=Path("/x/floor"), every_steps=7, interval=timedelta(seconds=90)),
+                  spare=2)
     defaults = RoleEnv(role=Role.TRAINER, rank=0, world_size=1, store=StoreAddress.parse("127.0.0.1:1"), token=b"t")
     changed = {f.name for f in dataclasses.fields(RoleEnv) if getattr(env, f.name) != getattr(defaults, f.name)}
     assert changed == {f.name for f in dataclasses.fields(RoleEnv)}, "a field the round trip does not exercise"
@@ -377,6 +389,7 @@ def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path, options):
     commit = report["last_commit"]
     assert f"commit {commit} of rank(s) [0] was exported to {export}" in failure, failure
     assert "rank(s) [1] have no copy of it left" in failure, failure
+    assert report["restarts"] == []  # no durable floor (--durable): nothing to resume from (tests/test_floor.py)
     exported = load_export(export_path(step_folder(export, commit), 0))  # checked against its digests
     assert exported.step == commit and not export_path(step_folder(export, commit), 1).exists()
     assert_safe_open_reads(export_path(step_folder(export, commit), 0), exported)

@@ -6,7 +6,7 @@ import torch
 
 from replica import ops
 from replica.errors import LayoutMismatchError
-from replica.state.layout import StateLayout, state_tensors
+from replica.state.layout import StateLayout, global_offsets, state_tensors
 from replica._testing import free_port, spawn
 
 KiB = 1 << 10
@@ -36,8 +36,10 @@ def test_enumerates_params_persistent_buffers_and_optimizer_state():
     names = [name for name, _ in state_tensors(model, opt)]
     assert names[:6] == ["model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias",
                          "model.2.weight", "model.2.bias"]
-    assert "buffer.counter" in names and "buffer.scratch" not in names
-    assert names[-3:] == ["optim.2.bias.exp_avg", "optim.2.bias.exp_avg_sq", "optim.2.bias.step"]
+    # Named as torch.distributed.checkpoint names {"model": ..., "optim": ...} state dicts.
+    assert "model.counter" in names and "model.scratch" not in names
+    assert names[-3:] == ["optim.state.2.bias.exp_avg", "optim.state.2.bias.exp_avg_sq", "optim.state.2.bias.step"]
+    assert all(e.global_offset == () for e in layout_of(model, opt).entries)  # whole tensors: no shard offsets
 
 
 def test_offsets_are_aligned_disjoint_and_packable():
@@ -86,7 +88,7 @@ def test_mismatch_in_world_size_and_missing_state():
     with pytest.raises(LayoutMismatchError, match="world_size differs: 1 here, 2 in the mirror"):
         layout_of(model, opt).check_matches(layout_of(model, opt, world_size=2))
     fresh_model, fresh_opt = trained(steps=0)  # optimizer state not created yet
-    with pytest.raises(LayoutMismatchError, match="first unmatched: optim.0.weight.exp_avg"):
+    with pytest.raises(LayoutMismatchError, match="first unmatched: optim.state.0.weight.exp_avg"):
         layout_of(fresh_model, fresh_opt).check_matches(layout_of(model, opt))
 
 
@@ -123,7 +125,8 @@ def _fsdp_rank(pipe, rank: int, port: int, hidden: int) -> None:
         opt.step()
         tensors = list(state_tensors(model, opt))
         assert all(type(t) is torch.Tensor for _, t in tensors), "DTensors must be taken to_local()"
-        layout = StateLayout.build(tensors, world_size=2, rank=rank, extras_capacity=KiB, bucket_bytes=KiB)
+        layout = StateLayout.build(tensors, world_size=2, rank=rank, extras_capacity=KiB, bucket_bytes=KiB,
+                                   global_offsets=global_offsets(model, opt))
         pipe.send(layout.to_json())
     finally:
         dist.destroy_process_group()
@@ -139,6 +142,13 @@ def test_fsdp2_shards():
     rank0, rank1 = _fsdp_layouts(hidden=16)
     assert [e.name for e in rank0.entries] == [e.name for e in rank1.entries]
     assert rank0.entries[0].shape == (8, 8)  # half of the 16 x 8 weight on each rank
+    # where each shard lies in the whole tensor (through to_json/from_json), optimizer state too
+    assert (rank0.entries[0].global_offset, rank1.entries[0].global_offset) == ((0, 0), (8, 0))
+    moments = [(a.global_offset, b.global_offset) for a, b in zip(rank0.entries, rank1.entries)
+               if a.name == "optim.state.0.weight.exp_avg"]
+    assert moments == [((0, 0), (8, 0))]
+    steps = [e for e in rank1.entries if e.name.endswith(".step")]
+    assert steps and all(e.global_offset == () for e in steps)  # plain tensors, whole on every rank
     assert rank0.fingerprint != rank1.fingerprint  # the rank is part of the fingerprint
     with pytest.raises(LayoutMismatchError, match="rank differs: 0 here, 1 in the mirror"):
         rank0.check_matches(rank1)

@@ -15,6 +15,8 @@ FOLDERS = {"replica": ROOT / "replica", "replica.transport": ROOT / "transport",
 # Subpackages of replica/ by concern; replica._testing is the tests' and stays out of the wheel.
 SUBPACKAGES = ("distributed", "integrations", "integrations/vllm", "jobstore", "mirror", "session", "state", "weights")
 PACKAGES = FOLDERS | {f"replica.{sub.replace('/', '.')}": ROOT / "replica" / sub for sub in SUBPACKAGES}
+# Scripts shipped in the wheel, not modules to import (`replica selftest` runs them).
+SCRIPTS = {"replica.examples": ROOT / "examples"}
 
 
 def _modules() -> list[str]:
@@ -37,13 +39,14 @@ def test_build_maps_folders_into_one_package(tmp_path):
     done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, f"setup.py build_py exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    for name, folder in PACKAGES.items():
+    for name, folder in (PACKAGES | SCRIPTS).items():
         target = tmp_path.joinpath(*name.split("."))
         assert sorted(p.name for p in target.glob("*.py")) == sorted(p.name for p in folder.glob("*.py"))
     assert (ROOT / "replica" / "_testing").is_dir() and not (tmp_path / "replica" / "_testing").exists(), \
         "the tests' helpers (replica/_testing) must stay out of the wheel"
     shipped = {p.parent for p in (tmp_path / "replica").rglob("*.py")}
-    assert shipped == {tmp_path.joinpath(*name.split(".")) for name in PACKAGES}, "a folder of replica/ left out of the wheel"
+    assert shipped == {tmp_path.joinpath(*name.split(".")) for name in PACKAGES | SCRIPTS}, \
+        "a folder of replica/ left out of the wheel"
 
 
 @pytest.mark.parametrize("name", _modules())

@@ -131,3 +131,26 @@ def test_a_random_draw_outside_the_mirrored_state_is_caught(tmp_path):
     assert all(d["comparable"] for d in report["divergences"])
     assert "DIVERGED" in output and "Likely causes" in output
     assert "DIVERGED" in (report["failure"] or "")
+
+
+@pytest.mark.parametrize("inject,steps", [("kill:trainer:0@8:backward,kill:trainer:1@10:backward", 12),
+                                          ("kill:trainer:1@5:forward", STEPS)])
+def test_a_loop_with_its_own_iterator_is_caught_when_killed_before_its_loss(tmp_path, inject, steps):
+    """The loop iterates its DataLoader itself (--own-iterator), dropout on, and is killed in
+    the forward or the backward: the step it died in logged no loss and packed no state, so
+    only its inputs tell. The survivor's redo takes the next batches of its own iterator, not
+    the ones its first attempt took: the guard reports the inputs' divergence (measure
+    "input"), where it used to stay silent while the losses left the failure-free run."""
+    code, report, output = launch(tmp_path, "--inject", inject, script=HF, steps=steps,
+                                  script_args=("--loader", "plain", "--own-iterator"))
+    assert code == 0, output[-4000:]
+    assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
+    inputs = [d for d in report["divergences"] if d["measure"] == "input"]
+    killed = int(inject.split("@")[1].split(":")[0])
+    # The redo starts after the last global commit: the step killed in, or the one before it
+    # when that one's commit had not completed yet (a loaded machine). Its inputs tell first.
+    redone = min(f["commit"] for f in report["failovers"]) + 1
+    assert redone in (killed - 1, killed), report["failovers"]
+    assert inputs and min(d["step"] for d in inputs) == redone, (report["divergences"], report["failovers"])
+    assert all(d["comparable"] and "its input tensors" in d["where"] for d in inputs), inputs
+    assert "DIVERGED after the failover: its input tensors of forward 0" in output, output[-4000:]

@@ -120,5 +120,8 @@ def test_a_frozen_leader_waking_up_after_its_failover_pushes_no_weights(tmp_path
     # Losses and rewards bit for bit against a failure-free run: the slow RL tests (43 s more for the
     # reference run, beyond CI's 30 minutes); here every step was scored once more by the promoted leader.
     assert all(m.get("reward") for m in result["metrics_hex"]["0"])
+    # Rank 1's first attempt of step 4 ran on placeholder rollouts (its push failed with the
+    # zombie's): the divergence guard must not take them for the step's inputs.
+    assert result["divergences"] == [], result["divergences"]
     assert result["last_commit"] == 6
     assert codes[:3] + codes[4:] == [0, 0, 0, 0], [o[-2000:] for o in outputs]

@@ -85,6 +85,46 @@ time.sleep(600)  # one that only waits
 """
 
 
+def test_a_host_agent_counts_only_the_stores_silence_not_its_own(server, tmp_path, monkeypatch):
+    """A host agent gives the job up (COORDINATOR_LOST) when the store is silent for STORE_LOST,
+    here 1 s. Neither the time it took to start its --roles before listening (seconds on a
+    loaded machine: the fork server's first start imports torch) nor a stall of its own (its
+    loop and its talker held up together, as a stopped or starved process is) is the store's
+    silence: it goes on, and ends when the job does."""
+    from replica.jobstore import Flag, keys
+    from replica.roles import timing
+    from replica.roles.exits import ExitCode
+    from replica.roles.host_agent import HostAgent
+    from replica.roles.local_agent import LocalAgent
+
+    monkeypatch.setattr(timing, "STORE_LOST", timedelta(seconds=1))
+    store = JobStore(server, token=b"a-token-for-the-agent-test")
+    local = LocalAgent(script=[str(tmp_path / "unused.py")], env={}, replacements=0)
+    agent = HostAgent(store=store, index=0, address="127.0.0.1", local=local)
+    time.sleep(1.5)  # its --roles starting: longer than STORE_LOST
+    looks, exits = local.looks, local.exits
+
+    def held_up(real):
+        def call():
+            if agent._stalls.count == 0 and time.monotonic() - started > 0.5:
+                time.sleep(1.5)  # both threads of the agent stop at once, for longer than STORE_LOST
+            return real()
+        return call
+
+    monkeypatch.setattr(local, "looks", held_up(looks))
+    monkeypatch.setattr(local, "exits", held_up(exits))
+    ending = threading.Timer(4.0, lambda: store.put(keys.finished(), Flag()))
+    started = time.monotonic()
+    ending.start()
+    try:
+        assert agent.run() == ExitCode.OK
+    finally:
+        ending.cancel()
+        agent.close()
+    assert agent._stalls.count >= 1 and agent._stalls.longest_s > 1.0, agent._stalls.summary()  # the stall happened
+    assert store.get(keys.agent_ended(0)) is not None
+
+
 def test_a_host_agent_judges_its_processes_for_the_coordinator(server, tmp_path):
     """Across hosts the second channel is the host agent: `replica agent` writes its verdicts on
     the role processes it runs with its beats, and the coordinator's side (``RemoteAgents``)

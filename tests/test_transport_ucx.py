@@ -223,6 +223,11 @@ def _drops_racing_completions(pipe, rounds: int) -> None:
                                         daemon=True)]
             for t in threads:
                 t.start()
+            # Both sides posting before the close (on a loaded machine a thread may wait 50 ms
+            # and more for a core: a fixed sleep left a round with no post on one side).
+            started = Deadline.after(timedelta(seconds=10))
+            while min(posts) == 0 and not started.expired:
+                time.sleep(0.005)
             time.sleep(0.05)
             most_held = max(most_held, client._worker.abandoned)
             stop.set()

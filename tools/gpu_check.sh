@@ -5,7 +5,9 @@
 # each cut to what is left of BUDGET seconds (default 540), so a run that runs out still
 # says the most. Logs go to /tmp/gpu-logs and, packed, to ${OUT:-gpu-out}/logs.tgz beside the
 # result tables (a device call returns at most 8 files).
-# Usage: tools/gpu_check.sh [tests|bench|all|overlap|nixl] [extra pytest args]
+# Usage: tools/gpu_check.sh [tests|bench|all|overlap|nixl|selftest] [extra pytest args]
+# selftest: `replica selftest --device cuda --quick` at world size 1 (the table in $OUT/selftest.md),
+# the Hugging Face case, then the failover GPU tests in what is left.
 # nixl: NIXL on device memory (tests/test_transport_gpu.py's nixl cases), after
 # `tools/gpu_wheels.sh nixl` here and with .whl carried (the base wheels do not fit beside it).
 # overlap: the mirror-beside-the-step checks first (tests/test_gpu_overlap.py, the transport's
@@ -44,6 +46,18 @@ if [[ $WHAT == overlap ]]; then
   grep -E "^\| " bench/results/weight_sync_gpu.md 2>/dev/null
   for f in tests/test_gpu_failover.py tests/test_gpu_real_job.py tests/test_gpu_placement.py tests/test_gpu_weights.py; do
     phase "$(basename $f .py)" 200 $P -m gpu $f --timeout 150 "$@"
+  done
+fi
+if [[ $WHAT == selftest ]]; then
+  ST="python3 -m replica.roles.cli selftest --device cuda --trainers 1"
+  phase selftest 240 $ST --quick --report $L/selftest
+  sed -n '/^| case/,$p' $L/selftest.log
+  cp $L/selftest/selftest.md "$OUT"/selftest.md 2>/dev/null
+  phase selftest_hf 150 $ST --case hf-optimizer --case trainer-commit --case trainer-mirror --report $L/selftest-more
+  sed -n '/^| case/,$p' $L/selftest_hf.log
+  cp $L/selftest-more/selftest.md "$OUT"/selftest-more.md 2>/dev/null
+  for f in tests/test_gpu_failover.py tests/test_gpu_real_job.py tests/test_gpu_overlap.py; do
+    phase "$(basename $f .py)" 150 $P -m gpu $f --timeout 140 "$@"
   done
 fi
 if [[ $WHAT == nixl ]]; then

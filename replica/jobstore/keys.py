@@ -8,7 +8,8 @@ from typing import Generic
 
 from replica.jobstore.codec import T
 from replica.jobstore.records import (
-    Ack, AckSummary, AgentInfo, AgentOrder, Commit, ExportOutcome, ExportRequest, Failover, Flag, Generation,
+    Ack, AckSummary, AgentInfo, AgentOrder, Commit, ExportOutcome, ExportRequest, Failover, Flag, FloorPart,
+    FloorVersion, Generation,
     Heartbeat, JoinReply, LivenessReply, LostReports, Number, ProcessLooks, Promotion, Registration, Regroup, RoleExit, Stamp, Text,
 )
 
@@ -207,6 +208,31 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
     def fatal() -> Key[Text]:
         return Key("fatal", Text)
 
+    # the durable floor (replica.mirror.floor): standbys -> everyone
+    @staticmethod
+    def floor_part(step: int, rank: int) -> Key[FloorPart]:
+        return Key(f"floor/{step}/part/{rank}", FloorPart)
+
+    @staticmethod
+    def floor_parts(step: int) -> str:
+        return f"floor/{step}/parts"  # a counter: the parts of that version written
+
+    @staticmethod
+    def floor_version(step: int) -> Key[FloorVersion]:
+        return Key(f"floor/{step}/version", FloorVersion)  # its manifest: every part is written
+
+    @staticmethod
+    def floor_latest() -> Key[Number]:
+        return Key("floor/latest", Number)  # the newest complete version (its manifest is written)
+
+    @staticmethod
+    def floor_planned() -> Key[Number]:
+        return Key("floor/planned", Number)  # the next step to write, planned by rank 0's standby (the time cadence)
+
+    @staticmethod
+    def floor_errors() -> str:
+        return "floor/errors"  # a counter: parts that could not be written
+
     @staticmethod
     def done(rank: int) -> Key[Flag]:
         return Key(f"done/{rank}", Flag)
@@ -219,6 +245,14 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
     def divergence(rank: int, step: int, measure: str) -> Key[Text]:
         # replica.state.divergence.Divergence.to_json(); measure: "loss" or "state"
         return Key(f"divergence/{rank}/{step}/{measure}", Text)
+
+    @staticmethod
+    def spare_ready(index: int) -> Key[Stamp]:
+        return Key(f"spare/{index}/ready", Stamp)  # spare standby INDEX waits for its rank
+
+    @staticmethod
+    def spare_binding(index: int) -> Key[Number]:
+        return Key(f"spare/{index}/rank", Number)  # the rank the launcher bound spare INDEX to
 
     @staticmethod
     def killed(fault: str) -> Key[Stamp]:

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass
 
 __all__ = ["Ack", "AckSummary", "AgentInfo", "AgentOrder", "Commit", "Epoch", "ExportOutcome", "ExportRequest",
-           "ExportStatus", "Failover", "Flag", "Generation", "Heartbeat", "JoinReply", "LivenessReply", "LostReports",
+           "ExportStatus", "Failover", "Flag", "FloorPart", "FloorVersion", "Generation", "Heartbeat", "JoinReply", "LivenessReply", "LostReports",
            "Number", "OrderKind", "ProcessLooks", "Promotion", "Registration", "Regroup", "RoleExit", "Stamp", "Text"]
 
 
@@ -194,6 +194,35 @@ class ExportOutcome:
                 self.error is not None) != (self.status == ExportStatus.FAILED):
             raise ValueError(f"an export outcome {self.status} takes "
                              f"{'a path' if self.status == ExportStatus.WRITTEN else 'an error'} and nothing else")
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class FloorPart:
+    """Rank ``rank``'s standby wrote its part of durable version ``step`` (``replica.mirror.floor``):
+    the file's name in the version's folder, its size, and the combined digest of the buckets the
+    file holds (``load_export`` checks the file against its own; the manifest names this one)."""
+
+    rank: int
+    step: int
+    file: str
+    nbytes: int
+    digest: int
+    fingerprint: str  # the rank's layout fingerprint
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class FloorVersion:
+    """The manifest of a complete durable version: every rank's part is written (``FloorPart``'s
+    fields of rank r at index r of each tuple). Only a version named by one is ever used (a
+    half-written one never is)."""
+
+    step: int
+    directory: str
+    files: tuple[str, ...]
+    nbytes: tuple[int, ...]
+    digests: tuple[int, ...]
+    fingerprints: tuple[str, ...]
+    written_at: float
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

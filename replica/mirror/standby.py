@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -127,6 +127,7 @@ class Mirror(Listener):
         self._damaged: dict[Snapshot, tuple[int, ...]] = {}  # versions refused until repaired: their bad buckets
         self._scrubber: threading.Thread | None = None
         self._handed_over = False  # the versions belong to the rank's new trainer (hand_over)
+        self._listeners: list[Callable[[int], None]] = []  # on_version's
         # _prestage's reads of the global commit: when the next one is due, and the pause after it.
         self._commit_reads = Backoff(first=_COMMIT_READ_FIRST, most=_COMMIT_READ_MOST)
         if model is not None:  # before anyone can find this mirror: no trainer gets in unchecked
@@ -194,6 +195,14 @@ class Mirror(Listener):
             spare = next(s for s in self._slots if s is not committed)
         logger.info("[standby rank %d] handed step %d over to the rank's new trainer", self.rank, step)
         return committed, spare
+
+    def held(self, step: int) -> tuple[Snapshot, list[int] | None]:
+        """The version of ``step`` this mirror holds and its digests as received, without a copy
+        and without holding the mirror: the next receive may overwrite its buffer, so a copy of it
+        is checked against those digests (the durable floor's). ReplicaError when it holds none."""
+        with self._cond:
+            snapshot, _ = self._version(step)
+            return snapshot, None if snapshot.digests is None else list(snapshot.digests)
 
     def export(self, directory: str | Path, *, step: int | None = None) -> Path:
         """Write the committed version as ``rank{r}.safetensors`` in ``directory``."""
@@ -462,6 +471,13 @@ class Mirror(Listener):
             self._commit_reads.reset()  # its commit is read soon (_prestage)
             self.stats.acked.append(begin.step)
             self._cond.notify_all()
+        for listener in self._listeners:
+            listener(begin.step)
+
+    def on_version(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(step)`` (on the receiving thread: it must return at once) each time a
+        version is kept, complete and verified (before its global commit)."""
+        self._listeners.append(listener)
 
     def _acknowledge(self, begin: Begin) -> None:
         """Acknowledge a kept version in the job store, after the trainer's stream was

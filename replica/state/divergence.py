@@ -22,6 +22,7 @@ __all__ = ["Divergence", "Measure", "comparable", "likely_causes"]
 class Measure(enum.Enum):
     LOSS = "loss"  # the step's loss, as an exact float
     STATE = "state"  # the digests of the snapshot its commit packed (parameters, optimizer state, extras)
+    INPUT = "input"  # the digests of each forward's inputs and of the RNG states at its start (replica.state.inputs)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -49,6 +50,9 @@ class Divergence:
         if self.measure is Measure.LOSS:
             line = (f"rank {self.rank} step {self.step} DIVERGED after the failover: its loss is {self.after}, "
                     f"it was {self.before} before")
+        elif self.measure is Measure.INPUT:
+            line = (f"rank {self.rank} step {self.step} DIVERGED after the failover: {self.where} differ from those "
+                    f"of its first attempt before the failure (digest {self.after}, was {self.before})")
         else:
             line = (f"rank {self.rank} step {self.step} DIVERGED after the failover: its state after the optimizer "
                     f"step differs from the one packed before the failure in {self.where}")

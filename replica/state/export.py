@@ -3,8 +3,13 @@ optimizer state under their layout names, the encoded extras as the uint8
 tensor ``replica.extras``, and the layout JSON and step in the metadata.
 Written and read with the ``safetensors`` package, so any safetensors reader
 reads it; ``load_export`` turns it back into a ``Snapshot`` that restores like
-a mirror does. Files of the hand-written writer before (the same tensors and
-metadata, the tensors in layout order) are standard safetensors files too, and load the same."""
+a mirror does. The ranks' files of one step together are a checkpoint that
+``torch.distributed.checkpoint.load`` reads through its ``HuggingFaceStorageReader``,
+at the job's world size or another: the tensors are named as DCP names a model's
+and optimizer's state dicts (``model.{fqn}``, ``optim.state.{fqn}.{key}``) and each
+file's metadata says where its shards lie in the whole tensors (``DCP_SHARDING_INFO``).
+Files of the hand-written writer before (the same tensors and metadata, the tensors
+in layout order) are standard safetensors files too, and load the same."""
 
 from __future__ import annotations
 
@@ -20,9 +25,12 @@ from replica.state.layout import StateLayout, dtype_of
 from replica.state.snapshot import Snapshot
 from replica.transport.base import bucket_digest
 
-__all__ = ["EXTRAS_KEY", "export_path", "load_export", "resumable", "step_folder", "write_export"]
+__all__ = ["DCP_SHARDING_INFO", "EXTRAS_KEY", "export_path", "load_export", "load_extras", "resumable", "step_folder",
+           "write_export"]
 
 EXTRAS_KEY = "replica.extras"
+# The metadata key of a safetensors file's place in a sharded checkpoint (torch.distributed.checkpoint).
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 # The dtypes a safetensors file has a code for (F64, F32, F16, BF16, F8_E4M3, F8_E5M2, I64 ... U8, BOOL).
 _DTYPES = frozenset({
     "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
@@ -85,6 +93,14 @@ def _step_of(path: Path) -> int:
     return int(meta["replica.step"])
 
 
+def _sharding_info(layout: StateLayout) -> dict[str, dict[str, list[int]]]:
+    """Where each tensor of the file lies in its whole tensor, as ``torch.distributed.checkpoint``'s
+    ``HuggingFaceStorageReader`` reads it: every key of the file named (the extras at 0)."""
+    info = {e.name: {"saved_offsets": list(e.global_offset or (0,) * len(e.shape))} for e in layout.entries}
+    info[EXTRAS_KEY] = {"saved_offsets": [0]}
+    return info
+
+
 def write_export(snapshot: Snapshot, path: str | Path) -> Path:
     from safetensors import SafetensorError
     from safetensors.torch import save_file
@@ -94,7 +110,8 @@ def write_export(snapshot: Snapshot, path: str | Path) -> Path:
     layout = snapshot.layout
     buffer = snapshot.buffer.cpu()
     extras = snapshot.extras()
-    metadata = {"format": "pt", "replica.state.layout": layout.to_json(), "replica.step": str(snapshot.step)}
+    metadata = {"format": "pt", "replica.state.layout": layout.to_json(), "replica.step": str(snapshot.step),
+                DCP_SHARDING_INFO: json.dumps(_sharding_info(layout))}
     if snapshot.digests is not None:  # the bucket digests it was received with: load_export checks them
         metadata["replica.digests"] = json.dumps(snapshot.digests)
         metadata["replica.digests_keyed"] = _KEYED_BY_OFFSET
@@ -124,6 +141,21 @@ def write_export(snapshot: Snapshot, path: str | Path) -> Path:
         raise
     tmp.replace(path)  # never a half-written file under the final name
     return path
+
+
+def load_extras(path: str | Path) -> dict:
+    """What an exported file holds beside its tensors, decoded (``replica.state.serialize``, no
+    pickle): ``extra`` (each ``extra`` object's ``state_dict()`` by its name: RNG states, data
+    positions, LR schedulers), ``param_groups`` (the optimizer's hyperparameters) and
+    ``optim_scalars`` (its per-parameter state that is not a tensor). Not checked against the
+    file's digests: ``load_export`` checks them."""
+    from replica.state.serialize import decode
+
+    with _open(path) as f:
+        if EXTRAS_KEY not in set(f.keys()):
+            raise ReplicaError(f"{path} is not a replica export (no {EXTRAS_KEY})")
+        data = f.get_tensor(EXTRAS_KEY).numpy().tobytes()
+    return decode(data)
 
 
 def load_export(path: str | Path) -> Snapshot:

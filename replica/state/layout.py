@@ -4,8 +4,12 @@ The layout enumerates, deterministically, the rank's local shards of the model
 (FSDP2 DTensors are taken ``to_local()``), its persistent buffers, and the
 optimizer state of each parameter (tensor entries, keys sorted), gives each a
 64-byte-aligned byte range, reserves a region for the serialized extras, and
-cuts the whole into fixed-size buckets. Its fingerprint covers names, dtypes,
-shapes, world size and rank; a mirror is applied only to a state whose
+cuts the whole into fixed-size buckets. Names are the keys
+``torch.distributed.checkpoint`` gives the state (``model.{fqn}``,
+``optim.state.{fqn}.{key}``) and a sharded tensor's entry says where its shard
+starts in the whole tensor, so a rank's file is one part of a DCP checkpoint
+(``replica.state.export``). Its fingerprint covers names, dtypes, shapes (and
+shard offsets), world size and rank; a mirror is applied only to a state whose
 layout matches, and a mismatch names the first difference.
 """
 
@@ -13,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +25,8 @@ import torch
 from replica.errors import LayoutMismatchError
 from replica.ops import ALIGNMENT
 
-__all__ = ["LAYOUT_VERSION", "StateLayout", "TensorEntry", "dtype_name", "dtype_of", "local_tensor", "state_tensors"]
+__all__ = ["LAYOUT_VERSION", "StateLayout", "TensorEntry", "dtype_name", "dtype_of", "global_offsets", "local_tensor",
+           "state_tensors"]
 
 LAYOUT_VERSION = 1
 
@@ -45,19 +50,22 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of a rank's training state, named, in a fixed order."""
+def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a rank's training state as the model and optimizer hold it (DTensors
+    whole), named as ``torch.distributed.checkpoint`` flattens ``{"model":
+    get_model_state_dict(...), "optim": get_optimizer_state_dict(...)}``: ``model.{fqn}`` for
+    parameters and persistent buffers, ``optim.state.{fqn}.{key}`` for optimizer state."""
     names = {}
     for name, param in model.named_parameters():
         names[param] = name
-        yield f"model.{name}", local_tensor(param.detach())
+        yield f"model.{name}", param.detach()
     persistent = {f"{prefix}.{n}" if prefix else n
                   for prefix, module in model.named_modules()
                   for n in module._buffers if n not in module._non_persistent_buffers_set}
     for name, buf in model.named_buffers():
         if name in persistent:
-            yield f"buffer.{name}", local_tensor(buf)
+            yield f"model.{name}", buf
     if optimizer is None:
         return
     for group in optimizer.param_groups:
@@ -68,7 +76,28 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
             for key in sorted(state):
                 value = state[key]
                 if isinstance(value, torch.Tensor):
-                    yield f"optim.{names[param]}.{key}", local_tensor(value)
+                    yield f"optim.state.{names[param]}.{key}", value
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a rank's training state, named, in a fixed order: its rank-local storage."""
+    for name, t in _named_state(model, optimizer):
+        yield name, local_tensor(t)
+
+
+def global_offsets(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                   ) -> dict[str, tuple[int, ...]]:
+    """Where each sharded state tensor's local shard starts in the whole tensor (a DTensor's
+    one chunk, as ``torch.distributed.checkpoint`` plans it); tensors that are whole on
+    every rank are left out."""
+    offsets = {}
+    for name, t in _named_state(model, optimizer):
+        chunks = getattr(t, "__create_chunk_list__", None)
+        if callable(chunks):
+            (chunk,) = chunks()
+            offsets[name] = tuple(int(o) for o in chunk.offsets)
+    return offsets
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -78,6 +107,8 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    #: Where this rank's shard starts in the whole tensor; empty: the tensor is whole here.
+    global_offset: tuple[int, ...] = ()
 
 
 def _align(n: int) -> int:
@@ -101,11 +132,16 @@ class StateLayout:
            extras_capacity: int, bucket_bytes: int) -> StateLayout:
         """The layout of a model's and optimizer's state (``extras_capacity`` rounded up to the alignment)."""
         return cls.build(list(state_tensors(model, optimizer)), world_size=world_size, rank=rank,
-                         extras_capacity=_align(extras_capacity), bucket_bytes=bucket_bytes)
+                         extras_capacity=_align(extras_capacity), bucket_bytes=bucket_bytes,
+                         global_offsets=global_offsets(model, optimizer))
 
     @classmethod
     def build(cls, tensors: Sequence[tuple[str, torch.Tensor]], *, world_size: int, rank: int,
-              extras_capacity: int, bucket_bytes: int) -> StateLayout:
+              extras_capacity: int, bucket_bytes: int,
+              global_offsets: Mapping[str, tuple[int, ...]] | None = None) -> StateLayout:
+        """The layout of ``tensors`` (rank-local), each shard's place in its whole tensor from
+        ``global_offsets`` (by name; the ones left out are whole)."""
+        global_offsets = global_offsets or {}
         if bucket_bytes <= 0 or bucket_bytes % ALIGNMENT:
             raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGNMENT}, got {bucket_bytes}")
         if extras_capacity < 0:
@@ -118,8 +154,11 @@ class StateLayout:
                 raise ValueError(f"two state tensors are named {name!r}")
             seen.add(name)
             nbytes = t.numel() * t.element_size()
-            entries.append(TensorEntry(name=name, dtype=dtype_name(t.dtype),
-                                       shape=tuple(t.shape), offset=end, nbytes=nbytes))
+            where = tuple(global_offsets.get(name, ()))
+            if where and len(where) != t.dim():
+                raise ValueError(f"{name}: global offset {where} for a {t.dim()}-d tensor")
+            entries.append(TensorEntry(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), offset=end,
+                                       nbytes=nbytes, global_offset=where))
             end = _align(end + nbytes)
         extras_offset = end
         total = _align(extras_offset + extras_capacity)
@@ -164,14 +203,17 @@ class StateLayout:
 
     def to_json(self) -> str:
         data = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "entries"}
-        data["entries"] = [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.entries]
+        # A shard's place in its whole tensor is a sixth field, only where there is one (older files have five).
+        data["entries"] = [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes]
+                           + ([list(e.global_offset)] if e.global_offset else []) for e in self.entries]
         return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> StateLayout:
         data = json.loads(text)
-        entries = tuple(TensorEntry(name=n, dtype=d, shape=tuple(s), offset=o, nbytes=b)
-                        for n, d, s, o, b in data.pop("entries"))
+        entries = tuple(TensorEntry(name=n, dtype=d, shape=tuple(s), offset=o, nbytes=b,
+                                    global_offset=tuple(where[0]) if where else ())
+                        for n, d, s, o, b, *where in data.pop("entries"))
         layout = cls(entries=entries, **data)
         expected = _fingerprint(layout.world_size, layout.rank, list(entries))
         if layout.fingerprint != expected:
@@ -183,4 +225,6 @@ def _fingerprint(world_size: int, rank: int, entries: Sequence[TensorEntry]) -> 
     h = hashlib.sha256(f"replica-layout-v{LAYOUT_VERSION}|{world_size}|{rank}".encode())
     for e in entries:
         h.update(f"|{e.name}:{e.dtype}:{'x'.join(map(str, e.shape))}".encode())
+        if e.global_offset:  # (layouts without offsets keep the fingerprint they always had)
+            h.update(f"@{'x'.join(map(str, e.global_offset))}".encode())
     return h.hexdigest()[:32]

@@ -1,0 +1,505 @@
+"""``replica selftest``: the failover matrix, run where it is pointed (this machine by
+default, or a Ray cluster), each faulted run compared bit for bit with its failure-free
+reference. Each case is one ``replica launch`` in a process of its own, under a deadline, in
+its own folder of the work directory (``--report DIR``): its log, its job report, its
+failover timeline and its loss plot. The table it prints (and writes as JSON and markdown)
+says per case whether the losses equal the reference's, how fast the failure was detected and
+the standby promoted, how many steps were redone and what a step cost against a run without
+standbys. Exit 0 only when every case that ran passed."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import importlib.util
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from replica.roles.argparsing import Parser, deadline_options, positive_float, positive_int
+from replica.roles.env import Action, Role, parse_faults
+from replica.roles.exits import ExitCode
+from replica.roles.members import Mark
+from replica.roles.report import compare_reports, load_report, write_loss_png
+
+__all__ = ["CASES", "Case", "Device", "JobKind", "Outcome", "Plan", "Result", "main", "run_matrix", "select_cases"]
+
+#: The example jobs, shipped beside the package (``replica/examples``; ``examples/`` in a checkout).
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+#: Seconds a launcher is given, beyond its own ``--timeout``, to end before it is killed.
+_GRACE_S = 30.0
+
+
+class Device(enum.StrEnum):
+    CPU = "cpu"  # gloo
+    CUDA = "cuda"  # NCCL; rank r on GPU r mod the GPUs visible
+
+
+class JobKind(enum.StrEnum):
+    """The jobs the matrix runs: the project's FSDP2 example, a Hugging Face model with a real
+    data loader, the RL loop with vLLM engines."""
+
+    FSDP = "fsdp"
+    HF = "hf"
+    RL = "rl"
+
+
+class Outcome(enum.StrEnum):
+    PASSED = "bit-identical"
+    BASELINE = "baseline"  # the unmirrored run: what the others' step time is compared with
+    DIFFERS = "differs"  # the losses (or the divergence guard) differ from the reference
+    FAILED = "failed"  # the run did not finish, or its fault did not fire
+    SKIPPED = "skipped"  # this target cannot run it (the reason says why)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Case:
+    """One faulted run. ``inject`` is a ``--inject`` spec in which ``{a}`` and ``{b}`` are two
+    trainer ranks (the first and the last: the same rank at world size 1)."""
+
+    name: str
+    job: JobKind
+    inject: str
+    #: What passing it shows, for the report and the docs.
+    proves: str
+    quick: bool = False
+    #: The fewest trainers the case means something with.
+    min_trainers: int = 1
+
+    def spec(self, trainers: int) -> str:
+        return self.inject.format(a=0, b=trainers - 1)
+
+
+CASES = (
+    Case(name="trainer-forward", job=JobKind.FSDP, inject="kill:trainer:{b}@5:forward",
+         proves="a trainer lost in its forward pass: its standby takes the last global commit, the survivors roll back"),
+    Case(name="trainer-backward", job=JobKind.FSDP, inject="kill:trainer:{a}@5:backward", quick=True,
+         proves="a trainer lost in its backward pass, gradients half made"),
+    Case(name="trainer-reduce-scatter", job=JobKind.FSDP, inject="kill:trainer:{a}@5:reduce-scatter", min_trainers=2,
+         proves="a trainer lost inside FSDP2's gradient reduce-scatter: the survivors' collective fails and is redone"),
+    Case(name="trainer-optimizer", job=JobKind.FSDP, inject="kill:trainer:{b}@5:optimizer",
+         proves="a trainer lost in its optimizer step, its parameters half updated"),
+    Case(name="trainer-commit", job=JobKind.FSDP, inject="kill:trainer:{a}@5:commit",
+         proves="a trainer lost in the global commit: the step counts once, whether or not it was committed"),
+    Case(name="trainer-mirror", job=JobKind.FSDP, inject="kill:trainer:{b}@5:mirror",
+         proves="a trainer lost while streaming its shard to its standby: the standby keeps the last whole commit"),
+    Case(name="standby-killed", job=JobKind.FSDP, inject="kill:standby:{a}@4", quick=True,
+         proves="a standby lost: a new one is started and filled; the trainers never stop"),
+    Case(name="trainer-frozen", job=JobKind.FSDP, inject="freeze:trainer:{b}@5:backward", quick=True,
+         proves="a trainer alive but silent (SIGSTOP) past its heartbeat deadline: judged dead, fenced, replaced"),
+    Case(name="two-trainers", job=JobKind.FSDP, inject="kill:trainer:{a}@3:backward,kill:trainer:{b}@7:optimizer",
+         proves="two trainers lost one after the other: the second failover starts from the first's replacement"),
+    Case(name="hf-optimizer", job=JobKind.HF, inject="kill:trainer:{b}@5:optimizer",
+         proves="a Hugging Face model (mixed precision, dropout, a StatefulDataLoader) lost in its optimizer step"),
+    Case(name="rl-trainer", job=JobKind.RL, inject="kill:trainer:{a}@4:backward",
+         proves="the RL loop: a trainer lost; the rollouts of the step are the same, the policy is the same"),
+    Case(name="rl-rollout", job=JobKind.RL, inject="kill:rollout:1@3",
+         proves="the RL loop: a vLLM engine lost while generating; the others take its prompts, nothing changes"),
+)
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Plan:
+    """What a selftest runs, and where."""
+
+    device: Device
+    num_trainers: int
+    steps: int
+    directory: Path
+    case_timeout: timedelta
+    #: ``replica launch --ray ADDRESS`` ("": this machine).
+    ray: str = ""
+    #: The Hugging Face job draws from a generator outside the mirrored state: every case of it must fail.
+    unmirrored_noise: bool = False
+    #: ``replica launch``'s deadline options, passed on as they were given.
+    launch_options: tuple[str, ...] = ()
+
+
+@dataclass(kw_only=True, slots=True)
+class Result:
+    case: str
+    job: JobKind
+    inject: str
+    outcome: Outcome
+    why: str = ""
+    log: str = ""
+    seconds: float = 0.0
+    detect_ms: list[float] = field(default_factory=list)
+    promote_ms: list[float] = field(default_factory=list)
+    resumed_ms: list[float] = field(default_factory=list)
+    steps_redone: int | None = None
+    step_ms: float | None = None
+    #: The median step against the unmirrored run's, as a fraction (0.05: 5 % slower).
+    overhead: float | None = None
+
+    def to_dict(self) -> dict:
+        return {k: (str(v) if isinstance(v, enum.Enum) else v) for k, v in
+                ((name, getattr(self, name)) for name in self.__slots__)}
+
+
+def select_cases(*, quick: bool, only: tuple[str, ...] = ()) -> tuple[Case, ...]:
+    cases = tuple(c for c in CASES if (c.name in only if only else (c.quick or not quick)))
+    unknown = set(only) - {c.name for c in CASES}
+    if unknown:
+        raise ValueError(f"no case {', '.join(sorted(unknown))} (the cases: {', '.join(c.name for c in CASES)})")
+    return cases
+
+
+def _job_args(kind: JobKind, plan: Plan) -> tuple[list[str], list[str]]:
+    """``replica launch``'s options and the script with its arguments, for a job of ``kind``."""
+    if kind == JobKind.FSDP:
+        return [], [str(EXAMPLES / "train_fsdp.py"), "--device", str(plan.device)]
+    if kind == JobKind.HF:
+        noise = ["--unmirrored-noise"] if plan.unmirrored_noise else []
+        return [], [str(EXAMPLES / "train_hf.py"), "--device", str(plan.device), "--loader", "stateful", *noise]
+    return ["--rollouts", "2"], [str(EXAMPLES / "rl_loop.py")]
+
+
+def _unavailable(kind: JobKind, plan: Plan) -> str:
+    """Why this target cannot run a job of ``kind`` ("" when it can)."""
+    if kind == JobKind.HF:
+        missing = [m for m in ("transformers", "torchdata") if importlib.util.find_spec(m) is None]
+        return f"needs {' and '.join(missing)} (pip install transformers torchdata)" if missing else ""
+    if kind == JobKind.RL:
+        if plan.device == Device.CUDA:
+            return "the RL example's trainers run on the CPU: its cases run with --device cpu"
+        return "" if importlib.util.find_spec("vllm") is not None else "needs vLLM (pip install 'replica[vllm]')"
+    return ""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class _Run:
+    code: int | None  # None: killed at its deadline
+    report: dict | None
+    log: Path
+    seconds: float
+
+
+def _launch(plan: Plan, kind: JobKind, name: str, *, inject: str = "", standbys: bool = True,
+            running: list[subprocess.Popen]) -> _Run:
+    """One ``replica launch`` of a job of ``kind``, in ``plan.directory / name``, under the
+    case deadline: its process group is killed when it runs past it."""
+    folder = plan.directory / name
+    folder.mkdir(parents=True, exist_ok=True)
+    options, script = _job_args(kind, plan)
+    argv = [sys.executable, "-m", "replica.roles.cli", "launch", "--trainers", str(plan.num_trainers),
+            "--steps", str(plan.steps), "--report", "run.json", "--timeout", str(plan.case_timeout.total_seconds()),
+            "--export-dir", "export", *plan.launch_options, *options]
+    if not standbys:
+        argv += ["--standbys", "0"]
+    if inject:
+        argv += ["--inject", inject]
+    # One machine holds every role: a standby shares its trainer's host by construction there.
+    argv += ["--ray", plan.ray] if plan.ray else ["--allow-shared-domain"]
+    log = folder / "run.log"
+    started = time.monotonic()
+    with log.open("w") as out:
+        out.write("$ " + " ".join(argv[1:]) + "\n")
+        out.flush()
+        process = subprocess.Popen([*argv, *script], cwd=folder, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        running.append(process)
+        try:
+            code = process.wait(timeout=plan.case_timeout.total_seconds() + _GRACE_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            _kill_group(process)
+            running.remove(process)
+    report = None
+    if (folder / "run.json").is_file():
+        try:
+            report = load_report(folder / "run.json")
+        except ValueError:
+            report = None
+    return _Run(code=code, report=report, log=log, seconds=time.monotonic() - started)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """The launcher's process group, killed (its roles die with it); a no-op once it ended."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    process.wait()
+
+
+def _median_step_ms(report: dict) -> float | None:
+    ends = [t for t in report.get("step_end_times", {}).get("0", []) if t is not None]
+    gaps = [(b - a) * 1000 for a, b in zip(ends, ends[1:])]
+    return statistics.median(gaps) if gaps else None
+
+
+def _steps_redone(report: dict) -> int:
+    """Steps computed twice: a trainer killed in step S, its rank resumed from commit C, redoes
+    C+1 .. S (none when the step it died in was committed)."""
+    lost = [f for f in report["faults"] if f.get("fired_at")]
+    failovers = list(report["failovers"])
+    redone = 0
+    for entry in lost:
+        (fault,) = parse_faults(entry["fault"])
+        if fault.role != Role.TRAINER or fault.action not in (Action.KILL, Action.FREEZE):
+            continue
+        match = next((f for f in failovers if f["rank"] == fault.rank), None)
+        if match is not None and match["commit"] is not None:
+            failovers.remove(match)
+            redone += max(0, fault.step - match["commit"])
+    return redone
+
+
+def _judge(name: str, kind: JobKind, inject: str, run: _Run, reference: dict | None, baseline_ms: float | None,
+           *, plan: Plan) -> Result:
+    result = Result(case=name, job=kind, inject=inject, outcome=Outcome.FAILED, log=str(run.log), seconds=run.seconds)
+    report = run.report
+    if run.code is None:
+        result.why = f"did not end in {plan.case_timeout.total_seconds():.0f} s (killed)"
+        return result
+    if report is None:
+        result.why = f"exit code {run.code}, no job report"
+        return result
+    unfired = [f["fault"] for f in report["faults"] if not f.get("fired_at")]
+    if unfired:
+        result.why = f"the fault {', '.join(unfired)} did not fire"
+        return result
+    if run.code != 0:
+        result.why = f"exit code {run.code}" + (f": {report['failure']}" if report.get("failure") else "")
+        return result
+    for failover in report["failovers"]:
+        marks = failover["timeline_ms"]
+        for attribute, mark in (("detect_ms", Mark.DETECT), ("promote_ms", Mark.PROMOTE), ("resumed_ms", Mark.RESUMED)):
+            if mark in marks:
+                getattr(result, attribute).append(round(marks[mark], 1))
+    result.steps_redone = _steps_redone(report)
+    result.step_ms = _median_step_ms(report)
+    if result.step_ms is not None and baseline_ms:
+        result.overhead = result.step_ms / baseline_ms - 1
+    if reference is None:
+        result.outcome = Outcome.BASELINE
+        return result
+    problems = compare_reports(reference, report)
+    write_loss_png(reference, report, run.log.parent / "losses.png", names=("reference", name))
+    if problems:
+        result.outcome, result.why = Outcome.DIFFERS, f"{len(problems)} differences; the first: {problems[0]}"
+        return result
+    result.outcome = Outcome.PASSED
+    return result
+
+
+def run_matrix(plan: Plan, cases: tuple[Case, ...], *, say: Callable[[str], None] = print) -> list[Result]:
+    """Every case of ``cases`` (and, per job, its unmirrored baseline and failure-free
+    reference), one after the other; a case that cannot run here is SKIPPED with its reason.
+    The runs still going are killed when this returns, even by KeyboardInterrupt."""
+    results: list[Result] = []
+    running: list[subprocess.Popen] = []
+    runnable = []
+    for case in cases:
+        why = _unavailable(case.job, plan)
+        if not why and case.min_trainers > plan.num_trainers:
+            why = f"needs --trainers {case.min_trainers} or more"
+        if why:
+            results.append(Result(case=case.name, job=case.job, inject=case.spec(plan.num_trainers),
+                                  outcome=Outcome.SKIPPED, why=why))
+        else:
+            runnable.append(case)
+    total = len(runnable) + 2 * len({c.job for c in runnable})
+    done = 0
+
+    def step(name: str) -> None:
+        nonlocal done
+        done += 1
+        say(f"replica selftest: [{done}/{total}] {name} ...")
+
+    try:
+        for kind in JobKind:
+            jobs = [c for c in runnable if c.job == kind]
+            if not jobs:
+                continue
+            step(f"{kind} job, unmirrored baseline (no standbys)")
+            baseline = _launch(plan, kind, f"{kind}-unmirrored", standbys=False, running=running)
+            first = _judge(f"{kind}-unmirrored", kind, "", baseline, None, None, plan=plan)
+            say(_progress(first))
+            results.append(first)
+            step(f"{kind} job, reference (standbys, no fault)")
+            if first.outcome == Outcome.BASELINE:
+                reference = _launch(plan, kind, f"{kind}-reference", running=running)
+                # Standbys change no loss: the reference equals the unmirrored run bit for bit.
+                ref = _judge(f"{kind}-reference", kind, "", reference, baseline.report, first.step_ms, plan=plan)
+            else:
+                ref = Result(case=f"{kind}-reference", job=kind, inject="", outcome=Outcome.FAILED,
+                             why=f"the unmirrored run failed: {first.why}")
+            say(_progress(ref))
+            results.append(ref)
+            for case in jobs:
+                inject = case.spec(plan.num_trainers)
+                step(f"{case.name} ({inject})")
+                if ref.outcome == Outcome.PASSED:
+                    run = _launch(plan, kind, case.name, inject=inject, running=running)
+                    result = _judge(case.name, kind, inject, run, reference.report, first.step_ms, plan=plan)
+                else:
+                    result = Result(case=case.name, job=kind, inject=inject, outcome=Outcome.FAILED,
+                                    why=f"its reference run failed: {ref.why}", log=ref.log)
+                say(_progress(result))
+                results.append(result)
+    finally:
+        for process in list(running):
+            _kill_group(process)
+    return results
+
+
+def _ms(values: list[float]) -> str:
+    return " / ".join(f"{v:.0f}" for v in values) if values else "-"
+
+
+def _progress(result: Result) -> str:
+    line = f"replica selftest:     {result.case}: {result.outcome}"
+    if result.outcome in (Outcome.PASSED, Outcome.DIFFERS) and result.detect_ms:
+        line += f" (detect {_ms(result.detect_ms)} ms, resumed {_ms(result.resumed_ms)} ms)"
+    if result.why:
+        line += f": {result.why}" + (f" (log: {result.log})" if result.outcome != Outcome.PASSED else "")
+    return line
+
+
+_COLUMNS = ("case", "job", "result", "detect ms", "promote ms", "resumed ms", "steps redone", "step ms",
+            "vs unmirrored")
+
+
+def table(results: list[Result]) -> list[str]:
+    """The results as a markdown table (several failovers in a case: their times joined by /)."""
+    rows = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    for r in results:
+        cells = (r.case, str(r.job), str(r.outcome), _ms(r.detect_ms), _ms(r.promote_ms), _ms(r.resumed_ms),
+                 "-" if r.steps_redone is None else str(r.steps_redone),
+                 "-" if r.step_ms is None else f"{r.step_ms:.0f}",
+                 "-" if r.overhead is None else f"{r.overhead:+.0%}")
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def _write(plan: Plan, cases: tuple[Case, ...], results: list[Result], *, seconds: float) -> None:
+    summary = {"device": str(plan.device), "trainers": plan.num_trainers, "steps": plan.steps,
+               "target": plan.ray or "this machine", "seconds": round(seconds, 1),
+               "passed": all(r.outcome in (Outcome.PASSED, Outcome.BASELINE, Outcome.SKIPPED) for r in results),
+               "results": [r.to_dict() for r in results]}
+    (plan.directory / "selftest.json").write_text(json.dumps(summary, indent=1) + "\n")
+    proves = {c.name: c.proves for c in cases}
+    lines = [f"# replica selftest: {plan.num_trainers} trainers, {plan.steps} steps, {plan.device}, "
+             f"{plan.ray or 'this machine'} ({seconds:.0f} s)", "", *table(results), ""]
+    lines += [f"- **{r.case}** ({r.inject}): {proves[r.case]}" + (f" -- {r.outcome}: {r.why}" if r.why else "")
+              for r in results if r.case in proves]
+    (plan.directory / "selftest.md").write_text("\n".join(lines) + "\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = Parser(prog="replica selftest", description=__doc__)
+    p.add_argument("--quick", action="store_true",
+                   help="three cases (" + ", ".join(c.name for c in CASES if c.quick) + ") of the FSDP2 job")
+    p.add_argument("--case", action="append", default=[], metavar="NAME",
+                   help="run only this case (repeatable): " + ", ".join(c.name for c in CASES))
+    p.add_argument("--device", choices=tuple(Device), default=Device.CPU,
+                   help="cuda: every role on a GPU (rank r on GPU r mod the GPUs visible), NCCL; cpu: gloo")
+    p.add_argument("--trainers", type=positive_int, default=2, help="the world size of every job")
+    p.add_argument("--steps", type=positive_int, default=10, help="steps of every job (at least 8)")
+    p.add_argument("--ray", default="", metavar="ADDRESS",
+                   help="run every job on the Ray cluster at ADDRESS (host:port of its GCS), each role a Ray actor "
+                        "(needs replica[ray] here and on the cluster)")
+    p.add_argument("--report", type=Path, default=None, metavar="DIR",
+                   help="the work directory: each case's log, job report and plots, and selftest.json/.md "
+                        "(default: a new folder replica-selftest-* in the system's temporary folder)")
+    deadline_options(p)
+    p.add_argument("--case-timeout", type=positive_float, default=300.0,
+                   help="seconds before a case is abandoned and its processes killed")
+    p.add_argument("--unmirrored-noise", action="store_true",
+                   help="plant a divergence: the Hugging Face job draws from a generator outside the mirrored state, "
+                        "so each of its faulted cases must fail (a check that the check can fail)")
+    return p
+
+
+def _refusal(args: argparse.Namespace) -> str:
+    """Why this selftest cannot start ("" when it can), checked before anything runs."""
+    if args.steps < 8:
+        return f"--steps {args.steps}: the cases fire faults up to step 7; need --steps 8 or more"
+    if args.report is not None and args.report.exists() and (not args.report.is_dir() or any(args.report.iterdir())):
+        return f"--report {args.report}: not an empty folder (the selftest writes only in a folder of its own)"
+    if args.report is not None and not args.report.resolve().parent.is_dir():
+        return f"--report {args.report}: its folder {args.report.resolve().parent} does not exist"
+    if args.device == Device.CUDA and not args.ray:
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda: this machine has no CUDA device torch can use (torch.cuda.is_available() is False)"
+        if torch.cuda.device_count() < args.trainers:
+            return (f"--device cuda --trainers {args.trainers}: NCCL needs a GPU per trainer and this machine has "
+                    f"{torch.cuda.device_count()}; pass --trainers {torch.cuda.device_count()} or point --ray at a "
+                    "cluster")
+    if args.ray:
+        if importlib.util.find_spec("ray") is None:
+            return "--ray needs Ray here: pip install 'replica[ray]'"
+        if args.ray != "auto":
+            return _unreachable(args.ray)
+    return ""
+
+
+def _unreachable(address: str) -> str:
+    host, _, port_text = address.removeprefix("ray://").rpartition(":")
+    if not host or not port_text.isdigit():
+        return f"--ray {address}: need HOST:PORT (the Ray head's GCS address, e.g. 10.0.0.1:6379) or 'auto'"
+    try:
+        with socket.create_connection((host, int(port_text)), timeout=5):
+            return ""
+    except OSError as exc:
+        return f"--ray {address}: cannot reach the Ray head there ({exc.strerror or exc})"
+
+
+def _deadline_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    argv = ("--heartbeat-deadline", str(args.heartbeat_deadline))
+    return argv + (("--standby-deadline", str(args.standby_deadline)) if args.standby_deadline else ())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        cases = select_cases(quick=args.quick, only=tuple(args.case))
+    except ValueError as exc:
+        parser.error(str(exc))
+    why = _refusal(args)
+    if why:
+        parser.error(why)
+    directory = args.report or Path(tempfile.mkdtemp(prefix="replica-selftest-"))
+    directory.mkdir(exist_ok=True)
+    plan = Plan(device=Device(args.device), num_trainers=args.trainers, steps=args.steps, directory=directory.resolve(),
+                case_timeout=timedelta(seconds=args.case_timeout), ray=args.ray,
+                unmirrored_noise=args.unmirrored_noise, launch_options=_deadline_argv(args))
+    print(f"replica selftest: {len(cases)} cases, {plan.num_trainers} trainers, {plan.steps} steps, {plan.device}, "
+          f"on {plan.ray or 'this machine'}; work directory {plan.directory}", flush=True)
+    started = time.monotonic()
+    results: list[Result] = []
+    try:
+        results = run_matrix(plan, cases, say=lambda line: print(line, flush=True))
+    except KeyboardInterrupt:
+        print("replica selftest: interrupted; its processes are stopped", flush=True)
+        return 130
+    seconds = time.monotonic() - started
+    _write(plan, cases, results, seconds=seconds)
+    print("\n".join(table(results)))
+    bad = [r for r in results if r.outcome not in (Outcome.PASSED, Outcome.BASELINE, Outcome.SKIPPED)]
+    for r in bad:
+        print(f"replica selftest: {r.case} {r.outcome}: {r.why} (log: {r.log})")
+    names = {c.name for c in cases}
+    count = {o: sum(r.outcome == o for r in results if r.case in names) for o in Outcome}
+    print(f"replica selftest: {count[Outcome.PASSED]} of {len(cases)} cases bit-identical, "
+          f"{count[Outcome.DIFFERS]} differ, {count[Outcome.FAILED]} failed, {count[Outcome.SKIPPED]} skipped"
+          + (f" ({len(bad) - count[Outcome.DIFFERS] - count[Outcome.FAILED]} reference runs failed)"
+             if len(bad) > count[Outcome.DIFFERS] + count[Outcome.FAILED] else "")
+          + f", in {seconds:.0f} s; report in {plan.directory / 'selftest.md'}", flush=True)
+    return ExitCode.FAILED if bad else ExitCode.OK
