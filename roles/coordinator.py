@@ -291,7 +291,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         if member.role == Role.ROLLOUT:
             logger.warning("%s is dead (%s): the next weight sync skips it", member, reason)
             self.store.put(keys.engine_dead_since(member.rank), Stamp(at=time.time()))
-            self.rollouts_lost.append({"index": member.rank, "reason": reason, "at": time.time()})
+            self.rollouts_lost.append({"index": member.rank, "reason": reason, "at": time.time(),
+                                       "replacement_started": False})
             return [Decision(kind=DecisionKind.ROLLOUT_LOST, rank=member.rank, reason=reason, dead=member)]
         if member.role == Role.STANDBY:
             logger.warning("%s is dead (%s)", member, reason)
@@ -314,6 +315,14 @@ class Coordinator(Admission, Beats, Generations, Judgement):
                                       f"{member.rank}'s state is lost")]
         self._promote(standby, reason)
         return [Decision(kind=DecisionKind.PROMOTED, rank=member.rank, reason=reason, dead=member)]
+
+    def rollout_replacement_started(self, index: int) -> None:
+        """The agent started a new engine for lost rollout ``index`` (it joins once up: a short
+        job may end first)."""
+        for lost in reversed(self.rollouts_lost):
+            if lost["index"] == index:
+                lost["replacement_started"] = True
+                return
 
     def set_unprotected(self, rank: int, *, until_standby_joins: bool = False) -> None:
         """No standby protects ``rank`` now: its trainer acknowledges itself until a standby of it

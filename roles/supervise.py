@@ -291,6 +291,8 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobS
         agent.kill(decision.dead.pid, decision.dead.host)  # declared dead on a missed deadline, it may still run
     if decision.kind == DecisionKind.ROLLOUT_LOST:
         replaced = agent is not None and agent.replace_rollout(decision.rank)
+        if replaced:
+            coord.rollout_replacement_started(decision.rank)
         print(f"\nreplica: {decision.dead} is dead ({decision.reason}); training goes on without it"
               + ("; a replacement is starting" if replaced else ""), flush=True)
         return None

@@ -50,8 +50,10 @@ def test_rl_loop_survives_a_trainer_and_a_rollout_kill_under_load(tmp_path, refe
     assert [f["rank"] for f in report["failovers"]] == [1]
     assert [r["index"] for r in report["rollouts_lost"]] == [0]
     assert report["rollouts_retired"] == [1]  # the promoted standby's machine stopped its engine
-    first, replacement = [m for m in report["members"] if m["role"] == "rollout" and m["rank"] == 0]
-    assert first["state"] == "dead" and replacement["state"] != "dead"  # engine 0 was replaced
+    assert report["rollouts_lost"][0]["replacement_started"]  # a new engine 0 was started
+    first, *replacement = [m for m in report["members"] if m["role"] == "rollout" and m["rank"] == 0]
+    # It joins once up (import, engine): loaded, this short run may end before (CI, 2026-12-04).
+    assert first["state"] == "dead" and all(m["state"] != "dead" for m in replacement), replacement
     # Every shard was made with exactly the weights pushed for it, whichever engine served it (a
     # replacement serves only once it holds them; it may come up after this short run ends).
     shards = report["rollout_shards"]
