@@ -20,6 +20,7 @@ from replica.roles.election import Leadership
 from replica.roles.env import HOST, Role, parse_faults, shared_domains_allowed
 from replica.roles.local_agent import open_job, start_roles
 from replica.roles.rollouts import Rollouts, Sampling, request_rollouts
+from replica.roles.spares import SparePool
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
 
@@ -45,6 +46,7 @@ class RayJobConfig:
     placement: Placement = field(default_factory=Placement)
     deadlines: Deadlines = field(default_factory=Deadlines)
     train_while_replacing: bool = False
+    spares: int = 0  # spare standbys started ahead on nodes without a trainer (replica launch --spares)
     timeout: timedelta = timedelta(minutes=10)
     inject: str = ""
     report: Path | None = None
@@ -63,9 +65,10 @@ class RayJobConfig:
         standbys = self.trainers if self.standbys is None else self.standbys
         if not self.script:
             raise ValueError("script: the user's script (and its arguments) is required")
-        if self.trainers < 1 or not 0 <= standbys <= self.trainers or self.rollouts < 0 or self.steps < 1:
-            raise ValueError(f"need trainers >= 1, 0 <= standbys <= trainers, rollouts >= 0, steps >= 1; got "
-                             f"{self.trainers}, {standbys}, {self.rollouts}, {self.steps}")
+        if self.trainers < 1 or not 0 <= standbys <= self.trainers or self.rollouts < 0 or self.steps < 1 \
+                or self.spares < 0:
+            raise ValueError(f"need trainers >= 1, 0 <= standbys <= trainers, rollouts >= 0, steps >= 1, spares >= 0; "
+                             f"got {self.trainers}, {standbys}, {self.rollouts}, {self.steps}, {self.spares}")
         parse_backends(self.backends)
         if any(f.role == HOST for f in parse_faults(self.inject)):
             raise ValueError("host faults are for `replica agent` hosts; on Ray, remove or kill a node instead")
@@ -117,7 +120,10 @@ class RayJob:
     def _supervise(self, spec: JobSpec) -> None:
         try:
             leading = self._leadership.leading if self._leadership is not None else None
-            self._status = supervise(self.coordinator, spec, self.agents, cancel=self._cancel, leading=leading)
+            # Placed from the coordinator's loop once every trainer joined (their nodes known).
+            spares = SparePool(self.coordinator.store, self.config.spares, self.agents) if self.config.spares else None
+            self._status = supervise(self.coordinator, spec, self.agents, cancel=self._cancel, leading=leading,
+                                     spares=spares)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             self._error = exc
 

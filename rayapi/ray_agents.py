@@ -32,6 +32,7 @@ from replica.ray.actor import RoleProcess, node_host_name
 from replica.roles.remote_agents import replacement_site
 from replica.roles.env import Role, member_environ
 from replica.roles.probe import Verdict, by_host
+from replica.roles.spares import Replacements
 from replica.timing import Deadline
 
 __all__ = ["Placement", "PlacementError", "RayAgents"]
@@ -96,6 +97,7 @@ class _Actor:
     unavailable_since: float | None = None
     killed: bool = False  # declared dead and killed: its bundle's share is free for a replacement
     replacement: bool = False  # started by _replace: placed again if its actor dies before its role starts
+    spare: int | None = None  # a spare standby's index (no rank until bound: roles/spares.py)
 
     @property
     def host(self) -> str | None:
@@ -116,7 +118,8 @@ class RayAgents:
     def __init__(self, *, script: list[str], env: dict[str, str], replacements: int, placement: Placement,
                  trainers: int, rollouts: int, standbys: int,
                  members: Callable[[], list[tuple[str, int, str]]]):
-        self._script, self._env, self._replacements, self.placement = script, env, replacements, placement
+        self._script, self._env, self.placement = script, env, placement
+        self._replacements = Replacements(replacements)
         # The coordinator's live members as (role, rank, host, domain), for placement. A Ray site's
         # domain is its node (REPLICA_HOST_NAME: the node's id): node labels as domains are not
         # read yet, so placement compares the members' hosts, whatever REPLICA_DOMAIN says.
@@ -155,16 +158,16 @@ class RayAgents:
         self._launch(role, rank, resources, rank if role == Role.TRAINER else self._trainers + rank)
 
     def _launch(self, role: Role, rank: int, resources: dict[str, float], bundle: int | None,
-                node: str | None = None, *, started: float | None = None) -> None:
+                node: str | None = None, *, started: float | None = None, spare: int | None = None) -> None:
         """An actor in ``bundle`` of the job's placement group, or (None) pinned to ``node``;
         ``started``: a replacement's first try (its start timeout counts from there)."""
         strategy = (PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle)
                     if bundle is not None else NodeAffinitySchedulingStrategy(node_id=node, soft=False))
-        env = {**self._env, **member_environ(role, rank)}
+        env = {**self._env, **member_environ(role, rank, spare=spare)}
         handle = self._remote.options(scheduling_strategy=strategy, name=None,
                                       **_actor_options(resources)).remote(self._script, env)
         actor = _Actor(role=Role(role), rank=rank, handle=handle, resources=resources, bundle=bundle,
-                       started=started or time.monotonic(), replacement=started is not None)
+                       started=started or time.monotonic(), replacement=started is not None, spare=spare)
         self._actors.append(actor)
         self._calls[handle.where.remote()] = actor
 
@@ -185,7 +188,7 @@ class RayAgents:
         due = [a for when, a in self._retries if when.at <= now]
         self._retries = [(when, a) for when, a in self._retries if when.at > now]
         for actor in due:
-            if (not self._place(actor.role, actor.rank, actor.resources, first_try=actor.started)
+            if (not self._place(actor.role, actor.rank, actor.resources, first_try=actor.started, spare=actor.spare)
                     and now - actor.started < self.placement.start_timeout.total_seconds()):
                 # nowhere yet: a lost node's bundle may move
                 self._retries.append((Deadline(now) + _RETRY_AFTER, actor))
@@ -249,14 +252,27 @@ class RayAgents:
         return self._replace(Role.ROLLOUT, index, self.placement.rollout)
 
     def _replace(self, role: Role, rank: int, resources: dict[str, float]) -> bool:
-        if self._replacements == 0:
+        if self._replacements.left == 0 or not self._place(role, rank, resources, first_try=time.monotonic()):
             return False
-        if not self._place(role, rank, resources, first_try=time.monotonic()):
-            return False
-        self._replacements -= 1
-        return True
+        return self._replacements.take()
 
-    def _place(self, role: Role, rank: int, resources: dict[str, float], *, first_try: float) -> bool:
+    def start_spare(self, index: int) -> bool:
+        """A spare standby ``index`` on a node without a trainer (it may be bound to any rank),
+        with the standby's resources; False until every trainer has joined (their nodes are
+        known) or while no node has room. Spares are not counted against the replacements;
+        their refills are (``take_replacement``)."""
+        if sum(role == Role.TRAINER for role, *_ in self._members()) < self._trainers:
+            return False
+        return self._place(Role.STANDBY, -1, self.placement.standby, first_try=time.monotonic(), spare=index)
+
+    def take_replacement(self) -> bool:
+        return self._replacements.take()
+
+    def spare_of(self, pid: int, host: str | None = None) -> int | None:
+        return next((a.spare for a in self._actors if a.pid == pid and (host is None or a.host == host)), None)
+
+    def _place(self, role: Role, rank: int, resources: dict[str, float], *, first_try: float,
+               spare: int | None = None) -> bool:
         """Start a replacement where ``_bundle_for``/``_node_for`` say, on a node Ray has not
         declared dead and where none of the job's actors is unreachable now."""
         suspect = {a.node for a in self._actors if a.unavailable_since is not None and a.code is None}
@@ -273,12 +289,13 @@ class RayAgents:
                 logger.warning("no live Ray node without a trainer has room for a new %s %d: it shares a trainer's "
                                "node (placement strategy %s), and does not survive that node's loss",
                                role, rank, self.placement.strategy)
-        if bundle is None and node is None:
-            logger.error("no live Ray node without a trainer has room for a new %s %d (%s): it is not started",
-                         role, rank, resources)
+        if bundle is None and node is None:  # a spare is asked for again later: said once, by its pool
+            logger.log(logging.ERROR if spare is None else logging.DEBUG,
+                       "no live Ray node without a trainer has room for a new %s %d (%s): it is not started",
+                       role, rank, resources)
             return False
-        self._launch(role, rank, resources, bundle, node, started=first_try)
-        logger.warning("starting a new %s %d %s", role, rank,
+        self._launch(role, rank, resources, bundle, node, started=first_try, spare=spare)
+        logger.warning("starting a new %s %s", f"{role} {rank}" if spare is None else f"spare standby {spare}",
                        f"in bundle {bundle} of the job's placement group" if bundle is not None else
                        f"on Ray node {node[:12]} (no bundle of the job's has room)")
         return True
@@ -310,7 +327,7 @@ class RayAgents:
                     used = _plus(used, a.resources)
             return all(capacity[b].get(k, 0.0) - used.get(k, 0.0) >= v - 1e-9 for k, v in resources.items() if v > 0)
 
-        own = self._trainers + rank
+        own = self._trainers + rank if rank >= 0 else None  # a spare has no bundle of its own
         # on a live node (a lost node's bundle waits for Ray to move it) with room, without a trainer;
         # the role's own bundle ranks first
         fits = [b for b in range(len(capacity)) if nodes.get(b) in alive and room(b)]
@@ -367,8 +384,10 @@ class RayAgents:
         return {a.pid: a.code for a in self._actors if a.pid in pids and a.code}
 
     def nodes(self) -> dict[str, str]:
-        """Where each role runs: ``"trainer 0"`` -> Ray node id (live roles)."""
-        return {f"{a.role} {a.rank}": a.node for a in self._actors if a.code is None and a.node}
+        """Where each role runs: ``"trainer 0"`` -> Ray node id (live roles; a spare standby,
+        bound to a rank or not, is ``"spare N"``)."""
+        return {f"spare {a.spare}" if a.spare is not None else f"{a.role} {a.rank}": a.node
+                for a in self._actors if a.code is None and a.node}
 
     def actor(self, role: Role | str, rank: int):
         """The live actor handle of a role (None if it has none)."""

@@ -141,7 +141,10 @@ class HostAgent:
         return ExitCode.OK
 
     def _obey(self, order: AgentOrder) -> None:
-        if order.kind == OrderKind.START and order.role in ROLES:
+        if order.kind == OrderKind.START and order.role in ROLES and order.spare >= 0:
+            pid = self.local.start(Role.STANDBY, -1, spare=order.spare)
+            logger.warning("[agent %d] started spare standby %d (pid %d) as ordered", self.index, order.spare, pid)
+        elif order.kind == OrderKind.START and order.role in ROLES:
             pid = self.local.start(Role(order.role), order.rank)
             logger.warning("[agent %d] started %s %d (pid %d) as ordered", self.index, order.role, order.rank, pid)
         elif order.kind == OrderKind.KILL and order.pid in self.local.procs:
@@ -206,7 +209,8 @@ class HostAgent:
                     pending = list(self._exits)
                 for pid, code in pending:
                     n = store.count(keys.agent_exits(self.index), 1)
-                    store.put(keys.agent_exit(self.index, n), RoleExit(host=self.host, pid=pid, code=code))
+                    store.put(keys.agent_exit(self.index, n), RoleExit(host=self.host, pid=pid, code=code,
+                                                                       spare=self.local.spares.get(pid, -1)))
                     with self._lock:
                         if (pid, code) in self._exits:
                             self._exits.remove((pid, code))

@@ -182,8 +182,6 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
     resume = resume_point(parser, args, args.trainers)
     shared = shared_domains_allowed(args.allow_shared_domain)
     durable = durable_of_args(parser, args)
-    if args.spares and args.ray:
-        parser.error("--spares with --ray: not yet (the Ray driver starts no spares); use --replacements")
     if standbys and not args.ray and not shared:
         parser.error(f"every role of `replica launch` runs on this machine (failure domain {domain_name()!r}): the "
                      "standby of rank 0 would share its trainer's domain, and losing the machine would lose both "
@@ -266,8 +264,7 @@ def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, s
         agent = LocalAgent(script=script, env=env, replacements=args.replacements, exec_roles=args.exec_roles)
     try:
         start_roles(coord, agent, trainers=args.trainers, standbys=standbys, rollouts=args.rollouts)
-        spares = SparePool(coord.store, args.spares, start=agent.start_spare,
-                           refill=agent.take_replacement) if args.spares else None
+        spares = SparePool(coord.store, args.spares, agent) if args.spares else None
         timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
         spec = JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                        timeline_png=timeline, train_while_replacing=args.train_while_replacing,

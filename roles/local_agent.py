@@ -21,6 +21,7 @@ from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership, lead_new_job
 from replica.roles.env import Role, base_environ, host_name, job_environ, member_environ, role_name
 from replica.roles.probe import ProcessView, Verdict, verdict_of
+from replica.roles.spares import Replacements
 from replica.roles.timing import Deadlines
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.processes import ScriptProcess, start_script
@@ -115,9 +116,10 @@ class LocalAgent:
         torch once (``replica.processes``: started in milliseconds, not seconds)."""
         self._script = script
         self._env = env
-        self._replacements = replacements
+        self._replacements = Replacements(replacements)
         self._exec_roles = exec_roles
         self.procs: dict[int, tuple[str, subprocess.Popen | ScriptProcess]] = {}
+        self.spares: dict[int, int] = {}  # pid -> index of the spare standbys started here
         self._reported: set[int] = set()
         self._views: dict[int, ProcessView] = {}  # each process's last look (probe)
 
@@ -134,17 +136,19 @@ class LocalAgent:
             popen = start_script(self._script, env=env,
                                  name=role_name(role, rank) if spare is None else f"spare {spare}")
         self.procs[popen.pid] = (role, popen)
+        if spare is not None:
+            self.spares[popen.pid] = spare
         return popen.pid
 
-    def start_spare(self, index: int) -> int:
-        return self.start(Role.STANDBY, -1, spare=index)
+    def start_spare(self, index: int) -> bool:
+        self.start(Role.STANDBY, -1, spare=index)
+        return True
+
+    def spare_of(self, pid: int, host: str | None = None) -> int | None:
+        return self.spares.get(pid) if host in (None, host_name()) else None
 
     def take_replacement(self) -> bool:
-        """One of the new standby or engine processes ``replacements`` allows, if any is left."""
-        if self._replacements == 0:
-            return False
-        self._replacements -= 1
-        return True
+        return self._replacements.take()
 
     def exits(self) -> list[tuple[int, int, None]]:
         gone = []

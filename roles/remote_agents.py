@@ -18,6 +18,7 @@ from replica.jobstore import AgentInfo, AgentOrder, JobStore, OrderKind, keys
 from replica.roles import timing
 from replica.roles.env import Role
 from replica.roles.probe import Verdict, by_host
+from replica.roles.spares import Replacements
 from replica.timing import Deadline
 
 __all__ = ["AGENT_SILENCE", "RemoteAgents", "replacement_site"]
@@ -47,14 +48,17 @@ class RemoteAgents:
     members as (role, rank, host, domain) for placement; ``replacements`` < 0: no limit."""
 
     def __init__(self, store: JobStore, *, count: int, replacements: int,
-                 members: Callable[[], list[tuple[str, int, str, str]]]):
+                 members: Callable[[], list[tuple[str, int, str, str]]], trainers: int = 0):
         if count < 0:
             raise ValueError(f"need count >= 0, got {count}")
-        self._store, self._count, self._replacements, self._members = store, count, replacements, members
+        self._store, self._count, self._members = store, count, members
+        self._replacements = Replacements(replacements)
+        self._trainers = trainers  # the job's trainer ranks: spares are placed once all are in (their domains)
         self._info: dict[int, AgentInfo] = {}
         self._beats: dict[int, tuple[int, float]] = {}  # index -> (beat, when it last rose, here)
         self._exits_seen: dict[int, int] = {}
         self._reported: set[tuple[str, int]] = set()
+        self._spares: dict[tuple[str, int], int] = {}  # (host, pid) -> spare index, from the agents' exit reports
         self._next_watch = Deadline.now()  # exits() reads the agents' beats when this passed
 
     def agents(self) -> dict[int, AgentInfo]:
@@ -95,6 +99,8 @@ class RemoteAgents:
                 seen += 1
                 if (report.host, report.pid) not in self._reported:  # an agent may report an exit twice
                     self._reported.add((report.host, report.pid))
+                    if report.spare >= 0:
+                        self._spares[(report.host, report.pid)] = report.spare
                     out.append((report.pid, report.code, report.host))
             self._exits_seen[index] = seen
         return out
@@ -143,24 +149,49 @@ class RemoteAgents:
                 return Verdict(looks.verdicts[i]), f"{looks.whys[i]} (its agent's look)"
         return verdict
 
-    def _replace(self, role: Role, rank: int) -> bool:
-        if self._replacements == 0:
+    def start_spare(self, index: int) -> bool:
+        """Order spare standby ``index`` started on a live agent in a failure domain without a
+        trainer (it may be bound to any rank); False while there is none, or not every trainer has
+        joined yet. Spares are not counted
+        against the replacements; their refills are (``take_replacement``)."""
+        if sum(role == Role.TRAINER for role, _, _, _ in self._members()) < self._trainers:
+            return False  # not every trainer's domain is known yet
+        chosen = self._site()
+        if chosen is None:
             return False
+        self._order(chosen.index, AgentOrder(kind=OrderKind.START, role=str(Role.STANDBY), spare=index))
+        logger.warning("asked agent %d (%s) to start spare standby %d", chosen.index, chosen.host, index)
+        return True
+
+    def take_replacement(self) -> bool:
+        return self._replacements.take()
+
+    def spare_of(self, pid: int, host: str | None = None) -> int | None:
+        return self._spares.get((host or "", pid))
+
+    def _replace(self, role: Role, rank: int) -> bool:
+        if self._replacements.left == 0:
+            return False
+        chosen = self._site()
+        if chosen is None:
+            logger.warning("no live agent in a failure domain without a trainer can start %s %d", role, rank)
+            return False
+        self.take_replacement()
+        self._order(chosen.index, AgentOrder(kind=OrderKind.START, role=str(role), rank=rank))
+        logger.warning("asked agent %d (%s) to start %s %d", chosen.index, chosen.host, role, rank)
+        return True
+
+    def _site(self) -> AgentInfo | None:
+        """The live agent a new standby, spare or engine goes to: in a domain without a trainer,
+        the one with the fewest members on its host, the lowest index first."""
         members = self._members()
         trainer_domains = {domain for r, _, _, domain in members if r == Role.TRAINER}
         load = {}
         for _, _, host, _ in members:
             load[host] = load.get(host, 0) + 1
-        chosen = replacement_site(self.live(), domain=lambda info: info.domain or info.host,
-                                  trainer_domains=trainer_domains, load=lambda info: load.get(info.host, 0),
-                                  order=lambda info: info.index)
-        if chosen is None:
-            logger.warning("no live agent in a failure domain without a trainer can start %s %d", role, rank)
-            return False
-        self._replacements -= 1
-        self._order(chosen.index, AgentOrder(kind=OrderKind.START, role=str(role), rank=rank))
-        logger.warning("asked agent %d (%s) to start %s %d", chosen.index, chosen.host, role, rank)
-        return True
+        return replacement_site(self.live(), domain=lambda info: info.domain or info.host,
+                                trainer_domains=trainer_domains, load=lambda info: load.get(info.host, 0),
+                                order=lambda info: info.index)
 
     def _order(self, index: int, order: AgentOrder) -> None:
         n = self._store.count(keys.agent_orders(index), 1)

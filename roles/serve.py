@@ -29,6 +29,7 @@ from replica.roles.argparsing import (
     writable_file,
 )
 from replica.roles.remote_agents import RemoteAgents
+from replica.roles.spares import SparePool
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
 from replica.jobstore.stores import StoreAddress, StoreKind
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
                         "detection signals and they start replacements (default: none)")
     p.add_argument("--replacements", type=int, default=-1,
                    help="replacement standbys or engines the agents may start in all (default: no limit)")
+    p.add_argument("--spares", type=non_negative_int, default=0, metavar="N",
+                   help="have the agents start N spare standbys ahead, bound to no rank, in failure domains without a "
+                        "trainer: a rank that loses its standby gets a ready spare instead of a new process, and trains "
+                        "on meanwhile; each spare bound is refilled as --replacements allows (needs --agents)")
     p.add_argument("--train-while-replacing", action="store_true",
                    help="after a failover or a standby's death, train on unprotected while the rank's new standby "
                         "starts (default: commit() waits until the rank is protected again)")
@@ -79,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.spares and not args.agents:
+        parser.error("--spares needs --agents: the host agents start the spares")
     token = os.environ.get(envvars.TOKEN, "")
     if not token:
         parser.error(f"set {envvars.TOKEN} to the job's secret token (every role presents it when it joins)")
@@ -140,14 +147,18 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
               flush=True)
     timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
     agents = RemoteAgents(coord.store, count=args.agents, replacements=args.replacements,
-                          members=coord.members_for_placement) if args.agents else None
+                          members=coord.members_for_placement, trainers=args.world_size) if args.agents else None
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
     faults = parse_faults(os.environ.get(envvars.INJECT, ""))
+    # Placed as the agents come up. A coordinator that took the job over starts none (the first one's
+    # are up or bound) and binds none (it does not know them): it only knows a free one's exit for one.
+    spares = SparePool(coord.store, 0 if coord.takeover is not None else args.spares, agents) \
+        if agents is not None and args.spares else None
     return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
                                     timeline_png=timeline, export_dir=args.export_dir,
                                     train_while_replacing=args.train_while_replacing,
                                     first_step=resume[0] + 1 if resume else 1),
-                     agents, leading=leadership.leading if leadership is not None else None)
+                     agents, leading=leadership.leading if leadership is not None else None, spares=spares)
 
 
 if __name__ == "__main__":

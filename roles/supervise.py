@@ -145,7 +145,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     def take_exits() -> None:  # one at a time: an exit is never lost to a failure while it is handled
         while exits:
             pid, code, host = exits[0]
-            if spares is None or not spares.exited(pid):  # a spare not bound yet is no member
+            if spares is None or not spares.exited(pid, host):  # a spare not bound yet is no member
                 decisions.extend(coord.process_exited(pid, code, host=host))
             exits.pop(0)
 
@@ -169,7 +169,8 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
                       f"{timing.REPLACEMENT_WAIT.total_seconds():g} s: rank {rank} trains UNPROTECTED until it is",
                       flush=True)
 
-        for work in (take_exits, hosts, lambda: decisions.extend(coord.poll()), overdue):
+        for work in (take_exits, hosts, lambda: decisions.extend(coord.poll()), overdue,
+                     spares.tick if spares is not None else lambda: None):
             try:
                 work()
             except FencedError as exc:

@@ -38,6 +38,7 @@ __all__ = [
     "ROLLOUT_REFRESH",
     "ROLLOUT_STEAL_AFTER",
     "ROLLOUT_TIMEOUT",
+    "SPARE_RETRY",
     "STALL_HOLD",
     "STALL_LOGGED",
     "STALL_MEMORY",
@@ -113,6 +114,7 @@ UNSIGNED_POLL = timedelta(milliseconds=50)  # looking again meanwhile
 
 # --- a role's data plane, as the runtime configures it ---
 STANDBY_WAIT = timedelta(seconds=120)  # a trainer waits this long for a lost standby's replacement
+SPARE_RETRY = timedelta(seconds=1)  # a spare not placed yet (trainers joining, no room) is asked for again
 # The coordinator lets a rank train unprotected when its new standby is not up after this long (a
 # replacement slow to start on a loaded machine), before its trainer's STANDBY_WAIT would end the job.
 REPLACEMENT_WAIT = STANDBY_WAIT - timedelta(seconds=30)

@@ -33,6 +33,8 @@ CASES = {
                                                  "does not exist"),
     "an unknown backend": (["launch", "--backends", "ucx,carrier-pigeon", str(EXAMPLE)], "carrier-pigeon"),
     "a coordinator of no trainers": (["coordinator", "--world-size", "0", "--steps", "3"], "--world-size"),
+    "spares with no agent to start them": (["coordinator", "--world-size", "2", "--steps", "3", "--spares", "1"],
+                                           "--spares needs --agents"),
     "an agent of a negative index": (["agent", "--store", "127.0.0.1:1", "--index", "-1", str(EXAMPLE)], "--index"),
     "a report that is not JSON": (["compare", "{bad}", "{bad}"], "not a replica job report"),
     "a JSON file that is not a report": (["compare", "{other}", "{other}"], "not a replica job report"),

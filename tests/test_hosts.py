@@ -177,7 +177,7 @@ class Job:
 
     def __init__(self, cluster, folder: Path, inject: str = "", etcd: EtcdCluster | None = None,
                  agents: bool = False, rl: bool = False, durable: Path | None = None, resume: Path | None = None,
-                 name: str = "run"):
+                 name: str = "run", spares: int = 0):
         self.folder, self.report = folder, folder / f"{name}.json"
         coord_host = cluster.hosts[0]
         agents = agents or rl
@@ -208,6 +208,7 @@ class Job:
                                      str(steps), "--rollouts", str(rollouts), *where, *listen, "--timeout", "300",
                                      "--report",
                                      str(report), *(["--agents", "5"] if agents else []),
+                                     *(["--spares", str(spares)] if spares else []),
                                      *(["--resume", str(resume)] if resume is not None else [])],
                         dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
             if etcd is not None:
@@ -539,6 +540,35 @@ def test_host_agents_report_exits_and_start_replacements(cluster, tmp_path, refe
     assert compare_reports(reference, result) == []
     assert result["last_commit"] == STEPS
     print(f"replaced {result['standbys_replaced']}")
+
+
+@pytest.mark.slow  # 40-60 s; `make test` covers spares under `replica launch` (tests/test_spares.py)
+def test_host_agents_start_a_spare_where_no_trainer_runs_and_it_is_bound_after_a_kill(cluster, tmp_path, reference):
+    """`replica coordinator --agents 5 --spares 1`: once both trainers joined, the coordinator has
+    the agent of host 5 (the one host in no trainer's domain and without a member) start a spare
+    standby. Trainer 0 stalls 8 s in steps 2 and 3 (below gloo's timeout), time for the spare to
+    import torch and say it is ready; trainer 1 is killed in step 4's backward: its standby is
+    promoted and the spare becomes rank 1's new standby, no new process started for the rank
+    (the pool starts a new spare in its place). The run is bit-identical and rank 1 is protected
+    again at the end."""
+    job = Job(cluster, tmp_path, inject="stall:trainer:0@2:8,stall:trainer:0@3:8,kill:trainer:1@4:backward",
+              agents=True, spares=1)
+    try:
+        job.wait_output("agent4", "started spare standby 0", timeout_s=120)
+        codes = job.finish()
+    finally:
+        job.kill()
+    assert codes["coordinator"] == 0, (codes, job.outputs())
+    result = json.loads(job.report.read_text())
+    assert [(b["rank"], b["spare"]) for b in result["spares_bound"]] == [(1, 0)], (result, job.outputs())
+    assert [f["rank"] for f in result["failovers"]] == [1] and result["standbys_replaced"] == []
+    standbys = [m for m in result["members"] if m["role"] == "standby" and m["rank"] == 1]
+    assert [m["host"] for m in standbys] == [cluster.hosts[4].hostname, cluster.hosts[5].hostname], standbys
+    spans = result["unprotected_spans"]
+    assert [s["rank"] for s in spans] == [1] and spans[0]["until_commit"] is not None, spans
+    assert result["unprotected"] == []
+    assert compare_reports(reference, result) == []
+    assert result["last_commit"] == STEPS
 
 
 @pytest.mark.slow

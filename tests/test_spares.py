@@ -5,9 +5,62 @@ for them. A real job (`replica launch`, the FSDP2 example)."""
 from __future__ import annotations
 
 import statistics
+import time
 
+import torch.distributed as dist
+
+from replica.jobstore import JobStore, Stamp, keys
 from replica.roles.report import compare_reports
+from replica.roles.spares import SparePool
 from test_launch import STEPS, launch
+
+
+class _Host:
+    """Where the pool's spares go, as an agent answers (``tests`` of the pool's own logic; the
+    agents themselves run in the job tests: here, `replica launch`; tests/test_hosts.py and
+    tests/test_ray.py, `replica agent` and Ray). Refuses ``refuse`` starts first (trainers
+    still joining); ``replacements`` as --replacements."""
+
+    def __init__(self, *, refuse: int = 0, replacements: int = -1):
+        self.refuse, self.replacements, self.started = refuse, replacements, []
+
+    def start_spare(self, index: int) -> bool:
+        if self.refuse:
+            self.refuse -= 1
+            return False
+        self.started.append(index)
+        return True
+
+    def take_replacement(self) -> bool:
+        if self.replacements == 0:
+            return False
+        self.replacements -= 1
+        return True
+
+    def spare_of(self, pid: int, host: str | None) -> int | None:
+        return pid - 1000 if pid >= 1000 and host == "h" else None  # spare N runs as pid 1000 + N on host h
+
+
+def test_the_pool_places_spares_when_it_can_binds_ready_ones_and_refills():
+    store = JobStore(dist.HashStore(), token=b"t")
+    host = _Host(refuse=1, replacements=1)
+    pool = SparePool(store, 2, host)
+    assert host.started == [] and pool.free == set()  # refused: asked again after SPARE_RETRY, not at once
+    pool.tick()
+    assert host.started == []
+    pool._retry = pool._retry.now()  # the retry is due
+    pool.tick()
+    assert host.started == [0, 1] and pool.free == {0, 1}
+    assert pool.bind(3) is None  # none ready yet: a new process is started instead
+    store.put(keys.spare_ready(1), Stamp(at=time.time()))
+    assert pool.bind(3) == 1 and store.get(keys.spare_binding(1)).value == 3
+    assert host.started == [0, 1, 2] and pool.free == {0, 2}  # refilled: the one replacement allowed
+    store.put(keys.spare_ready(0), Stamp(at=time.time()))
+    assert pool.bind(0) == 0 and host.started == [0, 1, 2]  # no replacement left: no refill
+    assert [(b["rank"], b["spare"]) for b in pool.bound] == [(3, 1), (0, 0)]
+    # A free spare's exit is the pool's; a bound one's is its rank's standby's; others are members'.
+    assert pool.exited(1002, "h") and pool.free == set()
+    assert not pool.exited(1001, "h") and not pool.exited(1002, "other") and not pool.exited(7, "h")
 
 
 def _durations(report: dict, rank: str = "0") -> dict[int, float]:

@@ -258,11 +258,13 @@ class ProcessLooks:
 
 @dataclass(kw_only=True, frozen=True, slots=True)
 class RoleExit:
-    """A role process a host agent started exited (``code``: its exit status, -N for signal N)."""
+    """A role process a host agent started exited (``code``: its exit status, -N for signal N;
+    ``spare``: the index of the spare standby it was, not bound to a rank when started, or -1)."""
 
     host: str
     pid: int
     code: int
+    spare: int = -1
 
 
 class OrderKind(enum.StrEnum):
@@ -278,6 +280,7 @@ class AgentOrder:
     role: str = ""
     rank: int = -1
     pid: int = 0
+    spare: int = -1  # START: a spare standby of this index (no rank yet: roles/spares.py)
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
