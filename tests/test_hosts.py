@@ -544,13 +544,11 @@ def test_host_agents_report_exits_and_start_replacements(cluster, tmp_path, refe
 
 @pytest.mark.slow  # 40-60 s; `make test` covers spares under `replica launch` (tests/test_spares.py)
 def test_host_agents_start_a_spare_where_no_trainer_runs_and_it_is_bound_after_a_kill(cluster, tmp_path, reference):
-    """`replica coordinator --agents 5 --spares 1`: once both trainers joined, the coordinator has
-    the agent of host 5 (the one host in no trainer's domain and without a member) start a spare
-    standby. Trainer 0 stalls 8 s in steps 2 and 3 (below gloo's timeout), time for the spare to
-    import torch and say it is ready; trainer 1 is killed in step 4's backward: its standby is
-    promoted and the spare becomes rank 1's new standby, no new process started for the rank
-    (the pool starts a new spare in its place). The run is bit-identical and rank 1 is protected
-    again at the end."""
+    """`replica coordinator --agents 5 --spares 1`: once both trainers joined, host 5's agent (no
+    trainer's domain, no member) starts a spare standby. Trainer 0 stalls 8 s in steps 2 and 3 (below
+    gloo's timeout: the spare's imports); trainer 1 is killed in step 4's backward: its standby is
+    promoted and the spare becomes rank 1's new standby (the pool starts a new spare in its place).
+    Bit-identical, and rank 1 protected again at the end."""
     job = Job(cluster, tmp_path, inject="stall:trainer:0@2:8,stall:trainer:0@3:8,kill:trainer:1@4:backward",
               agents=True, spares=1)
     try:
