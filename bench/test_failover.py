@@ -107,6 +107,32 @@ def test_false_deaths_under_load(benchmark, tmp_path):
     _results["false_deaths"] = runs
 
 
+def test_pair_loss_from_the_floor(benchmark, tmp_path):
+    """Trainer 1 and its standby both lost (the standby killed two steps before the trainer, no
+    replacement allowed): the job goes back to the durable floor (written every CKPT_EVERY steps,
+    as the baseline's checkpoints) and replays. Trainer 0 stalls 2 s in step KILL_STEP - 3, time
+    for the floor's version before the kill to complete (a standby's fsyncs lag on 2 cores)."""
+    _bench_only(benchmark)
+    runs = []
+    inject = (f"stall:trainer:0@{KILL_STEP - 3}:2,kill:standby:1@{KILL_STEP - 2},"
+              f"kill:trainer:1@{KILL_STEP}:backward")
+
+    def one_pair_loss():
+        folder = tmp_path / f"pair{len(runs)}"
+        code, report, output = launch(tmp_path, "--steps", str(STEPS), "--durable", str(folder), "--durable-every",
+                                      str(CKPT_EVERY), "--durable-interval", "0", "--replacements", "0", "--inject",
+                                      inject, name=f"pair{len(runs)}")
+        assert code == 0, output[-3000:]
+        (resumed,) = [r for r in report["restarts"] if "resumed_from_floor" in r]
+        killed = next(f["fired_at"] for f in report["faults"] if f["fault"].startswith("kill:trainer"))
+        runs.append({"kill_to_step_done_ms": (_resumed_at(report["step_end_times"]["0"]) - killed) * 1e3,
+                     "lost_steps": KILL_STEP - 1 - resumed["resumed_from_floor"],
+                     "replayed_steps": resumed["lost_commit"] - resumed["resumed_from_floor"]})
+
+    benchmark.pedantic(one_pair_loss, rounds=ROUNDS, iterations=1)
+    _results["pair"] = runs
+
+
 def _run_baseline(directory: Path, **env) -> None:
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "ckpt_job.py")], cwd=ROOT,
@@ -200,6 +226,13 @@ def report(request):
         f"{r['lost_steps_checkpoint_restart']:g} |",
         f"\nspeedup {r['speedup_vs_checkpoint_restart']:.1f}x (target >= 10x); step time {r['step_ms']:.0f} ms",
     ]
+    if pair := _results.get("pair"):
+        result["pair_loss_ms"] = median(pair, "kill_to_step_done_ms")
+        result["lost_steps_pair_loss"] = median(pair, "lost_steps")
+        result["runs"]["pair_loss"] = pair
+        lines.insert(4, f"| replica, trainer lost with its standby (back to the durable floor, every {CKPT_EVERY} "
+                        f"steps) | {result['pair_loss_ms']:.0f} ms | | | | {result['lost_steps_pair_loss']:g} |")
+        lines.append(f"pair loss against checkpoint-restart: {r['checkpoint_restart_ms'] / result['pair_loss_ms']:.1f}x")
     if frozen:
         lines.append(f"frozen (SIGSTOP) trainer: detected in {r['frozen_detect_ms']:.0f} ms (target <= 3000, "
                      f"deadline {r['heartbeat_deadline_s']:g} s), step finished again {r['frozen_resume_ms']:.0f} ms "
