@@ -17,7 +17,7 @@ from replica.state.divergence import Divergence, Measure
 from replica.jobstore import keys
 from replica.roles.env import Action, parse_faults
 from replica.roles.members import Mark
-from replica.roles.rollouts import served_shards
+from replica.roles.rollouts import regenerated_tokens, served_shards
 
 if TYPE_CHECKING:
     from replica.roles.coordinator import Coordinator
@@ -65,7 +65,11 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         # The coordinator's own stalls (gaps between its polls), whose span counted against no member.
         "coordinator_stalls": coord.stalls.summary(),
         "engine_versions": {str(i): _version(coord, i) for i in range(coord.rollouts)},
-        "rollout_shards": served_shards(coord.store) if coord.rollouts else [],
+        "rollout_shards": (shards := served_shards(coord.store) if coord.rollouts else []),
+        # Tokens of a step's shard generated once more (a redone step asking again; target 0 when the
+        # rollouts were done before a trainer died: they are kept). An engine's lost shard is not in
+        # here: it wrote no result.
+        "rollout_tokens_regenerated": regenerated_tokens(shards),
         "rollouts_retired": coord.rollouts_retired,
         "refused_joins": coord.refused,
         "members": coord.membership(),

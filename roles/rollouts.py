@@ -28,10 +28,12 @@ from replica.timing import Deadline, pause
 from replica.jobstore.stores import StoreAddress
 from replica.integrations.vllm.worker import EngineWeights, ReceiverSpec
 
-__all__ = ["RolloutClient", "Rollouts", "Sampling", "collect_results", "post_request", "request_rollouts",
-           "result_keys", "serve_rollouts", "served_shards", "superseded"]
+__all__ = ["KEPT_GENERATIONS", "RolloutClient", "Rollouts", "Sampling", "collect_results", "post_request",
+           "regenerated_tokens", "request_rollouts", "result_keys", "serve_rollouts", "served_shards", "superseded"]
 
 logger = logging.getLogger(__name__)
+# A redone step looks this many generations back for its rollouts (failovers in a row before it got there).
+KEPT_GENERATIONS = 4
 
 
 
@@ -59,11 +61,29 @@ class RolloutClient:
         self.timeout = timeout
         self.version: int | None = None
         self._epoch = epoch  # the process-group generation: a redone step is a new exchange
+        self._kept: tuple[int, int] | None = None  # (step, request) whose rollouts the redo of step takes
         self._abort = abort  # the step failed (a trainer died): stop waiting, the step is redone
 
     def push(self, step: int) -> int:
         """Send the current weights as a new version (every rank); returns the version id,
-        or -1 if the step was aborted (its outputs are discarded, as a failed step's are)."""
+        or -1 if the step was aborted (its outputs are discarded, as a failed step's are).
+        A step redone after a failover whose rollouts an earlier generation already has, every
+        shard (``_kept``), pushes nothing: its rollouts are those, made with the same weights
+        (the committed ones: a redo replays bit-identically), and the version is theirs."""
+        self._kept = None
+        plan = keys.kept_request(self._epoch(), step)
+        if self.sync.is_leader and not self._abort():  # the leader decides for every rank: push is collective
+            self.store.put(plan, Number(value=self._find_kept(step)))
+        if not self._wait([plan]):
+            return -1
+        kept = self.store.get(plan).value
+        if kept >= 0:
+            self._kept = (step, kept)
+            self.version = json.loads(self.store.get(keys.request(kept)).value)["version"]
+            if self.sync.is_leader:
+                logger.warning("step %d is redone: its rollouts, request %d (version %d), are kept; no push, no "
+                               "generation", step, kept, self.version)
+            return self.version
         version = self.store.count(keys.version_seq(), 1) if self.sync.is_leader else 0
         self.sync.push(version)
         key = keys.version(self._epoch(), step)
@@ -78,7 +98,10 @@ class RolloutClient:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, step: int) -> list[list[int]]:
         """Completions (token ids) of ``prompts`` under the version pushed for ``step``.
         If the step is aborted meanwhile, returns placeholder completions of the right
-        size (the step is redone after the failover; nothing of it is kept)."""
+        size (the step is redone after the failover; its rollouts are kept if every shard was
+        done: ``push``). A redone step whose rollouts were kept gets those."""
+        if self._kept is not None and self._kept[0] == step:
+            return self._kept_completions(self._kept[1], prompts, sampling)
         key = keys.request_of(self._epoch(), step)
         if self.sync.is_leader and self.version is not None and not self._abort():
             n = post_request(self.store, prompts, sampling, step=step, version=self.version,
@@ -90,6 +113,36 @@ class RolloutClient:
         n = self.store.get(key).value
         if not self._wait(result_keys(n, self.num_shards), refresh=self.sync.is_leader):
             return placeholder
+        return collect_results(self.store, n, len(prompts), self.num_shards).completions
+
+    def _find_kept(self, step: int) -> int:
+        """The newest request for ``step`` of the last KEPT_GENERATIONS generations before this
+        one whose every shard has its result: -1 when there is none. Only a complete one: a
+        request cut short (a trainer died while it was generated) may be served by no engine any
+        more (one that took a newer version skips it), so its step pushes and asks again."""
+        generation = self._epoch()
+        earlier = range(generation - 1, max(generation - 1 - KEPT_GENERATIONS, -1), -1)
+        for found in self.store.get_many([keys.request_of(g, step) for g in earlier]):
+            if found is None:
+                continue
+            text = self.store.get(keys.request(found.value))
+            shards = len(json.loads(text.value)["shards"]) if text is not None else 0
+            if shards and all(r is not None for r in self.store.get_many(result_keys(found.value, shards))):
+                return found.value
+            return -1
+        return -1
+
+    def _kept_completions(self, n: int, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[list[int]]:
+        """Request ``n``'s completions for the redone step; ReplicaError if it asked for other
+        prompts or sampling than the redo does (the redo is not the step it replays: loud, as a
+        divergence; nothing is generated behind it)."""
+        request = json.loads(self.store.get(keys.request(n)).value)
+        shards = [[[int(t) for t in prompts[i]] for i in range(k, len(prompts), self.num_shards)]
+                  for k in range(self.num_shards)]
+        if request["shards"] != shards or request["sampling"] != asdict(sampling):
+            raise replica.ReplicaError(
+                f"step {request['step']} is redone with other prompts or sampling than its kept rollouts (request "
+                f"{n}) were made for: the redo diverges from the step it replays (see docs/failover.md)")
         return collect_results(self.store, n, len(prompts), self.num_shards).completions
 
     def _wait(self, wanted: list, *, refresh: bool = False) -> bool:
@@ -329,5 +382,19 @@ def served_shards(store: JobStore) -> list[dict]:
                 result = json.loads(result.value)
                 rows.append({"request": n, "step": request["step"], "shard": k, "needed": request["version"],
                              "engine": result["engine"], "pid": result["pid"], "version": result["version"],
-                             "epoch": result.get("epoch")})
+                             "epoch": result.get("epoch"), "tokens": sum(map(len, result["completions"]))})
     return rows
+
+
+def regenerated_tokens(rows: list[dict]) -> int:
+    """Of ``served_shards``' rows, the tokens of a trainer step's shard generated more than once
+    (in a second request for the same step: a redone step that asked again)."""
+    seen: set[tuple[int, int]] = set()
+    again = 0
+    for row in rows:
+        if row["step"] < 0:
+            continue  # a driver's request: no step of the trainers'
+        if (row["step"], row["shard"]) in seen:
+            again += row["tokens"]
+        seen.add((row["step"], row["shard"]))
+    return again

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -60,6 +61,11 @@ def test_rl_loop_survives_a_trainer_and_a_rollout_kill_under_load(tmp_path, refe
     assert all(s["version"] == s["needed"] for s in shards)
     assert {s["step"] for s in shards} == set(range(1, 7))
     assert compare_reports(reference, report) == []  # losses and rewards, bit for bit
+    # Step 4's rollouts were done when trainer 1 died in its backward: the redo takes them (no second
+    # push, no second generation; a redo from step 3, if its commit was not complete, takes step 3's too).
+    assert re.search(r"step [34] is redone: its rollouts, request \d+ \(version \d+\), are kept", output), \
+        output[-4000:]
+    assert report["rollout_tokens_regenerated"] == 0, shards
     assert report["last_commit"] == 6
 
 

@@ -90,3 +90,84 @@ def test_an_engine_skips_a_request_a_failover_made_obsolete():
     assert not superseded({"version": 4, "step": -1, "at_least": True}, 5)
     with pytest.raises(ReplicaError, match="below"):
         superseded({"version": 6, "step": 5}, 5)
+
+
+class _Sync:
+    """Stands in for ``replica.WeightSync`` (whose engines are vLLM's: the RL tests run those):
+    counts the pushes a trainer rank makes."""
+
+    def __init__(self, leader: bool):
+        self.is_leader, self.pushed = leader, []
+
+    def push(self, version: int) -> None:
+        self.pushed.append(version)
+
+    def refresh(self) -> None:
+        pass
+
+
+def _client(store: JobStore, generation: int, *, leader: bool = True):
+    from replica.roles.rollouts import RolloutClient
+
+    aborted = threading.Event()  # set: the step failed (a trainer died), as the runtime says
+    client = RolloutClient(store=store.own(), sync=_Sync(leader), num_shards=2, epoch=lambda: generation,
+                           abort=aborted.is_set, timeout=timedelta(seconds=20))
+    client.aborted = aborted
+    return client
+
+
+def _serve_step(store: JobStore, client, step: int, prompts, sampling, *, shards_done: int = 2):
+    """``client`` pushes and asks for ``step``'s rollouts; an engine answers ``shards_done`` of
+    its 2 shards (fewer: then the step fails, as when a trainer dies meanwhile)."""
+    version = client.push(step)
+    n = store.count(keys.request_seq()) + 1
+
+    def engine():
+        own = store.own()
+        request = json.loads(own.wait_for(lambda s: s.get(keys.request(n)), wake=lambda: [keys.request(n)],
+                                          timeout=timedelta(seconds=20), what="the request").value)
+        for k, shard in enumerate(request["shards"][:shards_done]):
+            own.put(keys.result(n, k), Text(value=json.dumps({"engine": 0, "pid": 0, "version": version,
+                                                              "completions": [p[::-1] for p in shard]})))
+        if shards_done < 2:
+            client.aborted.set()
+
+    answer = threading.Thread(target=engine)
+    answer.start()
+    got = client.generate(prompts, sampling, step=step)
+    answer.join()
+    assert got == ([p[::-1] for p in prompts] if shards_done == 2 else [[0] * sampling.max_tokens] * len(prompts))
+    return version
+
+
+def test_a_redone_step_takes_the_rollouts_its_first_attempt_finished(store):
+    """Step 4's rollouts were done in generation 0 when a trainer died; redone in generation 1,
+    the step pushes nothing and generates nothing: it gets the same completions, every rank
+    (the leader decides, a follower reads its word). A step whose first request was cut short
+    (a shard missing) pushes and asks again; a redo asking for other prompts is refused loudly."""
+    from replica.errors import ReplicaError
+    from replica.roles.rollouts import regenerated_tokens, served_shards
+
+    prompts, sampling = [[1, 2], [3, 4, 5], [6]], Sampling(max_tokens=3, seed=4000)
+    first = _client(store, 0)
+    version = _serve_step(store, first, 4, prompts, sampling)
+    assert first.sync.pushed == [version]
+    leader, follower = _client(store, 1), _client(store, 1, leader=False)
+    answers = {}
+    reader = threading.Thread(target=lambda: answers.update(follower=(follower.push(4), follower.generate(
+        prompts, sampling, step=4))))
+    reader.start()
+    assert leader.push(4) == version and leader.sync.pushed == []  # kept: no push
+    assert leader.generate(prompts, sampling, step=4) == [p[::-1] for p in prompts]
+    reader.join()
+    assert answers["follower"] == (version, [p[::-1] for p in prompts]) and follower.sync.pushed == []
+    assert store.count(keys.request_seq()) == 1  # nothing asked again
+    assert regenerated_tokens(served_shards(store)) == 0
+    with pytest.raises(ReplicaError, match="other prompts"):
+        leader.generate([[9, 9]] + prompts[1:], sampling, step=4)
+    # Step 5: one shard of two done when the trainer died: redone, it pushes and asks again.
+    _serve_step(store, leader, 5, prompts, sampling, shards_done=1)
+    again = _client(store, 2)
+    _serve_step(store, again, 5, prompts, sampling)
+    assert len(again.sync.pushed) == 1
+    assert regenerated_tokens(served_shards(store)) == len(prompts[0]) + len(prompts[2])  # shard 0 made twice

@@ -304,6 +304,11 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key(f"rollout/request/{generation}/{step}", Number)
 
     @staticmethod
+    def kept_request(generation: int, step: int) -> Key[Number]:
+        # The leader's word to every rank: STEP's rollouts are request N of an earlier generation (-1: none)
+        return Key(f"rollout/kept/{generation}/{step}", Number)
+
+    @staticmethod
     def request(n: int) -> Key[Text]:
         return Key(f"rollout/req/{n}", Text)  # the request as JSON
 
