@@ -67,9 +67,9 @@ class RolloutClient:
     def push(self, step: int) -> int:
         """Send the current weights as a new version (every rank); returns the version id,
         or -1 if the step was aborted (its outputs are discarded, as a failed step's are).
-        A step redone after a failover whose rollouts an earlier generation already has, every
-        shard (``_kept``), pushes nothing: its rollouts are those, made with the same weights
-        (the committed ones: a redo replays bit-identically), and the version is theirs."""
+        A step redone after a failover whose rollouts an earlier generation asked for
+        (``_find_kept``) pushes nothing: its rollouts are those, made with the same weights (the
+        committed ones: a redo replays bit-identically), and the version is theirs."""
         self._kept = None
         plan = keys.kept_request(self._epoch(), step)
         if self.sync.is_leader and not self._abort():  # the leader decides for every rank: push is collective
@@ -81,8 +81,8 @@ class RolloutClient:
             self._kept = (step, kept)
             self.version = json.loads(self.store.get(keys.request(kept)).value)["version"]
             if self.sync.is_leader:
-                logger.warning("step %d is redone: its rollouts, request %d (version %d), are kept; no push, no "
-                               "generation", step, kept, self.version)
+                logger.warning("step %d is redone: its rollouts, request %d (version %d), are kept; no push, and "
+                               "only the shards not done yet are generated", step, kept, self.version)
             return self.version
         version = self.store.count(keys.version_seq(), 1) if self.sync.is_leader else 0
         self.sync.push(version)
@@ -98,8 +98,9 @@ class RolloutClient:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, step: int) -> list[list[int]]:
         """Completions (token ids) of ``prompts`` under the version pushed for ``step``.
         If the step is aborted meanwhile, returns placeholder completions of the right
-        size (the step is redone after the failover; its rollouts are kept if every shard was
-        done: ``push``). A redone step whose rollouts were kept gets those."""
+        size (the step is redone after the failover, and its request is kept: ``push``). A
+        redone step whose request was kept gets its completions (waiting for the shards not done
+        yet)."""
         if self._kept is not None and self._kept[0] == step:
             return self._kept_completions(self._kept[1], prompts, sampling)
         key = keys.request_of(self._epoch(), step)
@@ -117,19 +118,23 @@ class RolloutClient:
 
     def _find_kept(self, step: int) -> int:
         """The newest request for ``step`` of the last KEPT_GENERATIONS generations before this
-        one whose every shard has its result: -1 when there is none. Only a complete one: a
-        request cut short (a trainer died while it was generated) may be served by no engine any
-        more (one that took a newer version skips it), so its step pushes and asks again."""
+        one, if the redo can take it: -1 when not. A complete one always (its completions are in
+        the store); one cut short (a trainer died while it was generated) only if no push began
+        since its version's: then every engine still holds that version and goes on serving the
+        request's missing shards, which the redo waits for (an engine that took a newer version
+        skips an older request: then the step pushes and asks again)."""
         generation = self._epoch()
         earlier = range(generation - 1, max(generation - 1 - KEPT_GENERATIONS, -1), -1)
         for found in self.store.get_many([keys.request_of(g, step) for g in earlier]):
             if found is None:
                 continue
             text = self.store.get(keys.request(found.value))
-            shards = len(json.loads(text.value)["shards"]) if text is not None else 0
-            if shards and all(r is not None for r in self.store.get_many(result_keys(found.value, shards))):
-                return found.value
-            return -1
+            if text is None:
+                return -1
+            request = json.loads(text.value)
+            results = self.store.get_many(result_keys(found.value, len(request["shards"])))
+            complete = all(r is not None for r in results)
+            return found.value if complete or self.store.count(keys.version_seq()) == request["version"] else -1
         return -1
 
     def _kept_completions(self, n: int, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[list[int]]:
@@ -143,6 +148,8 @@ class RolloutClient:
             raise replica.ReplicaError(
                 f"step {request['step']} is redone with other prompts or sampling than its kept rollouts (request "
                 f"{n}) were made for: the redo diverges from the step it replays (see docs/failover.md)")
+        if not self._wait(result_keys(n, self.num_shards)):
+            return [[0] * sampling.max_tokens for _ in prompts]  # failed again: redone again
         return collect_results(self.store, n, len(prompts), self.num_shards).completions
 
     def _wait(self, wanted: list, *, refresh: bool = False) -> bool:

@@ -140,11 +140,14 @@ def _serve_step(store: JobStore, client, step: int, prompts, sampling, *, shards
     return version
 
 
-def test_a_redone_step_takes_the_rollouts_its_first_attempt_finished(store):
+def test_a_redone_step_takes_the_rollouts_its_first_attempt_asked_for(store):
     """Step 4's rollouts were done in generation 0 when a trainer died; redone in generation 1,
     the step pushes nothing and generates nothing: it gets the same completions, every rank
-    (the leader decides, a follower reads its word). A step whose first request was cut short
-    (a shard missing) pushes and asks again; a redo asking for other prompts is refused loudly."""
+    (the leader decides, a follower reads its word). Step 5's request was cut short (one shard
+    of two done): redone, it pushes nothing and waits for the missing shard only, which the
+    engines, still at its version, go on serving. Step 6's was cut short and a push began after
+    it (a zombie's): redone, it pushes and asks again. A redo asking for other prompts is
+    refused loudly."""
     from replica.errors import ReplicaError
     from replica.roles.rollouts import regenerated_tokens, served_shards
 
@@ -162,12 +165,21 @@ def test_a_redone_step_takes_the_rollouts_its_first_attempt_finished(store):
     reader.join()
     assert answers["follower"] == (version, [p[::-1] for p in prompts]) and follower.sync.pushed == []
     assert store.count(keys.request_seq()) == 1  # nothing asked again
-    assert regenerated_tokens(served_shards(store)) == 0
     with pytest.raises(ReplicaError, match="other prompts"):
         leader.generate([[9, 9]] + prompts[1:], sampling, step=4)
-    # Step 5: one shard of two done when the trainer died: redone, it pushes and asks again.
-    _serve_step(store, leader, 5, prompts, sampling, shards_done=1)
+    # Step 5, cut short after one shard: the redo waits for the other on the same request.
+    five = _serve_step(store, leader, 5, prompts, sampling, shards_done=1)
     again = _client(store, 2)
-    _serve_step(store, again, 5, prompts, sampling)
-    assert len(again.sync.pushed) == 1
+    assert again.push(5) == five and again.sync.pushed == []
+    n = store.count(keys.request_seq())
+    store.put(keys.result(n, 1), Text(value=json.dumps({"engine": 1, "pid": 0, "version": five,
+                                                         "completions": [prompts[1][::-1]]})))
+    assert again.generate(prompts, sampling, step=5) == [p[::-1] for p in prompts]
+    assert store.count(keys.request_seq()) == n and regenerated_tokens(served_shards(store)) == 0
+    # Step 6, cut short, then a push began (version_seq moved): redone, it pushes and asks again.
+    _serve_step(store, again, 6, prompts, sampling, shards_done=1)
+    store.count(keys.version_seq(), 1)
+    third = _client(store, 3)
+    _serve_step(store, third, 6, prompts, sampling)
+    assert len(third.sync.pushed) == 1
     assert regenerated_tokens(served_shards(store)) == len(prompts[0]) + len(prompts[2])  # shard 0 made twice
