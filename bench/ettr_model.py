@@ -159,6 +159,13 @@ class Projection:
     floor: bool = True  # a durable floor (--durable): a pair loss resumes from it; without, the job restarts
     floor_every_s: float = 600.0  # the floor's cadence (--durable-interval's default)
     floor_overhead: float = 0.0  # the floor's cost on a step, as a share of it (measured: bench/test_floor_cost.py)
+    # The share of a step the engines spend generating (the rest: the trainers' forward, backward, optimizer).
+    # Assumed: generation takes most of an RL step at this scale (long completions, a 32B policy); make
+    # demo-rl's toy measures its own split, which is no guide for a real model.
+    rollout_share: float = 0.7
+    # A redone step keeps its first attempt's request (roles/rollouts.py): the engines go on generating
+    # through a trainer's failover, so only the training part in flight is redone.
+    rollouts_kept: bool = True
 
     @property
     def state_gb(self) -> float:
@@ -169,12 +176,22 @@ class Projection:
 
     def failover_s(self) -> float:
         """A failure replica survives in memory: detect, promote, reconnect, redo the step in
-        flight (half a step on average), and, when commits wait for it, the new standby's start
-        and resync."""
-        lost = self.detect_s + self.promote_s + self.reconnect_s + self.step_s / 2
+        flight (``redone_s``), and, when commits wait for it, the new standby's start and
+        resync."""
+        lost = self.detect_s + self.promote_s + self.reconnect_s + self.redone_s()
         if self.wait_for_standby:
             lost += self.standby_start_s + self.per_host_gb() / self.link_gb_s
         return lost
+
+    def redone_s(self) -> float:
+        """The work a trainer's failure redoes, on average over where in the step it comes: half a
+        step; with the rollouts kept, only the training part in flight: a failure during the
+        rollouts loses none of them (the engines generate on through the failover, which is
+        charged apart), one in the training part redoes what of it was done."""
+        if not self.rollouts_kept:
+            return self.step_s / 2
+        train = self.step_s * (1 - self.rollout_share)
+        return train * train / (2 * self.step_s)
 
     def floor_resume_s(self) -> float:
         """A pair loss with the floor: every role starts again (as a restart does), reads the
@@ -214,6 +231,8 @@ def project(model: Projection, mtbfs_s: Sequence[float]) -> list[dict]:
         baseline, k = model.baseline_ettr(mtbf)
         rows.append({"mtbf_s": mtbf, "mtbf_steps": mtbf / model.step_s, "replica": model.replica_ettr(mtbf),
                      "replica_without_floor": replace(model, floor=False).replica_ettr(mtbf),
+                     "replica_single_failures": replace(model, pair_fraction=0.0).replica_ettr(mtbf),
+                     "replica_rollouts_redone": replace(model, rollouts_kept=False).replica_ettr(mtbf),
                      "checkpoint_restart": baseline, "checkpoint_every": k})
     return rows
 

@@ -94,7 +94,7 @@ def test_pair_losses_cost_a_resume_from_the_floor_or_a_restart_without_it():
     the pair losses' own rate multiplies replica's."""
     model = Projection()
     alone = replace(model, pair_fraction=0.0)
-    single = model.detect_s + model.promote_s + model.reconnect_s + model.step_s / 2
+    single = model.detect_s + model.promote_s + model.reconnect_s + model.redone_s()
     assert alone.replica_ettr(3600) == pytest.approx(1 - single / 3600)  # no pair losses: failovers only
     assert replace(alone, floor=False).replica_ettr(3600) == pytest.approx(alone.replica_ettr(3600))
     resume = model.restart_fixed_s + model.state_gb / model.storage_gb_s + model.floor_every_s / 2 + model.step_s / 2
@@ -105,6 +105,17 @@ def test_pair_losses_cost_a_resume_from_the_floor_or_a_restart_without_it():
     assert without.replica_ettr(3600) == pytest.approx((1 - (1 - p) * single / 3600) * model.baseline_ettr(3600 / p)[0])
     assert replace(model, floor_every_s=model.step_s).replica_ettr(3600) > model.replica_ettr(3600)  # a tighter floor
     assert replace(model, floor_overhead=0.01).replica_ettr(3600) == pytest.approx(model.replica_ettr(3600) * 0.99)
+
+
+def test_kept_rollouts_leave_a_trainers_failure_only_the_training_part_to_redo():
+    """Without the kept rollouts a failure redoes half a step on average; with them, a failure
+    during the rollouts (a share r of the step) redoes nothing of them and one in the training
+    part redoes what of it was done: (1 - r)^2 / 2 of a step."""
+    model = Projection()
+    assert replace(model, rollouts_kept=False).redone_s() == pytest.approx(model.step_s / 2)
+    assert model.redone_s() == pytest.approx(model.step_s * (1 - model.rollout_share) ** 2 / 2)
+    assert replace(model, rollout_share=0.0).redone_s() == pytest.approx(model.step_s / 2)  # no rollouts: as before
+    assert model.replica_ettr(1800) > replace(model, rollouts_kept=False).replica_ettr(1800)
 
 
 def test_the_projection_takes_the_detection_measured_at_scale(tmp_path):
