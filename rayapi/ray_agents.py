@@ -277,10 +277,12 @@ class RayAgents:
         declared dead and where none of the job's actors is unreachable now."""
         suspect = {a.node for a in self._actors if a.unavailable_since is not None and a.code is None}
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in suspect}
-        trainer_hosts = {host for r, _, host, _ in self._members() if r == Role.TRAINER}
+        # A spare avoids standbys' nodes too: a promotion makes one a trainer's, beside a spare it may be bound to.
+        avoid = (Role.TRAINER, Role.STANDBY) if spare is not None else (Role.TRAINER,)
+        trainer_hosts = {host for r, _, host, _ in self._members() if r in avoid}
         bundle = self._bundle_for(rank, resources, alive, trainer_hosts)
         node = self._node_for(resources, alive, trainer_hosts) if bundle is None else None
-        if bundle is None and node is None and self.placement.strategy != "STRICT_SPREAD":
+        if bundle is None and node is None and self.placement.strategy != "STRICT_SPREAD" and spare is None:
             # The job was placed sharing nodes (PACK, SPREAD: a one-node cluster, say): beside a
             # trainer is better than nothing: it survives a process's death, not the node's.
             bundle = self._bundle_for(rank, resources, alive, set())

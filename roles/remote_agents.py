@@ -151,12 +151,12 @@ class RemoteAgents:
 
     def start_spare(self, index: int) -> bool:
         """Order spare standby ``index`` started on a live agent in a failure domain without a
-        trainer (it may be bound to any rank); False while there is none, or not every trainer has
+        trainer or a standby (it may be bound to any rank); False while there is none, or not every trainer has
         joined yet. Spares are not counted
         against the replacements; their refills are (``take_replacement``)."""
         if sum(role == Role.TRAINER for role, _, _, _ in self._members()) < self._trainers:
             return False  # not every trainer's domain is known yet
-        chosen = self._site()
+        chosen = self._site(spare=True)
         if chosen is None:
             return False
         self._order(chosen.index, AgentOrder(kind=OrderKind.START, role=str(Role.STANDBY), spare=index))
@@ -181,11 +181,13 @@ class RemoteAgents:
         logger.warning("asked agent %d (%s) to start %s %d", chosen.index, chosen.host, role, rank)
         return True
 
-    def _site(self) -> AgentInfo | None:
-        """The live agent a new standby, spare or engine goes to: in a domain without a trainer,
-        the one with the fewest members on its host, the lowest index first."""
+    def _site(self, *, spare: bool = False) -> AgentInfo | None:
+        """The live agent a new standby, spare or engine goes to: in a domain without a trainer
+        (a spare: nor a standby, whose promotion would make it a trainer's, beside a spare it may
+        be bound to), the one with the fewest members on its host, the lowest index first."""
         members = self._members()
-        trainer_domains = {domain for r, _, _, domain in members if r == Role.TRAINER}
+        avoid = (Role.TRAINER, Role.STANDBY) if spare else (Role.TRAINER,)
+        trainer_domains = {domain for r, _, _, domain in members if r in avoid}
         load = {}
         for _, _, host, _ in members:
             load[host] = load.get(host, 0) + 1
