@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from replica.errors import ReplicaError
 from replica.ray.actor import RoleProcess, node_host_name
-from replica.roles.remote_agents import replacement_site
+from replica.roles.remote_agents import kept_apart_from, replacement_site
 from replica.roles.env import Role, member_environ
 from replica.roles.probe import Verdict, by_host
 from replica.roles.spares import Replacements
@@ -277,8 +277,7 @@ class RayAgents:
         declared dead and where none of the job's actors is unreachable now."""
         suspect = {a.node for a in self._actors if a.unavailable_since is not None and a.code is None}
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in suspect}
-        # A spare avoids standbys' nodes too: a promotion makes one a trainer's, beside a spare it may be bound to.
-        avoid = (Role.TRAINER, Role.STANDBY) if spare is not None else (Role.TRAINER,)
+        avoid = kept_apart_from(spare=spare is not None)
         trainer_hosts = {host for r, _, host, _ in self._members() if r in avoid}
         bundle = self._bundle_for(rank, resources, alive, trainer_hosts)
         node = self._node_for(resources, alive, trainer_hosts) if bundle is None else None

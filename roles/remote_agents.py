@@ -21,7 +21,7 @@ from replica.roles.probe import Verdict, by_host
 from replica.roles.spares import Replacements
 from replica.timing import Deadline
 
-__all__ = ["AGENT_SILENCE", "RemoteAgents", "replacement_site"]
+__all__ = ["AGENT_SILENCE", "RemoteAgents", "kept_apart_from", "replacement_site"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,13 @@ def replacement_site(sites: Iterable[Site], *, domain: Callable[[Site], str], tr
     first in ``order``; None if there is none. The one placement rule of every launcher."""
     candidates = [s for s in sites if domain(s) not in trainer_domains]
     return min(candidates, key=lambda s: (load(s), order(s)), default=None)
+
+def kept_apart_from(*, spare: bool) -> tuple[Role, ...]:
+    """The roles whose failure domains a new standby or engine may not share: a trainer's; a
+    spare's also a standby's (a promotion makes that domain a trainer's, beside the spare it may
+    be bound to)."""
+    return (Role.TRAINER, Role.STANDBY) if spare else (Role.TRAINER,)
+
 
 # An agent that has not beaten (every 200 ms) for this long gets no new role: shorter than any
 # role's deadline, so the agent of a host lost with a role is passed over when that role is replaced.
@@ -151,9 +158,9 @@ class RemoteAgents:
 
     def start_spare(self, index: int) -> bool:
         """Order spare standby ``index`` started on a live agent in a failure domain without a
-        trainer or a standby (it may be bound to any rank); False while there is none, or not every trainer has
-        joined yet. Spares are not counted
-        against the replacements; their refills are (``take_replacement``)."""
+        trainer or a standby (``kept_apart_from``); False while there is none, or not every
+        trainer has joined yet. Spares are not counted against the replacements; their refills
+        are (``take_replacement``)."""
         if sum(role == Role.TRAINER for role, _, _, _ in self._members()) < self._trainers:
             return False  # not every trainer's domain is known yet
         chosen = self._site(spare=True)
@@ -182,12 +189,11 @@ class RemoteAgents:
         return True
 
     def _site(self, *, spare: bool = False) -> AgentInfo | None:
-        """The live agent a new standby, spare or engine goes to: in a domain without a trainer
-        (a spare: nor a standby, whose promotion would make it a trainer's, beside a spare it may
-        be bound to), the one with the fewest members on its host, the lowest index first."""
+        """The live agent a new standby, spare or engine goes to: in a domain apart from
+        ``kept_apart_from``'s roles, the one with the fewest members on its host, the lowest index
+        first."""
         members = self._members()
-        avoid = (Role.TRAINER, Role.STANDBY) if spare else (Role.TRAINER,)
-        trainer_domains = {domain for r, _, _, domain in members if r in avoid}
+        trainer_domains = {domain for r, _, _, domain in members if r in kept_apart_from(spare=spare)}
         load = {}
         for _, _, host, _ in members:
             load[host] = load.get(host, 0) + 1

@@ -61,7 +61,7 @@ class RolloutClient:
         self.timeout = timeout
         self.version: int | None = None
         self._epoch = epoch  # the process-group generation: a redone step is a new exchange
-        self._kept: tuple[int, int] | None = None  # (step, request) whose rollouts the redo of step takes
+        self._kept: tuple[int, int, dict] | None = None  # (step, n, request n) whose rollouts the redo of step takes
         self._abort = abort  # the step failed (a trainer died): stop waiting, the step is redone
 
     def push(self, step: int) -> int:
@@ -78,8 +78,9 @@ class RolloutClient:
             return -1
         kept = self.store.get(plan).value
         if kept >= 0:
-            self._kept = (step, kept)
-            self.version = json.loads(self.store.get(keys.request(kept)).value)["version"]
+            request = json.loads(self.store.get(keys.request(kept)).value)
+            self._kept = (step, kept, request)
+            self.version = request["version"]
             if self.sync.is_leader:
                 logger.warning("step %d is redone: its rollouts, request %d (version %d), are kept; no push, and "
                                "only the shards not done yet are generated", step, kept, self.version)
@@ -101,17 +102,19 @@ class RolloutClient:
         size (the step is redone after the failover, and its request is kept: ``push``). A
         redone step whose request was kept gets its completions (waiting for the shards not done
         yet)."""
-        if self._kept is not None and self._kept[0] == step:
-            return self._kept_completions(self._kept[1], prompts, sampling)
-        key = keys.request_of(self._epoch(), step)
-        if self.sync.is_leader and self.version is not None and not self._abort():
-            n = post_request(self.store, prompts, sampling, step=step, version=self.version,
-                             num_shards=self.num_shards)
-            self.store.put(key, Number(value=n))
         placeholder = [[0] * sampling.max_tokens for _ in prompts]
-        if not self._wait([key]):
-            return placeholder
-        n = self.store.get(key).value
+        if self._kept is not None and self._kept[0] == step:
+            _, n, request = self._kept
+            self._check_kept(n, request, prompts, sampling)
+        else:
+            key = keys.request_of(self._epoch(), step)
+            if self.sync.is_leader and self.version is not None and not self._abort():
+                n = post_request(self.store, prompts, sampling, step=step, version=self.version,
+                                 num_shards=self.num_shards)
+                self.store.put(key, Number(value=n))
+            if not self._wait([key]):
+                return placeholder
+            n = self.store.get(key).value
         if not self._wait(result_keys(n, self.num_shards), refresh=self.sync.is_leader):
             return placeholder
         return collect_results(self.store, n, len(prompts), self.num_shards).completions
@@ -137,20 +140,14 @@ class RolloutClient:
             return found.value if complete or self.store.count(keys.version_seq()) == request["version"] else -1
         return -1
 
-    def _kept_completions(self, n: int, prompts: Sequence[Sequence[int]], sampling: Sampling) -> list[list[int]]:
-        """Request ``n``'s completions for the redone step; ReplicaError if it asked for other
-        prompts or sampling than the redo does (the redo is not the step it replays: loud, as a
-        divergence; nothing is generated behind it)."""
-        request = json.loads(self.store.get(keys.request(n)).value)
-        shards = [[[int(t) for t in prompts[i]] for i in range(k, len(prompts), self.num_shards)]
-                  for k in range(self.num_shards)]
-        if request["shards"] != shards or request["sampling"] != asdict(sampling):
+    def _check_kept(self, n: int, request: dict, prompts: Sequence[Sequence[int]], sampling: Sampling) -> None:
+        """ReplicaError if kept request ``n`` asked for other prompts or sampling than the redone
+        step does (the redo is not the step it replays: loud, as a divergence; nothing is
+        generated behind it)."""
+        if request["shards"] != _shards(prompts, self.num_shards)[1] or request["sampling"] != asdict(sampling):
             raise replica.ReplicaError(
                 f"step {request['step']} is redone with other prompts or sampling than its kept rollouts (request "
-                f"{n}) were made for: the redo diverges from the step it replays (see docs/failover.md)")
-        if not self._wait(result_keys(n, self.num_shards)):
-            return [[0] * sampling.max_tokens for _ in prompts]  # failed again: redone again
-        return collect_results(self.store, n, len(prompts), self.num_shards).completions
+                f"{n}) were made for: the redo diverges from the step it replays (see docs/weight-sync.md)")
 
     def _wait(self, wanted: list, *, refresh: bool = False) -> bool:
         """True once every key is set; False if the step was aborted first. Polls the
@@ -191,12 +188,18 @@ def post_request(store: JobStore, prompts: Sequence[Sequence[int]], sampling: Sa
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     n = store.count(keys.request_seq(), 1)
-    shards = [list(range(k, len(prompts), num_shards)) for k in range(num_shards)]
+    index, shards = _shards(prompts, num_shards)
     store.put(keys.request(n), Text(value=json.dumps({
         "step": step, "version": version, "at_least": at_least, "sampling": asdict(sampling),
-        "shards": [[[int(t) for t in prompts[i]] for i in shard] for shard in shards],
-        "index": shards})))
+        "shards": shards, "index": index})))
     return n
+
+
+def _shards(prompts: Sequence[Sequence[int]], num_shards: int) -> tuple[list[list[int]], list[list[list[int]]]]:
+    """A request's shards: the prompt indices of each (prompt i in shard i mod ``num_shards``)
+    and their token ids, as the request holds them."""
+    index = [list(range(k, len(prompts), num_shards)) for k in range(num_shards)]
+    return index, [[[int(t) for t in prompts[i]] for i in shard] for shard in index]
 
 
 def result_keys(n: int, num_shards: int) -> list:
