@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from datetime import timedelta
 
@@ -37,6 +38,7 @@ from transport_contract import (
     check_round_trip_sizes,
     connected,
     empty,
+    pair,
     pattern,
     peer_main,
     run_transport_contract,
@@ -356,3 +358,44 @@ def test_an_offer_of_another_processs_region_is_refused():
         with pytest.raises(TransportError, match="another process made"):
             conn._on_control(ipc_frames.WANT, want)
         assert conn.num_dest_imports == 0
+
+
+def test_a_receive_finished_before_its_want_keeps_the_export_the_want_names(monkeypatch):
+    """The message may finish a receive (on the monitor thread) while the receiving thread is
+    still building its WANT: that export has nothing in flight any more, but the WANT names
+    it, so it must not be retired (released) in the same breath. Forced here by holding
+    the WANT until the sender's offer was copied and acknowledged."""
+    n = 2 * HOST_OFFER_BYTES
+    with make_shm(b"job-token") as a, make_shm(b"job-token") as b:
+        sending, receiving = pair(a, b)
+        buffer = memfd.shared_empty(n)  # the receive's buffer: a destination the peer may map
+        acknowledged = threading.Event()
+        held = []
+        retire = type(receiving)._retire_exports
+
+        def held_retire(self, table, using, **kw):
+            if table is self._dest_exports and not held:
+                held.append(True)
+                assert acknowledged.wait(30), "the sender's offer was never acknowledged"
+            return retire(self, table, using, **kw)
+
+        monkeypatch.setattr(type(receiving), "_retire_exports", held_retire)
+        transfers = []
+        poster = threading.Thread(target=lambda: transfers.append(receiving.irecv(buffer, tag=3)))
+        poster.start()
+        wait_for(lambda: held, "the receive's WANT being built")
+        data = pattern(n, 7)
+        sending.send(data, tag=3, timeout=T)  # offered, copied by the receiver, acknowledged
+        acknowledged.set()
+        poster.join(30)
+        transfers[0].wait(T)
+        assert torch.equal(buffer, data)
+        # The connection lives on: the same buffer is received into again (its export named
+        # by WANTs the sender must know), and the export the finished receive left is idle.
+        for i in range(3):
+            transfer = receiving.irecv(buffer, tag=3)
+            sending.send(pattern(n, 8 + i), tag=3, timeout=T)
+            transfer.wait(T)
+            assert torch.equal(buffer, pattern(n, 8 + i))
+        assert receiving.num_dest_exports == 1
+        wait_for(lambda: sending.num_dest_imports == 1, "the sender holding the receive's export")

@@ -340,13 +340,27 @@ class Recv:
         # Taken by the copy that received it: a shared-memory copy here, or the
         # sender's hash of the bytes it pushed into device memory.
         self.digest: int | None = None
-        self.released: Callable[[], None] | None = None  # its buffer's export is not written into any more
+        # Called once its buffer's export is not written into any more. The message may
+        # finish the receive (on the monitor or completion thread) before the caller's
+        # WANT sets it: the hand-off is under a lock of its own, so it runs exactly once.
+        self._released: Callable[[], None] | None = None
+        self._ended = False
+        self._release_lock = threading.Lock()
+
+    def on_released(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` when this receive finishes (at once if it has)."""
+        with self._release_lock:
+            if not self._ended:
+                self._released = callback
+                return
+        callback()
 
     def finish(self, header: bytes) -> None:
         self.header_buf.copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         self.done = True
         self.flat = self.posted = None
-        released, self.released = self.released, None
+        with self._release_lock:
+            released, self._released, self._ended = self._released, None, True
         if released is not None:
             released()
         self.completion.set()

@@ -61,8 +61,10 @@ class Receiving:
                 else:
                     with self._state_lock:
                         export.inflight += 1  # not retired while the peer may write into it
-                    receive.released = functools.partial(self._release_destination, export)
-                    frames = self._retire_exports(self._dest_exports, storage)
+                    receive.on_released(functools.partial(self._release_destination, export))
+                    # Never the export this WANT names: its receive may have finished already
+                    # (the message came first), leaving it with nothing in flight.
+                    frames = self._retire_exports(self._dest_exports, storage, keep=export)
             announce = export is not None and not export.announced
             fixed = WANT_FIXED.pack(tag, index, export.id if export is not None else 0,
                                      flat.storage_offset() if export is not None else 0, flat.numel(), announce)

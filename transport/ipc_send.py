@@ -207,7 +207,7 @@ class Sending:
             item.send.export = export
             with self._state_lock:
                 export.inflight += 1  # first: an export in flight is never retired
-            frames = self._retire_exports(self._exports, storage)
+            frames = self._retire_exports(self._exports, storage, keep=export)
             fixed = OFFER_FIXED.pack(item.tag, item.index, item.seq, export.id, flat.storage_offset(), flat.numel(),
                                       not export.announced)
             frames.append((OFFER, fixed + item.head + (b"" if export.announced else export.record)))
@@ -270,7 +270,7 @@ class Sending:
         return export
 
     def _retire_exports(self, table: collections.OrderedDict[tuple[int, int, int], Export],
-                        using: torch.UntypedStorage) -> list[tuple[int, bytes]]:
+                        using: torch.UntypedStorage, *, keep: Export) -> list[tuple[int, bytes]]:
         """RELEASE frames for the exports of ``table`` whose storage is gone, those of
         the storage in use that it has left (a resize moved its bytes), and, past
         MAX_EXPORTS, the least recently used ones; never one in use (a send or a
@@ -280,7 +280,7 @@ class Sending:
         with self._state_lock:
             over = len(table) - MAX_EXPORTS
             for key, export in list(table.items()):
-                if export.inflight:
+                if export.inflight or export is keep:
                     continue
                 if over > 0 or key[0] == moved or export.ref.expired():
                     del table[key]
