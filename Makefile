@@ -17,7 +17,7 @@ comma := ,
 unexport PYTHONDONTWRITEBYTECODE
 space := $(subst ,, )
 
-.PHONY: test test-slow durations demo demo-rl demo-rl-ray bench bench-scale ettr build cuda-check clean
+.PHONY: test test-slow demo demo-rl demo-rl-ray bench bench-scale ettr build cuda-check clean
 
 # Dependencies: rebuilt only when the project's metadata changes. Installed with uv (from
 # the registry with pip when it is missing; pip alone if that fails too): the pins live in
@@ -84,11 +84,6 @@ WORKERS ?= $(if $(filter 1,$(shell nproc 2>/dev/null || echo 1)),0,3)
 XDIST = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist load)
 test: build
 	$(PY) -m pytest tests bench --benchmark-disable -m "not slow" --durations=30 $(XDIST) $(PYTEST_ARGS)
-
-# The seconds of each test over 5 s, from a full `make test`: conftest.py starts the longest
-# first, so no minute-long test starts last and runs alone (refresh after adding a long test).
-durations: build
-	$(MAKE) test PYTEST_ARGS="--record-durations tests/durations.json $(PYTEST_ARGS)"
 
 # The long end-to-end matrix (marker `slow`); CI runs it after `make test`.
 test-slow: build
