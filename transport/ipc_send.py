@@ -274,7 +274,8 @@ class Sending:
         """RELEASE frames for the exports of ``table`` whose storage is gone, those of
         the storage in use that it has left (a resize moved its bytes), and, past
         MAX_EXPORTS, the least recently used ones; never one in use (a send or a
-        receive in flight). Caller holds _out_lock."""
+        receive in flight), nor ``keep``, the export the frame being built names. Caller
+        holds _out_lock."""
         frames = []
         moved = using._cdata
         with self._state_lock:
