@@ -87,6 +87,7 @@ class RayJob:
         self._cancel = threading.Event()
         self._error: BaseException | None = None
         self._leadership: Leadership | None = None
+        self._token = b""
 
     @property
     def standbys(self) -> int:
@@ -102,6 +103,7 @@ class RayJob:
             trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host, inject=c.inject,
             steps=c.steps, mirror_device=c.mirror_device, export_dir=c.export_dir, store=c.store,
             backends=c.backends, strict=c.strict, shared_domains=shared_domains_allowed(c.allow_shared_domain))
+        self._token = env.token  # the driver's requests reach the engines' desks with it
         try:
             self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script),
                                      env=env, replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,
@@ -162,8 +164,8 @@ class RayJob:
             raise RuntimeError("start() the job first")
         if self.config.rollouts < 1:
             raise ValueError("this job has no rollout engines (RayJobConfig.rollouts = 0)")
-        return request_rollouts(self.coordinator.store, prompts, sampling, timeout=timeout,
-                                num_shards=num_shards or self.config.rollouts)
+        return request_rollouts(self.coordinator.store, prompts, sampling, timeout=timeout, token=self._token,
+                                num_shards=num_shards or self.config.rollouts, num_engines=self.config.rollouts)
 
     def weights_version(self) -> int | None:
         """The newest weight version every trainer pushed to the engines (None before the first)."""

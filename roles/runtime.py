@@ -33,7 +33,8 @@ from replica.roles.join import join
 from replica.roles.exits import ExitCode, exit_now
 from replica.roles.faults import Faults
 from replica.roles.recovery import Recovery
-from replica.roles.rollouts import RolloutClient, serve_rollouts
+from replica.roles.rollout_engine import serve_rollouts
+from replica.roles.rollouts import RolloutClient
 from replica.roles.spares import wait_for_binding
 
 __all__ = ["Job", "init"]
@@ -279,7 +280,8 @@ class Job(Recovery, Faults):
         (every trainer rank, and every standby, which uses it once promoted)."""
         sync = replica.WeightSync(model, store=self.store, num_engines=self.env.rollouts, config=self.config,
                                   rank=self.rank, name_map=name_map, dtype=dtype, epoch=self.epoch)
-        return RolloutClient(store=self.store, sync=sync, num_shards=num_shards,
+        return RolloutClient(store=self.store, sync=sync, num_shards=num_shards, token=self.env.token,
+                             num_engines=self.env.rollouts,
                              epoch=lambda: self.group.generation,
                              abort=self._step_failed)
 

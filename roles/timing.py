@@ -34,6 +34,7 @@ __all__ = [
     "QUIET",
     "REPLACEMENT_WAIT",
     "ROLE_WAIT",
+    "ROLLOUT_DESK_TIMEOUT",
     "ROLLOUT_POLL",
     "ROLLOUT_REFRESH",
     "ROLLOUT_STEAL_AFTER",
@@ -146,6 +147,7 @@ ROLLOUT_POLL = timedelta(milliseconds=5)  # an engine looks for requests
 ROLLOUT_STEAL_AFTER = timedelta(milliseconds=500)  # an unclaimed shard of another engine is taken after this
 ROLLOUT_REFRESH = timedelta(milliseconds=50)  # the leader brings newly joined engines up to date while it waits
 ROLLOUT_TIMEOUT = timedelta(seconds=600)  # a version or a request's completions
+ROLLOUT_DESK_TIMEOUT = timedelta(seconds=30)  # one request to an engine's desk (prompts or completions)
 
 # --- the judgement of a silence (replica.roles.judgement) ---
 # A gap between the coordinator's polls (every SUPERVISE_POLL) longer than this is its own stall:

@@ -24,6 +24,8 @@ __all__ = [
     "client_handshake",
     "exchange_verdicts",
     "parse_address",
+    "recv_exact",
+    "send_all",
     "send_welcome",
     "server_handshake",
 ]
@@ -52,24 +54,26 @@ class HandshakeDeadline:
         return self._deadline.remaining_s()
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: HandshakeDeadline) -> bytes:
-    chunks = []
-    while n:
+def recv_exact(sock: socket.socket, n: int, deadline: HandshakeDeadline) -> bytes:
+    """Exactly ``n`` bytes, read into one buffer (a desk's blob may be hundreds of MB)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
         sock.settimeout(deadline.remaining())
         try:
-            chunk = sock.recv(n)
+            chunk = sock.recv_into(view[got:], n - got)
         except TimeoutError as exc:
             raise TransferTimeoutError(f"{deadline.what} timed out") from exc
         except OSError as exc:
             raise PeerDisconnectedError(f"{deadline.what}: {exc}") from exc
         if not chunk:
             raise PeerDisconnectedError(f"{deadline.what}: peer closed the connection")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
+        got += chunk
+    return bytes(buf)
 
 
-def _send_all(sock: socket.socket, data: bytes, deadline: HandshakeDeadline) -> None:
+def send_all(sock: socket.socket, data: bytes, deadline: HandshakeDeadline) -> None:
     sock.settimeout(deadline.remaining())
     try:
         sock.sendall(data)
@@ -90,11 +94,11 @@ def exchange_verdicts(sock: socket.socket, reason: str, *, peer: str, timeout_s:
     the control monitor reads the socket."""
     deadline = HandshakeDeadline(timeout_s, f"handshake with {peer}")
     said = reason.encode("utf-8", "replace")[:_MAX_VERDICT_BYTES]
-    _send_all(sock, struct.pack("<H", len(said)) + said, deadline)
-    (n,) = struct.unpack("<H", _recv_exact(sock, 2, deadline))
+    send_all(sock, struct.pack("<H", len(said)) + said, deadline)
+    (n,) = struct.unpack("<H", recv_exact(sock, 2, deadline))
     if n > _MAX_VERDICT_BYTES:
         raise TransportError(f"{peer} sent a {n}-byte verdict in its handshake")
-    said = _recv_exact(sock, n, deadline).decode("utf-8", "replace") if n else ""
+    said = recv_exact(sock, n, deadline).decode("utf-8", "replace") if n else ""
     return "".join(c if c.isprintable() else "?" for c in said)  # it is logged: no control characters
 
 
@@ -105,7 +109,7 @@ def _read_address(sock, deadline):
     def read(length: int) -> bytes:
         if length > MAX_ADDRESS_BYTES:
             raise ValueError(f"peer announced a {length}-byte address")
-        return _recv_exact(sock, length, deadline)
+        return recv_exact(sock, length, deadline)
     return read
 
 
@@ -116,9 +120,9 @@ def await_hello(sock: socket.socket, *, peer: str, token: bytes, deadline: Hands
     a client that vanishes or stalls meanwhile is a PeerDisconnectedError or
     TransferTimeoutError, since that is no evidence of a wrong token."""
     nonce = wire.new_nonce()
-    _send_all(sock, wire.encode_challenge(nonce), deadline)
+    send_all(sock, wire.encode_challenge(nonce), deadline)
     try:
-        hello = wire.Hello.decode(_recv_exact(sock, wire.Hello.fixed_size(), deadline),
+        hello = wire.Hello.decode(recv_exact(sock, wire.Hello.fixed_size(), deadline),
                                   _read_address(sock, deadline))
     except ValueError as exc:
         logger.warning("refused connection from %s: no valid job token (%s)", peer, exc)
@@ -127,7 +131,7 @@ def await_hello(sock: socket.socket, *, peer: str, token: bytes, deadline: Hands
         logger.warning("refused connection from %s: wrong job token", peer)
         refusal = wire.Welcome(accepted=False, proof=bytes(wire.PROOF_BYTES), inbound_id=0, address=b"")
         with contextlib.suppress(TransportError):  # refused either way, even if it is gone already
-            _send_all(sock, refusal.encode(), deadline)
+            send_all(sock, refusal.encode(), deadline)
         raise AuthenticationError(f"{peer} presented a wrong job token")
     return hello
 
@@ -137,7 +141,7 @@ def send_welcome(sock: socket.socket, hello: wire.Hello, *, token: bytes, addres
     """Server side, second half: prove the token back and tell the client where to send."""
     welcome = wire.Welcome(accepted=True, proof=wire.proof(token, hello.nonce, b"server"),
                            inbound_id=inbound_id, address=address)
-    _send_all(sock, welcome.encode(), deadline)
+    send_all(sock, welcome.encode(), deadline)
 
 
 def server_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
@@ -155,18 +159,18 @@ def server_handshake(sock: socket.socket, *, peer: str, token: bytes, address: b
 def answer_challenge(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
                       inbound_id: int, deadline: HandshakeDeadline) -> tuple[bytes, int]:
     try:
-        server_nonce = wire.decode_challenge(_recv_exact(sock, wire.CHALLENGE_BYTES, deadline))
+        server_nonce = wire.decode_challenge(recv_exact(sock, wire.CHALLENGE_BYTES, deadline))
     except ValueError as exc:
         raise TransportError(f"{peer} is not a replica endpoint: {exc}") from exc
     nonce = wire.new_nonce()
     hello = wire.Hello(proof=wire.proof(token, server_nonce, b"client"), nonce=nonce,
                        inbound_id=inbound_id, address=address)
-    _send_all(sock, hello.encode(), deadline)
+    send_all(sock, hello.encode(), deadline)
     # A server that refuses the token says so in its Welcome: an EOF or a stall
     # here (it died, dropped a stalled handshake, or was at its cap) stays a
     # PeerDisconnectedError / TransferTimeoutError, which callers may retry.
     try:
-        welcome = wire.Welcome.decode(_recv_exact(sock, wire.Welcome.fixed_size(), deadline),
+        welcome = wire.Welcome.decode(recv_exact(sock, wire.Welcome.fixed_size(), deadline),
                                       _read_address(sock, deadline))
     except ValueError as exc:
         raise TransportError(f"{peer} is not a replica endpoint: {exc}") from exc

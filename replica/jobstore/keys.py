@@ -284,6 +284,10 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key(f"rollout/engine/{index}/up", Stamp)
 
     @staticmethod
+    def engine_desk(index: int) -> Key[Text]:
+        return Key(f"rollout/engine/{index}/desk", Text)  # where the engine's desk listens (HOST:PORT)
+
+    @staticmethod
     def version_seq() -> str:
         return "rollout/version_seq"
 
@@ -310,7 +314,7 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
 
     @staticmethod
     def request(n: int) -> Key[Text]:
-        return Key(f"rollout/req/{n}", Text)  # the request as JSON
+        return Key(f"rollout/req/{n}", Text)  # the request as JSON (its prompts are on the engines' desks)
 
     @staticmethod
     def claim(n: int, shard: int) -> Key[Text]:
@@ -318,7 +322,16 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
 
     @staticmethod
     def result(n: int, shard: int) -> Key[Text]:
-        return Key(f"rollout/req/{n}/result/{shard}", Text)  # the completions as JSON
+        return Key(f"rollout/req/{n}/result/{shard}", Text)  # where the completions are (JSON)
+
+    @staticmethod
+    def reopened_seq() -> str:
+        return "rollout/reopened_seq"
+
+    @staticmethod
+    def reopened(m: int) -> Key[Number]:
+        # The m-th request opened again: a result whose engine's desk was lost before every trainer had it
+        return Key(f"rollout/reopened/{m}", Number)
 
     @staticmethod
     def request_seen(n: int) -> Key[Stamp]:
