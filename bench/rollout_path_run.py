@@ -140,7 +140,8 @@ def main(prompts_n: int, samples: int, prompt_tokens: int, tokens: int, engines:
     results["path_s"] = statistics.median(results["instant_all_s"])
     results["make_s"] = results["instant_make_s"]
     completions = [stand_in_completion(p, sampling.seed + i, tokens) for i, p in enumerate(prompts)]
-    results["store_path_s"] = statistics.median(_store_path(store, prompts, completions, engines) for _ in range(rounds))
+    results["store_path_s"] = statistics.median(_store_path(store, prompts, completions, engines)
+                                                for _ in range(rounds))
     prompt_bytes, completion_bytes = len(encode_tokens(prompts)), len(encode_tokens(completions))
     results["bytes"] = {"prompts": prompt_bytes, "completions": completion_bytes}
     results["loopback_s"] = _loopback(prompt_bytes * engines + completion_bytes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,7 +18,7 @@ from replica.state.divergence import Divergence, Measure
 from replica.jobstore import keys
 from replica.roles.env import Action, parse_faults
 from replica.roles.members import Mark
-from replica.roles.rollouts import regenerated_tokens, served_shards
+from replica.roles.rollouts import regenerated_tokens, reopened_tokens, served_shards
 
 if TYPE_CHECKING:
     from replica.roles.coordinator import Coordinator
@@ -69,8 +70,9 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         # Tokens of a step's shard generated once more (a redone step asking again; target 0 when the
         # rollouts were done before a trainer died: they are kept). An engine's lost shard is not in
         # here: it wrote no result.
-        "rollout_tokens_regenerated": regenerated_tokens(shards),
+        "rollout_tokens_regenerated": regenerated_tokens(shards) + reopened_tokens(coord.store),
         "rollouts_retired": coord.rollouts_retired,
+        "rollout_split": _rollout_split(coord, steps, times.get("0", [])) if coord.rollouts else None,
         "refused_joins": coord.refused,
         "members": coord.membership(),
         "last_commit": coord.record.last(),
@@ -90,6 +92,23 @@ def _floor(coord: Coordinator, steps: int) -> dict:
     latest = coord.store.get(keys.floor_latest())
     return {"versions": [v.step for v in found if v is not None], "latest": None if latest is None else latest.value,
             "errors": coord.store.count(keys.floor_errors())}
+
+
+def _rollout_split(coord: Coordinator, steps: int, ends: list[float | None]) -> dict | None:
+    """How much of a step the rollouts took: the leader's seconds in each step's push and generate
+    beside the step's own (rank 0's step end times, from the second step: the first has no start)."""
+    found = coord.store.get_many([keys.rollout_seconds(s) for s in range(1, steps + 1)])
+    rollout, step = [], []
+    for s in range(2, min(steps, len(ends)) + 1):
+        took, before, end = found[s - 1], ends[s - 2], ends[s - 1]
+        if took is not None and before is not None and end is not None and end > before:
+            rollout.append(float(took.value))
+            step.append(end - before)
+    if not step:
+        return None
+    return {"steps_measured": len(step), "rollout_s_median": statistics.median(rollout),
+            "step_s_median": statistics.median(step),
+            "rollout_share_median": statistics.median(r / t for r, t in zip(rollout, step))}
 
 
 def fill_from(report: dict, earlier: dict) -> None:
@@ -170,6 +189,11 @@ def summary_lines(report: dict) -> list[str]:
         lines.append("resumed from the durable floor: " + ", ".join(
             f"version {r['resumed_from_floor']} (commit {r['lost_commit']} lost: "
             f"{r['lost_commit'] - r['resumed_from_floor']} steps replayed)" for r in resumed))
+    split = report.get("rollout_split")
+    if split:
+        lines.append(f"rollouts: {100 * split['rollout_share_median']:.0f}% of a step (median of "
+                     f"{split['steps_measured']} steps: push and generate {split['rollout_s_median']:.2f} s, "
+                     f"the step {split['step_s_median']:.2f} s)")
     own = report.get("coordinator_stalls", {})
     if own.get("count"):
         lines.append(f"coordinator stalls: {own['count']} ({own['total_s']:.1f} s in all, the longest "

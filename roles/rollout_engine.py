@@ -88,7 +88,8 @@ class _VllmEngine:
 
 def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: bytes, make_llm: Callable[[], object],
                    stop: Callable[[], bool], on_shard: Callable[[int], None] | None = None,
-                   host: str = "127.0.0.1", backends: tuple[str, ...] | None = None) -> None:
+                   host: str = "127.0.0.1", backends: tuple[str, ...] | None = None,
+                   retiring: Callable[[], bool] | None = None) -> None:
     """The rollout role with a vLLM engine: run it, take weight versions as they come, serve
     shards until ``stop()``. ``on_shard(step)`` runs after a shard is claimed and before it is
     generated (fault injection). ``backends``: the engine's receiver's ``Config.backends``."""
@@ -99,7 +100,7 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
                                               token_hex=token.hex(), host=host, store_prefix=store.prefix,
                                               backends=backends))
     serve_requests(store=store, index=index, num_engines=num_engines, token=token, engine=_VllmEngine(llm, weights),
-                   stop=stop, on_shard=on_shard, host=host)
+                   stop=stop, on_shard=on_shard, host=host, retiring=retiring)
 
 
 def shard_prompts(num_prompts: int, num_shards: int, shard: int) -> range:
@@ -109,9 +110,12 @@ def shard_prompts(num_prompts: int, num_shards: int, shard: int) -> range:
 
 def serve_requests(*, store: JobStore, index: int, num_engines: int, token: bytes, engine: Engine,
                    stop: Callable[[], bool], on_shard: Callable[[int], None] | None = None,
-                   host: str = "127.0.0.1") -> None:
+                   host: str = "127.0.0.1", retiring: Callable[[], bool] | None = None) -> None:
     """Serve requests with ``engine`` (closed on the way out) until ``stop()``: the loop of
-    ``serve_rollouts``, for any engine (the tests' and the benchmark's stand-ins too)."""
+    ``serve_rollouts``, for any engine (the tests' and the benchmark's stand-ins too). Stopped
+    and ``retiring()`` (the engine is retired, the job goes on), it hands the completions it keeps
+    to a live engine first (``_hand_off``): a step redone after the failover that retired it still
+    finds them."""
     desk = Desk(token=token, host=host)
     book = DeskBook(store, token=token, num_engines=num_engines)
     try:
@@ -119,6 +123,8 @@ def serve_requests(*, store: JobStore, index: int, num_engines: int, token: byte
         store.put(keys.engine_up(index), Stamp(at=time.time()))
         logger.warning("[rollout %d] engine up, serving (desk %s)", index, desk.address)
         _Server(store, index, num_engines, engine, desk, book, stop, on_shard).run()
+        if retiring is not None and retiring():
+            _hand_off(store, index, desk, book)
     finally:
         book.close()
         desk.close()
@@ -160,7 +166,7 @@ class _Server:
         for m in range(self.reopened + 1, reopened + 1):
             found = self.store.get(keys.reopened(m))
             if found is not None:
-                self.open.setdefault(found.value, None)
+                self.open.setdefault(json.loads(found.value)["request"], None)
         self.reopened = max(self.reopened, reopened)
         for n in [n for n in self.open if n <= self.posted - KEPT_REQUESTS]:
             del self.open[n]  # nobody waits for a request this old (and its blobs are dropped)
@@ -222,6 +228,29 @@ def post_result(store: JobStore, desk: Desk, n: int, shard: int, completions: Se
     store.put(keys.result(n, shard), Text(value=json.dumps({
         "engine": engine, "pid": os.getpid(), "version": version, "epoch": epoch,
         "digest": blob_digest(blob), "bytes": len(blob), "tokens": sum(map(len, completions))})))
+
+
+def _hand_off(store: JobStore, index: int, desk: Desk, book: DeskBook) -> None:
+    """Put the completions this engine holds on a live engine's desk, and name it in their records."""
+    peers = {i: a for i, a in book.addresses().items() if i != index and not _gone(store, i)}
+    if not peers:
+        return
+    target = min(peers)
+    moved = 0
+    for name in desk.names():
+        if not name.startswith("result/"):
+            continue
+        n, k = (int(part) for part in name.split("/")[1:3])
+        current, raw = store.read(keys.result(n, k))
+        if current is None:
+            continue
+        record = json.loads(current.value)
+        if record.get("held_by", record["engine"]) != index or not book.upload(name, desk.get(name),
+                                                                             {target: peers[target]}):
+            continue
+        store.compare_set(keys.result(n, k), raw, Text(value=json.dumps({**record, "held_by": target})))
+        moved += 1
+    logger.warning("[rollout %d] retired: the completions of %d shard(s) handed to engine %d", index, moved, target)
 
 
 def superseded(request: dict, served: int) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -28,7 +29,8 @@ from replica.timing import Deadline, pause
 from replica.transport.desk import blob_digest
 
 __all__ = ["KEPT_GENERATIONS", "Posted", "RolloutClient", "Rollouts", "Sampling", "await_rollouts", "fetch_results",
-           "post_request", "regenerated_tokens", "reopen", "request_rollouts", "result_keys", "served_shards"]
+           "post_request", "regenerated_tokens", "reopen", "reopened_tokens", "request_rollouts", "result_keys",
+           "served_shards"]
 
 logger = logging.getLogger(__name__)
 # A redone step looks this many generations back for its rollouts (failovers in a row before it got there).
@@ -72,6 +74,7 @@ class RolloutClient:
         self._epoch = epoch  # the process-group generation: a redone step is a new exchange
         self._kept: tuple[int, int, dict] | None = None  # (step, n, request n) whose rollouts the redo of step takes
         self._abort = abort  # the step failed (a trainer died): stop waiting, the step is redone
+        self._push_s: tuple[int, float] | None = None  # (step, seconds its push took): the report's split
 
     def push(self, step: int) -> int:
         """Send the current weights as a new version (every rank); returns the version id,
@@ -79,6 +82,13 @@ class RolloutClient:
         A step redone after a failover whose rollouts an earlier generation asked for
         (``_find_kept``) pushes nothing: its rollouts are those, made with the same weights (the
         committed ones: a redo replays bit-identically), and the version is theirs."""
+        began = time.perf_counter()
+        try:
+            return self._push(step)
+        finally:
+            self._push_s = (step, time.perf_counter() - began)
+
+    def _push(self, step: int) -> int:
         self._kept = None
         plan = keys.kept_request(self._epoch(), step)
         if self.sync.is_leader and not self._abort():  # the leader decides for every rank: push is collective
@@ -111,7 +121,16 @@ class RolloutClient:
         size (the step is redone after the failover, and its request is kept: ``push``). A
         redone step whose request was kept gets its completions (waiting for the shards not done
         yet)."""
-        placeholder = [[0] * sampling.max_tokens for _ in prompts]
+        began = time.perf_counter()
+        completions = self._generate(prompts, sampling, step=step)
+        if completions is not None and self.sync.is_leader and not self._abort():
+            # The step's rollout time (push and generate), beside which the report sets the step's.
+            pushed = self._push_s[1] if self._push_s is not None and self._push_s[0] == step else 0.0
+            self.store.put(keys.rollout_seconds(step), Text(value=repr(pushed + time.perf_counter() - began)))
+        return completions if completions is not None else [[0] * sampling.max_tokens for _ in prompts]
+
+    def _generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, step: int) -> list[list[int]] | None:
+        """generate's completions; None when the step was aborted."""
         blob = encode_tokens(prompts)
         posted = None
         if self._kept is not None and self._kept[0] == step:
@@ -127,11 +146,11 @@ class RolloutClient:
                                       num_shards=self.num_shards, blob=blob)
                 self.store.put(key, Number(value=posted.n))
             if not self._wait([key]):
-                return placeholder
+                return None
             n = self.store.get(key).value
         got = await_rollouts(self.store, self.desks, n, len(prompts), self.num_shards, posted=posted,
                              timeout=self.timeout, abort=self._abort, refresh=self.sync.refresh)
-        return placeholder if got is None else got.completions
+        return None if got is None else got.completions
 
     def _find_kept(self, step: int) -> int:
         """The newest request for ``step`` of the last KEPT_GENERATIONS generations before this
@@ -241,7 +260,7 @@ def fetch_results(store: JobStore, desks: DeskBook, n: int, num_prompts: int,
         if text is None:
             raise replica.ReplicaError(f"request {n}: shard {k} has no (verified) result")
         record = json.loads(text.value)
-        blob = desks.fetch(result_blob(n, k), record["digest"], [record["engine"]])
+        blob = desks.fetch(result_blob(n, k), record["digest"], [record.get("held_by", record["engine"])])
         if blob is None:
             lost.append(k)
             continue
@@ -253,10 +272,14 @@ def fetch_results(store: JobStore, desks: DeskBook, n: int, num_prompts: int,
 def reopen(store: JobStore, n: int, shards: Sequence[int]) -> None:
     """Open request ``n``'s ``shards`` again (their completions are on no desk any more): their
     results and claims go, and the engines are told to serve them again."""
+    records = [r for r in store.get_many([keys.result(n, k) for k in shards]) if r is not None]
+    request = store.get(keys.request(n))
     for k in shards:
         store.delete(keys.result(n, k))
         store.delete(keys.claim(n, k))
-    store.put(keys.reopened(store.count(keys.reopened_seq(), 1)), Number(value=n))
+    store.put(keys.reopened(store.count(keys.reopened_seq(), 1)), Text(value=json.dumps({
+        "request": n, "step": json.loads(request.value)["step"] if request is not None else -1,
+        "shards": list(shards), "tokens": sum(json.loads(r.value)["tokens"] for r in records)})))
     logger.warning("request %d: shard(s) %s are on no engine's desk any more (their engine is gone): generated again",
                    n, list(shards))
 
@@ -341,6 +364,12 @@ def served_shards(store: JobStore) -> list[dict]:
                              "engine": result["engine"], "pid": result["pid"], "version": result["version"],
                              "epoch": result.get("epoch"), "tokens": result["tokens"]})
     return rows
+
+
+def reopened_tokens(store: JobStore) -> int:
+    """The tokens of a trainer step's shards made again after their desk was lost (``reopen``)."""
+    found = store.get_many([keys.reopened(m) for m in range(1, store.count(keys.reopened_seq()) + 1)])
+    return sum(r["tokens"] for r in (json.loads(f.value) for f in found if f is not None) if r["step"] >= 0)
 
 
 def regenerated_tokens(rows: list[dict]) -> int:

@@ -302,6 +302,7 @@ class Job(Recovery, Faults):
             serve_rollouts(store=self.store, index=self.rank, num_engines=self.env.rollouts, token=self.env.token,
                            make_llm=make_llm, host=self.env.host, backends=self.env.backends or None,
                            stop=lambda: self.store.has(keys.finished()) or self.store.has(keys.rollout_stop(self.rank)),
+                           retiring=lambda: not self.store.has(keys.finished()),
                            on_shard=self._rollout_fault)
         finally:
             self.close()

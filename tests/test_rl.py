@@ -132,4 +132,8 @@ def test_a_frozen_leader_waking_up_after_its_failover_pushes_no_weights(tmp_path
     # zombie's): the divergence guard must not take them for the step's inputs.
     assert result["divergences"] == [], result["divergences"]
     assert result["last_commit"] == 6
+    # The step's split: the leader's push and generate against the whole step, measured.
+    split = result["rollout_split"]
+    assert split is not None and split["steps_measured"] >= 3, split
+    assert 0 < split["rollout_s_median"] < split["step_s_median"] and 0 < split["rollout_share_median"] < 1, split
     assert codes[:3] + codes[4:] == [0, 0, 0, 0], [o[-2000:] for o in outputs]

@@ -255,7 +255,12 @@ def test_completions_lost_with_their_engine_are_made_again_by_another(store):
             loop.join(20)
     want = [stand_in_completion(p, sampling.seed + i, sampling.max_tokens) for i, p in enumerate(prompts)]
     assert result["got"].completions == want
-    assert store.count(keys.reopened_seq()) == 1 and store.get(keys.reopened(1)).value == 1  # the fault fired
+    from replica.roles.rollouts import reopened_tokens
+
+    reopening = json.loads(store.get(keys.reopened(1)).value)
+    assert store.count(keys.reopened_seq()) == 1 and reopening["request"] == 1  # the fault fired
+    assert reopening["shards"] == [0] and reopening["tokens"] == 3 * 5 and reopening["step"] == -1
+    assert reopened_tokens(store) == 0  # a driver's request: no trainer step made twice
     assert engines[0].generated == 3 * 5 and engines[1].generated == 6 * 5  # shard 1, then shard 0 again
 
 

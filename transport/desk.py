@@ -269,5 +269,6 @@ class DeskClient:
             raise
         if status == _Status.REFUSED:
             self.close()
-            raise TransportError(f"the desk at {self.address} refused {op.name} {name}: {answer.decode(errors='replace')}")
+            reason = answer.decode(errors="replace")
+            raise TransportError(f"the desk at {self.address} refused {op.name} {name}: {reason}")
         return _Status(status), answer

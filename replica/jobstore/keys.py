@@ -313,6 +313,11 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return Key(f"rollout/kept/{generation}/{step}", Number)
 
     @staticmethod
+    def rollout_seconds(step: int) -> Key[Text]:
+        # The leader's seconds in STEP's push and generate (its last attempt), repr of a float: the report's split
+        return Key(f"rollout/seconds/{step}", Text)
+
+    @staticmethod
     def request(n: int) -> Key[Text]:
         return Key(f"rollout/req/{n}", Text)  # the request as JSON (its prompts are on the engines' desks)
 
@@ -329,9 +334,9 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
         return "rollout/reopened_seq"
 
     @staticmethod
-    def reopened(m: int) -> Key[Number]:
-        # The m-th request opened again: a result whose engine's desk was lost before every trainer had it
-        return Key(f"rollout/reopened/{m}", Number)
+    def reopened(m: int) -> Key[Text]:
+        # The m-th reopening (JSON: request, step, shards, their tokens made before): results lost with a desk
+        return Key(f"rollout/reopened/{m}", Text)
 
     @staticmethod
     def request_seen(n: int) -> Key[Stamp]:
