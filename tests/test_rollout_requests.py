@@ -18,9 +18,9 @@ import torch.distributed as dist
 from replica._testing.rollouts import StandInEngine, largest_store_value, stand_in_completion
 from replica.errors import StoreWaitTimeoutError
 from replica.jobstore import JobStore, Number, Text, keys
-from replica.roles.rollout_data import decode_tokens, encode_tokens, prompts_blob
+from replica.roles.rollout_data import DeskBook, decode_tokens, encode_tokens, prompts_blob
 from replica.roles.rollout_engine import post_result, serve_requests, shard_prompts
-from replica.roles.rollouts import Sampling, request_rollouts
+from replica.roles.rollouts import Sampling, fetch_results, request_rollouts
 from replica.transport.desk import Desk, blob_digest
 
 TOKEN = b"rollout-requests"
@@ -286,3 +286,35 @@ def test_a_large_request_keeps_every_store_value_small(store):
     assert got.completions == [stand_in_completion(p, 3 + i, 256) for i, p in enumerate(prompts)]
     assert got.versions == [2] * 1024
     assert 0 < largest[0] < 4096, largest[0]
+
+
+def test_a_retired_engine_hands_its_completions_to_a_live_one(store):
+    """Two stand-in engines (no model) serve a request; engine 1 is then retired (stopped,
+    ``retiring``): before it closes its desk it puts its shard's completions on engine 0's and
+    names it in the record, so the request is fetched whole afterwards, nothing made again."""
+    prompts, sampling = [[i, 2 * i] for i in range(4)], Sampling(max_tokens=4, seed=1)
+    stops = [threading.Event(), threading.Event()]
+    engines = [StandInEngine(version=1), StandInEngine(version=1)]
+    loops = [threading.Thread(target=_serve, args=(store,), kwargs=dict(
+        index=i, num_engines=2, token=TOKEN, engine=engines[i], stop=stops[i].is_set,
+        retiring=lambda: True)) for i in range(2)]
+    for loop in loops:
+        loop.start()
+    try:
+        store.put(keys.latest_version(), Number(value=1))
+        first = request_rollouts(store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2,
+                                 timeout=timedelta(seconds=30))
+        stops[1].set()
+        loops[1].join(20)
+        assert json.loads(store.get(keys.result(1, 1)).value)["held_by"] == 0  # handed on
+        book = DeskBook(store, token=TOKEN, num_engines=2)
+        again, lost = fetch_results(store, book, 1, len(prompts), 2)
+        book.close()
+    finally:
+        for stop in stops:
+            stop.set()
+        for loop in loops:
+            loop.join(20)
+    assert lost == [] and again.completions == first.completions
+    assert engines[0].generated + engines[1].generated == 4 * 4  # each shard made once
+    assert store.count(keys.reopened_seq()) == 0
