@@ -161,7 +161,7 @@ class Projection:
     floor_overhead: float = 0.0  # the floor's cost on a step, as a share of it (measured: bench/test_floor_cost.py)
     # The share of a step the engines spend generating (the rest: the trainers' forward, backward, optimizer).
     # Assumed: generation takes most of an RL step at this scale (long completions, a 32B policy); make
-    # demo-rl's toy measures its own split, which is no guide for a real model.
+    # demo-rl's toy measures its own split (the report's rollout_split: 73-77%), no guide for a real model.
     rollout_share: float = 0.7
     # A redone step keeps its first attempt's request (roles/rollouts.py): the engines go on generating
     # through a trainer's failover, so only the training part in flight is redone.
