@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from replica import envvars
 from replica.session.backends import parse_backends
 from replica.jobstore import keys
 from replica.ray.ray_agents import Placement, RayAgents
@@ -103,7 +104,7 @@ class RayJob:
             trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host, inject=c.inject,
             steps=c.steps, mirror_device=c.mirror_device, export_dir=c.export_dir, store=c.store,
             backends=c.backends, strict=c.strict, shared_domains=shared_domains_allowed(c.allow_shared_domain))
-        self._token = env.token  # the driver's requests reach the engines' desks with it
+        self._token = env[envvars.TOKEN].encode()  # the driver's requests reach the engines' desks with it
         try:
             self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script),
                                      env=env, replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,
