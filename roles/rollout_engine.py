@@ -161,6 +161,8 @@ class _Server:
         posted = self.store.count(keys.request_seq())
         for n in range(self.posted + 1, posted + 1):
             self.open.setdefault(n, None)
+        if posted > self.posted:  # the window moved: forget what fell out of it (not at every poll)
+            self.desk.drop(lambda name: kept_blob(name, posted))
         self.posted = max(self.posted, posted)
         reopened = self.store.count(keys.reopened_seq())
         for m in range(self.reopened + 1, reopened + 1):
@@ -170,7 +172,6 @@ class _Server:
         self.reopened = max(self.reopened, reopened)
         for n in [n for n in self.open if n <= self.posted - KEPT_REQUESTS]:
             del self.open[n]  # nobody waits for a request this old (and its blobs are dropped)
-        self.desk.drop(lambda name: kept_blob(name, self.posted))
 
     def _serve(self, n: int) -> tuple[bool, bool]:
         """Serve a shard of request n if one is free: (nothing of n is left here, a shard was made)."""
