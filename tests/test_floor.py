@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 
 from replica.errors import ReplicaError
-from replica.jobstore import FloorVersion
-from replica.mirror.floor import MANIFEST, FloorConfig, manifest_file, verify_manifest_file
+import torch.distributed as dist
+
+from replica.jobstore import FloorVersion, JobStore, keys
+from replica.mirror.floor import MANIFEST, FloorConfig, drop_half_written, manifest_file, verify_manifest_file
 from replica.roles.env import PHASES
 from replica.roles.report import compare_reports
 from replica.state.export import export_path, load_export, load_extras, step_folder
@@ -50,6 +52,25 @@ def test_a_manifest_file_is_signed_with_the_jobs_token():
         verify_manifest_file(data.replace(b'"step": 6', b'"step": 7'), b"key")
     with pytest.raises(ReplicaError, match="not a replica floor manifest"):
         verify_manifest_file(b"[]", b"key")
+
+
+def test_the_standby_that_completes_a_version_drops_every_ranks_half_written_older_ones(tmp_path):
+    """Version 6 was left half-written (rank 0's standby died before its part) and rank 1's
+    standby closed before version 9 completed, its part of 6 still there: the standby whose part
+    completes 9 deletes it. Complete versions, newer ones and what is not a part stay."""
+    store = JobStore(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=30)), token=TOKEN.encode())
+    for step, ranks in ((3, (0, 1)), (6, (1,)), (9, (0, 1)), (12, (1,))):
+        for rank in ranks:
+            export_path(step_folder(tmp_path, step), rank).parent.mkdir(exist_ok=True)
+            export_path(step_folder(tmp_path, step), rank).write_bytes(b"part")
+    (tmp_path / "notes.txt").write_text("the user's")
+    for step in (3, 9):
+        store.put(keys.floor_version(step), FloorVersion(step=step, directory=str(tmp_path), files=(), nbytes=(),
+                                                         digests=(), fingerprints=(), written_at=1.0))
+    assert drop_half_written(tmp_path, 9, store) == [6]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step00000003", "step00000009", "step00000012"]
+    assert drop_half_written(tmp_path, 9, store) == []  # nothing more to drop
 
 
 def test_versions_are_complete_the_newest_two_kept_and_a_resume_from_one_is_bit_identical(tmp_path):

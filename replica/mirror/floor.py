@@ -23,6 +23,7 @@ version as its floor."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import hmac
@@ -38,15 +39,15 @@ from datetime import timedelta
 from pathlib import Path
 
 from replica.errors import ReplicaError, SnapshotCorruptedError
-from replica.jobstore import FloorPart, FloorVersion, Number, keys
+from replica.jobstore import FloorPart, FloorVersion, JobStore, Number, keys
 from replica.mirror.standby import Mirror
 from replica.ops import combine_digests
 from replica.state.export import export_path, load_export, step_folder, write_export
 from replica.state.snapshot import Snapshot
 from replica.timing import Deadline, pause
 
-__all__ = ["Floor", "FloorConfig", "FloorStats", "MANIFEST", "check_version", "manifest_file", "verify_manifest_file",
-           "write_part"]
+__all__ = ["Floor", "FloorConfig", "FloorStats", "MANIFEST", "check_version", "drop_half_written", "manifest_file",
+           "verify_manifest_file", "write_part"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ _IDLE = timedelta(seconds=1)  # the thread's wait for a kept version, at most (t
 _COMMIT_POLL = timedelta(milliseconds=20)  # how often it reads the global commit, waiting for a version's
 _COMMIT_WAIT = timedelta(seconds=60)  # and for how long at most
 _CLOSE_SETTLE = timedelta(seconds=2)  # at close, the wait for the other ranks' parts of its last version
+_STEP_FOLDER = re.compile(r"step(\d{8})")  # step_folder's name
 _PLAN_AHEAD = 2  # commits: a planned step is still held by every standby when it is committed
 
 
@@ -293,6 +295,9 @@ class Floor:
             tmp.replace(manifest)
         except OSError as exc:
             self._failed(step, exc)
+        for dropped in drop_half_written(self.config.directory, step, self._store):
+            logger.info("[standby rank %d] durable floor: dropped the half-written version %d (%d is complete)",
+                        self._rank, dropped, step)
 
     def _settle(self) -> bool:
         """The versions this standby wrote a part of that are complete now (their manifest is
@@ -334,6 +339,25 @@ class Floor:
             logger.warning("[standby rank %d] durable floor: could not write step %d to %s (%s: %s); the job goes on "
                            "with its last complete version as its floor (warned once per kind of error)", self._rank,
                            step, self.config.directory, what, exc)
+
+
+def drop_half_written(directory: Path, complete: int, store: JobStore) -> list[int]:
+    """Deletes every rank's parts (in ``directory`` as this host sees it) of the versions older than
+    ``complete`` that no manifest in ``store`` names, and returns their steps: none of them will
+    ever complete now (every standby writes its versions in order, and each wrote its part of
+    ``complete``). Their own standbys drop them too, but one that closed first (the job ended
+    before ``complete`` did) leaves them to the standby whose part completes it."""
+    older = sorted(int(m.group(1)) for p in directory.iterdir()
+                   if (m := _STEP_FOLDER.fullmatch(p.name)) and int(m.group(1)) < complete)
+    named = store.get_many([keys.floor_version(s) for s in older]) if older else []
+    dropped = [step for step, version in zip(older, named, strict=True) if version is None]
+    for step in dropped:
+        folder = step_folder(directory, step)
+        for part in folder.glob("rank*.safetensors"):  # export_path's files
+            part.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # not when something else is in it
+    return dropped
 
 
 def _errno(exc: BaseException) -> int:
