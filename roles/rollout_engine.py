@@ -23,6 +23,7 @@ from typing import Protocol
 
 import replica
 from replica.jobstore import JobStore, Stamp, Text, keys
+from replica.integrations.vllm.served import ServedLLM
 from replica.jobstore.stores import StoreAddress
 from replica.roles import timing
 from replica.roles.rollout_data import (
@@ -75,6 +76,9 @@ class _VllmEngine:
         return self.weights.wait(version, timeout)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict, seeds: Sequence[int]) -> list[list[int]]:
+        if isinstance(self.llm, ServedLLM):
+            return self.llm.complete(prompts, temperature=sampling["temperature"], max_tokens=sampling["max_tokens"],
+                                     seeds=seeds)
         from vllm import SamplingParams
 
         params = [SamplingParams(temperature=sampling["temperature"], max_tokens=sampling["max_tokens"], seed=seed,
@@ -83,22 +87,29 @@ class _VllmEngine:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def close(self) -> None:
-        self.weights.close()
+        try:
+            self.weights.close()
+        finally:
+            if isinstance(self.llm, ServedLLM):
+                self.llm.close()
 
 
 def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: bytes, make_llm: Callable[[], object],
                    stop: Callable[[], bool], on_shard: Callable[[int], None] | None = None,
                    host: str = "127.0.0.1", backends: tuple[str, ...] | None = None,
                    retiring: Callable[[], bool] | None = None) -> None:
-    """The rollout role with a vLLM engine: run it, take weight versions as they come, serve
-    shards until ``stop()``. ``on_shard(step)`` runs after a shard is claimed and before it is
-    generated (fault injection). ``backends``: the engine's receiver's ``Config.backends``."""
+    """The rollout role with a vLLM engine: run the one ``make_llm()`` returns (a ``vllm.LLM`` in
+    this process, or a ``ServedLLM``: a `vllm serve` beside it), take weight versions as they
+    come, serve shards until ``stop()``. ``on_shard(step)`` runs after a shard is claimed and
+    before it is generated (fault injection). ``backends``: the engine's receiver's
+    ``Config.backends``. A server's workers take the job's token from their own environment."""
     from replica.integrations.vllm.worker import EngineWeights, ReceiverSpec
 
     llm = make_llm()
+    served = isinstance(llm, ServedLLM)
     weights = EngineWeights(llm, ReceiverSpec(index=index, store=str(StoreAddress.of(store.raw)),
-                                              token_hex=token.hex(), host=host, store_prefix=store.prefix,
-                                              backends=backends))
+                                              token_hex="" if served else token.hex(), host=host,
+                                              store_prefix=store.prefix, backends=backends))
     serve_requests(store=store, index=index, num_engines=num_engines, token=token, engine=_VllmEngine(llm, weights),
                    stop=stop, on_shard=on_shard, host=host, retiring=retiring)
 

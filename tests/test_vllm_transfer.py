@@ -9,6 +9,7 @@ multi-process engine (vLLM's default) with tensor parallelism 2 receives in each
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import json
 import logging
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -26,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 import replica
-from replica.jobstore import Epoch, Generation, JobStore, keys
+from replica.integrations.vllm.served import SERVE_ARGS
+from replica.jobstore import Epoch, Generation, JobStore, Number, keys
 from replica.timing import Deadline
 from vllm_engine import greedy, make_llm, make_model, vllm_available
 
@@ -96,8 +99,8 @@ def _start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
         server = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
              "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32",
-             "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
-             "--weight-transfer-config", json.dumps({"backend": "replica"})], env=env, stdout=out, stderr=out,
+             "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0", *SERVE_ARGS],
+            env=env, stdout=out, stderr=out,
             start_new_session=True)
     return server, f"http://127.0.0.1:{port}"
 
@@ -509,3 +512,46 @@ def test_the_engines_memory_stays_bounded_over_syncs(tmp_path, mode):
     assert 0.9 < result["shared_peak_x_weights"] < 1.5, result
     if mode == "staged":
         assert result["prepare_s"] > 0 and result["update_s"] < 0.05, result
+
+
+def test_a_served_engine_is_the_rollout_roles_engine(models, tmp_path):
+    """The rollout role's serving loop drives a `vllm serve` (``ServedLLM``): the server's worker
+    becomes receiver 0 over its routes (the token from the server's environment, never over
+    HTTP), a push of the trained weights is applied when a request needs it, and the request's
+    completions (fetched from the role's desk) equal a fresh engine's started from those
+    weights; sampled ones, one seed per prompt, come out the same when asked again."""
+    from replica.integrations.vllm.served import ServedLLM
+    from replica.roles.rollout_engine import serve_rollouts
+    from replica.roles.rollouts import Sampling, request_rollouts
+    from vllm_engine import MAX_TOKENS, PROMPTS
+
+    root, trained, fresh = models
+    raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    store = JobStore(raw, token=TOKEN.encode())
+    server, url = _serve(root / "seed0", tmp_path / "server.log")
+    stop = threading.Event()
+    role = threading.Thread(target=lambda: serve_rollouts(
+        store=store.own(), index=0, num_engines=1, token=TOKEN.encode(), make_llm=lambda: ServedLLM(url),
+        stop=stop.is_set))
+    role.start()
+    try:
+        store.wait(keys.engine(0), timedelta(seconds=120))  # the server's worker listens as receiver 0
+        sync = replica.WeightSync(trained, store=raw, num_engines=1,
+                                  config=replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10,
+                                                        timeout=timedelta(seconds=30)))
+        assert sync.push(1).engines_synced == [0]
+        store.put(keys.latest_version(), Number(value=1))  # what the trainers' push says
+        ask = functools.partial(request_rollouts, store, PROMPTS, num_shards=2, token=TOKEN.encode(), num_engines=1,
+                                timeout=timedelta(seconds=120))
+        greedy_ = ask(Sampling(max_tokens=MAX_TOKENS, temperature=0))
+        sampled = [ask(Sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=5)) for _ in range(2)]
+        sync.close()
+    finally:
+        stop.set()
+        role.join(60)
+        _stop(server)
+    assert not role.is_alive()
+    assert greedy_.versions == [1] * len(PROMPTS)  # applied when the request needed it
+    assert greedy_.completions == fresh["tokens"]
+    assert sampled[0].completions == sampled[1].completions != greedy_.completions
+    assert all(len(c) == MAX_TOKENS for c in sampled[0].completions)

@@ -239,9 +239,10 @@ class ReplicaWorkerExtension:
         """Whether ``update_weights`` with no version would apply a newer one at once."""
         return self._replica.pending()
 
-    def replica_wait(self, step: int, timeout_s: float) -> bool:
-        """Block until version >= ``step`` can be applied at once (received, and prepared when staged)."""
-        return self._replica.wait(step, timedelta(seconds=timeout_s))
+    def replica_wait(self, step: int | str, timeout_s: float | str) -> bool:
+        """Block until version >= ``step`` can be applied at once (received, and prepared when staged).
+        (Strings: a server's ``/collective_rpc`` passes its arguments as strings.)"""
+        return self._replica.wait(int(step), timedelta(seconds=float(timeout_s)))
 
     def replica_staging(self) -> str:
         return self._replica.staging
