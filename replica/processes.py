@@ -34,7 +34,11 @@ from dataclasses import dataclass
 
 __all__ = ["Inherited", "PRELOAD", "SERVER", "ScriptProcess", "environ_now", "start_script"]
 
-PRELOAD = ["torch", "torch.distributed", "numpy", "replica"]
+# What the roles and users' scripts import: torch._dynamo is imported lazily by FSDP2's first
+# fully_shard (a third of a small job's CPU when each child imported it); a module that is not
+# installed is skipped (multiprocessing's fork server ignores an ImportError of its preload).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo",
+           "torch.distributed.checkpoint", "numpy", "ucxx", "replica"]
 SERVER = mp.get_context("forkserver")
 SERVER.set_forkserver_preload(PRELOAD)
 

@@ -90,6 +90,8 @@ class Recovery:
             current = store.get(keys.generation())
             if current is not None and current.number > floor:
                 return current.number, store.wait(keys.failover(current.number), timing.ROLE_WAIT).commit
+            if store.has(keys.finished()):
+                return -1, -1  # the job ended instead (it failed, or starts again from its start or its floor)
             if current is not None and not asked:  # no death announced (yet): ask for a fresh generation
                 store.put(keys.regroup(self.rank), Regroup(rank=self.rank, generation=current.number))
                 store.count(keys.regroup_count(), 1)
@@ -97,11 +99,19 @@ class Recovery:
             return None
 
         try:
-            return self.store.wait_for(announced, wake=lambda: [keys.failover(floor + 1)], timeout=timing.ROLE_WAIT,
-                                       what="failover or regroup")
+            # Woken by the next generation's failover record; the job's end is looked for every
+            # timing.STANDBY_LOOK (a store waits for every key it is given, not for the first).
+            found = self.store.wait_for(announced, wake=lambda: [keys.failover(floor + 1)], timeout=timing.ROLE_WAIT,
+                                        what="failover or regroup", every=timing.STANDBY_LOOK)
         except StoreWaitTimeoutError:
             raise replica.ReplicaError("the step failed but no coordinator announced a failover or a regroup "
                                        f"within {timing.ROLE_WAIT}") from None
+        if found == (-1, -1):
+            # Nothing to resume here: the coordinator said why. Leave now, not at its linger's end.
+            logger.error("[%s rank %d] the job ended while this process waited for a failover after its failed "
+                         "step; it stops (exit code %d)", self.role, self.rank, ExitCode.FAILED)
+            exit_now(ExitCode.FAILED)
+        return found
 
     def _recover(self) -> int:
         while True:
