@@ -32,7 +32,8 @@ from replica.roles.exits import ExitCode
 from replica.roles.members import Mark
 from replica.roles.report import compare_reports, load_report, write_loss_png
 
-__all__ = ["CASES", "Case", "Device", "JobKind", "Outcome", "Plan", "Result", "main", "run_matrix", "select_cases"]
+__all__ = ["CASES", "Case", "Device", "JobKind", "Outcome", "Plan", "Reference", "Result", "kill_all", "main", "parse",
+           "plan_of", "run_case", "run_matrix", "run_reference", "select_cases", "unavailable"]
 
 #: The example jobs, shipped beside the package (``replica/examples``; ``examples/`` in a checkout).
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -75,6 +76,8 @@ class Case:
     quick: bool = False
     #: The fewest trainers the case means something with.
     min_trainers: int = 1
+    #: Runs with a durable floor (``--durable``): a rank that lost every in-memory copy of its state.
+    durable: bool = False
 
     def spec(self, trainers: int) -> str:
         return self.inject.format(a=0, b=trainers - 1)
@@ -105,7 +108,14 @@ CASES = (
          proves="the RL loop: a trainer lost; the rollouts of the step are the same, the policy is the same"),
     Case(name="rl-rollout", job=JobKind.RL, inject="kill:rollout:1@3",
          proves="the RL loop: a vLLM engine lost while generating; the others take its prompts, nothing changes"),
+    # Trainer {a} stalls 2 s in step 4: time for version 3 to be written whole on a loaded machine.
+    Case(name="trainer-and-standby", job=JobKind.FSDP, durable=True,
+         inject="stall:trainer:{a}@4:2,kill:standby:{b}@5,kill:trainer:{b}@7:optimizer",
+         proves="a trainer lost with its own standby (no copy of its state left in memory): every rank goes back "
+                "to the durable floor's newest complete version and replays from it"),
 )
+#: The durable floor's cadence in the cases that have one (versions 3, 6, ...).
+_DURABLE_EVERY = 3
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -123,6 +133,8 @@ class Plan:
     unmirrored_noise: bool = False
     #: ``replica launch``'s deadline options, passed on as they were given.
     launch_options: tuple[str, ...] = ()
+    #: ``--durable DIR``: the floors of the durable cases (DIR/CASE; a folder every trainer host can write).
+    durable: Path | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -147,8 +159,11 @@ class Result:
                 ((name, getattr(self, name)) for name in self.__slots__)}
 
 
-def select_cases(*, quick: bool, only: tuple[str, ...] = ()) -> tuple[Case, ...]:
-    cases = tuple(c for c in CASES if (c.name in only if only else (c.quick or not quick)))
+def select_cases(*, quick: bool, only: tuple[str, ...] = (), durable: bool = False) -> tuple[Case, ...]:
+    """The cases named (``only``), or the quick ones, or all; a durable case only with a floor
+    (``durable``; named, it is skipped without one, saying so)."""
+    cases = tuple(c for c in CASES if (c.name in only if only else
+                                       (c.durable and durable) or (not c.durable and (c.quick or not quick))))
     unknown = set(only) - {c.name for c in CASES}
     if unknown:
         raise ValueError(f"no case {', '.join(sorted(unknown))} (the cases: {', '.join(c.name for c in CASES)})")
@@ -186,9 +201,10 @@ class _Run:
 
 
 def _launch(plan: Plan, kind: JobKind, name: str, *, inject: str = "", standbys: bool = True,
-            running: list[subprocess.Popen]) -> _Run:
+            running: list[subprocess.Popen], durable: bool = False) -> _Run:
     """One ``replica launch`` of a job of ``kind``, in ``plan.directory / name``, under the
-    case deadline: its process group is killed when it runs past it."""
+    case deadline: its process group is killed when it runs past it. ``durable``: with a floor
+    in ``plan.durable / name`` and no replacement standby (a lost pair stays lost)."""
     folder = plan.directory / name
     folder.mkdir(parents=True, exist_ok=True)
     options, script = _job_args(kind, plan)
@@ -197,6 +213,9 @@ def _launch(plan: Plan, kind: JobKind, name: str, *, inject: str = "", standbys:
             "--export-dir", "export", *plan.launch_options, *options]
     if not standbys:
         argv += ["--standbys", "0"]
+    if durable:
+        argv += ["--durable", str(plan.durable / name), "--durable-every", str(_DURABLE_EVERY), "--durable-interval",
+                 "0", "--replacements", "0"]
     if inject:
         argv += ["--inject", inject]
     # One machine holds every role: a standby shares its trainer's host by construction there.
@@ -257,8 +276,14 @@ def _steps_redone(report: dict) -> int:
     return redone
 
 
+def _last_trainer_kill(report: dict) -> int:
+    kills = [fault for entry in report["faults"] if entry.get("fired_at") for fault in parse_faults(entry["fault"])
+             if fault.role == Role.TRAINER and fault.action == Action.KILL]
+    return max((f.step for f in kills), default=0)
+
+
 def _judge(name: str, kind: JobKind, inject: str, run: _Run, reference: dict | None, baseline_ms: float | None,
-           *, plan: Plan) -> Result:
+           *, plan: Plan, durable: bool = False) -> Result:
     result = Result(case=name, job=kind, inject=inject, outcome=Outcome.FAILED, log=str(run.log), seconds=run.seconds)
     report = run.report
     if run.code is None:
@@ -280,6 +305,14 @@ def _judge(name: str, kind: JobKind, inject: str, run: _Run, reference: dict | N
             if mark in marks:
                 getattr(result, attribute).append(round(marks[mark], 1))
     result.steps_redone = _steps_redone(report)
+    if durable:
+        resumed = [r for r in report.get("restarts", []) if "resumed_from_floor" in r]
+        if not resumed:
+            result.why = "the lost pair did not send the job back to its durable floor"
+            return result
+        version, lost = resumed[0]["resumed_from_floor"], resumed[0]["lost_commit"]
+        result.steps_redone = _last_trainer_kill(report) - version  # every rank replays from the version
+        result.why = f"resumed from the floor's version {version} ({lost - version} committed steps replayed)"
     result.step_ms = _median_step_ms(report)
     if result.step_ms is not None and baseline_ms:
         result.overhead = result.step_ms / baseline_ms - 1
@@ -295,6 +328,63 @@ def _judge(name: str, kind: JobKind, inject: str, run: _Run, reference: dict | N
     return result
 
 
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Reference:
+    """A job's two failure-free runs: without standbys (``baseline``: the step time the others
+    are compared with) and with standbys (``result``: it must equal the baseline bit for bit;
+    its report is what each case is compared with)."""
+
+    baseline: Result
+    result: Result
+    report: dict | None
+
+    @property
+    def passed(self) -> bool:
+        return self.result.outcome == Outcome.PASSED
+
+
+def unavailable(case: Case, plan: Plan) -> str:
+    """Why ``plan``'s target cannot run ``case`` ("" when it can)."""
+    why = _unavailable(case.job, plan)
+    if not why and case.min_trainers > plan.num_trainers:
+        why = f"needs --trainers {case.min_trainers} or more"
+    if not why and case.durable and plan.durable is None:
+        why = "needs --durable DIR (where the standbys write the floor it goes back to)"
+    return why
+
+
+def run_reference(plan: Plan, kind: JobKind, *, running: list[subprocess.Popen],
+                  step: Callable[[str], None] = lambda _: None, say: Callable[[str], None] = print) -> Reference:
+    """The baseline and the reference of a job of ``kind`` (the reference only if the baseline ran)."""
+    step(f"{kind} job, unmirrored baseline (no standbys)")
+    baseline = _launch(plan, kind, f"{kind}-unmirrored", standbys=False, running=running)
+    first = _judge(f"{kind}-unmirrored", kind, "", baseline, None, None, plan=plan)
+    say(_progress(first))
+    step(f"{kind} job, reference (standbys, no fault)")
+    report = None
+    if first.outcome == Outcome.BASELINE:
+        reference = _launch(plan, kind, f"{kind}-reference", running=running)
+        # Standbys change no loss: the reference equals the unmirrored run bit for bit.
+        ref = _judge(f"{kind}-reference", kind, "", reference, baseline.report, first.step_ms, plan=plan)
+        report = reference.report
+    else:
+        ref = Result(case=f"{kind}-reference", job=kind, inject="", outcome=Outcome.FAILED,
+                     why=f"the unmirrored run failed: {first.why}")
+    say(_progress(ref))
+    return Reference(baseline=first, result=ref, report=report)
+
+
+def run_case(plan: Plan, case: Case, reference: Reference, *, running: list[subprocess.Popen]) -> Result:
+    """One faulted run of ``case``, judged against its job's ``reference``."""
+    inject = case.spec(plan.num_trainers)
+    if not reference.passed:
+        return Result(case=case.name, job=case.job, inject=inject, outcome=Outcome.FAILED,
+                      why=f"its reference run failed: {reference.result.why}", log=reference.result.log)
+    run = _launch(plan, case.job, case.name, inject=inject, running=running, durable=case.durable)
+    return _judge(case.name, case.job, inject, run, reference.report, reference.baseline.step_ms, plan=plan,
+                  durable=case.durable)
+
+
 def run_matrix(plan: Plan, cases: tuple[Case, ...], *, say: Callable[[str], None] = print) -> list[Result]:
     """Every case of ``cases`` (and, per job, its unmirrored baseline and failure-free
     reference), one after the other; a case that cannot run here is SKIPPED with its reason.
@@ -303,10 +393,7 @@ def run_matrix(plan: Plan, cases: tuple[Case, ...], *, say: Callable[[str], None
     running: list[subprocess.Popen] = []
     runnable = []
     for case in cases:
-        why = _unavailable(case.job, plan)
-        if not why and case.min_trainers > plan.num_trainers:
-            why = f"needs --trainers {case.min_trainers} or more"
-        if why:
+        if why := unavailable(case, plan):
             results.append(Result(case=case.name, job=case.job, inject=case.spec(plan.num_trainers),
                                   outcome=Outcome.SKIPPED, why=why))
         else:
@@ -324,36 +411,22 @@ def run_matrix(plan: Plan, cases: tuple[Case, ...], *, say: Callable[[str], None
             jobs = [c for c in runnable if c.job == kind]
             if not jobs:
                 continue
-            step(f"{kind} job, unmirrored baseline (no standbys)")
-            baseline = _launch(plan, kind, f"{kind}-unmirrored", standbys=False, running=running)
-            first = _judge(f"{kind}-unmirrored", kind, "", baseline, None, None, plan=plan)
-            say(_progress(first))
-            results.append(first)
-            step(f"{kind} job, reference (standbys, no fault)")
-            if first.outcome == Outcome.BASELINE:
-                reference = _launch(plan, kind, f"{kind}-reference", running=running)
-                # Standbys change no loss: the reference equals the unmirrored run bit for bit.
-                ref = _judge(f"{kind}-reference", kind, "", reference, baseline.report, first.step_ms, plan=plan)
-            else:
-                ref = Result(case=f"{kind}-reference", job=kind, inject="", outcome=Outcome.FAILED,
-                             why=f"the unmirrored run failed: {first.why}")
-            say(_progress(ref))
-            results.append(ref)
+            reference = run_reference(plan, kind, running=running, step=step, say=say)
+            results += [reference.baseline, reference.result]
             for case in jobs:
-                inject = case.spec(plan.num_trainers)
-                step(f"{case.name} ({inject})")
-                if ref.outcome == Outcome.PASSED:
-                    run = _launch(plan, kind, case.name, inject=inject, running=running)
-                    result = _judge(case.name, kind, inject, run, reference.report, first.step_ms, plan=plan)
-                else:
-                    result = Result(case=case.name, job=kind, inject=inject, outcome=Outcome.FAILED,
-                                    why=f"its reference run failed: {ref.why}", log=ref.log)
+                step(f"{case.name} ({case.spec(plan.num_trainers)})")
+                result = run_case(plan, case, reference, running=running)
                 say(_progress(result))
                 results.append(result)
     finally:
-        for process in list(running):
-            _kill_group(process)
+        kill_all(running)
     return results
+
+
+def kill_all(running: list[subprocess.Popen]) -> None:
+    """Every launcher still running, with its roles."""
+    for process in list(running):
+        _kill_group(process)
 
 
 def _ms(values: list[float]) -> str:
@@ -402,7 +475,8 @@ def _write(plan: Plan, cases: tuple[Case, ...], results: list[Result], *, second
 def _parser() -> argparse.ArgumentParser:
     p = Parser(prog="replica selftest", description=__doc__)
     p.add_argument("--quick", action="store_true",
-                   help="three cases (" + ", ".join(c.name for c in CASES if c.quick) + ") of the FSDP2 job")
+                   help="three cases (" + ", ".join(c.name for c in CASES if c.quick) + ") of the FSDP2 job, and "
+                        "with --durable the durable ones (" + ", ".join(c.name for c in CASES if c.durable) + ")")
     p.add_argument("--case", action="append", default=[], metavar="NAME",
                    help="run only this case (repeatable): " + ", ".join(c.name for c in CASES))
     p.add_argument("--device", choices=tuple(Device), default=Device.CPU,
@@ -418,6 +492,9 @@ def _parser() -> argparse.ArgumentParser:
     deadline_options(p)
     p.add_argument("--case-timeout", type=positive_float, default=300.0,
                    help="seconds before a case is abandoned and its processes killed")
+    p.add_argument("--durable", type=Path, default=None, metavar="DIR",
+                   help="add the case of a trainer lost with its own standby: its jobs write a durable floor to "
+                        "DIR/CASE (local to each host, or shared) and go back to it")
     p.add_argument("--unmirrored-noise", action="store_true",
                    help="plant a divergence: the Hugging Face job draws from a generator outside the mirrored state, "
                         "so each of its faulted cases must fail (a check that the check can fail)")
@@ -432,6 +509,10 @@ def _refusal(args: argparse.Namespace) -> str:
         return f"--report {args.report}: not an empty folder (the selftest writes only in a folder of its own)"
     if args.report is not None and not args.report.resolve().parent.is_dir():
         return f"--report {args.report}: its folder {args.report.resolve().parent} does not exist"
+    if args.durable is not None and not args.durable.resolve().parent.is_dir():
+        return f"--durable {args.durable}: its folder {args.durable.resolve().parent} does not exist"
+    if args.durable is not None and args.durable.exists() and not args.durable.is_dir():
+        return f"--durable {args.durable}: not a folder"
     if args.device == Device.CUDA and not args.ray:
         import torch
 
@@ -465,21 +546,32 @@ def _deadline_argv(args: argparse.Namespace) -> tuple[str, ...]:
     return argv + (("--standby-deadline", str(args.standby_deadline)) if args.standby_deadline else ())
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tuple[Case, ...]]:
+    """The command line and the cases it selects; bad input exits 2 with one line (argparse's)."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        cases = select_cases(quick=args.quick, only=tuple(args.case))
+        cases = select_cases(quick=args.quick, only=tuple(args.case), durable=args.durable is not None)
     except ValueError as exc:
         parser.error(str(exc))
-    why = _refusal(args)
-    if why:
+    if why := _refusal(args):
         parser.error(why)
+    return args, cases
+
+
+def plan_of(args: argparse.Namespace) -> Plan:
+    """``parse``'s command line as a plan; its work directory is made (a new temporary one by default)."""
     directory = args.report or Path(tempfile.mkdtemp(prefix="replica-selftest-"))
     directory.mkdir(exist_ok=True)
-    plan = Plan(device=Device(args.device), num_trainers=args.trainers, steps=args.steps, directory=directory.resolve(),
+    return Plan(device=Device(args.device), num_trainers=args.trainers, steps=args.steps, directory=directory.resolve(),
                 case_timeout=timedelta(seconds=args.case_timeout), ray=args.ray,
-                unmirrored_noise=args.unmirrored_noise, launch_options=_deadline_argv(args))
+                unmirrored_noise=args.unmirrored_noise, launch_options=_deadline_argv(args),
+                durable=None if args.durable is None else args.durable.resolve())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cases = parse(argv)
+    plan = plan_of(args)
     print(f"replica selftest: {len(cases)} cases, {plan.num_trainers} trainers, {plan.steps} steps, {plan.device}, "
           f"on {plan.ray or 'this machine'}; work directory {plan.directory}", flush=True)
     started = time.monotonic()

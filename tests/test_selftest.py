@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from replica.roles.selftest import CASES, select_cases
+from replica.roles.selftest import CASES, Device, Plan, run_matrix, select_cases
 from replica.timing import Deadline
 
 SELFTEST = [sys.executable, "-m", "replica.roles.cli", "selftest"]
@@ -33,18 +33,24 @@ def test_quick_matrix_passes_and_each_fault_fired(tmp_path):
     its case says; nothing is written outside the work directory."""
     cwd, work = tmp_path / "cwd", tmp_path / "work"
     cwd.mkdir()
-    done = _run("--quick", "--steps", "8", "--report", str(work), cwd=cwd)
+    done = _run("--quick", "--steps", "8", "--report", str(work), "--durable", str(tmp_path / "floor"), cwd=cwd)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     out = done.stdout
-    assert "3 of 3 cases bit-identical, 0 differ, 0 failed, 0 skipped" in out, out[-3000:]
-    assert "| case | job | result | detect ms |" in out and "[5/5] trainer-frozen" in out, out[-3000:]
+    assert "4 of 4 cases bit-identical, 0 differ, 0 failed, 0 skipped" in out, out[-3000:]
+    assert "| case | job | result | detect ms |" in out and "[6/6] trainer-and-standby" in out, out[-3000:]
     summary = json.loads((work / "selftest.json").read_text())
     outcomes = {r["case"]: r["outcome"] for r in summary["results"]}
     assert outcomes == {"fsdp-unmirrored": "baseline", "fsdp-reference": "bit-identical",
                         "trainer-backward": "bit-identical", "standby-killed": "bit-identical",
-                        "trainer-frozen": "bit-identical"}, outcomes
+                        "trainer-frozen": "bit-identical", "trainer-and-standby": "bit-identical"}, outcomes
     assert summary["passed"] is True
-    for case in ("trainer-backward", "standby-killed", "trainer-frozen"):
+    # --durable: the pair's loss sent every rank back to the floor, which the case's own folder holds
+    (pair,) = [r for r in summary["results"] if r["case"] == "trainer-and-standby"]
+    (resumed,) = [r for r in _job_report(work, "trainer-and-standby")["restarts"] if "resumed_from_floor" in r]
+    assert f"resumed from the floor's version {resumed['resumed_from_floor']}" in pair["why"], pair
+    assert pair["steps_redone"] == 7 - resumed["resumed_from_floor"], pair
+    assert [p.name for p in (tmp_path / "floor").iterdir()] == ["trainer-and-standby"]
+    for case in ("trainer-backward", "standby-killed", "trainer-frozen", "trainer-and-standby"):
         report = _job_report(work, case)
         assert report["faults"] and all(f["fired_at"] is not None for f in report["faults"]), (case, report["faults"])
         assert (work / case / "run.log").is_file()
@@ -57,9 +63,30 @@ def test_quick_matrix_passes_and_each_fault_fired(tmp_path):
     rows = {r["case"]: r for r in summary["results"]}
     assert rows["trainer-backward"]["detect_ms"] and rows["trainer-backward"]["resumed_ms"][0] > 0
     assert rows["trainer-backward"]["steps_redone"] >= 0 and rows["fsdp-reference"]["overhead"] is not None
-    assert (work / "selftest.md").read_text().count("| trainer-") == 2
+    assert (work / "selftest.md").read_text().count("| trainer-") == 3
     assert list(cwd.iterdir()) == []  # everything went into the work directory
 
+
+def test_the_matrix_as_pytest_cases(tmp_path):
+    """What a CI runner writes: pytest with the plugin, the selftest's own options in one flag. A
+    selected case runs as a test (its job's baseline and reference first), one the options leave
+    out is skipped saying so, and options the selftest refuses stop pytest with exit 2."""
+    work = tmp_path / "work"
+    pytest_ = [sys.executable, "-m", "pytest", "-p", "replica.roles.selftest_pytest", "--pyargs",
+               "replica.roles.selftest_pytest", "-p", "no:cacheprovider", "-q", "-rs"]
+    done = subprocess.run([*pytest_, "-k", "trainer-backward or two-trainers",
+                           f"--replica-selftest=--quick --steps 8 --report {work}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    assert "1 passed, 1 skipped" in done.stdout and "not selected by the options" in done.stdout, done.stdout[-3000:]
+    report = _job_report(work, "trainer-backward")
+    assert report["faults"] and all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
+    assert sorted(p.name for p in work.iterdir()) == ["fsdp-reference", "fsdp-unmirrored", "trainer-backward"]
+    refused = subprocess.run([*pytest_, "--replica-selftest=--steps 3"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    said = refused.stdout + refused.stderr
+    assert "--replica-selftest: replica selftest: error: --steps 3: the cases fire faults up to step 7" in said, said
 
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("transformers", "torchdata")),
                     reason="the Hugging Face job needs transformers and torchdata")
@@ -155,9 +182,22 @@ def test_ctrl_c_stops_every_process_it_started(tmp_path):
     assert _processes_in(work) == []
 
 
+def test_a_durable_case_without_a_floor_is_skipped_saying_why(tmp_path):
+    """Named (--case) without --durable: skipped with its reason, nothing launched."""
+    plan = Plan(device=Device.CPU, num_trainers=2, steps=8, directory=tmp_path, case_timeout=timedelta(seconds=60))
+    (result,) = run_matrix(plan, select_cases(quick=False, only=("trainer-and-standby",)), say=lambda _: None)
+    assert result.outcome == "skipped" and "needs --durable DIR" in result.why, result
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_case_selection():
     assert [c.name for c in select_cases(quick=True)] == ["trainer-backward", "standby-killed", "trainer-frozen"]
-    assert select_cases(quick=False) == CASES
+    durable = [c for c in CASES if c.durable]
+    assert [c.name for c in durable] == ["trainer-and-standby"]
+    assert select_cases(quick=False) == tuple(c for c in CASES if not c.durable)  # no floor: no pair loss
+    assert select_cases(quick=False, durable=True) == CASES
+    assert [c.name for c in select_cases(quick=True, durable=True)] == ["trainer-backward", "standby-killed",
+                                                                         "trainer-frozen", "trainer-and-standby"]
     assert [c.name for c in select_cases(quick=True, only=("two-trainers",))] == ["two-trainers"]
     with pytest.raises(ValueError, match="no case nope"):
         select_cases(quick=False, only=("nope",))
@@ -168,8 +208,9 @@ def test_case_selection():
 @pytest.mark.slow
 def test_full_matrix_on_this_machine(tmp_path):
     """Every case: the FSDP2 job's kills in each phase, a standby, a freeze, two trainers one
-    after the other; the Hugging Face job; the RL loop with vLLM engines where vLLM is installed."""
-    done = _run("--report", str(tmp_path / "work"), cwd=tmp_path, timeout_s=1800)
+    after the other, a trainer with its standby (back to the floor); the Hugging Face job; the RL loop with vLLM engines where vLLM is installed."""
+    done = _run("--report", str(tmp_path / "work"), "--durable", str(tmp_path / "floor"), cwd=tmp_path,
+                timeout_s=1800)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "work" / "selftest.json").read_text())
     ran = {r["case"]: r for r in summary["results"]}
