@@ -109,19 +109,43 @@ class DeskBook:
         """Blob ``name`` from the first of ``holders`` whose desk serves it with ``digest``;
         None if none does (gone, or never had it)."""
         for engine, address in self.addresses(holders).items():
-            try:
-                blob = self._client(address).get(name)
-            except TransportError as exc:
-                logger.info("the desk of engine %d (%s) did not serve %s: %s", engine, address, name, exc)
-                continue
-            if blob is None:
-                continue
-            if blob_digest(blob) != digest:
-                logger.warning("the desk of engine %d served %s with another digest than its record: ignored",
-                               engine, name)
-                continue
-            return blob
+            if (blob := self._checked(self._client(address), engine, name, digest)) is not None:
+                return blob
         return None
+
+    def fetch_each(self, wanted: Sequence[tuple[str, str, int]]) -> list[bytes | None]:
+        """Each ``(name, digest, holder)``'s blob from its holder's desk (None where it does not
+        serve it with that digest): the desks in parallel, each one's blobs in turn over its
+        connection."""
+        addresses = self.addresses({holder for _, _, holder in wanted})
+        by_engine: dict[int, list[int]] = {}
+        for i, (_, _, holder) in enumerate(wanted):
+            by_engine.setdefault(holder, []).append(i)
+        out: list[bytes | None] = [None] * len(wanted)
+        clients = {engine: self._client(addresses[engine]) for engine in by_engine if engine in addresses}
+
+        def from_desk(engine: int) -> None:
+            for i in by_engine[engine]:
+                name, digest, _ = wanted[i]
+                out[i] = self._checked(clients[engine], engine, name, digest)
+
+        if clients:
+            with ThreadPoolExecutor(max_workers=min(len(clients), 16), thread_name_prefix="replica-desk-get") as pool:
+                list(pool.map(from_desk, clients))
+        return out
+
+    @staticmethod
+    def _checked(client: DeskClient, engine: int, name: str, digest: str) -> bytes | None:
+        try:
+            blob = client.get(name)
+        except TransportError as exc:
+            logger.info("the desk of engine %d (%s) did not serve %s: %s", engine, client.address, name, exc)
+            return None
+        if blob is not None and blob_digest(blob) != digest:
+            logger.warning("the desk of engine %d served %s with another digest than its record: ignored", engine,
+                           name)
+            return None
+        return blob
 
     def upload(self, name: str, blob: bytes, addresses: dict[int, str]) -> set[str]:
         """Put ``blob`` on each desk of ``addresses`` at once; returns the addresses that took it

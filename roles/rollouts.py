@@ -256,11 +256,14 @@ def fetch_results(store: JobStore, desks: DeskBook, n: int, num_prompts: int,
     completions: list[list[int]] = [[] for _ in range(num_prompts)]
     versions = [-1] * num_prompts
     lost = []
+    records = []
     for k, text in enumerate(store.get_many(result_keys(n, num_shards))):
         if text is None:
             raise replica.ReplicaError(f"request {n}: shard {k} has no (verified) result")
-        record = json.loads(text.value)
-        blob = desks.fetch(result_blob(n, k), record["digest"], [record.get("held_by", record["engine"])])
+        records.append(json.loads(text.value))
+    blobs = desks.fetch_each([(result_blob(n, k), r["digest"], r.get("held_by", r["engine"]))
+                              for k, r in enumerate(records)])
+    for k, (record, blob) in enumerate(zip(records, blobs, strict=True)):
         if blob is None:
             lost.append(k)
             continue
