@@ -95,7 +95,7 @@ def main() -> None:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, foreach=True)  # as on GPUs
     rollouts = job.rollout_client(model, num_shards=SHARDS)
     extra = {"rng": replica.RNGState()}
     if checkpoints is not None:

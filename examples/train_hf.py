@@ -106,7 +106,7 @@ def main() -> None:
     job = replica.roles.init()
     total = job.env.steps  # replica launch --steps
     model = build_model(device, world_size=job.env.world_size, dropout=args.dropout, compile=args.compile)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)  # as on GPUs
     warmup = max(1, total // 4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
