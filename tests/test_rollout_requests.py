@@ -214,6 +214,26 @@ def _serve(store: JobStore, **kwargs) -> None:
     serve_requests(store=store.own(), **kwargs)  # the engine's thread, its own store connection
 
 
+@contextlib.contextmanager
+def _serving(store: JobStore, engines: list, *, per_engine=lambda i: {}, **kwargs):
+    """Engine i of ``engines`` on the real serving loop, each in a thread of its own; yields
+    each loop's (stop event, thread); every loop is stopped and joined on the way out.
+    ``kwargs`` go to every loop, ``per_engine(i)``'s to loop i."""
+    stops = [threading.Event() for _ in engines]
+    loops = [threading.Thread(target=_serve, args=(store,), kwargs=dict(
+        index=i, num_engines=len(engines), token=TOKEN, engine=engine, stop=stops[i].is_set, **kwargs,
+        **per_engine(i))) for i, engine in enumerate(engines)]
+    for loop in loops:
+        loop.start()
+    try:
+        yield list(zip(stops, loops))
+    finally:
+        for stop in stops:
+            stop.set()
+        for loop in loops:
+            loop.join(20)
+
+
 def test_completions_lost_with_their_engine_are_made_again_by_another(store):
     """Two stand-in engines (said so: no model) on the real serving loop; engine 0 serves shard
     0 and dies (its loop ends, its desk closes, the coordinator marks it dead) before the driver
@@ -222,37 +242,29 @@ def test_completions_lost_with_their_engine_are_made_again_by_another(store):
     from replica.jobstore import Stamp
 
     prompts, sampling = [[i, i + 1] for i in range(6)], Sampling(max_tokens=5, seed=7)
-    stops = [threading.Event(), threading.Event()]
     engines = [StandInEngine(version=1), StandInEngine(version=1)]
     gate = threading.Event()
 
     def hold(step: int) -> None:  # engine 1 waits until engine 0 made shard 0 and died
         gate.wait(20)
 
-    loops = [threading.Thread(target=_serve, args=(store,), kwargs=dict(
-        index=i, num_engines=2, token=TOKEN, engine=engines[i], stop=stops[i].is_set,
-        on_shard=hold if i == 1 else None)) for i in range(2)]
-    for loop in loops:
-        loop.start()
     result = {}
     try:
-        store.put(keys.latest_version(), Number(value=1))
-        asker = threading.Thread(target=lambda: result.update(got=request_rollouts(
-            store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2, timeout=timedelta(seconds=60))))
-        asker.start()
-        store.wait_for(lambda s: s.get(keys.result(1, 0)), wake=lambda: [keys.result(1, 0)],
-                       timeout=timedelta(seconds=20), what="shard 0")
-        stops[0].set()
-        loops[0].join(20)
-        store.put(keys.engine_dead_since(0), Stamp(at=time.time()))
-        gate.set()
-        asker.join(60)
+        with _serving(store, engines, per_engine=lambda i: {"on_shard": hold if i == 1 else None}) as loops:
+            store.put(keys.latest_version(), Number(value=1))
+            asker = threading.Thread(target=lambda: result.update(got=request_rollouts(
+                store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2, timeout=timedelta(seconds=60))))
+            asker.start()
+            store.wait_for(lambda s: s.get(keys.result(1, 0)), wake=lambda: [keys.result(1, 0)],
+                           timeout=timedelta(seconds=20), what="shard 0")
+            (stop, loop), _ = loops
+            stop.set()
+            loop.join(20)
+            store.put(keys.engine_dead_since(0), Stamp(at=time.time()))
+            gate.set()
+            asker.join(60)
     finally:
         gate.set()
-        for stop in stops:
-            stop.set()
-        for loop in loops:
-            loop.join(20)
     want = [stand_in_completion(p, sampling.seed + i, sampling.max_tokens) for i, p in enumerate(prompts)]
     assert result["got"].completions == want
     from replica.roles.rollouts import reopened_tokens
@@ -269,20 +281,10 @@ def test_a_large_request_keeps_every_store_value_small(store):
     stand-in engines (no model): the store's largest value stays far under 64 KiB."""
     prompts = [[(i * 13 + j) % 32_000 for j in range(256)] for i in range(1024)]
     sampling = Sampling(max_tokens=256, seed=3)
-    stop = threading.Event()
-    loops = [threading.Thread(target=_serve, args=(store,), kwargs=dict(
-        index=i, num_engines=2, token=TOKEN, engine=StandInEngine(version=2), stop=stop.is_set)) for i in range(2)]
-    with largest_store_value() as largest:
-        for loop in loops:
-            loop.start()
-        try:
-            store.put(keys.latest_version(), Number(value=2))
-            got = request_rollouts(store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2,
-                                   timeout=timedelta(seconds=60))
-        finally:
-            stop.set()
-            for loop in loops:
-                loop.join(20)
+    with largest_store_value() as largest, _serving(store, [StandInEngine(version=2), StandInEngine(version=2)]):
+        store.put(keys.latest_version(), Number(value=2))
+        got = request_rollouts(store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2,
+                               timeout=timedelta(seconds=60))
     assert got.completions == [stand_in_completion(p, 3 + i, 256) for i, p in enumerate(prompts)]
     assert got.versions == [2] * 1024
     assert 0 < largest[0] < 4096, largest[0]
@@ -293,28 +295,18 @@ def test_a_retired_engine_hands_its_completions_to_a_live_one(store):
     ``retiring``): before it closes its desk it puts its shard's completions on engine 0's and
     names it in the record, so the request is fetched whole afterwards, nothing made again."""
     prompts, sampling = [[i, 2 * i] for i in range(4)], Sampling(max_tokens=4, seed=1)
-    stops = [threading.Event(), threading.Event()]
     engines = [StandInEngine(version=1), StandInEngine(version=1)]
-    loops = [threading.Thread(target=_serve, args=(store,), kwargs=dict(
-        index=i, num_engines=2, token=TOKEN, engine=engines[i], stop=stops[i].is_set,
-        retiring=lambda: True)) for i in range(2)]
-    for loop in loops:
-        loop.start()
-    try:
+    with _serving(store, engines, retiring=lambda: True) as loops:
         store.put(keys.latest_version(), Number(value=1))
         first = request_rollouts(store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2,
                                  timeout=timedelta(seconds=30))
-        stops[1].set()
-        loops[1].join(20)
+        _, (stop, loop) = loops
+        stop.set()
+        loop.join(20)
         assert json.loads(store.get(keys.result(1, 1)).value)["held_by"] == 0  # handed on
         book = DeskBook(store, token=TOKEN, num_engines=2)
         again, lost = fetch_results(store, book, 1, len(prompts), 2)
         book.close()
-    finally:
-        for stop in stops:
-            stop.set()
-        for loop in loops:
-            loop.join(20)
     assert lost == [] and again.completions == first.completions
     assert engines[0].generated + engines[1].generated == 4 * 4  # each shard made once
     assert store.count(keys.reopened_seq()) == 0
