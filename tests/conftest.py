@@ -82,10 +82,42 @@ def fresh_seed1(tmp_path_factory):
     return _once_per_run(tmp_path_factory, "fresh-seed1", make)
 
 
+# Under pytest-xdist the controller runs one etcd cluster for every worker (a 3-member cluster per
+# worker idled at 9 etcd processes for the whole run); each worker takes a namespace of its own.
+_SHARED_ETCD = "TESTS_SHARED_ETCD"
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput") and \
+            testetcd.available() and _SHARED_ETCD not in os.environ:
+        config._shared_etcd = EtcdCluster(addresses=["127.0.0.1"] * 3).__enter__()
+        os.environ[_SHARED_ETCD] = config._shared_etcd.describe()  # the workers start after this
+
+
+def pytest_unconfigure(config):
+    cluster = getattr(config, "_shared_etcd", None)
+    if cluster is not None:
+        os.environ.pop(_SHARED_ETCD, None)
+        cluster.close()
+
+
 @pytest.fixture(scope="session")
-def etcd():
+def etcd(worker_id):
     """A real 3-member etcd cluster on loopback, authentication on, shared by the session
-    (each test takes a namespace of its own where it needs an empty store)."""
+    (each test takes a namespace of its own where it needs an empty store), and by every
+    xdist worker (each in a namespace of its own). Never stop its members: ``etcd_own``."""
+    if not testetcd.available():
+        pytest.skip("etcd is not installed (make test installs etcd-server)")
+    if _SHARED_ETCD in os.environ:
+        yield EtcdCluster.attach(os.environ[_SHARED_ETCD], namespace=f"replica-job/{worker_id}/")
+        return
+    with EtcdCluster(addresses=["127.0.0.1"] * 3) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def etcd_own():
+    """A 3-member cluster of the module's own, for the tests that stop and restart members."""
     if not testetcd.available():
         pytest.skip("etcd is not installed (make test installs etcd-server)")
     with EtcdCluster(addresses=["127.0.0.1"] * 3) as cluster:

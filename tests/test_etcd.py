@@ -58,7 +58,8 @@ def test_only_the_job_user_in_its_namespace_gets_in(etcd):
     assert good.get("k") == b"v"
 
 
-def test_losing_the_leader_and_a_member_keeps_the_store_going(etcd):
+def test_losing_the_leader_and_a_member_keeps_the_store_going(etcd_own):
+    etcd = etcd_own  # it stops members: a cluster of its own
     store = EtcdStore(etcd.config(namespace=f"{etcd.namespace}leader/"))
     store.set("before", b"1")
     leader = etcd.leader()
@@ -277,7 +278,8 @@ def test_waits_in_slices_keep_one_watch_and_read_nothing_while_it_is_quiet(etcd)
     assert len(opened) == 2
 
 
-def test_a_wait_goes_on_when_the_member_it_watches_on_dies(etcd):
+def test_a_wait_goes_on_when_the_member_it_watches_on_dies(etcd_own):
+    etcd = etcd_own  # it stops members: a cluster of its own
     store = EtcdStore(etcd.config(namespace=f"{etcd.namespace}watchloss/"))
     _, opened = _counted(store)
     with pytest.raises(dist.DistStoreError):

@@ -158,7 +158,8 @@ def test_bad_arguments_are_refused(store):
         store.heartbeat(1, period=timedelta(0), io_timeout=IO, python_grace=IO)
 
 
-def test_on_etcd_a_lost_member_moves_the_beat_to_another(etcd):
+def test_on_etcd_a_lost_member_moves_the_beat_to_another(etcd_own):
+    etcd = etcd_own  # it stops members: a cluster of its own
     store = JobStore(EtcdStore(etcd.config(namespace=f"{etcd.namespace}heartbeat/")), token=TOKEN)
     beat = store.heartbeat(10, period=PERIOD, io_timeout=timedelta(milliseconds=500),
                            python_grace=timedelta(seconds=30))

@@ -54,6 +54,10 @@ with urllib.request.urlopen(request, timeout=5) as response:
 """
 
 
+def _not_ours(*args, **kwargs) -> subprocess.Popen:
+    raise RuntimeError("this etcd member belongs to another process's cluster (EtcdCluster.attach)")
+
+
 @dataclass(kw_only=True, slots=True)
 class EtcdMember:
     name: str
@@ -110,6 +114,26 @@ class EtcdCluster(TornDown):
         self.members = [EtcdMember(name=f"m{i}", address=a, client_port=client, peer_port=peer, spawn=spawns[i],
                                    via=via[i] if via else None)
                         for i, (a, (client, peer)) in enumerate(zip(addresses, ports, strict=True))]
+        self._owner = True  # False: attached to another process's cluster
+
+    def describe(self) -> str:
+        """What another process needs to use this cluster (``attach``): its members' addresses and
+        ports, the job user's password, where its certificates are. Never logged."""
+        return json.dumps({"members": [[m.name, m.address, m.client_port, m.peer_port] for m in self.members],
+                           "password": self.password, "tls": self.tls, "dir": str(self._dir)})
+
+    @classmethod
+    def attach(cls, description: str, *, namespace: str) -> EtcdCluster:
+        """A cluster another process runs (its ``describe()``), as this one uses it: ``endpoints``,
+        ``config()``, ``environ()`` in ``namespace`` (inside the job user's). Its members are not
+        this process's: starting, stopping or closing them is the owner's."""
+        found = json.loads(description)
+        view = cls.__new__(cls)
+        view.namespace, view.tls, view.password = namespace, found["tls"], found["password"]
+        view._root_password, view._dir, view._owner = "", Path(found["dir"]), False
+        view.members = [EtcdMember(name=name, address=address, client_port=client, peer_port=peer, spawn=_not_ours)
+                        for name, address, client, peer in found["members"]]
+        return view
 
     @property
     def ca_file(self) -> str:
@@ -242,6 +266,8 @@ class EtcdCluster(TornDown):
         raise RuntimeError("no etcd member leads")
 
     def close(self) -> None:
+        if not self._owner:
+            return  # another process's cluster
         for member in self.members:
             try:
                 member.kill()
