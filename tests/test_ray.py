@@ -27,6 +27,7 @@ from replica.jobstore import JobStore  # noqa: E402
 from replica.ray import Placement, PlacementError, RayJob, RayJobConfig, Sampling  # noqa: E402
 from replica.ray.launch import parse_placement  # noqa: E402
 from replica.roles.report import compare_reports, load_report  # noqa: E402
+from replica.roles.selftest import CASES  # noqa: E402
 from replica.timing import Deadline  # noqa: E402
 from replica._testing import descendants  # noqa: E402
 from test_launch import EXAMPLE, ROOT, STEPS  # noqa: E402
@@ -241,3 +242,25 @@ def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cl
     assert trainers_asked and all(s["version"] == s["needed"] for s in trainers_asked)
     assert [s["version"] >= s["needed"] for s in report["rollout_shards"] if s["step"] < 0] == [True] * 3
     assert compare_reports(rl_reference, report) == []  # losses and rewards, bit for bit
+
+
+# `make test-slow` (the whole matrix on Ray: 17 jobs); `make test` runs the quick matrix on this machine.
+@pytest.mark.slow
+def test_the_selftest_on_a_ray_cluster(cluster, tmp_path):
+    """`replica selftest --ray ADDRESS --durable DIR`, as a user points it at their cluster: every
+    job of the matrix is a `replica launch --ray`, each role a Ray actor; every case
+    bit-identical, each fault fired."""
+    work = tmp_path / "work"
+    done = subprocess.run([sys.executable, "-m", "replica.roles.cli", "selftest", "--ray", cluster.address, "--durable",
+                           str(tmp_path / "floor"), "--report", str(work)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=2400, env=dict(os.environ, REPLICA_TOKEN=TOKEN))
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    summary = json.loads((work / "selftest.json").read_text())
+    assert summary["target"] == cluster.address and summary["passed"] is True
+    ran = {r["case"]: r for r in summary["results"]}
+    assert {name for name, r in ran.items() if r["outcome"] == "skipped"} == set(), ran  # Ray runs every case
+    for case in CASES:
+        assert ran[case.name]["outcome"] == "bit-identical", ran[case.name]
+        report = json.loads((work / case.name / "run.json").read_text())
+        assert report["faults"] and all(f["fired_at"] is not None for f in report["faults"]), (case, report["faults"])
+    print("\n".join(line for line in done.stdout.splitlines() if line.startswith("|")))
