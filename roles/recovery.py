@@ -29,6 +29,7 @@ __all__ = ["Recovery", "aim_beats"]
 logger = logging.getLogger(__name__)
 _HEARTBEAT_LOG_EVERY = 50  # repeated failures: one warning in 50 (5 s)
 _STORE_RETRY = timedelta(milliseconds=200)  # a role whose store call failed tries it again this often
+_JOB_ENDED = (-1, -1)  # _announced's answer when the job ended instead of a failover (not a generation)
 
 
 def _endpoint(address: str) -> tuple[str, int]:
@@ -91,7 +92,7 @@ class Recovery:
             if current is not None and current.number > floor:
                 return current.number, store.wait(keys.failover(current.number), timing.ROLE_WAIT).commit
             if store.has(keys.finished()):
-                return -1, -1  # the job ended instead (it failed, or starts again from its start or its floor)
+                return _JOB_ENDED  # it failed, or starts again from its start or its floor
             if current is not None and not asked:  # no death announced (yet): ask for a fresh generation
                 store.put(keys.regroup(self.rank), Regroup(rank=self.rank, generation=current.number))
                 store.count(keys.regroup_count(), 1)
@@ -106,7 +107,7 @@ class Recovery:
         except StoreWaitTimeoutError:
             raise replica.ReplicaError("the step failed but no coordinator announced a failover or a regroup "
                                        f"within {timing.ROLE_WAIT}") from None
-        if found == (-1, -1):
+        if found is _JOB_ENDED:
             # Nothing to resume here: the coordinator said why. Leave now, not at its linger's end.
             logger.error("[%s rank %d] the job ended while this process waited for a failover after its failed "
                          "step; it stops (exit code %d)", self.role, self.rank, ExitCode.FAILED)

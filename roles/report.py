@@ -169,9 +169,8 @@ def summary_lines(report: dict) -> list[str]:
     the details): failovers, divergences, suspected stalls, unprotected spans, the coordinator's
     own stalls."""
     failovers = report["failovers"]
-    failure = report["failure"] or ""
     lines = [f"{report['steps']} steps, last commit {report['last_commit']}"
-             + (f"; {'' if failure.startswith('the job failed') else 'the job failed: '}{failure}" if failure else "")]
+             + (f"; {report['failure']}" if report["failure"] else "")]  # supervise's "the job failed: ..."
     lines.append(f"failovers: {len(failovers)}" + (" (" + ", ".join(
         f"rank {f['rank']} from commit {f['commit']}" for f in failovers) + ")" if failovers else ""))
     divergences = report["divergences"]
