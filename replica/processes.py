@@ -4,7 +4,9 @@ CPU each, several seconds on a loaded machine).
 
 The server is multiprocessing's fork server: one process per parent, started (exec'd, so
 clean: no thread, no communicator, nothing of the parent's) on first use, that imports
-``PRELOAD`` once and forks a child per request. A child starts from the server's state, not
+``PRELOAD`` once and forks a child per request. A command that runs no thread yet starts it as
+a fork of itself instead (``start_server``: ``replica launch`` and ``replica agent`` do), which
+imports only what the command has not. A child starts from the server's state, not
 its parent's: the environment, working directory and import path the parent chose are
 handed to it (``Inherited``), as exec would. Only imports go into the server: nothing that
 starts a thread, opens a transport or reads the environment once for good (torch reads its
@@ -27,12 +29,13 @@ from multiprocessing import reduction
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
 
-__all__ = ["Inherited", "PRELOAD", "SERVER", "ScriptProcess", "environ_now", "start_script"]
+__all__ = ["Inherited", "PRELOAD", "SERVER", "ScriptProcess", "environ_now", "start_script", "start_server"]
 
 # What the roles and users' scripts import: torch._dynamo is imported lazily by FSDP2's first
 # fully_shard (a third of a small job's CPU when each child imported it); a module that is not
@@ -43,6 +46,9 @@ SERVER = mp.get_context("forkserver")
 SERVER.set_forkserver_preload(PRELOAD)
 
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
+# The fork server's private state that start_server fills in as ensure_running would (Python 3.10-3.13; 3.14
+# authenticates its clients with a key of its own: there, and elsewhere, the server is always exec'd).
+_FORKABLE_SERVER = sys.platform.startswith("linux") and sys.version_info < (3, 14)
 _NAME_BYTES = 15  # the kernel keeps 15 bytes of a process name (/proc/PID/comm)
 
 
@@ -80,6 +86,53 @@ class Inherited:
 
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
+
+
+def start_server() -> bool:
+    """Start the fork server now, rather than at the first ``start_script``. Where this process
+    runs no other thread (a command at its start, before its store or agent runs any) the server
+    is a fork of it: it starts from the modules this process imported already (torch, replica:
+    1.5 s of CPU an exec'd server imports again) and imports the rest of ``PRELOAD``. Elsewhere
+    (a thread running, a server running already, another platform or Python) multiprocessing's
+    own, exec'd on first use. True when the server is this process's fork.
+
+    A fork taken here is as clean as the exec'd server: no thread, no open store or transport,
+    no logging set up yet (the caller has done nothing but import and read its arguments); the
+    children get their environment, directory and import path from their starter (``Inherited``)
+    as they do from the exec'd one."""
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    server = forkserver._forkserver
+    if not _FORKABLE_SERVER or threading.active_count() > 1 or server._forkserver_pid is not None:
+        return False
+    resource_tracker.ensure_running()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # every client holds the write end: the server ends when all closed it
+        pid = os.fork()
+        if pid == 0:  # the server
+            status = 0
+            try:
+                os.close(alive_w)
+                _set_name("replica-forks")
+                forkserver.main(listener.fileno(), alive_r, PRELOAD)
+            except SystemExit:  # its clients are gone
+                pass
+            except BaseException:  # noqa: BLE001 - said, and the server ends; its clients' starts fail
+                import traceback
+                traceback.print_exc()
+                status = 1
+            finally:
+                os._exit(status)  # not this command's atexit handlers, nor its exit path
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
 
 
 def _die_with_parent() -> None:

@@ -46,6 +46,7 @@ from replica.roles.env import (
     shared_domains_allowed,
 )
 from replica.roles.local_agent import LocalAgent
+from replica.processes import start_server
 from replica.roles.stalls import StallLog
 from replica.jobstore.stores import StoreAddress
 
@@ -307,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
                      "standby on another host, or pass --allow-shared-domain")
     if args.index < 0:
         parser.error(f"--index must be >= 0, got {args.index}")
+    if not args.exec_roles:
+        start_server()  # a fork of this process, before the store's threads: the roles start from its imports
     configure_logging()
     # The coordinator may come up after the agents (ROLE_WAIT); the talker's connections fail fast.
     store = JobStore(address.connect(timeout=timing.ROLE_WAIT), token=os.environ[envvars.TOKEN].encode())

@@ -46,6 +46,7 @@ from replica.state.export import step_folder
 from replica.roles.spares import SparePool
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.local_agent import LocalAgent, open_job, start_roles
+from replica.processes import start_server
 from replica.roles.argparsing import (
     deadline_options,
     deadlines_of,
@@ -196,6 +197,8 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
         deadlines = deadlines_of(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if not (args.ray or args.exec_roles):
+        start_server()  # a fork of this process, before the store's threads: the roles start from its imports
     configure_logging()
     # A job that fails before its first global commit starts again from its start: once, or
     # --replacements N times (0: never). Nothing was committed, so nothing is lost; the faults

@@ -133,25 +133,64 @@ def test_bad_input_is_refused(tmp_path):
         start_script([str(tmp_path / "missing.py")], env={}, name="x")
 
 
-_STARTER = ("import os, sys, time; from replica.processes import start_script; "
-            "proc = start_script(sys.argv[1:], env=dict(os.environ), name='trainer 0'); "
-            "print(proc.pid, flush=True); time.sleep(600)")
+# Starts the script given in argv[2:] and prints its pid; argv[1]: "forked" (the server a fork of the
+# starter, start_server), "threaded" (start_server with a thread running: the exec'd server) or "execd".
+_STARTER = """
+import os, sys, threading, time
+from replica.processes import start_script, start_server
+if sys.argv[1] == "threaded":
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+forked = start_server() if sys.argv[1] != "execd" else None
+proc = start_script(sys.argv[2:], env=dict(os.environ), name="trainer 0")
+print(proc.pid, forked, flush=True)
+if sys.argv[-1] == "sleep":
+    time.sleep(600)
+print(proc.wait(timeout=120), flush=True)
+"""
 
 
-def test_a_script_dies_with_the_process_that_started_it(tmp_path, script):
-    """Its starter SIGKILLed: the starter's fork server exits and the script gets its
-    parent-death signal."""
+def _server_of(pid: int) -> tuple[int, str]:
+    """The parent of a script (its fork server): pid and name."""
+    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return ppid, Path(f"/proc/{ppid}/comm").read_text().strip()
+
+
+@pytest.mark.parametrize(("mode", "forked"), [("forked", True), ("threaded", False)])
+def test_a_server_forked_from_its_starter_runs_scripts_as_the_execd_one(tmp_path, script, mode, forked):
+    """start_server: a command's fork (no interpreter started again) where it runs no other
+    thread; the exec'd server where it does. The script sees the same either way."""
     out = tmp_path / "seen.json"
-    starter = subprocess.Popen([sys.executable, "-c", _STARTER, str(script), str(out), "sleep"],
+    done = subprocess.run([sys.executable, "-c", _STARTER, mode, str(script), str(out), "exit0"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "GIVEN": "yes"})
+    assert done.returncode == 0, done.stderr
+    started, status = done.stdout.splitlines()
+    assert started.split()[1] == str(forked) and status == "0"
+    seen = json.loads(out.read_text())
+    assert {k: seen[k] for k in ("start_method", "parent", "name", "path0", "given", "comm", "spawned", "forked",
+                                 "torch_preloaded")} == {
+        "start_method": "fork", "parent": None, "name": "__main__", "path0": str(script.parent), "given": "yes",
+        "comm": "trainer 0", "spawned": [9], "forked": 0, "torch_preloaded": True}
+    assert (tmp_path / "seen.json.atexit").read_text() == "ran"
+
+
+@pytest.mark.parametrize("mode", ["execd", "forked"])
+def test_a_script_dies_with_the_process_that_started_it(tmp_path, script, mode):
+    """Its starter SIGKILLed: the starter's fork server (exec'd, or the starter's fork) exits and
+    the script gets its parent-death signal."""
+    out = tmp_path / "seen.json"
+    starter = subprocess.Popen([sys.executable, "-c", _STARTER, mode, str(script), str(out), "sleep"],
                                stdout=subprocess.PIPE, text=True)
     pid = 0
     try:
-        pid = int(starter.stdout.readline())
+        pid = int(starter.stdout.readline().split()[0])
         wait_for(out.exists, "the script's start", timeout_s=120)
         assert pid in descendants(starter.pid)
+        server, name = _server_of(pid)
+        assert (name == "replica-forks") == (mode == "forked"), name
         starter.kill()
         starter.wait(timeout=30)
-        wait_for(lambda: not _running(pid), "the script's death", timeout_s=10)
+        wait_for(lambda: not _running(pid) and not _running(server), "the script's and its server's death",
+                 timeout_s=10)
     finally:
         if starter.poll() is None:
             starter.kill()
