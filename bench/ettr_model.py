@@ -17,6 +17,7 @@ failures cost, not the drift."""
 from __future__ import annotations
 
 import enum
+import math
 import random
 import statistics
 from collections.abc import Mapping, Sequence
@@ -156,6 +157,11 @@ class Projection:
     # counted fatal here (pessimistic: failure domains of single hosts, a trainer host and its standbys' host
     # under one switch). Host maintenance (7.6%) and the GPU, memory and software causes take one host.
     pair_fraction: float = 0.084
+    # Failure domains (--domain, REPLICA_DOMAIN): with each trainer host's standbys under another switch than
+    # it (switch-level domains), a switch takes trainer hosts whose standbys live on, or standbys whose
+    # trainers do: ordinary failovers, all in one generation. A pair is then lost only where a second,
+    # independent failure hits the partner host inside the first one's unprotected span (``pair_by_chance``).
+    switch_domains: bool = False
     floor: bool = True  # a durable floor (--durable): a pair loss resumes from it; without, the job restarts
     floor_every_s: float = 600.0  # the floor's cadence (--durable-interval's default)
     floor_overhead: float = 0.0  # the floor's cost on a step, as a share of it (measured: bench/test_floor_cost.py)
@@ -199,11 +205,28 @@ class Projection:
         and the step in flight."""
         return self.restart_fixed_s + self.state_gb / self.storage_gb_s + self.floor_every_s / 2 + self.step_s / 2
 
+    def unprotected_s(self) -> float:
+        """How long a rank is without a copy in memory after its trainer's or standby's failure:
+        until its new standby (a fresh process, or a spare) holds its snapshot."""
+        return self.standby_start_s + self.per_host_gb() / self.link_gb_s
+
+    def pair_by_chance(self, mtbf_s: float) -> float:
+        """The share of failures that lose a pair with no correlated cause: the next failure (the
+        job's failures a Poisson process of mean ``mtbf_s``) comes inside this one's unprotected
+        span and on its one partner host (group placement: a trainer host's standbys on one
+        rollout host), of the 2 x trainer_hosts hosts."""
+        return (1 - math.exp(-self.unprotected_s() / mtbf_s)) / (2 * self.trainer_hosts)
+
+    def pair_share(self, mtbf_s: float) -> float:
+        """The share of failures that lose every in-memory copy of some rank."""
+        chance = self.pair_by_chance(mtbf_s)
+        return chance if self.switch_domains else self.pair_fraction + (1 - self.pair_fraction) * chance
+
     def replica_ettr(self, mtbf_s: float) -> float:
         """Failures arrive every ``mtbf_s``; a share ``pair_fraction`` of them lose every copy of
         some ranks. With the floor those resume from it; without, the job is restarted from the
         user's own checkpoints, taken at the interval best for the pair losses' rate."""
-        p = self.pair_fraction
+        p = self.pair_share(mtbf_s)
         share = self.step_s / (self.step_s + self.control_s)
         if self.floor:
             lost = (1 - p) * self.failover_s() + p * self.floor_resume_s()
@@ -232,6 +255,7 @@ def project(model: Projection, mtbfs_s: Sequence[float]) -> list[dict]:
         rows.append({"mtbf_s": mtbf, "mtbf_steps": mtbf / model.step_s, "replica": model.replica_ettr(mtbf),
                      "replica_without_floor": replace(model, floor=False).replica_ettr(mtbf),
                      "replica_single_failures": replace(model, pair_fraction=0.0).replica_ettr(mtbf),
+                     "replica_switch_domains": replace(model, switch_domains=True).replica_ettr(mtbf),
                      "replica_rollouts_redone": replace(model, rollouts_kept=False).replica_ettr(mtbf),
                      "checkpoint_restart": baseline, "checkpoint_every": k})
     return rows

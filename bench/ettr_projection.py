@@ -89,16 +89,20 @@ def projection(result: dict) -> tuple[dict, list[str]]:
              f"half the floor's cadence ({model.floor_every_s:g} s) replayed"
              + (f", and the floor costs {model.floor_overhead:.2%} of every step (measured)" if model.floor_overhead
                 else "") + "; without it the job restarts from the user's own checkpoints (checkpoint-restart at its "
-             "best interval for the pair losses' rate).\n",
+             "best interval for the pair losses' rate). With failure domains at the switch (each trainer host's "
+             "standbys under another switch: `--domain`, `REPLICA_DOMAIN`), a switch's loss is ordinary failovers; "
+             "a pair is lost only by chance, a second failure on the partner host inside the first one's "
+             f"unprotected span ({model.unprotected_s():.0f} s: a new standby's start and resync), counted in both "
+             "columns.\n",
              f"A trainer's failure redoes only the training part in flight ({1 - model.rollout_share:.0%} of a step, "
              "assumed): the step's request is kept and the engines generate on through the failover "
              "(roles/rollouts.py); the column before it redid half a step.\n",
-             "| job MTBF | MTBF (steps) | replica | single failures only | rollouts redone | replica without the floor "
-             "| checkpoint-restart (K) |",
-             "|---|---|---|---|---|---|---|"]
+             "| job MTBF | MTBF (steps) | replica | replica, switch domains | single failures only | rollouts redone "
+             "| replica without the floor | checkpoint-restart (K) |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         lines.append(f"| {row['mtbf_s'] / 3600:g} h | {row['mtbf_steps']:.1f} | {row['replica']:.3f} | "
-                     f"{row['replica_single_failures']:.3f} | {row['replica_rollouts_redone']:.3f} | "
+                     f"{row['replica_switch_domains']:.3f} | {row['replica_single_failures']:.3f} | {row['replica_rollouts_redone']:.3f} | "
                      f"{row['replica_without_floor']:.3f} | {row['checkpoint_restart']:.3f} ({row['checkpoint_every']}) |")
     lines.append("\nPublished, for comparison (their injection models are not published): RobustRL > 0.80 at its "
                  "\"10% failure injection frequency\" on 256 GPUs, ByteRobust's restart-based recovery 0.60 there; "

@@ -3,6 +3,7 @@ under `make ettr` (a cluster of hosts, tens of minutes)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 
 from dataclasses import replace
@@ -93,18 +94,36 @@ def test_pair_losses_cost_a_resume_from_the_floor_or_a_restart_without_it():
     version's load and half the floor's cadence replayed; without, checkpoint-restart's ETTR at
     the pair losses' own rate multiplies replica's."""
     model = Projection()
-    alone = replace(model, pair_fraction=0.0)
+    alone = replace(model, pair_fraction=0.0, standby_start_s=0.0, link_gb_s=float("inf"))  # no span unprotected
+    assert alone.pair_share(3600) == 0.0
     single = model.detect_s + model.promote_s + model.reconnect_s + model.redone_s()
     assert alone.replica_ettr(3600) == pytest.approx(1 - single / 3600)  # no pair losses: failovers only
     assert replace(alone, floor=False).replica_ettr(3600) == pytest.approx(alone.replica_ettr(3600))
     resume = model.restart_fixed_s + model.state_gb / model.storage_gb_s + model.floor_every_s / 2 + model.step_s / 2
     assert model.floor_resume_s() == pytest.approx(resume)
-    p = model.pair_fraction
+    p = model.pair_share(3600)
+    assert model.pair_fraction < p < model.pair_fraction + 0.001  # the correlated share and a little chance
     assert model.replica_ettr(3600) == pytest.approx(1 - ((1 - p) * single + p * resume) / 3600)
     without = replace(model, floor=False)
     assert without.replica_ettr(3600) == pytest.approx((1 - (1 - p) * single / 3600) * model.baseline_ettr(3600 / p)[0])
     assert replace(model, floor_every_s=model.step_s).replica_ettr(3600) > model.replica_ettr(3600)  # a tighter floor
     assert replace(model, floor_overhead=0.01).replica_ettr(3600) == pytest.approx(model.replica_ettr(3600) * 0.99)
+
+
+def test_switch_domains_leave_only_pairs_lost_by_chance():
+    """With standbys under another switch than their trainers, a switch's loss is ordinary
+    failovers: a pair is lost only when the next failure hits the partner host inside the
+    unprotected span (a Poisson process of the job's failures; one partner among 2 x hosts)."""
+    model = replace(Projection(), switch_domains=True)
+    span = model.standby_start_s + model.per_host_gb() / model.link_gb_s
+    assert model.unprotected_s() == pytest.approx(span)
+    for mtbf in (900, 1800, 3600):
+        chance = (1 - math.exp(-span / mtbf)) / (2 * model.trainer_hosts)
+        assert model.pair_share(mtbf) == pytest.approx(chance) and chance < 1e-3
+        assert replace(model, switch_domains=False).pair_share(mtbf) == pytest.approx(
+            model.pair_fraction + (1 - model.pair_fraction) * chance)
+        hosts = replace(model, switch_domains=False).replica_ettr(mtbf)
+        assert hosts < model.replica_ettr(mtbf) <= replace(model, pair_fraction=0.0).replica_ettr(mtbf) + 1e-12
 
 
 def test_kept_rollouts_leave_a_trainers_failure_only_the_training_part_to_redo():
