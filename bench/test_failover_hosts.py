@@ -1,4 +1,4 @@
-"""Failover across hosts (network namespaces, tests/test_hosts.py's cluster and job):
+"""Failover across hosts (network namespaces, tests/host_job.py's job on tests/test_hosts.py's cluster):
 the timeline (detect, promote, reconnect, resumed, from the fault's own stamp) of
 trainer 1's host lost whole (link cut, then everything killed: no reset reaches
 anyone) and of that host partitioned for 8 s (``--inject partition:host:1@4:8``),
@@ -24,7 +24,7 @@ from replica._testing.cluster import ClusterConfig, NetnsCluster
 from replica._testing.etcd import EtcdCluster
 from replica._testing import process_state
 from replica.timing import Deadline, pause
-from test_hosts import Job
+from host_job import Job
 
 pytestmark = pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")
 
@@ -141,6 +141,6 @@ def report(request):
                      f"{result['coordinator_takeover_ms']:.0f} ms later (target <= 5000 ms); "
                      f"{result['steps_during_takeover']:g} steps committed meanwhile")
     lines.append(f"\nthe heartbeat deadline is {result['heartbeat_deadline_s']:g} s: a lost or cut-off host is "
-                 "found by it (no process exit, no reset); the survivor's gloo collective waits for gloo's 10 s "
-                 "timeout before it can roll back (see Limitations)")
+                 "found by it (no process exit, no reset); the survivors leave their collective when the failover "
+                 "is announced (resumed: the first step after the failover done)")
     write_results("failover_hosts", result, lines)

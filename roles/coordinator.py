@@ -47,7 +47,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
     def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
                  deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None,
                  store: StoreAddress | None = None, fence: tuple[str, bytes] | None = None,
-                 liveness: bool = True, shared_domains: bool = True):
+                 liveness: bool = True, shared_domains: bool = True, attempt: int = 0,
+                 previous: Coordinator | None = None):
         """Host the job store on ``host:port`` (a ``TCPStore``), or, with ``store`` on etcd,
         keep the job's state there: if the store holds a running job already (its
         coordinator died), this one takes over from that state (``takeover``). ``fence``: an
@@ -59,13 +60,20 @@ class Coordinator(Admission, Beats, Generations, Judgement):
 
         ``shared_domains`` False (the launchers' default: ``--allow-shared-domain``): a standby
         and the trainer of its rank in one failure domain are refused; before the first commit
-        that fails the job as set up wrong (``Decision.usage``)."""
+        that fails the job as set up wrong (``Decision.usage``).
+
+        ``attempt``: the job's attempt (its returns to the durable floor so far), whose state is
+        under ``keys.attempt_prefix``; ``previous``: the coordinator of the attempt before, in this
+        process, whose store this one keeps (hosted or on etcd, fenced alike)."""
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not token:
             raise ValueError("the coordinator needs the job's token")
         self._liveness_host = host
-        if store is not None and store.kind == StoreKind.ETCD:
+        if previous is not None:
+            raw = previous.store.raw
+            self.host, self.port, self._address = previous.host, previous.port, previous.address
+        elif store is not None and store.kind == StoreKind.ETCD:
             raw = store.connect(timeout=timedelta(seconds=60))
             if fence is not None:
                 raw = raw.fenced(*fence)
@@ -74,7 +82,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
             raw = self._host_store(host, port)
             self._address = f"{self.host}:{self.port}"
         #: The job state, signed under the token (``replica.jobstore``).
-        self.store = JobStore(raw, token=token)
+        self.store = JobStore(raw, token=token).attempt(attempt)
+        self.attempt = attempt
         self.world_size = world_size
         self.rollouts = rollouts
         self.record = CommitRecord(self.store, world_size=world_size)

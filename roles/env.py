@@ -209,19 +209,20 @@ def base_environ() -> dict[str, str]:
 
 def job_environ(*, store: str, token: str, world_size: int, steps: int = DEFAULT_STEPS, inject: str = "",
                 rollouts: int = 0, mirror_device: str = "", export_dir: str = "", resume: str = "",
-                backends: Sequence[str] = (), strict: bool = False, durable: FloorConfig | None = None
-                ) -> dict[str, str]:
+                backends: Sequence[str] = (), strict: bool = False, durable: FloorConfig | None = None,
+                attempt: int = 0) -> dict[str, str]:
     """What every role of a job shares in its environment, as ``RoleEnv.from_environ`` reads
     it: the launchers' half of the contract (``member_environ`` adds each process's role and
     rank). ``inject``: the ``--inject`` spec; "" for ``mirror_device``, ``export_dir``: the
-    reader's default."""
+    reader's default. ``attempt``: the job's attempt (its returns to the durable floor so far)."""
     return {envvars.STORE: store, envvars.TOKEN: token, envvars.WORLD_SIZE: str(world_size),
             envvars.STEPS: str(steps), envvars.INJECT: inject, envvars.ROLLOUTS: str(rollouts),
             envvars.MIRROR_DEVICE: mirror_device, envvars.EXPORT_DIR: export_dir, envvars.RESUME: resume,
             envvars.BACKENDS: ",".join(backends), envvars.STRICT: "1" if strict else "",
             envvars.DURABLE: str(durable.directory) if durable is not None else "",
             envvars.DURABLE_EVERY: str(durable.every_steps) if durable is not None else "",
-            envvars.DURABLE_INTERVAL: str(durable.interval.total_seconds()) if durable is not None else ""}
+            envvars.DURABLE_INTERVAL: str(durable.interval.total_seconds()) if durable is not None else "",
+            envvars.ATTEMPT: str(attempt) if attempt else ""}
 
 
 def durable_of(env: Mapping[str, str]) -> FloorConfig | None:
@@ -265,6 +266,7 @@ class RoleEnv:
     strict: bool = False  # a divergence after a failover ends the job (replica launch --strict)
     durable: FloorConfig | None = None  # the durable floor the standbys write (replica launch --durable)
     spare: int | None = None  # a spare standby's index (--spares): bound to a rank by the launcher later
+    attempt: int = 0  # the job's attempt: its state is under keys.attempt_prefix (a return to the floor)
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RoleEnv:
@@ -288,14 +290,16 @@ class RoleEnv:
                    export_dir=env.get(envvars.EXPORT_DIR) or "replica-export", resume=env.get(envvars.RESUME, ""),
                    backends=parse_backends(env.get(envvars.BACKENDS, "")),
                    strict=env.get(envvars.STRICT, "") == "1", durable=durable_of(env),
-                   spare=int(env[envvars.SPARE]) if env.get(envvars.SPARE) else None)
+                   spare=int(env[envvars.SPARE]) if env.get(envvars.SPARE) else None,
+                   attempt=int(env.get(envvars.ATTEMPT) or 0))
 
     def to_environ(self) -> dict[str, str]:
         """This role's variables as the launchers write them: ``from_environ`` of them is this."""
         return {**job_environ(store=str(self.store), token=self.token.decode(), world_size=self.world_size,
                               steps=self.steps, inject=",".join(map(str, self.faults)), rollouts=self.rollouts,
                               mirror_device=self.mirror_device, export_dir=self.export_dir, resume=self.resume,
-                              backends=self.backends, strict=self.strict, durable=self.durable),
+                              backends=self.backends, strict=self.strict, durable=self.durable,
+                              attempt=self.attempt),
                 **member_environ(self.role, self.rank, spare=self.spare), envvars.HOST: self.host}
 
 

@@ -27,7 +27,10 @@ import time
 from datetime import timedelta
 
 from replica import envvars
-from replica.jobstore import AgentInfo, AgentOrder, Flag, JobStore, Number, OrderKind, ProcessLooks, RoleExit, Stamp, keys
+from replica.jobstore import (
+    AgentInfo, AgentOrder, Attempt, Flag, JobStore, Number, OrderKind, ProcessLooks, RoleExit, Stamp, keys,
+)
+from replica.state.export import step_folder
 from replica.roles import timing
 from replica.timing import Deadline, pause
 from replica.roles.argparsing import Parser, existing_file, non_negative_int, shared_domain_option, start_options
@@ -76,15 +79,23 @@ class HostAgent:
     watches for the fault steps and the job's end). A talker stuck in a call (a link
     that was down can hold a TCP store call long after it is back) is replaced by a
     new one on a new connection after ``STALL``; nothing it held is lost (exits stay
-    queued until written) and nothing is done twice (orders are taken in sequence)."""
+    queued until written) and nothing is done twice (orders are taken in sequence).
+
+    When the job goes back to its durable floor (``keys.attempt`` moved: a rank lost every copy
+    of its state), the agent kills what it runs, and serves the next attempt under that
+    attempt's prefix: it starts what the coordinator orders (every role of the job is placed
+    anew), each role starting from the floor's version (``REPLICA_RESUME``)."""
 
     STALL = timedelta(seconds=3)
 
     def __init__(self, *, store: JobStore, index: int, address: str, local: LocalAgent,
                  faults: tuple[Fault, ...] = (), domain: str = ""):
         self.store, self.index, self.local, self.address = store, index, local, address
+        self.base = store  # at the job's own prefix, where the attempt in progress is named
+        self.attempt = 0
         self.host = host_name()
         self._lock = threading.Lock()
+        self._next: Attempt | None = None  # the attempt the talker found, for the main thread
         # An agent started again on its host (the host came back) takes only new orders: the
         # earlier ones were for its previous incarnation and its processes, gone with it.
         self._orders_seen = store.count(keys.agent_orders(index))
@@ -102,8 +113,15 @@ class HostAgent:
         self.ended = threading.Event()
         self._slowed: str | None = None  # the interface a slow fault limited
         self.domain = domain or domain_name()
-        store.put(keys.agent(index), AgentInfo(index=index, host=self.host, address=address, pid=os.getpid(),
-                                               domain=self.domain))
+        if (attempt := store.get(keys.attempt())) is not None:  # started (again) after a return to the floor
+            self._adopt(attempt)
+        self._registered = -1  # the attempt whose store holds this agent's AgentInfo
+        self._register(self.store)
+
+    def _register(self, store: JobStore) -> None:
+        store.put(keys.agent(self.index), AgentInfo(index=self.index, host=self.host, address=self.address,
+                                                    pid=os.getpid(), domain=self.domain))
+        self._registered = self.attempt
 
     # --- the main thread ---
 
@@ -123,6 +141,9 @@ class HostAgent:
                 self._killing -= {pid for pid, _ in exits}
                 orders, self._orders = self._orders, []
                 firing, self._firing = self._firing, []
+            if self._next is not None:
+                self._begin(self._next)
+                continue
             for order in orders:
                 self._obey(order)
             for fault in firing:
@@ -140,6 +161,30 @@ class HostAgent:
                 self._start_talker()
             pause(timing.SUPERVISE_POLL, self.ended)
         return ExitCode.OK
+
+    def _begin(self, attempt: Attempt) -> None:
+        """The job went back to its durable floor: stop this host's roles (the attempt before's),
+        then serve ``attempt``: talk under its prefix and start what its coordinator orders."""
+        print(f"replica: agent {self.index}: the job goes back to the durable floor's version of step "
+              f"{attempt.step} (attempt {attempt.number}): stopping this host's roles", flush=True)
+        self._talker += 1  # the attempt before's talker stops
+        self.local.kill_all(timing.EXPORT_WAIT)
+        self._adopt(attempt)
+        self._talked_at = time.monotonic()
+        self._start_talker()
+
+    def _adopt(self, attempt: Attempt) -> None:
+        """Serve ``attempt`` from now on (nothing of the attempt before is reported or obeyed)."""
+        faults = [f for f in parse_faults(self.local.env.get(envvars.INJECT, "")) if str(f) not in attempt.fired]
+        self.local = self.local.again({envvars.ATTEMPT: str(attempt.number),
+                                       envvars.RESUME: str(step_folder(attempt.directory, attempt.step)),
+                                       envvars.INJECT: ",".join(map(str, faults))})
+        self.attempt, self.store = attempt.number, self.base.attempt(attempt.number)
+        with self._lock:
+            self._next = None
+            self._exits, self._orders, self._killing, self._firing = [], [], set(), []
+            self._faults = [f for f in self._faults if str(f) not in attempt.fired]
+        self._orders_seen = 0  # a fresh prefix: its orders start at 1
 
     def _obey(self, order: AgentOrder) -> None:
         if order.kind == OrderKind.START and order.role in ROLES and order.spare >= 0:
@@ -201,11 +246,16 @@ class HostAgent:
         self._talkers = [t for t in self._talkers if t.is_alive()] + [thread]
 
     def _talk(self, number: int) -> None:
-        store: JobStore | None = None
+        base: JobStore | None = None  # the job's own prefix: the attempt in progress
+        store: JobStore | None = None  # this agent's attempt's
         beat, beat_at = 0, 0.0
         while self._talker == number and not self.ended.is_set():
             try:
-                store = store or self.store.reconnect(timing.HEARTBEAT_IO)
+                if store is None:
+                    base = self.base.reconnect(timing.HEARTBEAT_IO)
+                    store = base.attempt(self.attempt)
+                if self._registered != self.attempt:
+                    self._register(store)
                 with self._lock:
                     pending = list(self._exits)
                 for pid, code in pending:
@@ -240,7 +290,13 @@ class HostAgent:
                     beat += 1
                     store.put(keys.agent_beat(self.index), Number(value=beat))
                     beat_at = time.monotonic()
-                if store.has(keys.finished()):
+                ended = store.has(keys.finished())
+                # The coordinator names the next attempt before it ends this one: seen ended, seen moved.
+                if (attempt := base.get(keys.attempt())) is not None and attempt.number > self.attempt:
+                    with self._lock:
+                        self._next = attempt
+                    return  # the main thread stops this attempt's roles and starts a talker for the next
+                if ended:
                     # The end: once what the coordinator ordered is done and every exit it caused is
                     # reported (a zombie of a partition, killed once back), the coordinator may stop.
                     with self._lock:
@@ -321,13 +377,14 @@ def main(argv: list[str] | None = None) -> int:
     agent = HostAgent(store=store, index=args.index, address=args.address, local=local,
                       faults=parse_faults(os.environ.get(envvars.INJECT, "")), domain=domain)
     print(f"replica: agent {args.index} on {agent.host} ({args.address}) for the job at {address}", flush=True)
-    for role, rank in roles:
-        local.start(role, rank)
+    if agent.attempt == 0:  # in a later attempt the coordinator orders every role
+        for role, rank in roles:
+            local.start(role, rank)
     try:
         status = agent.run()
     finally:
         agent.close()
-        local.stop()
+        agent.local.stop()
     print(f"replica: agent {args.index}: " + ("the job ended" if status == ExitCode.OK else "stopped"), flush=True)
     return status
 

@@ -41,7 +41,7 @@ from replica.roles.env import (
 )
 from replica.jobstore import keys
 from replica.roles.exits import ExitCode
-from replica.roles.report import build_report
+from replica.roles.attempts import ended_attempt
 from replica.state.export import step_folder
 from replica.roles.spares import SparePool
 from replica.roles.supervise import JobSpec, supervise
@@ -233,8 +233,8 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
             entry = {"reason": coord.failure, "faults_fired": [str(f) for f in fired]}
             if status == ExitCode.RESUME:
                 version = coord.store.get(keys.floor_latest()).value
-                entry |= {"resumed_from_floor": version, "lost_commit": coord.record.last()}
-                earlier.insert(0, build_report(coord, steps=args.steps, faults=[str(f) for f in faults], failure=None))
+                entry, report = ended_attempt(coord, steps=args.steps, faults=faults, version=version)
+                earlier.insert(0, report)
                 resume = (version, step_folder(durable.directory, version))
             restarts.append(entry)
             faults = [f for f in faults if f not in fired]

@@ -123,6 +123,24 @@ class LocalAgent:
         self._reported: set[int] = set()
         self._views: dict[int, ProcessView] = {}  # each process's last look (probe)
 
+    def again(self, env: dict[str, str]) -> LocalAgent:
+        """A fresh agent for the same script with ``env`` added to the roles' environment (the
+        job's next attempt); this one's processes are its own (``kill_all``)."""
+        return LocalAgent(script=self._script, env={**self._env, **env}, replacements=self._replacements.left,
+                          exec_roles=self._exec_roles)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment every role starts with (before its role and rank)."""
+        return dict(self._env)
+
+    def kill_all(self, timeout: timedelta) -> None:
+        """SIGKILL every role process still running and reap them (``timeout`` at most)."""
+        for _, popen in self.procs.values():
+            if popen.poll() is None:
+                popen.kill()
+        self.wait(timeout)
+
     def start(self, role: Role, rank: int, *, spare: int | None = None) -> int:
         """Start the role process of ``rank`` (a spare standby: ``spare``, its index, and no rank
         yet: ``roles/spares.py``); its pid."""

@@ -170,6 +170,12 @@ class RemoteAgents:
         logger.warning("asked agent %d (%s) to start spare standby %d", chosen.index, chosen.host, index)
         return True
 
+    def start_role(self, index: int, role: Role, rank: int) -> None:
+        """Order agent ``index`` to start ``role`` ``rank`` (a placed role of the job's next
+        attempt: roles/attempts.py; not a replacement)."""
+        self._order(index, AgentOrder(kind=OrderKind.START, role=str(role), rank=rank))
+        logger.warning("asked agent %d to start %s %d", index, role, rank)
+
     def take_replacement(self) -> bool:
         return self._replacements.take()
 

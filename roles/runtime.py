@@ -48,7 +48,7 @@ class Job(Recovery, Faults):
         self.env = env
         self.role = env.role
         self.rank = env.rank
-        self.store = JobStore(env.store.connect(timeout=timing.ROLE_WAIT), token=env.token)
+        self.store = JobStore(env.store.connect(timeout=timing.ROLE_WAIT), token=env.token).attempt(env.attempt)
         if env.spare is not None:  # a spare standby: the rank comes with its binding (roles/spares.py)
             bound = wait_for_binding(self.store, env)
             if bound is None:

@@ -14,7 +14,7 @@ from datetime import timedelta
 
 from replica import envvars
 from replica.errors import FencedError
-from replica.jobstore import JobStore, keys
+from replica.jobstore import Attempt, JobStore, keys
 from replica.roles.argparsing import (
     Parser,
     deadline_options,
@@ -33,7 +33,9 @@ from replica.roles.spares import SparePool
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
 from replica.jobstore.stores import StoreAddress, StoreKind
-from replica.roles.env import configure_logging, parse_faults, shared_domains_allowed
+from replica.roles.attempts import announce, ended_attempt, last_placement, place_on_agents
+from replica.roles.env import configure_logging, durable_of, parse_faults, shared_domains_allowed
+from replica.state.export import step_folder
 from replica.roles.exits import ExitCode
 from replica.roles.supervise import JobSpec, supervise
 
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"set {envvars.TOKEN} to the job's secret token (every role presents it when it joins)")
     try:
         deadlines = deadlines_of(args)
+        durable = durable_of(os.environ) is not None
     except ValueError as exc:
         parser.error(str(exc))
     resume = resume_point(parser, args, args.world_size)
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging()
-    leadership = None
+    leadership, attempt = None, 0
     if store is not None and store.kind == StoreKind.ETCD:
         leadership = Leadership(JobStore(store.connect(timeout=timedelta(seconds=60)), token=token.encode()))
         print(f"replica: coordinator candidate ({leadership.name}) for the job in {store}", flush=True)
@@ -115,16 +118,16 @@ def main(argv: list[str] | None = None) -> int:
             print("replica: the job ended under another coordinator", flush=True)
             return ExitCode.OK
         print("replica: this coordinator leads", flush=True)
+        if (current := job.get(keys.attempt())) is not None:  # the job went back to its floor before
+            attempt, resume = current.number, (current.step, str(step_folder(current.directory, current.step)))
     try:
         coord = Coordinator(world_size=args.world_size, token=token.encode(), host=args.host, port=args.port,
                             deadlines=deadlines, rollouts=args.rollouts, resume_from=resume[0] if resume else None,
                             store=store, fence=leadership.claim if leadership is not None else None,
-                            shared_domains=shared_domains_allowed(args.allow_shared_domain))
-        if coord.takeover is None:
-            for rank in range(standbys, args.world_size):
-                coord.set_unprotected(rank)
-                print(f"replica: WARNING rank {rank} is UNPROTECTED: it has no standby", flush=True)
-        return _serve(args, coord, resume, leadership)
+                            shared_domains=shared_domains_allowed(args.allow_shared_domain), attempt=attempt)
+        _unprotect(coord, standbys, args.world_size)
+        return _serve(args, coord, resume, leadership, token=token.encode(), durable=durable and args.agents > 0,
+                      standbys=standbys)
     except FencedError as exc:
         print(f"replica: another coordinator leads now ({exc}); this one stops", flush=True)
         return ExitCode.DEPOSED
@@ -133,8 +136,17 @@ def main(argv: list[str] | None = None) -> int:
             leadership.resign()
 
 
+def _unprotect(coord: Coordinator, standbys: int, world_size: int) -> None:
+    if coord.takeover is None:
+        for rank in range(standbys, world_size):
+            coord.set_unprotected(rank)
+            print(f"replica: WARNING rank {rank} is UNPROTECTED: it has no standby", flush=True)
+
+
 def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str] | None,
-           leadership: Leadership | None) -> int:
+           leadership: Leadership | None, *, token: bytes, durable: bool, standbys: int) -> int:
+    """Supervise the job; with a durable floor and host agents, each return to the floor starts
+    the next attempt in place (roles/attempts.py) until the job ends."""
     if coord.takeover is not None:
         print(f"replica: took over the job at generation {coord.generation}, commit {coord.record.last()}",
               flush=True)
@@ -146,19 +158,60 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
         print(f"replica: resuming from step {resume[0]}: the trainers restore it from their own checkpoint",
               flush=True)
     timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
-    agents = RemoteAgents(coord.store, count=args.agents, replacements=args.replacements,
-                          members=coord.members_for_placement, trainers=args.world_size) if args.agents else None
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
     faults = parse_faults(os.environ.get(envvars.INJECT, ""))
-    # Placed as the agents come up. A coordinator that took the job over starts none (the first one's
-    # are up or bound) and binds none (it does not know them): it only knows a free one's exit for one.
-    spares = SparePool(coord.store, 0 if coord.takeover is not None else args.spares, agents) \
-        if agents is not None and args.spares else None
-    return supervise(coord, JobSpec(steps=args.steps, faults=faults, timeout=timedelta(seconds=args.timeout), report=args.report,
-                                    timeline_png=timeline, export_dir=args.export_dir,
-                                    train_while_replacing=args.train_while_replacing,
-                                    first_step=resume[0] + 1 if resume else 1),
-                     agents, leading=leadership.leading if leadership is not None else None, spares=spares)
+    base = JobStore(coord.store.raw, token=token)  # the job's own prefix: the attempt in progress
+    restarts: list[dict] = []
+    earlier: list[dict] = []  # the reports of the attempts that went back to the floor
+    fired: set[str] = set()  # the faults that fired in those attempts (not injected again)
+    placement: tuple[dict, set[int]] | None = None  # the attempt before's roles, its agents still alive
+    while True:
+        agents = RemoteAgents(coord.store, count=args.agents, replacements=args.replacements,
+                              members=coord.members_for_placement, trainers=args.world_size) if args.agents else None
+        if placement is not None and agents is not None:
+            unplaced = place_on_agents(agents, placement[0], expected=placement[1],
+                                       shared_domains=coord.shared_domains)
+            if unplaced:
+                print("replica: the job failed: no live host agent can run " +
+                      ", ".join(f"{role} {rank}" for role, rank in unplaced) + " in its next attempt", flush=True)
+                coord.finish()
+                return ExitCode.FAILED
+        # Placed as the agents come up. A coordinator that took the job over starts none (the first one's
+        # are up or bound) and binds none (it does not know them): it only knows a free one's exit for one.
+        spares = SparePool(coord.store, 0 if coord.takeover is not None else args.spares, agents) \
+            if agents is not None and args.spares else None
+
+        def next_attempt(step: int, coord: Coordinator = coord) -> None:
+            version = coord.store.get(keys.floor_version(step))
+            announce(base, Attempt(number=coord.attempt + 1, step=step, directory=version.directory if version else "",
+                                   fired=tuple(sorted(fired | {str(f) for f in faults if coord.fired(str(f))}))))
+
+        remaining = tuple(f for f in faults if str(f) not in fired)
+        status = supervise(coord, JobSpec(steps=args.steps, faults=remaining,
+                                          timeout=timedelta(seconds=args.timeout), report=args.report,
+                                          timeline_png=timeline, export_dir=args.export_dir,
+                                          train_while_replacing=args.train_while_replacing,
+                                          first_step=resume[0] + 1 if resume else 1, durable=durable,
+                                          restarts=tuple(restarts), earlier=tuple(earlier),
+                                          next_attempt=next_attempt if durable else None),
+                           agents, leading=leadership.leading if leadership is not None else None, spares=spares)
+        if status != ExitCode.RESUME:
+            return status
+        current = base.get(keys.attempt())
+        entry, report = ended_attempt(coord, steps=args.steps, faults=remaining, version=current.step)
+        restarts.append(entry)
+        earlier.insert(0, report)
+        fired = set(current.fired)
+        placement = (last_placement(coord.members), {info.index for info in agents.live()})
+        resume = (current.step, str(step_folder(current.directory, current.step)))
+        print(f"replica: attempt {current.number} of the job starts from the durable floor's version of step "
+              f"{current.step}", flush=True)
+        previous, coord = coord, Coordinator(
+            world_size=args.world_size, token=token, host=args.host, port=args.port,
+            deadlines=coord.deadlines, rollouts=args.rollouts, resume_from=current.step,
+            shared_domains=coord.shared_domains, attempt=current.number, previous=coord)
+        previous.close()
+        _unprotect(coord, standbys, args.world_size)
 
 
 if __name__ == "__main__":

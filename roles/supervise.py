@@ -87,6 +87,9 @@ class JobSpec:
     # The reports of the job's earlier attempts (a resume from the floor): the steps they ran and this one
     # did not (up to the version it resumed from) are taken from them.
     earlier: tuple[dict, ...] = ()
+    # Called with the floor's version the job goes back to, before the end of this attempt is announced
+    # (``replica coordinator``'s host agents learn of the next attempt first: roles/attempts.py).
+    next_attempt: Callable[[int], None] | None = None
 
 
 class ReplacementWatch:
@@ -135,7 +138,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     process is started for it."""
     deadline = Deadline.after(spec.timeout)
     shown, errors = spec.first_step - 1, 0
-    status, failure, restart, resume = ExitCode.FAILED, None, None, None
+    status, failure, restart, resume, floor_step = ExitCode.FAILED, None, None, None, -1
     exits: list[tuple[int, int, str | None]] = []  # seen by the agent, not yet taken in (kept until they are)
     decisions: list[Decision] = []
     replacing = ReplacementWatch(coord)
@@ -184,6 +187,7 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
             if decision.kind == DecisionKind.FAILED and decision.state_lost and spec.durable and resume is None:
                 version = _floor_version(coord, spec)
                 if version is not None:  # nothing to export: every role starts again from the floor
+                    floor_step = version
                     resume = f"{decision.reason}; the job goes back to the durable floor's version of step {version}"
                     continue
             failure = failure or _act(coord, decision, agent, spec, replacing, spares)
@@ -216,6 +220,8 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     else:
         print(f"\nreplica: the job did not finish within {spec.timeout.total_seconds():g} s", flush=True)
     print(flush=True)
+    if status == ExitCode.RESUME and spec.next_attempt is not None:
+        spec.next_attempt(floor_step)
     coord.finish()
     if status != ExitCode.RESUME:  # resuming: the agent stops every role, each starts again from the floor
         _linger(coord, agent)

@@ -188,7 +188,7 @@ def test_role_env_is_what_the_launchers_write():
                   steps=7, rollouts=2, mirror_device="cpu", export_dir="/x/export", resume="/x/old",
                   backends=("ucx", "gloo"), strict=True,
                   durable=FloorConfig(directory=Path("/x/floor"), every_steps=7, interval=timedelta(seconds=90)),
-                  spare=2)
+                  spare=2, attempt=1)
     defaults = RoleEnv(role=Role.TRAINER, rank=0, world_size=1, store=StoreAddress.parse("127.0.0.1:1"), token=b"t")
     changed = {f.name for f in dataclasses.fields(RoleEnv) if getattr(env, f.name) != getattr(defaults, f.name)}
     assert changed == {f.name for f in dataclasses.fields(RoleEnv)}, "a field the round trip does not exercise"

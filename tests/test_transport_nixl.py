@@ -31,7 +31,7 @@ from transport_contract import (
     run_transport_contract,
 )
 from replica._testing import spawn
-from test_hosts import python_on, reap
+from host_job import python_on, reap
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'replica[nixl]')")
 
@@ -364,7 +364,7 @@ def test_contract_nixl_between_two_hosts(check, two_hosts):
     """The whole contract with its two ends on two network-namespace hosts, NIXL's UCX
     plugin on tcp (these hosts share one machine, where UCX would otherwise move bytes
     through the kernel or shared memory): each check passes, its bytes over the link."""
-    from test_hosts import ROOT
+    from host_job import ROOT
 
     a, b = two_hosts
     before = sum(a.link_bytes())

@@ -13,12 +13,13 @@ of the state, the sessions or the roles above it.
 """
 
 from replica.jobstore.heartbeat import ThreadHeartbeat
-from replica.jobstore.keys import Key, keys
+from replica.jobstore.keys import Key, attempt_prefix, keys
 from replica.jobstore.records import (
     Ack,
     AckSummary,
     AgentInfo,
     AgentOrder,
+    Attempt,
     Commit,
     Epoch,
     ExportOutcome,
@@ -50,6 +51,7 @@ __all__ = [
     "AckSummary",
     "AgentInfo",
     "AgentOrder",
+    "Attempt",
     "Commit",
     "Epoch",
     "ExportOutcome",
@@ -76,5 +78,6 @@ __all__ = [
     "Stamp",
     "Text",
     "ThreadHeartbeat",
+    "attempt_prefix",
     "keys",
 ]

@@ -8,12 +8,12 @@ from typing import Generic
 
 from replica.jobstore.codec import T
 from replica.jobstore.records import (
-    Ack, AckSummary, AgentInfo, AgentOrder, Commit, ExportOutcome, ExportRequest, Failover, Flag, FloorPart,
+    Ack, AckSummary, AgentInfo, AgentOrder, Attempt, Commit, ExportOutcome, ExportRequest, Failover, Flag, FloorPart,
     FloorVersion, Generation,
     Heartbeat, JoinReply, LivenessReply, LostReports, Number, ProcessLooks, Promotion, Registration, Regroup, RoleExit, Stamp, Text,
 )
 
-__all__ = ["Key", "keys"]
+__all__ = ["Key", "attempt_prefix", "keys"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,14 @@ class Key(Generic[T]):
 
     def __str__(self) -> str:
         return self.path
+
+
+def attempt_prefix(prefix: str, number: int) -> str:
+    """The prefix of attempt ``number`` of the job whose own prefix is ``prefix`` (attempt 0's is
+    that prefix): each attempt after a return to the durable floor has a fresh state of its own."""
+    if number < 0:
+        raise ValueError(f"an attempt's number is >= 0, got {number}")
+    return prefix if number == 0 else f"{prefix}/attempt{number}"
 
 
 class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()``
@@ -68,6 +76,12 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
     @staticmethod
     def liveness() -> Key[Text]:
         return Key("coordinator/liveness", Text)  # "host:port" of the active coordinator's liveness endpoint (UDP)
+
+    @staticmethod
+    def attempt() -> Key[Attempt]:
+        """The attempt in progress (absent: the first), read at the job's own prefix: the host agents
+        start their roles again under the attempt's prefix (``attempt_prefix``) when it moves."""
+        return Key("attempt", Attempt)
 
     @staticmethod
     def finished() -> Key[Flag]:

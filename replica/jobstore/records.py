@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Ack", "AckSummary", "AgentInfo", "AgentOrder", "Commit", "Epoch", "ExportOutcome", "ExportRequest",
+__all__ = ["Ack", "AckSummary", "AgentInfo", "AgentOrder", "Attempt", "Commit", "Epoch", "ExportOutcome", "ExportRequest",
            "ExportStatus", "Failover", "Flag", "FloorPart", "FloorVersion", "Generation", "Heartbeat", "JoinReply", "LivenessReply", "LostReports",
            "Number", "OrderKind", "ProcessLooks", "Promotion", "Registration", "Regroup", "RoleExit", "Stamp", "Text"]
 
@@ -265,6 +265,19 @@ class RoleExit:
     pid: int
     code: int
     spare: int = -1
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class Attempt:
+    """The job's attempt in progress (``keys.attempt``, at the job's own prefix): attempt ``number``
+    (its state under ``attempt_prefix``) started again from the durable floor's version of
+    ``step`` in ``directory`` after a rank lost every copy of its state; ``fired``: the injected
+    faults that fired in the attempts before it (not injected again)."""
+
+    number: int
+    step: int
+    directory: str
+    fired: tuple[str, ...] = ()
 
 
 class OrderKind(enum.StrEnum):

@@ -34,7 +34,7 @@ from replica.jobstore.bounded import BoundedMap
 from replica.jobstore.codec import T, decode_value, encode_value
 from replica.jobstore.etcd import EtcdStore
 from replica.jobstore.heartbeat import ThreadHeartbeat
-from replica.jobstore.keys import Key, keys
+from replica.jobstore.keys import Key, attempt_prefix, keys
 from replica.timing import Backoff, Deadline, pause
 
 __all__ = ["JobStore"]
@@ -163,6 +163,14 @@ class JobStore:
 
     def full(self, key: Key | str) -> str:
         return f"{self.prefix}/{key}"
+
+    def attempt(self, number: int) -> JobStore:
+        """The store of the job's attempt ``number`` (``attempt_prefix``) on this connection;
+        this store must be at the job's own prefix (attempt 0's)."""
+        view = self._view(self.raw)
+        view.prefix = attempt_prefix(self.prefix, number)
+        view._logged, view._verified = BoundedMap(_LOGGED_KEPT), BoundedMap(_VERIFIED_KEPT)
+        return view
 
     def sub(self, name: str) -> dist.Store:
         """A raw store under ``{prefix}/{name}`` for torch's own rendezvous (unsigned)."""
