@@ -17,7 +17,7 @@ import ray
 from replica import envvars
 from replica.roles.local_agent import die_with_launcher
 
-__all__ = ["RoleProcess", "node_host_name", "unnice"]
+__all__ = ["RoleProcess", "node_domain", "node_host_name", "unnice"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +52,32 @@ def node_host_name(node_id: str) -> str:
     return f"ray-{node_id[:12]}"
 
 
+def node_domain(node_id: str, labels: dict[str, str], label: str | None) -> str:
+    """The failure domain of Ray node ``node_id`` whose labels are ``labels``: with ``label``
+    (``Placement.domain_label``, say ``"rack"``), ``"rack=<value>"`` where the node has that
+    label (``ray start --labels '{"rack": "r7"}'``), else the node alone, as without one."""
+    value = labels.get(label) if label else None
+    return f"{label}={value}" if value else node_host_name(node_id)
+
+
+def _flat(labels: dict) -> dict[str, str]:
+    """Ray's node labels as str -> str (some Ray versions give a list of values per key)."""
+    return {str(k): str(v[0] if isinstance(v, list | tuple) and v else v) for k, v in labels.items()}
+
+
 class RoleProcess:
     """The body of a role actor (``ray.remote(RoleProcess)``); its methods run one at a
     time on the worker's main thread, which started the child (PR_SET_PDEATHSIG is tied
     to the thread that forked)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]):
+    def __init__(self, argv: list[str], env: dict[str, str], domain_label: str | None = None):
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("a role actor must run its methods on the main thread (max_concurrency=1)")
-        self.node = ray.get_runtime_context().get_node_id()
+        context = ray.get_runtime_context()
+        self.node = context.get_node_id()
         env = {**os.environ, **env, envvars.HOST_NAME: node_host_name(self.node)}
+        if domain_label:  # the role's failure domain is its node's label (the coordinator keeps standbys out of it)
+            env[envvars.DOMAIN] = node_domain(self.node, _flat(context.get_node_labels()), domain_label)
         # The address its listeners bind: the node's, unless the job pinned one.
         env.setdefault(envvars.HOST, ray.util.get_node_ip_address())
         unnice()

@@ -108,7 +108,8 @@ class RayJob:
         try:
             self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script),
                                      env=env, replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,
-                                     standbys=self.standbys, members=self.coordinator.members_for_placement)
+                                     standbys=self.standbys, members=self.coordinator.members_for_placement,
+                                     shared_domains=self.coordinator.shared_domains)
             start_roles(self.coordinator, self.agents, trainers=c.trainers, standbys=self.standbys,
                         rollouts=c.rollouts)
             self.agents.wait_started(c.placement.start_timeout)

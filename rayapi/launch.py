@@ -36,7 +36,7 @@ def parse_placement(text: str) -> Placement:
     except json.JSONDecodeError as exc:
         raise ValueError(f"--ray-placement is not JSON: {exc}") from exc
     roles = tuple(map(str, Role))  # Placement's resource fields are named after the roles
-    known = {*roles, "strategy", "timeout_s", "start_timeout_s"}
+    known = {*roles, "strategy", "timeout_s", "start_timeout_s", "domain_label"}
     if not isinstance(spec, dict) or set(spec) - known:
         raise ValueError(f"--ray-placement takes an object with keys {sorted(known)}, got {text!r}")
     kwargs: dict = {}
@@ -57,12 +57,16 @@ def parse_placement(text: str) -> Placement:
             if not isinstance(spec[key], int | float) or spec[key] <= 0:
                 raise ValueError(f"--ray-placement: {key} must be > 0, got {spec[key]!r}")
             kwargs[field] = timedelta(seconds=spec[key])
+    if "domain_label" in spec:
+        if not isinstance(spec["domain_label"], str) or not spec["domain_label"]:
+            raise ValueError(f"--ray-placement: domain_label names a Ray node label, got {spec['domain_label']!r}")
+        kwargs["domain_label"] = spec["domain_label"]
     return Placement(**kwargs)
 
 
 def ray_agents(*, address: str, placement: str | Placement, script: list[str], env: dict[str, str],
                replacements: int, trainers: int, rollouts: int, standbys: int,
-               members: Callable[[], list[tuple[str, int, str, str]]]) -> RayAgents:
+               members: Callable[[], list[tuple[str, int, str, str]]], shared_domains: bool = False) -> RayAgents:
     """Connect to the Ray cluster at ``address`` and reserve the job's machines (PlacementError
     if it cannot within the placement's deadline). The script path is made absolute: every
     node must have it at that path (a shared folder, the image, or Ray's runtime_env)."""
@@ -72,6 +76,7 @@ def ray_agents(*, address: str, placement: str | Placement, script: list[str], e
         ray.init(address=address, log_to_driver=True)
     script = [str(Path(script[0]).resolve()), *script[1:]]
     agents = RayAgents(script=script, env=role_env_for_ray(env), replacements=replacements, placement=placement,
-                       trainers=trainers, rollouts=rollouts, standbys=standbys, members=members)
+                       trainers=trainers, rollouts=rollouts, standbys=standbys, members=members,
+                       shared_domains=shared_domains)
     agents.reserve()
     return agents

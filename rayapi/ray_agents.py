@@ -6,8 +6,9 @@ does. These come beside the job's own signals (transport reports, heartbeats), n
 instead of them.
 
 Placement: one placement group for the job's machines, a bundle per trainer and one per
-rollout machine (rollout r and standby r share bundle r: standbys live on the rollout
-machines), spread over distinct nodes by default. A replacement goes into a bundle of the
+rollout machine (standbys live on the rollout machines: rollout r's, standby r's unless
+that is in trainer r's failure domain, a node or its ``Placement.domain_label`` label:
+then another's), spread over distinct nodes by default. A replacement goes into a bundle of the
 job's that has room for it (what its live actors leave free) on a node where no trainer
 runs now (the coordinator's members say which: a promoted standby made its rollout machine
 a trainer's): the replaced role's own bundle first, else the least loaded. A bundle whose
@@ -28,7 +29,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from replica.errors import ReplicaError
-from replica.ray.actor import RoleProcess, node_host_name
+from replica.ray.actor import RoleProcess, node_domain, node_host_name
+from replica.roles.domains import pair_apart
 from replica.roles.remote_agents import kept_apart_from, replacement_site
 from replica.roles.env import Role, member_environ
 from replica.roles.probe import Verdict, by_host
@@ -64,6 +66,9 @@ class Placement:
     # For each actor to run its role: a new Ray worker imports replica (torch) before it starts
     # the role, several at once on a loaded machine.
     start_timeout: timedelta = timedelta(minutes=3)
+    # A Ray node label whose value is a node's failure domain (``ray start --labels '{"rack": "r7"}'``):
+    # no standby in its trainer's rack. None: every node is a domain of its own.
+    domain_label: str | None = None
 
     def bundles(self, *, trainers: int, rollouts: int, standbys: int) -> list[dict[str, float]]:
         """Bundles 0..trainers-1 for the trainers, then one per rollout machine."""
@@ -113,17 +118,19 @@ class RayAgents:
     """Starts the job's roles as Ray actors and reports what Ray sees of them. ``script``:
     the user's script and its arguments; ``env``: the roles' environment (the job store's
     address, token, ...); ``replacements`` < 0: no limit; ``members()``: the coordinator's
-    live members as (role, rank, host), which say where trainers run now."""
+    live members as (role, rank, host, domain), which say where trainers run now;
+    ``shared_domains``: a standby may be placed in its trainer's failure domain."""
 
     def __init__(self, *, script: list[str], env: dict[str, str], replacements: int, placement: Placement,
                  trainers: int, rollouts: int, standbys: int,
-                 members: Callable[[], list[tuple[str, int, str]]]):
+                 members: Callable[[], list[tuple[str, int, str, str]]], shared_domains: bool = False):
         self._script, self._env, self.placement = script, env, placement
         self._replacements = Replacements(replacements)
-        # The coordinator's live members as (role, rank, host, domain), for placement. A Ray site's
-        # domain is its node (REPLICA_HOST_NAME: the node's id): node labels as domains are not
-        # read yet, so placement compares the members' hosts, whatever REPLICA_DOMAIN says.
+        # A site's failure domain is its node's (node_domain: the node, or its placement.domain_label
+        # label), as each role's REPLICA_DOMAIN is: placement compares them with the members' domains.
         self._members = members
+        self._shared_domains = shared_domains
+        self._standby_site = list(range(standbys))  # standby r's rollout machine (reserve pairs them apart)
         self._trainers, self._rollouts, self._standbys = trainers, rollouts, standbys
         self._remote = ray.remote(RoleProcess)
         self._actors: list[_Actor] = []
@@ -149,13 +156,47 @@ class RayAgents:
                 f"the Ray cluster cannot place the job within {self.placement.timeout.total_seconds():g} s: it asks for "
                 f"{len(bundles)} bundles {bundles} with strategy {self.placement.strategy} ({self._trainers} trainers, "
                 f"{max(self._rollouts, self._standbys)} rollout machines); the cluster's {len(nodes)} live nodes have {nodes}")
+        if not self._shared_domains:
+            self._pair_apart()
+
+    def _pair_apart(self) -> None:
+        """Which rollout machine each rank's standby takes: never one in its trainer's failure
+        domain (rank r keeps machine r where it may); PlacementError, the job's machines freed,
+        when the placed bundles allow no such pairing."""
+        alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+        nodes = ray.util.placement_group_table(self._pg).get("bundles_to_node_id", {})
+        domain = [self._domain(nodes.get(b, ""), alive) for b in range(self._trainers + self._standbys)]
+        trainers, sites = domain[:self._trainers], domain[self._trainers:]
+        paired = pair_apart(trainers[:self._standbys], sites)
+        if paired is None:
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise PlacementError(
+                f"no standby can be kept out of its trainer's failure domain: the job's machines are in "
+                f"{', '.join(f'trainer {r}: {d}' for r, d in enumerate(trainers))}; standbys' machines: "
+                f"{', '.join(sites)} (a domain is a node, or its Ray label placement.domain_label="
+                f"{self.placement.domain_label!r}); add nodes in other domains, or allow it (--allow-shared-domain)")
+        self._standby_site = paired
+
+    def _domain(self, node: str, alive: dict[str, dict]) -> str:
+        """Ray node ``node``'s failure domain, from its labels in ``alive`` (Ray's node table)."""
+        return node_domain(node, alive.get(node, {}).get("Labels") or {}, self.placement.domain_label)
 
     def start(self, role: Role, rank: int) -> None:
         """A role in its bundle (after ``reserve``): trainer r in bundle r, rollout and standby r
-        in bundle trainers + r. Replacements: ``_replace``."""
+        in bundle trainers + r (standby r in the one ``reserve`` paired it with: outside its
+        trainer's failure domain). Replacements: ``_replace``."""
         resources = {Role.TRAINER: self.placement.trainer, Role.ROLLOUT: self.placement.rollout,
                      Role.STANDBY: self.placement.standby}[Role(role)]
-        self._launch(role, rank, resources, rank if role == Role.TRAINER else self._trainers + rank)
+        self._launch(role, rank, resources, self._own_bundle(Role(role), rank))
+
+    def _own_bundle(self, role: Role, rank: int) -> int | None:
+        """The bundle a role of ``rank`` was placed in first (a spare, rank -1, has none)."""
+        if rank < 0:
+            return None
+        if role == Role.TRAINER:
+            return rank
+        return self._trainers + (self._standby_site[rank] if role == Role.STANDBY else rank)
 
     def _launch(self, role: Role, rank: int, resources: dict[str, float], bundle: int | None,
                 node: str | None = None, *, started: float | None = None, spare: int | None = None) -> None:
@@ -165,7 +206,7 @@ class RayAgents:
                     if bundle is not None else NodeAffinitySchedulingStrategy(node_id=node, soft=False))
         env = {**self._env, **member_environ(role, rank, spare=spare)}
         handle = self._remote.options(scheduling_strategy=strategy, name=None,
-                                      **_actor_options(resources)).remote(self._script, env)
+                                      **_actor_options(resources)).remote(self._script, env, self.placement.domain_label)
         actor = _Actor(role=Role(role), rank=rank, handle=handle, resources=resources, bundle=bundle,
                        started=started or time.monotonic(), replacement=started is not None, spare=spare)
         self._actors.append(actor)
@@ -278,13 +319,14 @@ class RayAgents:
         suspect = {a.node for a in self._actors if a.unavailable_since is not None and a.code is None}
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"] and n["NodeID"] not in suspect}
         avoid = kept_apart_from(spare=spare is not None)
-        trainer_hosts = {host for r, _, host, _ in self._members() if r in avoid}
-        bundle = self._bundle_for(rank, resources, alive, trainer_hosts)
-        node = self._node_for(resources, alive, trainer_hosts) if bundle is None else None
+        trainer_domains = {domain for r, _, _, domain in self._members() if r in avoid}
+        own = self._own_bundle(role, rank)
+        bundle = self._bundle_for(own, resources, alive, trainer_domains)
+        node = self._node_for(resources, alive, trainer_domains) if bundle is None else None
         if bundle is None and node is None and self.placement.strategy != "STRICT_SPREAD" and spare is None:
             # The job was placed sharing nodes (PACK, SPREAD: a one-node cluster, say): beside a
             # trainer is better than nothing: it survives a process's death, not the node's.
-            bundle = self._bundle_for(rank, resources, alive, set())
+            bundle = self._bundle_for(own, resources, alive, set())
             node = self._node_for(resources, alive, set()) if bundle is None else None
             if bundle is not None or node is not None:
                 logger.warning("no live Ray node without a trainer has room for a new %s %d: it shares a trainer's "
@@ -301,22 +343,22 @@ class RayAgents:
                        f"on Ray node {node[:12]} (no bundle of the job's has room)")
         return True
 
-    def _node_for(self, resources: dict[str, float], alive: dict[str, dict], trainer_hosts: set[str]) -> str | None:
-        """Outside the job's placement group: the live node without a trainer whose resources (in
-        all) cover ``resources`` and that runs the fewest of the job's roles."""
+    def _node_for(self, resources: dict[str, float], alive: dict[str, dict], trainer_domains: set[str]) -> str | None:
+        """Outside the job's placement group: the live node in no trainer's failure domain whose
+        resources (in all) cover ``resources`` and that runs the fewest of the job's roles."""
         load: dict[str, int] = {}
         for a in self._actors:
             if a.holds_share and a.node:
                 load[a.node] = load.get(a.node, 0) + 1
         fits = [n for n, info in alive.items()
                 if all(info["Resources"].get(k, 0.0) >= v for k, v in resources.items() if v > 0)]
-        return replacement_site(fits, domain=node_host_name, trainer_domains=trainer_hosts,
+        return replacement_site(fits, domain=lambda n: self._domain(n, alive), trainer_domains=trainer_domains,
                                 load=lambda n: load.get(n, 0), order=lambda n: n)
 
-    def _bundle_for(self, rank: int, resources: dict[str, float], alive: dict[str, dict],
-                    trainer_hosts: set[str]) -> int | None:
+    def _bundle_for(self, own: int | None, resources: dict[str, float], alive: dict[str, dict],
+                    trainer_domains: set[str]) -> int | None:
         """A bundle with room for ``resources`` (its capacity less its live actors') on a live node
-        that runs no trainer now: the role's own first, else the least loaded."""
+        in no trainer's failure domain now: the role's ``own`` first, else the least loaded."""
         capacity = self.placement.bundles(trainers=self._trainers, rollouts=self._rollouts, standbys=self._standbys)
         nodes = ray.util.placement_group_table(self._pg).get("bundles_to_node_id", {}) if self._pg else {}
         live = [a for a in self._actors if a.holds_share]
@@ -328,11 +370,10 @@ class RayAgents:
                     used = _plus(used, a.resources)
             return all(capacity[b].get(k, 0.0) - used.get(k, 0.0) >= v - 1e-9 for k, v in resources.items() if v > 0)
 
-        own = self._trainers + rank if rank >= 0 else None  # a spare has no bundle of its own
         # on a live node (a lost node's bundle waits for Ray to move it) with room, without a trainer;
         # the role's own bundle ranks first
         fits = [b for b in range(len(capacity)) if nodes.get(b) in alive and room(b)]
-        return replacement_site(fits, domain=lambda b: node_host_name(nodes[b]), trainer_domains=trainer_hosts,
+        return replacement_site(fits, domain=lambda b: self._domain(nodes[b], alive), trainer_domains=trainer_domains,
                                 load=lambda b: -1 if b == own else sum(1 for a in live if a.bundle == b),
                                 order=lambda b: b)
 

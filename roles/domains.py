@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import comb
 
-__all__ = ["Layout", "Scheme", "exposed_after", "fatal_pairs", "fatal_probability", "layout"]
+__all__ = ["Layout", "Scheme", "exposed_after", "fatal_pairs", "fatal_probability", "layout", "pair_apart"]
 
 
 class Scheme(enum.StrEnum):
@@ -93,3 +93,36 @@ def exposed_after(placed: Layout, lost: str) -> set[str]:
         if lost in pair:
             out.add(pair[1] if pair[0] == lost else pair[0])
     return out
+
+
+def pair_apart(trainer_domains: Sequence[str], site_domains: Sequence[str]) -> list[int] | None:
+    """Which site each rank's standby takes: ``result[r]`` indexes ``site_domains`` (one site a
+    standby, each taken once), never a site in rank ``r``'s trainer's domain
+    (``trainer_domains[r]``); every rank whose own site ``r`` is allowed keeps it when some
+    pairing lets them all. None when no pairing exists."""
+    if len(site_domains) < len(trainer_domains):
+        return None
+    own = {r: r for r in range(len(trainer_domains)) if site_domains[r] != trainer_domains[r]}
+    return _matched(trainer_domains, site_domains, own) or _matched(trainer_domains, site_domains, {})
+
+
+def _matched(trainer_domains: Sequence[str], site_domains: Sequence[str], fixed: dict[int, int]) -> list[int] | None:
+    """A bipartite matching of the ranks not in ``fixed`` (rank -> site) onto the sites it leaves
+    free, by augmenting paths (Kuhn's algorithm), each rank trying its own site first."""
+    free = [s for s in range(len(site_domains)) if s not in fixed.values()]
+    taken: dict[int, int] = {}  # site -> rank
+
+    def place(rank: int, seen: set[int]) -> bool:
+        for site in sorted(free, key=lambda s: s != rank):
+            if site in seen or site_domains[site] == trainer_domains[rank]:
+                continue
+            seen.add(site)
+            if site not in taken or place(taken[site], seen):
+                taken[site] = rank
+                return True
+        return False
+
+    if not all(place(rank, set()) for rank in range(len(trainer_domains)) if rank not in fixed):
+        return None
+    where = {**fixed, **{rank: site for site, rank in taken.items()}}
+    return [where[rank] for rank in range(len(trainer_domains))]

@@ -152,12 +152,15 @@ def _parser() -> argparse.ArgumentParser:
                         "address)")
     p.add_argument("--ray", default="", metavar="ADDRESS",
                    help="run every role as a Ray actor on the cluster at ADDRESS ('auto': the one this machine "
-                        "belongs to; needs replica[ray]); standby r is placed on rollout r's node")
+                        "belongs to; needs replica[ray]); standby r is placed on rollout r's node unless that is in "
+                        "trainer r's failure domain")
     p.add_argument("--ray-placement", default="", metavar="JSON",
                    help='Ray resources per role and the spread, e.g. \'{"trainer": {"GPU": 8}, "rollout": {"GPU": 8}, '
                         '"standby": {"CPU": 1}, "strategy": "STRICT_SPREAD", "timeout_s": 60, '
-                        '"start_timeout_s": 180}\' (default: 1 CPU each, each trainer and rollout machine on its own '
-                        'node; timeout_s: for the placement group, start_timeout_s: for each role\'s actor to start)')
+                        '"start_timeout_s": 180, "domain_label": "rack"}\' (default: 1 CPU each, each trainer and '
+                        'rollout machine on its own node; timeout_s: for the placement group, start_timeout_s: for each '
+                        'role\'s actor to start; domain_label: the Ray node label that names a failure domain, default: '
+                        'each node)')
     p.add_argument("--port", type=port, default=0, help="the job store's port (default: any free one)")
     p.add_argument("--store", default="", metavar="etcd://H1:2379,H2:2379,H3:2379/JOB",
                    help="keep the job's state in etcd instead of hosting a store (credentials in "
@@ -259,7 +262,8 @@ def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, s
         try:
             agent = ray_agents(address=args.ray, placement=args.ray_placement, script=script, env=env,
                                replacements=args.replacements, trainers=args.trainers, rollouts=args.rollouts,
-                               standbys=standbys, members=coord.members_for_placement)
+                               standbys=standbys, members=coord.members_for_placement,
+                               shared_domains=coord.shared_domains)
         except (ReplicaError, ValueError) as exc:
             print(f"replica: {exc}", flush=True)
             return ExitCode.USAGE

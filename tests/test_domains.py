@@ -7,7 +7,8 @@ import itertools
 
 import pytest
 
-from replica.roles.domains import Layout, Scheme, exposed_after, fatal_pairs, fatal_probability, layout
+from replica.roles.domains import (Layout, Scheme, exposed_after, fatal_pairs, fatal_probability, layout,
+                                   pair_apart)
 
 
 def _fatal_by_brute_force(placed: Layout) -> int:
@@ -154,3 +155,27 @@ def test_the_commands_refuse_a_standby_beside_its_trainer_unless_allowed(tmp_pat
     proc = subprocess.run(launch_command(tmp_path, "--trainers", "1", "--allow-shared-domain", steps=2), cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_standbys_are_paired_out_of_their_trainers_domains():
+    """pair_apart (Ray's first placement: which rollout machine each rank's standby takes):
+    every standby out of its trainer's domain, a rank keeps its own machine where it may, and
+    no pairing is said as None; checked against every permutation on small cases."""
+    assert pair_apart(["a", "b"], ["c", "d"]) == [0, 1]  # nothing to move
+    assert pair_apart(["a", "b"], ["a", "b"]) == [1, 0]  # crossed
+    assert pair_apart(["a", "b", "c"], ["a", "x", "c"]) == [2, 1, 0]  # rank 1 keeps its machine
+    assert pair_apart(["a", "a"], ["a", "b"]) is None  # two ranks, one machine outside their domain
+    assert pair_apart(["a", "b"], ["c"]) is None  # fewer machines than ranks
+    for trainers in itertools.product("ab", repeat=3):
+        for sites in itertools.product("abc", repeat=3):
+            paired = pair_apart(list(trainers), list(sites))
+            possible = [p for p in itertools.permutations(range(3))
+                        if all(sites[p[r]] != trainers[r] for r in range(3))]
+            if not possible:
+                assert paired is None, (trainers, sites)
+                continue
+            assert paired is not None and sorted(paired) == [0, 1, 2], (trainers, sites, paired)
+            assert all(sites[paired[r]] != trainers[r] for r in range(3)), (trainers, sites, paired)
+            kept = {r for r in range(3) if sites[r] != trainers[r]}
+            assert all(paired[r] == r for r in kept) or not any(all(p[r] == r for r in kept) for p in possible)
+

@@ -21,6 +21,7 @@ ray = pytest.importorskip("ray", reason="replica[ray] is not installed (make tes
 from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from replica import envvars  # noqa: E402
 from replica.jobstore.commit import CommitRecord  # noqa: E402
 from replica.jobstore.etcd import EtcdStore  # noqa: E402
 from replica.jobstore import JobStore  # noqa: E402
@@ -41,7 +42,7 @@ WORKERS = 5  # 2 trainer machines, 2 rollout machines (the standbys), 1 spare
 @pytest.fixture(scope="module")
 def cluster():
     """A head that runs nothing of the job (0 CPUs: the driver's machine) and five 2-CPU
-    nodes; health checks tuned so a node killed without notice is declared dead in ~2 s.
+    nodes, labelled with their rack (one each) and zone (one for all); health checks tuned so a node killed without notice is declared dead in ~2 s.
     Ray turns a loopback address into the machine's external one (ray.init, and every
     node's get_node_ip_address), which this machine cannot reach: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
     keeps every node of this one-machine cluster on loopback (inherited by the nodes and
@@ -53,8 +54,8 @@ def cluster():
         "num_cpus": 0, "include_dashboard": False, "node_ip_address": "127.0.0.1",
         "_system_config": {"health_check_period_ms": 500, "health_check_timeout_ms": 500,
                            "health_check_failure_threshold": 3, "prestart_worker_first_driver": False}})
-    for _ in range(WORKERS):
-        c.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+    for index in range(WORKERS):  # each node its own rack; all in one zone
+        c.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": f"r{index}", "zone": "z1"})
     ray.init(address=c.address, log_to_driver=False)
     c.wait_for_nodes()
     yield c
@@ -98,8 +99,10 @@ def test_placement_bundles_and_options():
                                                               {"GPU": 8}]
     assert parse_placement('{"trainer": {"CPU": 2}, "strategy": "SPREAD", "timeout_s": 5}') == Placement(
         trainer={"CPU": 2.0}, strategy="SPREAD", timeout=timedelta(seconds=5))
+    assert parse_placement('{"domain_label": "rack"}') == Placement(domain_label="rack")
     for bad, why in [("{", "not JSON"), ('{"gpu": {}}', "keys"), ('{"trainer": {"CPU": -1}}', ">= 0"),
-                     ('{"strategy": "RANDOM"}', "strategy"), ('{"timeout_s": 0}', "timeout_s")]:
+                     ('{"strategy": "RANDOM"}', "strategy"), ('{"timeout_s": 0}', "timeout_s"),
+                     ('{"domain_label": ""}', "domain_label")]:
         with pytest.raises(ValueError, match=why):
             parse_placement(bad)
     with pytest.raises(ValueError, match="host faults"):
@@ -118,7 +121,7 @@ def test_failover_demo_on_ray_a_trainer_actor_killed(cluster, tmp_path, referenc
         monkeypatch.setenv(name, value)  # the driver's and, carried by RayJob, the roles'
     monkeypatch.setenv("REPLICA_TOKEN", TOKEN)
     namespace = f"{etcd.namespace}rayjob-{os.getpid()}/"
-    with _job(tmp_path, store=f"etcd://{etcd.endpoints}/{namespace}") as job:
+    with _job(tmp_path, store=f"etcd://{etcd.endpoints}/{namespace}", placement=Placement(domain_label="rack")) as job:
         job.start()
         nodes = job.roles()
         assert len({nodes["trainer 0"], nodes["trainer 1"], nodes["standby 0"], nodes["standby 1"]}) == 4  # spread
@@ -127,6 +130,10 @@ def test_failover_demo_on_ray_a_trainer_actor_killed(cluster, tmp_path, referenc
         # loaded machine starves them (before the fix: no step done in 3 minutes under `busy`).
         roles = [m.pid for m in job.coordinator.members]
         assert len(roles) == 4 and all(os.getpriority(os.PRIO_PROCESS, pid) == 0 for pid in roles)
+        # Each role's failure domain is its node's rack label (Placement.domain_label), one rack a node.
+        racks = {n["NodeID"]: f"rack={n['Labels']['rack']}" for n in ray.nodes() if "rack" in n.get("Labels", {})}
+        assert {(m.role, m.rank): m.domain for m in job.coordinator.members} == {
+            tuple(role.split()[0:1]) + (int(role.split()[1]),): racks[node] for role, node in nodes.items()}, nodes
         ray.kill(job.actor("trainer", 1), no_restart=True)
         killed = time.time()
         assert job.wait(timedelta(minutes=4)) == 0
@@ -207,6 +214,27 @@ def test_a_placement_the_cluster_cannot_satisfy_fails_within_its_deadline(cluste
                            str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cannot place the job within 3 s" in proc.stdout
+
+
+def test_a_job_whose_standbys_cannot_leave_their_trainers_zone_is_refused_before_anything_starts(cluster, tmp_path,
+                                                                                                   monkeypatch):
+    """Every node is in zone z1: with the zone as the failure domain (``domain_label``) no standby
+    can be kept out of its trainer's, so the job is refused once its machines are reserved,
+    before any role starts, naming the trainers' domains; the machines are freed. The command
+    line says the same and exits 2."""
+    monkeypatch.delenv(envvars.ALLOW_SHARED_DOMAIN, raising=False)  # it would allow the job
+    with _job(tmp_path, placement=Placement(domain_label="zone")) as job:
+        with pytest.raises(PlacementError, match=r"no standby can be kept out of its trainer's failure domain.*"
+                                                 r"trainer 0: zone=z1, trainer 1: zone=z1.*domain_label='zone'"):
+            job.start()
+        assert job.agents is None or not job.agents.nodes(), "a role was started"
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--ray", cluster.address,
+                           "--ray-placement", json.dumps({"domain_label": "zone"}), "--steps", "2", str(EXAMPLE)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "no standby can be kept out of its trainer's failure domain" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
