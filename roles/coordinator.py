@@ -173,6 +173,11 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         return self._address
 
     @property
+    def token(self) -> bytes:
+        """The job's token (its next attempt's coordinator keeps it)."""
+        return self._token
+
+    @property
     def failure(self) -> str | None:
         """Why the job failed (None: it did not)."""
         return self._failed

@@ -40,6 +40,7 @@ from replica.roles.env import (
     shared_domains_allowed,
 )
 from replica.jobstore import keys
+from replica.roles.election import Leadership
 from replica.roles.exits import ExitCode
 from replica.roles.attempts import ended_attempt
 from replica.state.export import step_folder
@@ -205,31 +206,36 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
     configure_logging()
     # A job that fails before its first global commit starts again from its start: once, or
     # --replacements N times (0: never). Nothing was committed, so nothing is lost; the faults
-    # that fired are not injected again. Not with etcd (the job's namespace holds the failed
-    # attempt) nor a fixed --port (the failed attempt's store holds it until this process ends).
-    allowed = 0 if args.store or args.port else (1 if args.replacements < 0 else args.replacements)
+    # that fired are not injected again. A rank that lost every in-memory copy goes back to the
+    # floor's newest version (--durable): all roles start again from it. Either way the job's next
+    # attempt keeps this store (hosted on its --port, or etcd) under a prefix of its own
+    # (roles/attempts.py): nothing of the attempt before is read again.
+    allowed = 1 if args.replacements < 0 else args.replacements
     restarts: list[dict] = []
     earlier: list[dict] = []  # the reports of attempts that went back to the durable floor
-    # A rank that lost every in-memory copy goes back to the floor's newest version: all roles start again
-    # from it, in this process (not with a fixed --port or etcd, which hold the attempt's store).
-    resumable_floor = durable is not None and not (args.store or args.port)
-    while True:
-        try:
-            coord, env, leadership = open_job(
-                trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host,
-                port=args.port, inject=",".join(map(str, faults)), steps=args.steps,
-                mirror_device=args.mirror_device, export_dir=args.export_dir, resume=resume, store=args.store,
-                backends=args.backends, strict=args.strict, shared_domains=shared, durable=durable)
-        except ValueError as exc:
-            parser.error(str(exc))
-        except ReplicaError as exc:
-            print(f"replica: {exc}", flush=True)
-            return ExitCode.USAGE
-        try:
+    coord: Coordinator | None = None
+    leadership: Leadership | None = None
+    try:
+        while True:
+            try:
+                following, env, led = open_job(
+                    trainers=args.trainers, rollouts=args.rollouts, deadlines=deadlines, host=args.host,
+                    port=args.port, inject=",".join(map(str, faults)), steps=args.steps,
+                    mirror_device=args.mirror_device, export_dir=args.export_dir, resume=resume, store=args.store,
+                    backends=args.backends, strict=args.strict, shared_domains=shared, durable=durable,
+                    previous=coord)
+            except ValueError as exc:
+                parser.error(str(exc))
+            except ReplicaError as exc:
+                print(f"replica: {exc}", flush=True)
+                return ExitCode.USAGE
+            if coord is not None:
+                coord.close()
+            coord, leadership = following, leadership or led
             status = _run(args, coord, env, standbys=standbys, faults=faults, resume=resume, ray_agents=ray_agents,
                           leading=leadership.leading if leadership is not None else None,
                           restarts_left=allowed - len(restarts), restarts=tuple(restarts),
-                          durable=resumable_floor, earlier=tuple(earlier))
+                          durable=durable is not None, earlier=tuple(earlier))
             if status not in (ExitCode.RESTART, ExitCode.RESUME):
                 return status
             fired = [f for f in faults if coord.fired(str(f)) is not None]
@@ -241,10 +247,11 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
                 resume = (version, step_folder(durable.directory, version))
             restarts.append(entry)
             faults = [f for f in faults if f not in fired]
-        finally:
+    finally:
+        if coord is not None:
             coord.close()
-            if leadership is not None:
-                leadership.resign()
+        if leadership is not None:
+            leadership.resign()
 
 
 def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, standbys: int, faults: list,

@@ -59,19 +59,21 @@ def die_with_launcher(argv: list[str]) -> list[str]:
 
 def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int, rollouts: int, mirror_device: str,
              export_dir: Path, resume: Path | None, backends: str = "", strict: bool = False,
-             durable: FloorConfig | None = None) -> dict[str, str]:
+             durable: FloorConfig | None = None, attempt: int = 0) -> dict[str, str]:
     """The environment every role of a launched job starts with (this one's, plus the job's:
     ``replica.roles.env.job_environ``, which ``RoleEnv.from_environ`` reads)."""
     return {**base_environ(), **job_environ(
         store=store, token=token, world_size=world_size, steps=steps, inject=inject, rollouts=rollouts,
         mirror_device="" if mirror_device == "model" else mirror_device, export_dir=str(export_dir.resolve()),
-        resume=str(resume) if resume else "", backends=parse_backends(backends), strict=strict, durable=durable)}
+        resume=str(resume) if resume else "", backends=parse_backends(backends), strict=strict, durable=durable,
+        attempt=attempt)}
 
 
 def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
              mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None, store: str = "",
              backends: str = "", strict: bool = False, shared_domains: bool = True,
-             durable: FloorConfig | None = None) -> tuple[Coordinator, dict[str, str], Leadership | None]:
+             durable: FloorConfig | None = None,
+             previous: Coordinator | None = None) -> tuple[Coordinator, dict[str, str], Leadership | None]:
     """A launched job's coordinator and the environment its roles start with; the job's token
     is ``REPLICA_TOKEN`` or a fresh one. The job store is hosted by the coordinator on
     ``host:port``, or, with ``store`` (``etcd://HOSTS/NAMESPACE``), kept in etcd: then the
@@ -80,30 +82,39 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
     (JobStoreInUseError). ``backends``: every role's ``Config.backends``, comma-separated ("":
     the default). ``strict``: a step that diverges after a failover ends the job.
     ``shared_domains``: a standby may share its trainer's failure domain (else the job fails,
-    as set up wrong, when one joins there before the first commit).
+    as set up wrong, when one joins there before the first commit). ``previous``: the coordinator
+    of the job's attempt before (``roles/attempts.py``): the new one keeps its store, hosted or on
+    etcd (and its leadership: None is returned), under the next attempt's prefix.
     ValueError for a bad ``store`` or an unknown backend; TransportError for a named backend
     that cannot work here (NIXL not installed, or without the plugin asked for)."""
     names = parse_backends(backends)  # refused before anything starts
     check_backends(names)
     backends = ",".join(names)
-    token = os.environ.get(envvars.TOKEN) or secrets.token_hex(16)
-    address = StoreAddress.parse(store) if store else None
-    if address is not None and address.kind != StoreKind.ETCD:
-        raise ValueError(f"the job store {store!r}: a launcher hosts its own store (--host/--port) or keeps the job "
-                         "in etcd (etcd://HOSTS/NAMESPACE)")
-    leadership = lead_new_job(address, token.encode()) if address is not None else None
-    try:
-        coord = Coordinator(world_size=trainers, token=token.encode(), host=host, port=port, deadlines=deadlines,
-                            rollouts=rollouts, resume_from=resume[0] if resume else None, store=address,
-                            fence=leadership.claim if leadership is not None else None,
-                            shared_domains=shared_domains)
-    except BaseException:
-        if leadership is not None:
-            leadership.resign()
-        raise
+    if previous is not None:  # the same job's next attempt: its store, token and leadership kept
+        attempt, token, leadership = previous.attempt + 1, previous.token.decode(), None
+        coord = Coordinator(world_size=trainers, token=previous.token, host=host, port=port, deadlines=deadlines,
+                            rollouts=rollouts, resume_from=resume[0] if resume else None,
+                            shared_domains=shared_domains, attempt=attempt, previous=previous)
+    else:
+        attempt, token = 0, os.environ.get(envvars.TOKEN) or secrets.token_hex(16)
+        address = StoreAddress.parse(store) if store else None
+        if address is not None and address.kind != StoreKind.ETCD:
+            raise ValueError(f"the job store {store!r}: a launcher hosts its own store (--host/--port) or keeps the "
+                             "job in etcd (etcd://HOSTS/NAMESPACE)")
+        leadership = lead_new_job(address, token.encode()) if address is not None else None
+        try:
+            coord = Coordinator(world_size=trainers, token=token.encode(), host=host, port=port, deadlines=deadlines,
+                                rollouts=rollouts, resume_from=resume[0] if resume else None, store=address,
+                                fence=leadership.claim if leadership is not None else None,
+                                shared_domains=shared_domains)
+        except BaseException:
+            if leadership is not None:
+                leadership.resign()
+            raise
     env = role_env(store=coord.address, token=token, world_size=trainers, inject=inject, steps=steps,
                    rollouts=rollouts, mirror_device=mirror_device, export_dir=export_dir,
-                   resume=resume[1] if resume else None, backends=backends, strict=strict, durable=durable)
+                   resume=resume[1] if resume else None, backends=backends, strict=strict, durable=durable,
+                   attempt=attempt)
     return coord, env, leadership
 
 

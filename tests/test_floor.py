@@ -24,7 +24,9 @@ from replica.mirror.floor import MANIFEST, FloorConfig, drop_half_written, manif
 from replica.roles.env import PHASES
 from replica.roles.report import compare_reports
 from replica.state.export import export_path, load_export, load_extras, step_folder
-from test_launch import RL, RL_STEPS, STEPS, launch
+from replica.jobstore.etcd import EtcdStore
+from replica.jobstore.commit import CommitRecord
+from test_launch import RL, RL_STEPS, STEPS, free_port, launch
 from vllm_engine import vllm_available
 
 TOKEN = "a-token-for-the-floor-tests"
@@ -215,9 +217,12 @@ def _pair_loss_cases() -> list[tuple[str, str]]:
 def test_a_trainer_lost_with_its_standby_resumes_from_the_floor_bit_identically(tmp_path, reference, inject, what):
     """Rank 1's trainer and its standby are both lost (no replacement allowed): its state is in
     no memory any more. The job does not end: every rank goes back to the floor's newest
-    complete version and replays from there; the whole run equals the failure-free one."""
+    complete version and replays from there; the whole run equals the failure-free one. The
+    mid-flush case hosts the job store on a fixed --port: the next attempt keeps that store."""
+    port = ("--port", str(free_port())) if "write" in what else ()
     code, report, output = launch(tmp_path, "--durable", str(tmp_path / "floor"), "--durable-every", "3",
-                                  "--durable-interval", "0", "--replacements", "0", "--inject", inject, steps=STEPS)
+                                  "--durable-interval", "0", "--replacements", "0", "--inject", inject, *port,
+                                  steps=STEPS)
     assert code == 0, (what, inject, output[-6000:])
     fired = [f["fault"] for f in report["faults"] if f["fired_at"] is not None]
     assert len(fired) == len(report["faults"]) == 3, (inject, report["faults"])
@@ -231,15 +236,18 @@ def test_a_trainer_lost_with_its_standby_resumes_from_the_floor_bit_identically(
     print(f"{what} ({inject}): resumed from version {version}, {resumed['lost_commit'] - version} steps replayed")
 
 
-def test_a_rotten_part_of_the_newest_version_is_found_and_the_one_before_used(tmp_path, reference):
+def test_a_rotten_part_of_the_newest_version_is_found_and_the_one_before_used(tmp_path, reference, etcd):
     """Standby 0's part of version 6 rots once written (``corrupt:standby:0@6``: a byte flipped
     on disk); later rank 1 loses its standby (step 8) and then its trainer (step 9). Going back
     to the floor, the launcher reads version 6 back, finds the flipped byte, says so and resumes
-    from version 3 instead: the run still equals the failure-free one."""
+    from version 3 instead: the run still equals the failure-free one. The job's state is in a
+    real etcd cluster: the next attempt's lives under its own prefix in the same namespace."""
     inject = "corrupt:standby:0@6,stall:trainer:0@7:2,kill:standby:1@8,kill:trainer:1@9:backward"  # (stall: as in
     # _pair_loss_cases, time for version 6 to complete)
+    namespace = f"{etcd.namespace}floor-{tmp_path.name}/"
     code, report, output = launch(tmp_path, "--durable", str(tmp_path / "floor"), "--durable-every", "3",
-                                  "--durable-interval", "0", "--replacements", "0", "--inject", inject, steps=STEPS)
+                                  "--durable-interval", "0", "--replacements", "0", "--inject", inject,
+                                  "--store", f"etcd://{etcd.endpoints}/{namespace}", steps=STEPS, env={**etcd.environ(), "REPLICA_TOKEN": TOKEN})
     assert code == 0, output[-6000:]
     assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]  # the byte was flipped
     (resumed,) = [r for r in report["restarts"] if "resumed_from_floor" in r]
@@ -248,6 +256,10 @@ def test_a_rotten_part_of_the_newest_version_is_found_and_the_one_before_used(tm
     assert "the job goes back to the durable floor's version of step 3" in output, output[-4000:]
     assert compare_reports(reference, report) == []
     assert report["last_commit"] == STEPS
+    # Each attempt's commit record in etcd, apart: the first's ends at the commit it lost, the second's at the end.
+    job = JobStore(EtcdStore(etcd.config(namespace=namespace)), token=TOKEN.encode())
+    (resumed,) = [r for r in report["restarts"] if "resumed_from_floor" in r]
+    assert [CommitRecord(job.attempt(n), world_size=2).last() for n in (0, 1)] == [resumed["lost_commit"], STEPS]
 
 
 @pytest.mark.slow
