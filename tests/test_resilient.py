@@ -16,10 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from replica.distributed import resilient
-from replica.distributed.resilient import ResilientProcessGroup, _device_type
+from replica.distributed.resilient import ResilientProcessGroup
+from replica.distributed.works import device_type
 from replica.timing import Deadline
 
 
@@ -103,41 +105,97 @@ def test_barrier_takes_its_options_as_a_keyword():
     group.shutdown()
 
 
-def test_an_abort_ends_a_gloo_wait_on_a_silent_peer():
+def _in_all(groups: list[ResilientProcessGroup], fn) -> list:
+    """``fn(group, rank)`` on a thread per rank (the ranks of one process's groups), its results."""
+    out = [None] * len(groups)
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, fn(groups[r], r))) for r in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def _groups(name: str, world: int, timeout_s: float = 10) -> list[ResilientProcessGroup]:
+    store = dist.HashStore()
+    groups = [ResilientProcessGroup(store=store, rank=r, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                    name=f"{name}-{r}", cuda=False) for r in range(world)]
+    _in_all(groups, lambda g, r: g.configure(0))
+    return groups
+
+
+# Every CPU collective FSDP2 and replica post, as rank 0 of 2 posts it alone (its peer gone silent).
+_SILENT_PEER = {
+    "allreduce": lambda g: g.allreduce([torch.ones(4)], dist.AllreduceOptions()),
+    "reduce_scatter_tensor": lambda g: g._reduce_scatter_base(torch.empty(2), torch.ones(4),
+                                                              dist.ReduceScatterOptions()),
+    "reduce_scatter": lambda g: g.reduce_scatter([torch.empty(2)], [[torch.ones(2), torch.ones(2)]],
+                                                 dist.ReduceScatterOptions()),
+    "all_gather_into_tensor": lambda g: g._allgather_base(torch.empty(4), torch.ones(2), c10d.AllgatherOptions()),
+    "allgather": lambda g: g.allgather([[torch.empty(2), torch.empty(2)]], [torch.ones(2)], c10d.AllgatherOptions()),
+    "broadcast": lambda g: g.broadcast([torch.ones(2)], dist.BroadcastOptions()),
+    "barrier": lambda g: g.barrier(opts=dist.BarrierOptions()),
+}
+
+
+@pytest.mark.parametrize("collective", list(_SILENT_PEER))
+def test_an_abort_ends_a_gloo_wait_on_a_silent_peer(collective):
     """A peer whose host is lost sends no reset, so gloo waits for its own timeout (10 s
     here); abort() (the coordinator announced the failover) ends the survivor's wait at once,
-    and the group's next generation is built without waiting for the abandoned collective
-    (gloo's destructor would: it joins its threads)."""
-    store = dist.HashStore()
-    groups = [ResilientProcessGroup(store=store, rank=r, world_size=2, timeout=timedelta(seconds=10),
-                                    name=f"test-silent-{r}", cuda=False) for r in range(2)]
-
-    def in_both(fn) -> list:
-        out = [None, None]
-        threads = [threading.Thread(target=lambda r=r: out.__setitem__(r, fn(groups[r], r))) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        return out
-
-    in_both(lambda g, r: g.configure(0))
-    assert [t.item() for t in in_both(lambda g, r: allreduce(g, r + 1.0))] == [3.0, 3.0]  # connected
+    in every collective (gloo's reduce-scatters ignore a wait's timeout: they are posted as an
+    allreduce, or a host lost in FSDP2's gradient reduce-scatter held the survivor 7.5 s
+    longer), and the group's next generation is built without waiting for the abandoned
+    collective (gloo's destructor would: it joins its threads)."""
+    groups = _groups(f"test-silent-{collective}", 2)
+    assert [t.item() for t in _in_all(groups, lambda g, r: allreduce(g, r + 1.0))] == [3.0, 3.0]  # connected
     # Rank 1 goes silent: rank 0's next collective has no partner.
-    work = groups[0].allreduce([torch.ones(1)], dist.AllreduceOptions())
+    work = _SILENT_PEER[collective](groups[0])
     aborter = threading.Timer(0.3, groups[0].abort, args=("the coordinator announced a failover",))
     started = time.monotonic()
     aborter.start()
     work.wait()
     waited = time.monotonic() - started
     assert "aborted: the coordinator announced a failover" in str(groups[0].errored)
-    assert waited < 5.0, f"the aborted wait took {waited:.1f} s (gloo's own timeout is 10 s)"
+    assert waited < 5.0, f"the aborted {collective} took {waited:.1f} s (gloo's own timeout is 10 s)"
     # The next generation (rank 1: the promoted standby, say) is built while the abandoned
     # collective is still pending in the old one, and works.
     started = time.monotonic()
-    in_both(lambda g, r: g.configure(1))
+    _in_all(groups, lambda g, r: g.configure(1))
     assert time.monotonic() - started < 5.0, "the old generation's gloo group held up the new one"
-    assert [t.item() for t in in_both(lambda g, r: allreduce(g, 10.0 * (r + 1)))] == [30.0, 30.0]
+    assert [t.item() for t in _in_all(groups, lambda g, r: allreduce(g, 10.0 * (r + 1)))] == [30.0, 30.0]
+    assert all(g.errored is None for g in groups)
+    for group in groups:
+        group.shutdown()
+
+
+def test_cpu_reduce_scatters_give_each_rank_its_reduced_chunk():
+    """The allreduce that stands for a CPU reduce-scatter gives what gloo's would: rank r holds
+    the reduction of chunk r, in both forms (one flat tensor, or a list per output), for sum
+    and max, at 3 ranks (so a chunk's place matters)."""
+    world = 3
+    groups = _groups("test-rs", world)
+
+    def flat(g, r):
+        out = torch.empty(2, 3)
+        inp = torch.arange(world * 6, dtype=torch.float32).reshape(world * 2, 3) * (r + 1)
+        g._reduce_scatter_base(out, inp, dist.ReduceScatterOptions()).wait()
+        return out
+
+    total = sum(torch.arange(world * 6, dtype=torch.float32).reshape(world * 2, 3) * (r + 1) for r in range(world))
+    for rank, out in enumerate(_in_all(groups, flat)):
+        assert torch.equal(out, total[2 * rank:2 * rank + 2]), (rank, out)
+
+    def listed(g, r):
+        outs = [torch.empty(2), torch.empty(3)]
+        inputs = [[torch.full((2,), 10.0 * d + r) for d in range(world)], [torch.full((3,), d - r) for d in range(world)]]
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        g.reduce_scatter(outs, inputs, opts).wait()
+        return outs
+
+    for rank, (first, second) in enumerate(_in_all(groups, listed)):
+        assert torch.equal(first, torch.full((2,), 10.0 * rank + world - 1)), (rank, first)
+        assert torch.equal(second, torch.full((3,), float(rank))), (rank, second)
     assert all(g.errored is None for g in groups)
     for group in groups:
         group.shutdown()
@@ -145,9 +203,9 @@ def test_an_abort_ends_a_gloo_wait_on_a_silent_peer():
 
 def test_device_of_a_collective():
     cpu = torch.zeros(1)
-    assert _device_type(([cpu], object())) == "cpu"
-    assert _device_type(([[cpu]],)) == "cpu"
-    assert _device_type((1, "x")) == ""
+    assert device_type(([cpu], object())) == "cpu"
+    assert device_type(([[cpu]],)) == "cpu"
+    assert device_type((1, "x")) == ""
 
 
 def test_nccl_watchdog_is_told_to_keep_survivors_alive(monkeypatch, caplog):
@@ -218,7 +276,7 @@ def nccl_group(monkeypatch):
         return backends[-1]
 
     monkeypatch.setattr(resilient, "_nccl", fake_nccl)
-    monkeypatch.setattr(resilient, "_device_type", lambda args: "cuda")  # every collective is a CUDA one
+    monkeypatch.setattr(resilient, "device_type", lambda args: "cuda")  # every collective is a CUDA one
     group = make_group(cuda=True, nccl_timeout=timedelta(seconds=40))
     yield group, backends
     for backend in backends:

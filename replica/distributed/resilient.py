@@ -33,6 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from replica.distributed.works import (REDUCE_SCATTERS, GroupWork, allreduce_scattered, backend_failure,
+                                       device_type, work_status)
 from replica.errors import ReplicaError
 from replica.timing import Deadline, pause
 
@@ -69,130 +71,35 @@ _FORWARD = {
 # Unfinished NCCL works kept per generation before the finished ones are dropped.
 _MAX_TRACKED_WORKS = 1024
 _ARRIVE_POLL = timedelta(milliseconds=10)  # how often a connecting member looks for the others' arrival
-_GLOO_WAIT_SLICE = timedelta(milliseconds=50)  # how often a gloo wait looks for an abort (a finish wakes it at once)
-
-
-class _Work(dist.Work):
-    """Waits for the inner work; a failure is recorded on the group instead of raised."""
-
-    def __init__(self, group: ResilientProcessGroup, inner: dist.Work | None, generation: int, *, gloo: bool = False):
-        super().__init__()
-        self._group = group
-        self._inner = inner
-        self._generation = generation
-        self._gloo = gloo
-
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        if self._inner is not None:
-            inner, self._inner = self._inner, None
-            try:
-                # gloo: blocks until done (or aborted). NCCL: makes the current stream wait for the
-                # collective and raises only if a failure is already known; later ones are found by check().
-                if self._gloo:
-                    self._wait_gloo(inner)
-                else:
-                    inner.wait()
-            except Exception as exc:  # noqa: BLE001 - a dead peer; the step will be redone
-                self._group._record(exc, self._generation)
-        return True
-
-    def _wait_gloo(self, inner: dist.Work) -> None:
-        """gloo waits for its own timeout on a peer that vanished without a reset (a lost or
-        cut-off host); waiting in slices lets ``abort()`` (the coordinator announced the
-        failover) end the wait at once. The abandoned collective ends with the old
-        generation's group, whose shutdown does not wait for it."""
-        while True:
-            try:
-                inner.wait(_GLOO_WAIT_SLICE)
-                return
-            except RuntimeError:
-                if inner.is_completed():
-                    inner.wait()  # finished just after the slice: its own result, or its own error
-                    return
-                if self._group._failed(self._generation):
-                    return  # the failure is recorded: the step is redone in the next generation
-
-    def is_completed(self) -> bool:
-        return self._inner is None or self._inner.is_completed()
-
-    def get_future(self) -> torch.futures.Future:
-        self.wait()
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_result([])
-        return future
-
-
-def _device_type(args: tuple) -> str:
-    """The device of a collective's tensors (its first tensor argument, lists included)."""
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            return arg.device.type
-        if isinstance(arg, list | tuple) and arg:
-            found = _device_type(tuple(arg))
-            if found:
-                return found
-    return ""
 
 
 def _forward(name: str, target: str):
     def collective(self: ResilientProcessGroup, *args, **kwargs):  # barrier(opts=...) comes as a keyword
         if self.on_collective is not None:
             self.on_collective(name)
-        device = _device_type((*args, *kwargs.values())) or "cpu"
+        device = device_type((*args, *kwargs.values())) or "cpu"
         with self._lock:
             inners, generation = self._inners, self._generation
         inner = inners.get(device, inners.get("cpu")) if inners else None
         if inner is None or self._error is not None:
             if self._error is None and not self._rehearsing:
                 self._record(ReplicaError("collective on a process group with no members configured"), generation)
-            return _Work(self, None, generation)
+            return GroupWork(self, None, generation)
+        then = None
         try:
-            work = getattr(inner, target)(*args, **kwargs)
+            if device == "cpu" and target in REDUCE_SCATTERS:
+                work, then = allreduce_scattered(inner, target, self.rank(), self.size(), args, kwargs)
+            else:
+                work = getattr(inner, target)(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - posting fails the same way when a peer is gone
             self._record(exc, generation)
-            return _Work(self, None, generation)
+            return GroupWork(self, None, generation)
         if device != "cpu":
             self._track(work, generation)
-        return _Work(self, work, generation, gloo=device == "cpu")
+        return GroupWork(self, work, generation, gloo=device == "cpu", then=then)
 
     collective.__name__ = name
     return collective
-
-
-def _status(work: dist.Work) -> tuple[bool, Exception | None]:
-    """Whether an inner work has finished, and its failure. For NCCL,
-    ``is_completed`` also polls the communicator's asynchronous error (a dead
-    peer), so a failed collective counts as finished."""
-    try:
-        if not work.is_completed():
-            return False, None
-    except Exception as raised:  # noqa: BLE001 - asking a broken work may itself raise
-        return True, raised
-    try:
-        exc = work.exception()
-    except TypeError:
-        # torch 2.11's binding cannot convert the exception_ptr it returns (seen on an
-        # H100): no answer here; the backend's get_error() still reports a failure.
-        return True, None
-    except Exception as raised:  # noqa: BLE001 - asking a broken work may itself raise
-        return True, raised
-    if exc is None:
-        return True, None
-    return True, exc if isinstance(exc, Exception) else ReplicaError(f"collective failed: {exc}")
-
-
-def _backend_failure(inner) -> Exception | None:
-    """The error an NCCL backend's watchdog recorded (a timeout or a communicator
-    error), where this torch exposes it; None otherwise."""
-    get_error = getattr(inner, "get_error", None)
-    if get_error is None:
-        return None
-    try:
-        error = get_error()
-    except Exception:  # noqa: BLE001 - not supported by this backend or build
-        return None
-    name = getattr(error, "name", str(error))
-    return None if name.endswith("SUCCESS") else ReplicaError(f"NCCL backend reports {name}")
 
 
 class ResilientProcessGroup(dist.ProcessGroup):
@@ -253,14 +160,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
             generation, inners, works = self._generation, dict(self._inners), list(self._works)
         finished = set()
         for work in works:
-            done, failure = _status(work)
+            done, failure = work_status(work)
             if failure is not None:
                 self._record(failure, generation)
                 break
             if done:
                 finished.add(id(work))
         for device, inner in inners.items():
-            failure = _backend_failure(inner) if device != "cpu" else None
+            failure = backend_failure(inner) if device != "cpu" else None
             if failure is not None:
                 self._record(failure, generation)
         with self._lock:
@@ -430,7 +337,7 @@ class ResilientProcessGroup(dist.ProcessGroup):
         # Many collectives since the last check(): drop the oldest finished ones (FIFO on one
         # stream, so the front finishes first), recording a failure among them.
         while len(pending) > _MAX_TRACKED_WORKS // 2:
-            done, failure = _status(pending[0])
+            done, failure = work_status(pending[0])
             if failure is not None:
                 self._record(failure, generation)
                 return
