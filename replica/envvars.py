@@ -102,8 +102,9 @@ EXPORT_DIR = "REPLICA_EXPORT_DIR"
 SPARE = "REPLICA_SPARE"
 #: An export folder the trainers start from (--resume). Written by the launchers; read by RoleEnv.
 RESUME = "REPLICA_RESUME"
-#: The job's attempt the role belongs to (0, or unset: the first; N: the Nth return to the durable floor,
-#: whose state is under its own prefix). Written by the host agents; read by RoleEnv.
+#: The job's attempt the role belongs to (0, or unset: the first; N: the job started again N times, from its
+#: durable floor or its start, its state under its own prefix). Written by the launchers and the host agents;
+#: read by RoleEnv.
 ATTEMPT = "REPLICA_ATTEMPT"
 #: The data plane's transports, comma-separated (--backends). Written by the launchers; read by RoleEnv.
 BACKENDS = "REPLICA_BACKENDS"

@@ -172,9 +172,17 @@ class Coordinator(Admission, Beats, Generations, Judgement):
     def address(self) -> str:
         return self._address
 
+    def next_attempt(self, *, resume_from: int | None) -> Coordinator:
+        """The coordinator of this job's next attempt (``roles/attempts.py``), in this process:
+        the same job (world, deadlines, rollouts, domain rule, token) on this one's store, under
+        the next attempt's prefix, its first step after ``resume_from`` (None: from the start)."""
+        return Coordinator(world_size=self.world_size, token=self._token, host=self._liveness_host,
+                           deadlines=self.deadlines, rollouts=self.rollouts, resume_from=resume_from,
+                           shared_domains=self.shared_domains, attempt=self.attempt + 1, previous=self)
+
     @property
     def token(self) -> bytes:
-        """The job's token (its next attempt's coordinator keeps it)."""
+        """The job's token."""
         return self._token
 
     @property

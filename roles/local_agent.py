@@ -91,10 +91,8 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
     check_backends(names)
     backends = ",".join(names)
     if previous is not None:  # the same job's next attempt: its store, token and leadership kept
-        attempt, token, leadership = previous.attempt + 1, previous.token.decode(), None
-        coord = Coordinator(world_size=trainers, token=previous.token, host=host, port=port, deadlines=deadlines,
-                            rollouts=rollouts, resume_from=resume[0] if resume else None,
-                            shared_domains=shared_domains, attempt=attempt, previous=previous)
+        coord, leadership = previous.next_attempt(resume_from=resume[0] if resume else None), None
+        attempt, token = coord.attempt, coord.token.decode()
     else:
         attempt, token = 0, os.environ.get(envvars.TOKEN) or secrets.token_hex(16)
         address = StoreAddress.parse(store) if store else None

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                             store=store, fence=leadership.claim if leadership is not None else None,
                             shared_domains=shared_domains_allowed(args.allow_shared_domain), attempt=attempt)
         _unprotect(coord, standbys, args.world_size)
-        return _serve(args, coord, resume, leadership, token=token.encode(), durable=durable and args.agents > 0,
+        return _serve(args, coord, resume, leadership, durable=durable and args.agents > 0,
                       standbys=standbys)
     except FencedError as exc:
         print(f"replica: another coordinator leads now ({exc}); this one stops", flush=True)
@@ -144,7 +144,7 @@ def _unprotect(coord: Coordinator, standbys: int, world_size: int) -> None:
 
 
 def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str] | None,
-           leadership: Leadership | None, *, token: bytes, durable: bool, standbys: int) -> int:
+           leadership: Leadership | None, *, durable: bool, standbys: int) -> int:
     """Supervise the job; with a durable floor and host agents, each return to the floor starts
     the next attempt in place (roles/attempts.py) until the job ends."""
     if coord.takeover is not None:
@@ -160,7 +160,7 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
     timeline = args.timeline or (args.report.with_suffix(".png") if args.report else None)
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
     faults = parse_faults(os.environ.get(envvars.INJECT, ""))
-    base = JobStore(coord.store.raw, token=token)  # the job's own prefix: the attempt in progress
+    base = JobStore(coord.store.raw, token=coord.token)  # the job's own prefix: the attempt in progress
     restarts: list[dict] = []
     earlier: list[dict] = []  # the reports of the attempts that went back to the floor
     fired: set[str] = set()  # the faults that fired in those attempts (not injected again)
@@ -206,10 +206,7 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
         resume = (current.step, str(step_folder(current.directory, current.step)))
         print(f"replica: attempt {current.number} of the job starts from the durable floor's version of step "
               f"{current.step}", flush=True)
-        previous, coord = coord, Coordinator(
-            world_size=args.world_size, token=token, host=args.host, port=args.port,
-            deadlines=coord.deadlines, rollouts=args.rollouts, resume_from=current.step,
-            shared_domains=coord.shared_domains, attempt=current.number, previous=coord)
+        previous, coord = coord, coord.next_attempt(resume_from=current.step)
         previous.close()
         _unprotect(coord, standbys, args.world_size)
 
