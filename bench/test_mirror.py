@@ -25,11 +25,8 @@ on another node), each beside the plain job.
   pack in the step is reported beside both, not against the memcpy of a source
   just written alone.
 
-A standby lives on a rollout machine, not beside its trainer: the standbys run
-on cores of their own (half of this machine's; the trainers of both jobs share
-the other half), so their receive and digest work does not land on the
-trainers' cores, while everything the mirror does in a trainer's process (the
-pack, the stream thread, UCX's sends) does."""
+The standbys run on cores of their own (bench/mirror_jobs.py), the trainers of both jobs
+share the other half."""
 
 from __future__ import annotations
 
@@ -39,16 +36,13 @@ import os
 import statistics
 import subprocess
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 
 from bench_results import machine, write_results
 from fsdp_job import JobShape
-from mirror_roles import standby_main, trainer_main
-from replica._testing import ChildFailed, spawn
+from mirror_jobs import pinned_job, place, split_cores
 
 SHAPE = JobShape(dim=128, layers=4, seq=64, batch=16, samples=4096, total_steps=10_000)
 # The default backends: on one node the shm backend (the snapshot offered where it lies, one
@@ -68,85 +62,11 @@ TARGETS = {"mirror_overhead_pct": 2.0, "snapshot_pack_vs_memcpy": 0.8, "mirror_s
 _results: dict[str, list] = {}
 
 
-def _cores() -> tuple[set[int], set[int]]:
-    """(the trainers' cores, the standbys' cores): two halves of this process's."""
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return set(cores), set(cores)
-    half = len(cores) // 2
-    return set(cores[:half]), set(cores[half:])
-
-
-def _place(children, cores: set[int]) -> None:
-    """Every thread of ``children`` on ``cores`` from now on."""
-    for child in children:
-        for tid in os.listdir(f"/proc/{child.pid}/task"):
-            with contextlib.suppress(ProcessLookupError):  # a thread that just ended
-                os.sched_setaffinity(int(tid), cores)
-
-
-def _pinned(pipe, cores: set[int], target, *args) -> None:
-    """``target`` on ``cores`` only, every thread it starts included."""
-    os.sched_setaffinity(0, cores)
-    target(pipe, *args)
-
-
-class _Job:
-    def __init__(self, trainers, standbys=()):
-        self.trainers, self.standbys = trainers, list(standbys)
-        self.step = 0
-
-    def run_step(self) -> float:
-        """One step on every rank; its seconds (the ranks are in lock step: the slower one)."""
-        self.step += 1
-        for t in self.trainers:
-            t.send("step", self.step, None)
-        took = []
-        for t in self.trainers:
-            kind, at, _, seconds = t.recv(300)
-            assert (kind, at) == ("loss", self.step)
-            took.append(seconds)
-        return max(took)
-
-    def wait_committed(self) -> None:
-        for t in self.trainers:
-            t.send("wait_committed")
-        for t in self.trainers:
-            assert t.recv(300) == ("committed", self.step)
-
-    def stats(self) -> dict:
-        return self.trainers[0].request("stats", timeout=60)[1]
-
-
-@contextlib.contextmanager
-def _job(stack: contextlib.ExitStack, kind: str):
-    """A job of WORLD trainers; for a kind in MIRRORED, each with a standby, mirrored with its config."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    port = store.port
-    config = MIRRORED.get(kind)
-    trainer_cores, standby_cores = _cores()
-    standbys = [stack.enter_context(spawn(_pinned, standby_cores, standby_main, r, WORLD, port, SHAPE, config,
-                                          name=f"{kind}-standby{r}")) for r in range(WORLD)] if config else []
-    trainers = [stack.enter_context(spawn(_pinned, trainer_cores, trainer_main, r, WORLD, port, SHAPE,
-                                          config, name=f"{kind}-trainer{r}"))
-                for r in range(WORLD)]
-    for child in standbys + trainers:
-        assert child.recv(180)[0] == "ready"
-    try:
-        yield _Job(trainers, standbys)
-    finally:
-        for child in trainers + standbys:
-            child.send("exit")
-        for child in trainers + standbys:  # each says goodbye once closed (its pipe kept open until then)
-            with contextlib.suppress(ChildFailed):  # one that failed already: spawn reaps it
-                child.recv(60)
-        del store
-
-
 @pytest.fixture(scope="module")
 def jobs():
     with contextlib.ExitStack() as stack:
-        yield {kind: stack.enter_context(_job(stack, kind)) for kind in ("plain", *MIRRORED)}
+        yield {kind: stack.enter_context(pinned_job(stack, kind, WORLD, SHAPE, MIRRORED.get(kind)))
+               for kind in ("plain", *MIRRORED)}
 
 
 def test_overhead(benchmark, jobs):
@@ -173,7 +93,7 @@ def test_idle_stream(benchmark, jobs, kind):
     the memcpy and pack probes. The raw rounds take turns with the streams, so both see
     the machine as it is then (run a minute apart, raw UCX's median moved from 2.9 to 5.4 ms)."""
     job = jobs[kind]
-    _place(job.trainers + job.standbys, set(os.sched_getaffinity(0)))  # nothing else runs: every core for all
+    place(job.trainers + job.standbys, set(os.sched_getaffinity(0)))  # nothing else runs: every core for all
     if job.step == 0:  # run alone (-k): one step to fix the layout
         job.run_step()
         job.wait_committed()
@@ -345,7 +265,7 @@ def report(request):
         **({f"snapshot_pack_vs_memcpy_alone_{state}": _ms(_results["alone"][f"memcpy_{state}_s"])
             / _ms(_results["alone"][f"pack_{state}_s"]) for state in ("hot", "cold")} if "alone" in _results else {}),
         "targets": TARGETS,
-        "config": {"shape": repr(SHAPE), "world_size": WORLD, "cores": [sorted(c) for c in _cores()], "block_steps": BLOCK_STEPS, "blocks": BLOCKS,
+        "config": {"shape": repr(SHAPE), "world_size": WORLD, "cores": [sorted(c) for c in split_cores()], "block_steps": BLOCK_STEPS, "blocks": BLOCKS,
                    "idle_steps": IDLE_STEPS, "raw_warmup": RAW_WARMUP, **CONFIG, "ucx_backends": CONFIG_UCX["backends"]},
         "machine": machine(),
     }

@@ -11,12 +11,14 @@ import os
 import signal
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import replica
 from replica import ops
+from replica.mirror.floor import Floor, FloorConfig
 from replica.state import serialize
 from replica.session.backends import SHM_BACKEND
 from replica.state.restore import bind_state
@@ -251,9 +253,18 @@ def standby_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, c
     mirror = replica.Mirror(rank=rank, world_size=world_size, store=store, config=config)
     pipe.send(("ready", mirror.address))
     raw = None  # the benchmark's raw UCX listener
+    floor = None  # the benchmark's durable floor, while on
     while True:
         cmd = pipe.recv()
-        if cmd[0] == "raw_listen":
+        if cmd[0] == "floor_on":  # ("floor_on", directory, every_steps, interval_s)
+            floor = Floor(mirror, FloorConfig(directory=Path(cmd[1]), every_steps=cmd[2],
+                                              interval=timedelta(seconds=cmd[3])))
+            pipe.send(("floor",))
+        elif cmd[0] == "floor_off":  # its writing finished first; its stats
+            floor.close()
+            pipe.send(("floor", floor.stats.parts, floor.stats.errors, floor.stats.seconds))
+            floor = None
+        elif cmd[0] == "raw_listen":
             raw = raw or RawUcx(token=TOKEN, timeout=RAW_TIMEOUT)
             pipe.send(("raw", raw.listen()))
         elif cmd[0] == "raw_receive":
@@ -274,6 +285,8 @@ def standby_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, c
         elif cmd[0] == "exit":
             if raw is not None:
                 raw.close()
+            if floor is not None:
+                floor.close()
             mirror.close()
             pipe.send(("bye",))
             return

@@ -86,7 +86,8 @@ class FloorConfig:
 
 @dataclass(kw_only=True, slots=True)
 class FloorStats:
-    written: list[int] = field(default_factory=list)  # steps whose part this standby wrote
+    written: list[int] = field(default_factory=list)  # steps whose part this standby wrote, still on disk
+    parts: int = 0  # the parts this standby wrote, in all (pruned ones too)
     complete: list[int] = field(default_factory=list)  # of those, the versions it saw complete
     skipped: list[int] = field(default_factory=list)  # steps it did not write (busy, overtaken, not held)
     errors: int = 0
@@ -236,6 +237,7 @@ class Floor:
         self.stats.seconds += time.monotonic() - started
         nbytes = path.stat().st_size
         self.stats.bytes += nbytes
+        self.stats.parts += 1
         self.stats.written.append(step)
         digest = combine_digests(copy.digests, [hi - lo for lo, hi in copy.layout.buckets()])
         self._store.put(keys.floor_part(step, self._rank), FloorPart(
