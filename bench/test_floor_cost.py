@@ -225,8 +225,9 @@ def report(request):
     if "per_step" in _results:
         r = _results["per_step"]
         mib = r["snapshot_bytes_per_rank"] / (1 << 20)
-        lines += ["", f"### The mirrored job's step with a floor (2 ranks, {mib:.1f} MiB a rank; standbys on cores of their own; {r['rounds']} rounds of {r['block_steps']}-step blocks "
-                  "in turn)\n", "| cadence | step, mean | step, median | mirror stream, median | vs no floor (means) |",
+        lines += ["", f"### The mirrored job's step with a floor (2 ranks, {mib:.1f} MiB a rank; standbys on cores "
+                  f"of their own; {r['rounds']} rounds of {r['block_steps']}-step blocks in turn)\n",
+                  "| cadence | step, mean | step, median | mirror stream, median | vs no floor (means) |",
                   "|---|---|---|---|---|"]
         for name in r["step_ms_mean"]:
             lines.append(f"| {name} | {r['step_ms_mean'][name]:.2f} ms | {r['step_ms_median'][name]:.2f} ms | "
