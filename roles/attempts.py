@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from replica.jobstore import AgentInfo, Attempt, JobStore, keys
+from replica.jobstore.commit import CommitRecord
 from replica.roles import timing
-from replica.roles.coordinator import Coordinator
-from replica.roles.env import Fault, Role
+from replica.roles.env import Role
 from replica.roles.members import Member, MemberState
 from replica.roles.remote_agents import RemoteAgents, replacement_site
-from replica.roles.report import build_report
+from replica.roles.report import logged
 from replica.timing import Deadline, pause
 
-__all__ = ["Placed", "announce", "ended_attempt", "last_placement", "place", "place_on_agents"]
+__all__ = ["Placed", "announce", "earlier_attempts", "ended_attempt", "last_placement", "place", "place_on_agents"]
 
 _START_ORDER = {Role.ROLLOUT: 0, Role.STANDBY: 1, Role.TRAINER: 2}  # as start_roles: the slowest first
 _PARTNER = {Role.TRAINER: Role.STANDBY, Role.STANDBY: Role.TRAINER}
@@ -43,24 +43,45 @@ class Placed:
 
 
 def announce(store: JobStore, attempt: Attempt) -> None:
-    """Name ``attempt`` as the job's attempt in progress (``store``: at the job's own prefix)."""
+    """Name ``attempt`` as the job's attempt in progress (``store``: at the job's own prefix); it is
+    kept at the attempt's own prefix too, first: how it began (``earlier_attempts``)."""
+    store.attempt(attempt.number).put(keys.attempt(), attempt)
     store.put(keys.attempt(), attempt)
 
 
-def ended_attempt(coord: Coordinator, *, steps: int, faults: Sequence[Fault], version: int) -> tuple[dict, dict]:
-    """What the job's report keeps of an attempt that went back to the floor's version of step
-    ``version``: its entry among the restarts, and its own report (the steps it ran that the next
-    attempt does not run again)."""
-    fired = [str(f) for f in faults if coord.fired(str(f)) is not None]
-    entry = {"reason": coord.failure, "faults_fired": fired, "resumed_from_floor": version,
-             "lost_commit": coord.record.last()}
-    return entry, build_report(coord, steps=steps, faults=[str(f) for f in faults], failure=None)
+def ended_attempt(store: JobStore, *, world_size: int, steps: int, faults: Sequence[str], version: int,
+                  reason: str | None) -> tuple[dict, dict]:
+    """What the job's report keeps of an attempt (``store``: at its prefix) that went back to the
+    floor's version of step ``version`` (``reason``: why): its entry among the restarts, and what
+    its roles recorded (``report.logged``: the steps it ran that the next attempt does not run
+    again, the faults that fired in it)."""
+    report = logged(store, world_size=world_size, steps=steps, faults=list(faults))
+    entry = {"reason": reason, "faults_fired": [f["fault"] for f in report["faults"] if f["fired_at"] is not None],
+             "resumed_from_floor": version, "lost_commit": CommitRecord(store, world_size=world_size).last()}
+    return entry, report
 
 
-def last_placement(members: Iterable[Member]) -> dict[tuple[Role, int], str]:
+def earlier_attempts(store: JobStore, number: int, *, world_size: int, steps: int,
+                     faults: Sequence[str]) -> tuple[list[dict], list[dict]]:
+    """``ended_attempt`` of each attempt before ``number`` (``store``: at the job's own prefix),
+    from what it left in the store and how the attempt after it began (``announce``): their
+    entries among the restarts, the oldest first, and their records, the newest first (as
+    ``JobSpec.earlier`` takes them)."""
+    restarts, earlier = [], []
+    for ended in range(number):
+        began = store.attempt(ended + 1).get(keys.attempt())
+        entry, report = ended_attempt(store.attempt(ended), world_size=world_size, steps=steps, faults=faults,
+                                      version=began.step, reason=began.reason)
+        restarts.append(entry)
+        earlier.insert(0, report)
+    return restarts, earlier
+
+
+def last_placement(members: Iterable[Member], *, standbys: int) -> dict[tuple[Role, int], str]:
     """Where each role of an attempt ran last: (role, rank) -> the host of its newest member in
     that role (one alive before one declared dead; a promoted standby is its rank's trainer); a
-    spare standby never bound is no role."""
+    spare standby never bound is no role. Ranks 0 .. ``standbys`` - 1 have a standby all the same:
+    one whose standby was promoted, the replacement not joined yet, gets one where it fits ("")."""
     chosen: dict[tuple[Role, int], Member] = {}
     for member in members:
         if member.rank < 0:
@@ -70,7 +91,7 @@ def last_placement(members: Iterable[Member]) -> dict[tuple[Role, int], str]:
         if old is None or (member.state == MemberState.ALIVE, member.since) > (old.state == MemberState.ALIVE,
                                                                                 old.since):
             chosen[key] = member
-    return {key: member.host for key, member in chosen.items()}
+    return {(Role.STANDBY, rank): "" for rank in range(standbys)} | {key: m.host for key, m in chosen.items()}
 
 
 def place(last: dict[tuple[Role, int], str], live: Sequence[AgentInfo], *,

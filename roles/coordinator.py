@@ -130,8 +130,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         self._failed: str | None = None
         self.shared_domains = shared_domains
         self._misplaced: tuple[int, str] | None = None  # a rank placed against the domain rule, and why
-        #: When (``at``) and where (``generation``, ``commit``) this coordinator took over a running
-        #: job from the state in the store; None when it started the job.
+        #: When (``at``) and where (``attempt``, ``generation``, ``commit``) this coordinator took over a
+        #: running job from the state in the store; None when it started the job.
         self.takeover: dict | None = None
         #: The liveness endpoint (None: beats in the store only).
         self.liveness = self.store.liveness_server(host) if liveness else None

@@ -42,7 +42,8 @@ class Generations:
         self.generation = generation.number
         if self.liveness is not None:
             self.liveness.set_generation(self.generation)
-        self.takeover = {"at": now, "generation": self.generation, "commit": self.record.last()}
+        self.takeover = {"at": now, "attempt": self.attempt, "generation": self.generation,
+                         "commit": self.record.last()}
         # Every member's keys in a few requests, not a few each (a takeover at 1,024 ranks read
         # ~12,000 keys one by one on etcd).
         table = self.store.get(keys.members())

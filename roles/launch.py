@@ -242,7 +242,8 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
             entry = {"reason": coord.failure, "faults_fired": [str(f) for f in fired]}
             if status == ExitCode.RESUME:
                 version = coord.store.get(keys.floor_latest()).value
-                entry, report = ended_attempt(coord, steps=args.steps, faults=faults, version=version)
+                entry, report = ended_attempt(coord.store, world_size=coord.world_size, steps=args.steps,
+                                              faults=[str(f) for f in faults], version=version, reason=coord.failure)
                 earlier.insert(0, report)
                 resume = (version, step_folder(durable.directory, version))
             restarts.append(entry)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from replica.state.divergence import Divergence, Measure
-from replica.jobstore import keys
+from replica.jobstore import JobStore, keys
 from replica.roles.env import Action, parse_faults
 from replica.roles.members import Mark
 from replica.roles.rollouts import regenerated_tokens, reopened_tokens, served_shards
@@ -24,35 +24,46 @@ if TYPE_CHECKING:
     from replica.roles.coordinator import Coordinator
     from replica.roles.members import FailoverTimeline
 
-__all__ = ["PHASES", "build_report", "compare_reports", "fill_from", "load_report", "print_timeline", "summary_lines",
-           "write_loss_png", "write_timeline_png"]
+__all__ = ["PHASES", "build_report", "compare_reports", "fill_from", "load_report", "logged", "print_timeline",
+           "summary_lines", "write_loss_png", "write_timeline_png"]
 
 logger = logging.getLogger(__name__)
 
 PHASES = tuple(Mark)  # a failover's timeline marks, in order (ms after the kill)
 
 
-def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: str | None) -> dict:
+def logged(store: JobStore, *, world_size: int, steps: int, faults: list[str]) -> dict:
+    """What the roles of an attempt recorded in its store (``store``, at the attempt's prefix): the
+    report's per-rank losses, divergences, metrics and step end times, and when each of ``faults``
+    fired (None: not in this attempt)."""
     losses, times, metrics, divergences = {}, {}, {}, []
-    for rank in range(coord.world_size):
-        found = coord.store.get_many([keys.divergence(rank, s, m.value) for s in range(1, steps + 1) for m in Measure])
+    for rank in range(world_size):
+        found = store.get_many([keys.divergence(rank, s, m.value) for s in range(1, steps + 1) for m in Measure])
         divergences += [Divergence.from_json(t.value).to_dict() for t in found if t is not None]
-        texts = coord.store.get_many([keys.loss(rank, s) for s in range(1, steps + 1)])
-        logged = [t.value.split(" ") if t is not None else [None, None] for t in texts]
-        losses[str(rank)] = [parts[0] for parts in logged]
-        times[str(rank)] = [float(parts[1]) if parts[1] is not None else None for parts in logged]
-        metrics[str(rank)] = [dict(p.split("=", 1) for p in parts[2:]) for parts in logged]
+        texts = store.get_many([keys.loss(rank, s) for s in range(1, steps + 1)])
+        lines = [t.value.split(" ") if t is not None else [None, None] for t in texts]
+        losses[str(rank)] = [parts[0] for parts in lines]
+        times[str(rank)] = [float(parts[1]) if parts[1] is not None else None for parts in lines]
+        metrics[str(rank)] = [dict(p.split("=", 1) for p in parts[2:]) for parts in lines]
+    stamps = store.get_many([keys.killed(f) for f in faults])
     return {
-        "steps": steps,
-        "trainers": coord.world_size,
-        "failure": failure,
         "losses_hex": losses,
         # Steps redone after a failover that did not reproduce their loss or state (the
         # divergence guard); "comparable": false where the computation is not deterministic.
         "divergences": divergences,
         "metrics_hex": metrics,
         "step_end_times": times,
-        "faults": [{"fault": f, "fired_at": coord.fired(f)} for f in faults],
+        "faults": [{"fault": f, "fired_at": None if stamp is None else stamp.at} for f, stamp in zip(faults, stamps)],
+    }
+
+
+def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: str | None) -> dict:
+    recorded = logged(coord.store, world_size=coord.world_size, steps=steps, faults=faults)
+    return {
+        "steps": steps,
+        "trainers": coord.world_size,
+        "failure": failure,
+        **recorded,
         "failovers": [asdict(f) for f in coord.failovers],
         "regroups": coord.regroups,
         "standbys_replaced": coord.standbys_replaced,
@@ -72,7 +83,8 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         # here: it wrote no result.
         "rollout_tokens_regenerated": regenerated_tokens(shards) + reopened_tokens(coord.store),
         "rollouts_retired": coord.rollouts_retired,
-        "rollout_split": _rollout_split(coord, steps, times.get("0", [])) if coord.rollouts else None,
+        "rollout_split": _rollout_split(coord, steps, recorded["step_end_times"].get("0", [])) if coord.rollouts
+        else None,
         "refused_joins": coord.refused,
         "members": coord.membership(),
         "last_commit": coord.record.last(),

@@ -33,7 +33,7 @@ from replica.roles.spares import SparePool
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
 from replica.jobstore.stores import StoreAddress, StoreKind
-from replica.roles.attempts import announce, ended_attempt, last_placement, place_on_agents
+from replica.roles.attempts import announce, earlier_attempts, last_placement, place_on_agents
 from replica.roles.env import configure_logging, durable_of, parse_faults, shared_domains_allowed
 from replica.state.export import step_folder
 from replica.roles.exits import ExitCode
@@ -114,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         leadership = Leadership(JobStore(store.connect(timeout=timedelta(seconds=60)), token=token.encode()))
         print(f"replica: coordinator candidate ({leadership.name}) for the job in {store}", flush=True)
         job = leadership.candidate
-        if not leadership.campaign(timeout=timedelta(seconds=args.timeout), give_up=lambda: job.has(keys.finished())):
+
+        def ended() -> bool:  # the attempt in progress finished (one that went back to the floor did too)
+            current = job.get(keys.attempt())
+            return job.attempt(current.number if current is not None else 0).has(keys.finished())
+
+        if not leadership.campaign(timeout=timedelta(seconds=args.timeout), give_up=ended):
             print("replica: the job ended under another coordinator", flush=True)
             return ExitCode.OK
         print("replica: this coordinator leads", flush=True)
@@ -161,11 +166,15 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
     # The roles read REPLICA_INJECT themselves; the coordinator only reports when those faults fired.
     faults = parse_faults(os.environ.get(envvars.INJECT, ""))
     base = JobStore(coord.store.raw, token=coord.token)  # the job's own prefix: the attempt in progress
-    restarts: list[dict] = []
-    earlier: list[dict] = []  # the reports of the attempts that went back to the floor
-    fired: set[str] = set()  # the faults that fired in those attempts (not injected again)
+    current = base.get(keys.attempt())  # None: the first attempt
     placement: tuple[dict, set[int]] | None = None  # the attempt before's roles, its agents still alive
     while True:
+        # The attempts that went back to the floor, from the store (this coordinator may have taken the job
+        # over in a later attempt): their entries and records for the report, and the faults that fired in
+        # them (not injected again).
+        restarts, earlier = earlier_attempts(base, coord.attempt, world_size=args.world_size, steps=args.steps,
+                                             faults=[str(f) for f in faults])
+        fired = set(current.fired) if current is not None else set()
         agents = RemoteAgents(coord.store, count=args.agents, replacements=args.replacements,
                               members=coord.members_for_placement, trainers=args.world_size) if args.agents else None
         if placement is not None and agents is not None:
@@ -184,7 +193,8 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
         def next_attempt(step: int, coord: Coordinator = coord) -> None:
             version = coord.store.get(keys.floor_version(step))
             announce(base, Attempt(number=coord.attempt + 1, step=step, directory=version.directory if version else "",
-                                   fired=tuple(sorted(fired | {str(f) for f in faults if coord.fired(str(f))}))))
+                                   fired=tuple(sorted(fired | {str(f) for f in faults if coord.fired(str(f))})),
+                                   reason=coord.failure or ""))
 
         remaining = tuple(f for f in faults if str(f) not in fired)
         status = supervise(coord, JobSpec(steps=args.steps, faults=remaining,
@@ -198,11 +208,7 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
         if status != ExitCode.RESUME:
             return status
         current = base.get(keys.attempt())
-        entry, report = ended_attempt(coord, steps=args.steps, faults=remaining, version=current.step)
-        restarts.append(entry)
-        earlier.insert(0, report)
-        fired = set(current.fired)
-        placement = (last_placement(coord.members), {info.index for info in agents.live()})
+        placement = (last_placement(coord.members, standbys=standbys), {info.index for info in agents.live()})
         resume = (current.step, str(step_folder(current.directory, current.step)))
         print(f"replica: attempt {current.number} of the job starts from the durable floor's version of step "
               f"{current.step}", flush=True)

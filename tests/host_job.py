@@ -123,6 +123,22 @@ class Job:
             assert not deadline.expired, f"{name} never reached {where}"
             time.sleep(0.05)
 
+    def lose_pair(self, trainer_host, standby_host, timeout_s: float = 180) -> None:
+        """A rank's trainer and standby lost together: once a process on ``trainer_host`` stopped
+        itself (an injected freeze: the loss comes at a known point), ``standby_host`` is lost
+        whole, then ``trainer_host`` (the caller heals both)."""
+        def stopped(pid: int) -> bool:
+            try:
+                return process_state(pid) == "T"
+            except FileNotFoundError:  # it exited since the host listed it
+                return False
+
+        deadline = Deadline.after(timedelta(seconds=timeout_s))
+        while not any(stopped(pid) for pid in trainer_host.pids()):
+            assert self.procs["coordinator"].poll() is None and not deadline.expired, self.outputs()
+            time.sleep(0.05)
+        assert standby_host.crash() and trainer_host.crash()
+
     def start_role(self, name: str, role: str, rank: int, host, *, held: bool = False) -> None:
         """A role as docs/failover.md's recipe starts one, on ``host``. ``held``: started now
         but held after its imports until ``release(name)`` (tests/jobs/held_role.py)."""

@@ -80,7 +80,8 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
     @staticmethod
     def attempt() -> Key[Attempt]:
         """The attempt in progress (absent: the first), read at the job's own prefix: the host agents
-        start their roles again under the attempt's prefix (``attempt_prefix``) when it moves."""
+        start their roles again under the attempt's prefix (``attempt_prefix``) when it moves. At a
+        later attempt's own prefix: how that attempt began (kept once the next one is named)."""
         return Key("attempt", Attempt)
 
     @staticmethod

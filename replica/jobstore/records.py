@@ -271,13 +271,15 @@ class RoleExit:
 class Attempt:
     """The job's attempt in progress (``keys.attempt``, at the job's own prefix): attempt ``number``
     (its state under ``attempt_prefix``) started again from the durable floor's version of
-    ``step`` in ``directory`` after a rank lost every copy of its state; ``fired``: the injected
-    faults that fired in the attempts before it (not injected again)."""
+    ``step`` in ``directory`` after a rank lost every copy of its state (``reason``: how the
+    attempt before said so); ``fired``: the injected faults that fired in the attempts before it
+    (not injected again)."""
 
     number: int
     step: int
     directory: str
     fired: tuple[str, ...] = ()
+    reason: str = ""
 
 
 class OrderKind(enum.StrEnum):
