@@ -19,7 +19,7 @@ from replica.roles import timing
 from replica.roles.env import Role
 from replica.roles.probe import Verdict, by_host
 from replica.roles.spares import Replacements
-from replica.timing import Deadline
+from replica.timing import Deadline, pause
 
 __all__ = ["AGENT_SILENCE", "RemoteAgents", "kept_apart_from", "replacement_site"]
 
@@ -67,6 +67,10 @@ class RemoteAgents:
         self._reported: set[tuple[str, int]] = set()
         self._spares: dict[tuple[str, int], int] = {}  # (host, pid) -> spare index, from the agents' exit reports
         self._next_watch = Deadline.now()  # exits() reads the agents' beats when this passed
+        # Hosts where a member was declared dead with no exit its agent reported: perhaps lost whole,
+        # their agent's beats still fresh; no new role goes there until AGENT_SILENCE shows it (host ->
+        # when it was suspected, here).
+        self._suspects: dict[str, float] = {}
 
     def agents(self) -> dict[int, AgentInfo]:
         """The agents registered so far."""
@@ -119,6 +123,10 @@ class RemoteAgents:
         return self._replace(Role.ROLLOUT, index)
 
     def kill(self, pid: int, host: str | None = None) -> None:
+        if host is not None and (host, pid) not in self._reported:
+            # Found dead by its deadline or a peer's report, not by its agent: the host may be lost with it
+            # (a transport report comes well before the agent's beats go stale).
+            self._suspects[host] = time.monotonic()
         for info in self.agents().values():
             if info.host == host:
                 self._order(info.index, AgentOrder(kind=OrderKind.KILL, pid=pid))
@@ -198,6 +206,7 @@ class RemoteAgents:
         """The live agent a new standby, spare or engine goes to: in a domain apart from
         ``kept_apart_from``'s roles, the one with the fewest members on its host, the lowest index
         first."""
+        self._settle_suspects()
         members = self._members()
         trainer_domains = {domain for r, _, _, domain in members if r in kept_apart_from(spare=spare)}
         load = {}
@@ -206,6 +215,22 @@ class RemoteAgents:
         return replacement_site(self.live(), domain=lambda info: info.domain or info.host,
                                 trainer_domains=trainer_domains, load=lambda info: load.get(info.host, 0),
                                 order=lambda info: info.index)
+
+    def _settle_suspects(self) -> None:
+        """Wait out the suspicion of the hosts suspected within ``AGENT_SILENCE`` (a second at most):
+        then ``live()`` tells a lost host (its agent silent since) from one whose process alone died."""
+        now = time.monotonic()
+        self._suspects = {host: at for host, at in self._suspects.items()
+                          if now - at < (AGENT_SILENCE + 2 * _WATCH_EVERY).total_seconds()}
+        if self._suspects and any(info.host in self._suspects for info in self.live()):
+            # Beats are read every _WATCH_EVERY: the last one of a lost host may be read that late.
+            settle = Deadline.after(timedelta(seconds=max(self._suspects.values()) - now) + AGENT_SILENCE
+                                    + 2 * _WATCH_EVERY)
+            logger.info("a member on %s died with no exit its agent reported: waiting %.2f s to see whether "
+                        "its host is lost before placing a role", ", ".join(sorted(self._suspects)),
+                        settle.remaining_s())
+            pause(settle.remaining(), deadline=settle)
+            self._suspects.clear()
 
     def _order(self, index: int, order: AgentOrder) -> None:
         n = self._store.count(keys.agent_orders(index), 1)
