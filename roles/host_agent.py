@@ -7,6 +7,12 @@ dead. Its children die with it (``PR_SET_PDEATHSIG``): losing the agent is
 losing the host.
 
     replica agent --store ADDRESS --index N [--address A] [--roles standby:0,rollout:1] -- SCRIPT [ARGS...]
+    replica agent --store ADDRESS --index N [--address A] --serve
+
+With ``--serve`` it runs job after job: each ``replica coordinator ... SCRIPT`` that comes up at
+``--store`` names its script and the roles' settings (a signed ``keys.served_job`` record) and
+places every role on the agents; the agent starts what it is ordered, and once the job ended
+waits for the next (``replica selftest --agents`` runs its matrix so).
 
 The job's token (``REPLICA_TOKEN``), size (``REPLICA_WORLD_SIZE``) and anything
 else the roles read come from the agent's environment; ``REPLICA_STORE`` and
@@ -20,20 +26,26 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 from replica import envvars
 from replica.jobstore import (
-    AgentInfo, AgentOrder, Attempt, Flag, JobStore, Number, OrderKind, ProcessLooks, RoleExit, Stamp, keys,
+    AgentInfo, AgentOrder, Attempt, Flag, JobStore, Number, OrderKind, ProcessLooks, RoleExit, ServedJob, Stamp,
+    keys,
 )
+from replica.errors import ReplicaError
 from replica.state.export import step_folder
 from replica.roles import timing
 from replica.timing import Deadline, pause
-from replica.roles.argparsing import Parser, existing_file, non_negative_int, shared_domain_option, start_options
+from replica.roles.argparsing import (
+    Parser, existing_file, non_negative_int, positive_float, shared_domain_option, start_options,
+)
 from replica.roles.exits import ExitCode
 from replica.roles.env import (
     HOST,
@@ -49,15 +61,18 @@ from replica.roles.env import (
     shared_domains_allowed,
 )
 from replica.roles.local_agent import LocalAgent
+from replica.roles.served import served_job_refusal
 from replica.processes import start_server
 from replica.roles.stalls import StallLog
-from replica.jobstore.stores import StoreAddress
+from replica.jobstore.stores import StoreAddress, StoreKind
 
 __all__ = ["HostAgent", "main", "parse_roles"]
 
 logger = logging.getLogger(__name__)
 
 AGENT_BEAT = timedelta(milliseconds=200)
+_SERVE_POLL = timedelta(milliseconds=500)  # --serve: how often the next job is looked for
+_CONNECT_SLICE = timedelta(seconds=5)  # --serve: a connection's wait for the store to come up
 _TALKER_JOIN = timedelta(seconds=15)  # at close, for a talker's store call in progress to end
 
 
@@ -89,8 +104,12 @@ class HostAgent:
     STALL = timedelta(seconds=3)
 
     def __init__(self, *, store: JobStore, index: int, address: str, local: LocalAgent,
-                 faults: tuple[Fault, ...] = (), domain: str = ""):
+                 faults: tuple[Fault, ...] = (), domain: str = "", serving: bool = False):
+        """``serving`` (``--serve``): an injected host kill ends this agent's part in the job (its
+        roles killed, nothing more said) instead of the agent, which goes on to the next job."""
         self.store, self.index, self.local, self.address = store, index, local, address
+        self.serving = serving
+        self.lost = False  # a host kill fired while serving
         self.base = store  # at the job's own prefix, where the attempt in progress is named
         self.attempt = 0
         self.host = host_name()
@@ -208,6 +227,11 @@ class HostAgent:
                 handler.flush()
             for pid in list(self.local.procs):
                 self.local.kill(pid)
+            if self.serving:  # the host lost for this job only: silent in it from now on, then the next job
+                self._talker += 1  # nothing more is reported, as from a lost host
+                self.lost = True
+                self.ended.set()
+                return
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == Action.PARTITION:
             _ip("link", "set", "dev", device, "down")
@@ -338,9 +362,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--domain", default="",
                    help=f"this host's failure domain (a rack, a switch, a zone: what fails together; {envvars.DOMAIN} "
                         "of its roles); replacement standbys never go to a trainer's domain (default: the host)")
+    p.add_argument("--serve", action="store_true",
+                   help="serve job after job: each `replica coordinator ... SCRIPT` at --store names its script and "
+                        "settings and places every role (no SCRIPT and no --roles here); `replica selftest --agents` "
+                        "runs its matrix so")
+    p.add_argument("--idle-timeout", type=positive_float, default=3600.0, metavar="SECONDS",
+                   help="with --serve: stop when no new job comes for this long (default: an hour)")
     start_options(p)
     shared_domain_option(p)
-    p.add_argument("script", type=existing_file, help="the job's script (the same on every host)")
+    p.add_argument("script", type=existing_file, nargs="?", help="the job's script (the same on every host)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
 
@@ -350,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not os.environ.get(envvars.TOKEN):
         parser.error(f"set {envvars.TOKEN} to the job's secret token")
+    if args.serve and (args.script or args.roles):
+        parser.error("--serve takes no SCRIPT and no --roles: each job's coordinator names its script and places "
+                     "its roles")
+    if not args.serve and not args.script:
+        parser.error("the job's SCRIPT is required (or --serve, to run the jobs coordinators name)")
     try:
         address = StoreAddress.parse(args.store)
         roles = parse_roles(args.roles)
@@ -367,16 +402,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.exec_roles:
         start_server()  # a fork of this process, before the store's threads: the roles start from its imports
     configure_logging()
-    # The coordinator may come up after the agents (ROLE_WAIT); the talker's connections fail fast.
-    store = JobStore(address.connect(timeout=timing.ROLE_WAIT), token=os.environ[envvars.TOKEN].encode())
+    token = os.environ[envvars.TOKEN].encode()
     # The rest of the job's variables (job_environ's) come from the agent's own environment.
     env = {**base_environ(), envvars.STORE: str(address), envvars.HOST: args.address}
     if args.domain:
         env[envvars.DOMAIN] = args.domain
+    if args.serve:
+        return _serve(args, address, token=token, env=env, domain=domain)
+    # The coordinator may come up after the agents (ROLE_WAIT); the talker's connections fail fast.
+    store = JobStore(address.connect(timeout=timing.ROLE_WAIT), token=token)
     local = LocalAgent(script=[args.script, *args.script_args], env=env, replacements=0, exec_roles=args.exec_roles)
+    return _run(args, store, local, domain=domain, roles=roles)
+
+
+def _run(args: argparse.Namespace, store: JobStore, local: LocalAgent, *, domain: str,
+         roles: list[tuple[Role, int]]) -> int:
+    """One job: this host's part of it, until its end."""
     agent = HostAgent(store=store, index=args.index, address=args.address, local=local,
-                      faults=parse_faults(os.environ.get(envvars.INJECT, "")), domain=domain)
-    print(f"replica: agent {args.index} on {agent.host} ({args.address}) for the job at {address}", flush=True)
+                      faults=parse_faults(local.env.get(envvars.INJECT, "")), domain=domain, serving=args.serve)
+    print(f"replica: agent {args.index} on {agent.host} ({args.address}) for the job at {args.store}", flush=True)
     if agent.attempt == 0:  # in a later attempt the coordinator orders every role
         for role, rank in roles:
             local.start(role, rank)
@@ -385,8 +429,78 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         agent.close()
         agent.local.stop()
-    print(f"replica: agent {args.index}: " + ("the job ended" if status == ExitCode.OK else "stopped"), flush=True)
+    said = "the job ended" if status == ExitCode.OK else "stopped"
+    if agent.lost:
+        said = "its host lost in the job (an injected fault): the roles it ran are killed; it serves the next job"
+    print(f"replica: agent {args.index}: {said}", flush=True)
     return status
+
+
+def _serve(args: argparse.Namespace, address: StoreAddress, *, token: bytes, env: dict[str, str],
+           domain: str) -> int:
+    """``--serve``: the jobs named at ``address`` (``keys.served_job``), one after the other, until
+    none comes for ``--idle-timeout``."""
+    print(f"replica: agent {args.index} on {host_name()} ({args.address}) serves the jobs at {address}", flush=True)
+    served = ""  # the id of the job served last
+    idle = timedelta(seconds=args.idle_timeout)
+    while (found := _next_job(address, token=token, served=served, within=idle, index=args.index)) is not None:
+        store, job = found
+        served = job.id
+        if why := served_job_refusal(job):
+            print(f"replica: agent {args.index}: refuses the job {job.id}: {why}", flush=True)
+            continue
+        print(f"replica: agent {args.index} serves the job {job.id} ({Path(job.script).name})", flush=True)
+        local = LocalAgent(script=[job.script, *job.args], env={**env, **job.environ}, replacements=0,
+                           exec_roles=args.exec_roles)
+        _run(args, store, local, domain=domain, roles=[])
+        del store  # the job's connection: closed before its store goes away
+        if address.kind == StoreKind.TCP:  # its coordinator keeps the store up until every role left
+            _gone(address, within=2 * timing.STORE_LOST)
+    print(f"replica: agent {args.index}: no new job for {args.idle_timeout:g} s; it stops", flush=True)
+    return ExitCode.OK
+
+
+def _next_job(address: StoreAddress, *, token: bytes, served: str, within: timedelta,
+              index: int) -> tuple[JobStore, ServedJob] | None:
+    """The job store at ``address`` and the job it names, once that is not ``served`` (nor ended);
+    None when none comes ``within``. The store comes and goes with each job's coordinator: one
+    connection is kept while it answers, and a hosted store is connected to only once its port
+    accepts (c10d's own retries would fill the log between jobs)."""
+    deadline = Deadline.after(within)
+    store: JobStore | None = None
+    said = ""
+    while not deadline.expired:
+        try:
+            if store is None and (address.kind == StoreKind.ETCD or _accepts(address.host, address.port)):
+                store = JobStore(address.connect(timeout=min(_CONNECT_SLICE, deadline.remaining())), token=token)
+            if store is not None:
+                job = store.get(keys.served_job())  # None too when it is not signed with this job's token
+                if job is not None and job.id != served and not store.has(keys.finished()):
+                    return store, job
+        except (ReplicaError, RuntimeError, OSError) as exc:  # the store went away, or is not up yet
+            store = None
+            if isinstance(exc, ReplicaError) and str(exc) != said:
+                said = str(exc)
+                print(f"replica: agent {index}: the job store at {address}: {exc}", flush=True)
+        pause(_SERVE_POLL, deadline=deadline)
+    return None
+
+
+def _gone(address: StoreAddress, *, within: timedelta) -> None:
+    """Until the hosted store at ``address`` no longer accepts connections (its job's coordinator
+    ended), ``within`` at most."""
+    deadline = Deadline.after(within)
+    while not deadline.expired and _accepts(address.host, address.port):
+        pause(_SERVE_POLL, deadline=deadline)
+
+
+def _accepts(host: str, number: int) -> bool:
+    """Whether a TCP connection to ``host``:``number`` opens now."""
+    try:
+        with socket.create_connection((host, number), timeout=_SERVE_POLL.total_seconds()):
+            return True
+    except OSError:
+        return False
 
 
 if __name__ == "__main__":

@@ -14,11 +14,9 @@ import enum
 import importlib.util
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,34 +24,16 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from replica.roles.argparsing import Parser, deadline_options, positive_float, positive_int
+from replica import envvars
+from replica.roles.argparsing import Parser, deadline_options, non_negative_int, port, positive_float, positive_int
 from replica.roles.env import Action, Role, parse_faults
 from replica.roles.exits import ExitCode
 from replica.roles.members import Mark
-from replica.roles.report import compare_reports, load_report, write_loss_png
+from replica.roles.report import compare_reports, write_loss_png
+from replica.roles.selftest_runs import Device, JobKind, Plan, Run, kill_all, launch, target_name
 
 __all__ = ["CASES", "Case", "Device", "JobKind", "Outcome", "Plan", "Reference", "Result", "kill_all", "main", "parse",
            "plan_of", "run_case", "run_matrix", "run_reference", "select_cases", "unavailable"]
-
-#: The example jobs, shipped beside the package (``replica/examples``; ``examples/`` in a checkout).
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-#: Seconds a launcher is given, beyond its own ``--timeout``, to end before it is killed.
-_GRACE_S = 30.0
-
-
-class Device(enum.StrEnum):
-    CPU = "cpu"  # gloo
-    CUDA = "cuda"  # NCCL; rank r on GPU r mod the GPUs visible
-
-
-class JobKind(enum.StrEnum):
-    """The jobs the matrix runs: the project's FSDP2 example, a Hugging Face model with a real
-    data loader, the RL loop with vLLM engines."""
-
-    FSDP = "fsdp"
-    HF = "hf"
-    RL = "rl"
-
 
 class Outcome(enum.StrEnum):
     PASSED = "bit-identical"
@@ -78,6 +58,8 @@ class Case:
     min_trainers: int = 1
     #: Runs with a durable floor (``--durable``): a rank that lost every in-memory copy of its state.
     durable: bool = False
+    #: Runs only on host agents (``--agents``), at least this many: a host fault needs an agent to fire it.
+    min_agents: int = 0
 
     def spec(self, trainers: int) -> str:
         return self.inject.format(a=0, b=trainers - 1)
@@ -108,35 +90,17 @@ CASES = (
          proves="the RL loop: a trainer lost; the rollouts of the step are the same, the policy is the same"),
     Case(name="rl-rollout", job=JobKind.RL, inject="kill:rollout:1@3",
          proves="the RL loop: a vLLM engine lost while generating; the others take its prompts, nothing changes"),
+    # The coordinator places trainer r on agent r (the least loaded agent first, in index order):
+    # host {b} is trainer {b}'s; its standby is on another host, its new standby goes to a third.
+    Case(name="host-lost", job=JobKind.FSDP, inject="kill:host:{b}@5", min_agents=3,
+         proves="a host lost whole (its agent and every process on it, as a machine that dies): its trainer's "
+                "standby on another host takes over, and a new standby starts on a third"),
     # Trainer {a} stalls 2 s in step 4: time for version 3 to be written whole on a loaded machine.
     Case(name="trainer-and-standby", job=JobKind.FSDP, durable=True,
          inject="stall:trainer:{a}@4:2,kill:standby:{b}@5,kill:trainer:{b}@7:optimizer",
          proves="a trainer lost with its own standby (no copy of its state left in memory): every rank goes back "
                 "to the durable floor's newest complete version and replays from it"),
 )
-#: The durable floor's cadence in the cases that have one (versions 3, 6, ...).
-_DURABLE_EVERY = 3
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class Plan:
-    """What a selftest runs, and where."""
-
-    device: Device
-    num_trainers: int
-    steps: int
-    directory: Path
-    case_timeout: timedelta
-    #: ``replica launch --ray ADDRESS`` ("": this machine).
-    ray: str = ""
-    #: The Hugging Face job draws from a generator outside the mirrored state: every case of it must fail.
-    unmirrored_noise: bool = False
-    #: ``replica launch``'s deadline options, passed on as they were given.
-    launch_options: tuple[str, ...] = ()
-    #: ``--durable DIR``: the floors of the durable cases (DIR/CASE; a folder every trainer host can write).
-    durable: Path | None = None
-
-
 @dataclass(kw_only=True, slots=True)
 class Result:
     case: str
@@ -159,25 +123,21 @@ class Result:
                 ((name, getattr(self, name)) for name in self.__slots__)}
 
 
-def select_cases(*, quick: bool, only: tuple[str, ...] = (), durable: bool = False) -> tuple[Case, ...]:
+def select_cases(*, quick: bool, only: tuple[str, ...] = (), durable: bool = False,
+                 agents: bool = False) -> tuple[Case, ...]:
     """The cases named (``only``), or the quick ones, or all; a durable case only with a floor
-    (``durable``; named, it is skipped without one, saying so)."""
-    cases = tuple(c for c in CASES if (c.name in only if only else
-                                       (c.durable and durable) or (not c.durable and (c.quick or not quick))))
+    (``durable``), a host case only on host agents (``agents``); named, such a case is skipped
+    where it cannot run, saying so."""
+    def chosen(c: Case) -> bool:
+        if c.durable or c.min_agents:
+            return (not c.durable or durable) and (not c.min_agents or agents) and (c.durable or not quick)
+        return c.quick or not quick
+
+    cases = tuple(c for c in CASES if (c.name in only if only else chosen(c)))
     unknown = set(only) - {c.name for c in CASES}
     if unknown:
         raise ValueError(f"no case {', '.join(sorted(unknown))} (the cases: {', '.join(c.name for c in CASES)})")
     return cases
-
-
-def _job_args(kind: JobKind, plan: Plan) -> tuple[list[str], list[str]]:
-    """``replica launch``'s options and the script with its arguments, for a job of ``kind``."""
-    if kind == JobKind.FSDP:
-        return [], [str(EXAMPLES / "train_fsdp.py"), "--device", str(plan.device)]
-    if kind == JobKind.HF:
-        noise = ["--unmirrored-noise"] if plan.unmirrored_noise else []
-        return [], [str(EXAMPLES / "train_hf.py"), "--device", str(plan.device), "--loader", "stateful", *noise]
-    return ["--rollouts", "2"], [str(EXAMPLES / "rl_loop.py")]
 
 
 def _unavailable(kind: JobKind, plan: Plan) -> str:
@@ -190,67 +150,6 @@ def _unavailable(kind: JobKind, plan: Plan) -> str:
             return "the RL example's trainers run on the CPU: its cases run with --device cpu"
         return "" if importlib.util.find_spec("vllm") is not None else "needs vLLM (pip install 'replica[vllm]')"
     return ""
-
-
-@dataclass(kw_only=True, frozen=True, slots=True)
-class _Run:
-    code: int | None  # None: killed at its deadline
-    report: dict | None
-    log: Path
-    seconds: float
-
-
-def _launch(plan: Plan, kind: JobKind, name: str, *, inject: str = "", standbys: bool = True,
-            running: list[subprocess.Popen], durable: bool = False) -> _Run:
-    """One ``replica launch`` of a job of ``kind``, in ``plan.directory / name``, under the
-    case deadline: its process group is killed when it runs past it. ``durable``: with a floor
-    in ``plan.durable / name`` and no replacement standby (a lost pair stays lost)."""
-    folder = plan.directory / name
-    folder.mkdir(parents=True, exist_ok=True)
-    options, script = _job_args(kind, plan)
-    argv = [sys.executable, "-m", "replica.roles.cli", "launch", "--trainers", str(plan.num_trainers),
-            "--steps", str(plan.steps), "--report", "run.json", "--timeout", str(plan.case_timeout.total_seconds()),
-            "--export-dir", "export", *plan.launch_options, *options]
-    if not standbys:
-        argv += ["--standbys", "0"]
-    if durable:
-        argv += ["--durable", str(plan.durable / name), "--durable-every", str(_DURABLE_EVERY), "--durable-interval",
-                 "0", "--replacements", "0"]
-    if inject:
-        argv += ["--inject", inject]
-    # One machine holds every role: a standby shares its trainer's host by construction there.
-    argv += ["--ray", plan.ray] if plan.ray else ["--allow-shared-domain"]
-    log = folder / "run.log"
-    started = time.monotonic()
-    with log.open("w") as out:
-        out.write("$ " + " ".join(argv[1:]) + "\n")
-        out.flush()
-        process = subprocess.Popen([*argv, *script], cwd=folder, stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
-        running.append(process)
-        try:
-            code = process.wait(timeout=plan.case_timeout.total_seconds() + _GRACE_S)
-        except subprocess.TimeoutExpired:
-            code = None
-        finally:
-            _kill_group(process)
-            running.remove(process)
-    report = None
-    if (folder / "run.json").is_file():
-        try:
-            report = load_report(folder / "run.json")
-        except ValueError:
-            report = None
-    return _Run(code=code, report=report, log=log, seconds=time.monotonic() - started)
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    """The launcher's process group, killed (its roles die with it); a no-op once it ended."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()
 
 
 def _median_step_ms(report: dict) -> float | None:
@@ -282,7 +181,7 @@ def _last_trainer_kill(report: dict) -> int:
     return max((f.step for f in kills), default=0)
 
 
-def _judge(name: str, kind: JobKind, inject: str, run: _Run, reference: dict | None, baseline_ms: float | None,
+def _judge(name: str, kind: JobKind, inject: str, run: Run, reference: dict | None, baseline_ms: float | None,
            *, plan: Plan, durable: bool = False) -> Result:
     result = Result(case=name, job=kind, inject=inject, outcome=Outcome.FAILED, log=str(run.log), seconds=run.seconds)
     report = run.report
@@ -348,6 +247,8 @@ def unavailable(case: Case, plan: Plan) -> str:
     why = _unavailable(case.job, plan)
     if not why and case.min_trainers > plan.num_trainers:
         why = f"needs --trainers {case.min_trainers} or more"
+    if not why and case.min_agents > plan.agents:
+        why = f"needs host agents: --agents {case.min_agents} or more (`replica agent --serve` on each host)"
     if not why and case.durable and plan.durable is None:
         why = "needs --durable DIR (where the standbys write the floor it goes back to)"
     return why
@@ -357,13 +258,13 @@ def run_reference(plan: Plan, kind: JobKind, *, running: list[subprocess.Popen],
                   step: Callable[[str], None] = lambda _: None, say: Callable[[str], None] = print) -> Reference:
     """The baseline and the reference of a job of ``kind`` (the reference only if the baseline ran)."""
     step(f"{kind} job, unmirrored baseline (no standbys)")
-    baseline = _launch(plan, kind, f"{kind}-unmirrored", standbys=False, running=running)
+    baseline = launch(plan, kind, f"{kind}-unmirrored", standbys=False, running=running)
     first = _judge(f"{kind}-unmirrored", kind, "", baseline, None, None, plan=plan)
     say(_progress(first))
     step(f"{kind} job, reference (standbys, no fault)")
     report = None
     if first.outcome == Outcome.BASELINE:
-        reference = _launch(plan, kind, f"{kind}-reference", running=running)
+        reference = launch(plan, kind, f"{kind}-reference", running=running)
         # Standbys change no loss: the reference equals the unmirrored run bit for bit.
         ref = _judge(f"{kind}-reference", kind, "", reference, baseline.report, first.step_ms, plan=plan)
         report = reference.report
@@ -380,7 +281,7 @@ def run_case(plan: Plan, case: Case, reference: Reference, *, running: list[subp
     if not reference.passed:
         return Result(case=case.name, job=case.job, inject=inject, outcome=Outcome.FAILED,
                       why=f"its reference run failed: {reference.result.why}", log=reference.result.log)
-    run = _launch(plan, case.job, case.name, inject=inject, running=running, durable=case.durable)
+    run = launch(plan, case.job, case.name, inject=inject, running=running, durable=case.durable)
     return _judge(case.name, case.job, inject, run, reference.report, reference.baseline.step_ms, plan=plan,
                   durable=case.durable)
 
@@ -423,12 +324,6 @@ def run_matrix(plan: Plan, cases: tuple[Case, ...], *, say: Callable[[str], None
     return results
 
 
-def kill_all(running: list[subprocess.Popen]) -> None:
-    """Every launcher still running, with its roles."""
-    for process in list(running):
-        _kill_group(process)
-
-
 def _ms(values: list[float]) -> str:
     return " / ".join(f"{v:.0f}" for v in values) if values else "-"
 
@@ -460,13 +355,13 @@ def table(results: list[Result]) -> list[str]:
 
 def _write(plan: Plan, cases: tuple[Case, ...], results: list[Result], *, seconds: float) -> None:
     summary = {"device": str(plan.device), "trainers": plan.num_trainers, "steps": plan.steps,
-               "target": plan.ray or "this machine", "seconds": round(seconds, 1),
+               "target": target_name(plan), "seconds": round(seconds, 1),
                "passed": all(r.outcome in (Outcome.PASSED, Outcome.BASELINE, Outcome.SKIPPED) for r in results),
                "results": [r.to_dict() for r in results]}
     (plan.directory / "selftest.json").write_text(json.dumps(summary, indent=1) + "\n")
     proves = {c.name: c.proves for c in cases}
     lines = [f"# replica selftest: {plan.num_trainers} trainers, {plan.steps} steps, {plan.device}, "
-             f"{plan.ray or 'this machine'} ({seconds:.0f} s)", "", *table(results), ""]
+             f"{target_name(plan)} ({seconds:.0f} s)", "", *table(results), ""]
     lines += [f"- **{r.case}** ({r.inject}): {proves[r.case]}" + (f" -- {r.outcome}: {r.why}" if r.why else "")
               for r in results if r.case in proves]
     (plan.directory / "selftest.md").write_text("\n".join(lines) + "\n")
@@ -486,6 +381,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", default="", metavar="ADDRESS",
                    help="run every job on the Ray cluster at ADDRESS (host:port of its GCS), each role a Ray actor "
                         "(needs replica[ray] here and on the cluster)")
+    p.add_argument("--agents", type=non_negative_int, default=0, metavar="N",
+                   help="run every job's roles on the N host agents started with `replica agent --store HOST:PORT "
+                        "--index I --serve` (I = 0 .. N-1, one per host): each job's coordinator runs here and listens "
+                        "at --host:--port, their --store")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="with --agents: this host's address the agents reach (their --store's host)")
+    p.add_argument("--port", type=port, default=29400, help="with --agents: the port of their --store")
     p.add_argument("--report", type=Path, default=None, metavar="DIR",
                    help="the work directory: each case's log, job report and plots, and selftest.json/.md "
                         "(default: a new folder replica-selftest-* in the system's temporary folder)")
@@ -513,7 +415,15 @@ def _refusal(args: argparse.Namespace) -> str:
         return f"--durable {args.durable}: its folder {args.durable.resolve().parent} does not exist"
     if args.durable is not None and args.durable.exists() and not args.durable.is_dir():
         return f"--durable {args.durable}: not a folder"
-    if args.device == Device.CUDA and not args.ray:
+    if args.agents and args.ray:
+        return "--agents and --ray: pick one target"
+    if args.agents == 1:
+        return "--agents 1: a standby never shares its trainer's host, so the matrix needs 2 host agents or more"
+    if args.agents and not os.environ.get(envvars.TOKEN):
+        return f"--agents: set {envvars.TOKEN} to the secret the agents were started with"
+    if args.agents and (why := _port_taken(args.host, args.port)):
+        return why
+    if args.device == Device.CUDA and not args.ray and not args.agents:
         import torch
 
         if not torch.cuda.is_available():
@@ -541,6 +451,16 @@ def _unreachable(address: str) -> str:
         return f"--ray {address}: cannot reach the Ray head there ({exc.strerror or exc})"
 
 
+def _port_taken(host: str, number: int) -> str:
+    """Why each job's coordinator could not listen at ``host``:``number`` ("" when it can)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, number))
+        except OSError as exc:
+            return f"--host {host} --port {number}: cannot listen there for the agents ({exc.strerror or exc})"
+    return ""
+
+
 def _deadline_argv(args: argparse.Namespace) -> tuple[str, ...]:
     argv = ("--heartbeat-deadline", str(args.heartbeat_deadline))
     return argv + (("--standby-deadline", str(args.standby_deadline)) if args.standby_deadline else ())
@@ -551,7 +471,8 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tuple[Case
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        cases = select_cases(quick=args.quick, only=tuple(args.case), durable=args.durable is not None)
+        cases = select_cases(quick=args.quick, only=tuple(args.case), durable=args.durable is not None,
+                             agents=args.agents > 0)
     except ValueError as exc:
         parser.error(str(exc))
     if why := _refusal(args):
@@ -564,7 +485,8 @@ def plan_of(args: argparse.Namespace) -> Plan:
     directory = args.report or Path(tempfile.mkdtemp(prefix="replica-selftest-"))
     directory.mkdir(exist_ok=True)
     return Plan(device=Device(args.device), num_trainers=args.trainers, steps=args.steps, directory=directory.resolve(),
-                case_timeout=timedelta(seconds=args.case_timeout), ray=args.ray,
+                case_timeout=timedelta(seconds=args.case_timeout), ray=args.ray, agents=args.agents,
+                host=args.host, port=args.port,
                 unmirrored_noise=args.unmirrored_noise, launch_options=_deadline_argv(args),
                 durable=None if args.durable is None else args.durable.resolve())
 
@@ -573,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     args, cases = parse(argv)
     plan = plan_of(args)
     print(f"replica selftest: {len(cases)} cases, {plan.num_trainers} trainers, {plan.steps} steps, {plan.device}, "
-          f"on {plan.ray or 'this machine'}; work directory {plan.directory}", flush=True)
+          f"on {target_name(plan)}; work directory {plan.directory}", flush=True)
     started = time.monotonic()
     results: list[Result] = []
     try:

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 from replica import envvars
 from replica.errors import FencedError
@@ -19,6 +20,7 @@ from replica.roles.argparsing import (
     Parser,
     deadline_options,
     deadlines_of,
+    existing_file,
     non_negative_int,
     port,
     positive_float,
@@ -34,10 +36,12 @@ from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.roles.attempts import announce, earlier_attempts, last_placement, place_on_agents
-from replica.roles.env import configure_logging, durable_of, parse_faults, shared_domains_allowed
+from replica.roles.env import configure_logging, durable_of, job_environ, parse_faults, shared_domains_allowed
+from replica.roles.served import first_placement, serve_job
 from replica.state.export import step_folder
 from replica.roles.exits import ExitCode
 from replica.roles.supervise import JobSpec, supervise
+from replica.session.backends import parse_backends
 
 __all__ = ["main"]
 
@@ -80,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     deadline_options(p)
     state_options(p)
     shared_domain_option(p)
+    p.add_argument("script", type=existing_file, nargs="?",
+                   help="serve this job to host agents started with `replica agent --serve` (--agents N): the "
+                        "script (at this path on every host) and its arguments, run in every role; the roles' "
+                        "settings are this command's (--steps, --rollouts, --export-dir, REPLICA_INJECT, "
+                        "REPLICA_DURABLE...) and every role is placed on the agents")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
 
 
@@ -88,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.spares and not args.agents:
         parser.error("--spares needs --agents: the host agents start the spares")
+    if args.script and not args.agents:
+        parser.error("a SCRIPT is served to host agents (`replica agent --serve`): give their number, --agents N")
     token = os.environ.get(envvars.TOKEN, "")
     if not token:
         parser.error(f"set {envvars.TOKEN} to the job's secret token (every role presents it when it joins)")
@@ -168,6 +180,11 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
     base = JobStore(coord.store.raw, token=coord.token)  # the job's own prefix: the attempt in progress
     current = base.get(keys.attempt())  # None: the first attempt
     placement: tuple[dict, set[int]] | None = None  # the attempt before's roles, its agents still alive
+    if args.script and coord.takeover is None and coord.attempt == 0:  # a job served to `replica agent --serve`
+        job = serve_job(base, script=Path(args.script), args=args.script_args, environ=_served_environ(args, resume))
+        print(f"replica: the job {job.id} ({job.script}) is served to {args.agents} host agents", flush=True)
+        placement = (first_placement(world_size=args.world_size, standbys=standbys, rollouts=args.rollouts),
+                     set(range(args.agents)))
     while True:
         # The attempts that went back to the floor, from the store (this coordinator may have taken the job
         # over in a later attempt): their entries and records for the report, and the faults that fired in
@@ -215,6 +232,15 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
         previous, coord = coord, coord.next_attempt(resume_from=current.step)
         previous.close()
         _unprotect(coord, standbys, args.world_size)
+
+
+def _served_environ(args: argparse.Namespace, resume: tuple[int, str] | None) -> dict[str, str]:
+    """The settings of a served job's roles: this command's, as ``replica launch`` gives its own."""
+    return job_environ(store="", token="", world_size=args.world_size, steps=args.steps,
+                       inject=os.environ.get(envvars.INJECT, ""), rollouts=args.rollouts,
+                       mirror_device=os.environ.get(envvars.MIRROR_DEVICE, ""), export_dir=str(args.export_dir.resolve()),
+                       resume=resume[1] if resume else "", backends=parse_backends(os.environ.get(envvars.BACKENDS, "")),
+                       strict=bool(os.environ.get(envvars.STRICT)), durable=durable_of(os.environ))
 
 
 if __name__ == "__main__":

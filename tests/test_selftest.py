@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from replica.roles.selftest import CASES, Device, Plan, run_matrix, select_cases
+from replica import envvars
 from replica.timing import Deadline
 
 SELFTEST = [sys.executable, "-m", "replica.roles.cli", "selftest"]
@@ -108,7 +109,10 @@ def _bad_inputs() -> list[tuple[tuple[str, ...], str]]:
              (("--ray", "nonsense"), "need HOST:PORT"),
              (("--steps", "5"), "need --steps 8 or more"),
              (("--case", "trainer-nowhere"), "no case trainer-nowhere"),
-             (("--trainers", "0"), "need an integer >= 1")]
+             (("--trainers", "0"), "need an integer >= 1"),
+             (("--agents", "1"), "the matrix needs 2 host agents or more"),
+             (("--agents", "2", "--ray", "auto"), "--agents and --ray: pick one target"),
+             (("--agents", "2"), f"--agents: set {envvars.TOKEN} to the secret the agents were started with")]
     if importlib.util.find_spec("ray") is None:
         cases[:2] = [(("--ray", "127.0.0.1:1"), "--ray needs Ray here")]
     return cases
@@ -194,8 +198,10 @@ def test_case_selection():
     assert [c.name for c in select_cases(quick=True)] == ["trainer-backward", "standby-killed", "trainer-frozen"]
     durable = [c for c in CASES if c.durable]
     assert [c.name for c in durable] == ["trainer-and-standby"]
-    assert select_cases(quick=False) == tuple(c for c in CASES if not c.durable)  # no floor: no pair loss
-    assert select_cases(quick=False, durable=True) == CASES
+    assert select_cases(quick=False) == tuple(c for c in CASES if not c.durable and not c.min_agents)  # no floor, no agents
+    assert select_cases(quick=False, durable=True) == tuple(c for c in CASES if not c.min_agents)
+    assert select_cases(quick=False, durable=True, agents=True) == CASES
+    assert [c.name for c in CASES if c.min_agents] == ["host-lost"]  # without agents, named: skipped saying why
     assert [c.name for c in select_cases(quick=True, durable=True)] == ["trainer-backward", "standby-killed",
                                                                          "trainer-frozen", "trainer-and-standby"]
     assert [c.name for c in select_cases(quick=True, only=("two-trainers",))] == ["two-trainers"]
@@ -216,7 +222,8 @@ def test_full_matrix_on_this_machine(tmp_path):
     ran = {r["case"]: r for r in summary["results"]}
     skipped = {name for name, r in ran.items() if r["outcome"] == "skipped"}
     assert skipped <= {"hf-optimizer", "rl-trainer", "rl-rollout"}, skipped
-    for case in CASES:
+    assert "host-lost" not in ran  # a host case runs on host agents only
+    for case in select_cases(quick=False, durable=True):
         if case.name not in skipped:
             assert ran[case.name]["outcome"] == "bit-identical", ran[case.name]
             report = _job_report(tmp_path / "work", case.name)

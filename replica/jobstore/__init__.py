@@ -41,6 +41,7 @@ from replica.jobstore.records import (
     Registration,
     Regroup,
     RoleExit,
+    ServedJob,
     Stamp,
     Text,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "Registration",
     "Regroup",
     "RoleExit",
+    "ServedJob",
     "Stamp",
     "Text",
     "ThreadHeartbeat",

@@ -10,7 +10,8 @@ from replica.jobstore.codec import T
 from replica.jobstore.records import (
     Ack, AckSummary, AgentInfo, AgentOrder, Attempt, Commit, ExportOutcome, ExportRequest, Failover, Flag, FloorPart,
     FloorVersion, Generation,
-    Heartbeat, JoinReply, LivenessReply, LostReports, Number, ProcessLooks, Promotion, Registration, Regroup, RoleExit, Stamp, Text,
+    Heartbeat, JoinReply, LivenessReply, LostReports, Number, ProcessLooks, Promotion, Registration, Regroup, RoleExit, ServedJob,
+    Stamp, Text,
 )
 
 __all__ = ["Key", "attempt_prefix", "keys"]
@@ -76,6 +77,12 @@ class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()
     @staticmethod
     def liveness() -> Key[Text]:
         return Key("coordinator/liveness", Text)  # "host:port" of the active coordinator's liveness endpoint (UDP)
+
+    @staticmethod
+    def served_job() -> Key[ServedJob]:
+        """The job the host agents that serve job after job run (``replica agent --serve``), at the
+        job's own prefix; written by its coordinator before it places the roles."""
+        return Key("served_job", ServedJob)
 
     @staticmethod
     def attempt() -> Key[Attempt]:

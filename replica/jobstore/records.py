@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Ack", "AckSummary", "AgentInfo", "AgentOrder", "Attempt", "Commit", "Epoch", "ExportOutcome", "ExportRequest",
            "ExportStatus", "Failover", "Flag", "FloorPart", "FloorVersion", "Generation", "Heartbeat", "JoinReply", "LivenessReply", "LostReports",
-           "Number", "OrderKind", "ProcessLooks", "Promotion", "Registration", "Regroup", "RoleExit", "Stamp", "Text"]
+           "Number", "OrderKind", "ProcessLooks", "Promotion", "Registration", "Regroup", "RoleExit", "ServedJob", "Stamp", "Text"]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True, order=True)
@@ -280,6 +280,19 @@ class Attempt:
     directory: str
     fired: tuple[str, ...] = ()
     reason: str = ""
+
+
+@dataclass(kw_only=True, frozen=True, slots=True)
+class ServedJob:
+    """A job for the host agents that serve job after job (``replica agent --serve``;
+    ``keys.served_job``, at the job's own prefix): ``script`` (a path that holds on every host)
+    run with ``args`` in every role, ``environ`` the roles' settings (``job_environ``'s, without
+    what each agent sets itself); ``id``: new for each job, so an agent serves a job once."""
+
+    id: str
+    script: str
+    args: tuple[str, ...] = ()
+    environ: dict = field(default_factory=dict)
 
 
 class OrderKind(enum.StrEnum):

@@ -1,0 +1,59 @@
+"""``replica selftest --agents`` across network-namespace hosts, as a user runs it on a cluster:
+``replica agent --serve`` on hosts 1-5 (agents 0-4), the selftest on host 0, where each job's
+coordinator listens; the whole matrix, the host case and the durable one included."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from replica._testing import cluster as testcluster
+from replica._testing.cluster import ClusterConfig, NetnsCluster
+from replica.roles.selftest import select_cases
+
+from host_job import python_on, reap
+
+pytestmark = [pytest.mark.netns,
+              pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]
+
+PORT = 29410
+AGENTS = 5
+
+
+@pytest.mark.slow
+def test_full_matrix_on_serving_agents_across_hosts(tmp_path):
+    work = tmp_path / "work"
+    with NetnsCluster(ClusterConfig(hosts=1 + AGENTS)) as cluster:
+        coordinator = cluster.hosts[0]
+        agents = [python_on(host, "-m", "replica.roles.cli", "agent", "--store", f"{coordinator.address}:{PORT}",
+                            "--index", str(i), "--address", host.address, "--serve", "--idle-timeout", "300",
+                            env={"GLOO_SOCKET_IFNAME": "eth0"})
+                  for i, host in enumerate(cluster.hosts[1:])]
+        try:
+            done = subprocess.run(coordinator.command([
+                sys.executable, "-m", "replica.roles.cli", "selftest", "--agents", str(AGENTS), "--host",
+                coordinator.address, "--port", str(PORT), "--report", str(work), "--durable", str(tmp_path / "floor")]),
+                capture_output=True, text=True, timeout=3000)
+        finally:
+            reap(*agents)
+        logs = [agent.stdout.read() for agent in agents]
+    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-3000:]
+    summary = json.loads((work / "selftest.json").read_text())
+    ran = {r["case"]: r for r in summary["results"]}
+    skipped = {name for name, r in ran.items() if r["outcome"] == "skipped"}
+    assert skipped <= {"hf-optimizer", "rl-trainer", "rl-rollout"}, skipped
+    for case in select_cases(quick=False, durable=True, agents=True):
+        if case.name not in skipped:
+            assert ran[case.name]["outcome"] == "bit-identical", ran[case.name]
+            report = json.loads((work / case.name / "run.json").read_text())
+            assert all(f["fired_at"] is not None for f in report["faults"]), (case.name, report["faults"])
+    lost = json.loads((work / "host-lost" / "run.json").read_text())
+    assert [f["rank"] for f in lost["failovers"]] == [1], lost["failovers"]
+    # Roles ran on the agents' hosts: trainer r on agent r's host (the coordinator's placement).
+    first = {m["rank"]: m["host"] for m in lost["members"] if m["role"] == "trainer" and m["state"] == "dead"}
+    assert first == {1: cluster.hosts[2].hostname}, lost["members"]
+    assert "its host lost in the job" in logs[1], logs[1][-3000:]
+    print("\n".join(line for line in done.stdout.splitlines() if line.startswith("|")))
