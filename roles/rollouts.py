@@ -35,6 +35,7 @@ __all__ = ["KEPT_GENERATIONS", "Posted", "RolloutClient", "Rollouts", "Sampling"
 logger = logging.getLogger(__name__)
 # A redone step looks this many generations back for its rollouts (failovers in a row before it got there).
 KEPT_GENERATIONS = 4
+_ENGINES_POLL = timedelta(milliseconds=100)  # the first request's look for engines not up yet
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -75,6 +76,7 @@ class RolloutClient:
         self._kept: tuple[int, int, dict] | None = None  # (step, n, request n) whose rollouts the redo of step takes
         self._abort = abort  # the step failed (a trainer died): stop waiting, the step is redone
         self._push_s: tuple[int, float] | None = None  # (step, seconds its push took): the report's split
+        self._engines_awaited = False  # the first request waited for every engine (_await_engines)
 
     def push(self, step: int) -> int:
         """Send the current weights as a new version (every rank); returns the version id,
@@ -142,6 +144,7 @@ class RolloutClient:
         else:
             key = keys.request_of(self._epoch(), step)
             if self.sync.is_leader and self.version is not None and not self._abort():
+                self._await_engines()
                 posted = post_request(self.store, self.desks, prompts, sampling, step=step, version=self.version,
                                       num_shards=self.num_shards, blob=blob)
                 self.store.put(key, Number(value=posted.n))
@@ -151,6 +154,21 @@ class RolloutClient:
         got = await_rollouts(self.store, self.desks, n, len(prompts), self.num_shards, posted=posted,
                              timeout=self.timeout, abort=self._abort, refresh=self.sync.refresh)
         return None if got is None else got.completions
+
+    def _await_engines(self) -> None:
+        """Before the job's first request: every engine it was started with up (its desk
+        published), ``ROLLOUT_ENGINES_WAIT`` at most; then on with those up (the others join
+        when they come, and take shards from then on)."""
+        if self._engines_awaited:
+            return
+        self._engines_awaited = True
+        deadline = Deadline.after(timing.ROLLOUT_ENGINES_WAIT)
+        while len(up := self.desks.addresses()) < self.desks.num_engines and not deadline.expired \
+                and not self._abort():
+            pause(_ENGINES_POLL, deadline=deadline)
+        if len(up) < self.desks.num_engines:
+            logger.warning("the first request goes to %d of the job's %d engines (the others are not up after %s)",
+                           len(up), self.desks.num_engines, timing.ROLLOUT_ENGINES_WAIT)
 
     def _find_kept(self, step: int) -> int:
         """The newest request for ``step`` of the last KEPT_GENERATIONS generations before this

@@ -35,6 +35,7 @@ __all__ = [
     "REPLACEMENT_WAIT",
     "ROLE_WAIT",
     "ROLLOUT_DESK_TIMEOUT",
+    "ROLLOUT_ENGINES_WAIT",
     "ROLLOUT_POLL",
     "ROLLOUT_REFRESH",
     "ROLLOUT_STEAL_AFTER",
@@ -148,6 +149,9 @@ ROLLOUT_STEAL_AFTER = timedelta(milliseconds=500)  # an unclaimed shard of anoth
 ROLLOUT_REFRESH = timedelta(milliseconds=50)  # the leader brings newly joined engines up to date while it waits
 ROLLOUT_TIMEOUT = timedelta(seconds=600)  # a version or a request's completions
 ROLLOUT_DESK_TIMEOUT = timedelta(seconds=30)  # one request to an engine's desk (prompts or completions)
+# The job's first request waits this long at most for every engine it was started with (a vLLM
+# engine takes tens of seconds to come up); then it goes on with those up, the others join later.
+ROLLOUT_ENGINES_WAIT = timedelta(seconds=120)
 
 # --- the judgement of a silence (replica.roles.judgement) ---
 # A gap between the coordinator's polls (every SUPERVISE_POLL) longer than this is its own stall:

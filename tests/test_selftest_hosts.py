@@ -1,12 +1,15 @@
 """``replica selftest --agents`` across network-namespace hosts, as a user runs it on a cluster:
 ``replica agent --serve`` on hosts 1-5 (agents 0-4), the selftest on host 0, where each job's
-coordinator listens; the whole matrix, the host case and the durable one included."""
+coordinator listens; the matrix with the host case and the durable one.
+
+Not the RL cases: on these agents the third vLLM engine an agent started (in a row, one job
+after another) once hung in its start-up after loading its weights, in two runs of three, so the
+engine case's fault never fired (docs/operations.md says so). They run on this machine's whole
+matrix (tests/test_selftest.py) and on Ray."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -21,9 +24,12 @@ pytestmark = [pytest.mark.netns,
 
 PORT = 29410
 AGENTS = 5
+#: Every case of the matrix but the RL loop's (see above).
+CASES = tuple(c.name for c in select_cases(quick=False, durable=True, agents=True) if c.job != "rl")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the whole matrix: 20 runs
 def test_full_matrix_on_serving_agents_across_hosts(tmp_path):
     work = tmp_path / "work"
     with NetnsCluster(ClusterConfig(hosts=1 + AGENTS)) as cluster:
@@ -32,20 +38,23 @@ def test_full_matrix_on_serving_agents_across_hosts(tmp_path):
                             "--index", str(i), "--address", host.address, "--serve", "--idle-timeout", "300",
                             env={"GLOO_SOCKET_IFNAME": "eth0"})
                   for i, host in enumerate(cluster.hosts[1:])]
+        selftest = python_on(coordinator, "-m", "replica.roles.cli", "selftest", "--agents", str(AGENTS), "--host",
+                             coordinator.address, "--port", str(PORT), "--report", str(work), "--durable",
+                             str(tmp_path / "floor"), *(arg for case in CASES for arg in ("--case", case)))
         try:
-            done = subprocess.run(coordinator.command([
-                sys.executable, "-m", "replica.roles.cli", "selftest", "--agents", str(AGENTS), "--host",
-                coordinator.address, "--port", str(PORT), "--report", str(work), "--durable", str(tmp_path / "floor")]),
-                capture_output=True, text=True, timeout=3000)
+            said, _ = selftest.communicate(timeout=1700)
         finally:
-            reap(*agents)
+            reap(selftest, *agents)
         logs = [agent.stdout.read() for agent in agents]
-    assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-3000:]
+    for i, log in enumerate(logs):  # beside the cases' own logs, for a failed case's engine or role
+        (work / f"agent{i}.log").write_text(log)
+    assert selftest.returncode == 0, said[-8000:]
     summary = json.loads((work / "selftest.json").read_text())
     ran = {r["case"]: r for r in summary["results"]}
     skipped = {name for name, r in ran.items() if r["outcome"] == "skipped"}
-    assert skipped <= {"hf-optimizer", "rl-trainer", "rl-rollout"}, skipped
-    for case in select_cases(quick=False, durable=True, agents=True):
+    assert skipped <= {"hf-optimizer"}, skipped
+    assert set(CASES) <= set(ran), ran
+    for case in select_cases(quick=False, durable=True, agents=True, only=CASES):
         if case.name not in skipped:
             assert ran[case.name]["outcome"] == "bit-identical", ran[case.name]
             report = json.loads((work / case.name / "run.json").read_text())
@@ -56,4 +65,4 @@ def test_full_matrix_on_serving_agents_across_hosts(tmp_path):
     first = {m["rank"]: m["host"] for m in lost["members"] if m["role"] == "trainer" and m["state"] == "dead"}
     assert first == {1: cluster.hosts[2].hostname}, lost["members"]
     assert "its host lost in the job" in logs[1], logs[1][-3000:]
-    print("\n".join(line for line in done.stdout.splitlines() if line.startswith("|")))
+    print("\n".join(line for line in said.splitlines() if line.startswith("|")))
