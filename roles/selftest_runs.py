@@ -70,7 +70,7 @@ def target_name(plan: Plan) -> str:
     """Where ``plan`` runs, in words."""
     if plan.agents:
         return f"{plan.agents} host agents ({plan.host}:{plan.port})"
-    return f"the Ray cluster at {plan.ray}" if plan.ray else "this machine"
+    return plan.ray or "this machine"  # a Ray cluster: its address
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
