@@ -453,7 +453,7 @@ def _serve(args: argparse.Namespace, address: StoreAddress, *, token: bytes, env
         local = LocalAgent(script=[job.script, *job.args], env={**env, **job.environ}, replacements=0,
                            exec_roles=args.exec_roles)
         _run(args, store, local, domain=domain, roles=[])
-        del store  # the job's connection: closed before its store goes away
+        del found, store  # the job's connection (its last references): closed before its store goes away
         if address.kind == StoreKind.TCP:  # its coordinator keeps the store up until every role left
             _gone(address, within=2 * timing.STORE_LOST)
     print(f"replica: agent {args.index}: no new job for {args.idle_timeout:g} s; it stops", flush=True)
