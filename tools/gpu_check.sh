@@ -4,7 +4,7 @@
 # profile of the pack kernels, the GPU tests, the GPU mirror and weight-sync benchmarks --
 # each cut to what is left of BUDGET seconds (default 540), so a run that runs out still
 # says the most. Logs go to /tmp/gpu-logs and, packed, to ${OUT:-gpu-out}/logs.tgz beside the
-# result tables (a device call returns at most 8 files).
+# result tables (so the logs come back as one file).
 # Usage: tools/gpu_check.sh [tests|bench|all|overlap|nixl|selftest] [extra pytest args]
 # selftest: `replica selftest --device cuda --quick` at world size 1 (the table in $OUT/selftest.md),
 # the Hugging Face case, then the failover GPU tests in what is left.
