@@ -5,7 +5,7 @@ standby; when a trainer dies, its standby is promoted and training resumes from
 the last global commit. See README.md.
 """
 
-from replica import _moved, errors, ops
+from replica import errors, ops
 from replica.config import Config
 from replica.state.data import Batches
 from replica.errors import *  # noqa: F403  (the typed errors are top-level API)
@@ -20,8 +20,6 @@ from replica.state.snapshot import Snapshot
 from replica.weights import WeightReceiver, WeightSync
 
 __version__ = "0.1.0"
-
-_moved.install()  # replica 0.1's module paths (replica.vllm_transfer, ...) keep working
 
 __all__ = sorted([
     *errors.__all__,

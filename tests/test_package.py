@@ -2,6 +2,7 @@
 
 import ast
 import importlib
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -66,24 +67,34 @@ def test_module_files_stay_small():
     assert not long, f"modules over 600 lines: {long}"
 
 
-@pytest.mark.parametrize("old", sorted(__import__("replica._moved", fromlist=["MOVED"]).MOVED))
-def test_old_module_paths_still_import(old):
-    """replica 0.1's flat module paths load the module's new home: the same object, its own spec."""
-    from replica._moved import MOVED
+# replica 0.1's flat module paths, removed before any release: none may come back, as a
+# module or as an alias (each names where its module lives now, e.g. replica.jobstore).
+OLD_PATHS = (
+    "replica.backends", "replica.bucketstream", "replica.commit", "replica.data", "replica.divergence",
+    "replica.etcd", "replica.etcdwatch", "replica.export", "replica.jobstate", "replica.layout",
+    "replica.listener", "replica.pagebuffer", "replica.placement", "replica.protocol", "replica.registry",
+    "replica.repair", "replica.replicator", "replica.resilient", "replica.restore", "replica.rng",
+    "replica.serialize", "replica.snapshot", "replica.stores", "replica.stream", "replica.vllm_plugin",
+    "replica.vllm_staging", "replica.vllm_transfer", "replica.vllm_worker",
+)
 
-    module = importlib.import_module(old)
-    assert module is importlib.import_module(MOVED[old])
-    assert module.__spec__.name == MOVED[old]
+
+@pytest.mark.parametrize("old", OLD_PATHS)
+def test_old_module_paths_do_not_import(old):
+    """replica 0.1's flat module paths are gone: no module, no alias of a new home."""
+    assert importlib.util.find_spec(old) is None, f"{old} imports again: use its new path"
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(old)
 
 
-def test_old_paths_in_a_fresh_interpreter():
-    """The names users had: replica.Replicator, Mirror, Config, replica.roles.init, and the old
+def test_public_paths_in_a_fresh_interpreter():
+    """The names users have: replica.Replicator, Mirror, Config, replica.roles.init, and the
     vLLM module paths (a vLLM configured with them), each in an interpreter of its own."""
     code = ("import replica; from replica import Config, Mirror, Replicator\n"
-            "from replica.vllm_transfer import ReplicaWeightTransferEngine\n"
-            "from replica.vllm_plugin import register\n"
+            "from replica.integrations.vllm.transfer import ReplicaWeightTransferEngine\n"
+            "from replica.integrations.vllm.plugin import register\n"
             "from replica.mirror import Mirror as M, fetch_mirror\n"
-            "from replica.jobstate import JobStore, keys\n"
+            "from replica.jobstore import JobStore, keys\n"
             "import replica.roles; assert callable(replica.roles.init) and M is Mirror\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -143,15 +154,13 @@ def test_layers_point_down_only():
         bad = _outside(_replica_imports(ROOT / "replica" / sub), allowed)
         assert not bad, f"replica/{sub} imports what its layer may not: {bad}"
     # Nothing shipped imports the tests' helpers; nothing in the tree imports an old module path.
-    from replica._moved import MOVED
-
     for folder in FOLDERS.values():
         for path in folder.rglob("*.py"):
             names = {n for n in _imports(path) if n.startswith("replica.")}
             if "_testing" not in path.parts:
                 assert not {n for n in names if n.startswith("replica._testing")}, f"{path} imports the tests' helpers"
-            old = {n for n in names if any(n == o or n.startswith(o + ".") for o in MOVED)}
-            assert not old, f"{path} imports old module paths {old} (replica._moved keeps them for users only)"
+            old = {n for n in names if any(n == o or n.startswith(o + ".") for o in OLD_PATHS)}
+            assert not old, f"{path} imports old module paths {old} (removed: use the new ones)"
 
 
 def test_layer_check_sees_imports(tmp_path):
