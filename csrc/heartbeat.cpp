@@ -4,7 +4,7 @@
 // send): on a loaded machine a thread waiting for the GIL behind a main thread
 // busy in Python (imports, FSDP's first step) was measured silent for 3.3 s,
 // longer than a 2.5 s deadline. This thread beats without the GIL: it writes
-// the signed value replica.jobstate.Heartbeat(member, beat) to the job store on
+// the signed value replica.jobstore.Heartbeat(member, beat) to the job store on
 // a connection of its own (a TCPStore's, or an etcd member's HTTP gateway: Sink),
 // exactly as JobStore.put would (the JSON body
 // with sorted keys, a newline, the hex HMAC-SHA256 of "<full key>\0<body>" under
@@ -869,7 +869,7 @@ namespace replica {
 
 void bind_heartbeat(py::module& m) {
   py::class_<Heartbeat>(m, "Heartbeat",
-                        "A liveness beat written by a native thread (no GIL): see replica.jobstate.JobStore.heartbeat")
+                        "A liveness beat written by a native thread (no GIL): see replica.jobstore.JobStore.heartbeat")
       .def(py::init([](std::string host, int port, std::string key, std::string mac_key, int64_t member,
                        double period_s, double io_timeout_s, double python_grace_s, double store_after_s,
                        std::string liveness_host, int liveness_port, double store_period_s) {

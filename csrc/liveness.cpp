@@ -239,7 +239,7 @@ namespace replica {
 void bind_liveness(py::module& m) {
   py::class_<LivenessServer>(m, "LivenessServer",
                              "The coordinator's UDP liveness endpoint (a native thread): see "
-                             "replica.jobstate.JobStore.liveness_server")
+                             "replica.jobstore.JobStore.liveness_server")
       .def(py::init<const std::string&, int, std::string, std::string>(), py::arg("host"), py::arg("port"),
            py::arg("prefix"), py::arg("mac_key"), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("port", &LivenessServer::port)

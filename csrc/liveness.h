@@ -1,7 +1,7 @@
 // The liveness datagrams between a role's native beat (heartbeat.cpp) and the
 // coordinator's liveness endpoint (liveness.cpp), one format for both sides.
 //
-// A beat is the signed value replica.jobstate.Heartbeat(member, beat) that the store
+// A beat is the signed value replica.jobstore.Heartbeat(member, beat) that the store
 // path writes to "<prefix>/hb/<member>" (the same bytes, signed under that key), sent
 // as one UDP datagram. The endpoint answers each beat that rose with the signed value
 // {"beat","generation","member"} under "<prefix>/hb/<member>/reply": the role learns

@@ -1,7 +1,7 @@
 // SHA-256 (FIPS 180-4), HMAC (RFC 2104) and the job store's signed values, for the
 // native threads that sign or verify without the GIL (heartbeat.cpp, liveness.cpp).
 //
-// A signed value is what replica.jobstate.JobStore.put writes: the JSON body, a
+// A signed value is what replica.jobstore.JobStore.put writes: the JSON body, a
 // newline, and the hex HMAC-SHA256 of "<full key>\0<body>" under the job's derived
 // key. tests/test_heartbeat.py checks both languages agree.
 #pragma once

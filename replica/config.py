@@ -14,8 +14,6 @@ from replica.transport.base import check_verify_threads
 
 __all__ = ["Config", "DEVICE_BUCKET_BYTES", "HOST_BUCKET_BYTES", "token_from_env"]
 
-TOKEN_ENV = envvars.TOKEN  # the name this module had for it (replica.envvars holds every name)
-
 #: ``Config.bucket_bytes`` when unset, for state in device memory: a bucket costs a few
 #: frames and thread hops whatever its size, and a GPU moves 64 MiB in about a millisecond
 #: (tens of microseconds per bucket were 15-40% of a 4 MiB bucket's time on an H100).
