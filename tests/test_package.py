@@ -100,6 +100,27 @@ def test_public_paths_in_a_fresh_interpreter():
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+#: What the data plane never needs: the mirror, the training loop's collectives, FSDP, vLLM.
+HEAVY = ("replica.mirror", "replica.distributed", "replica.weights", "replica.state", "replica.integrations",
+         "replica.roles", "torch.distributed.fsdp", "vllm")
+
+
+@pytest.mark.parametrize("module", ["replica", "replica.errors", "replica.transport"])
+def test_importing_a_layer_loads_nothing_above_it(module):
+    """The top-level names are imported on first use: the bottom layer's independence holds at
+    run time, not only in the source."""
+    code = (f"import sys, {module}\n"
+            f"print('\\n'.join(m for m in sys.modules if m.startswith({HEAVY!r})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split() == [], done.stdout
+    import replica  # and each name still resolves, once, to its definition
+    assert replica.Mirror is importlib.import_module("replica.mirror.standby").Mirror
+    assert replica.ops is importlib.import_module("replica.ops")
+    with pytest.raises(AttributeError, match="no attribute 'Mirorr'"):
+        replica.Mirorr  # noqa: B018
+
+
 def _imports(path: Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
