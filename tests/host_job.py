@@ -23,10 +23,14 @@ __all__ = ["Job", "ROOT", "STORE_PORT", "python_on", "reap"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def python_on(host, *args: str, stdin=None, env: dict[str, str] | None = None) -> subprocess.Popen:
+def python_on(host, *args: str, stdin=None, env: dict[str, str] | None = None, log=None) -> subprocess.Popen:
+    """``python ARGS`` on ``host``, its output (stderr too) in a pipe the caller must keep reading,
+    or in the open file ``log`` (a process that talks much and is read only at its end, such as an
+    agent forwarding vLLM engines' logs: a full pipe would stop it and the roles whose output it
+    forwards)."""
     env = {**os.environ, "REPLICA_TOKEN": TOKEN, "UCX_LOG_LEVEL": "fatal", "PYTHONPATH": str(ROOT), **(env or {})}
-    return host.popen([sys.executable, *args], env=env, cwd=ROOT, stdin=stdin, stdout=subprocess.PIPE,
-                      stderr=subprocess.STDOUT, text=True)
+    return host.popen([sys.executable, *args], env=env, cwd=ROOT, stdin=stdin,
+                      stdout=subprocess.PIPE if log is None else log, stderr=subprocess.STDOUT, text=True)
 
 
 def reap(*procs: subprocess.Popen | None) -> None:
