@@ -12,15 +12,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from replica import envvars
 from replica.jobstore.stores import StoreAddress
 from replica.mirror.floor import FloorConfig
 from replica.session.backends import parse_backends
 
-__all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "base_environ",
-           "check_faults", "configure_logging", "domain_name", "durable_of", "host_name", "job_environ", "member_environ", "parse_faults",
-           "role_name", "shared_domains_allowed"]
+if TYPE_CHECKING:
+    from replica.distributed import ResilientProcessGroup
+
+__all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "RoleState",
+           "base_environ", "check_faults", "configure_logging", "domain_name", "durable_of", "host_name", "job_environ",
+           "member_environ", "parse_faults", "role_name", "shared_domains_allowed"]
 
 #: The job's step count when the launcher is not told (``replica launch --steps``) and a
 #: role's environment does not say (``RoleEnv.steps``).
@@ -31,6 +35,16 @@ class Role(enum.StrEnum):
     TRAINER = "trainer"
     STANDBY = "standby"
     ROLLOUT = "rollout"
+
+
+class RoleState(Protocol):
+    """A role process as it is now, for its parts that read it while it changes (the job's
+    ``Recovery`` and ``FaultPlan``; ``replica.roles.runtime.Job`` is one): ``role`` (a
+    standby's becomes ``Role.TRAINER`` at its promotion) and ``group``, its process group
+    (None until the job created it, and in a rollout engine)."""
+
+    role: Role
+    group: ResilientProcessGroup | None
 
 
 class Action(enum.StrEnum):

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 import replica
-from replica.jobstore.commit import EpochRecord
 from replica.state.data import Batches, prepare_extras
 from replica.state.divergence import Divergence, Measure, comparable
 from replica.state.inputs import InputDigests
@@ -31,7 +30,7 @@ from replica.roles import timing
 from replica.roles.env import Phase, Role, RoleEnv, configure_logging
 from replica.roles.join import join
 from replica.roles.exits import ExitCode, exit_now
-from replica.roles.faults import Faults
+from replica.roles.faults import FaultPlan
 from replica.roles.recovery import Recovery
 from replica.roles.rollout_engine import serve_rollouts
 from replica.roles.rollouts import RolloutClient
@@ -43,7 +42,66 @@ logger = logging.getLogger(__name__)
 _LOSSES_KEPT = 64  # steps whose loss a role remembers, to check their redo against
 
 
-class Job(Recovery, Faults):
+class Job:
+    """A role process's handle on the job; ``replica.roles.init()`` makes it. The same script
+    runs as every trainer, every standby and every rollout engine: ``steps()`` hides the
+    difference, and ``role``, ``rank`` and ``env`` say which one this is.
+
+    **Joining.** Making it reads the role, its rank and the job store from the environment
+    (``RoleEnv``; a spare standby first waits for the rank it gets, and exits when the job
+    ends without needing it), joins the job with the job's token (a refusal raises
+    ``replica.JoinRefusedError``), heartbeats to the coordinator from then on, and builds
+    the trainers' process group (``group``, a ``replica.ResilientProcessGroup``: a trainer
+    joins generation 0, a standby joins at its promotion; a rollout engine has none).
+
+    **Before the loop.** ``replicate(model, optimizer, extra)`` names the state that is
+    mirrored: a trainer starts its ``replica.Replicator`` (from an export with ``replica
+    launch --resume``; call ``restored(step)`` first to start from a checkpoint of the
+    script's own); a standby creates its optimizer's state and publishes its
+    ``replica.Mirror``, which its rank's trainer streams to (and writes the durable floor,
+    ``--durable``). ``warm_up(step)`` has a standby compile while it waits. Take batches
+    from ``next_batch(name)``, never from the loader itself.
+
+    **Each step.** ``for step in job.steps():`` yields the steps this role trains. The body
+    runs the step (forward, backward, optimizer step), then ``log(step, loss)`` (the exact
+    loss, for the job report and the divergence guard) and ``commit(step)``: the state after
+    the step is snapshotted and streamed to the rank's standby in the background; it waits
+    only for the global commit of the previous step (every rank's standby acknowledged it),
+    and commits nothing when the step ran in a failed generation. After each step
+    ``steps()`` looks at the group and at the coordinator's generation.
+
+    **Failover, as a survivor.** When another trainer dies, this one's collectives finish
+    without raising (their results are garbage); at the step's end ``steps()`` waits for the
+    coordinator's decision, rolls the state back in place to the commit it fixed (this
+    process's own snapshot: no network), joins the next generation, calls the
+    ``on_restore`` callbacks and yields the step after that commit again. A trainer that was
+    declared dead while alive (frozen, cut off) finds its rank given to its standby and
+    exits (``ExitCode.FENCED``).
+
+    **Failover, as a standby.** A standby blocks in ``steps()`` until the coordinator
+    promotes it (meanwhile it writes the commit to the export folder if the job, ending,
+    asks). Promoted, it restores the commit from its mirror into its model, optimizer and
+    ``extra``, joins the new generation at the dead trainer's rank, becomes that rank's
+    trainer (``role``; the commit is the first thing it sends to its own new standby), calls
+    the ``on_restore`` callbacks and yields the step after the commit; the losses the dead
+    trainer logged for the steps it redoes are checked against its own. A standby whose job
+    ends without its promotion gets no step.
+
+    **The end.** After the last step ``steps()`` waits for the last commit, records the
+    rank done and closes the job (``close()``). A rollout engine calls
+    ``serve_rollouts(make_llm)`` instead of the loop, which returns when the job ends. When
+    the job store stays unreachable (the coordinator died and nothing took over), every
+    role writes the versions it holds to the export folder (``env.export_dir``, one folder
+    per step) and exits (``ExitCode.COORDINATOR_LOST``): ``replica launch --resume``
+    continues from there.
+
+    It owns what the script bound (``replicate``), this role's ``replica.Replicator`` (a
+    trainer) or ``replica.Mirror`` and durable floor (a standby), the divergence guard's
+    record, and the exports; it decides what each call does for the role the process has
+    now. Its side of the failovers (heartbeats, the generation, the store's loss) is its
+    ``replica.roles.recovery.Recovery``; the faults ``replica launch --inject`` gives it
+    (tests, demos) are its ``replica.roles.faults.FaultPlan``."""
+
     def __init__(self, env: RoleEnv):
         self.env = env
         self.role = env.role
@@ -54,17 +112,17 @@ class Job(Recovery, Faults):
             if bound is None:
                 raise SystemExit(ExitCode.OK)  # the job ended without needing it
             self.env, self.rank, env = bound, bound.rank, bound
-        self._epochs = EpochRecord(self.store)  # the generation record, read whole only when its number moved
         # Present the job's token; a refusal (wrong token, rank taken, job running) raises JoinRefusedError.
         self.member = join(self.store, role=env.role, rank=env.rank, token=env.token, timeout=timing.ROLE_WAIT).member
-        self._failed_generation = -1  # the newest generation this process could not join
-        # Beat from the moment it is a member: the coordinator's deadline runs from the join.
         self.group: replica.ResilientProcessGroup | None = None
-        self._stop = threading.Event()
-        self._lost = threading.Lock()  # held once the job store is found gone (the role is exiting)
-        self._beat = None  # the native heartbeat (JobStore.heartbeat), once the watch started it
-        self._watcher = threading.Thread(target=self._watch, daemon=True, name="replica-watch")
-        self._watcher.start()
+        self._rep: replica.Replicator | None = None
+        self._mirror: replica.Mirror | None = None
+        self._floor: Floor | None = None  # a standby's durable floor (--durable)
+        self._exported = False
+        self._faults = FaultPlan(env.faults, role=self, rank=self.rank, store=self.store)
+        self._recovery = Recovery(self, store=self.store, rank=self.rank, member=self.member,
+                                  export_dir=env.export_dir, export_held=self._export_held)
+        self._recovery.start()  # beat from the moment it is a member: the coordinator's deadline runs from the join
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
         self.config = replica.Config(token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT,
                                      commit_timeout=timing.COMMIT_WAIT,
@@ -74,13 +132,9 @@ class Job(Recovery, Faults):
             store=self.store.sub(keys.process_group()), rank=env.rank, world_size=env.world_size,
             timeout=timing.PROCESS_GROUP_TIMEOUT, nccl_timeout=timing.NCCL_TIMEOUT,
             generation=0 if env.role == Role.TRAINER else None, ready_timeout=timing.ROLE_WAIT)
-        self._rep: replica.Replicator | None = None
-        self._mirror: replica.Mirror | None = None
-        self._floor: Floor | None = None  # a standby's durable floor (--durable)
         self._bound: tuple | None = None
         self._step = 0
         self._resumed_from = 0  # the step of the export this job started from (--resume)
-        self._exported = False
         self._on_restore: list[Callable[[int], None]] = []
         self._losses: dict[int, str] = {}  # step -> the loss this process logged for it (hex)
         self._redo_in_store: set[int] = set()  # steps a promoted standby redoes that its trainer logged
@@ -111,8 +165,8 @@ class Job(Recovery, Faults):
                                           config=self.config, model=model, optimizer=optimizer,
                                           device=self.env.mirror_device or None)
             if self.env.durable is not None:  # the floor: some of the versions it holds, written to disk
-                self._floor = Floor(self._mirror, self.env.durable, on_written=self._floor_fault)
-        self._install_faults(model, optimizer)
+                self._floor = Floor(self._mirror, self.env.durable, on_written=self._faults.on_written)
+        self._faults.install(model, optimizer, step=lambda: self._step)
         self._inputs.attach(model)
         return self
 
@@ -201,21 +255,25 @@ class Job(Recovery, Faults):
         logger.warning("[trainer rank %d] resumed from the export of step %d in %s", self.rank, snapshot.step, folder)
 
     def commit(self, step: int) -> bool:
+        """Snapshot the state after step ``step`` and stream it to this rank's standby in the
+        background (``replica.Replicator.commit``): waits only for the global commit of the
+        previous one; False, committing nothing, when the step ran in a failed generation
+        (``steps()`` then redoes it)."""
         self._not_warming("commit")
-        self._fault(Phase.COMMIT, step)
+        self._faults.fire(Phase.COMMIT, step)
         self._check_inputs(step)  # a loop that logs no loss (log() checks them first otherwise)
         try:
-            with self._store_guard():
+            with self._recovery.store_guard():
                 done = self._rep.commit(step)
         except replica.LayoutMismatchError as exc:
             self._report_fatal(exc)
             raise
         except FencedError:  # its standby or the commit record says the rank belongs to another process
-            self._fenced_exit()
+            self._recovery.fenced_exit()
         for found in self._rep.divergences[self._divergences_seen:]:
             self._divergence(found)
         self._divergences_seen = len(self._rep.divergences)
-        self._fault(Phase.MIRROR, step)  # the stream of this step is in flight now
+        self._faults.fire(Phase.MIRROR, step)  # the stream of this step is in flight now
         return done
 
     # --- the divergence guard ---
@@ -263,7 +321,7 @@ class Job(Recovery, Faults):
         # Reading the loss waits for the step's kernels, after which NCCL has reported any failure.
         self._not_warming("log")
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        with self._store_guard():
+        with self._recovery.store_guard():
             self._log(step, value, metrics)
 
     def _log(self, step: int, value: float, metrics: Mapping[str, float]) -> None:
@@ -289,7 +347,7 @@ class Job(Recovery, Faults):
         """The step in progress failed (a trainer died): it is redone after the failover, and
         what its rollout client answers from now on are placeholders, which the divergence
         guard must not take for the step's inputs."""
-        failed = self.group.errored is not None or self._failover_announced()
+        failed = self.group.errored is not None or self._recovery.failover_announced()
         if failed:
             self._inputs.void()
         return failed
@@ -303,7 +361,7 @@ class Job(Recovery, Faults):
                            make_llm=make_llm, host=self.env.host, backends=self.env.backends or None,
                            stop=lambda: self.store.has(keys.finished()) or self.store.has(keys.rollout_stop(self.rank)),
                            retiring=lambda: not self.store.has(keys.finished()),
-                           on_shard=self._rollout_fault)
+                           on_shard=self._faults.on_shard)
         finally:
             self.close()
 
@@ -315,26 +373,26 @@ class Job(Recovery, Faults):
         step = self._resumed_from + 1
         graphs = None  # a promoted standby's compiled graphs before its first step
         if self.role == Role.STANDBY:
-            promoted = self._wait_promotion()
+            promoted = self._promote()
             if promoted is None:
                 return
             step, graphs = promoted + 1, compiled_graphs()
         while step <= total:
             self._step = step
             self._inputs.begin(step)
-            self._fault(Phase.FORWARD, step)
+            self._faults.fire(Phase.FORWARD, step)
             yield step
             if graphs is not None:
                 self._first_step_compiled(compiled_graphs() - graphs)
                 graphs = None
-            with self._store_guard():
-                if self.group.check() is not None or self._failover_announced():
+            with self._recovery.store_guard():
+                if self.group.check() is not None or self._recovery.failover_announced():
                     step = self._recover() + 1
                     continue
                 if self.group.generation > 0 and not self.store.has(keys.resumed(self.group.generation)):
                     self.store.put(keys.resumed(self.group.generation), Stamp(at=time.time()))
             step += 1
-        with self._store_guard():
+        with self._recovery.store_guard():
             self._rep.wait_committed()
             self.store.put(keys.done(self.rank), Flag())
             self.store.count(keys.done_count(), 1)
@@ -342,10 +400,7 @@ class Job(Recovery, Faults):
 
     def close(self) -> None:
         """Stop heartbeats, streams and listeners (the script's end does this itself)."""
-        self._stop.set()
-        if threading.current_thread() is not self._watcher:
-            # Its native beat thread is joined here, not torn down with the interpreter.
-            self._watcher.join(timeout=(timing.HEARTBEAT_IO + timing.HEARTBEAT_PERIOD).total_seconds() * 2)
+        self._recovery.close()
         for closeable in (self._floor, self._rep, self._mirror):
             if closeable is not None:
                 closeable.close()
@@ -364,15 +419,80 @@ class Job(Recovery, Faults):
         self._divergences_seen = 0
         self._rep = replica.Replicator(model, optimizer, extra, store=self.store, config=self.config,
                                        rank=self.rank, world_size=self.env.world_size, epoch=self.epoch)
-        self._rep.interrupted = self._failover_announced
+        self._rep.interrupted = self._recovery.failover_announced
         if held is not None:
             self._rep.adopt(*held)
 
-    # --- liveness and faults ---
+    def _recover(self) -> int:
+        """A survivor's failover (its step failed): rolled back to the commit the coordinator
+        fixed and in the next generation; returns the step restored."""
+        restored, generation = self._recovery.rejoin(lambda commit: self._rep.rollback(step=commit))
+        self._rep.protect()  # a standby that does not hold the commit (a new one) receives it first
+        self._restored_to(restored)
+        logger.warning("[trainer rank %d] survived: rolled back to %d, generation %d", self.rank, restored, generation)
+        return restored
+
+    def _promote(self) -> int | None:
+        """A standby's wait for its promotion, then its rank taken over (the commit restored
+        from the mirror, the new generation joined, a trainer from now on); returns the
+        commit, or None when the job ended first (the job is closed)."""
+        found = self._recovery.wait_promotion(self._serve_export, self._faults.while_waiting())
+        if found is None:
+            self.close()
+            return None
+        generation, commit = found
+        model, optimizer, extra = self._bound
+
+        def restore(step: int) -> None:
+            self._mirror.restore(model, optimizer, extra, step=step, rank=self.rank, world_size=self.env.world_size)
+
+        try:
+            restore(commit)
+        except replica.LayoutMismatchError as exc:
+            self._report_fatal(exc)
+            raise
+        generation, commit = self._recovery.join_promoted(generation, commit, restore)
+        # The committed version restored from stays this rank's copy of the commit (no copy),
+        # the other version takes the next step; closing the mirror waits for its threads.
+        if self._floor is not None:  # a trainer now: its new standby writes the rank's floor
+            floor, self._floor = self._floor, None
+            threading.Thread(target=floor.close, daemon=True, name="replica-floor-close").start()
+        held = self._mirror.hand_over(commit)
+        mirror, self._mirror = self._mirror, None
+        threading.Thread(target=mirror.close, daemon=True, name="replica-mirror-close").start()
+        self.role = Role.TRAINER
+        self._start_replicator(held)
+        self._rep.protect()  # the rank's new standby receives the commit first: it has two copies again
+        # The steps after the commit that the rank's last trainer logged are redone here: the
+        # guard checks them against its losses (at most the two in flight when it died).
+        self._redo_in_store = {commit + 1, commit + 2}
+        self._restored_to(commit)
+        logger.warning("[standby rank %d] promoted to trainer at commit %d, generation %d", self.rank, commit,
+                       generation)
+        return commit
+
+    def _report_fatal(self, exc: Exception) -> None:
+        """An error no failover can fix (the roles disagree on the model): the job must stop."""
+        message = f"{self.role} rank {self.rank}: {exc}"
+        logger.error("[%s rank %d] fatal: %s", self.role, self.rank, exc)
+        self.store.put(keys.fatal(), Text(value=message))
+
+    # --- exports ---
 
     def _holder(self) -> replica.Mirror | replica.Replicator | None:
         """What holds this role's versions: a standby's mirror, a trainer's replicator."""
         return self._mirror if self._mirror is not None else self._rep
+
+    def _serve_export(self, store: JobStore) -> None:
+        """A waiting standby's look (over ``store``): the job is ending and asks for the
+        commit's export (a rank's state is lost)."""
+        if not self._exported and (request := store.get(keys.export())) is not None:
+            self._export(request.directory, [request.commit])
+
+    def _export_held(self) -> None:
+        """Every version this role holds, to the export folder (the job store is gone)."""
+        if self._holder() is not None:
+            self._export(self.env.export_dir, self._holder().held_steps())
 
     def _export(self, directory: str, steps: list[int]) -> None:
         """Write this role's versions of ``steps`` to the job's export folder (one folder
