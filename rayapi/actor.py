@@ -15,6 +15,7 @@ import threading
 import ray
 
 from replica import envvars
+from replica.errors import MainThreadError
 from replica.roles.local_agent import die_with_launcher
 
 __all__ = ["RoleProcess", "node_domain", "node_host_name", "unnice"]
@@ -72,7 +73,7 @@ class RoleProcess:
 
     def __init__(self, argv: list[str], env: dict[str, str], domain_label: str | None = None):
         if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("a role actor must run its methods on the main thread (max_concurrency=1)")
+            raise MainThreadError("a role actor must run its methods on the main thread (max_concurrency=1)")
         context = ray.get_runtime_context()
         self.node = context.get_node_id()
         env = {**os.environ, **env, envvars.HOST_NAME: node_host_name(self.node)}

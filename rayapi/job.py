@@ -12,6 +12,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from replica import envvars
+from replica.errors import JobLifecycleError, JobWaitTimeoutError
 from replica.session.backends import parse_backends
 from replica.jobstore import keys
 from replica.ray.ray_agents import Placement, RayAgents
@@ -98,7 +99,7 @@ class RayJob:
         """Place the job (PlacementError within the placement deadline if the cluster cannot)
         and start every role; returns once they are started, the job going on."""
         if self.coordinator is not None:
-            raise RuntimeError("this RayJob was started already")
+            raise JobLifecycleError("this RayJob was started already")
         c = self.config
         self.coordinator, env, self._leadership = open_job(
             trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host, inject=c.inject,
@@ -132,13 +133,13 @@ class RayJob:
             self._error = exc
 
     def wait(self, timeout: timedelta | None = None) -> int:
-        """The job's exit status once it ended (0: every trainer finished); TimeoutError
-        after ``timeout`` (the job goes on)."""
+        """The job's exit status once it ended (0: every trainer finished); JobWaitTimeoutError
+        (a TimeoutError) after ``timeout`` (the job goes on)."""
         if self._thread is None:
-            raise RuntimeError("start() the job first")
+            raise JobLifecycleError("start() the job first")
         self._thread.join(None if timeout is None else timeout.total_seconds())
         if self._thread.is_alive():
-            raise TimeoutError(f"the job is still running after {timeout}")
+            raise JobWaitTimeoutError(f"the job is still running after {timeout}")
         if self._error is not None:
             raise self._error
         return self._status
@@ -163,7 +164,7 @@ class RayJob:
         (default: one per engine) go to live engines; an engine that dies meanwhile has its
         shard served by another. StoreWaitTimeoutError after ``timeout``."""
         if self.coordinator is None:
-            raise RuntimeError("start() the job first")
+            raise JobLifecycleError("start() the job first")
         if self.config.rollouts < 1:
             raise ValueError("this job has no rollout engines (RayJobConfig.rollouts = 0)")
         return request_rollouts(self.coordinator.store, prompts, sampling, timeout=timeout, token=self._token,

@@ -28,7 +28,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from replica.errors import ReplicaError
+from replica.errors import PlacementError
 from replica.ray.actor import RoleProcess, node_domain, node_host_name
 from replica.roles.domains import pair_apart
 from replica.roles.remote_agents import kept_apart_from, replacement_site
@@ -37,7 +37,7 @@ from replica.roles.probe import Verdict, by_host
 from replica.roles.spares import Replacements
 from replica.timing import Deadline
 
-__all__ = ["Placement", "PlacementError", "RayAgents"]
+__all__ = ["Placement", "RayAgents"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +46,6 @@ _NODE_SILENCE = timedelta(seconds=1)  # a node unreachable this long confirms a 
 _NODES_EVERY = timedelta(milliseconds=500)  # how often Ray's node table is read for dead nodes
 _RETRY_AFTER = timedelta(seconds=1)  # a replacement whose actor died before it started is placed again after this
 _BOOKKEEPING = ("node:", "memory", "object_store_memory", "accelerator_type:")  # resources no role asks for
-
-
-class PlacementError(ReplicaError):
-    """The job's roles cannot be placed on the Ray cluster (within the placement deadline)."""
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

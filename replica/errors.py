@@ -1,4 +1,5 @@
-"""Typed errors shared by every layer of replica (transport, replica, roles)."""
+"""Typed errors shared by every layer of replica (transport, replica, roles, replica.ray): each
+is defined here, and nowhere else."""
 
 from __future__ import annotations
 
@@ -7,14 +8,24 @@ __all__ = [
     "BucketCorruptedError",
     "CommitTimeoutError",
     "DivergenceError",
+    "EngineWorkersDisagreeError",
+    "EtcdError",
     "FencedError",
+    "InterfaceNotFoundError",
+    "JobLifecycleError",
     "JobStateError",
+    "JobStoreAddressError",
     "JobStoreInUseError",
+    "JobWaitTimeoutError",
     "JoinRefusedError",
     "LayoutMismatchError",
+    "MainThreadError",
+    "MemoryPinningError",
     "PeerDisconnectedError",
+    "PlacementError",
     "ReplicaError",
     "ResendsExhaustedError",
+    "RoleEnvironmentError",
     "SharedMemoryUnavailableError",
     "SnapshotCorruptedError",
     "StandbyLostError",
@@ -22,6 +33,8 @@ __all__ = [
     "TransferTimeoutError",
     "TransportError",
     "VersionNotReadyError",
+    "WeightTransferNotStartedError",
+    "WeightsTimeoutError",
 ]
 
 
@@ -80,6 +93,11 @@ class TransferTimeoutError(TransportError, TimeoutError):
     """A blocking transport call did not finish within its deadline."""
 
 
+class MemoryPinningError(ReplicaError):
+    """CUDA would not page-lock (pin) a region of shared memory: no GPU is visible, or the
+    process is out of lockable memory."""
+
+
 class AuthenticationError(ReplicaError):
     """A peer presented a missing or wrong job token.
 
@@ -126,9 +144,18 @@ class JobStateError(ReplicaError):
     """A value in the job store is unsigned, forged or malformed (it is ignored)."""
 
 
+class EtcdError(ReplicaError):
+    """etcd refused a request (permission, bad credentials, a malformed request)."""
+
+
 class JobStoreInUseError(ReplicaError):
     """A launcher was pointed at a job store that holds another job, or that another
     coordinator leads: each job takes a namespace of its own (etcd://HOSTS/NAMESPACE)."""
+
+
+class JobStoreAddressError(ReplicaError):
+    """The coordinator cannot host the job store at the address it was given: the port is
+    taken (another coordinator may run there), or the host is none of this machine's."""
 
 
 class DivergenceError(ReplicaError):
@@ -144,3 +171,47 @@ class FencedError(ReplicaError):
 class VersionNotReadyError(ReplicaError):
     """The weight version an engine was asked to serve has not arrived complete (or a newer
     one displaced it): the engine keeps serving the one it had."""
+
+
+class WeightsTimeoutError(ReplicaError, TimeoutError):
+    """An engine waited past its deadline for a weight version to arrive (it serves the one
+    it had); a TimeoutError, as the engine's ``wait`` promises."""
+
+
+class WeightTransferNotStartedError(ReplicaError):
+    """A vLLM engine was asked about replica's weight transfer before it has one: it was
+    started without ``EngineWeights.ENGINE_ARGS``, or ``init_weight_transfer_engine`` was
+    not called yet."""
+
+
+class EngineWorkersDisagreeError(ReplicaError):
+    """The tensor-parallel workers of one vLLM engine answered a query differently (they
+    hold different weight versions), where they apply every version together."""
+
+
+class RoleEnvironmentError(ReplicaError):
+    """This process's environment does not describe a role (no role or token, or a role
+    that does not exist): role processes are started by ``replica launch``."""
+
+
+class MainThreadError(ReplicaError):
+    """A call that must run on the process's main thread ran on another: a child's
+    PR_SET_PDEATHSIG fires when the thread that forked it exits, not the process."""
+
+
+class InterfaceNotFoundError(ReplicaError):
+    """No network interface of this host holds the address a host agent was given (a
+    partition fault has no link to take down)."""
+
+
+class PlacementError(ReplicaError):
+    """The job's roles cannot be placed on the Ray cluster (within the placement deadline)."""
+
+
+class JobLifecycleError(ReplicaError):
+    """A ``RayJob`` was asked for something out of order: started twice, or waited for (or
+    asked for rollouts) before ``start()``."""
+
+
+class JobWaitTimeoutError(ReplicaError, TimeoutError):
+    """``RayJob.wait`` passed its timeout with the job still running (the job goes on)."""

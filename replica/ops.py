@@ -138,7 +138,8 @@ def select_simd_build(name: str) -> str:
 
 def _check_devices(tensors, buffer, list_name: str, buf_name: str) -> None:
     # A meta tensor among CPU tensors dispatches here, not to the C++ kernel
-    # that would otherwise refuse it, so the fake checks what it can.
+    # that would otherwise refuse it, so the fake checks what it can, and raises
+    # what the kernel raises (csrc/plan.cpp's TORCH_CHECK: a RuntimeError).
     if buffer.dtype != torch.uint8:
         raise RuntimeError(f"replica: {buf_name} must be a uint8 tensor, got {buffer.dtype}")
     for i, t in enumerate(tensors):
@@ -159,7 +160,7 @@ def _unpack_fake(src, dsts, offsets):
 
 
 def _num_blocks(buf, block_bytes) -> int:
-    if block_bytes <= 0 or block_bytes % 8:
+    if block_bytes <= 0 or block_bytes % 8:  # the kernel's TORCH_CHECK (a RuntimeError), as above
         raise RuntimeError(f"replica: checksum block_bytes must be a positive multiple of 8, got {block_bytes}")
     nbytes = buf.numel() * buf.element_size()
     return (nbytes + block_bytes - 1) // block_bytes

@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from replica.errors import JobStoreAddressError, JobStoreInUseError
 from replica.jobstore.commit import CommitRecord
 from replica.jobstore import Failover as FailoverRecord
 from replica.jobstore import ExportOutcome, ExportRequest, Flag, JobStore, Promotion, Stamp, keys
@@ -137,8 +138,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         self.liveness = self.store.liveness_server(host) if liveness else None
         if self.store.get(keys.generation()) is not None and store is not None and store.kind == StoreKind.ETCD:
             if self.finished():
-                raise RuntimeError(f"the job store {self._address} holds a job that has finished: give each job "
-                                   "a namespace of its own (etcd://HOSTS/NAMESPACE)")
+                raise JobStoreInUseError(f"the job store {self._address} holds a job that has finished: give each "
+                                         "job a namespace of its own (etcd://HOSTS/NAMESPACE)")
             self._take_over()
             self._publish_liveness()
             return
@@ -161,8 +162,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
             listener.bind((host, port))
         except OSError as exc:
             listener.close()
-            raise RuntimeError(f"cannot host the job store on {host}:{port}: {exc} "
-                               "(is another coordinator running there?)") from exc
+            raise JobStoreAddressError(f"cannot host the job store on {host}:{port}: {exc} "
+                                       "(is another coordinator running there?)") from exc
         listener.listen(128)
         self.host, self.port = listener.getsockname()[:2]
         return dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from replica import envvars
+from replica.errors import RoleEnvironmentError
 from replica.jobstore.stores import StoreAddress
 from replica.mirror.floor import FloorConfig
 from replica.session.backends import parse_backends
@@ -284,17 +285,18 @@ class RoleEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RoleEnv:
-        """Read from ``environ`` (default: this process's environment); RuntimeError when
-        it names no role or token, ValueError for a value that does not parse."""
+        """Read from ``environ`` (default: this process's environment); RoleEnvironmentError
+        when it names no role or token or an unknown role, ValueError for a value that does not
+        parse."""
         env = os.environ if environ is None else environ
         missing = [k for k in (envvars.ROLE, envvars.TOKEN) if not env.get(k)]
         if missing:
-            raise RuntimeError(f"{', '.join(missing)} not set: start role processes with `replica launch`")
+            raise RoleEnvironmentError(f"{', '.join(missing)} not set: start role processes with `replica launch`")
         store = StoreAddress.parse(env.get(envvars.STORE) or env.get(envvars.MASTER_ADDR, "127.0.0.1") + ":" +
                                    env.get(envvars.STORE_PORT, "29400"))
         role = env[envvars.ROLE]
         if role not in ROLES:
-            raise RuntimeError(f"{envvars.ROLE} must be one of {ROLES}, got {role!r}")
+            raise RoleEnvironmentError(f"{envvars.ROLE} must be one of {ROLES}, got {role!r}")
         return cls(role=Role(role), rank=int(env.get(envvars.RANK, env.get(envvars.TORCH_RANK, "0"))),
                    world_size=int(env.get(envvars.WORLD_SIZE, env.get(envvars.TORCH_WORLD_SIZE, "1"))),
                    store=store, token=env[envvars.TOKEN].encode(),

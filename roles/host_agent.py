@@ -39,7 +39,7 @@ from replica.jobstore import (
     AgentInfo, AgentOrder, Attempt, Flag, JobStore, Number, OrderKind, ProcessLooks, RoleExit, ServedJob, Stamp,
     keys,
 )
-from replica.errors import ReplicaError
+from replica.errors import InterfaceNotFoundError, ReplicaError
 from replica.state.export import step_folder
 from replica.roles import timing
 from replica.timing import Deadline, pause
@@ -342,7 +342,7 @@ def interface_of(address: str) -> str:
         fields = line.split()
         if len(fields) > 3 and fields[3].split("/")[0] == address:
             return fields[1]
-    raise RuntimeError(f"no interface of this host holds {address}")
+    raise InterfaceNotFoundError(f"no interface of this host holds {address}")
 
 
 def _ip(*args: str) -> None:

@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from replica import envvars
+from replica.errors import MainThreadError
 from replica.session.backends import check_backends, parse_backends
 from replica.mirror.floor import FloorConfig
 from replica.roles.coordinator import Coordinator
@@ -157,7 +158,7 @@ class LocalAgent:
         if self._exec_roles:
             if threading.current_thread() is not threading.main_thread():
                 # PR_SET_PDEATHSIG fires when the forking *thread* exits, not the launcher.
-                raise RuntimeError("LocalAgent.start must be called from the main thread")
+                raise MainThreadError("LocalAgent.start must be called from the main thread")
             popen = subprocess.Popen(die_with_launcher([sys.executable, *self._script]), env=env)
         else:
             popen = start_script(self._script, env=env,

@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import Protocol
 
 import replica
+from replica.errors import WeightsTimeoutError
 from replica.jobstore import JobStore, Stamp, Text, keys
 from replica.integrations.vllm.served import ServedLLM
 from replica.jobstore.stores import StoreAddress
@@ -46,7 +47,7 @@ logger = logging.getLogger(__name__)
 class Engine(Protocol):
     """What the serving loop needs of an engine: its weights (``update`` applies a version that
     arrived, ``wait`` blocks until ``version`` or a newer one is served and returns it, or raises
-    TimeoutError), and generation of a shard's prompts with a seed per prompt."""
+    a TimeoutError: ``WeightsTimeoutError``), and generation of a shard's prompts with a seed per prompt."""
 
     served_epoch: int | None
 
@@ -290,7 +291,7 @@ def _wait_version(engine: Engine, version: int, stop: Callable[[], bool],
             return engine.wait(version, timedelta(seconds=0.5))
         except TimeoutError:
             continue
-    raise TimeoutError(f"weights of version {version} did not arrive within {timeout}")
+    raise WeightsTimeoutError(f"weights of version {version} did not arrive within {timeout}")
 
 
 def _claim(store: JobStore, n: int, num_shards: int, index: int, num_engines: int) -> int | None:

@@ -16,8 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from replica._testing import etcd as testetcd
-from replica.jobstore.etcd import EtcdConfig, EtcdError, EtcdStore
-from replica.errors import FencedError
+from replica.errors import EtcdError, FencedError
+from replica.jobstore.etcd import EtcdConfig, EtcdStore
 from replica.jobstore import JobStore, Text, keys
 from replica.roles import election
 from replica.roles.election import Leadership

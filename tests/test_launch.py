@@ -260,10 +260,11 @@ def test_an_unknown_backend_is_refused_before_anything_starts():
 
 
 def test_second_coordinator_on_the_same_port_is_refused():
+    from replica.errors import JobStoreAddressError
     from replica.roles.coordinator import Coordinator
 
     first = Coordinator(world_size=2, token=b"t")
-    with pytest.raises(RuntimeError, match="is another coordinator running there"):
+    with pytest.raises(JobStoreAddressError, match="is another coordinator running there"):
         Coordinator(world_size=2, token=b"t", port=first.port)
 
 

@@ -26,7 +26,8 @@ from replica import envvars  # noqa: E402
 from replica.jobstore.commit import CommitRecord  # noqa: E402
 from replica.jobstore.etcd import EtcdStore  # noqa: E402
 from replica.jobstore import JobStore  # noqa: E402
-from replica.ray import Placement, PlacementError, RayJob, RayJobConfig, Sampling  # noqa: E402
+from replica.errors import PlacementError  # noqa: E402
+from replica.ray import Placement, RayJob, RayJobConfig, Sampling  # noqa: E402
 from replica.ray.launch import parse_placement  # noqa: E402
 from replica.roles.report import compare_reports, load_report  # noqa: E402
 from replica.roles.selftest import select_cases  # noqa: E402

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from replica.errors import TransportError
+from replica.errors import MemoryPinningError, TransportError
 
 __all__ = ["RECORD_BYTES", "Region", "RegionRecord", "map_region", "parse_record", "pin", "region_of", "shared_empty"]
 
@@ -63,16 +63,16 @@ def pin(t: torch.Tensor) -> None:
     """Page-lock ``t``'s whole mapping for CUDA (``cudaHostRegister``), so copies between
     it and a GPU run asynchronously on the copy engines (``is_pinned()`` is then True);
     unregistered when the mapping goes. ``t`` is a tensor over a whole region, as
-    ``shared_empty`` or ``map_region`` return it. RuntimeError when CUDA refuses
+    ``shared_empty`` or ``map_region`` return it. MemoryPinningError when CUDA refuses
     (no GPU, out of lockable memory)."""
     mapping = _mapping_of(t)
     if not torch.cuda.is_available():
-        raise RuntimeError("cannot pin shared memory: CUDA is not available")
+        raise MemoryPinningError("cannot pin shared memory: CUDA is not available")
     cudart = torch.cuda.cudart()
     address, size = t.untyped_storage().data_ptr(), len(mapping)
     status = cudart.cudaHostRegister(address, size, 0)
     if int(status) != 0:
-        raise RuntimeError(f"cudaHostRegister of {size} bytes of shared memory failed: CUDA error {int(status)}")
+        raise MemoryPinningError(f"cudaHostRegister of {size} bytes of shared memory failed: CUDA error {int(status)}")
     weakref.finalize(mapping, _unpin, cudart, address)
 
 

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
+from replica.errors import WeightsTimeoutError
 from replica.jobstore import JobStore
 
 __all__ = ["StandInEngine", "largest_store_value", "stand_in_completion"]
@@ -45,7 +46,7 @@ class StandInEngine:
     def wait(self, version: int, timeout: timedelta) -> int:
         with self._changed:
             if not self._changed.wait_for(lambda: self.version >= version, timeout=timeout.total_seconds()):
-                raise TimeoutError(f"version {version} did not arrive")
+                raise WeightsTimeoutError(f"version {version} did not arrive")
             return self.version
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict, seeds: Sequence[int]) -> list[list[int]]:

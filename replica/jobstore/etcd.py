@@ -36,12 +36,12 @@ from typing import Any
 import torch.distributed as dist
 
 from replica import envvars
-from replica.errors import FencedError, ReplicaError
+from replica.errors import EtcdError, FencedError
 from replica.jobstore.bounded import BoundedMap
 from replica.jobstore.etcdwatch import WatchBroken, WatchStream
 from replica.timing import Backoff, Deadline
 
-__all__ = ["EtcdConfig", "EtcdError", "EtcdStore", "parse_endpoints"]
+__all__ = ["EtcdConfig", "EtcdStore", "parse_endpoints"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,6 @@ _POLL_MOST = timedelta(milliseconds=20)
 # A client's pauses between two rounds of its members while none answers.
 _UNREACHABLE_FIRST = timedelta(milliseconds=50)
 _UNREACHABLE_MOST = timedelta(milliseconds=500)
-
-
-class EtcdError(ReplicaError):
-    """etcd refused a request (permission, bad credentials, a malformed request)."""
 
 
 def parse_endpoints(text: str) -> tuple[tuple[str, int], ...]:

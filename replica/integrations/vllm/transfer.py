@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from replica.config import Config, token_from_env
-from replica.errors import VersionNotReadyError
+from replica.errors import VersionNotReadyError, WeightTransferNotStartedError
 from replica.jobstore import Epoch
 from replica.jobstore.stores import StoreAddress
 from replica.integrations.vllm.plugin import BACKEND, register
@@ -122,8 +122,8 @@ class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaU
     @property
     def weights(self) -> WorkerWeights:
         if self._weights is None:
-            raise RuntimeError("the replica weight-transfer engine is not initialized: call "
-                               "init_weight_transfer_engine first")
+            raise WeightTransferNotStartedError("the replica weight-transfer engine is not initialized: call "
+                                                "init_weight_transfer_engine first")
         return self._weights
 
     def init_transfer_engine(self, init_info: ReplicaInitInfo) -> None:

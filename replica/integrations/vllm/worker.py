@@ -33,7 +33,13 @@ from pathlib import Path
 import torch
 
 from replica.config import Config
-from replica.errors import LayoutMismatchError, VersionNotReadyError
+from replica.errors import (
+    EngineWorkersDisagreeError,
+    LayoutMismatchError,
+    VersionNotReadyError,
+    WeightsTimeoutError,
+    WeightTransferNotStartedError,
+)
 from replica.state.layout import StateLayout
 
 __all__ = ["EngineWeights", "ReceiverSpec", "ReplicaWorkerExtension", "WorkerWeights", "check_fits",
@@ -225,8 +231,9 @@ class ReplicaWorkerExtension:
     def _replica(self) -> WorkerWeights:
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "weights"):
-            raise RuntimeError("the engine has no replica weight-transfer backend: start it with "
-                               "EngineWeights.ENGINE_ARGS (weight_transfer_config={'backend': 'replica'})")
+            raise WeightTransferNotStartedError(
+                "the engine has no replica weight-transfer backend: start it with "
+                "EngineWeights.ENGINE_ARGS (weight_transfer_config={'backend': 'replica'})")
         return engine.weights
 
     def replica_registration(self) -> str:
@@ -503,7 +510,8 @@ class EngineWeights:
     def wait(self, step: int, timeout: timedelta) -> int:
         """Serve at least version ``step``: wait for it to arrive, then apply it."""
         if not all(self.llm.collective_rpc("replica_wait", args=(step, timeout.total_seconds()))):
-            raise TimeoutError(f"engine {self.spec.index}: weights of step {step} did not arrive within {timeout}")
+            raise WeightsTimeoutError(f"engine {self.spec.index}: weights of step {step} did not arrive within "
+                                      f"{timeout}")
         self.update()
         return self.version
 
@@ -514,5 +522,5 @@ class EngineWeights:
     def _one(results: list):
         """Every worker holds the same version (tensor-parallel workers apply together)."""
         if not results or any(r != results[0] for r in results):
-            raise RuntimeError(f"the engine's workers disagree: {results}")
+            raise EngineWorkersDisagreeError(f"the engine's workers disagree: {results}")
         return results[0]
