@@ -19,7 +19,7 @@ step what a rank does to the store and train nothing:
 * heartbeats, both ways, for a few seconds each: every role's signed heartbeat key written
   to the store each ``HEARTBEAT_PERIOD`` and the coordinator reading them all each
   ``SUPERVISE_POLL`` (the scheme before the liveness endpoint); then every role's native
-  beat (``replica._C.Heartbeat``, one thread each) sent to the liveness endpoint, which
+  beat (``replica._C.NativeHeartbeatSender``, one thread each) sent to the liveness endpoint, which
   verifies and answers each, and the coordinator reading its table.
 
 Two worker processes multiplex the simulated roles (the acks from 4 threads each, the
@@ -99,9 +99,9 @@ def _raise_open_files() -> None:
 
 
 def _native_beats(store: JobStore, members: list[int], endpoint: tuple[str, int]) -> list:
-    return [store.heartbeat(m, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
-                            python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER,
-                            store_period=timing.LIVENESS_STORE_PERIOD, liveness=endpoint) for m in members]
+    return [store.heartbeat_sender(m, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
+                                   python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER,
+                                   store_period=timing.LIVENESS_STORE_PERIOD, liveness=endpoint) for m in members]
 
 
 def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int, endpoint: tuple[str, int]) -> None:

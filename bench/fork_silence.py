@@ -1,6 +1,6 @@
 """Does a fork of a big process silence its own native heartbeat? (The stall issue's lead: a
 loader forking its workers.) `python bench/fork_silence.py GIB FORKS`: a child process with GIB
-GiB of touched memory beats every 5 ms (replica._C.Heartbeat, aimed at a liveness endpoint in
+GiB of touched memory beats every 5 ms (replica._C.NativeHeartbeatSender, aimed at a liveness endpoint in
 this process) and forks FORKS times; this process samples the child's silence every 1 ms and
 prints the forks' durations and the longest silence, as JSON.
 
@@ -34,8 +34,8 @@ MEMBER = 7
 
 def _child(port: int, liveness_port: int, gib: float, forks: int, results) -> None:
     store = JobStore(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)), token=TOKEN)
-    beat = store.heartbeat(MEMBER, period=timedelta(milliseconds=5), io_timeout=timedelta(seconds=2),
-                           python_grace=timedelta(seconds=60), liveness=("127.0.0.1", liveness_port))
+    beat = store.heartbeat_sender(MEMBER, period=timedelta(milliseconds=5), io_timeout=timedelta(seconds=2),
+                                  python_grace=timedelta(seconds=60), liveness=("127.0.0.1", liveness_port))
     held = torch.ones(int(gib * 2**30) // 4)  # touched: every page present
     time.sleep(1.0)
     took = []

@@ -1,4 +1,4 @@
-// replica._C.Heartbeat: a role's liveness beat on a native thread.
+// replica._C.NativeHeartbeatSender: a role's liveness beats sent from a native thread.
 //
 // A beat sent from a Python thread needs the GIL for every step (wake up, sign,
 // send): on a loaded machine a thread waiting for the GIL behind a main thread
@@ -83,7 +83,7 @@ class TcpStoreSink : public Sink {
  public:
   TcpStoreSink(std::string host, int port, std::chrono::milliseconds timeout)
       : host_(std::move(host)), port_(port), timeout_(timeout) {
-    TORCH_CHECK(port_ > 0 && port_ < 65536, "replica.Heartbeat: port ", port_, " is out of range");
+    TORCH_CHECK(port_ > 0 && port_ < 65536, "replica.NativeHeartbeatSender: port ", port_, " is out of range");
   }
 
   void write(const std::string& key, const std::string& value) override {
@@ -164,10 +164,10 @@ class EtcdSink : public Sink {
         password_(std::move(password)),
         timeout_(timeout),
         tokens_(std::move(tokens)) {
-    TORCH_CHECK(!endpoints_.empty(), "replica.Heartbeat: no etcd endpoint");
+    TORCH_CHECK(!endpoints_.empty(), "replica.NativeHeartbeatSender: no etcd endpoint");
     TORCH_CHECK(tokens_.empty() || tokens_.size() == endpoints_.size(),
-                "replica.Heartbeat: one token per etcd endpoint ('' for none), got ", tokens_.size(), " for ",
-                endpoints_.size());
+                "replica.NativeHeartbeatSender: one token per etcd endpoint ('' for none), got ", tokens_.size(),
+                " for ", endpoints_.size());
     tokens_.resize(endpoints_.size());
     current_ = first % endpoints_.size();
   }
@@ -394,7 +394,7 @@ class SenderMemory {
     outbox_bytes_ = (sizeof(Outbox) + page - 1) / page * page;
     size_ = outbox_bytes_ + kSenderStack;
     void* at = ::mmap(nullptr, size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    TORCH_CHECK(at != MAP_FAILED, "replica.Heartbeat: mmap of the sender's memory: ", std::strerror(errno));
+    TORCH_CHECK(at != MAP_FAILED, "replica.NativeHeartbeatSender: mmap of the sender's memory: ", std::strerror(errno));
     base_ = static_cast<char*>(at);
     fork_proof_ = ::madvise(base_, size_, MADV_WIPEONFORK) == 0;  // Linux >= 4.14
     locked_ = ::mlock(base_, size_) == 0;  // RLIMIT_MEMLOCK may refuse: then only swapping could page it out
@@ -424,13 +424,13 @@ class SenderMemory {
 
 // --- the beat ---
 
-class Heartbeat {
+class NativeHeartbeatSender {
  public:
   // ``key`` is what the value is signed under (the job store's full key); ``store_key`` is where
   // it is written (the same, or with an etcd namespace before it).
-  Heartbeat(std::unique_ptr<Sink> sink, std::string key, std::string store_key, std::string mac_key, int64_t member,
-            double period_s, double python_grace_s, double store_after_s, const std::string& liveness_host = "",
-            int liveness_port = 0, double store_period_s = 0.0)
+  NativeHeartbeatSender(std::unique_ptr<Sink> sink, std::string key, std::string store_key, std::string mac_key,
+                        int64_t member, double period_s, double python_grace_s, double store_after_s,
+                        const std::string& liveness_host = "", int liveness_port = 0, double store_period_s = 0.0)
       : sink_(std::move(sink)),
         key_(std::move(key)),
         store_key_(std::move(store_key)),
@@ -441,9 +441,9 @@ class Heartbeat {
         store_after_(to_duration(store_after_s, "store_after")),
         store_period_(store_period_s == 0.0 ? period_ : to_duration(store_period_s, "store_period")),
         touched_(Clock::now().time_since_epoch().count()) {
-    TORCH_CHECK(mac_key_.size() == 32, "replica.Heartbeat: the key must be the job's 32-byte derived key");
+    TORCH_CHECK(mac_key_.size() == 32, "replica.NativeHeartbeatSender: the key must be the job's 32-byte derived key");
     wake_ = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-    TORCH_CHECK(wake_ >= 0, "replica.Heartbeat: eventfd: ", std::strerror(errno));
+    TORCH_CHECK(wake_ >= 0, "replica.NativeHeartbeatSender: eventfd: ", std::strerror(errno));
     if (liveness_port != 0) {  // aimed from the first beat: the store sees none while it is answered
       aimed_ = resolve(liveness_host, liveness_port);
       aim_changed_ = true;
@@ -458,13 +458,13 @@ class Heartbeat {
     return std::chrono::duration_cast<std::chrono::milliseconds>(to_duration(seconds, "io_timeout"));
   }
 
-  ~Heartbeat() {
+  ~NativeHeartbeatSender() {
     stop();
     ::close(wake_);
   }
 
-  Heartbeat(const Heartbeat&) = delete;
-  Heartbeat& operator=(const Heartbeat&) = delete;
+  NativeHeartbeatSender(const NativeHeartbeatSender&) = delete;
+  NativeHeartbeatSender& operator=(const NativeHeartbeatSender&) = delete;
 
   // The interpreter is alive (called from a Python thread every so often).
   void touch() {
@@ -570,13 +570,14 @@ class Heartbeat {
   };
 
   static Target resolve(const std::string& host, int port) {
-    TORCH_CHECK(port > 0 && port < 65536, "replica.Heartbeat: port ", port, " is out of range");
+    TORCH_CHECK(port > 0 && port < 65536, "replica.NativeHeartbeatSender: port ", port, " is out of range");
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_DGRAM;
     addrinfo* found = nullptr;
     const int rc = ::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found);
-    TORCH_CHECK(rc == 0 && found != nullptr, "replica.Heartbeat: cannot resolve ", host, ": ", gai_strerror(rc));
+    TORCH_CHECK(rc == 0 && found != nullptr, "replica.NativeHeartbeatSender: cannot resolve ", host, ": ",
+                gai_strerror(rc));
     Target target;
     std::memcpy(&target.address, found->ai_addr, found->ai_addrlen);
     target.length = found->ai_addrlen;
@@ -585,7 +586,7 @@ class Heartbeat {
   }
 
   static Clock::duration to_duration(double seconds, const char* name) {
-    TORCH_CHECK(seconds > 0, "replica.Heartbeat: ", name, " must be > 0 s, got ", seconds);
+    TORCH_CHECK(seconds > 0, "replica.NativeHeartbeatSender: ", name, " must be > 0 s, got ", seconds);
     return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   }
 
@@ -608,16 +609,16 @@ class Heartbeat {
     ::sigfillset(&all);
     ::pthread_sigmask(SIG_SETMASK, &all, &old);  // the new thread starts with every signal blocked
     if (rc == 0) {
-      rc = ::pthread_create(&sender_, &attr, &Heartbeat::sender_main, this);
+      rc = ::pthread_create(&sender_, &attr, &NativeHeartbeatSender::sender_main, this);
     }
     ::pthread_sigmask(SIG_SETMASK, &old, nullptr);
     ::pthread_attr_destroy(&attr);
-    TORCH_CHECK(rc == 0, "replica.Heartbeat: cannot start the sender thread: ", std::strerror(rc));
+    TORCH_CHECK(rc == 0, "replica.NativeHeartbeatSender: cannot start the sender thread: ", std::strerror(rc));
     sender_started_ = true;
   }
 
   static void* sender_main(void* self) {
-    static_cast<Heartbeat*>(self)->send_beats();
+    static_cast<NativeHeartbeatSender*>(self)->send_beats();
     return nullptr;
   }
 
@@ -676,8 +677,8 @@ class Heartbeat {
     while (signed_upto_ < made + kRing) {
       const int64_t beat = std::max(signed_upto_, made) + 1;
       const std::string value = signing::sign(mac_key_, key_, liveness::beat_body(beat, member_));
-      TORCH_CHECK(value.size() <= liveness::kMaxDatagram, "replica.Heartbeat: a signed beat of ", value.size(),
-                  " bytes");
+      TORCH_CHECK(value.size() <= liveness::kMaxDatagram, "replica.NativeHeartbeatSender: a signed beat of ",
+                  value.size(), " bytes");
       Slot& slot = out.slots[beat % kRing];
       std::memcpy(slot.data, value.data(), value.size());
       slot.length = static_cast<uint32_t>(value.size());
@@ -868,16 +869,19 @@ class Heartbeat {
 namespace replica {
 
 void bind_heartbeat(py::module& m) {
-  py::class_<Heartbeat>(m, "Heartbeat",
-                        "A liveness beat written by a native thread (no GIL): see replica.jobstore.JobStore.heartbeat")
+  py::class_<NativeHeartbeatSender>(
+      m, "NativeHeartbeatSender",
+      "A role's liveness beats sent by a native thread (no GIL): see replica.jobstore.JobStore.heartbeat_sender")
       .def(py::init([](std::string host, int port, std::string key, std::string mac_key, int64_t member,
                        double period_s, double io_timeout_s, double python_grace_s, double store_after_s,
                        std::string liveness_host, int liveness_port, double store_period_s) {
-             auto sink = std::make_unique<TcpStoreSink>(std::move(host), port, Heartbeat::io_timeout(io_timeout_s));
+             auto sink = std::make_unique<TcpStoreSink>(std::move(host), port,
+                                                        NativeHeartbeatSender::io_timeout(io_timeout_s));
              std::string store_key = key;
-             return std::make_unique<Heartbeat>(std::move(sink), std::move(key), std::move(store_key),
-                                                std::move(mac_key), member, period_s, python_grace_s, store_after_s,
-                                                liveness_host, liveness_port, store_period_s);
+             return std::make_unique<NativeHeartbeatSender>(std::move(sink), std::move(key), std::move(store_key),
+                                                            std::move(mac_key), member, period_s, python_grace_s,
+                                                            store_after_s, liveness_host, liveness_port,
+                                                            store_period_s);
            }),
            py::arg("host"), py::arg("port"), py::arg("key"), py::arg("mac_key"), py::arg("member"),
            py::arg("period_s"), py::arg("io_timeout_s"), py::arg("python_grace_s"), py::arg("store_after_s") = 1.0,
@@ -890,10 +894,12 @@ void bind_heartbeat(py::module& m) {
              double io_timeout_s, double python_grace_s, double store_after_s, std::string liveness_host,
              int liveness_port, double store_period_s, std::vector<std::string> tokens, size_t first) {
             auto sink = std::make_unique<EtcdSink>(std::move(endpoints), std::move(user), std::move(password),
-                                                   Heartbeat::io_timeout(io_timeout_s), std::move(tokens), first);
-            return std::make_unique<Heartbeat>(std::move(sink), std::move(key), std::move(store_key),
-                                               std::move(mac_key), member, period_s, python_grace_s, store_after_s,
-                                               liveness_host, liveness_port, store_period_s);
+                                                   NativeHeartbeatSender::io_timeout(io_timeout_s), std::move(tokens),
+                                                   first);
+            return std::make_unique<NativeHeartbeatSender>(std::move(sink), std::move(key), std::move(store_key),
+                                                           std::move(mac_key), member, period_s, python_grace_s,
+                                                           store_after_s, liveness_host, liveness_port,
+                                                           store_period_s);
           },
           py::arg("endpoints"), py::arg("user"), py::arg("password"), py::arg("key"), py::arg("store_key"),
           py::arg("mac_key"), py::arg("member"), py::arg("period_s"), py::arg("io_timeout_s"),
@@ -901,20 +907,21 @@ void bind_heartbeat(py::module& m) {
           py::arg("liveness_port") = 0, py::arg("store_period_s") = 0.0,
           py::arg("tokens") = std::vector<std::string>{}, py::arg("first") = 0, py::call_guard<py::gil_scoped_release>(),
           "The beat written to an etcd cluster through its HTTP gateway (plain http)")
-      .def("touch", &Heartbeat::touch)
-      .def("stop", &Heartbeat::stop, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("beats", &Heartbeat::beats)
-      .def_property_readonly("failing_for", &Heartbeat::failing_for)
-      .def_property_readonly("paused", &Heartbeat::paused)
-      .def_property_readonly("fork_proof", &Heartbeat::fork_proof,
+      .def("touch", &NativeHeartbeatSender::touch)
+      .def("stop", &NativeHeartbeatSender::stop, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("beats", &NativeHeartbeatSender::beats)
+      .def_property_readonly("failing_for", &NativeHeartbeatSender::failing_for)
+      .def_property_readonly("paused", &NativeHeartbeatSender::paused)
+      .def_property_readonly("fork_proof", &NativeHeartbeatSender::fork_proof,
                              "Whether a fork of this process leaves the beat's sender alone (MADV_WIPEONFORK)")
-      .def_property_readonly("unsigned_beats", &Heartbeat::unsigned_beats)
-      .def_property_readonly("last_error", &Heartbeat::last_error)
-      .def("aim", &Heartbeat::aim, py::arg("host"), py::arg("port"), py::call_guard<py::gil_scoped_release>(),
+      .def_property_readonly("unsigned_beats", &NativeHeartbeatSender::unsigned_beats)
+      .def_property_readonly("last_error", &NativeHeartbeatSender::last_error)
+      .def("aim", &NativeHeartbeatSender::aim, py::arg("host"), py::arg("port"),
+           py::call_guard<py::gil_scoped_release>(),
            "Beat to the coordinator's liveness endpoint (UDP) from now on; the store only while it does not answer")
-      .def_property_readonly("generation", &Heartbeat::generation)
-      .def_property_readonly("reply_age", &Heartbeat::reply_age)
-      .def_property_readonly("replies", &Heartbeat::replies);
+      .def_property_readonly("generation", &NativeHeartbeatSender::generation)
+      .def_property_readonly("reply_age", &NativeHeartbeatSender::reply_age)
+      .def_property_readonly("replies", &NativeHeartbeatSender::replies);
   m.def(
       "hmac_sha256_hex",
       [](const std::string& key, const std::string& message) { return hex(hmac_sha256(key, message)); },

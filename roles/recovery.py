@@ -16,7 +16,7 @@ from typing import NoReturn
 import replica
 from replica.jobstore.commit import EpochRecord, hint_generation
 from replica.errors import StoreWaitTimeoutError
-from replica.jobstore import Flag, Generation, JobStore, Promotion, Regroup, Stamp, keys
+from replica.jobstore import Flag, Generation, HeartbeatSender, JobStore, Promotion, Regroup, Stamp, keys
 from replica.roles import timing
 from replica.timing import Deadline, pause
 from replica.roles.env import Role, RoleState
@@ -38,17 +38,17 @@ def _endpoint(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def aim_beats(beats: Sequence, store: JobStore, aimed: str | None, who: str) -> str | None:
-    """Point ``beats`` (native ``Heartbeat``s) at the liveness endpoint the coordinator
-    published, if it moved from ``aimed``; returns the address aimed at (None: none
-    published, the beats stay in the store). ``who`` names them in the log."""
+def aim_beats(senders: Sequence[HeartbeatSender], store: JobStore, aimed: str | None, who: str) -> str | None:
+    """Point the beats of ``senders`` at the liveness endpoint the coordinator published,
+    if it moved from ``aimed``; returns the address aimed at (None: none published, the
+    beats stay in the store). ``who`` names them in the log."""
     published = store.get(keys.liveness())
     if published is None or published.value == aimed:
         return aimed
     try:
         endpoint = _endpoint(published.value)
-        for beat in beats:
-            beat.aim(*endpoint)
+        for sender in senders:
+            sender.aim(*endpoint)
     except (RuntimeError, ValueError) as exc:  # unresolvable here: the store path goes on
         logger.warning("%s cannot beat to the liveness endpoint %s (%s); beating to the job store", who,
                        published.value, exc)
@@ -93,7 +93,7 @@ class Recovery:
         self._failed_generation = -1  # the newest generation this process could not join
         self._stop = threading.Event()
         self._lost = threading.Lock()  # held once the job store is found gone (the role is exiting)
-        self._beat = None  # the native heartbeat (JobStore.heartbeat), once the watch started it
+        self._sender: HeartbeatSender | None = None  # sends the role's beats, once the watch started it
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="replica-watch")
 
     def start(self) -> None:
@@ -282,7 +282,7 @@ class Recovery:
 
     def _watch(self) -> None:
         """The role's liveness, from the moment it joined. The beat itself comes from a
-        native thread (``JobStore.heartbeat``: a Python thread waiting for the GIL behind
+        native thread (``JobStore.heartbeat_sender``: a Python thread waiting for the GIL behind
         a busy main thread was silent for seconds on a loaded machine); this thread tells
         it the interpreter lives, every HEARTBEAT_PERIOD, on a store connection of its own
         (the role's shared one sits in blocking waits for seconds). It also stops a
@@ -296,10 +296,11 @@ class Recovery:
         except Exception as exc:  # noqa: BLE001 - the store path beats meanwhile; the loop looks again
             logger.warning("[%s rank %d] no liveness endpoint yet (%s)", self._role.role, self._rank, exc)
             aimed, endpoint = None, None
-        beat = self._store.heartbeat(self._member, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
-                                     python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER,
-                                     store_period=timing.LIVENESS_STORE_PERIOD, liveness=endpoint)
-        self._beat = beat
+        sender = self._store.heartbeat_sender(self._member, period=timing.HEARTBEAT_PERIOD,
+                                              io_timeout=timing.HEARTBEAT_IO, python_grace=timing.PYTHON_GRACE,
+                                              store_after=timing.LIVENESS_STORE_AFTER,
+                                              store_period=timing.LIVENESS_STORE_PERIOD, liveness=endpoint)
+        self._sender = sender
         hint_generation(self._store, self._fresh_generation)
         store: JobStore | None = None
         failures = 0
@@ -308,18 +309,18 @@ class Recovery:
         aimed_at = time.monotonic() if endpoint is not None else -float("inf")  # aimed: the address the beat goes to
         try:
             while not self._stop.is_set():
-                beat.touch()
-                if (beat.failing_for > timing.HEARTBEAT_IO.total_seconds()) != beats_failing:
+                sender.touch()
+                if (sender.failing_for > timing.HEARTBEAT_IO.total_seconds()) != beats_failing:
                     beats_failing = not beats_failing
                     logger.warning("[%s rank %d] heartbeats %s", self._role.role, self._rank,
-                                   f"fail: {beat.last_error}" if beats_failing else "get through again")
+                                   f"fail: {sender.last_error}" if beats_failing else "get through again")
                 try:
                     if store is None:
                         store = self._store.reconnect(timing.HEARTBEAT_IO)
                     reaim = timing.LIVENESS_REAIM.total_seconds()
-                    if beat.reply_age > reaim and time.monotonic() - aimed_at > reaim:
+                    if sender.reply_age > reaim and time.monotonic() - aimed_at > reaim:
                         aimed_at = time.monotonic()  # first, and while no answer comes: the coordinator may have moved
-                        aimed = aim_beats([beat], store, aimed, f"[{self._role.role} rank {self._rank}]")
+                        aimed = aim_beats([sender], store, aimed, f"[{self._role.role} rank {self._rank}]")
                     if self._superseded(store):
                         self.fenced_exit()
                     group = self._role.group
@@ -334,22 +335,22 @@ class Recovery:
                     failing_since = failing_since if failures > 1 else time.monotonic()
                     if failures == 1 or failures % _HEARTBEAT_LOG_EVERY == 0:
                         logger.warning("[%s rank %d] the job store does not answer (%d in a row): %s; beats: %s",
-                                       self._role.role, self._rank, failures, exc, beat.last_error or "getting through")
+                                       self._role.role, self._rank, failures, exc, sender.last_error or "getting through")
                     store = None
                     if time.monotonic() - failing_since > timing.STORE_LOST.total_seconds():
                         self._coordinator_lost(exc)
                 self._stop.wait(timing.HEARTBEAT_PERIOD.total_seconds())
         finally:
             hint_generation(self._store, None)
-            beat.stop()
+            sender.stop()
 
     def _fresh_generation(self) -> int | None:
         """The generation number the coordinator's last liveness answer carried, while that
         answer is fresh (LIVENESS_FRESH); None otherwise (the store is asked)."""
-        beat = self._beat
-        if beat is None or beat.reply_age > timing.LIVENESS_FRESH.total_seconds() or beat.generation < 0:
+        sender = self._sender
+        if sender is None or sender.reply_age > timing.LIVENESS_FRESH.total_seconds() or sender.generation < 0:
             return None
-        return beat.generation
+        return sender.generation
 
     def fenced_exit(self) -> NoReturn:
         """This trainer was declared dead and replaced: whatever it does now would be a

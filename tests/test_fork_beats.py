@@ -56,8 +56,8 @@ def test_beats_go_on_while_the_process_forks():
     rx.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     rx.bind(("127.0.0.1", 0))
     ballast = torch.ones(BALLAST_BYTES // 4)  # written: every page present, its page table copied at a fork
-    beat = store.heartbeat(0, period=PERIOD, io_timeout=timedelta(seconds=2), python_grace=timedelta(seconds=60),
-                           store_after=timedelta(seconds=600), liveness=rx.getsockname())
+    beat = store.heartbeat_sender(0, period=PERIOD, io_timeout=timedelta(seconds=2), python_grace=timedelta(seconds=60),
+                                  store_after=timedelta(seconds=600), liveness=rx.getsockname())
     try:
         time.sleep(0.2)
         forks = []

@@ -1,5 +1,5 @@
-"""The native heartbeat (``JobStore.heartbeat``, csrc/heartbeat.cpp): signed exactly as
-the job store signs, beating while the main thread holds the GIL, stopping when the
+"""The heartbeat senders (``JobStore.heartbeat_sender``; the native one in csrc/heartbeat.cpp):
+every kind a ``HeartbeatSender``, signed exactly as the job store signs, beating while the main thread holds the GIL, stopping when the
 interpreter shows no life, and saying when the store is gone. A real TCPStore, and a
 real 3-member etcd cluster with authentication (the beat speaks its HTTP gateway)."""
 
@@ -22,7 +22,7 @@ from replica import _C
 from replica._testing import etcd as testetcd
 from replica.jobstore.etcd import EtcdStore
 from replica.errors import JobStateError
-from replica.jobstore import Heartbeat, JobStore, ThreadHeartbeat, keys
+from replica.jobstore import Heartbeat, HeartbeatSender, JobStore, ThreadHeartbeatSender, keys
 from replica._testing.etcd import EtcdCluster
 from replica._testing import wait_for
 from replica.timing import Deadline
@@ -94,8 +94,39 @@ def test_one_signed_format_in_both_languages():
     assert _C.verify_value(store._mac_key, "k", b"no signature") is None
 
 
+def test_every_kind_of_sender_is_a_heartbeat_sender(store):
+    """The native sender (to a TCPStore, to etcd's HTTP gateway) and the Python thread's (made
+    here on the same store; ``heartbeat_sender`` picks it for etcd over https, tested below)
+    are ``HeartbeatSender``s: each has every member the roles use, of the type it promises."""
+    members = sorted(name for name in vars(HeartbeatSender) if not name.startswith("_"))
+    assert members == ["aim", "beats", "failing_for", "generation", "last_error", "paused", "replies", "reply_age",
+                       "stop", "touch"]
+    senders = [store.heartbeat_sender(30, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30)),
+               ThreadHeartbeatSender(store.reconnect(IO), 31, period=PERIOD, python_grace=timedelta(seconds=30))]
+    try:
+        assert isinstance(senders[0], _C.NativeHeartbeatSender)
+        for sender in senders:
+            assert isinstance(sender, HeartbeatSender)
+            sender.touch()
+            wait_for(lambda s=sender: s.beats >= 2, f"beats from {type(sender).__name__}")
+            assert sender.paused is False and sender.failing_for == 0.0 and sender.last_error == ""
+            assert (sender.generation, sender.reply_age, sender.replies) == (-1, float("inf"), 0)  # never aimed
+    finally:
+        for sender in senders:
+            sender.stop()
+
+    class NoAim:  # every member but one: not a sender
+        beats, paused, failing_for, last_error, generation, reply_age, replies = 0, False, 0.0, "", -1, 0.0, 0
+
+        def touch(self) -> None: ...
+
+        def stop(self) -> None: ...
+
+    assert not isinstance(NoAim(), HeartbeatSender)
+
+
 def test_beats_are_signed_rising_and_go_on_while_the_gil_is_held(store):
-    beat = store.heartbeat(7, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
+    beat = store.heartbeat_sender(7, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
     try:
         wait_for(lambda: store.get(keys.heartbeat(7)) is not None, "the first beat")
         first = store.get(keys.heartbeat(7))
@@ -118,7 +149,7 @@ def test_beats_are_signed_rising_and_go_on_while_the_gil_is_held(store):
 
 
 def test_beats_stop_when_the_interpreter_shows_no_life(store):
-    beat = store.heartbeat(8, period=PERIOD, io_timeout=IO, python_grace=timedelta(milliseconds=300))
+    beat = store.heartbeat_sender(8, period=PERIOD, io_timeout=IO, python_grace=timedelta(milliseconds=300))
     try:
         wait_for(lambda: beat.paused, "the beats to pause without touch()")
         paused_at = beat.beats
@@ -134,8 +165,8 @@ def test_beats_stop_when_the_interpreter_shows_no_life(store):
 
 def test_a_store_gone_is_reported():
     raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    beat = JobStore(raw, token=TOKEN).heartbeat(9, period=PERIOD, io_timeout=timedelta(milliseconds=300),
-                                                python_grace=timedelta(seconds=30))
+    beat = JobStore(raw, token=TOKEN).heartbeat_sender(9, period=PERIOD, io_timeout=timedelta(milliseconds=300),
+                                                       python_grace=timedelta(seconds=30))
     try:
         wait_for(lambda: beat.beats >= 2, "beats")
         assert beat.failing_for == 0.0 and beat.last_error == ""
@@ -149,21 +180,21 @@ def test_a_store_gone_is_reported():
 
 def test_bad_arguments_are_refused(store):
     with pytest.raises(RuntimeError, match="32-byte"):
-        _C.Heartbeat(host="127.0.0.1", port=29400, key="k", mac_key=b"short", member=1, period_s=0.1,
-                     io_timeout_s=1, python_grace_s=1)
+        _C.NativeHeartbeatSender(host="127.0.0.1", port=29400, key="k", mac_key=b"short", member=1, period_s=0.1,
+                                 io_timeout_s=1, python_grace_s=1)
     with pytest.raises(RuntimeError, match="no etcd endpoint"):
-        _C.Heartbeat.on_etcd(endpoints=[], user="", password="", key="k", store_key="k", mac_key=b"k" * 32, member=1,
-                             period_s=0.1, io_timeout_s=1, python_grace_s=1)
+        _C.NativeHeartbeatSender.on_etcd(endpoints=[], user="", password="", key="k", store_key="k", mac_key=b"k" * 32,
+                                         member=1, period_s=0.1, io_timeout_s=1, python_grace_s=1)
     with pytest.raises(RuntimeError, match="period must be > 0"):
-        store.heartbeat(1, period=timedelta(0), io_timeout=IO, python_grace=IO)
+        store.heartbeat_sender(1, period=timedelta(0), io_timeout=IO, python_grace=IO)
 
 
 def test_on_etcd_a_lost_member_moves_the_beat_to_another(etcd_own):
     etcd = etcd_own  # it stops members: a cluster of its own
     store = JobStore(EtcdStore(etcd.config(namespace=f"{etcd.namespace}heartbeat/")), token=TOKEN)
-    beat = store.heartbeat(10, period=PERIOD, io_timeout=timedelta(milliseconds=500),
-                           python_grace=timedelta(seconds=30))
-    assert not isinstance(beat, ThreadHeartbeat)  # the native beat
+    beat = store.heartbeat_sender(10, period=PERIOD, io_timeout=timedelta(milliseconds=500),
+                                  python_grace=timedelta(seconds=30))
+    assert not isinstance(beat, ThreadHeartbeatSender)  # the native beat
     first = etcd.members[0]  # the beat starts with the first member
     try:
         wait_for(lambda: beat.beats >= 2, "beats")
@@ -181,9 +212,9 @@ def test_on_etcd_a_lost_member_moves_the_beat_to_another(etcd_own):
 def test_on_etcd_over_https_the_beat_is_a_python_thread(tmp_path):
     with EtcdCluster(addresses=["127.0.0.1"], tls=True) as etcd:
         store = JobStore(EtcdStore(etcd.config()), token=TOKEN)
-        beat = store.heartbeat(11, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
+        beat = store.heartbeat_sender(11, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
         try:
-            assert isinstance(beat, ThreadHeartbeat)
+            assert isinstance(beat, ThreadHeartbeatSender) and isinstance(beat, HeartbeatSender)
             wait_for(lambda: beat.beats >= 3, "beats")
             assert store.get(keys.heartbeat(11)).beat >= 3
         finally:
@@ -198,12 +229,12 @@ def test_while_unanswered_the_store_takes_a_beat_each_store_period(store):
     sink.bind(("127.0.0.1", 0))
     sink.setblocking(False)
     with pytest.raises(ValueError, match="at least the period"):
-        store.heartbeat(20, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30),
-                        store_period=PERIOD / 2)
+        store.heartbeat_sender(20, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30),
+                               store_period=PERIOD / 2)
     store_period = timedelta(milliseconds=400)
-    beat = store.heartbeat(20, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30),
-                           store_after=timedelta(milliseconds=100), store_period=store_period,
-                           liveness=sink.getsockname())
+    beat = store.heartbeat_sender(20, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30),
+                                  store_after=timedelta(milliseconds=100), store_period=store_period,
+                                  liveness=sink.getsockname())
     seen, datagrams = set(), 0
     try:
         watched = Deadline.after(timedelta(seconds=2))
@@ -237,11 +268,12 @@ def test_on_etcd_the_beat_writes_with_the_tokens_of_its_store(etcd):
     store = JobStore(raw, token=TOKEN)
     store.put(keys.heartbeat(21), Heartbeat(member=21, beat=0))  # the store authenticates (its token)
     raw.config = dataclasses.replace(raw.config, password="not-the-password")  # what the beat is given
-    beat = store.heartbeat(21, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
+    beat = store.heartbeat_sender(21, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
     config = raw.config
-    refused = _C.Heartbeat.on_etcd(endpoints=list(config.endpoints), user=config.user, password=config.password,
-                                   key="k", store_key=config.namespace + "k", mac_key=b"k" * 32, member=22,
-                                   period_s=0.02, io_timeout_s=2, python_grace_s=30)
+    refused = _C.NativeHeartbeatSender.on_etcd(endpoints=list(config.endpoints), user=config.user,
+                                               password=config.password, key="k", store_key=config.namespace + "k",
+                                               mac_key=b"k" * 32, member=22, period_s=0.02, io_timeout_s=2,
+                                               python_grace_s=30)
     try:
         wait_for(lambda: beat.beats >= 3, "beats with the store's tokens")
         assert store.get(keys.heartbeat(21)).beat >= 3

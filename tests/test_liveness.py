@@ -32,7 +32,7 @@ def store():
 
 
 def _beat(store: JobStore, member: int):
-    return store.heartbeat(member, period=PERIOD, io_timeout=IO, python_grace=GRACE, store_after=STORE_AFTER)
+    return store.heartbeat_sender(member, period=PERIOD, io_timeout=IO, python_grace=GRACE, store_after=STORE_AFTER)
 
 
 def test_beats_go_to_the_endpoint_and_its_answers_carry_the_generation(store):
@@ -186,8 +186,8 @@ def test_the_coordinator_times_beats_it_hears_and_reads_the_store_only_for_the_u
                    for r in range(2)]
         assert coord.poll() == []
         assert coord.liveness.generation == coord.generation  # answers carry the published generation
-        udp, stored = (jobs.heartbeat(m, period=timedelta(milliseconds=100), io_timeout=IO, python_grace=GRACE,
-                                      store_after=timedelta(seconds=60)) for m in members)
+        udp, stored = (jobs.heartbeat_sender(m, period=timedelta(milliseconds=100), io_timeout=IO, python_grace=GRACE,
+                                             store_after=timedelta(seconds=60)) for m in members)
         try:
             host, _, port = address.rpartition(":")
             udp.aim(host, int(port))
@@ -210,8 +210,8 @@ def test_the_coordinator_times_beats_it_hears_and_reads_the_store_only_for_the_u
 
 def test_a_beat_aimed_from_the_start_never_writes_the_store(store):
     server = store.liveness_server("127.0.0.1")
-    beat = store.heartbeat(12, period=PERIOD, io_timeout=IO, python_grace=GRACE, store_after=STORE_AFTER,
-                           liveness=("127.0.0.1", server.port))
+    beat = store.heartbeat_sender(12, period=PERIOD, io_timeout=IO, python_grace=GRACE, store_after=STORE_AFTER,
+                                  liveness=("127.0.0.1", server.port))
     try:
         wait_for(lambda: server.beats([12])[0] >= 10 and beat.replies >= 10, "ten answered beats")
         assert store.get(keys.heartbeat(12)) is None
@@ -244,8 +244,8 @@ def test_a_deadline_is_met_within_a_poll_not_a_scan_of_every_beat(monkeypatch):
         scanned_at = coord._beats_read_at
         assert scanned_at > 0
         for m in members:
-            beats.append(jobs.heartbeat(m, period=timedelta(milliseconds=100), io_timeout=IO, python_grace=GRACE,
-                                        store_after=timedelta(seconds=60)))
+            beats.append(jobs.heartbeat_sender(m, period=timedelta(milliseconds=100), io_timeout=IO, python_grace=GRACE,
+                                               store_after=timedelta(seconds=60)))
         beats[0].aim(host, int(port))
         beats[1].aim(host, int(port))  # beats[2]: the store only
         wait_for(lambda: beats[0].replies > 0 and beats[1].replies > 0, "answers")

@@ -4,7 +4,8 @@
   ``keys``: every key and the type of its value;
 * ``store``: ``JobStore``, which signs on write and verifies on read over a
   torch.distributed ``Store`` (a ``TCPStore``, or etcd through ``etcd``/``etcdwatch``;
-  ``stores`` opens either from an address); ``heartbeat``: a role's beat on a thread;
+  ``stores`` opens either from an address); ``heartbeat``: what sends a role's beats
+  (``HeartbeatSender``; the beat itself is the record ``Heartbeat``);
 * ``commit``: the global commit record (``CommitRecord``) and the epochs that fence it;
   ``registry``: where each rank's standby listens.
 
@@ -12,7 +13,7 @@ Layer: uses only ``replica.errors`` and the native ``replica._C`` below it; know
 of the state, the sessions or the roles above it.
 """
 
-from replica.jobstore.heartbeat import ThreadHeartbeat
+from replica.jobstore.heartbeat import HeartbeatSender, ThreadHeartbeatSender
 from replica.jobstore.keys import Key, attempt_prefix, keys
 from replica.jobstore.records import (
     Ack,
@@ -64,6 +65,7 @@ __all__ = [
     "FloorVersion",
     "Generation",
     "Heartbeat",
+    "HeartbeatSender",
     "JobStore",
     "JoinReply",
     "Key",
@@ -79,7 +81,7 @@ __all__ = [
     "ServedJob",
     "Stamp",
     "Text",
-    "ThreadHeartbeat",
+    "ThreadHeartbeatSender",
     "attempt_prefix",
     "keys",
 ]

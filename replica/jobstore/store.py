@@ -33,7 +33,7 @@ from replica.errors import JobStateError, StoreWaitTimeoutError
 from replica.jobstore.bounded import BoundedMap
 from replica.jobstore.codec import T, decode_value, encode_value
 from replica.jobstore.etcd import EtcdStore
-from replica.jobstore.heartbeat import ThreadHeartbeat
+from replica.jobstore.heartbeat import HeartbeatSender, ThreadHeartbeatSender
 from replica.jobstore.keys import Key, attempt_prefix, keys
 from replica.timing import Backoff, Deadline, pause
 
@@ -111,14 +111,15 @@ class JobStore:
             return self._view(EtcdStore(config, fence=self.raw.fence))
         return self._view(dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout))
 
-    def heartbeat(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta,
-                  store_after: timedelta = timedelta(seconds=1), liveness: tuple[str, int] | None = None,
-                  store_period: timedelta | None = None):
+    def heartbeat_sender(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta,
+                         store_after: timedelta = timedelta(seconds=1), liveness: tuple[str, int] | None = None,
+                         store_period: timedelta | None = None) -> HeartbeatSender:
         """Start writing ``Heartbeat(member, beat)`` with a rising ``beat`` every ``period``
         from a native thread on a TCP connection of its own (TCPStore only), signed as
         ``put`` signs: it needs no GIL, so a main thread busy in Python does not delay
         it. It beats while ``touch()`` was called within ``python_grace`` (a hung
-        interpreter is a dead role); ``stop()`` ends it. Returns the ``replica._C.Heartbeat``.
+        interpreter is a dead role); ``stop()`` ends it. Returns the sender, a
+        ``replica._C.NativeHeartbeatSender`` (``HeartbeatSender`` says what every kind has).
 
         ``aim(host, port)`` sends the beats to the coordinator's liveness endpoint
         (``liveness_server``, one UDP datagram each, the same signed value) instead of the
@@ -129,10 +130,10 @@ class JobStore:
 
         On etcd the native thread speaks the members' HTTP gateway; over https
         (``EtcdConfig.ca_file``) the beat comes from a Python thread with the same
-        contract (``ThreadHeartbeat``), which waits for the GIL behind a busy main thread
+        contract (``ThreadHeartbeatSender``), which waits for the GIL behind a busy main thread
         and writes to the store only."""
         if isinstance(self.raw, EtcdStore) and self.raw.config.ca_file:
-            return ThreadHeartbeat(self.reconnect(io_timeout), member, period=period, python_grace=python_grace)
+            return ThreadHeartbeatSender(self.reconnect(io_timeout), member, period=period, python_grace=python_grace)
         options = {"liveness_host": liveness[0], "liveness_port": liveness[1]} if liveness is not None else {}
         if store_period is not None:
             if store_period < period:
@@ -141,22 +142,20 @@ class JobStore:
         if isinstance(self.raw, EtcdStore):
             config, full = self.raw.config, self.full(keys.heartbeat(member))
             first, tokens = self.raw.tokens()
-            return _C.Heartbeat.on_etcd(endpoints=list(config.endpoints), user=config.user, password=config.password,
-                                        tokens=tokens, first=first,
-                                        key=full, store_key=config.namespace + full, mac_key=self._mac_key,
-                                        member=member, period_s=period.total_seconds(),
-                                        io_timeout_s=io_timeout.total_seconds(),
-                                        python_grace_s=python_grace.total_seconds(),
-                                        store_after_s=store_after.total_seconds(), **options)
-        return _C.Heartbeat(host=self.raw.host, port=self.raw.port, key=self.full(keys.heartbeat(member)),
-                            mac_key=self._mac_key, member=member, period_s=period.total_seconds(),
-                            io_timeout_s=io_timeout.total_seconds(), python_grace_s=python_grace.total_seconds(),
-                            store_after_s=store_after.total_seconds(), **options)
+            return _C.NativeHeartbeatSender.on_etcd(
+                endpoints=list(config.endpoints), user=config.user, password=config.password, tokens=tokens,
+                first=first, key=full, store_key=config.namespace + full, mac_key=self._mac_key, member=member,
+                period_s=period.total_seconds(), io_timeout_s=io_timeout.total_seconds(),
+                python_grace_s=python_grace.total_seconds(), store_after_s=store_after.total_seconds(), **options)
+        return _C.NativeHeartbeatSender(
+            host=self.raw.host, port=self.raw.port, key=self.full(keys.heartbeat(member)), mac_key=self._mac_key,
+            member=member, period_s=period.total_seconds(), io_timeout_s=io_timeout.total_seconds(),
+            python_grace_s=python_grace.total_seconds(), store_after_s=store_after.total_seconds(), **options)
 
     def liveness_server(self, host: str, port: int = 0):
         """The coordinator's liveness endpoint: a native thread on a UDP socket bound to
         ``host:port`` (0: any free port) that verifies each role's beat (the value
-        ``heartbeat`` signs), keeps when each member's beat last rose (``ages``,
+        ``heartbeat_sender`` signs), keeps when each member's beat last rose (``ages``,
         ``beats``) and answers it with the generation number set by ``set_generation``.
         Returns the ``replica._C.LivenessServer``; ``stop()`` ends it."""
         return _C.LivenessServer(host=host, port=port, prefix=self.prefix, mac_key=self._mac_key)
