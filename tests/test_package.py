@@ -59,14 +59,6 @@ def test_all_is_explicit_sorted_and_resolves(name):
         assert hasattr(module, attr), f"{name}.__all__ names missing {attr}"
 
 
-def test_module_files_stay_small():
-    """No module over 600 lines: a longer one holds several concerns (split it along them)."""
-    folders = [*FOLDERS.values(), ROOT / "bench", ROOT / "tests", ROOT / "examples", ROOT / "tools"]
-    long = {str(p.relative_to(ROOT)): n for folder in folders for p in folder.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 600}
-    assert not long, f"modules over 600 lines: {long}"
-
-
 # replica 0.1's flat module paths, removed before any release: none may come back, as a
 # module or as an alias (each names where its module lives now, e.g. replica.jobstore).
 OLD_PATHS = (
