@@ -17,6 +17,7 @@ import socket
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from operator import attrgetter
 
 import torch.distributed as dist
 
@@ -25,15 +26,12 @@ from replica.jobstore.commit import CommitRecord
 from replica.jobstore import Failover as FailoverRecord
 from replica.jobstore import ExportOutcome, ExportRequest, Flag, JobStore, Promotion, Stamp, keys
 from replica.jobstore.stores import StoreAddress, StoreKind
-from replica.roles import timing
 from replica.roles.env import Role, host_name
 from replica.roles.timing import Deadlines
 from replica.roles.admission import Admission
-from replica.roles.beats import Beats
 from replica.roles.generations import Generations
-from replica.roles.judgement import Judgement
-from replica.roles.stalls import StallLog
-from replica.roles.members import Decision, DecisionKind, FailoverTimeline, Mark, Member, MemberState
+from replica.roles.liveness import Liveness
+from replica.roles.members import Decision, DecisionKind, FailoverTimeline, Mark, Member, Members, MemberState
 from replica.roles.probe import Verdict
 
 __all__ = ["Coordinator", "Deadlines", "Decision", "DecisionKind", "FailoverTimeline", "Member", "MemberState"]
@@ -44,7 +42,14 @@ _DONE_RECHECK = timedelta(seconds=2)
 _DONE_SWEEP = 32  # done keys read per poll
 
 
-class Coordinator(Admission, Beats, Generations, Judgement):
+class Coordinator:
+    """Owns the job's store and commit record, the failovers and replacements decided, the ranks
+    without protection, the ranks done and the job's failure; decides what a death leads to
+    (``declare_dead``: a promotion, a replacement, or the job's end). The rest it delegates to
+    objects of its own, each constructed here with what it needs: the membership table
+    (``Members``), who joins (``Admission``), who is dead of silence (``Liveness``, whole: beats,
+    deadlines, stalls, the judgement) and the generation number and record (``Generations``)."""
+
     def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
                  deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None,
                  store: StoreAddress | None = None, fence: tuple[str, bytes] | None = None,
@@ -70,7 +75,6 @@ class Coordinator(Admission, Beats, Generations, Judgement):
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if not token:
             raise ValueError("the coordinator needs the job's token")
-        self._liveness_host = host
         if previous is not None:
             raw = previous.store.raw
             self.host, self.port, self._address = previous.host, previous.port, previous.address
@@ -89,11 +93,9 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         self.rollouts = rollouts
         self.record = CommitRecord(self.store, world_size=world_size)
         self.deadlines = deadlines
-        self.generation = 0
-        self.members: list[Member] = []
+        self._members = Members(self.store)
         self.failovers: list[FailoverTimeline] = []
         self.standbys_replaced: list[dict] = []
-        self.refused: list[dict] = []
         self.unprotected: set[int] = set()
         # rank, from_commit, until_commit (None: to the end), from_at, until_at (time.time())
         self.unprotected_spans: list[dict] = []
@@ -102,57 +104,67 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         # Exits the agent reported for members already declared dead: a process killed once its
         # deadline passed, or a death the deadline found before the agent saw the exit (for the report).
         self.late_exits: list[dict] = []
-        self.regroups: list[dict] = []  # fresh generations after a step failed with no death
-        #: The coordinator's own stalls (gaps between its polls): silence in them is not counted.
-        self.stalls = StallLog(after=timing.COORDINATOR_STALL, keep=timing.STALL_MEMORY)
-        #: A second look at a member silent past its deadline (its agent's view of the process);
-        #: None: the deadline alone decides (no agent sees the roles' processes).
-        self.probe: Callable[[Member], tuple[Verdict, str]] | None = None
-        self.suspected_stalls: list[dict] = []  # silences judged stalls, not deaths (for the report)
-        self._held: dict[int, dict] = {}  # member id -> its open entry of suspected_stalls
-        self._regroup_asked_at: float | None = None
-        # What a poll reads only now and then (see poll): when every beat was last read, the
-        # plain counters' last values, the ranks done, each rank's transport reports.
-        self._beats_read_at = 0.0
-        self._generation_checked_at = 0.0  # the whole generation record, checked that often
+        # What a poll reads only now and then (see poll): the plain counters' last values, the ranks done.
         self._counters: dict[str, int] = {}
         self._done: set[int] = set()
         self._done_read_at = 0.0
-        self._members_deferred = self._members_dirty = False
         self._done_sweep: list[int] = []  # the ranks still to be read in the current sweep of done keys
-        self._lost: dict[int, int] = {}
         self._exited: set[int] = set()  # the members whose process exit an agent reported
         self.rollouts_retired: list[int] = []  # engines stopped because their machine took a trainer's place
-        self.started = False  # every rank's trainer has joined: no trainer may join any more
         self._token = token
-        self._seen = 0  # the join requests answered or skipped
-        self._nonces: set[str] = set()
-        self._numbered_at: dict[int, float] = {}
         self._failed: str | None = None
-        self.shared_domains = shared_domains
-        self._misplaced: tuple[int, str] | None = None  # a rank placed against the domain rule, and why
         #: When (``at``) and where (``attempt``, ``generation``, ``commit``) this coordinator took over a
         #: running job from the state in the store; None when it started the job.
         self.takeover: dict | None = None
-        #: The liveness endpoint (None: beats in the store only).
-        self.liveness = self.store.liveness_server(host) if liveness else None
+        self._liveness = Liveness(store=self.store, members=self._members, deadlines=deadlines, host=host,
+                                  endpoint=liveness, moved=self._moved, lost_reports=self.record.all_lost_reports,
+                                  declare_dead=self.declare_dead)
+        self._generations = Generations(store=self.store, members=self._members, world_size=world_size,
+                                        deadlines=deadlines, moved=self._moved, last_commit=self.record.last,
+                                        failed=lambda: self._failed is not None, last_beat=self._liveness.last_beat,
+                                        announce=self._liveness.set_generation)
+        self._admission = Admission(store=self.store, token=token, members=self._members,
+                                    generations=self._generations, world_size=world_size, rollouts=rollouts,
+                                    shared_domains=shared_domains, lost_reports=self._liveness.lost_reports,
+                                    last_commit=self.record.last, finished=self.finished)
         if self.store.get(keys.generation()) is not None and store is not None and store.kind == StoreKind.ETCD:
             if self.finished():
                 raise JobStoreInUseError(f"the job store {self._address} holds a job that has finished: give each "
                                          "job a namespace of its own (etcd://HOSTS/NAMESPACE)")
             self._take_over()
-            self._publish_liveness()
+            self._liveness.publish()
             return
         if resume_from is not None:  # the trainers start from an export of that step: it is the first commit
             self.record.seed(resume_from)
-        self._publish_generation()
-        self._publish_members()
-        self._publish_liveness()
+        self._generations.publish()
+        self._members.publish()
+        self._liveness.publish()
 
     def close(self) -> None:
         """Stop the liveness endpoint (the hosted store goes with the process)."""
-        if self.liveness is not None:
-            self.liveness.stop()
+        self._liveness.close()
+
+    def _take_over(self) -> None:
+        """Rebuild the coordinator's view from the store: the generation, the membership
+        table (every live member's deadline runs from now), the join requests answered
+        (one its predecessor admitted but did not answer is answered now), the ranks
+        without protection. The failover history before this point stays in the
+        predecessor's report."""
+        now = time.time()
+        generation = self._generations.restore()
+        self.takeover = {"at": now, "attempt": self.attempt, "generation": generation, "commit": self.record.last()}
+        # Every member's keys in a few requests, not a few each (a takeover at 1,024 ranks read
+        # ~12,000 keys one by one on etcd).
+        self._members.restore(self.store.get(keys.members()), now=now, lost=self.record.all_lost_reports())
+        self._liveness.restore(self._members.rows)
+        self._admission.restore(self._members.rows)
+        flags = self.store.get_many([keys.unprotected(r) for r in range(self.world_size)])
+        for rank, flag in enumerate(flags):
+            if flag is not None:
+                self.unprotected.add(rank)
+                self._unprotected_reg[rank] = self.record.registration(rank)
+        logger.warning("took over the job at generation %d, commit %s, with %d members (%d alive)", generation,
+                       self.record.last(), len(self.members), len(self.alive()))
 
     def _host_store(self, host: str, port: int) -> dist.TCPStore:
         # TCPStore binds every interface unless handed a socket: bind the configured host.
@@ -177,7 +189,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         """The coordinator of this job's next attempt (``roles/attempts.py``), in this process:
         the same job (world, deadlines, rollouts, domain rule, token) on this one's store, under
         the next attempt's prefix, its first step after ``resume_from`` (None: from the start)."""
-        return Coordinator(world_size=self.world_size, token=self._token, host=self._liveness_host,
+        return Coordinator(world_size=self.world_size, token=self._token, host=self._liveness.host,
                            deadlines=self.deadlines, rollouts=self.rollouts, resume_from=resume_from,
                            shared_domains=self.shared_domains, attempt=self.attempt + 1, previous=self)
 
@@ -191,6 +203,39 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         """Why the job failed (None: it did not)."""
         return self._failed
 
+    # --- what its parts own, under the names it had (read-only) ---
+
+    members = property(attrgetter("_members.rows"), doc="Every member that joined, in the order they joined.")
+    generation = property(attrgetter("_generations.number"), doc="The current generation's number.")
+    regroups = property(attrgetter("_generations.regroups"),
+                        doc="Fresh generations after a step failed with no death (for the report).")
+    refused = property(attrgetter("_admission.refused"), doc="The join requests refused, and why.")
+    started = property(attrgetter("_admission.started"),
+                       doc="Every rank's trainer has joined: no trainer may join any more.")
+    shared_domains = property(attrgetter("_admission.shared_domains"),
+                              doc="A standby may share its trainer's failure domain.")
+    liveness = property(attrgetter("_liveness.endpoint"), doc="The liveness endpoint (None: beats in the store only).")
+    stalls = property(attrgetter("_liveness.stalls"), doc="The coordinator's own stalls (``StallLog``).")
+    suspected_stalls = property(attrgetter("_liveness.suspected_stalls"),
+                                doc="Silences judged stalls, not deaths (for the report).")
+
+    @property
+    def probe(self) -> Callable[[Member], tuple[Verdict, str]] | None:
+        """A second look at a member silent past its deadline (``Liveness.probe``)."""
+        return self._liveness.probe
+
+    @probe.setter
+    def probe(self, probe: Callable[[Member], tuple[Verdict, str]] | None) -> None:
+        self._liveness.probe = probe
+
+    def liveness_report(self) -> dict | None:
+        """What the liveness endpoint heard (None: the beats went to the store only)."""
+        return self._liveness.report()
+
+    def membership(self) -> list[dict]:
+        """The membership table: role, rank, host, domain, pid, generation and state of every member."""
+        return self._members.table()
+
     # --- the agent's calls ---
 
     def poll(self) -> list[Decision]:
@@ -198,39 +243,20 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         a poll whatever the job's size: every member's heartbeat is read in one request
         each ``BEAT_SCAN``; done flags, transport reports and regroup requests (a key per
         rank) only when their counters moved."""
-        with self._members_batch():
+        with self._members.batch():
             return self._poll()
 
     def _poll(self) -> list[Decision]:
         decisions = self._check_fatal()
-        now = time.time()
-        self._note_own_stall(now)
-        self._admit()
+        self._liveness.note_own_stall(time.time())
+        self._admission.admit()
         self._reprotect()
-        self._guard_generation()
+        self._generations.guard()
         now = time.time()
-        if self._moved(keys.lost_count()):
-            self._lost = self.record.all_lost_reports()
-        if now - self._beats_read_at >= timing.BEAT_SCAN.total_seconds():
-            self._read_beats(now)
-        else:
-            self._recheck_overdue(now)
+        self._liveness.read(now)
         self._refresh_done()
-        self._regroup(now)
-        overdue: list[tuple[Member, float, float]] = []
-        quiet = 0  # members silent for QUIET or longer
-        for member in self.alive():
-            if self._mark_done(member):
-                continue
-            silent = self._silence(member)
-            quiet += silent >= timing.QUIET.total_seconds()
-            _, lost = self._limit(member, now)
-            if lost and silent > self.deadlines.confirm.total_seconds():
-                decisions += self.declare_dead(member, f"its standby saw the connection vanish and it has sent "
-                                                       f"no heartbeat for {silent * 1e3:.0f} ms")
-            elif silent > (deadline := self.deadlines.of(member.role).total_seconds()):
-                overdue.append((member, silent, deadline))
-        return decisions + self._judge_silent(overdue, quiet, now)
+        self._generations.regroup(now)
+        return decisions + self._liveness.judge(now, done=self._mark_done)
 
     def _reprotect(self) -> None:
         """An unprotected rank is protected again once a live standby of it has published its
@@ -239,7 +265,8 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         dies before that takes the rank's state with it."""
         for rank in sorted(self.unprotected):
             current = self.record.registration(rank)
-            if current is None or current == self._unprotected_reg.get(rank) or not self._live(Role.STANDBY, rank):
+            if (current is None or current == self._unprotected_reg.get(rank)
+                    or not self._members.live(Role.STANDBY, rank)):
                 continue
             if not self.record.standby_holds(rank, self.record.last() or 0):
                 continue
@@ -253,7 +280,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
     def process_exited(self, pid: int, code: int, *, host: str | None = None) -> list[Decision]:
         """A local agent saw process ``pid`` exit with ``code``."""
         decisions = self._check_fatal()
-        self._admit()
+        self._admission.admit()
         host = host or host_name()
         # A live member first: pids are reused (pid_max may be 32768), and a dead member may hold this one.
         member = next((m for m in self.alive() if m.pid == pid and m.host == host), None) or next(
@@ -301,14 +328,15 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         now, decisions = time.time(), []
         deadline = self.deadlines.trainer.total_seconds()
         for member in self.alive():
-            if member.host in hosts and member.role == Role.ROLLOUT and now - self._last_beat(member, now) > deadline:
+            if (member.host in hosts and member.role == Role.ROLLOUT
+                    and now - self._liveness.last_beat(member, now) > deadline):
                 decisions += self.declare_dead(member, f"its host's agent and it have been silent for more than "
                                                        f"{deadline:g} s")
         return decisions
 
     def declare_dead(self, member: Member, reason: str) -> list[Decision]:
         member.state = MemberState.DEAD
-        self._publish_members()
+        self._members.publish()
         if self._failed is not None:
             return []
         if member.role == Role.ROLLOUT:
@@ -325,7 +353,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
             return [self._fail(member.rank, restart=True,
                                reason=f"trainer {member.rank} died ({reason}) before the first global commit: "
                                       "there is no state to resume from")]
-        standby = self._live(Role.STANDBY, member.rank)
+        standby = self._members.live(Role.STANDBY, member.rank)
         if standby is None:
             return [self._fail(member.rank, state_lost=True,
                                reason=f"trainer {member.rank} died ({reason}) and has no standby: rank {member.rank} "
@@ -380,7 +408,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         if member.rank not in self._done:
             return False
         member.state = MemberState.DONE
-        self._publish_members()
+        self._members.publish()
         return True
 
     def finished(self) -> bool:
@@ -391,7 +419,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         agent reported: not gone yet."""
         now = time.time()
         return [m for m in self.members if m.state in (MemberState.ALIVE, MemberState.DONE)
-                and m.id not in self._exited and now - self._last_beat(m, now) < quiet.total_seconds()]
+                and m.id not in self._exited and now - self._liveness.last_beat(m, now) < quiet.total_seconds()]
 
     def all_done(self) -> bool:
         self._refresh_done()
@@ -421,9 +449,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         return [(m.role, m.rank, m.host, m.domain) for m in self.alive()]
 
     def alive(self, role: str | None = None) -> list[Member]:
-        return [m for m in self.members if m.state == MemberState.ALIVE and role in (None, m.role)]
-
-    # --- joins ---
+        return self._members.alive(role)
 
     # --- deaths ---
 
@@ -433,17 +459,16 @@ class Coordinator(Admission, Beats, Generations, Judgement):
         rank = standby.rank
         decided = time.time()
         commit = self.record.last()
-        self.generation += 1
-        g = self.generation
+        g = self._generations.advance()
         if self.store.raw.check([self.store.full(keys.standby(rank))]):
             self.store.delete(keys.standby(rank))  # the promoted standby's address; its replacement publishes anew
         standby.role, standby.since, standby.generation = Role.TRAINER, decided, g
         self.store.put(keys.failover(g), FailoverRecord(generation=g, commit=commit if commit is not None else -1,
                                                         rank=rank, member=standby.id))
         self.store.put(keys.promote(rank), Promotion(rank=rank, generation=g, member=standby.id))
-        self._publish_generation()  # last: whoever sees generation g finds its failover record
+        self._generations.publish()  # last: whoever sees generation g finds its failover record
         standby.lost_base = self.record.lost_reports(rank)
-        engine = self._live(Role.ROLLOUT, rank)
+        engine = self._members.live(Role.ROLLOUT, rank)
         if engine is not None and len(self.alive(Role.ROLLOUT)) == 1:  # the job cannot go on without it
             logger.warning("%s keeps serving beside trainer %d: it is the last engine", engine, rank)
         elif engine is not None:  # the standby's machine hosts rollout `rank`: its resources go to the trainer
@@ -453,7 +478,7 @@ class Coordinator(Admission, Beats, Generations, Judgement):
             self.rollouts_retired.append(rank)
             logger.warning("%s drains and stops: its machine now hosts trainer %d (%d rollouts left)", engine,
                            rank, len(self.alive(Role.ROLLOUT)) - 1)
-        self._publish_members()
+        self._members.publish()
         self.failovers.append(FailoverTimeline(rank=rank, generation=g, commit=commit, reason=reason, decided_at=decided))
         logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted", rank,
                        reason, g, commit, standby)
@@ -481,8 +506,9 @@ class Coordinator(Admission, Beats, Generations, Judgement):
 
     def _check_fatal(self) -> list[Decision]:
         """A role that hit an error no failover can fix (a layout mismatch) reports it here."""
-        if self._misplaced is not None and self._failed is None:
-            return [self._fail(self._misplaced[0], self._misplaced[1], usage=True)]
+        misplaced = self._admission.misplaced
+        if misplaced is not None and self._failed is None:
+            return [self._fail(misplaced[0], misplaced[1], usage=True)]
         fatal = self.store.get(keys.fatal()) if self._failed is None else None
         if fatal is not None:
             return [self._fail(-1, fatal.value)]

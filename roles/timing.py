@@ -153,7 +153,7 @@ ROLLOUT_DESK_TIMEOUT = timedelta(seconds=30)  # one request to an engine's desk 
 # engine takes tens of seconds to come up); then it goes on with those up, the others join later.
 ROLLOUT_ENGINES_WAIT = timedelta(seconds=120)
 
-# --- the judgement of a silence (replica.roles.judgement) ---
+# --- the judgement of a silence (replica.roles.liveness) ---
 # A gap between the coordinator's polls (every SUPERVISE_POLL) longer than this is its own stall:
 # the silence of every member in it is not counted (a poll's own work, up to this, is not one).
 COORDINATOR_STALL = timedelta(milliseconds=250)

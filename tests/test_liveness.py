@@ -241,7 +241,7 @@ def test_a_deadline_is_met_within_a_poll_not_a_scan_of_every_beat(monkeypatch):
         members = [post_request(jobs, JoinRequest(role="trainer", rank=r, host="h", pid=100 + r, nonce=f"n{r}"), TOKEN)
                    for r in range(3)]
         assert coord.poll() == []  # admits them, and reads every beat (the first scan)
-        scanned_at = coord._beats_read_at
+        scanned_at = coord._liveness.beats_read_at
         assert scanned_at > 0
         for m in members:
             beats.append(jobs.heartbeat_sender(m, period=timedelta(milliseconds=100), io_timeout=IO, python_grace=GRACE,
@@ -255,7 +255,7 @@ def test_a_deadline_is_met_within_a_poll_not_a_scan_of_every_beat(monkeypatch):
             time.sleep(0.02)
         assert jobs.get(keys.heartbeat(members[2])).beat > 10
         _silenced_is_found(coord, beats[1], 1, deadline)  # the fault
-        assert coord._beats_read_at == scanned_at  # found by a poll's look, not by a scan of every beat
+        assert coord._liveness.beats_read_at == scanned_at  # found by a poll's look, not by a scan of every beat
     finally:
         for b in beats:
             b.stop()
