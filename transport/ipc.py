@@ -65,7 +65,7 @@ from replica.errors import TransportError
 from replica.transport.base import Capabilities, Locality, MemoryKind
 from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
 
-from replica.transport.ipc_cuda import Bucket, EventThread, Export, HostImport, HostMessage, Import, Offer, Outgoing, Recv, Send, Want
+from replica.transport.ipc_cuda import EventThread
 from replica.transport.ipc_frames import HOST_OFFER_BYTES, MAX_EXPORTS, MAX_HOST_BYTES, MAX_STAGED_BYTES
 from replica.transport.ipc_recv import Receiving
 from replica.transport.ipc_send import Sending
@@ -97,40 +97,41 @@ class IpcConnection(Sending, Receiving, ControlledConnection):
                  push: bool = True, push_host: bool = False, **kwargs):
         # HOST too: small control messages ride the control socket (see the module docstring).
         super().__init__(memory=MemoryKind.HOST | MemoryKind.CUDA, **kwargs)
+        # The state both halves share, declared with its types in IpcState (replica.transport.ipc_cuda):
         self._host_offers = host_offers  # ShmTransport: bulk host buckets go as shared memory
         self._peer_pid = peer_pid  # whose regions alone are mapped: the process the handshake's probe proved
         self._probe = probe  # this side's handshake region, mapped by the peer: kept while connected
         self._push = push  # device buckets go into the receiver's buffer when it can be mapped here
         self._push_host = push_host  # tests only: bulk host buckets too (see IpcConfig.push_host)
-        self._staging: list[torch.Tensor] = []  # free staging regions, least recently freed first
+        self._staging = []  # free staging regions, least recently freed first
         self._staging_lock = threading.Lock()
         self.staged_sends = 0  # host sends that were copied into a staging region first
         self.pushed_sends = 0  # sends copied into the receiver's buffer by this side
-        self._push_failure: str | None = None  # why a push failed here once: the rest are offered
+        self._push_failure = None  # why a push failed here once: the rest are offered
         self._seq = itertools.count()
         self._export_ids = itertools.count(1)
         # Lock order: _out_lock, then _state_lock; the monitor thread takes only
         # _state_lock, and no lock but _out_lock is held while a frame is written.
         self._out_lock = threading.Lock()
-        self._outbox: collections.deque[Outgoing] = collections.deque()
+        self._outbox = collections.deque()
         self._state_lock = threading.Lock()
-        self._sends: dict[int, Send] = {}
+        self._sends = {}
         # This side's storages the peer may map, by (storage, address, size): those
         # sent from (offers), and those received into (destinations of WANTs).
-        self._exports: collections.OrderedDict[tuple[int, int, int], Export] = collections.OrderedDict()
-        self._dest_exports: collections.OrderedDict[tuple[int, int, int], Export] = collections.OrderedDict()
+        self._exports = collections.OrderedDict()
+        self._dest_exports = collections.OrderedDict()
         # Messages by (tag, index): receives posted, and messages that came before theirs.
-        self._sent: dict[int, int] = collections.defaultdict(int)
-        self._received: dict[int, int] = collections.defaultdict(int)
-        self._waiting: dict[tuple[int, int], Recv] = {}
-        self._unmatched: dict[tuple[int, int], Offer | HostMessage] = {}
+        self._sent = collections.defaultdict(int)
+        self._received = collections.defaultdict(int)
+        self._waiting = {}
+        self._unmatched = {}
         # The peer's receives not yet matched by a send here, and sends waiting for the peer's receive.
-        self._wants: dict[tuple[int, int], Want] = {}
-        self._pushes: dict[tuple[int, int], Bucket] = {}
+        self._wants = {}
+        self._pushes = {}
         # The peer's storages: those it offers (imports), those it receives into (destinations).
-        self._imports: dict[int, Import | HostImport] = {}
-        self._destinations: dict[int, Import | HostImport] = {}
-        self._partial: HostMessage | None = None  # monitor thread only
+        self._imports = {}
+        self._destinations = {}
+        self._partial = None  # monitor thread only
 
     # For tests and diagnostics:
     @property

@@ -1,23 +1,30 @@
 """The CUDA IPC connection's per-process machinery (its copy streams, the threads that
-wait on events) and the records of each side: exports offered and mapped, sends,
-receives and the messages they match."""
+wait on events), the records of each side (exports offered and mapped, sends,
+receives and the messages they match), and what its two halves share (``IpcState``)."""
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import logging
 import queue
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from replica.errors import TransportError
 from replica.transport import memfd
+from replica.transport.control import ControlledConnection
 from replica.transport.ipc_frames import IPC_EVENT_HANDLE_BYTES, READY_SPIN
+
+if TYPE_CHECKING:
+    from replica.transport.ipc import IpcTransport
 
 __all__ = [
     "Bucket",
@@ -26,6 +33,7 @@ __all__ = [
     "HostImport",
     "HostMessage",
     "Import",
+    "IpcState",
     "Offer",
     "Outgoing",
     "Recv",
@@ -367,3 +375,57 @@ class Recv:
 
     def poll(self) -> bool:
         return self.done
+
+
+# --- the connection ---
+
+
+class IpcState(ControlledConnection):
+    """What ``IpcConnection``'s halves (``Sending``, ``Receiving``) share: its state,
+    set in ``IpcConnection.__init__`` (see there), and the sending methods the
+    receiving half uses."""
+
+    _transport: IpcTransport
+    _host_offers: bool
+    _peer_pid: int | None
+    _push: bool
+    _push_host: bool
+    _staging: list[torch.Tensor]
+    _staging_lock: threading.Lock
+    staged_sends: int
+    pushed_sends: int
+    _push_failure: str | None
+    _seq: itertools.count[int]
+    _export_ids: itertools.count[int]
+    _out_lock: threading.Lock
+    _outbox: collections.deque[Outgoing]
+    _state_lock: threading.Lock
+    _sends: dict[int, Send]
+    _exports: collections.OrderedDict[tuple[int, int, int], Export]
+    _dest_exports: collections.OrderedDict[tuple[int, int, int], Export]
+    _sent: dict[int, int]
+    _received: dict[int, int]
+    _waiting: dict[tuple[int, int], Recv]
+    _unmatched: dict[tuple[int, int], Offer | HostMessage]
+    _wants: dict[tuple[int, int], Want]
+    _pushes: dict[tuple[int, int], Bucket]
+    _imports: dict[int, Import | HostImport]
+    _destinations: dict[int, Import | HostImport]
+    _partial: HostMessage | None
+
+    @abstractmethod
+    def _offers_host(self, flat: torch.Tensor) -> bool: ...
+
+    @abstractmethod
+    def _export(self, storage: torch.UntypedStorage, flat: torch.Tensor,
+                table: collections.OrderedDict[tuple[int, int, int], Export]) -> Export: ...
+
+    @abstractmethod
+    def _retire_exports(self, table: collections.OrderedDict[tuple[int, int, int], Export],
+                        using: torch.UntypedStorage, *, keep: Export) -> list[tuple[int, bytes]]: ...
+
+    @abstractmethod
+    def _post(self, item: Outgoing) -> None: ...
+
+    @abstractmethod
+    def _dispatch(self, item: Bucket, want: Want) -> None: ...

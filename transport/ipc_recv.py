@@ -12,7 +12,18 @@ import torch
 from replica import ops
 from replica.errors import TransportError
 from replica.transport import memfd
-from replica.transport.ipc_cuda import Export, HostImport, HostMessage, Import, Offer, Outgoing, Recv, Want, copy_stream
+from replica.transport.ipc_cuda import (
+    Export,
+    HostImport,
+    HostMessage,
+    Import,
+    IpcState,
+    Offer,
+    Outgoing,
+    Recv,
+    Want,
+    copy_stream,
+)
 from replica.transport.ipc_frames import ACK, CUDA_EXPORT, EXPLAIN, EXPORT_FIXED, HOST, HOST_EXPORT, HOST_FIXED, HOST_MORE, INLINE_COPY_BYTES, MAX_HOST_BYTES, MAX_IMPORTS, OFFER, OFFER_FIXED, PUSHED, PUSHED_FIXED, RELEASE, U64, WANT, WANT_FIXED, digest_offset, read_blobs
 from replica.transport.wire import HEADER_BYTES
 
@@ -21,7 +32,7 @@ __all__ = ["Receiving"]
 logger = logging.getLogger(__name__)
 
 
-class Receiving:
+class Receiving(IpcState):
     """``IpcConnection``'s receiving methods."""
 
     def _irecv(self, flat, tag, header_buf, ready):
@@ -65,11 +76,12 @@ class Receiving:
                     # Never the export this WANT names: its receive may have finished already
                     # (the message came first), leaving it with nothing in flight.
                     frames = self._retire_exports(self._dest_exports, storage, keep=export)
-            announce = export is not None and not export.announced
-            fixed = WANT_FIXED.pack(tag, index, export.id if export is not None else 0,
-                                     flat.storage_offset() if export is not None else 0, flat.numel(), announce)
-            frames.append((WANT, fixed + (export.record if announce else b"")))
-            if export is not None:
+            if export is None:
+                frames.append((WANT, WANT_FIXED.pack(tag, index, 0, 0, flat.numel(), False)))
+            else:
+                announce = not export.announced
+                fixed = WANT_FIXED.pack(tag, index, export.id, flat.storage_offset(), flat.numel(), announce)
+                frames.append((WANT, fixed + (export.record if announce else b"")))
                 export.announced = True
             # The peer writes into the buffer once it has the WANT: not before the work
             # queued on it has run (a host wait on the ready thread; never an event of
@@ -113,11 +125,11 @@ class Receiving:
             at = HOST_FIXED.size + HEADER_BYTES
             self._partial = HostMessage(tag=tag, index=index, nbytes=nbytes, header=payload[HOST_FIXED.size:at],
                                          data=bytearray(nbytes))
-            self._host_bytes(payload, at)
+            self._host_bytes(self._partial, payload, at)
         elif kind == HOST_MORE:
             if self._partial is None:
                 raise TransportError("host message bytes without a host message")
-            self._host_bytes(payload, 0)
+            self._host_bytes(self._partial, payload, 0)
         elif kind == RELEASE:
             (export_id,) = U64.unpack(payload)
             with self._state_lock:
@@ -160,8 +172,8 @@ class Receiving:
         # Mapping and copying are the pusher thread's: this one reads the peer's frames (and its death).
         self._transport._pusher.submit(None, functools.partial(self._dispatch, item, want))
 
-    def _host_bytes(self, payload: bytes, at: int) -> None:
-        message = self._partial
+    def _host_bytes(self, message: HostMessage, payload: bytes, at: int) -> None:
+        """``payload[at:]``: the next bytes of ``message``, the host message being received."""
         n = len(payload) - at
         if message.filled + n > message.nbytes:
             raise TransportError("a host message ran past its announced size")
@@ -230,6 +242,7 @@ class Receiving:
         bytes into host memory, else on the copy stream, finished by the
         completion thread (which also acknowledges offers)."""
         flat = receive.flat
+        assert flat is not None, "a receive is delivered once, and finishes only then"
         n = min(flat.numel(), message.nbytes)  # a size mismatch fails the receive's check
         try:
             if isinstance(message, HostMessage):

@@ -1,6 +1,6 @@
 """The CUDA IPC connection's sending half: offers, pushes into the peer's receive
 buffers, staging of host buckets, exports and the outbox (``IpcConnection`` in
-``replica.transport.ipc`` holds the state both halves share)."""
+``replica.transport.ipc`` holds the state both halves share, ``IpcState`` declares it)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from replica.transport.ipc_cuda import (
     Bucket,
     Export,
     Import,
+    IpcState,
     Outgoing,
     Send,
     Want,
@@ -54,7 +55,7 @@ __all__ = ["Sending"]
 logger = logging.getLogger(__name__)
 
 
-class Sending:
+class Sending(IpcState):
     """``IpcConnection``'s sending methods."""
 
     def _isend(self, flat, tag, header, ready):
