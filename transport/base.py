@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypedDict
 
 import torch
 
@@ -31,28 +31,13 @@ from replica.errors import (
 from replica.timing import Backoff, Deadline, pause
 from replica.transport.wire import HEADER_BYTES, BucketHeader
 
-__all__ = [
-    "AUTO_VERIFY_THREADS_MAX",
-    "After",
-    "Capabilities",
-    "Connection",
-    "Locality",
-    "MAX_OFFSET",
-    "MAX_TAG",
-    "MemoryKind",
-    "PIECE_BYTES",
-    "Pending",
-    "SendFaults",
-    "Transfer",
-    "Transport",
-    "bucket_digest",
-    "check_verify_threads",
-    "nvtx_range",
-    "ready_event",
-    "resolve_verify_threads",
-    "select_transport",
-    "valid_offset",
-]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11
+
+__all__ = ["AUTO_VERIFY_THREADS_MAX", "After", "Capabilities", "Connection", "Locality", "MAX_OFFSET", "MAX_TAG",
+           "MemoryKind", "PIECE_BYTES", "Pending", "SendFaults", "Transfer", "Transport", "bucket_digest",
+           "check_verify_threads", "nvtx_range", "ready_event", "resolve_verify_threads", "select_transport",
+           "valid_offset"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +69,12 @@ class Capabilities:
 try:
     import nvtx as _nvtx
 
-    def nvtx_range(name: str):
+    def nvtx_range(name: str) -> contextlib.AbstractContextManager[object]:
         return _nvtx.annotate(name, domain="replica")
 
 except ImportError:  # the ranges are for profiles only; nothing depends on them
 
-    def nvtx_range(name: str):
+    def nvtx_range(name: str) -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
 
 
@@ -233,6 +218,7 @@ class Pending(Protocol):
 
     def poll(self) -> bool:
         """True once finished; raises the backend's error if it failed."""
+        ...
 
 
 # How long a failed backend operation waits for the control channel to report
@@ -302,6 +288,8 @@ class Transfer:
         a received bucket fails its digest (once all of its pieces are in).
         """
         if self._done:
+            if self._header is None:  # a receive whose checks raised
+                raise TransportError(f"{self._kind} of tag {self._tag} failed its checks: it has no header")
             return self._header
         deadline = Deadline.after(timeout)
         headers, sums = [], []
@@ -309,6 +297,7 @@ class Transfer:
             for piece in self._pieces:
                 self._wait_piece(piece, deadline, timeout)
                 if self._kind == "recv":  # verified while the next pieces arrive
+                    assert piece.header_buf is not None, "a receive's pieces each have a header buffer"
                     header, term_sum = self._conn._check_piece(self._tag, piece.flat, piece.header_buf,
                                                                getattr(piece.pending, "digest", None))
                     headers.append(header)
@@ -316,6 +305,7 @@ class Transfer:
         self._done = True
         if self._kind == "recv":
             self._header = self._conn._verify(self._tag, self._buf, headers, sums)
+        assert self._header is not None, "a send's header is given at its start"
         return self._header
 
     def _wait_piece(self, piece: _Piece, deadline: Deadline, timeout: timedelta) -> None:
@@ -326,7 +316,7 @@ class Transfer:
                 self._conn._fail(TransferTimeoutError(
                     f"{self._kind} of tag {self._tag} to {self._conn.peer} did not finish "
                     f"within {_seconds(timeout):.3f} s; connection closed"))
-                raise self._conn._error
+                raise self._conn._failure()
             if completion is not None:
                 pause(_COMPLETION_SLICE, completion, deadline)
             else:
@@ -346,10 +336,19 @@ class Transfer:
             # The control channel says whether the peer is gone; give it a moment.
             if not self._conn._failed.wait(_EXPLAIN.total_seconds()):
                 self._conn._fail(TransportError(f"{self._kind} of tag {self._tag} failed: {exc}"))
-            raise self._conn._error from exc
+            raise self._conn._failure() from exc
         if self._conn._error is not None:
             raise self._conn._error
         return False
+
+
+class _SendOptions(TypedDict, total=False):  # what Connection.send passes on to isend
+    step: int
+    bucket: int
+    offset: int
+    fingerprint: int
+    digest: int | None
+    after: After | torch.cuda.Event
 
 
 class Connection(ABC):
@@ -442,7 +441,7 @@ class Connection(ABC):
                 pieces.append(_Piece(self._irecv(part, tag, header_buf, ready), part, header_buf))
         return Transfer(self, pieces, kind="recv", tag=tag, buf=flat, header=None)
 
-    def send(self, buf: torch.Tensor, *, tag: int, timeout: timedelta, **meta: int) -> BucketHeader:
+    def send(self, buf: torch.Tensor, *, tag: int, timeout: timedelta, **meta: Unpack[_SendOptions]) -> BucketHeader:
         return self.isend(buf, tag=tag, **meta).wait(timeout)
 
     def recv(self, buf: torch.Tensor, *, tag: int, timeout: timedelta) -> BucketHeader:
@@ -474,6 +473,11 @@ class Connection(ABC):
             logger.log(logging.INFO if graceful else logging.WARNING, "connection to %s %s: %s", self.peer,
                        "ended" if graceful else "failed", error)
         self._abort()
+
+    def _failure(self) -> TransportError:
+        """The error the connection failed with: called only once it has (``_fail`` set it)."""
+        assert self._error is not None, "the connection has not failed"
+        return self._error
 
     def _guard(self, buf: torch.Tensor, tag: int, what: str) -> torch.Tensor:
         if self._error is not None:

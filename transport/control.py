@@ -118,7 +118,7 @@ class ControlledConnection(Connection):
                 self._sock.sendall(encode_frame(kind, payload))
         except OSError as exc:
             self._peer_lost(f"control send failed: {exc}")
-            raise self._error from exc
+            raise self._failure() from exc
 
     def _on_control(self, kind: int, payload: bytes) -> None:
         raise TransportError(f"unexpected control frame {kind}")

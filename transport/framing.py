@@ -10,7 +10,7 @@ import selectors
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 from datetime import timedelta
 
 
@@ -77,9 +77,10 @@ class ControlMonitor:
                 if key.data is None:  # close() woke it
                     continue
                 conn, pending = key.data
-                reason = self._read(key.fileobj, conn, pending)
+                sock = cast(socket.socket, key.fileobj)  # registered with data by watch() alone: a socket
+                reason = self._read(sock, conn, pending)
                 if reason is not None:
-                    self.forget(key.fileobj)
+                    self.forget(sock)
                     conn._peer_lost(reason)
 
     @staticmethod

@@ -125,27 +125,30 @@ class GlooTransport(ControlledTransport):
         def left() -> timedelta:
             return max(end.remaining(), _LEAST_WAIT)
 
+        # The ignores: torch.distributed re-exports its stores from torch._C without marking
+        # them public, and gloo's _Options and its barrier are missing from torch's stubs.
+        tcp_store, prefix_store = dist.TCPStore, dist.PrefixStore  # pyright: ignore[reportPrivateImportUsage]
         if server:
             host, port = state.getsockname()[:2]
             # The store takes the socket and closes it when it dies: detach it
             # so the fd is closed once, never a reused number of someone else's.
-            store = dist.TCPStore(host, port, 2, True, timeout=left(), wait_for_workers=False,
-                                  master_listen_fd=state.detach())
+            store = tcp_store(host, port, 2, True, timeout=left(), wait_for_workers=False,
+                              master_listen_fd=state.detach())
         else:
             host, port = parse_address(peer_offer.decode())
-            store = dist.TCPStore(host, port, 2, False, timeout=left())
-        options = dist.ProcessGroupGloo._Options()
+            store = tcp_store(host, port, 2, False, timeout=left())
+        options = dist.ProcessGroupGloo._Options()  # pyright: ignore[reportAttributeAccessIssue] - not in the stub
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.config.host)]
         options._timeout = self.config.op_timeout
         rank = 0 if server else 1
-        store = dist.PrefixStore("replica", store)
+        store = prefix_store("replica", store)
         # gloo's rendezvous waits op_timeout (minutes) for a peer that died after
         # the handshake; meeting in the store first bounds that by the deadline.
-        store.set(f"arrived/{rank}", b"1")
+        store.set(f"arrived/{rank}", "1")
         store.wait([f"arrived/{1 - rank}"], left())
         group = dist.ProcessGroupGloo(store, rank, 2, options)
         try:
-            group.barrier().wait(left())
+            group.barrier().wait(left())  # pyright: ignore[reportAttributeAccessIssue] - Backend's, not in the stub
         except Exception:
             with contextlib.suppress(Exception):
                 group.abort()

@@ -69,6 +69,8 @@ def pin(t: torch.Tensor) -> None:
     if not torch.cuda.is_available():
         raise MemoryPinningError("cannot pin shared memory: CUDA is not available")
     cudart = torch.cuda.cudart()
+    if cudart is None:  # torch without its CUDA runtime bindings
+        raise MemoryPinningError("cannot pin shared memory: this torch has no CUDA runtime bindings")
     address, size = t.untyped_storage().data_ptr(), len(mapping)
     status = cudart.cudaHostRegister(address, size, 0)
     if int(status) != 0:
@@ -96,7 +98,9 @@ def _mapping_of(t: torch.Tensor) -> _Mapping:
 
 def _over(mapping: _Mapping) -> torch.Tensor:
     tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while any view lives
-    tensor._replica_mapping = mapping  # for pin(); views of it share the storage, not the attribute
+    # For pin(); views of it share the storage, not the attribute. setattr: an attribute of
+    # this tensor alone, which torch.Tensor does not declare (_mapping_of reads it with getattr).
+    setattr(tensor, "_replica_mapping", mapping)  # noqa: B010
     return tensor
 
 

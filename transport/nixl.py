@@ -293,7 +293,7 @@ class NixlConnection(ControlledConnection):
             with self._state_lock:
                 recv = self._recvs.pop(key, None)
                 if recv is None:
-                    if kind == _PUSHED:
+                    if data is None:  # a _PUSHED (an _INLINE carries its bytes)
                         raise TransportError(f"a write for tag {key[0]} that no receive asked for")
                     self._early[key] = (head, data)
                     return

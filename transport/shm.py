@@ -43,6 +43,7 @@ class ShmTransport(IpcTransport):
             return b"", None  # no region offered: both sides refuse (see _open)
         probe.copy_(torch.frombuffer(bytearray(os.urandom(_PROBE_NONCE_BYTES)), dtype=torch.uint8))
         region = memfd.region_of(probe)
+        assert region is not None, "shared_empty's tensors are in a region"
         return region.record + probe.numpy().tobytes(), probe
 
     def _host_path(self, peer, peer_offer, state):

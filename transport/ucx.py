@@ -257,6 +257,8 @@ class _Worker:
 
 
 class UcxConnection(ControlledConnection):
+    _transport: UcxTransport
+
     def __init__(self, *, endpoint, worker: _Worker, send_id: int, recv_id: int, **kwargs):
         super().__init__(memory=UcxTransport.capabilities.memory, **kwargs)
         self._endpoint = endpoint
@@ -283,11 +285,12 @@ class UcxConnection(ControlledConnection):
 
     def _isend(self, flat, tag, header, ready):
         _settle(ready)
-        posted = _Requests(self._worker, [], [flat])
+        keep: list[torch.Tensor | np.ndarray] = [flat]  # the buffers UCX reads until the sends finish
+        posted = _Requests(self._worker, [], keep)
         posted._requests.append(self._post(
             lambda ep: ep.tag_send(_array(flat), tag=self._tag(self._send_id, tag, _KIND_PAYLOAD))))
         header_arr = np.frombuffer(header(), dtype=np.uint8).copy()  # outside the lock: it may hash the bucket
-        posted._keep.append(header_arr)
+        keep.append(header_arr)
         # Refused when the connection closed meanwhile: the close cancelled the
         # payload, which `posted` hands to the worker as it goes.
         posted._requests.append(self._post(lambda ep: ep.tag_send(_array(torch.from_numpy(header_arr)),
