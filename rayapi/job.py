@@ -119,16 +119,16 @@ class RayJob:
             raise
         spec = JobSpec(steps=c.steps, faults=parse_faults(c.inject), timeout=c.timeout, report=c.report,
                        train_while_replacing=c.train_while_replacing, export_dir=c.export_dir)
-        self._thread = threading.Thread(target=self._supervise, args=(spec,), name="replica-coordinator", daemon=True)
+        self._thread = threading.Thread(target=self._supervise, args=(spec, self.coordinator, self.agents),
+                                        name="replica-coordinator", daemon=True)
         self._thread.start()
 
-    def _supervise(self, spec: JobSpec) -> None:
+    def _supervise(self, spec: JobSpec, coordinator: Coordinator, agents: RayAgents) -> None:
         try:
             leading = self._leadership.leading if self._leadership is not None else None
             # Placed from the coordinator's loop once every trainer joined (their nodes known).
-            spares = SparePool(self.coordinator.store, self.config.spares, self.agents) if self.config.spares else None
-            self._status = supervise(self.coordinator, spec, self.agents, cancel=self._cancel, leading=leading,
-                                     spares=spares)
+            spares = SparePool(coordinator.store, self.config.spares, agents) if self.config.spares else None
+            self._status = supervise(coordinator, spec, agents, cancel=self._cancel, leading=leading, spares=spares)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             self._error = exc
 
@@ -142,6 +142,7 @@ class RayJob:
             raise JobWaitTimeoutError(f"the job is still running after {timeout}")
         if self._error is not None:
             raise self._error
+        assert self._status is not None  # the loop ended without an error: it returned the status
         return self._status
 
     def done(self) -> bool:

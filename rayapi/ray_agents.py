@@ -22,8 +22,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import cast
 
 import ray
+from ray.actor import ActorHandle
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -88,9 +90,9 @@ def _actor_options(resources: dict[str, float]) -> dict:
 class _Actor:
     role: Role
     rank: int
-    handle: object
+    handle: ActorHandle[RoleProcess]
     resources: dict[str, float]
-    bundle: int  # its bundle in the job's placement group
+    bundle: int | None  # its bundle in the job's placement group (None: pinned to a node outside it)
     started: float
     pid: int | None = None
     node: str | None = None
@@ -153,19 +155,19 @@ class RayAgents:
                 f"{len(bundles)} bundles {bundles} with strategy {self.placement.strategy} ({self._trainers} trainers, "
                 f"{max(self._rollouts, self._standbys)} rollout machines); the cluster's {len(nodes)} live nodes have {nodes}")
         if not self._shared_domains:
-            self._pair_apart()
+            self._pair_apart(self._pg)
 
-    def _pair_apart(self) -> None:
+    def _pair_apart(self, pg: PlacementGroup) -> None:
         """Which rollout machine each rank's standby takes: never one in its trainer's failure
         domain (rank r keeps machine r where it may); PlacementError, the job's machines freed,
         when the placed bundles allow no such pairing."""
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
-        nodes = ray.util.placement_group_table(self._pg).get("bundles_to_node_id", {})
+        nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
         domain = [self._domain(nodes.get(b, ""), alive) for b in range(self._trainers + self._standbys)]
         trainers, sites = domain[:self._trainers], domain[self._trainers:]
         paired = pair_apart(trainers[:self._standbys], sites)
         if paired is None:
-            remove_placement_group(self._pg)
+            remove_placement_group(pg)
             self._pg = None
             raise PlacementError(
                 f"no standby can be kept out of its trainer's failure domain: the job's machines are in "
@@ -198,11 +200,18 @@ class RayAgents:
                 node: str | None = None, *, started: float | None = None, spare: int | None = None) -> None:
         """An actor in ``bundle`` of the job's placement group, or (None) pinned to ``node``;
         ``started``: a replacement's first try (its start timeout counts from there)."""
-        strategy = (PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle)
-                    if bundle is not None else NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+        if bundle is not None:
+            if self._pg is None:
+                raise PlacementError(f"{role} {rank}: the job's machines are not reserved yet (reserve)")
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg, placement_group_bundle_index=bundle)
+        else:
+            assert node is not None  # _place pins an actor to a node where no bundle has room
+            strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
         env = {**self._env, **member_environ(role, rank, spare=spare)}
-        handle = self._remote.options(scheduling_strategy=strategy, name=None,
-                                      **_actor_options(resources)).remote(self._script, env, self.placement.domain_label)
+        actor_class = self._remote.options(scheduling_strategy=strategy, name=None, **_actor_options(resources))
+        # cast: ray types what .remote() returns as ActorHandle | type[RoleProcess] (so that the class's
+        # methods have types); it is the actor's handle
+        handle = cast(ActorHandle[RoleProcess], actor_class.remote(self._script, env, self.placement.domain_label))
         actor = _Actor(role=Role(role), rank=rank, handle=handle, resources=resources, bundle=bundle,
                        started=started or time.monotonic(), replacement=started is not None, spare=spare)
         self._actors.append(actor)
@@ -265,6 +274,7 @@ class RayAgents:
             if isinstance(answer, tuple):
                 actor.pid, actor.node = answer
             elif answer is not None:  # the role ended: its actor goes too, freeing its bundle's share
+                assert actor.pid is not None  # wait() is asked once where() answered
                 actor.code = answer
                 gone.append((actor.pid, answer, actor.host))
                 ray.kill(actor.handle, no_restart=True)
@@ -333,10 +343,13 @@ class RayAgents:
                        "no live Ray node without a trainer has room for a new %s %d (%s): it is not started",
                        role, rank, resources)
             return False
+        if bundle is not None:
+            where = f"in bundle {bundle} of the job's placement group"
+        else:
+            assert node is not None  # (neither: returned above)
+            where = f"on Ray node {node[:12]} (no bundle of the job's has room)"
         self._launch(role, rank, resources, bundle, node, started=first_try, spare=spare)
-        logger.warning("starting a new %s %s", f"{role} {rank}" if spare is None else f"spare standby {spare}",
-                       f"in bundle {bundle} of the job's placement group" if bundle is not None else
-                       f"on Ray node {node[:12]} (no bundle of the job's has room)")
+        logger.warning("starting a new %s %s", f"{role} {rank}" if spare is None else f"spare standby {spare}", where)
         return True
 
     def _node_for(self, resources: dict[str, float], alive: dict[str, dict], trainer_domains: set[str]) -> str | None:
@@ -409,7 +422,7 @@ class RayAgents:
     def stop(self) -> None:
         """Let the standbys see the job's end and exit (5 s), kill whatever is left, free the machines."""
         live = [a for a in self._actors if a.code is None]
-        stops = [a.handle.stop.remote(5.0) for a in live]
+        stops: list[ray.ObjectRef] = [a.handle.stop.remote(5.0) for a in live]
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=10.0)
         for actor in live:

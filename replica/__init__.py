@@ -51,7 +51,13 @@ _LAZY: dict[str, str] = {
     "restore_snapshot": "replica.state.restore",
 }
 
-__all__ = sorted([*errors.__all__, *_LAZY, "__version__"])
+# The lazy names, __version__ and the typed errors, in forms type checkers read (a call such as
+# sorted() hides the names from them), then sorted in place.
+__all__ = ["Batches", "Config", "Mirror", "RNGState", "Replicator", "ResilientProcessGroup", "Snapshot", "StateLayout",
+           "WeightReceiver", "WeightSync", "fetch_mirror", "init_resilient_process_group", "load_export", "ops",
+           "restore_snapshot", "__version__"]
+__all__ += errors.__all__
+__all__[:] = sorted(__all__)
 
 
 def __getattr__(name: str) -> Any:

@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
+from multiprocessing import process as mp_process
 from multiprocessing import reduction
 import os
 import runpy
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Protocol, cast
 
 __all__ = ["Inherited", "PRELOAD", "SERVER", "ScriptProcess", "environ_now", "start_script", "start_server"]
 
@@ -50,6 +52,29 @@ _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
 # authenticates its clients with a key of its own: there, and elsewhere, the server is always exec'd).
 _FORKABLE_SERVER = sys.platform.startswith("linux") and sys.version_info < (3, 14)
 _NAME_BYTES = 15  # the kernel keeps 15 bytes of a process name (/proc/PID/comm)
+
+
+# CPython's multiprocessing internals used here, which typeshed leaves out (it declares no private
+# names): each is cast to one of these where it is used.
+class _ForkServerState(Protocol):
+    """``multiprocessing.forkserver._forkserver``'s state, which ``start_server`` fills in."""
+
+    _forkserver_address: str | None
+    _forkserver_alive_fd: int | None
+    _forkserver_pid: int | None
+
+
+class _ConnectionModule(Protocol):
+    """``multiprocessing.connection``: a fresh address for a listener."""
+
+    def arbitrary_address(self, family: str) -> str: ...
+
+
+class _ProcessModule(Protocol):
+    """``multiprocessing.process``: this process's parent and its children not yet joined."""
+
+    _parent_process: mp_process.BaseProcess | None
+    _children: set[mp_process.BaseProcess]
 
 
 def environ_now() -> dict[str, str]:
@@ -102,14 +127,14 @@ def start_server() -> bool:
     as they do from the exec'd one."""
     from multiprocessing import connection, forkserver, resource_tracker, util
 
-    server = forkserver._forkserver
+    server = cast(_ForkServerState, forkserver._forkserver)
     if not _FORKABLE_SERVER or threading.active_count() > 1 or server._forkserver_pid is not None:
         return False
     resource_tracker.ensure_running()
     sys.stdout.flush()
     sys.stderr.flush()
     with socket.socket(socket.AF_UNIX) as listener:
-        address = connection.arbitrary_address("AF_UNIX")
+        address = cast(_ConnectionModule, connection).arbitrary_address("AF_UNIX")
         listener.bind(address)
         if not util.is_abstract_socket_namespace(address):
             os.chmod(address, 0o600)
@@ -142,9 +167,10 @@ def _die_with_parent() -> None:
     # The server exits once no client holds its liveness pipe; multiprocessing hands each child
     # a copy (for children of its own), which would keep the server up after the parent died.
     from multiprocessing import forkserver
-    if forkserver._forkserver._forkserver_alive_fd is not None:
-        os.close(forkserver._forkserver._forkserver_alive_fd)
-        forkserver._forkserver._forkserver_alive_fd = None  # a child of this child starts a server of its own
+    server = cast(_ForkServerState, forkserver._forkserver)
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None  # a child of this child starts a server of its own
     if not sys.platform.startswith("linux"):
         return
     if _libc().prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
@@ -160,7 +186,7 @@ def _as_a_fresh_interpreter() -> None:
     child has the fork server's forced on it: a DataLoader's workers would come from a server
     of this child's, as children of that server, not of the role), no parent, a key of its own."""
     mp.set_start_method(None, force=True)
-    mp.process._parent_process = None
+    cast(_ProcessModule, mp_process)._parent_process = None
     mp.current_process().authkey = os.urandom(32)
 
 
@@ -252,17 +278,19 @@ class ScriptProcess:
     pid may be gone (or another process's) before its exit reaches this side. So it is
     signalled through a pidfd taken at its start, never by pid."""
 
-    def __init__(self, process: mp.process.BaseProcess, argv: list[str]):
+    def __init__(self, process: mp_process.BaseProcess, argv: list[str]):
+        assert process.pid is not None  # started (start_script): it has a pid
         self._process = process
+        self._pid = process.pid
         self.args = argv
         try:
-            self._pidfd: int | None = os.pidfd_open(process.pid)
+            self._pidfd: int | None = os.pidfd_open(self._pid)
         except ProcessLookupError:  # gone already (reaped by the server): nothing to signal
             self._pidfd = None
 
     @property
     def pid(self) -> int:
-        return self._process.pid
+        return self._pid
 
     @property
     def returncode(self) -> int | None:
@@ -274,6 +302,7 @@ class ScriptProcess:
     def wait(self, timeout: float | None = None) -> int:
         self._process.join(timeout)
         if self._process.exitcode is None:
+            assert timeout is not None  # a join without one returns once the script ended
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self._process.exitcode
 
@@ -284,8 +313,9 @@ class ScriptProcess:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     def __del__(self) -> None:
-        if getattr(self, "_pidfd", None) is not None:
-            os.close(self._pidfd)
+        pidfd = getattr(self, "_pidfd", None)  # (none when __init__ did not get that far)
+        if pidfd is not None:
+            os.close(pidfd)
             self._pidfd = None
 
 
@@ -304,5 +334,5 @@ def start_script(argv: list[str], *, env: dict[str, str], name: str) -> ScriptPr
     process.start()
     # Not joined by multiprocessing at this process's exit, as a daemonic one would not be: a
     # parent that ends without stopping it ends it (the server goes, and the signal comes).
-    mp.process._children.discard(process)
+    cast(_ProcessModule, mp_process)._children.discard(process)
     return ScriptProcess(process, list(argv))

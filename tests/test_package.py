@@ -59,6 +59,14 @@ def test_all_is_explicit_sorted_and_resolves(name):
         assert hasattr(module, attr), f"{name}.__all__ names missing {attr}"
 
 
+def test_top_level_all_names_the_errors_and_the_lazy_names():
+    """replica/__init__.py spells its lazy names out in __all__ (for type checkers): none missing, none extra."""
+    import replica
+    from replica import errors
+
+    assert set(replica.__all__) == {*errors.__all__, *replica._LAZY, "__version__"}
+
+
 # replica 0.1's flat module paths, removed before any release: none may come back, as a
 # module or as an alias (each names where its module lives now, e.g. replica.jobstore).
 OLD_PATHS = (

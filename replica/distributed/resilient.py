@@ -32,6 +32,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore, Store
 
 from replica.distributed.works import (REDUCE_SCATTERS, GroupWork, allreduce_scattered, backend_failure,
                                        device_type, work_status)
@@ -111,9 +112,10 @@ class ResilientProcessGroup(dist.ProcessGroup):
     not the watchdog, decides who is dead (default: 3x ``timeout``).
     """
 
-    def __init__(self, *, store: dist.Store, rank: int, world_size: int, timeout: timedelta, name: str,
+    def __init__(self, *, store: Store, rank: int, world_size: int, timeout: timedelta, name: str,
                  cuda: bool | None = None, nccl_timeout: timedelta | None = None):
-        super().__init__(rank, world_size)
+        # (the binding also takes (rank, size), for a Python subclass; torch's stub lists only (store, rank, size))
+        super().__init__(rank, world_size)  # pyright: ignore[reportCallIssue]
         self._store = store
         self._timeout = timeout
         self.nccl_timeout = nccl_timeout if nccl_timeout is not None else 3 * timeout
@@ -214,22 +216,23 @@ class ResilientProcessGroup(dist.ProcessGroup):
         if self._rehearsing:
             raise ReplicaError(f"generation {generation} cannot be connected during a rehearsal")
         timeout = timeout or self._timeout
-        prefix = dist.PrefixStore(f"generation/{generation}", self._store)
+        prefix = PrefixStore(f"generation/{generation}", self._store)
         if ready_timeout is not None:
             self._arrive(prefix, generation, ready_timeout, ready_abort)
-        inners = {"cpu": dist.ProcessGroupGloo(prefix, self.rank(), self.size(), timeout)}
+        inners: dict[str, object] = {"cpu": dist.ProcessGroupGloo(prefix, self.rank(), self.size(), timeout)}
         self._release(timeout, background=True)
         if self.cuda:
-            inners["cuda"] = _nccl(dist.PrefixStore("nccl", prefix), self.rank(), self.size(), self.nccl_timeout)
+            inners["cuda"] = _nccl(PrefixStore("nccl", prefix), self.rank(), self.size(), self.nccl_timeout)
         with self._lock:
             self._inners, self._generation, self._error = inners, generation, None
             self._works = deque()
         logger.info("[rank %d] process group generation %d connected (%s)", self.rank(), generation,
                     ", ".join(sorted(inners)))
 
-    def _arrive(self, prefix: dist.Store, generation: int, timeout: timedelta,
+    def _arrive(self, prefix: Store, generation: int, timeout: timedelta,
                 abort: Callable[[], bool] | None) -> None:
-        prefix.set(f"arrived/{self.rank()}", b"1")
+        # (torch's stub types values as str; the binding takes bytes)
+        prefix.set(f"arrived/{self.rank()}", b"1")  # pyright: ignore[reportArgumentType]
         names = [f"arrived/{r}" for r in range(self.size())]
         deadline = Deadline.after(timeout)
         while not prefix.check(names):  # polled: a blocking wait would hold the store client for everyone
@@ -427,7 +430,7 @@ def _nccl_environment() -> None:
         os.environ.setdefault(_DUMP_WAIT, "100")
 
 
-def _nccl(store: dist.Store, rank: int, size: int, timeout: timedelta):
+def _nccl(store: Store, rank: int, size: int, timeout: timedelta):
     """An NCCL group for one generation (its communicator is made at its first collective)."""
     _nccl_environment()  # before the constructor reads it
     options = dist.ProcessGroupNCCL.Options()
@@ -440,7 +443,7 @@ def _create(opts, _backend_options) -> ResilientProcessGroup:
                                  timeout=opts.timeout, name=opts.group_id)
 
 
-def init_resilient_process_group(*, store: dist.Store, rank: int, world_size: int,
+def init_resilient_process_group(*, store: Store, rank: int, world_size: int,
                                  timeout: timedelta = timedelta(seconds=30),
                                  nccl_timeout: timedelta | None = None,
                                  generation: int | None = 0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, overload
 
 __all__ = ["BoundedMap"]
 
@@ -25,6 +25,11 @@ class BoundedMap(Generic[K, V]):
         self.limit = limit
         self._entries: collections.OrderedDict[K, V] = collections.OrderedDict()
         self._lock = threading.Lock()
+
+    @overload
+    def get(self, key: K) -> V | None: ...
+    @overload
+    def get(self, key: K, default: V) -> V: ...
 
     def get(self, key: K, default: V | None = None) -> V | None:
         with self._lock:

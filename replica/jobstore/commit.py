@@ -52,6 +52,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeGuard
 
 from replica.errors import CommitTimeoutError, StoreWaitTimeoutError
 from replica.jobstore import Ack, AckSummary, Commit, Epoch, Flag, Generation, JobStore, LostReports, Number, Registration, keys
@@ -119,7 +120,7 @@ class EpochRecord:
         with self._lock:
             held = self._generation
         hint = None if fresh or held is None else _HINTS.get(self._job)
-        if hint is not None and hint() == held.number:
+        if hint is not None and held is not None and hint() == held.number:
             return held
         store = store or self.store
         number = store.get(keys.generation_number())
@@ -301,8 +302,9 @@ class CommitRecord:
         packs N+1 only once N is committed)."""
         first = step if below is None else max(below + 1, step - _MARKERS_KEPT + 1)
         raw = self.store.raw
-        raw.multi_set([self.store.full(keys.commit_reached(s)) for s in range(first, step + 1)],
-                      [b""] * (step + 1 - first))
+        # (torch's stub lacks Store.multi_set, which the binding and every store here have)
+        raw.multi_set(  # pyright: ignore[reportAttributeAccessIssue]
+            [self.store.full(keys.commit_reached(s)) for s in range(first, step + 1)], [b""] * (step + 1 - first))
         summaries = (keys.summary_count,) if self._groups() > 1 else ()
         for old in range(max(0, first - _MARKERS_KEPT), step + 1 - _MARKERS_KEPT):
             for name in (keys.commit_reached(old), *(count(old) for count in summaries),
@@ -319,19 +321,19 @@ class CommitRecord:
         The standbys' acks come in one request; a trainer's own ack is read only for a
         rank whose standby's is missing or below ``target`` (None: every rank): past
         ``target`` it cannot lower the minimum below it."""
-        def counts(ack: Ack | None, r: int, holder: str) -> bool:
+        def counts(ack: Ack | None, r: int, holder: str) -> TypeGuard[Ack]:
             return (ack is not None and ack.rank == r and ack.holder == holder
                     and (generation is None or ack.epoch == generation.epoch(r)))
 
         ranks = range(self.world_size) if ranks is None else ranks
-        registrations = dict(zip(ranks, self.store.get_many([keys.standby(r) for r in ranks])))
-        registered = [r for r in ranks if registrations[r] is not None]
-        standby_acks = dict(zip(registered, self.store.get_many([keys.ack(r, registrations[r].nonce)
-                                                                 for r in registered])))
+        registrations = zip(ranks, self.store.get_many([keys.standby(r) for r in ranks]))
+        nonces = {r: registration.nonce for r, registration in registrations if registration is not None}
+        registered = list(nonces)
+        standby_acks = dict(zip(registered, self.store.get_many([keys.ack(r, nonces[r]) for r in registered])))
         counted: list[Ack] = []
         for r in ranks:
             ack = standby_acks.get(r)
-            best = ack if ack is not None and counts(ack, r, registrations[r].nonce) else None
+            best = ack if ack is not None and counts(ack, r, nonces[r]) else None
             if best is None or target is None or best.step < target:
                 own = self.store.get(keys.ack(r, ""))
                 if counts(own, r, "") and (best is None or own.step > best.step):
@@ -346,7 +348,9 @@ class CommitRecord:
         itself (so it holds ``step``: a standby keeps the commit's version until a newer
         one is committed)."""
         registration = self.registration(rank)
-        ack = None if registration is None else self.store.get(keys.ack(rank, registration.nonce))
+        if registration is None:
+            return False
+        ack = self.store.get(keys.ack(rank, registration.nonce))
         return ack is not None and ack.rank == rank and ack.holder == registration.nonce and ack.step >= step
 
     def report_lost(self, rank: int) -> None:

@@ -29,11 +29,13 @@ import logging
 import os
 import ssl
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from replica import envvars
 from replica.errors import EtcdError, FencedError
@@ -283,7 +285,7 @@ class _HeldWatch:
     read_by: Deadline
 
 
-class EtcdStore(dist.Store):
+class EtcdStore(Store):
     """A ``torch.distributed.Store`` on etcd (see the module's docstring). Thread-safe:
     each thread has connections of its own, so a thread's blocking wait never holds
     another's.
@@ -291,6 +293,8 @@ class EtcdStore(dist.Store):
     ``fence=(key, value)`` makes every write of this store apply only while ``key``
     holds ``value`` (a leader's claim), in the same transaction: once another process
     took the claim, writes raise ``FencedError`` and change nothing."""
+
+    timeout: timedelta  # the binding's Store.timeout (set by set_timeout), which torch's stub lacks
 
     def __init__(self, config: EtcdConfig, *, fence: tuple[str, bytes] | None = None):
         super().__init__()
@@ -321,7 +325,7 @@ class EtcdStore(dist.Store):
     def _key(self, key: str | bytes) -> str:
         return _b64(self._ns + _bytes(key))
 
-    def _txn(self, compare: list[dict], success: list[dict], failure: list[dict] = ()) -> dict:
+    def _txn(self, compare: list[dict], success: list[dict], failure: Sequence[dict] = ()) -> dict:
         """One transaction, under the fence if there is one (FencedError when it no longer holds)."""
         if self.fence is None:
             return self._client.call("/v3/kv/txn", {"compare": compare, "success": success, "failure": list(failure)})
@@ -568,7 +572,7 @@ class EtcdStore(dist.Store):
         share no prefix beyond the namespace or the prefix holds many more keys
         (``_SCAN_SLACK``): read them key by key."""
         names = [self._ns + _bytes(k) for k in keys]
-        prefix = os.path.commonprefix(names)
+        prefix = os.path.commonprefix(names) or b""  # ('' when there are no keys)
         if len(prefix) <= len(self._ns) or self._prefix_sizes.get(prefix, 0) > _SCAN_SLACK * len(keys):
             return None  # (a prefix known to hold many more: a commit's group of 32 ranks among 1,024)
         reply = self._client.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),

@@ -32,30 +32,37 @@ class HeartbeatSender(Protocol):
     @property
     def beats(self) -> int:
         """The beats sent so far."""
+        ...
 
     @property
     def paused(self) -> bool:
         """Whether the beats stopped because ``touch()`` was not called within the grace."""
+        ...
 
     @property
     def failing_for(self) -> float:
         """Seconds since the beats started failing (0.0: they get through)."""
+        ...
 
     @property
     def last_error(self) -> str:
         """Why the last beat that failed did ("" if none did)."""
+        ...
 
     @property
     def generation(self) -> int:
         """The newest generation number an answer of the liveness endpoint carried (-1: none came)."""
+        ...
 
     @property
     def reply_age(self) -> float:
         """Seconds since the liveness endpoint's last answer (infinite: none came)."""
+        ...
 
     @property
     def replies(self) -> int:
         """The liveness endpoint's answers received so far."""
+        ...
 
     def touch(self) -> None:
         """Say the interpreter lives: the beats go on for the grace after this."""
@@ -72,10 +79,6 @@ class ThreadHeartbeatSender(HeartbeatSender):
     (etcd over https): the same signed ``Heartbeat`` values, in the store only (``aim`` is
     accepted and changes nothing: no answer ever comes, so ``reply_age`` stays infinite and
     readers go to the store as without an endpoint)."""
-
-    generation = -1
-    reply_age = float("inf")
-    replies = 0
 
     def __init__(self, store: JobStore, member: int, *, period: timedelta, python_grace: timedelta):
         for name, value in (("period", period), ("python_grace", python_grace)):
@@ -117,6 +120,18 @@ class ThreadHeartbeatSender(HeartbeatSender):
     @property
     def failing_for(self) -> float:
         return time.monotonic() - self._failing_since if self._failing_since else 0.0
+
+    @property
+    def generation(self) -> int:
+        return -1
+
+    @property
+    def reply_age(self) -> float:
+        return float("inf")
+
+    @property
+    def replies(self) -> int:
+        return 0
 
     def _run(self) -> None:
         while not self._stop.is_set():

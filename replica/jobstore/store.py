@@ -28,6 +28,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+# TCPStore is torch.distributed's documented API, but torch/distributed/__init__.py imports it from the
+# private torch._C._distributed_c10d without re-exporting it (no alias, no __all__): pyright calls it private.
+from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
+from torch.distributed.distributed_c10d import PrefixStore, Store
+
 from replica import _C
 from replica.errors import JobStateError, StoreWaitTimeoutError
 from replica.jobstore.bounded import BoundedMap
@@ -57,7 +62,7 @@ _ABSENT = b"\x00replica:absent\x00"
 _KEY_LABEL = b"replica job store v1"
 
 
-def _quietly_timed(raw: dist.Store) -> bool:
+def _quietly_timed(raw: Store) -> bool:
     """Whether a wait on ``raw`` may time out every ``_BLOCK_SLICE`` without a trace: etcd's
     (a poll of its own, every 20 ms at most), not a TCPStore's (each wait that times out logs
     two warnings from torch's C++, which no Python call silences: its waiters check instead)."""
@@ -74,7 +79,7 @@ class JobStore:
     thread that must never wait behind another (heartbeats) a store of its own
     (``reconnect``)."""
 
-    def __init__(self, store: dist.Store, *, token: bytes, prefix: str = "replica"):
+    def __init__(self, store: Store, *, token: bytes, prefix: str = "replica"):
         if not isinstance(token, bytes) or not token:
             raise ValueError("the job store needs the job's token")
         self.raw = store
@@ -90,7 +95,7 @@ class JobStore:
         self._local = threading.local()  # each thread's own connection (``own``)
 
     @classmethod
-    def of(cls, store: dist.Store | JobStore, *, token: bytes, prefix: str = "replica") -> JobStore:
+    def of(cls, store: Store | JobStore, *, token: bytes, prefix: str = "replica") -> JobStore:
         """``store`` itself if it is a JobStore already, else a view of it."""
         return store if isinstance(store, JobStore) else cls(store, token=token, prefix=prefix)
 
@@ -109,7 +114,8 @@ class JobStore:
         if isinstance(self.raw, EtcdStore):
             config = dataclasses.replace(self.raw.config, request_timeout=timeout, unreachable_after=timeout)
             return self._view(EtcdStore(config, fence=self.raw.fence))
-        return self._view(dist.TCPStore(self.raw.host, self.raw.port, is_master=False, timeout=timeout))
+        tcp = self._tcp()
+        return self._view(TCPStore(tcp.host, tcp.port, is_master=False, timeout=timeout))
 
     def heartbeat_sender(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta,
                          store_after: timedelta = timedelta(seconds=1), liveness: tuple[str, int] | None = None,
@@ -147,10 +153,18 @@ class JobStore:
                 first=first, key=full, store_key=config.namespace + full, mac_key=self._mac_key, member=member,
                 period_s=period.total_seconds(), io_timeout_s=io_timeout.total_seconds(),
                 python_grace_s=python_grace.total_seconds(), store_after_s=store_after.total_seconds(), **options)
+        tcp = self._tcp()
         return _C.NativeHeartbeatSender(
-            host=self.raw.host, port=self.raw.port, key=self.full(keys.heartbeat(member)), mac_key=self._mac_key,
+            host=tcp.host, port=tcp.port, key=self.full(keys.heartbeat(member)), mac_key=self._mac_key,
             member=member, period_s=period.total_seconds(), io_timeout_s=io_timeout.total_seconds(),
             python_grace_s=python_grace.total_seconds(), store_after_s=store_after.total_seconds(), **options)
+
+    def _tcp(self) -> TCPStore:
+        """The store as the TCPStore client it is when it is no EtcdStore: its address, to
+        connect to again (``reconnect``, the native beat's own connection)."""
+        if not isinstance(self.raw, TCPStore):
+            raise TypeError(f"{type(self.raw).__name__} has no address to connect to again")
+        return self.raw
 
     def liveness_server(self, host: str, port: int = 0):
         """The coordinator's liveness endpoint: a native thread on a UDP socket bound to
@@ -171,9 +185,9 @@ class JobStore:
         view._logged, view._verified = BoundedMap(_LOGGED_KEPT), BoundedMap(_VERIFIED_KEPT)
         return view
 
-    def sub(self, name: str) -> dist.Store:
+    def sub(self, name: str) -> Store:
         """A raw store under ``{prefix}/{name}`` for torch's own rendezvous (unsigned)."""
-        return dist.PrefixStore(self.full(name), self.raw)
+        return PrefixStore(self.full(name), self.raw)
 
     # signing
 
@@ -208,7 +222,8 @@ class JobStore:
     # typed access
 
     def put(self, key: Key[T], value: T) -> None:
-        self.raw.set(self.full(key), self.sign(key, value))
+        # (torch's stub types values as str; the binding takes bytes, as every store here stores them)
+        self.raw.set(self.full(key), self.sign(key, value))  # pyright: ignore[reportArgumentType]
 
     def read(self, key: Key[T]) -> tuple[T | None, bytes | None]:
         """(verified value or None, raw bytes or None when absent). One request: a
@@ -227,7 +242,7 @@ class JobStore:
     def read_raw(self, name: str) -> bytes | None:
         """The bytes under the full key ``name`` as they are (unverified: a plain counter,
         a join request signed its own way), or None when absent; one request (``read``)."""
-        raw = self.raw.compare_set(name, _ABSENT, _ABSENT)
+        raw = self.raw.compare_set(name, _ABSENT, _ABSENT)  # pyright: ignore[reportArgumentType] (as in put)
         return None if raw == _ABSENT else raw
 
     def get(self, key: Key[T]) -> T | None:
@@ -277,7 +292,8 @@ class JobStore:
         """Write ``value`` if ``key`` still holds ``expected`` (raw bytes as read; None:
         absent); returns what it holds after, verified (None if not trustworthy) and raw."""
         new = self.sign(key, value)
-        raw = self.raw.compare_set(self.full(key), b"" if expected is None else expected, new)
+        expected_raw = b"" if expected is None else expected
+        raw = self.raw.compare_set(self.full(key), expected_raw, new)  # pyright: ignore[reportArgumentType] (as in put)
         if raw == new:
             return value, raw
         try:
@@ -365,16 +381,17 @@ class JobStore:
         own = getattr(self._local, "store", None)
         if own is None:
             # (a client wrapping a TCPStore, replica._testing.CountingStore, says so)
-            connects = isinstance(self.raw, dist.TCPStore) or getattr(self.raw, "clone_per_thread", False)
-            raw = self.raw.clone() if connects else self.raw
+            connects = isinstance(self.raw, TCPStore) or getattr(self.raw, "clone_per_thread", False)
+            # (torch's stub lacks Store.clone, which the binding has)
+            raw = self.raw.clone() if connects else self.raw  # pyright: ignore[reportAttributeAccessIssue]
             own = self._local.store = self if raw is self.raw else self._view(raw)
         return own
 
-    def on(self, raw: dist.Store) -> JobStore:
+    def on(self, raw: Store) -> JobStore:
         """The same job (token, prefix) over another client of its store (a fenced one)."""
         return self._view(raw)
 
-    def _view(self, raw: dist.Store) -> JobStore:
+    def _view(self, raw: Store) -> JobStore:
         """The same job (key, prefix, log of ignored values) over another client."""
         view = object.__new__(JobStore)
         view.raw, view.prefix, view._mac_key, view._token = raw, self.prefix, self._mac_key, self._token

@@ -14,7 +14,10 @@ import enum
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch.distributed as dist
+# TCPStore is torch.distributed's documented API, but torch/distributed/__init__.py imports it from the
+# private torch._C._distributed_c10d without re-exporting it (no alias, no __all__): pyright calls it private.
+from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
+from torch.distributed.distributed_c10d import Store
 
 from replica import envvars
 from replica.jobstore.etcd import EtcdConfig, EtcdStore, parse_endpoints
@@ -60,11 +63,11 @@ class StoreAddress:
         return f"etcd://{hosts}/{self.namespace.rstrip('/')}"
 
     @classmethod
-    def of(cls, store: dist.Store) -> StoreAddress:
+    def of(cls, store: Store) -> StoreAddress:
         """The address of a store client (to hand to another process)."""
         if isinstance(store, EtcdStore):
             return cls(kind=StoreKind.ETCD, endpoints=store.config.endpoints, namespace=store.config.namespace)
-        if isinstance(store, dist.TCPStore):
+        if isinstance(store, TCPStore):
             return cls(kind=StoreKind.TCP, endpoints=((store.host, store.port),))
         raise TypeError(f"{type(store).__name__} has no address another process could use")
 
@@ -76,9 +79,9 @@ class StoreAddress:
     def port(self) -> int:
         return self.endpoints[0][1]
 
-    def connect(self, *, timeout: timedelta) -> dist.Store:
+    def connect(self, *, timeout: timedelta) -> Store:
         """A client of the store; ``timeout`` bounds its blocking waits."""
         if self.kind == StoreKind.TCP:
-            return dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+            return TCPStore(self.host, self.port, is_master=False, timeout=timeout)
         return EtcdStore(EtcdConfig.from_environ(",".join(f"{h}:{p}" for h, p in self.endpoints),
                                                  self.namespace, timeout=timeout))

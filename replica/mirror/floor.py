@@ -239,6 +239,7 @@ class Floor:
         self.stats.bytes += nbytes
         self.stats.parts += 1
         self.stats.written.append(step)
+        assert copy.digests is not None  # _copy returns only a copy it checked against its digests
         digest = combine_digests(copy.digests, [hi - lo for lo, hi in copy.layout.buckets()])
         self._store.put(keys.floor_part(step, self._rank), FloorPart(
             rank=self._rank, step=step, file=str(path.relative_to(self.config.directory)), nbytes=nbytes,
@@ -280,8 +281,9 @@ class Floor:
 
     def _complete(self, step: int) -> None:
         """This part completed version ``step``: its manifest, in the store and beside the files."""
-        parts = self._store.get_many([keys.floor_part(step, r) for r in range(self._world_size)])
-        if any(p is None for p in parts):
+        held = self._store.get_many([keys.floor_part(step, r) for r in range(self._world_size)])
+        parts = [p for p in held if p is not None]
+        if len(parts) < len(held):
             return
         version = FloorVersion(step=step, directory=str(self.config.directory), files=tuple(p.file for p in parts),
                                nbytes=tuple(p.nbytes for p in parts), digests=tuple(p.digest for p in parts),

@@ -143,8 +143,9 @@ def _answer(conn: Connection, request: Reply, snapshots: Sequence[Snapshot], tim
         # The standby writes it back only if it matches its own kept digest: a snapshot
         # packed again meanwhile (the next commit) is refused there, never trusted here.
         # After the snapshot's own event, not this thread's current stream (the next step).
-        conn.send(held.buffer[lo:hi], tag=REPAIR_BUCKET, timeout=timeout, step=step, bucket=i, offset=lo,
-                  fingerprint=fingerprint, after=After.NOTHING if held.ready is None else held.ready)
+        # (isend(...).wait() is what send() does; send's ``**meta: int`` has no room for ``after``)
+        conn.isend(held.buffer[lo:hi], tag=REPAIR_BUCKET, step=step, bucket=i, offset=lo, fingerprint=fingerprint,
+                   after=After.NOTHING if held.ready is None else held.ready).wait(timeout)
     logger.warning("[%s step %d] sent buckets %s again: the standby found them changed in its memory", who, step,
                    list(request.buckets))
     return len(request.buckets)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from replica.state import serialize
 from replica.session.backends import SHM_BACKEND
@@ -89,7 +90,7 @@ class Replicator:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 extra: Mapping[str, Stateful] | None = None, *, store: dist.Store | JobStore,
+                 extra: Mapping[str, Stateful] | None = None, *, store: Store | JobStore,
                  config: Config | None = None, rank: int | None = None, world_size: int | None = None,
                  epoch: Callable[[], Epoch] | None = None):
         self.model = model
@@ -196,7 +197,7 @@ class Replicator:
         if self._last_step is None:
             raise ReplicaError("wait_committed() before the first commit()")
         timeout = self.config.commit_timeout if timeout is None else timeout
-        return self.record.wait(self._last_step, timeout, abort=self._watch(interruptible=False))
+        return self.record.wait(self._last_step, timeout, abort=self._watch(self._last_step, interruptible=False))
 
     def rollback(self, *, step: int | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None, extra: Mapping[str, Stateful] | None = None) -> int:
@@ -280,7 +281,9 @@ class Replicator:
         replacement), stream this rank's copy of the commit to it again, ahead of the
         next step, in the current epoch. Returns True if a stream was queued."""
         commit = self.last_commit()
-        held = next((s for s in self._snapshots if commit is not None and s.step == commit), None)
+        if commit is None:
+            return False
+        held = next((s for s in self._snapshots if s.step == commit), None)
         if held is None or self.record.standby_holds(self.rank, commit):
             return False
         logger.info("[trainer rank %d] the rank's standby does not hold commit %d: sending it first", self.rank,
@@ -338,9 +341,11 @@ class Replicator:
             del self._digests_of[old]
 
     def _names_in(self, bucket: int) -> str:
-        lo, hi = self._layout.buckets()[bucket]
-        names = [e.name for e in self._layout.entries if e.offset < hi and e.offset + e.nbytes > lo]
-        if self._layout.extras_offset < hi:
+        layout = self._layout
+        assert layout is not None  # a step was packed: the state is bound
+        lo, hi = layout.buckets()[bucket]
+        names = [e.name for e in layout.entries if e.offset < hi and e.offset + e.nbytes > lo]
+        if layout.extras_offset < hi:
             names.append("the extras (optimizer scalars, RNG, data positions)")
         return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
@@ -371,19 +376,19 @@ class Replicator:
             return
         timeout = self.config.commit_timeout
 
-        self.record.wait(self._last_step, timeout, abort=self._watch(interruptible=True))
+        self.record.wait(self._last_step, timeout, abort=self._watch(self._last_step, interruptible=True))
         # Only the buffer packed next must be free: the other may still be streaming (a
         # promoted trainer's commit goes to its new standby while it trains on).
         if not self._stream.wait_released(self._snapshots[self._next], timeout):
             self._raise_stream_error()
             raise ReplicaError(f"the mirror stream of rank {self.rank} did not finish within {timeout}")
 
-    def _watch(self, *, interruptible: bool) -> Callable[[], None]:
+    def _watch(self, step: int, *, interruptible: bool) -> Callable[[], None]:
         """What a wait for the last step's global commit calls between looks: raises the
         stream's error (and, when ``interruptible``, _Interrupted once a failover was
-        announced), and once the commit is late, sends the step again if the standby that
-        received it left before recording it (``MirrorStream.resend_unrecorded``)."""
-        step, snapshot = self._last_step, self._snapshots[self._next ^ 1]
+        announced), and once the commit is late, sends ``step`` (the last) again if the standby
+        that received it left before recording it (``MirrorStream.resend_unrecorded``)."""
+        snapshot = self._snapshots[self._next ^ 1]
         look = Deadline.after(_RESEND_LOOK)
 
         def abort() -> None:

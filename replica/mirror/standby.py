@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from replica.session.backends import SHM_BACKEND, backend_class, connect
 from replica.session.bucketstream import accept_sender, receive_versions, wait_first
@@ -103,7 +104,7 @@ class Mirror(Listener):
     copies it to the GPU tensor by tensor (``replica.state.placement``).
     """
 
-    def __init__(self, *, rank: int, world_size: int, store: dist.Store | JobStore, config: Config | None = None,
+    def __init__(self, *, rank: int, world_size: int, store: Store | JobStore, config: Config | None = None,
                  device: torch.device | str | None = None, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None):
         config = config if config is not None else Config(token=token_from_env())
@@ -259,6 +260,8 @@ class Mirror(Listener):
         bucket at a time, so receiving and restoring go on between); on a mismatch
         mark it refused and ask the trainer for the bad buckets again."""
         commit = self.record.last()
+        if commit is None:
+            return
         with self._cond:
             snapshot = next((s for s in self._slots if s.step is not None and s.step == commit), None)
         if snapshot is None or snapshot.digests is None or self._handed_over:
@@ -362,6 +365,7 @@ class Mirror(Listener):
             try:
                 snapshot, step = self._checked_version(None if step < 0 else step)
             except SnapshotCorruptedError as exc:
+                assert exc.step is not None  # _checked_version names the version's step
                 send_reply(conn, Reply(step=exc.step, status=Status.DAMAGED, buckets=exc.buckets), timeout)
                 raise
             except ReplicaError as exc:
@@ -413,7 +417,9 @@ class Mirror(Listener):
             if self._handed_over:
                 raise ReplicaError(f"standby of rank {self.rank}: its versions were handed over to the rank's "
                                    "new trainer; it receives nothing more")
-            return self._take_slot(ask_store=True)
+            slot = self._take_slot(ask_store=True)
+            assert slot is not None  # asking the store always finds one
+            return slot
 
     def _take_slot(self, *, ask_store: bool) -> Snapshot | None:
         """Under _cond: the slot the next version goes into, its step cleared (restore
@@ -421,10 +427,10 @@ class Mirror(Listener):
         the older version once the commit seen here covers the newer (commits only move
         forward: nothing needs the older one again) are known without the store; else
         the store's commit decides (``ask_store``), or None."""
-        held = [s for s in self._slots if s.step is not None]
-        newest = max(held, key=lambda s: s.step) if held else None
+        held = {s: s.step for s in self._slots if s.step is not None}  # slot -> the step it holds
+        newest = max(held, key=held.__getitem__) if held else None
         seen = self.record.last_seen()
-        if len(held) < 2 or (seen is not None and newest.step <= seen):
+        if len(held) < 2 or (seen is not None and newest is not None and held[newest] <= seen):
             keep = newest
         elif not ask_store:
             return None
@@ -486,7 +492,7 @@ class Mirror(Listener):
         logger.debug("[standby rank %d step %d] acknowledged; global commit %s", self.rank, begin.step, commit)
 
 
-def fetch_mirror(*, rank: int, world_size: int, store: dist.Store | JobStore, config: Config | None = None,
+def fetch_mirror(*, rank: int, world_size: int, store: Store | JobStore, config: Config | None = None,
                  step: int | None = None, device: torch.device | str | None = None) -> Snapshot:
     """Copy rank ``rank``'s committed version (the last global commit unless
     ``step`` says otherwise) from its standby into a new snapshot on ``device``:

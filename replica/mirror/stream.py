@@ -73,8 +73,8 @@ class MirrorStream:
         self._error: ReplicaError | None = None
         self._closing = threading.Event()
         self._transport: Transport | None = None
-        self._registration: str | None = None  # the registration of the standby connected to
-        self._lost: str | None = None  # the registration of the last standby lost
+        self._registration: Registration | None = None  # the registration of the standby connected to
+        self._lost: Registration | None = None  # the registration of the last standby lost
         self._conn: Connection | None = None
         self._layout_sent: StateLayout | None = None
         self._streamed: list[Snapshot] = []  # the snapshots streamed (the Replicator's two): repairs come from them
@@ -143,7 +143,7 @@ class MirrorStream:
         serve_repairs(lambda: self._conn, lambda: list(self._streamed), stop=self._closing,
                       timeout=self._config.timeout, who=f"trainer rank {self.rank}", repaired=repaired)
 
-    def _keep_digests(self, snapshot: Snapshot) -> None:
+    def _keep_digests(self, snapshot: Snapshot | None) -> None:
         """Give ``snapshot`` its digests before anything acknowledges it, when no send
         carried them (no standby; a stream cut short), so a rollback can check it."""
         if self._config.verify and snapshot is not None and snapshot.digests is None:

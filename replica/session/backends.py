@@ -11,7 +11,7 @@ import ipaddress
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 from replica import envvars
 from replica.config import Config
@@ -21,7 +21,7 @@ from replica.transport import Connection, Locality, MemoryKind, Transport, selec
 if TYPE_CHECKING:
     from replica.jobstore import Registration
 
-__all__ = ["BACKENDS", "NIXL_BACKEND", "SHM_BACKEND", "backend_class", "backend_name", "check_backends",
+__all__ = ["BACKENDS", "NIXL_BACKEND", "NixlOptions", "SHM_BACKEND", "backend_class", "backend_name", "check_backends",
            "choose_backend", "choose_backends", "connect", "locality_of", "make_backend", "nixl_options",
            "parse_backends"]
 
@@ -42,6 +42,19 @@ _BACKENDS = {
     SHM_BACKEND: ("replica.transport.shm", "ShmTransport", "IpcConfig", None, ""),
     NIXL_BACKEND: ("replica.transport.nixl", "NixlTransport", "NixlConfig", "nixl", "pip install 'replica[nixl]'"),
 }
+
+
+class _BackendClass(Protocol):
+    """A backend's ``Transport`` subclass as ``make_backend`` builds it: from its config alone."""
+
+    def __call__(self, config: Any, /) -> Transport: ...
+
+
+class NixlOptions(TypedDict, total=False):
+    """``NixlConfig``'s fields that the environment sets (``nixl_options``)."""
+
+    plugin: str
+    plugin_params: tuple[tuple[str, str], ...]
 
 
 #: Every backend's name, as ``Config.backends`` lists them.
@@ -161,20 +174,22 @@ def make_backend(name: str, config: Config, *, share_memory: bool = True) -> Tra
     map this process's memory though it runs on this host (a backend that would reach it
     through shared memory, UCX, takes the way it takes to another host instead)."""
     transport, backend_config = _load(name)
-    options = {} if share_memory or "share_memory" not in backend_config.__dataclass_fields__ else {
+    # (each backend's Transport takes its config, UcxTransport(UcxConfig) ...: the base class declares no __init__)
+    build = cast(_BackendClass, transport)
+    options: dict[str, object] = {} if share_memory or "share_memory" not in backend_config.__dataclass_fields__ else {
         "share_memory": False}
     if name == NIXL_BACKEND:
         options.update(nixl_options())
-    return transport(backend_config(token=config.token, host=config.host, verify=config.verify,
-                                    verify_threads=config.verify_threads, **options))
+    return build(backend_config(token=config.token, host=config.host, verify=config.verify,
+                                verify_threads=config.verify_threads, **options))
 
 
-def nixl_options(environ: Mapping[str, str] | None = None) -> dict[str, object]:
+def nixl_options(environ: Mapping[str, str] | None = None) -> NixlOptions:
     """The NIXL plugin and its parameters from the environment (``REPLICA_NIXL_BACKEND``,
     default UCX; ``REPLICA_NIXL_PARAMS``, ``name=value`` pairs separated by commas).
     ValueError for a malformed value."""
     env = os.environ if environ is None else environ
-    options: dict[str, object] = {}
+    options: NixlOptions = {}
     plugin = env.get(envvars.NIXL_BACKEND, "").strip()
     if plugin:
         options["plugin"] = plugin

@@ -40,7 +40,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -55,6 +55,14 @@ logger = logging.getLogger(__name__)
 _PLAIN = "DataLoader"
 _END = object()
 _STATEFUL = "StatefulDataLoader"
+
+
+class _StatefulLoader(Protocol):
+    """What torchdata's ``StatefulDataLoader`` adds to a ``DataLoader``: its position as state."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 def _stateful_loader_type() -> type | None:
@@ -140,15 +148,13 @@ class Batches:
     def __next__(self) -> Any:
         if self.held is not None:
             raise ReplicaError(f"{self.name}: {self.held}")
-        if self._it is None:
-            self._start()
+        it = self._it if self._it is not None else self._start()
         try:
-            batch = next(self._it)
+            batch = next(it)
         except StopIteration:
             self.epoch, self.taken, self._it = self.epoch + 1, 0, None
-            self._start()
             try:
-                batch = next(self._it)
+                batch = next(self._start())
             except StopIteration:
                 raise ReplicaError(f"{self.name}: the loader gives no batch in epoch {self.epoch}") from None
         self.taken += 1
@@ -160,14 +166,14 @@ class Batches:
         state: dict[str, Any] = {"kind": self.kind, "epoch": self.epoch, "taken": self.taken}
         if self.positions:
             if self._it is not None:
-                state["loader"] = self.loader.state_dict()
+                state["loader"] = self._stateful().state_dict()
             else:
                 # Before the first batch it makes an iterator for the state (the next batch
                 # then takes that one): under the guard, so that draw moves no RNG. Its state
                 # holds what the loader made from the RNG when it was built (its sampler's
                 # generator), which a restore into another process's loader needs.
                 with _global_rngs_kept():
-                    state["loader"] = self.loader.state_dict()
+                    state["loader"] = self._stateful().state_dict()
         else:
             state["started"] = self._started  # None before the first batch
         return state
@@ -185,6 +191,10 @@ class Batches:
 
     # --- the iterator ---
 
+    def _stateful(self) -> _StatefulLoader:
+        # (only where self.positions: _kind found a StatefulDataLoader, which the annotation cannot say)
+        return cast(_StatefulLoader, self.loader)
+
     def _set_epoch(self) -> None:
         if self._sampler is not None and hasattr(self._sampler, "set_epoch"):
             self._sampler.set_epoch(self.epoch)
@@ -198,7 +208,8 @@ class Batches:
             found["sampler"] = sampler_generator
         return found
 
-    def _start(self) -> None:
+    def _start(self) -> Iterator:
+        """Make the epoch's iterator (``_it``), positioned as restored; returns it."""
         restored, self._restored = self._restored, None
         if restored is not None and not restored.get("loader" if self.positions else "started"):
             # Restored before its first batch: the failure-free run made this iterator at
@@ -209,13 +220,13 @@ class Batches:
                              **{k: g.get_state() for k, g in self._generators().items()}}
             self._set_epoch()
             self._it = iter(self.loader)
-            return
+            return self._it
         with _global_rngs_kept():  # the model's RNG streams stay as the restore left them
             if self.positions:
-                self.loader.load_state_dict(restored["loader"])
+                self._stateful().load_state_dict(restored["loader"])
                 self._set_epoch()
                 self._it = iter(self.loader)
-                return
+                return self._it
             started = self._started = restored["started"]
             torch.set_rng_state(started["torch"])
             for key, generator in self._generators().items():
@@ -230,6 +241,7 @@ class Batches:
         if self.taken:
             logger.info("[%s] positioned after %d batches of epoch %d (drawn again)", self.name, self.taken,
                         self.epoch)
+        return self._it
 
     def __repr__(self) -> str:
         return f"Batches({self.name!r}, {self.kind}, epoch={self.epoch}, taken={self.taken})"

@@ -88,7 +88,10 @@ class InputDigests:
             self._handle.remove()
         import torch._dynamo  # here, not at import: the hook runs eagerly beside a compiled model, never traced
 
-        self._handle = model.register_forward_pre_hook(torch._dynamo.disable(self._pre_forward), with_kwargs=True)
+        # (torch._dynamo.disable is unannotated: pyright infers the union of all its returns, where a
+        # function passed in comes back wrapped, with its own signature)
+        hook = torch._dynamo.disable(self._pre_forward)
+        self._handle = model.register_forward_pre_hook(hook, with_kwargs=True)  # pyright: ignore[reportArgumentType]
 
     def begin(self, step: int) -> None:
         """Step ``step`` starts: its first attempt, or a redo of it (a new one each time)."""

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ def dtype_of(name: str) -> torch.dtype:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The rank-local storage of ``t``: the shard of a DTensor, else ``t`` itself."""
-    to_local = getattr(t, "to_local", None)
+    to_local: Callable[[], torch.Tensor] | None = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 
 
@@ -93,7 +94,7 @@ def global_offsets(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     every rank are left out."""
     offsets = {}
     for name, t in _named_state(model, optimizer):
-        chunks = getattr(t, "__create_chunk_list__", None)
+        chunks: Callable[[], list[Any]] | None = getattr(t, "__create_chunk_list__", None)  # (ChunkStorageMetadata)
         if callable(chunks):
             (chunk,) = chunks()
             offsets[name] = tuple(int(o) for o in chunk.offsets)

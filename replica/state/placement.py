@@ -86,7 +86,7 @@ def pack_state(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, offsets: S
     (``on_device``), so they go to the kernel without a look at each; one that is
     not raises RuntimeError before any byte is written.
     """
-    def final_pack(srcs: list[torch.Tensor], offs: list[int]) -> torch.Tensor | None:
+    def final_pack(srcs: Sequence[torch.Tensor], offs: Sequence[int]) -> torch.Tensor | None:
         if block_bytes is None:
             ops.pack(srcs, buffer, offs)
             return None

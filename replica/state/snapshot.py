@@ -166,14 +166,15 @@ class Snapshot:
         zeros there: the pack did not read them) hold no state: where they changed
         since (a memory error), they are zeroed again first, and a bucket that then
         matches is not bad. No later capture would rewrite them otherwise."""
-        if self.digests is None:
+        digests = self.digests
+        if digests is None:
             return []
         ranges = self.layout.buckets()
         indices = list(range(len(ranges)) if buckets is None else buckets)
-        bad = self._mismatched(indices, ranges)
+        bad = self._mismatched(indices, ranges, digests)
         if bad and self._zeros_from is not None and any(ranges[i][1] > self._zeros_from for i in bad):
             self.buffer[self._zeros_from:self.layout.extras_offset + self.layout.extras_capacity].zero_()
-            still = self._mismatched(bad, ranges)
+            still = self._mismatched(bad, ranges, digests)
             if len(still) < len(bad):
                 logger.warning("rank %d step %s: bytes past the extras blob changed in memory (bucket(s) %s); "
                                "zeroed again, as the capture left them", self.layout.rank, self.step,
@@ -181,9 +182,9 @@ class Snapshot:
             bad = still
         return bad
 
-    def _mismatched(self, indices: list[int], ranges: list[tuple[int, int]]) -> list[int]:
+    def _mismatched(self, indices: list[int], ranges: list[tuple[int, int]], digests: list[int]) -> list[int]:
         now = bucket_digests(self.buffer, [ranges[i] for i in indices])
-        return [i for i, digest in zip(indices, now, strict=True) if digest != self.digests[i]]
+        return [i for i, digest in zip(indices, now, strict=True) if digest != digests[i]]
 
     def verify(self) -> None:
         """Raise SnapshotCorruptedError, naming the rank, step and bad buckets, if the
@@ -247,11 +248,14 @@ class Snapshot:
     def _head(self) -> torch.Tensor:
         """The buffer up to the zeros past the extras blob (rounded up to a word), and
         ``self._zeros`` the digests of what follows."""
-        cut = min(-(-self._zeros_from // 8) * 8, self.layout.total_bytes)
-        if self._zeros.cut != cut:
+        zeros_from = self._zeros_from
+        assert zeros_from is not None  # capture's _write_extras set it just before
+        cut = min(-(-zeros_from // 8) * 8, self.layout.total_bytes)
+        view = self._head_view
+        if view is None or self._zeros.cut != cut:  # (None: no cut yet)
             self._zeros.move(cut)
-            self._head_view = self.buffer[:cut]
-        return self._head_view
+            view = self._head_view = self.buffer[:cut]
+        return view
 
     def written_elsewhere(self) -> None:
         """Note that something other than ``capture`` wrote the buffer (a receive, a
@@ -288,15 +292,17 @@ class Snapshot:
     def _blob(self, extras: bytes) -> torch.Tensor:
         """The extras' length and bytes, in a host tensor of exactly their size."""
         size = _LENGTH.size + len(extras)
-        if self._blob_store is None or self._blob_store.numel() < size:
-            self._blob_store = torch.empty(-(-size // _BLOB_GRAIN) * _BLOB_GRAIN, dtype=torch.uint8)
-            self._blob_bytes = memoryview(self._blob_store.numpy())
+        store, data = self._blob_store, self._blob_bytes
+        if store is None or data is None or store.numel() < size:  # (both None, or neither)
+            store = self._blob_store = torch.empty(-(-size // _BLOB_GRAIN) * _BLOB_GRAIN, dtype=torch.uint8)
+            data = self._blob_bytes = store.numpy().data  # (the array's memoryview)
             self._blob_view = None
-        if self._blob_view is None or self._blob_view.numel() != size:
-            self._blob_view = self._blob_store[:size]
-        _LENGTH.pack_into(self._blob_bytes, 0, len(extras))
-        self._blob_bytes[_LENGTH.size:size] = extras
-        return self._blob_view
+        view = self._blob_view
+        if view is None or view.numel() != size:
+            view = self._blob_view = store[:size]
+        _LENGTH.pack_into(data, 0, len(extras))
+        data[_LENGTH.size:size] = extras
+        return view
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> bytes:
         """Write the captured state into ``tensors`` in place; returns the extras."""
@@ -321,10 +327,11 @@ class Snapshot:
     def _check(self, tensors: Sequence[torch.Tensor]) -> None:
         self._check_count(tensors)
         entries = self.layout.entries
-        if self._expected is None:  # every step checks every tensor: in C++, against meta tensors
-            self._expected = ops.ShapeCheck([torch.empty(e.shape, dtype=dtype_of(e.dtype), device="meta")
-                                             for e in entries])
-        bad = self._expected.first_mismatch(tensors)
+        expected = self._expected
+        if expected is None:  # every step checks every tensor: in C++, against meta tensors
+            expected = self._expected = ops.ShapeCheck([torch.empty(e.shape, dtype=dtype_of(e.dtype), device="meta")
+                                                        for e in entries])
+        bad = expected.first_mismatch(tensors)
         if bad >= 0:
             t, e = tensors[bad], entries[bad]
             raise LayoutMismatchError(

@@ -4,7 +4,7 @@ a packed copy by name."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -17,9 +17,16 @@ __all__ = ["ModelSource", "ParamInfo", "TensorMeta", "WeightBucket", "WeightSour
 
 
 class TensorMeta(Protocol):
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+    """One tensor a ``WeightSource`` yields, read-only (``ParamInfo``, vLLM's ``ParamMeta``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
 
 @runtime_checkable
@@ -29,7 +36,7 @@ class WeightSource(Protocol):
     with no transfer; iterating gives ``(name, full tensor)`` in that order, a fresh pass
     each push, on every trainer rank (gathers are collectives)."""
 
-    def metadata(self) -> list[TensorMeta]: ...
+    def metadata(self) -> Sequence[TensorMeta]: ...
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from replica.session.bucketstream import accept_sender, receive_versions
 from replica.jobstore.commit import EpochRecord
@@ -57,7 +57,7 @@ class WeightReceiver(Listener):
     current epoch of trainer rank ``leader`` (the ``WeightSync`` leader) as the
     coordinator's generation record names it; without a record, any."""
 
-    def __init__(self, *, index: int, store: dist.Store | JobStore, config: Config,
+    def __init__(self, *, index: int, store: Store | JobStore, config: Config,
                  expect: Callable[[StateLayout], None] | None = None,
                  on_ready: Callable[[int], None] | None = None, leader: int = 0, buffers: int = 2,
                  on_receiving: Callable[[int], None] | None = None):
@@ -131,9 +131,14 @@ class WeightReceiver(Listener):
             if step is None or step <= floor:
                 got = None
             else:
-                self._held_buffer = self._ready
-                views = (_consumable_views(self._page, self._layout) if consume
-                         else named_views(self._ready, self._layout))
+                ready, layout, page = self._ready, self._layout, self._page
+                assert ready is not None and layout is not None  # a ready step: its layout came first
+                self._held_buffer = ready
+                if consume:
+                    assert page is not None  # one buffer (checked above): a PageBuffer
+                    views = _consumable_views(page, layout)
+                else:
+                    views = named_views(ready, layout)
                 got = (step, views)
         try:
             yield got
@@ -221,6 +226,7 @@ class WeightReceiver(Listener):
                 if self._ready is self._staging:
                     self._ready, self._ready_step = None, None
             staging = self._staging
+        assert staging is not None  # _adopt made it: a session's layout comes before its versions
         if self._on_receiving is not None:
             self._on_receiving(begin.step)
         return staging
@@ -238,6 +244,7 @@ class WeightReceiver(Listener):
             elif previous is not self._held_buffer:
                 self._staging = previous
             else:
+                assert previous is not None  # two buffers: _adopt made the ready one
                 if self._spare is None:
                     self._spare = torch.empty_like(previous)
                 self._staging, self._spare = self._spare, previous

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
+from torch.distributed.distributed_c10d import Store
 
 from replica import ops
 from replica.session.backends import SHM_BACKEND
@@ -83,8 +83,9 @@ class _Staging:
         # The caller's stream, in the caller's thread (push runs in the trainer's): the gathers
         # that produced ``full`` were queued on it just before, and nothing since.
         current = torch.cuda.current_stream(self.device)
-        if self._copied[slot] is not None:  # the slot's previous copy has read its device buffer
-            current.wait_event(self._copied[slot])
+        copied = self._copied[slot]
+        if copied is not None:  # the slot's previous copy has read its device buffer
+            current.wait_event(copied)
         staged = self._device[slot][:target.numel()]
         if sum(t.numel() * t.element_size() for t in full) != target.numel():
             staged.zero_()  # alignment gaps: the same bytes as a bucket packed on the host
@@ -119,7 +120,7 @@ class WeightSync:
     the leader sends ``NO_EPOCH``, which only a job without a coordinator accepts.
     """
 
-    def __init__(self, model: torch.nn.Module | WeightSource, *, store: dist.Store | JobStore, num_engines: int,
+    def __init__(self, model: torch.nn.Module | WeightSource, *, store: Store | JobStore, num_engines: int,
                  config: Config, rank: int = 0, leader: int = 0, name_map: Callable[[str], str] | None = None,
                  dtype: torch.dtype | None = None, faults: MirrorFaults | None = None,
                  epoch: Callable[[], Epoch] | None = None):
@@ -315,8 +316,14 @@ class WeightSync:
         self._fenced = {r: e for r, e in self._fenced.items() if r in registered}
         return dict(self._links), skipped
 
+    def _leader_copy(self) -> torch.Tensor:
+        """The retained packed copy, which the leader alone keeps (and packs, and sends)."""
+        if self._packed is None:
+            raise ReplicaError("only the leader rank keeps a packed copy of the weights")
+        return self._packed
+
     def _connect(self, current: Registration, epoch: Epoch) -> _Link:
-        transport, conn = open_session(current, memory=memory_kind(self._packed), config=self.config,
+        transport, conn = open_session(current, memory=memory_kind(self._leader_copy()), config=self.config,
                                        epoch=epoch, layout=self.layout,
                                        peer=f"the engine at {current.address}",
                                        mismatch="the weight layout (its log names the first difference)")
@@ -326,20 +333,20 @@ class WeightSync:
         """Pack bucket ``k`` into the retained host copy, taking its digest in the same
         pass. CUDA weights are packed on their device and start their way down
         (``_Staging``); ``_land`` completes them, waiting for that bucket's copy only."""
-        bucket = self._buckets[k]
-        word_offset = None if self._digests is None else bucket.lo // 8
+        bucket, packed, digests = self._buckets[k], self._leader_copy(), self._digests
+        word_offset = None if digests is None else bucket.lo // 8
         device = full[0].device
         if device.type == "cpu":
-            target = self._packed[bucket.lo:bucket.hi]
-            if word_offset is None:
+            target = packed[bucket.lo:bucket.hi]
+            if digests is None:
                 ops.pack(full, target, offsets)
             else:
-                self._digests[k] = int(ops.pack_checksum(full, target, offsets, -(-target.numel() // 8) * 8,
-                                                         word_offset).item())
+                digests[k] = int(ops.pack_checksum(full, target, offsets, -(-target.numel() // 8) * 8,
+                                                   bucket.lo // 8).item())
             return
         if self._staging is None or self._staging.device != device:
             self._staging = _Staging(device, max(b.hi - b.lo for b in self._buckets))
-        self._landing[bucket.lo] = self._staging.start(full, offsets, self._packed[bucket.lo:bucket.hi], word_offset)
+        self._landing[bucket.lo] = self._staging.start(full, offsets, packed[bucket.lo:bucket.hi], word_offset)
 
     def _land(self, k: int) -> None:
         """Wait until a CUDA bucket is down in the retained copy, with its digest (a
@@ -350,12 +357,13 @@ class WeightSync:
         copied, digest = landing
         copied.synchronize()
         if digest is not None:
+            assert self._digests is not None  # a digest is taken only where they are kept (_pack)
             self._digests[k] = int(digest.item())
         self.stats.staged_buckets += 1
 
     def _outgoing(self, link: _Link, step: int) -> Outgoing:
         """Version ``step`` of the retained copy, going out to ``link``'s engine."""
-        return Outgoing(link.conn, self._packed, self._ranges, step=step, epoch=self._epoch(),
+        return Outgoing(link.conn, self._leader_copy(), self._ranges, step=step, epoch=self._epoch(),
                         fingerprint=self._fingerprint, config=self.config, faults=self.faults, counts=self.stats,
                         peer=f"the engine at {link.registration.address}", digests=self._digests)
 

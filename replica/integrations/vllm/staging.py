@@ -35,9 +35,10 @@ place through vLLM's public ``reload_weights``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import MethodType
+from typing import Any, Protocol, cast
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -77,7 +78,7 @@ def check_vllm(version: str | None = None) -> None:
     if version is None:
         import vllm
 
-        version = getattr(vllm, "__version__", "unknown")
+        version = str(getattr(vllm, "__version__", "unknown"))
     if not any(version == v or version.startswith(v + ".") for v in TESTED_VLLM):
         raise StagingUnsupported(f"vLLM {version} is not a release staging was tested with "
                                  f"({', '.join(TESTED_VLLM)})")
@@ -94,6 +95,12 @@ class _Pair:
     shadow: torch.nn.Module
     attrs: dict[str, object]  # set by processing, to move onto the live module
     removed: tuple[str, ...]  # attributes processing deleted
+
+
+class _LoadsWeights(Protocol):
+    """A vLLM model: every model class loads checkpoint tensors with ``load_weights``."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any: ...
 
 
 class PreparedWeights:
@@ -152,7 +159,7 @@ def prepare(model: torch.nn.Module, weights, step: int, *,
             process_loaded()  # the loader has copied the previous tensor by the time it asks for the next
 
     with torch.no_grad(), counter:
-        root.load_weights(feed())
+        cast(_LoadsWeights, root).load_weights(feed())  # (a clone of a vLLM model: its class's load_weights)
     process_loaded()
     for live, shadow, fresh in pending:
         if any(counter.numel(t) for t in fresh):
@@ -177,8 +184,9 @@ def _process(live: torch.nn.Module, shadow: torch.nn.Module) -> _Pair:
     method = getattr(shadow, "quant_method", None)
     if isinstance(method, QuantizeMethodBase):
         method.process_weights_after_loading(shadow)
-        if hasattr(shadow, "update_param_tp_status"):
-            shadow.update_param_tp_status()
+        update_tp_status = getattr(shadow, "update_param_tp_status", None)
+        if update_tp_status is not None:
+            update_tp_status()
     after = {k: v for k, v in shadow.__dict__.items() if k not in _TREE}
     pair = _Pair(live=live, shadow=shadow, attrs={k: v for k, v in after.items() if before.get(k, _MISSING) is not v},
                  removed=tuple(k for k in before if k not in after))
@@ -205,12 +213,13 @@ def _shadow(module: torch.nn.Module, out: list) -> torch.nn.Module:
     clone.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
     params: dict[str, torch.Tensor | None] = {}
     info = LAYERWISE_INFO.get(module)
-    restore = info.restore_metadata[0] if info is not None else {}
-    for name, meta in restore.items():
-        with info.restore_device:
-            fresh = materialize_meta_tensor(meta)
-        fresh._replica_fresh = True
-        params[name] = _rebind(fresh, module, clone)
+    if info is not None:
+        for name, meta in info.restore_metadata[0].items():
+            with info.restore_device:
+                fresh = materialize_meta_tensor(meta)
+            # (a tensor takes any Python attribute; torch's stub declares none)
+            fresh._replica_fresh = True  # pyright: ignore[reportAttributeAccessIssue]
+            params[name] = _rebind(fresh, module, clone)
     for name, tensor in module._parameters.items():
         if name not in params:  # built after create_weights (bias): a private copy, processing may change it
             params[name] = None if tensor is None else _private(tensor, module, clone)
@@ -222,7 +231,8 @@ def _shadow(module: torch.nn.Module, out: list) -> torch.nn.Module:
 def _private(tensor: torch.Tensor, module, clone) -> torch.Tensor:
     copy = tensor.detach().clone()
     copy.__class__ = tensor.__class__
-    copy.__dict__ = dict(tensor.__dict__)
+    # (torch's stub gives Tensor the read-only __dict__ of a class, a mappingproxy; a tensor's is a dict)
+    copy.__dict__ = dict(tensor.__dict__)  # pyright: ignore[reportAttributeAccessIssue]
     return _rebind(copy, module, clone)
 
 
@@ -232,12 +242,13 @@ def _rebind(tensor: torch.Tensor, module, clone) -> torch.Tensor:
     into the live layer's reload state) is unwrapped to the loader it wraps."""
     from vllm.model_executor.model_loader.reload.sanitize import layer_ref_sentinel
 
+    # (tensor.__dict__ is a dict: torch's stub makes it a class's read-only mappingproxy, as in _private)
     loader = tensor.__dict__.get("weight_loader")
-    while getattr(loader, "__name__", None) == _ONLINE_LOADER and hasattr(loader, "__wrapped__"):
-        loader = tensor.__dict__["weight_loader"] = loader.__wrapped__
+    while loader is not None and getattr(loader, "__name__", None) == _ONLINE_LOADER and hasattr(loader, "__wrapped__"):
+        loader = tensor.__dict__["weight_loader"] = loader.__wrapped__  # pyright: ignore[reportIndexIssue]
     for key, value in list(tensor.__dict__.items()):
         if isinstance(value, MethodType) and (value.__self__ is module or value.__self__ is layer_ref_sentinel):
-            tensor.__dict__[key] = value.__func__.__get__(clone)
+            tensor.__dict__[key] = value.__func__.__get__(clone)  # pyright: ignore[reportIndexIssue]
     return tensor
 
 

@@ -220,10 +220,14 @@ class ReplicaTrainerEngine(TrainerWeightTransferEngine[ReplicaTrainerInitInfo]):
     has the engines apply it through the client (start, update, finish)."""
 
     init_info_cls = ReplicaTrainerInitInfo
+    # What trainer_init was given: replica's kind of source, not the vLLM WeightSource the base class
+    # types its (only stored) source as, so it is set here, not passed to the base.
+    source: WeightSource | torch.nn.Module | None
 
-    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None, sync: WeightSync,
-                 info: ReplicaTrainerInitInfo):
-        super().__init__(client=client, source=source, is_sender=info.is_sender)
+    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | torch.nn.Module | None,
+                 sync: WeightSync, info: ReplicaTrainerInitInfo):
+        super().__init__(client=client, is_sender=info.is_sender)
+        self.source = source
         self.sync = sync
         self.info = info
         self._step = 0
@@ -326,8 +330,9 @@ class EnginesClient:
         self._init: dict[str, Any] | None = None
         self.down: set[int] = set()  # engines left out (unreachable) until replaced
 
-    def _info(self, k: int) -> dict[str, Any]:
-        return {**self._init, "index_base": self._init.get("index_base", 0) + k * self._workers}
+    def _info(self, init: dict[str, Any], k: int) -> dict[str, Any]:
+        """``init`` (the init info given last) for engine ``k``."""
+        return {**init, "index_base": init.get("index_base", 0) + k * self._workers}
 
     def _each(self, call: Callable[[Any], None], what: str) -> None:
         for k, client in enumerate(self._clients):
@@ -343,17 +348,17 @@ class EnginesClient:
                                "until it is replaced", k, type(exc).__name__, exc, what)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._init = dict(init_info)
+        init = self._init = dict(init_info)
         for k, client in enumerate(self._clients):
             if k not in self.down:
-                client.init_weight_transfer_engine(self._info(k))  # a new job: every engine must take it
+                client.init_weight_transfer_engine(self._info(init, k))  # a new job: every engine must take it
 
     def replace(self, k: int, client) -> None:
         """Engine ``k`` is ``client``'s from now on (a replacement for one that died)."""
         if not 0 <= k < len(self._clients):
             raise ValueError(f"no engine {k}: there are {len(self._clients)}")
         if self._init is not None:
-            client.init_weight_transfer_engine(self._info(k))
+            client.init_weight_transfer_engine(self._info(self._init, k))
         self._clients[k] = client
         self.down.discard(k)
 

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -41,6 +42,9 @@ from replica.errors import (
     WeightTransferNotStartedError,
 )
 from replica.state.layout import StateLayout
+
+if TYPE_CHECKING:
+    from replica.jobstore import Registration
 
 __all__ = ["EngineWeights", "ReceiverSpec", "ReplicaWorkerExtension", "WorkerWeights", "check_fits",
            "checkpoint_shapes"]
@@ -112,6 +116,12 @@ def check_fits(layout: StateLayout, shapes: dict[str, tuple[int, ...]]) -> None:
                                       f"{shapes[e.name]}")
 
 
+class _Backends(TypedDict, total=False):
+    """The ``Config`` field a ``ReceiverSpec`` sets when it names one (else Config's default)."""
+
+    backends: tuple[str, ...]
+
+
 class WorkerWeights:
     """A vLLM worker's receiver and how it applies versions: the one implementation behind
     ``ReplicaWorkerExtension`` and the ``replica`` weight-transfer backend
@@ -127,7 +137,7 @@ class WorkerWeights:
         self._reload = reload
         shapes = checkpoint_shapes(vllm_config.model_config.model)
         store = StoreAddress.parse(spec.store).connect(timeout=timedelta(seconds=spec.timeout_s))
-        backends = {} if spec.backends is None else {"backends": tuple(spec.backends)}
+        backends: _Backends = {} if spec.backends is None else {"backends": tuple(spec.backends)}
         config = Config(token=token, host=spec.host, store_prefix=spec.store_prefix,
                         timeout=timedelta(seconds=spec.timeout_s), **backends)
         self._stager: _Stager | None = None
@@ -236,7 +246,7 @@ class ReplicaWorkerExtension:
                 "EngineWeights.ENGINE_ARGS (weight_transfer_config={'backend': 'replica'})")
         return engine.weights
 
-    def replica_registration(self) -> str:
+    def replica_registration(self) -> Registration:
         return self._replica.receiver.registration
 
     def replica_ready(self) -> int | None:
@@ -513,7 +523,9 @@ class EngineWeights:
             raise WeightsTimeoutError(f"engine {self.spec.index}: weights of step {step} did not arrive within "
                                       f"{timeout}")
         self.update()
-        return self.version
+        version = self.version
+        assert version is not None  # a version >= step arrived, and is served now
+        return version
 
     def close(self) -> None:
         self.llm.shutdown_weight_transfer_engine()
