@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         durable = durable_of(os.environ) is not None
     except ValueError as exc:
         parser.error(str(exc))
-    resume = resume_point(parser, args, args.world_size)
+    point = resume_point(parser, args, args.world_size)
+    # The step and the folder its trainers resume from (RESUME; "": their own checkpoint, --resume-step).
+    resume = (point[0], str(point[1])) if point is not None else None
     standbys = args.world_size if args.standbys is None else args.standbys
     if not 0 <= standbys <= args.world_size:
         parser.error(f"need 0 <= --standbys <= --world-size, got {standbys}")
