@@ -123,7 +123,7 @@ class Admission:
             if reply is None:  # admitted by the predecessor, which died first
                 answer(self._store, member.id, joined, generation=self._generations.number)
 
-    def _refusal(self, request: JoinRequest, *, live: set[tuple[str, int]], finished: bool) -> str | None:
+    def _refusal(self, request: JoinRequest, *, live: set[tuple[Role, int]], finished: bool) -> str | None:
         """Why ``request`` is refused (None: it is not). ``live``: the (role, rank) of every
         live member, those admitted before it in this batch included."""
         who = f"{request.role} {request.rank} (pid {request.pid} on {request.host})"

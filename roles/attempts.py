@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+from replica.errors import JobStateError
 from replica.jobstore import AgentInfo, Attempt, JobStore, keys
 from replica.jobstore.commit import CommitRecord
 from replica.roles import timing
@@ -70,6 +71,8 @@ def earlier_attempts(store: JobStore, number: int, *, world_size: int, steps: in
     restarts, earlier = [], []
     for ended in range(number):
         began = store.attempt(ended + 1).get(keys.attempt())
+        if began is None:  # announce() wrote it before that attempt began
+            raise JobStateError(f"attempt {ended + 1} has no (verified) record of how it began")
         entry, report = ended_attempt(store.attempt(ended), world_size=world_size, steps=steps, faults=faults,
                                       version=began.step, reason=began.reason)
         restarts.append(entry)

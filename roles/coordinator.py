@@ -18,13 +18,17 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from operator import attrgetter
+from typing import cast
 
-import torch.distributed as dist
+# TCPStore is torch.distributed's documented API, but torch/distributed/__init__.py imports it from the
+# private torch._C._distributed_c10d without re-exporting it: pyright calls it private.
+from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from replica.errors import JobStoreAddressError, JobStoreInUseError
 from replica.jobstore.commit import CommitRecord
 from replica.jobstore import Failover as FailoverRecord
-from replica.jobstore import ExportOutcome, ExportRequest, Flag, JobStore, Promotion, Stamp, keys
+from replica.jobstore import ExportOutcome, ExportRequest, Flag, JobStore, Promotion, Registration, Stamp, keys
+from replica.jobstore.etcd import EtcdStore
 from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.roles.env import Role, host_name
 from replica.roles.timing import Deadlines
@@ -80,8 +84,8 @@ class Coordinator:
             self.host, self.port, self._address = previous.host, previous.port, previous.address
         elif store is not None and store.kind == StoreKind.ETCD:
             raw = store.connect(timeout=timedelta(seconds=60))
-            if fence is not None:
-                raw = raw.fenced(*fence)
+            if fence is not None:  # (an etcd address connects an EtcdStore: StoreAddress.connect)
+                raw = cast(EtcdStore, raw).fenced(*fence)
             self.host, self.port, self._address = store.host, store.port, str(store)
         else:
             raw = self._host_store(host, port)
@@ -99,7 +103,8 @@ class Coordinator:
         self.unprotected: set[int] = set()
         # rank, from_commit, until_commit (None: to the end), from_at, until_at (time.time())
         self.unprotected_spans: list[dict] = []
-        self._unprotected_reg: dict[int, str | None] = {}  # a rank's standby registration when it lost protection
+        # A rank's standby registration when it lost protection.
+        self._unprotected_reg: dict[int, Registration | None] = {}
         self.rollouts_lost: list[dict] = []
         # Exits the agent reported for members already declared dead: a process killed once its
         # deadline passed, or a death the deadline found before the agent saw the exit (for the report).
@@ -166,7 +171,7 @@ class Coordinator:
         logger.warning("took over the job at generation %d, commit %s, with %d members (%d alive)", generation,
                        self.record.last(), len(self.members), len(self.alive()))
 
-    def _host_store(self, host: str, port: int) -> dist.TCPStore:
+    def _host_store(self, host: str, port: int) -> TCPStore:
         # TCPStore binds every interface unless handed a socket: bind the configured host.
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -178,8 +183,8 @@ class Coordinator:
                                        "(is another coordinator running there?)") from exc
         listener.listen(128)
         self.host, self.port = listener.getsockname()[:2]
-        return dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                             master_listen_fd=listener.detach(), timeout=timedelta(seconds=60))
+        return TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                        master_listen_fd=listener.detach(), timeout=timedelta(seconds=60))
 
     @property
     def address(self) -> str:
@@ -359,6 +364,7 @@ class Coordinator:
                                reason=f"trainer {member.rank} died ({reason}) and has no standby: rank {member.rank} "
                                       "was unprotected and its state is lost")]
         commit = self.record.last()
+        assert commit is not None  # read above: the record's last commit never goes back to None
         if not self.record.standby_holds(member.rank, commit):
             return [self._fail(member.rank, state_lost=True,
                                reason=f"trainer {member.rank} died ({reason}) and its standby, {standby}, does not "

@@ -52,6 +52,7 @@ class Leadership:
         if not isinstance(store.raw, EtcdStore):
             raise TypeError("an election needs the job store on etcd")
         self.candidate = store
+        self._raw = store.raw  # the candidate's store, as the EtcdStore it is
         self.name = f"{socket.gethostname()} pid {os.getpid()}"
         self._claim = store.sign(keys.coordinator(), Text(value=f"{self.name} {secrets.token_hex(8)}"))
         self._key = store.full(keys.coordinator())
@@ -68,7 +69,7 @@ class Leadership:
 
     def campaign(self, *, timeout: timedelta, give_up: Callable[[], bool] = lambda: False) -> bool:
         """Block until this candidate leads (True), ``give_up()`` says stop or ``timeout`` passed (False)."""
-        raw: EtcdStore = self.candidate.raw
+        raw = self._raw
         deadline = Deadline.after(timeout)
         beat_key = self.candidate.full(keys.coordinator_beat())
         seen: tuple[bytes | None, bytes | None] | None = None
@@ -101,8 +102,9 @@ class Leadership:
         return False
 
     def _lead(self) -> None:
-        self.store = self.candidate.on(self.candidate.raw.fenced(*self.claim))
-        self._thread = threading.Thread(target=self._beat, name="replica-coordinator-beat", daemon=True)
+        self.store = store = self.candidate.on(self._raw.fenced(*self.claim))
+        self._thread = threading.Thread(target=self._beat, args=(store,), name="replica-coordinator-beat",
+                                        daemon=True)
         self._thread.start()
 
     def leading(self) -> bool:
@@ -121,13 +123,14 @@ class Leadership:
             self._thread.join()
         if self.store is not None and not self._deposed.is_set():
             try:
-                self.candidate.raw.remove(self._key, self._claim)
+                self._raw.remove(self._key, self._claim)
             except Exception as exc:  # noqa: BLE001 - the others take over after SILENCE instead
                 logger.warning("could not withdraw the coordinator's claim: %s", exc)
         self._deposed.set()
 
-    def _beat(self) -> None:
-        store = self.store.reconnect(timedelta(seconds=1))  # a connection of its own, fenced the same
+    def _beat(self, leader: JobStore) -> None:
+        """The leader's beat (``leader``: the store fenced by its claim), until ``resign``."""
+        store = leader.reconnect(timedelta(seconds=1))  # a connection of its own, fenced the same
         beat = 0
         while not self._stop.wait(BEAT.total_seconds()):
             try:

@@ -5,6 +5,7 @@ never at import."""
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import socket
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from replica import envvars
-from replica.errors import RoleEnvironmentError
+from replica.errors import ReplicaError, RoleEnvironmentError
 from replica.jobstore.stores import StoreAddress
 from replica.mirror.floor import FloorConfig
 from replica.session.backends import parse_backends
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "RoleState",
            "base_environ", "check_faults", "configure_logging", "domain_name", "durable_of", "host_name", "job_environ",
-           "member_environ", "parse_faults", "role_name", "shared_domains_allowed"]
+           "member_environ", "parse_faults", "process_group", "role_name", "shared_domains_allowed"]
 
 #: The job's step count when the launcher is not told (``replica launch --steps``) and a
 #: role's environment does not say (``RoleEnv.steps``).
@@ -46,6 +47,15 @@ class RoleState(Protocol):
 
     role: Role
     group: ResilientProcessGroup | None
+
+
+def process_group(role: RoleState) -> ResilientProcessGroup:
+    """``role.group``, which a trainer and a standby have from their join on; ReplicaError in a
+    process without one (a rollout engine)."""
+    group = role.group
+    if group is None:
+        raise ReplicaError(f"this {role.role} process has no process group")
+    return group
 
 
 class Action(enum.StrEnum):
@@ -190,15 +200,15 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
             raise ValueError(f"bad fault {item!r}: expected kill|freeze:ROLE:RANK@STEP[:PHASE][:gGEN], "
                              "stall:ROLE:RANK@STEP[:SECONDS][:gGEN], corrupt:standby:RANK@STEP, kill:host:N@STEP, "
                              f"partition:host:N@STEP[:SECONDS] or slow:host:N@STEP[:MBIT] ({exc})") from exc
-        common = dict(action=action, role=role, generation=generation)
         try:
+            common = functools.partial(Fault, action=Action(action), role=role, generation=generation)
             if action in _TIMED:
-                fault = Fault(**common, rank=int(rank), step=int(step),
-                              duration=timedelta(seconds=float(extra[0])) if extra else None)
+                fault = common(rank=int(rank), step=int(step),
+                               duration=timedelta(seconds=float(extra[0])) if extra else None)
             elif action == Action.SLOW:
-                fault = Fault(**common, rank=int(rank), step=int(step), rate_mbit=float(extra[0]) if extra else None)
+                fault = common(rank=int(rank), step=int(step), rate_mbit=float(extra[0]) if extra else None)
             else:
-                fault = Fault(**common, rank=int(rank), step=int(step), phase=extra[0] if extra else Phase.FORWARD)
+                fault = common(rank=int(rank), step=int(step), phase=Phase(extra[0]) if extra else Phase.FORWARD)
         except (ValueError, OverflowError) as exc:  # OverflowError: a duration timedelta cannot hold
             raise ValueError(f"bad fault {item!r}: {exc}") from exc
         faults.append(fault)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from replica.jobstore import JobStore, Stamp, keys
-from replica.roles.env import Action, Fault, Phase, Role, RoleState
+from replica.roles.env import Action, Fault, Phase, Role, RoleState, process_group
 from replica.timing import pause
 
 
@@ -58,7 +58,7 @@ class FaultPlan:
             if name == "reduce_scatter_single":  # FSDP2's gradient reduce-scatter
                 self.fire(Phase.REDUCE_SCATTER, step())
 
-        self._role.group.on_collective = on_collective
+        process_group(self._role).on_collective = on_collective
 
     def on_shard(self, step: int) -> None:
         """A rollout's fault fires at the first shard it generates for its step or a later one
@@ -117,6 +117,7 @@ class FaultPlan:
             if f.action == Action.CORRUPT or not self._claim(f, step):  # (corrupt: on_written's)
                 continue
             if f.action == Action.STALL:
+                assert f.duration is not None  # Fault gives every stall its duration (3 s unless told)
                 pause(f.duration)
             elif f.action == Action.FREEZE:
                 for handler in logging.getLogger().handlers:  # what it logged is out before it stops

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from replica.jobstore.commit import publish_generation
 from replica.jobstore import Failover as FailoverRecord
+from replica.errors import JobStateError
 from replica.jobstore import Generation, JobStore, keys
 from replica.roles import timing
 from replica.roles.env import Role
@@ -54,7 +55,10 @@ class Generations:
 
     def restore(self) -> int:
         """A coordinator taking over: the number of the generation in the store; returns it."""
-        self.number = self._store.get(keys.generation()).number
+        current = self._store.get(keys.generation())
+        if current is None:  # the coordinator takes over only a store that holds one
+            raise JobStateError("the job store holds no (verified) generation record to take over from")
+        self.number = current.number
         self._announce(self.number)
         return self.number
 
@@ -107,6 +111,7 @@ class Generations:
             return
         self._regroup_asked_at = None
         commit = self._last_commit()
+        assert commit is not None  # read above: the record's last commit never goes back to None
         g = self.advance()
         self._store.put(keys.failover(g), FailoverRecord(generation=g, commit=commit, rank=-1, member=-1))
         self.publish()

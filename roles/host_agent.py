@@ -234,6 +234,7 @@ class HostAgent:
                 return
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.action == Action.PARTITION:
+            assert fault.duration is not None  # Fault gives every partition its duration (10 s unless told)
             _ip("link", "set", "dev", device, "down")
             heal = threading.Timer(fault.duration.total_seconds(), _ip, ("link", "set", "dev", device, "up"))
             heal.daemon = True
@@ -275,7 +276,7 @@ class HostAgent:
         beat, beat_at = 0, 0.0
         while self._talker == number and not self.ended.is_set():
             try:
-                if store is None:
+                if base is None or store is None:  # (set together)
                     base = self.base.reconnect(timing.HEARTBEAT_IO)
                     store = base.attempt(self.attempt)
                 if self._registered != self.attempt:

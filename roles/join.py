@@ -71,6 +71,15 @@ class Admission:
     generation: int
 
 
+@dataclass(slots=True)
+class _Unsigned:
+    """The last reply to a join that could not be verified (``raw``) and since when (``at``,
+    ``time.monotonic()``) such replies came."""
+
+    raw: bytes | None = None
+    at: float | None = None
+
+
 def _mac(token: bytes, body: str) -> str:
     return hmac.new(token, body.encode(), hashlib.sha256).hexdigest()
 
@@ -79,7 +88,8 @@ def post_request(store: JobStore, request: JoinRequest, token: bytes) -> int:
     """Number ``request`` and write it, signed, for the coordinator; returns its number
     (its reply comes under ``keys.join_reply`` of it)."""
     seq = store.count(keys.join_seq(), 1)
-    store.raw.set(store.full(keys.join_request(seq)), request.encode(token))
+    # (torch's stub types a store's values as str; the binding takes bytes, as every store here stores them)
+    store.raw.set(store.full(keys.join_request(seq)), request.encode(token))  # pyright: ignore[reportArgumentType]
     return seq
 
 
@@ -89,7 +99,7 @@ def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timede
                           domain=domain_name())
     seq = post_request(store, request, token)
     key = keys.join_reply(seq)
-    unsigned: dict[str, object] = {}  # the last unverifiable reply ("raw") and since when ("at")
+    unsigned = _Unsigned()
 
     def answered(own: JobStore) -> Admission | None:
         full = own.full(key)
@@ -99,8 +109,10 @@ def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timede
         try:
             reply = own.verify(key, raw)
         except JobStateError:  # a refusal for a wrong token (unsigned), or a forgery: wait for a signed one a while
-            unsigned["raw"] = raw
-            if time.monotonic() - unsigned.setdefault("at", time.monotonic()) > timing.UNSIGNED_GRACE.total_seconds():
+            unsigned.raw = raw
+            if unsigned.at is None:
+                unsigned.at = time.monotonic()
+            if time.monotonic() - unsigned.at > timing.UNSIGNED_GRACE.total_seconds():
                 raise _unsigned(role, rank, raw) from None
             return None
         if reply.seq != seq or reply.nonce != request.nonce:
@@ -117,8 +129,8 @@ def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timede
     except ReplicaError:
         raise
     except RuntimeError as exc:  # the store went away (the job ended) while this waited
-        if unsigned:
-            raise _unsigned(role, rank, unsigned["raw"]) from exc
+        if unsigned.raw is not None:
+            raise _unsigned(role, rank, unsigned.raw) from exc
         raise JoinRefusedError(f"the job store went away before the join of {role} rank {rank} was "
                                f"answered: {exc}") from exc
 
@@ -153,4 +165,5 @@ def answer(store: JobStore, seq: int, request: JoinRequest, *, generation: int, 
 def refuse_unsigned(store: JobStore, seq: int, reason: str) -> None:
     """Refuse a request this coordinator cannot authenticate (its writer may hold a
     wrong token and could not verify a signed answer). Never an admission."""
-    store.raw.set(store.full(keys.join_reply(seq)), json.dumps({"admitted": False, "reason": reason}).encode())
+    refusal = json.dumps({"admitted": False, "reason": reason}).encode()
+    store.raw.set(store.full(keys.join_reply(seq)), refusal)  # pyright: ignore[reportArgumentType] (as in post_request)

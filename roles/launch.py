@@ -14,11 +14,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 from collections.abc import Callable
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from replica import envvars
 from replica.session.backends import BACKENDS
-from replica.errors import ReplicaError
+from replica.errors import JobStateError, ReplicaError
 from replica.roles.coordinator import Coordinator, MemberState
 from replica.roles.argparsing import (
     Parser,
@@ -32,6 +32,7 @@ from replica.roles.argparsing import (
 from replica.roles.env import (
     DEFAULT_STEPS,
     HOST,
+    Fault,
     Role,
     check_faults,
     configure_logging,
@@ -44,8 +45,8 @@ from replica.roles.election import Leadership
 from replica.roles.exits import ExitCode
 from replica.roles.attempts import ended_attempt
 from replica.state.export import step_folder
-from replica.roles.spares import SparePool
-from replica.roles.supervise import JobSpec, supervise
+from replica.roles.spares import SpareHost, SparePool
+from replica.roles.supervise import Agent, JobSpec, supervise
 from replica.roles.local_agent import LocalAgent, open_job, start_roles
 from replica.processes import start_server
 from replica.roles.argparsing import (
@@ -59,7 +60,25 @@ from replica.roles.argparsing import (
     state_options,
 )
 
-__all__ = ["StatusLines", "main"]
+__all__ = ["LaunchAgent", "StatusLines", "main"]
+
+
+class LaunchAgent(Agent, SpareHost, Protocol):
+    """What starts and watches the roles of ``replica launch``: its ``LocalAgent``, or with
+    ``--ray`` the agent ``ray_agents`` makes (``replica.ray.RayAgents``)."""
+
+    def start(self, role: Role, rank: int) -> object:
+        """Start the process of role ``role`` of ``rank`` (``start_roles``)."""
+        ...
+
+    def stop(self) -> None:
+        """Let the roles see the job's end and exit; kill whatever is left."""
+        ...
+
+    def failed_codes(self, pids: set[int]) -> dict[int, int]:
+        """The nonzero exit codes of those of ``pids`` that exited."""
+        ...
+
 
 class StatusLines:
     """The launcher's stdout. Role processes write to the same terminal at any time, so
@@ -176,7 +195,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | None = None) -> int:
+def main(argv: list[str] | None = None, *, ray_agents: Callable[..., LaunchAgent] | None = None) -> int:
     """``replica launch``; ``ray_agents`` (the `replica` command passes replica.ray's) makes the
     agent of ``--ray``."""
     parser = _parser()
@@ -241,13 +260,17 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
             fired = [f for f in faults if coord.fired(str(f)) is not None]
             entry = {"reason": coord.failure, "faults_fired": [str(f) for f in fired]}
             if status == ExitCode.RESUME:
-                version = coord.store.get(keys.floor_latest()).value
+                assert durable is not None  # supervise goes back to the floor only in a job that has one
+                latest = coord.store.get(keys.floor_latest())
+                if latest is None:  # supervise recorded the version every role starts again from
+                    raise JobStateError("the durable floor's latest version has no (verified) record in the job store")
+                version = latest.value
                 entry, report = ended_attempt(coord.store, world_size=coord.world_size, steps=args.steps,
                                               faults=[str(f) for f in faults], version=version, reason=coord.failure)
                 earlier.insert(0, report)
                 resume = (version, step_folder(durable.directory, version))
             restarts.append(entry)
-            faults = [f for f in faults if f not in fired]
+            faults = tuple(f for f in faults if f not in fired)
     finally:
         if coord is not None:
             coord.close()
@@ -255,8 +278,8 @@ def main(argv: list[str] | None = None, *, ray_agents: Callable[..., object] | N
             leadership.resign()
 
 
-def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, standbys: int, faults: list,
-         resume: tuple[int, Path] | None, ray_agents: Callable[..., object] | None,
+def _run(args: argparse.Namespace, coord: Coordinator, env: dict[str, str], *, standbys: int,
+         faults: tuple[Fault, ...], resume: tuple[int, Path] | None, ray_agents: Callable[..., LaunchAgent] | None,
          leading: Callable[[], bool] | None, restarts_left: int, restarts: tuple[dict, ...], durable: bool,
          earlier: tuple[dict, ...]) -> int:
     print(f"replica: job store at {coord.address}; {args.trainers} trainers, {standbys} standbys, "

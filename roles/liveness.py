@@ -66,13 +66,13 @@ class Liveness:
         if self.endpoint is not None:
             self.endpoint.stop()
 
-    def _address(self) -> str:
-        return f"{self.host}:{self.endpoint.port}"
+    def _address(self, port: int) -> str:
+        return f"{self.host}:{port}"
 
     def publish(self) -> None:
         """Publish the endpoint's address, where the roles' beats go."""
         if self.endpoint is not None:
-            self._store.put(keys.liveness(), Text(value=self._address()))
+            self._store.put(keys.liveness(), Text(value=self._address(self.endpoint.port)))
 
     def set_generation(self, number: int) -> None:
         """The generation the endpoint's answers carry (after the store has it)."""
@@ -84,7 +84,7 @@ class Liveness:
         if self.endpoint is None:
             return None
         survivors = [m.id for m in self._members.rows if m.state != MemberState.DEAD]  # alive, or done at the end
-        return {"endpoint": self._address(), "datagrams": self.endpoint.received,
+        return {"endpoint": self._address(self.endpoint.port), "datagrams": self.endpoint.received,
                 "rejected": self.endpoint.rejected, "members": len(survivors),
                 "members_heard": sum(1 for age in self.endpoint.ages(survivors) if age >= 0)}
 

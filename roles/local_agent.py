@@ -245,8 +245,7 @@ class LocalAgent:
                     popen.wait()
 
     def failed_codes(self, pids: set[int]) -> dict[int, int]:
-        return {pid: self.procs[pid][1].returncode for pid in pids if pid in self.procs and
-                self.procs[pid][1].returncode}
+        return {pid: code for pid in pids if pid in self.procs and (code := self.procs[pid][1].returncode)}
 
 
 def start_roles(coord: Coordinator, agent, *, trainers: int, standbys: int, rollouts: int) -> None:

@@ -90,12 +90,15 @@ def judge(before: ProcessView | None, after: ProcessView) -> tuple[Verdict, str]
         return Verdict.GONE, "its process is gone"
     if after.state == ProcessState.STOPPED:
         return Verdict.DEAD, "its process is stopped"
-    used = None if before is None or before.state == ProcessState.GONE else after.cpu_s - before.cpu_s
+    if before is None or before.state == ProcessState.GONE:
+        used, span = None, 0.0  # (span: the seconds between the looks, said only with the CPU used)
+    else:
+        used, span = after.cpu_s - before.cpu_s, after.at - before.at
     if after.state in (ProcessState.RUNNING, ProcessState.WAITING):
-        return Verdict.STALLED, f"its process is {after.state}" + (f" ({used:.2f} s of CPU in "
-                                                                   f"{after.at - before.at:.1f} s)" if used else "")
+        return Verdict.STALLED, f"its process is {after.state}" + (f" ({used:.2f} s of CPU in {span:.1f} s)"
+                                                                   if used else "")
     if used:
-        return Verdict.STALLED, f"its process used {used:.2f} s of CPU in the last {after.at - before.at:.1f} s"
+        return Verdict.STALLED, f"its process used {used:.2f} s of CPU in the last {span:.1f} s"
     return Verdict.DEAD, "its process sleeps and uses no CPU"
 
 

@@ -19,7 +19,7 @@ from replica.errors import StoreWaitTimeoutError
 from replica.jobstore import Flag, Generation, HeartbeatSender, JobStore, Promotion, Regroup, Stamp, keys
 from replica.roles import timing
 from replica.timing import Deadline, pause
-from replica.roles.env import Role, RoleState
+from replica.roles.env import Role, RoleState, process_group
 from replica.roles.exits import ExitCode, exit_now
 
 __all__ = ["Recovery", "aim_beats"]
@@ -110,7 +110,7 @@ class Recovery:
     def failover_announced(self, store: JobStore | None = None) -> bool:
         """Whether the coordinator announced a generation after the group's (over ``store``, a
         connection of the caller's thread, if given)."""
-        return self._generation_number(store) > self._role.group.generation
+        return self._generation_number(store) > process_group(self._role).generation
 
     def _superseded(self, store: JobStore | None = None) -> bool:
         """True when the coordinator gave this trainer's rank to another process. Never on a
@@ -129,7 +129,7 @@ class Recovery:
         one died) waits for the coordinator's decision: a death is announced, or
         the slow peer catches up and the step is simply redone in a fresh generation.
         Blocks in the store until the next generation's failover record exists."""
-        floor = max(self._role.group.generation, self._failed_generation)
+        floor = max(process_group(self._role).generation, self._failed_generation)
         asked = False
 
         def announced(store: JobStore) -> tuple[int, int] | None:
@@ -177,9 +177,10 @@ class Recovery:
     def _configure(self, generation: int) -> bool:
         """Join ``generation``; False if it failed or was superseded before every member
         arrived (the caller then waits for the next one)."""
+        group = process_group(self._role)
         try:
-            self._role.group.configure(generation, ready_timeout=timing.ROLE_WAIT,
-                                       ready_abort=lambda: self._generation_number() > generation)
+            group.configure(generation, ready_timeout=timing.ROLE_WAIT,
+                            ready_abort=lambda: self._generation_number() > generation)
             return True
         except (replica.ReplicaError, RuntimeError) as exc:  # gloo reports a failed rendezvous as RuntimeError
             self._failed_generation = max(self._failed_generation, generation)

@@ -41,9 +41,9 @@ def logged(store: JobStore, *, world_size: int, steps: int, faults: list[str]) -
         found = store.get_many([keys.divergence(rank, s, m.value) for s in range(1, steps + 1) for m in Measure])
         divergences += [Divergence.from_json(t.value).to_dict() for t in found if t is not None]
         texts = store.get_many([keys.loss(rank, s) for s in range(1, steps + 1)])
-        lines = [t.value.split(" ") if t is not None else [None, None] for t in texts]
-        losses[str(rank)] = [parts[0] for parts in lines]
-        times[str(rank)] = [float(parts[1]) if parts[1] is not None else None for parts in lines]
+        lines = [t.value.split(" ") if t is not None else [] for t in texts]  # []: the step was not logged
+        losses[str(rank)] = [parts[0] if parts else None for parts in lines]
+        times[str(rank)] = [float(parts[1]) if parts else None for parts in lines]
         metrics[str(rank)] = [dict(p.split("=", 1) for p in parts[2:]) for parts in lines]
     stamps = store.get_many([keys.killed(f) for f in faults])
     return {

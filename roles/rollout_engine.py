@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import replica
 from replica.errors import WeightsTimeoutError
@@ -39,6 +39,11 @@ from replica.roles.rollout_data import (
 from replica.timing import Deadline, pause
 from replica.transport.desk import Desk, blob_digest
 
+if TYPE_CHECKING:
+    from vllm import LLM
+
+    from replica.integrations.vllm.worker import EngineWeights
+
 __all__ = ["Engine", "post_result", "serve_requests", "serve_rollouts", "shard_prompts", "superseded"]
 
 logger = logging.getLogger(__name__)
@@ -47,9 +52,12 @@ logger = logging.getLogger(__name__)
 class Engine(Protocol):
     """What the serving loop needs of an engine: its weights (``update`` applies a version that
     arrived, ``wait`` blocks until ``version`` or a newer one is served and returns it, or raises
-    a TimeoutError: ``WeightsTimeoutError``), and generation of a shard's prompts with a seed per prompt."""
+    a TimeoutError: ``WeightsTimeoutError``), and generation of a shard's prompts with a seed per prompt.
+    ``served_epoch``: (generation, member) of the trainer incarnation that sent the version it serves
+    (None: unknown), recorded with each result."""
 
-    served_epoch: int | None
+    @property
+    def served_epoch(self) -> tuple[int, int] | None: ...
 
     def update(self) -> None: ...
 
@@ -63,11 +71,11 @@ class Engine(Protocol):
 class _VllmEngine:
     """A vLLM ``LLM`` whose weights replica syncs (``EngineWeights``)."""
 
-    def __init__(self, llm: object, weights: object):
+    def __init__(self, llm: LLM | ServedLLM, weights: EngineWeights):
         self.llm, self.weights = llm, weights
 
     @property
-    def served_epoch(self) -> int | None:
+    def served_epoch(self) -> tuple[int, int] | None:
         return self.weights.served_epoch
 
     def update(self) -> None:
@@ -95,7 +103,8 @@ class _VllmEngine:
                 self.llm.close()
 
 
-def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: bytes, make_llm: Callable[[], object],
+def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: bytes,
+                   make_llm: Callable[[], LLM | ServedLLM],
                    stop: Callable[[], bool], on_shard: Callable[[int], None] | None = None,
                    host: str = "127.0.0.1", backends: tuple[str, ...] | None = None,
                    retiring: Callable[[], bool] | None = None) -> None:
@@ -233,7 +242,7 @@ class _Server:
 
 
 def post_result(store: JobStore, desk: Desk, n: int, shard: int, completions: Sequence[Sequence[int]], *,
-                engine: int, version: int, epoch: int | None = None) -> None:
+                engine: int, version: int, epoch: tuple[int, int] | None = None) -> None:
     """Keep a shard's completions on this engine's ``desk`` and post where they are (signed,
     with their digest: the readers check it)."""
     blob = encode_tokens(completions)
@@ -258,8 +267,9 @@ def _hand_off(store: JobStore, index: int, desk: Desk, book: DeskBook) -> None:
         if current is None:
             continue
         record = json.loads(current.value)
-        if record.get("held_by", record["engine"]) != index or not book.upload(name, desk.get(name),
-                                                                             {target: peers[target]}):
+        blob = desk.get(name)  # (None: dropped since it was listed)
+        if blob is None or record.get("held_by", record["engine"]) != index or not book.upload(name, blob,
+                                                                                             {target: peers[target]}):
             continue
         store.compare_set(keys.result(n, k), raw, Text(value=json.dumps({**record, "held_by": target})))
         moved += 1

@@ -20,9 +20,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import replica
-from replica.jobstore import JobStore, Number, Text, keys
+from replica.errors import JobStateError
+from replica.jobstore import JobStore, Key, Number, Text, keys
 from replica.roles import timing
 from replica.roles.rollout_data import DeskBook, decode_tokens, encode_tokens, prompts_blob, result_blob
 from replica.timing import Deadline, pause
@@ -33,6 +35,7 @@ __all__ = ["KEPT_GENERATIONS", "Posted", "RolloutClient", "Rollouts", "Sampling"
            "served_shards"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 # A redone step looks this many generations back for its rollouts (failovers in a row before it got there).
 KEPT_GENERATIONS = 4
 _ENGINES_POLL = timedelta(milliseconds=100)  # the first request's look for engines not up yet
@@ -97,15 +100,16 @@ class RolloutClient:
             self.store.put(plan, Number(value=self._find_kept(step)))
         if not self._wait([plan]):
             return -1
-        kept = self.store.get(plan).value
+        kept = self._written(plan).value
         if kept >= 0:
-            request = json.loads(self.store.get(keys.request(kept)).value)
+            request = json.loads(self._written(keys.request(kept)).value)
             self._kept = (step, kept, request)
-            self.version = request["version"]
+            version: int = request["version"]  # the one the kept request was made with
+            self.version = version
             if self.sync.is_leader:
                 logger.warning("step %d is redone: its rollouts, request %d (version %d), are kept; no push, and "
-                               "only the shards not done yet are generated", step, kept, self.version)
-            return self.version
+                               "only the shards not done yet are generated", step, kept, version)
+            return version
         version = self.store.count(keys.version_seq(), 1) if self.sync.is_leader else 0
         self.sync.push(version)
         key = keys.version(self._epoch(), step)
@@ -114,8 +118,8 @@ class RolloutClient:
             self.store.put(keys.latest_version(), Number(value=version))
         if not self._wait([key]):
             return -1
-        self.version = self.store.get(key).value
-        return self.version
+        self.version = version = self._written(key).value
+        return version
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling, *, step: int) -> list[list[int]]:
         """Completions (token ids) of ``prompts`` under the version pushed for ``step``.
@@ -150,7 +154,7 @@ class RolloutClient:
                 self.store.put(key, Number(value=posted.n))
             if not self._wait([key]):
                 return None
-            n = self.store.get(key).value
+            n = self._written(key).value
         got = await_rollouts(self.store, self.desks, n, len(prompts), self.num_shards, posted=posted,
                              timeout=self.timeout, abort=self._abort, refresh=self.sync.refresh)
         return None if got is None else got.completions
@@ -200,6 +204,14 @@ class RolloutClient:
             raise replica.ReplicaError(
                 f"step {request['step']} is redone with other prompts or sampling than its kept rollouts (request "
                 f"{n}) were made for: the redo diverges from the step it replays (see docs/weight-sync.md)")
+
+    def _written(self, key: Key[T]) -> T:
+        """The value under ``key``, which was written (a wait saw it, or the leader found it);
+        JobStateError if it is gone or not trustworthy."""
+        value = self.store.get(key)
+        if value is None:
+            raise JobStateError(f"{key} holds no (verified) value")
+        return value
 
     def _wait(self, wanted: list) -> bool:
         """True once every key is set; False if the step was aborted first."""
@@ -307,7 +319,7 @@ def reopen(store: JobStore, n: int, shards: Sequence[int]) -> None:
 
 def await_rollouts(store: JobStore, desks: DeskBook, n: int, num_prompts: int, num_shards: int, *,
                    posted: Posted | None, timeout: timedelta, abort: Callable[[], bool] = lambda: False,
-                   refresh: Callable[[], None] | None = None) -> Rollouts | None:
+                   refresh: Callable[[], object] | None = None) -> Rollouts | None:
     """Request ``n``'s completions once every shard is done, fetched from the engines' desks;
     None if ``abort()`` said so first. The poster (``posted``: it holds the prompts) spreads them
     to engines that came up meanwhile and opens lost shards again; ``refresh()`` (the leader's
@@ -359,8 +371,10 @@ def request_rollouts(store: JobStore, prompts: Sequence[Sequence[int]], sampling
     try:
         posted = post_request(store, desks, prompts, sampling, step=-1, version=latest.value, num_shards=num_shards,
                               at_least=True)
-        return await_rollouts(store, desks, posted.n, len(prompts), num_shards, posted=posted,
-                              timeout=deadline.remaining())
+        got = await_rollouts(store, desks, posted.n, len(prompts), num_shards, posted=posted,
+                             timeout=deadline.remaining())
+        assert got is not None  # None only if abort() said so: nothing aborts a driver's wait
+        return got
     finally:
         desks.close()
 

@@ -6,6 +6,7 @@ back and joins the next process-group generation inside it."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import logging
 import signal
@@ -27,7 +28,7 @@ from replica.state.export import export_path, load_export, step_folder
 from replica.state.restore import materialize_optimizer_state, restore_snapshot
 from replica.mirror.warmup import WarmUp, compiled_graphs, warm_up
 from replica.roles import timing
-from replica.roles.env import Phase, Role, RoleEnv, configure_logging
+from replica.roles.env import Phase, Role, RoleEnv, configure_logging, process_group
 from replica.roles.join import join
 from replica.roles.exits import ExitCode, exit_now
 from replica.roles.faults import FaultPlan
@@ -124,15 +125,17 @@ class Job:
                                   export_dir=env.export_dir, export_held=self._export_held)
         self._recovery.start()  # beat from the moment it is a member: the coordinator's deadline runs from the join
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
-        self.config = replica.Config(token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT,
-                                     commit_timeout=timing.COMMIT_WAIT,
-                                     **({"backends": env.backends} if env.backends else {}))
+        config = replica.Config(token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT,
+                                commit_timeout=timing.COMMIT_WAIT)
+        # The job's backends (--backends), else Config's own.
+        self.config = dataclasses.replace(config, backends=env.backends) if env.backends else config
         # gloo fails a frozen peer's collective at its timeout; NCCL's watchdog never beats the coordinator.
         self.group = None if env.role == Role.ROLLOUT else replica.init_resilient_process_group(
             store=self.store.sub(keys.process_group()), rank=env.rank, world_size=env.world_size,
             timeout=timing.PROCESS_GROUP_TIMEOUT, nccl_timeout=timing.NCCL_TIMEOUT,
             generation=0 if env.role == Role.TRAINER else None, ready_timeout=timing.ROLE_WAIT)
-        self._bound: tuple | None = None
+        # What replicate() bound: the model, the optimizer and the extras (prepared).
+        self._bound: tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]] | None = None
         self._step = 0
         self._resumed_from = 0  # the step of the export this job started from (--resume)
         self._on_restore: list[Callable[[int], None]] = []
@@ -173,11 +176,10 @@ class Job:
     def batches(self, name: str) -> Batches:
         """The job's iterator over the data loader passed as ``extra[name]``: after a
         failover its next batch is the one the failure-free run took."""
-        if self._bound is None:
-            raise replica.ReplicaError("batches() before replicate()")
-        found = self._bound[2].get(name)
+        _, _, extra = self._replicated("batches()")
+        found = extra.get(name)
         if not isinstance(found, Batches):
-            loaders = sorted(k for k, v in self._bound[2].items() if isinstance(v, Batches))
+            loaders = sorted(k for k, v in extra.items() if isinstance(v, Batches))
             raise KeyError(f"extra[{name!r}] is not a data loader (the loaders passed to replicate(): {loaders})")
         return found
 
@@ -195,15 +197,25 @@ class Job:
         optimizer step are refused inside it (``replica.mirror.warmup``). A trainer returns
         None at once (its first step compiles). A promotion that comes meanwhile waits for it.
         The promoted standby says so if its first step compiled graphs the warm-up did not."""
-        if self._bound is None:
-            raise replica.ReplicaError("warm_up() before replicate()")
+        model, optimizer, extra = self._replicated("warm_up()")
         if self.role != Role.STANDBY:
             return None
-        model, optimizer, extra = self._bound
-        self._warmed = warm_up(step, model=model, optimizer=optimizer, extra=extra, group=self.group)
+        self._warmed = warm_up(step, model=model, optimizer=optimizer, extra=extra, group=process_group(self))
         logger.info("[standby rank %d] warmed up in %.1f s (%d graphs compiled)", self.rank, self._warmed.seconds,
                     self._warmed.graphs)
         return self._warmed
+
+    def _replicated(self, what: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+        """What ``replicate()`` bound (model, optimizer, extra); ReplicaError naming ``what`` before it."""
+        if self._bound is None:
+            raise replica.ReplicaError(f"{what} before replicate()")
+        return self._bound
+
+    def _replicator(self) -> replica.Replicator:
+        """This trainer's replicator (``replicate()`` starts a trainer's, a promotion a standby's)."""
+        if self._rep is None:
+            raise replica.ReplicaError(f"this {self.role} process has no replicator: a trainer's starts in replicate()")
+        return self._rep
 
     def _not_warming(self, what: str) -> None:
         if self.group is not None and self.group.rehearsing:  # a warm-up step runs now
@@ -247,10 +259,11 @@ class Job:
         """Start from an export (``replica launch --resume``): restore this rank's file into
         the objects, keep it as the rank's copy of that commit and send it to the standby."""
         snapshot = load_export(export_path(folder, self.rank))
-        model, optimizer, extra = self._bound
+        assert snapshot.step is not None  # load_export refuses a file without its step
+        model, optimizer, extra = self._replicated("_resume()")
         restore_snapshot(snapshot, model, optimizer, extra, rank=self.rank, world_size=self.env.world_size)
         self._start_replicator((snapshot, None))
-        self._rep.protect()
+        self._replicator().protect()
         self._resumed_from = snapshot.step
         logger.warning("[trainer rank %d] resumed from the export of step %d in %s", self.rank, snapshot.step, folder)
 
@@ -262,17 +275,18 @@ class Job:
         self._not_warming("commit")
         self._faults.fire(Phase.COMMIT, step)
         self._check_inputs(step)  # a loop that logs no loss (log() checks them first otherwise)
+        rep = self._replicator()
         try:
             with self._recovery.store_guard():
-                done = self._rep.commit(step)
+                done = rep.commit(step)
         except replica.LayoutMismatchError as exc:
             self._report_fatal(exc)
             raise
         except FencedError:  # its standby or the commit record says the rank belongs to another process
             self._recovery.fenced_exit()
-        for found in self._rep.divergences[self._divergences_seen:]:
+        for found in rep.divergences[self._divergences_seen:]:
             self._divergence(found)
-        self._divergences_seen = len(self._rep.divergences)
+        self._divergences_seen = len(rep.divergences)
         self._faults.fire(Phase.MIRROR, step)  # the stream of this step is in flight now
         return done
 
@@ -286,7 +300,7 @@ class Job:
             before = logged.value.split(" ")[0] if logged is not None else None
         if before is not None and before != now:
             self._divergence(Divergence(rank=self.rank, step=step, measure=Measure.LOSS, before=before, after=now,
-                                        comparable=comparable(self._bound[0])))
+                                        comparable=comparable(self._replicated("log()")[0])))
         self._losses[step] = now
         for old in sorted(self._losses)[:-_LOSSES_KEPT]:
             del self._losses[old]
@@ -294,8 +308,9 @@ class Job:
     def _check_inputs(self, step: int) -> None:
         mismatch = self._inputs.settle(step)
         if mismatch is not None:
+            model = self._replicated("log() or commit()")[0]
             self._divergence(Divergence(rank=self.rank, step=step, measure=Measure.INPUT, before=mismatch.before,
-                                        after=mismatch.after, comparable=comparable(self._bound[0]),
+                                        after=mismatch.after, comparable=comparable(model),
                                         where=f"{mismatch.what} of forward {mismatch.forward} of the step"))
 
     def _divergence(self, found: Divergence) -> None:
@@ -325,7 +340,7 @@ class Job:
             self._log(step, value, metrics)
 
     def _log(self, step: int, value: float, metrics: Mapping[str, float]) -> None:
-        if self.group.check() is None:
+        if process_group(self).check() is None:
             self._check_inputs(step)
             self._check_loss(step, value.hex())
             # One store round trip a step: the loss, when the step ended, the metrics.
@@ -340,14 +355,14 @@ class Job:
                                   rank=self.rank, name_map=name_map, dtype=dtype, epoch=self.epoch)
         return RolloutClient(store=self.store, sync=sync, num_shards=num_shards, token=self.env.token,
                              num_engines=self.env.rollouts,
-                             epoch=lambda: self.group.generation,
+                             epoch=lambda: process_group(self).generation,
                              abort=self._step_failed)
 
     def _step_failed(self) -> bool:
         """The step in progress failed (a trainer died): it is redone after the failover, and
         what its rollout client answers from now on are placeholders, which the divergence
         guard must not take for the step's inputs."""
-        failed = self.group.errored is not None or self._recovery.failover_announced()
+        failed = process_group(self).errored is not None or self._recovery.failover_announced()
         if failed:
             self._inputs.void()
         return failed
@@ -385,15 +400,16 @@ class Job:
             if graphs is not None:
                 self._first_step_compiled(compiled_graphs() - graphs)
                 graphs = None
+            group = process_group(self)
             with self._recovery.store_guard():
-                if self.group.check() is not None or self._recovery.failover_announced():
+                if group.check() is not None or self._recovery.failover_announced():
                     step = self._recover() + 1
                     continue
-                if self.group.generation > 0 and not self.store.has(keys.resumed(self.group.generation)):
-                    self.store.put(keys.resumed(self.group.generation), Stamp(at=time.time()))
+                if group.generation > 0 and not self.store.has(keys.resumed(group.generation)):
+                    self.store.put(keys.resumed(group.generation), Stamp(at=time.time()))
             step += 1
         with self._recovery.store_guard():
-            self._rep.wait_committed()
+            self._replicator().wait_committed()
             self.store.put(keys.done(self.rank), Flag())
             self.store.count(keys.done_count(), 1)
         self.close()
@@ -412,22 +428,22 @@ class Job:
 
     def epoch(self) -> Epoch:
         """This process's epoch: the generation it trains in and its member id."""
-        return Epoch(generation=self.group.generation, member=self.member)
+        return Epoch(generation=process_group(self).generation, member=self.member)
 
     def _start_replicator(self, held: tuple[replica.Snapshot, replica.Snapshot | None] | None = None) -> None:
-        model, optimizer, extra = self._bound
+        model, optimizer, extra = self._replicated("_start_replicator()")
         self._divergences_seen = 0
-        self._rep = replica.Replicator(model, optimizer, extra, store=self.store, config=self.config,
-                                       rank=self.rank, world_size=self.env.world_size, epoch=self.epoch)
-        self._rep.interrupted = self._recovery.failover_announced
+        self._rep = rep = replica.Replicator(model, optimizer, extra, store=self.store, config=self.config,
+                                             rank=self.rank, world_size=self.env.world_size, epoch=self.epoch)
+        rep.interrupted = self._recovery.failover_announced
         if held is not None:
-            self._rep.adopt(*held)
+            rep.adopt(*held)
 
     def _recover(self) -> int:
         """A survivor's failover (its step failed): rolled back to the commit the coordinator
         fixed and in the next generation; returns the step restored."""
-        restored, generation = self._recovery.rejoin(lambda commit: self._rep.rollback(step=commit))
-        self._rep.protect()  # a standby that does not hold the commit (a new one) receives it first
+        restored, generation = self._recovery.rejoin(lambda commit: self._replicator().rollback(step=commit))
+        self._replicator().protect()  # a standby that does not hold the commit (a new one) receives it first
         self._restored_to(restored)
         logger.warning("[trainer rank %d] survived: rolled back to %d, generation %d", self.rank, restored, generation)
         return restored
@@ -441,10 +457,13 @@ class Job:
             self.close()
             return None
         generation, commit = found
-        model, optimizer, extra = self._bound
+        model, optimizer, extra = self._replicated("steps()")
+        mirror = self._mirror
+        if mirror is None:  # replicate() publishes a standby's
+            raise replica.ReplicaError(f"standby rank {self.rank} was promoted without a mirror to restore from")
 
         def restore(step: int) -> None:
-            self._mirror.restore(model, optimizer, extra, step=step, rank=self.rank, world_size=self.env.world_size)
+            mirror.restore(model, optimizer, extra, step=step, rank=self.rank, world_size=self.env.world_size)
 
         try:
             restore(commit)
@@ -457,12 +476,12 @@ class Job:
         if self._floor is not None:  # a trainer now: its new standby writes the rank's floor
             floor, self._floor = self._floor, None
             threading.Thread(target=floor.close, daemon=True, name="replica-floor-close").start()
-        held = self._mirror.hand_over(commit)
-        mirror, self._mirror = self._mirror, None
+        held = mirror.hand_over(commit)
+        self._mirror = None
         threading.Thread(target=mirror.close, daemon=True, name="replica-mirror-close").start()
         self.role = Role.TRAINER
         self._start_replicator(held)
-        self._rep.protect()  # the rank's new standby receives the commit first: it has two copies again
+        self._replicator().protect()  # the rank's new standby receives the commit first: it has two copies again
         # The steps after the commit that the rank's last trainer logged are redone here: the
         # guard checks them against its losses (at most the two in flight when it died).
         self._redo_in_store = {commit + 1, commit + 2}
@@ -491,17 +510,20 @@ class Job:
 
     def _export_held(self) -> None:
         """Every version this role holds, to the export folder (the job store is gone)."""
-        if self._holder() is not None:
-            self._export(self.env.export_dir, self._holder().held_steps())
+        if (holder := self._holder()) is not None:
+            self._export(self.env.export_dir, holder.held_steps())
 
     def _export(self, directory: str, steps: list[int]) -> None:
         """Write this role's versions of ``steps`` to the job's export folder (one folder
         per step, ``replica.state.export.step_folder``), and say in the store what was written."""
         self._exported = True
+        holder = self._holder()
+        if holder is None:  # a standby's mirror, a trainer's replicator: replicate() made it
+            raise replica.ReplicaError(f"{self.role} rank {self.rank} holds no versions to export")
         outcomes = []
         for step in steps:
             try:
-                path = self._holder().export(step_folder(directory, step), step=step)
+                path = holder.export(step_folder(directory, step), step=step)
                 outcomes.append(ExportOutcome(rank=self.rank, step=step, status=ExportStatus.WRITTEN, path=str(path)))
                 logger.warning("[%s rank %d] exported step %d to %s", self.role, self.rank, step, path)
             except replica.ReplicaError as exc:

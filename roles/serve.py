@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from replica import envvars
-from replica.errors import FencedError
+from replica.errors import FencedError, JobStateError
 from replica.jobstore import Attempt, JobStore, keys
 from replica.roles.argparsing import (
     Parser,
@@ -227,6 +227,9 @@ def _serve(args: argparse.Namespace, coord: Coordinator, resume: tuple[int, str]
         if status != ExitCode.RESUME:
             return status
         current = base.get(keys.attempt())
+        if current is None:  # next_attempt announced it before supervise returned
+            raise JobStateError("the job's next attempt has no (verified) record in the job store")
+        assert agents is not None  # a return to the floor needs host agents (durable is False without them)
         placement = (last_placement(coord.members, standbys=standbys), {info.index for info in agents.live()})
         resume = (current.step, str(step_folder(current.directory, current.step)))
         print(f"replica: attempt {current.number} of the job starts from the durable floor's version of step "

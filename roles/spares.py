@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Protocol
 
+from replica.errors import RoleEnvironmentError
 from replica.jobstore import JobStore, Number, Stamp, keys
 from replica.roles import timing
 from replica.roles.env import RoleEnv
@@ -31,6 +32,8 @@ def wait_for_binding(store: JobStore, env: RoleEnv) -> RoleEnv | None:
     """In spare ``env.spare``: say it is ready, then wait until the launcher binds it to a rank
     (the environment of that rank's standby) or the job ends (None)."""
     index = env.spare
+    if index is None:
+        raise RoleEnvironmentError(f"{env.role} rank {env.rank} is no spare standby: it has no binding to wait for")
     store.put(keys.spare_ready(index), Stamp(at=time.time()))
     logger.info("[spare %d] ready: waiting to be bound to a rank", index)
 
@@ -70,12 +73,15 @@ class SpareHost(Protocol):
 
     def start_spare(self, index: int) -> bool:
         """Start spare ``index``; False when nowhere can take it now (asked again later)."""
+        ...
 
     def take_replacement(self) -> bool:
         """One of the new processes ``--replacements`` allows, if any is left."""
+        ...
 
     def spare_of(self, pid: int, host: str | None) -> int | None:
         """The index of the spare that process ``pid`` of ``host`` is, if it is one."""
+        ...
 
 
 class SparePool:

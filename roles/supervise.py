@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from replica.errors import FencedError
 from replica.jobstore import ExportStatus, Number, keys
@@ -37,30 +37,38 @@ _FLOOR_LOOKUP = 256  # the versions looked up in the job store at once, going ba
 class Agent(Protocol):
     """What a local agent does for the loop: report exits, start replacements."""
 
-    def exits(self) -> list[tuple[int, int, str | None]]:
+    def exits(self) -> Sequence[tuple[int, int, str | None]]:
         """(pid, exit code, host: None for this machine) of role processes that exited since the last call."""
+        ...
 
     def replace_standby(self, rank: int) -> bool:
         """Start a new standby for ``rank``; False when none may be started."""
+        ...
 
     def replace_rollout(self, index: int) -> bool:
         """Start a new rollout engine ``index``; False when none may be started."""
+        ...
 
     def kill(self, pid: int, host: str | None = None) -> None:
         """Make sure a process declared dead is dead (fencing)."""
+        ...
 
     def running(self, pids: set[int]) -> bool:
         """True while any of these (the trainers') processes still runs here."""
+        ...
 
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         """Hosts whose agent has not been heard from for longer than this (lost or cut off)."""
+        ...
 
     def unaware_of_end(self) -> set[str]:
         """Hosts whose agent has not seen the job's end yet (none where the agent is this process)."""
+        ...
 
     def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:
         """A second look at a role silent past its deadline: its process (or its host) as this
         agent sees it (``replica.roles.probe``)."""
+        ...
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
