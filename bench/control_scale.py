@@ -64,8 +64,10 @@ from replica.roles import timing
 from replica.roles.recovery import aim_beats
 from replica.roles.timing import Deadlines
 from replica.jobstore.stores import StoreAddress
-from replica._testing import CountingStore, spawn
 from replica.timing import Deadline
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers (support)
+from support.children import CountingStore, spawn  # noqa: E402
 
 from control_scale_report import merged, report
 
@@ -542,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                                    JobStore(master, token=TOKEN)))
                 del master
             elif kind == "etcd":
-                from replica._testing import etcd as testetcd
+                from support import etcd as testetcd
 
                 if not testetcd.available():
                     print("control_scale: etcd is not installed; skipped", flush=True)
@@ -570,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "tcp":
                     coordinators.append(run_coordinator(n, beats=beats))
                 else:
-                    from replica._testing import etcd as testetcd
+                    from support import etcd as testetcd
 
                     if not testetcd.available():
                         print("control_scale: etcd is not installed; skipped", flush=True)

@@ -1,7 +1,7 @@
 """ETTR under random failures: replica against checkpoint-restart (``make ettr``).
 
 The RL loop (examples/rl_loop.py: vLLM rollouts, FSDP2 GRPO trainers) runs on a
-network-namespace cluster (replica._testing.cluster) of six hosts: the coordinator's
+network-namespace cluster (tests/support/cluster.py) of six hosts: the coordinator's
 (host 0, never failed), two trainer hosts (1, 2) and three rollout hosts (3-5)
 with one vLLM engine each and, for replica, the standbys (of rank 0 on host 3, of
 rank 1 on host 4). A `replica agent` on each worker host starts its roles.
@@ -45,17 +45,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]  # its modules; the tests' helpers (support)
 
 from bench_results import RESULTS_DIR, machine  # noqa: E402
 from ettr_model import Failure, Target, best_interval, figures, poisson_schedule, step_time  # noqa: E402
 from ettr_projection import projection  # noqa: E402
 
 from replica import envvars  # noqa: E402
-from replica._testing import cluster as testcluster  # noqa: E402
+from support import cluster as testcluster  # noqa: E402
 from replica.state.export import resumable  # noqa: E402
 from replica.errors import ReplicaError  # noqa: E402
-from replica._testing.cluster import ClusterConfig, NetnsCluster  # noqa: E402
+from support.cluster import ClusterConfig, NetnsCluster  # noqa: E402
 
 __all__ = ["main"]
 

@@ -15,8 +15,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fsdp_job import JobShape
-from mirror_roles import standby_main, trainer_main
-from replica._testing import ChildFailed, spawn
+from support.mirror_roles import standby_main, trainer_main
+from support.children import ChildFailed, spawn
 
 __all__ = ["PinnedJob", "pinned_job", "place", "split_cores"]
 

@@ -1,7 +1,7 @@
 """One run of the rollout data path at a real RL step's size (``test_rollout_path.py`` runs it
 in a process of its own): a driver's requests (``request_rollouts``) of PROMPTS x SAMPLES
 prompts through ENGINES stand-in engines, each in a process of its own on the real serving
-loop, desks and TCPStore. The engines are stand-ins (``replica._testing.rollouts``: no model):
+loop, desks and TCPStore. The engines are stand-ins (``support.rollouts``: no model):
 each makes its completions from prompt and seed and takes tokens / RATE seconds for them, so
 what a request takes beyond its generation is the data path's cost.
 
@@ -25,14 +25,17 @@ import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
-from replica._testing.rollouts import StandInEngine, largest_store_value, stand_in_completion
 from replica.jobstore import Flag, JobStore, Number, keys
 from replica.roles.rollout_data import encode_tokens
 from replica.roles.rollout_engine import serve_requests
 from replica.roles.rollouts import Sampling, request_rollouts
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers (support)
+from support.rollouts import StandInEngine, largest_store_value, stand_in_completion  # noqa: E402
 
 TOKEN = b"rollout-path-bench"
 MAX_STORE_VALUE = 64 << 10

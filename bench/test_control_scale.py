@@ -41,7 +41,7 @@ def test_the_real_coordinator_under_simulated_members_and_its_successor():
     LIVENESS_STORE_PERIOD, with their stores' tokens) and none is declared dead over two deadlines."""
     import pytest
 
-    from replica._testing import etcd as testetcd
+    from support import etcd as testetcd
     from replica.roles import timing
 
     if not testetcd.available():

@@ -25,7 +25,7 @@ import pytest
 
 from bench_results import machine, write_results
 from replica.roles.coordinator import Deadlines
-from replica._testing import busy_cores, free_port
+from support.children import busy_cores, free_port
 from replica.timing import Deadline
 from test_launch import launch
 

@@ -17,14 +17,14 @@ from datetime import timedelta
 import pytest
 
 from bench_results import machine, write_results
-from replica._testing import cluster as testcluster
-from replica._testing import etcd as testetcd
+from support import cluster as testcluster
+from support import etcd as testetcd
 from replica.roles.coordinator import Deadlines
-from replica._testing.cluster import ClusterConfig, NetnsCluster
-from replica._testing.etcd import EtcdCluster
-from replica._testing import process_state
+from support.cluster import ClusterConfig, NetnsCluster
+from support.etcd import EtcdCluster
+from support.children import process_state
 from replica.timing import Deadline, pause
-from host_job import Job
+from support.host_job import Job
 
 pytestmark = pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")
 

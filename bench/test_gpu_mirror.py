@@ -32,7 +32,7 @@ import torch.distributed as dist
 from bench_results import copy_seconds, machine, write_results
 from torch import nn
 
-from replica._testing import spawn
+from support.children import spawn
 
 pytestmark = pytest.mark.gpu
 

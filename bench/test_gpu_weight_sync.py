@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from bench_results import copy_seconds, machine, write_results
-from replica._testing import spawn
+from support.children import spawn
 
 pytestmark = pytest.mark.gpu
 

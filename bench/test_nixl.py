@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from bench_results import machine, write_results
-from replica._testing import RawUcx, spawn
+from support.children import RawUcx, spawn
 from replica.transport.base import PIECE_BYTES, bucket_digest
 from replica.transport.nixl_agent import nixl_installed
 from test_resync import TOKEN, UCX_PATHS, T, _make_ucx, _transport_peer

@@ -23,7 +23,7 @@ import torch
 
 from bench_results import cores_busy, cores_floor, machine, usable_cores, write_results
 from replica import ops
-from replica._testing import cpu_since, free_port, receive_bucketed, send_bucketed, spawn
+from support.children import cpu_since, free_port, receive_bucketed, send_bucketed, spawn
 from replica.transport import Transport, memfd
 from replica.transport.base import PIECE_BYTES, bucket_digest
 from replica.transport.ucx import UcxConfig, UcxTransport

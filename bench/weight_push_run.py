@@ -32,9 +32,11 @@ import torch.distributed as dist
 import replica
 from bench_results import cores_busy, cores_floor, usable_cores
 from replica import ops
-from replica._testing import RawUcx, cpu_since, spawn
 from replica.session.backends import check_backends
 from replica.weights import WeightReceiver
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers (support)
+from support.children import RawUcx, cpu_since, spawn  # noqa: E402
 
 TOKEN = b"bench-weight-push-token"
 TIMEOUT = timedelta(seconds=300)

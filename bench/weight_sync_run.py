@@ -50,10 +50,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from vllm_engine import greedy, make_llm, make_model  # noqa: E402
+from support.vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
 import replica  # noqa: E402
-from replica._testing import RawUcx, free_port, spawn  # noqa: E402
+from support.children import RawUcx, free_port, spawn  # noqa: E402
 from test_resync import _make_ucx, _transport_path  # noqa: E402  (bench/, the working directory)
 
 SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),

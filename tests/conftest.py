@@ -8,8 +8,8 @@ import sys
 import pytest
 from filelock import FileLock
 
-from replica._testing import etcd as testetcd
-from replica._testing.etcd import EtcdCluster
+from support import etcd as testetcd
+from support.etcd import EtcdCluster
 from test_launch import RL, ROOT, RL_STEPS, STEPS, launch
 
 
@@ -67,12 +67,12 @@ def rl_reference(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def fresh_seed1(tmp_path_factory):
-    """What a fresh vLLM engine started from the seed-1 weights (``vllm_engine.make_model``)
+    """What a fresh vLLM engine started from the seed-1 weights (``support.vllm_engine.make_model``)
     generates: its greedy tokens and first-token log-probabilities for the test prompts
     (tests/jobs/fresh_engine.py, in a process of its own). Every sync to those weights must
     equal it. Made once per run (an engine's start is 16 s of CPU)."""
     def make(folder):
-        from vllm_engine import make_model
+        from support.vllm_engine import make_model
 
         make_model(folder / "seed1", 1)
         done = subprocess.run([sys.executable, str(ROOT / "tests" / "jobs" / "fresh_engine.py"), str(folder / "seed1"),

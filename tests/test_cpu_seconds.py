@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 
-from replica._testing import cpu_seconds, cpu_since
+from support.children import cpu_seconds, cpu_since
 from replica.timing import Deadline
 
 

@@ -27,7 +27,7 @@ from replica.state.export import export_path, load_export, load_extras, step_fol
 from replica.jobstore.etcd import EtcdStore
 from replica.jobstore.commit import CommitRecord
 from test_launch import RL, RL_STEPS, STEPS, free_port, launch
-from vllm_engine import vllm_available
+from support.vllm_engine import vllm_available
 
 TOKEN = "a-token-for-the-floor-tests"
 DCP_READ = Path(__file__).parent / "jobs" / "dcp_read.py"

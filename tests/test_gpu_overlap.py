@@ -22,7 +22,7 @@ from torch import nn
 
 import replica
 from replica.config import DEVICE_BUCKET_BYTES
-from replica._testing import spawn
+from support.children import spawn
 
 pytestmark = pytest.mark.gpu
 
@@ -101,7 +101,7 @@ def test_a_weight_push_waits_for_its_own_work_only():
     """A push gathers and packs on the caller's stream and copies down on its own; a long
     kernel on another stream (other work of the trainer's process) must not hold it back."""
     from replica.weights import WeightSync
-    from weight_engine import EngineStandIn
+    from support.weight_engine import EngineStandIn
 
     config = _config(backends=("gloo",))
     model = _model()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions
 
 from replica.distributed.resilient import ResilientProcessGroup
-from replica._testing import spawn
+from support.children import spawn
 
 pytestmark = pytest.mark.gpu
 

@@ -20,9 +20,9 @@ import torch.distributed as dist
 from torch import nn
 
 import replica
-from replica._testing import spawn
+from support.children import spawn
 from replica.weights import WeightSync
-from weight_engine import EngineStandIn
+from support.weight_engine import EngineStandIn
 
 pytestmark = pytest.mark.gpu
 

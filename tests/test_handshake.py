@@ -28,7 +28,7 @@ from replica.errors import (
     TransportError,
 )
 from replica.session.listener import Listener
-from replica._testing import spawn
+from support.children import spawn
 from replica.timing import Deadline
 from replica.transport import MemoryKind, wire
 from replica.transport.control import (
@@ -43,7 +43,7 @@ from replica.transport.gloo import GlooConfig, GlooTransport
 from replica.transport.ipc import IpcConfig, IpcTransport
 from replica.transport.ucx import UcxConfig, UcxTransport
 
-from transport_contract import peer_main
+from support.transport_contract import peer_main
 
 TOKEN = b"job-token"
 T = timedelta(seconds=60)

@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 from replica import _C
 
-from replica._testing import etcd as testetcd
+from support import etcd as testetcd
 from replica.jobstore.etcd import EtcdStore
 from replica.errors import JobStateError
 from replica.jobstore import Heartbeat, HeartbeatSender, JobStore, ThreadHeartbeatSender, keys
-from replica._testing.etcd import EtcdCluster
-from replica._testing import wait_for
+from support.etcd import EtcdCluster
+from support.children import wait_for
 from replica.timing import Deadline
 
 TOKEN = b"heartbeat-test-token"

@@ -1,4 +1,4 @@
-"""Many hosts on one machine: a network-namespace cluster (replica._testing.cluster),
+"""Many hosts on one machine: a network-namespace cluster (tests/support/cluster.py),
 its faults, and which way the data plane goes between and within hosts."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from datetime import timedelta
 
 import pytest
 
-from replica._testing import cluster as testcluster
-from replica._testing import etcd as testetcd
-from replica._testing.cluster import ClusterConfig, NetnsCluster
-from replica._testing.etcd import EtcdCluster
+from support import cluster as testcluster
+from support import etcd as testetcd
+from support.cluster import ClusterConfig, NetnsCluster
+from support.etcd import EtcdCluster
 from replica.roles.exits import ExitCode
 from replica.roles.report import compare_reports
 from replica.timing import Deadline
-from vllm_engine import vllm_available
+from support.vllm_engine import vllm_available
 
-from host_job import ROOT, Job, python_on, reap
+from support.host_job import ROOT, Job, python_on, reap
 from test_launch import RL_STEPS, STEPS
 
 pytestmark = [pytest.mark.netns,

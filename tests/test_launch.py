@@ -23,7 +23,7 @@ from test_export import assert_safe_open_reads
 from replica.roles.exits import ExitCode
 from replica.roles.report import compare_reports
 from replica.timing import Deadline
-from replica._testing import busy_cores, process_state
+from support.children import busy_cores, process_state
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_fsdp.py"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from replica._testing import descendants, role_of
+from support.children import descendants, role_of
 from replica.roles.launch import StatusLines
 from replica.roles.local_agent import die_with_launcher
 from replica.timing import Deadline

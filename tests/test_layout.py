@@ -7,7 +7,7 @@ import torch
 from replica import ops
 from replica.errors import LayoutMismatchError
 from replica.state.layout import StateLayout, global_offsets, state_tensors
-from replica._testing import free_port, spawn
+from support.children import free_port, spawn
 
 KiB = 1 << 10
 

@@ -24,7 +24,7 @@ from fsdp_job import JobShape, build_job, train_step
 from replica.errors import LayoutMismatchError, ReplicaError, StandbyLostError
 from replica.state.layout import state_tensors
 from replica.timing import Deadline
-from replica._testing import spawn, wait_for
+from support.children import spawn, wait_for
 
 TOKEN = b"mirror-unit-token"
 SHAPE = JobShape(layers=2)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from replica._testing import descendants, process_state, wait_for
+from support.children import descendants, process_state, wait_for
 from replica.processes import start_script
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server's children are Linux only")

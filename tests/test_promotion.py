@@ -16,7 +16,7 @@ import torch.distributed as dist
 import replica
 from replica.errors import CommitTimeoutError, ReplicaError
 from replica.jobstore import JobStore, keys
-from replica._testing import wait_for
+from support.children import wait_for
 from test_mirror_integrity import TOKEN, assert_state_equal, config, job, state_of, trained
 
 T = timedelta(seconds=30)

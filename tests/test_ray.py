@@ -33,7 +33,7 @@ from replica.roles.report import compare_reports, load_report  # noqa: E402
 from replica.roles.selftest import select_cases  # noqa: E402
 from replica.roles.selftest_runs import JobKind  # noqa: E402
 from replica.timing import Deadline  # noqa: E402
-from replica._testing import descendants  # noqa: E402
+from support.children import descendants  # noqa: E402
 from test_launch import EXAMPLE, ROOT, STEPS  # noqa: E402
 
 TOKEN = "ray-test-token"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import replica
 from replica.weights import WeightReceiver, WeightSync
 from test_mirror_integrity import assert_state_equal, job, state_of, trained
-from weight_engine import EngineStandIn
+from support.weight_engine import EngineStandIn
 
 TOKEN = b"registration-retry-token"
 T = timedelta(seconds=30)

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from replica.roles.exits import ExitCode
 from replica.roles.report import compare_reports
-from replica._testing import busy_cores, process_state
+from support.children import busy_cores, process_state
 from test_launch import ROOT, free_port, launch, role_env, start_coordinator, wait_for_key
-from vllm_engine import vllm_available
+from support.vllm_engine import vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
 

@@ -1,6 +1,6 @@
 """Rollout requests over a real job store and real desks: a driver's (``request_rollouts``,
 what ``RayJob.generate`` calls) and the trainers' (``RolloutClient``). The engines here are
-stand-ins (``replica._testing.rollouts``: each completion made from its prompt and seed, or a
+stand-ins (``support.rollouts``: each completion made from its prompt and seed, or a
 few lines that answer as the serving loop does), run through the real serving loop where a
 test says so; a vLLM engine is what the RL tests run."""
 
@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from replica._testing.rollouts import StandInEngine, largest_store_value, stand_in_completion
+from support.rollouts import StandInEngine, largest_store_value, stand_in_completion
 from replica.errors import StoreWaitTimeoutError
 from replica.jobstore import JobStore, Number, Text, keys
 from replica.roles.rollout_data import DeskBook, decode_tokens, encode_tokens, prompts_blob

@@ -13,11 +13,11 @@ from contextlib import ExitStack
 
 import pytest
 
-from replica._testing import cluster as testcluster
-from replica._testing.cluster import ClusterConfig, NetnsCluster
+from support import cluster as testcluster
+from support.cluster import ClusterConfig, NetnsCluster
 from replica.roles.selftest import select_cases
 
-from host_job import python_on, reap
+from support.host_job import python_on, reap
 
 pytestmark = [pytest.mark.netns,
               pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from replica import envvars
-from replica._testing import free_port
+from support.children import free_port
 from replica.jobstore import ServedJob
 from replica.roles.served import first_placement, served_job_refusal
 from replica.roles.env import Role

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import pytest
 
-from replica._testing import descendants, process_state, role_of, wait_for
+from support.children import descendants, process_state, role_of, wait_for
 from replica.jobstore import JobStore
 from replica.roles.remote_agents import RemoteAgents
 from replica.roles.probe import ProcessState, Verdict, judge, look, verdict_of

@@ -4,7 +4,7 @@ import pytest
 
 from replica.transport.gloo import GlooConfig, GlooTransport
 
-from transport_contract import CHECKS, run_transport_contract
+from support.transport_contract import CHECKS, run_transport_contract
 
 
 def make_gloo(token: bytes) -> GlooTransport:

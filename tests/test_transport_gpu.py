@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from replica.errors import TransportError
-from replica._testing import spawn
+from support.children import spawn
 from replica.transport import memfd
 from replica.transport.ipc import HOST_OFFER_BYTES, MAX_EXPORTS, IpcConfig, IpcTransport
 from replica.transport.shm import ShmTransport
 from replica.transport.ucx import UcxConfig, UcxTransport
 
-from transport_contract import (CHECKS, STALL_CYCLES, MiB, T, check_round_trip_sizes, connected, empty, pattern,
+from support.transport_contract import (CHECKS, STALL_CYCLES, MiB, T, check_round_trip_sizes, connected, empty, pattern,
                                 peer_main, run_transport_contract)
 
 pytestmark = pytest.mark.gpu

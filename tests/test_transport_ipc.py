@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from replica.errors import TransportError
-from replica._testing import spawn
+from support.children import spawn
 from replica.transport.base import PIECE_BYTES
 from replica.transport.ipc import MAX_HOST_BYTES, IpcConfig, IpcTransport
 
-from transport_contract import (
+from support.transport_contract import (
     CHECKS,
     MiB,
     T,

@@ -16,7 +16,7 @@ from replica.session import backends
 from replica.transport.base import PIECE_BYTES
 from replica.transport.nixl_agent import nixl_installed
 
-from transport_contract import (
+from support.transport_contract import (
     CHECKS,
     MiB,
     T,
@@ -30,8 +30,8 @@ from transport_contract import (
     peer_main,
     run_transport_contract,
 )
-from replica._testing import spawn
-from host_job import python_on, reap
+from support.children import spawn
+from support.host_job import python_on, reap
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'replica[nixl]')")
 
@@ -192,7 +192,7 @@ def test_a_killed_peer_frees_nothing_it_did_not_own():
         conn = connected(transport, peer)
         assert conn._peer_agent in agent._remotes
         peer.kill()
-        from replica._testing import wait_for
+        from support.children import wait_for
 
         wait_for(lambda: not conn.alive and conn._peer_agent not in agent._remotes, "the dead peer forgotten",
                  timeout_s=10)
@@ -249,7 +249,7 @@ def test_weights_pushed_over_nixl_arrive_exact_and_a_corrupted_bucket_is_resent(
 
     import replica
     from replica.weights import WeightSync
-    from weight_engine import EngineStandIn
+    from support.weight_engine import EngineStandIn
 
     store = dist.HashStore()
     config = replica.Config(token=b"weights-token", bucket_bytes=256 << 10, timeout=timedelta(seconds=20),
@@ -294,7 +294,7 @@ def test_a_peer_killed_on_another_host_is_found_at_once():
     import time
     from pathlib import Path
 
-    from replica._testing import cluster as testcluster
+    from support import cluster as testcluster
 
     if not testcluster.available():
         pytest.skip("needs root and `ip netns`")
@@ -328,7 +328,7 @@ class OnTwoHosts:
         self.home, self.here, self.there = home, here, there
 
     def __call__(self, token: bytes, **options):
-        from replica._testing import cluster as testcluster
+        from support import cluster as testcluster
 
         netns, address = self.here if os.getpid() == self.home else self.there
         testcluster.enter(netns)
@@ -348,7 +348,7 @@ print("passed", flush=True)
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    from replica._testing import cluster as testcluster
+    from support import cluster as testcluster
 
     if not testcluster.available():
         pytest.skip("needs root and `ip netns`")
@@ -364,7 +364,7 @@ def test_contract_nixl_between_two_hosts(check, two_hosts):
     """The whole contract with its two ends on two network-namespace hosts, NIXL's UCX
     plugin on tcp (these hosts share one machine, where UCX would otherwise move bytes
     through the kernel or shared memory): each check passes, its bytes over the link."""
-    from host_job import ROOT
+    from support.host_job import ROOT
 
     a, b = two_hosts
     before = sum(a.link_bytes())

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from replica.errors import PeerDisconnectedError, SharedMemoryUnavailableError, TransportError
-from replica._testing import spawn, wait_for
+from support.children import spawn, wait_for
 from replica.timing import Deadline
 from replica.transport import Locality, MemoryKind
 from replica.transport import memfd
@@ -28,7 +28,7 @@ from replica.transport.base import bucket_digest
 from replica.transport.ipc import HOST_OFFER_BYTES, MAX_HOST_BYTES, IpcConfig, IpcTransport
 from replica.transport.shm import ShmTransport
 
-from transport_contract import (
+from support.transport_contract import (
     CHECKS,
     SHARED,
     assert_echoes,

@@ -13,7 +13,7 @@ from replica.timing import Deadline
 from replica.transport.base import PIECE_BYTES
 from replica.transport.ucx import UcxConfig, UcxTransport
 
-from transport_contract import (
+from support.transport_contract import (
     CHECKS,
     assert_echoes,
     MiB,
@@ -29,7 +29,7 @@ from transport_contract import (
     peer_main,
     run_transport_contract,
 )
-from replica._testing import spawn, wait_for
+from support.children import spawn, wait_for
 
 
 def make_ucx(token: bytes, **options) -> UcxTransport:

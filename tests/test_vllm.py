@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from replica.jobstore import JobStore, keys
 import replica
-from vllm_engine import greedy, hf_first_logprobs, make_llm, make_model, vllm_available
+from support.vllm_engine import greedy, hf_first_logprobs, make_llm, make_model, vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
 

@@ -31,7 +31,7 @@ import replica
 from replica.integrations.vllm.served import SERVE_ARGS
 from replica.jobstore import Epoch, Generation, JobStore, Number, keys
 from replica.timing import Deadline
-from vllm_engine import greedy, make_llm, make_model, vllm_available
+from support.vllm_engine import greedy, make_llm, make_model, vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
 
@@ -136,7 +136,7 @@ def _stop(server: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
 def _completions(url: str, model: Path) -> list[list[int]]:
     import requests
 
-    from vllm_engine import MAX_TOKENS, PROMPTS
+    from support.vllm_engine import MAX_TOKENS, PROMPTS
 
     answer = requests.post(f"{url}/v1/completions", timeout=120, json={
         "model": str(model), "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
@@ -395,7 +395,7 @@ def test_the_openai_server_is_synced_through_its_weight_transfer_routes(models, 
 
     from replica.integrations.vllm.transfer import ReplicaTrainerInitInfo, ServerClient  # registers the trainer side here
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
-    from vllm_engine import MAX_TOKENS, PROMPTS
+    from support.vllm_engine import MAX_TOKENS, PROMPTS
 
     root, trained, fresh = models
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
@@ -523,7 +523,7 @@ def test_a_served_engine_is_the_rollout_roles_engine(models, tmp_path):
     from replica.integrations.vllm.served import ServedLLM
     from replica.roles.rollout_engine import serve_rollouts
     from replica.roles.rollouts import Sampling, request_rollouts
-    from vllm_engine import MAX_TOKENS, PROMPTS
+    from support.vllm_engine import MAX_TOKENS, PROMPTS
 
     root, trained, fresh = models
     raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))

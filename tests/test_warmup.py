@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from replica.errors import ReplicaError
-from replica._testing import spawn
+from support.children import spawn
 
 
 class Block(torch.nn.Module):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import replica
 from replica.jobstore import Epoch, Generation, JobStore, keys
 from replica.weights import WeightSync
-from weight_engine import EngineStandIn
+from support.weight_engine import EngineStandIn
 
 TOKEN = b"weight-fencing-token"
 CONFIG = replica.Config(token=TOKEN, bucket_bytes=64 << 10, timeout=timedelta(seconds=20))

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from replica.jobstore import JobStore, keys
 import replica
 from replica.weights import ModelSource, WeightSync, tensor_buckets, weight_layout
-from weight_engine import EngineStandIn
+from support.weight_engine import EngineStandIn
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = b"weights-test-token"

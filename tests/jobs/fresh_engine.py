@@ -15,7 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from vllm_engine import greedy, make_llm  # noqa: E402
+from support.vllm_engine import greedy, make_llm  # noqa: E402
 
 if __name__ == "__main__":
     llm = make_llm(Path(sys.argv[1]))

@@ -25,7 +25,7 @@ if __name__ == "__main__":
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
 
     from replica.integrations.vllm.transfer import LLMClient, ReplicaTrainerInitInfo
-    from vllm_engine import greedy
+    from support.vllm_engine import greedy
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")

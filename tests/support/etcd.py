@@ -26,7 +26,7 @@ from pathlib import Path
 
 from replica import envvars
 from replica.jobstore.etcd import EtcdConfig
-from replica._testing import TornDown, free_ports
+from support.children import TornDown, free_ports
 from replica.timing import Deadline
 
 __all__ = ["EtcdCluster", "EtcdMember", "available"]

@@ -18,7 +18,7 @@ from replica.errors import (
     PeerDisconnectedError,
     TransferTimeoutError,
 )
-from replica._testing import Child, process_state, spawn
+from support.children import Child, process_state, spawn
 from replica.timing import Deadline
 from replica.transport import Connection, Transport, memfd
 from replica.transport.base import PIECE_BYTES, bucket_digest

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from replica._testing import TornDown
+from support.children import TornDown
 from replica.timing import Deadline
 
 __all__ = ["ClusterConfig", "Host", "NetnsCluster", "available", "enter"]

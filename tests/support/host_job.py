@@ -12,15 +12,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
-from replica._testing import process_state
-from replica._testing.etcd import EtcdCluster
+from support.children import process_state
+from support.etcd import EtcdCluster
 from replica.timing import Deadline
 
 from test_launch import EXAMPLE, RL, RL_STEPS, STEPS, TOKEN, role_env
 
 __all__ = ["Job", "ROOT", "STORE_PORT", "python_on", "reap"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def python_on(host, *args: str, stdin=None, env: dict[str, str] | None = None, log=None) -> subprocess.Popen:
