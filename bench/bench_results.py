@@ -28,7 +28,7 @@ def usable_cores() -> int:
 
 def cores_busy(cpu_s: Sequence[float], wall_s: Sequence[float]) -> float:
     """The share of the usable cores transfers kept busy (median over them): each one's CPU
-    time (``replica._testing.cpu_since``) over its seconds times the cores."""
+    time (``support.cpu.cpu_since``) over its seconds times the cores."""
     cores = usable_cores()
     return statistics.median(c / (s * cores) for c, s in zip(cpu_s, wall_s, strict=True))
 

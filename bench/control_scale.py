@@ -67,7 +67,8 @@ from replica.jobstore.stores import StoreAddress
 from replica.timing import Deadline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers (support)
-from support.children import CountingStore, spawn  # noqa: E402
+from support.children import spawn  # noqa: E402
+from support.stores import CountingStore  # noqa: E402
 
 from control_scale_report import merged, report
 

@@ -52,9 +52,9 @@ from ettr_model import Failure, Target, best_interval, figures, poisson_schedule
 from ettr_projection import projection  # noqa: E402
 
 from replica import envvars  # noqa: E402
-from support import cluster as testcluster  # noqa: E402
 from replica.state.export import resumable  # noqa: E402
 from replica.errors import ReplicaError  # noqa: E402
+from support import cluster as testcluster  # noqa: E402
 from support.cluster import ClusterConfig, NetnsCluster  # noqa: E402
 
 __all__ = ["main"]

@@ -1,5 +1,5 @@
 """Mirrored FSDP2 jobs for the benchmarks, driven step by step from the benchmark's process
-(tests/mirror_roles.py's trainer and standby roles), each process pinned to its cores.
+(tests/support/mirror_roles.py's trainer and standby roles), each process pinned to its cores.
 
 A standby lives on a rollout machine, not beside its trainer: the standbys run on cores of
 their own (half of this machine's; the trainers take the other half), so their receive,
@@ -15,10 +15,13 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from fsdp_job import JobShape
-from support.mirror_roles import standby_main, trainer_main
 from support.children import ChildFailed, spawn
+from support.mirror_roles import standby_main, trainer_main
 
-__all__ = ["PinnedJob", "pinned_job", "place", "split_cores"]
+__all__ = ["PinnedJob", "SHAPE", "pinned_job", "place", "split_cores"]
+
+# The mirror benchmark's job (bench/test_mirror.py; its snapshot alone: snapshot_pack_run.py).
+SHAPE = JobShape(dim=128, layers=4, seq=64, batch=16, samples=4096, total_steps=10_000)
 
 
 def split_cores() -> tuple[set[int], set[int]]:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "examples")]
 from fsdp_job import build_job, train_step  # noqa: E402
-from support.mirror_roles import Probe  # noqa: E402
 from replica import StateLayout  # noqa: E402
-from support.children import free_port  # noqa: E402
-from test_mirror import SHAPE  # noqa: E402  (bench/, the working directory)
+from mirror_jobs import SHAPE  # noqa: E402  (bench/, the script's folder)
+from support.mirror_roles import Probe  # noqa: E402
+from support.ports import free_port  # noqa: E402
 
 
 def main(rounds: int) -> None:

@@ -25,9 +25,10 @@ import pytest
 
 from bench_results import machine, write_results
 from replica.roles.coordinator import Deadlines
-from support.children import busy_cores, free_port
 from replica.timing import Deadline
-from test_launch import launch
+from support.cpu import busy_cores
+from support.launch import launch
+from support.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, KILL_STEP, CKPT_EVERY = 16, 9, 5

@@ -1,4 +1,4 @@
-"""Failover across hosts (network namespaces, tests/host_job.py's job on tests/test_hosts.py's cluster):
+"""Failover across hosts (network namespaces, tests/support/host_job.py's job on tests/test_hosts.py's cluster):
 the timeline (detect, promote, reconnect, resumed, from the fault's own stamp) of
 trainer 1's host lost whole (link cut, then everything killed: no reset reaches
 anyone) and of that host partitioned for 8 s (``--inject partition:host:1@4:8``),
@@ -17,13 +17,13 @@ from datetime import timedelta
 import pytest
 
 from bench_results import machine, write_results
+from replica.roles.coordinator import Deadlines
+from replica.timing import Deadline, pause
 from support import cluster as testcluster
 from support import etcd as testetcd
-from replica.roles.coordinator import Deadlines
+from support.children import process_state
 from support.cluster import ClusterConfig, NetnsCluster
 from support.etcd import EtcdCluster
-from support.children import process_state
-from replica.timing import Deadline, pause
 from support.host_job import Job
 
 pytestmark = pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")

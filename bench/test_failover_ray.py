@@ -18,8 +18,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="replica[ray] is not installed")
 
 from bench_results import RESULTS_DIR, machine  # noqa: E402
-from test_launch import launch  # noqa: E402
-from test_ray import cluster  # noqa: E402,F401 - the module's Ray cluster fixture
+from support.launch import launch  # noqa: E402
+from support.ray_cluster import cluster  # noqa: E402,F401 - the module's Ray cluster fixture
 
 STEPS, KILL_STEP, ROUNDS = 12, 7, 3
 _runs: dict[str, list[dict]] = {"local": [], "ray": []}

@@ -41,10 +41,8 @@ from pathlib import Path
 import pytest
 
 from bench_results import machine, write_results
-from fsdp_job import JobShape
-from mirror_jobs import pinned_job, place, split_cores
+from mirror_jobs import SHAPE, pinned_job, place, split_cores
 
-SHAPE = JobShape(dim=128, layers=4, seq=64, batch=16, samples=4096, total_steps=10_000)
 # The default backends: on one node the shm backend (the snapshot offered where it lies, one
 # copy, the standby's digest taken by that copy).
 CONFIG = {"bucket_bytes": 1 << 20}

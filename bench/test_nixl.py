@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from bench_results import machine, write_results
-from support.children import RawUcx, spawn
 from replica.transport.base import PIECE_BYTES, bucket_digest
 from replica.transport.nixl_agent import nixl_installed
-from test_resync import TOKEN, UCX_PATHS, T, _make_ucx, _transport_peer
+from support.children import spawn
+from support.transfer import RawUcx, T, TOKEN, UCX_PATHS, make_ucx, transport_peer
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'replica[nixl]')")
 
@@ -51,7 +51,7 @@ def _make_nixl(verify: bool):
 def _maker(name: str):
     if name.startswith("nixl"):
         return functools.partial(_make_nixl, name.endswith("verified"))
-    return functools.partial(_make_ucx, *UCX_PATHS[name])
+    return functools.partial(make_ucx, *UCX_PATHS[name])
 
 
 def _sender(pipe, name: str) -> None:
@@ -80,8 +80,8 @@ def _sender(pipe, name: str) -> None:
 
 
 def _raw_receiver(pipe) -> None:
-    """Raw UCX's receiving end (``replica._testing.RawUcx``: ucxx tag messages of PIECE_BYTES,
-    no protocol, no digests), speaking ``_transport_peer``'s commands."""
+    """Raw UCX's receiving end (``support.transfer.RawUcx``: ucxx tag messages of PIECE_BYTES,
+    no protocol, no digests), speaking ``transport_peer``'s commands."""
     with RawUcx(token=TOKEN, timeout=T) as raw:
         pipe.send(("address", raw.listen()))
         buf = None
@@ -118,7 +118,7 @@ def _ends(name: str):
             yield sender, receiver
         return
     with spawn(_sender, name, name=f"{name}-send") as sender, \
-            spawn(_transport_peer, _maker(name), "cpu", name=f"{name}-recv") as receiver:
+            spawn(transport_peer, _maker(name), "cpu", name=f"{name}-recv") as receiver:
         reply = sender.recv(timeout=120)
         assert reply[0] == "address", reply
         receiver.send(reply[1])

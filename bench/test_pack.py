@@ -8,7 +8,6 @@ import contextlib
 import ctypes
 import os
 import platform
-import random
 import statistics
 import time
 from pathlib import Path
@@ -17,14 +16,8 @@ import pytest
 import torch
 
 from bench_results import write_results
+from pack_cases import CHECKSUM_BLOCK, PACK_CHECKSUM_BLOCK, large_tensors, small_tensors
 from replica import ops
-
-MiB = 1 << 20
-LARGE_BYTES = 256 * MiB
-LARGE_COUNT = 1000
-SMALL_COUNT = 10_000
-CHECKSUM_BLOCK = 1 * MiB
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 
 # name -> (median seconds, payload bytes); filled by the benchmarks below.
 _medians: dict[str, tuple[float, int]] = {}
@@ -38,45 +31,20 @@ TARGETS = {
     "pack_checksum_vs_pack": 0.9,
     "small_pack_checksum_vs_pack": 0.9,
 }
-# The bucket size the mirror uses by default (Config.bucket_bytes): pack_checksum's blocks.
-PACK_CHECKSUM_BLOCK = 4 * MiB
-
-
-def _mixed_tensors(count: int, sizes: list[int], seed: int) -> list[torch.Tensor]:
-    rng = random.Random(seed)
-    tensors = []
-    for nbytes in sizes[:count]:
-        dtype = rng.choice(DTYPES)
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        tensors.append(torch.randint(0, 100, (max(nbytes // itemsize, 1),)).to(dtype))
-    return tensors
-
-
-def _large_sizes(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    weights = [rng.lognormvariate(0, 1.5) for _ in range(LARGE_COUNT)]
-    scale = LARGE_BYTES / sum(weights)
-    return [max(64, int(w * scale) // 64 * 64) for w in weights]
 
 
 @pytest.fixture(scope="module")
 def large():
-    tensors = _mixed_tensors(LARGE_COUNT, _large_sizes(0), seed=0)
+    tensors = large_tensors()
     offsets, total = ops.aligned_offsets(tensors)
     out = torch.zeros(total, dtype=torch.uint8)
     flat = torch.randint(0, 256, (total,), dtype=torch.uint8)
     return tensors, offsets, out, flat
 
 
-def _small_tensors() -> list[torch.Tensor]:
-    rng = random.Random(1)
-    sizes = [rng.randint(256, 4096) for _ in range(SMALL_COUNT)]
-    return _mixed_tensors(SMALL_COUNT, sizes, seed=1)
-
-
 @pytest.fixture(scope="module")
 def small():
-    tensors = _small_tensors()
+    tensors = small_tensors()
     offsets, total = ops.aligned_offsets(tensors)
     out = torch.zeros(total, dtype=torch.uint8)
     payload = sum(t.numel() * t.element_size() for t in tensors)

@@ -16,25 +16,24 @@ import functools
 import os
 import statistics
 import time
-from datetime import timedelta
 
 import pytest
 import torch
 
 from bench_results import cores_busy, cores_floor, machine, usable_cores, write_results
 from replica import ops
-from support.children import cpu_since, free_port, receive_bucketed, send_bucketed, spawn
 from replica.transport import Transport, memfd
 from replica.transport.base import PIECE_BYTES, bucket_digest
-from replica.transport.ucx import UcxConfig, UcxTransport
+from support.children import spawn
+from support.cpu import cpu_since
+from support.ports import free_port
+from support.transfer import TOKEN, UCX_PATHS, make_ucx, transport_path
 
 MiB = 1 << 20
 SIZES = [1 * MiB, 64 * MiB, 512 * MiB]
 # On one GPU the target is stated at 1 GiB: CUDA IPC at >= 0.8x of a copy_.
 GPU_SIZES = [*SIZES, 1024 * MiB]
 ROUNDS = {1 * MiB: 200, 64 * MiB: 20, 512 * MiB: 8, 1024 * MiB: 8}
-T = timedelta(seconds=120)
-TOKEN = b"bench-token"
 
 # path -> size -> median seconds per round
 _medians: dict[str, dict[int, float]] = {}
@@ -42,55 +41,6 @@ _medians: dict[str, dict[int, float]] = {}
 # `make test` (benchmarks disabled) runs the path with digests only: the others are UCX_TLS
 # variants of the same code (tests/test_transport_ucx.py runs the transport's contract).
 SMOKE_PARAMS = {"ucx_path": {"ucx_default_verified"}}
-
-UCX_PATHS = {
-    # name: (UCX_TLS, verify digests[, polling progress])
-    # The progress thread spinning instead of sleeping in epoll (UcxConfig.polling_progress).
-    # First: pytest keeps the last parameter's pair of processes until the module ends, and
-    # two spinning threads would take both cores from every benchmark after them (the shm
-    # backend's 512 MiB took 40 ms beside them instead of 20).
-    "ucx_default_polling": ("^cma,knem,xpmem", False, True),
-    "ucx_default_polling_verified": ("^cma,knem,xpmem", True, True),
-    "ucx_shm": ("posix,sysv,self", False),
-    "ucx_cma": ("sm,self", False),  # sm includes cma, which takes the large transfers
-    "ucx_tcp": ("tcp", False),
-    "ucx_default": ("^cma,knem,xpmem", False),
-    "ucx_default_verified": ("^cma,knem,xpmem", True),
-}
-
-
-def _transport_peer(pipe, make, device: str) -> None:
-    transport = make()
-    conn = transport.connect(pipe.recv()[0], T)
-    ack = torch.zeros(8, dtype=torch.uint8)
-    while True:
-        try:
-            cmd = pipe.recv()
-        except EOFError:  # the benchmark process is gone
-            break
-        if cmd[0] == "size":
-            buf = torch.empty(cmd[1], dtype=torch.uint8, device=device)
-            pipe.send(("ok",))
-        elif cmd[0] == "rounds":
-            for _ in range(cmd[1]):
-                conn.recv(buf, tag=1, timeout=T)
-                conn.send(ack, tag=2, timeout=T)
-            pipe.send(("ok",))
-        elif cmd[0] == "bucketed_rounds":  # the buffer as buckets of cmd[2] bytes, all posted at once
-            rounds, bucket = cmd[1], cmd[2]
-            for _ in range(rounds):
-                receive_bucketed(conn, buf, bucket, ack=ack, timeout=T)
-            pipe.send(("ok",))
-        else:
-            break
-    transport.close()
-    with contextlib.suppress(OSError):
-        pipe.send(("closed",))
-
-
-def _make_ucx(tls: str, verify: bool, polling: bool = False) -> UcxTransport:
-    return UcxTransport(UcxConfig(token=TOKEN, ucx_transports=tls, verify=verify, polling_progress=polling))
-
 
 def _make_ipc() -> Transport:
     from replica.transport.ipc import IpcConfig, IpcTransport
@@ -103,27 +53,6 @@ def _make_shm() -> Transport:
     from replica.transport.shm import ShmTransport
 
     return ShmTransport(IpcConfig(token=TOKEN, verify=True))
-
-
-@contextlib.contextmanager
-def _transport_path(name: str, make, device: str):
-    with make() as transport, spawn(_transport_peer, make, device, name=f"{name}-peer") as peer:
-        peer.send(transport.listen())
-        conn = transport.accept(T)
-        ack = torch.zeros(8, dtype=torch.uint8)
-
-        def one_round(buf, digest):
-            got = conn.irecv(ack, tag=2)
-            conn.send(buf, tag=1, timeout=T, digest=digest)
-            got.wait(T)
-
-        one_round.bucketed = lambda buf, bucket: send_bucketed(conn, buf, bucket, ack=ack, timeout=T)
-        try:
-            yield name, peer, one_round
-        finally:  # the peer closes its side first (one stuck after a failure is killed by spawn)
-            with contextlib.suppress(Exception):
-                peer.send("exit")
-                peer.recv(timeout=10)
 
 
 def _gloo_peer(pipe, port: int) -> None:
@@ -149,13 +78,13 @@ def _gloo_peer(pipe, port: int) -> None:
 @pytest.fixture(scope="module", params=list(UCX_PATHS))
 def ucx_path(request):
     name = request.param
-    with _transport_path(name, functools.partial(_make_ucx, *UCX_PATHS[name]), "cpu") as path:
+    with transport_path(name, functools.partial(make_ucx, *UCX_PATHS[name]), "cpu") as path:
         yield path
 
 
 @pytest.fixture(scope="module")
 def shm_path():
-    with _transport_path("shm_verified", _make_shm, "cpu") as path:
+    with transport_path("shm_verified", _make_shm, "cpu") as path:
         yield path
 
 
@@ -233,8 +162,8 @@ def test_ucx_digests_interleaved(benchmark):
 
     def session() -> None:
         with contextlib.ExitStack() as stack:
-            paths = {name: stack.enter_context(_transport_path(
-                name, functools.partial(_make_ucx, *UCX_PATHS[name]), "cpu")) for name in names}
+            paths = {name: stack.enter_context(transport_path(
+                name, functools.partial(make_ucx, *UCX_PATHS[name]), "cpu")) for name in names}
             for _, peer, _ in paths.values():
                 assert peer.request("size", nbytes) == ("ok",)
                 peer.send("rounds", rounds + warmup)
@@ -468,12 +397,12 @@ def report():
 # --- GPU: device-to-device between two processes on one GPU, beside copy_ ---
 
 _gpu_medians: dict[str, dict[int, float]] = {}
-GPU_PATHS = {"gpu_ucx": functools.partial(_make_ucx, "", False), "gpu_ipc": _make_ipc}
+GPU_PATHS = {"gpu_ucx": functools.partial(make_ucx, "", False), "gpu_ipc": _make_ipc}
 
 
 @pytest.fixture(scope="module", params=list(GPU_PATHS))
 def gpu_path(request):
-    with _transport_path(request.param, GPU_PATHS[request.param], "cuda") as path:
+    with transport_path(request.param, GPU_PATHS[request.param], "cuda") as path:
         yield path
 
 

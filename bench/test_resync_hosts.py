@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from bench_results import machine, write_results
+from replica.transport.nixl_agent import nixl_installed
 from support import cluster as testcluster
 from support.cluster import ClusterConfig, NetnsCluster
-from replica.transport.nixl_agent import nixl_installed
 
 pytestmark = [pytest.mark.netns,
               pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]

@@ -15,7 +15,7 @@ import statistics
 import pytest
 
 from bench_results import machine, write_results
-from test_launch import launch
+from support.launch import launch
 
 ROUNDS = 3
 STEPS = 60

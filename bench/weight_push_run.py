@@ -36,7 +36,9 @@ from replica.session.backends import check_backends
 from replica.weights import WeightReceiver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers (support)
-from support.children import RawUcx, cpu_since, spawn  # noqa: E402
+from support.children import spawn  # noqa: E402
+from support.cpu import cpu_since  # noqa: E402
+from support.transfer import RawUcx  # noqa: E402
 
 TOKEN = b"bench-weight-push-token"
 TIMEOUT = timedelta(seconds=300)

@@ -53,8 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.vllm_engine import greedy, make_llm, make_model  # noqa: E402
 
 import replica  # noqa: E402
-from support.children import RawUcx, free_port, spawn  # noqa: E402
-from test_resync import _make_ucx, _transport_path  # noqa: E402  (bench/, the working directory)
+from support.children import spawn  # noqa: E402
+from support.ports import free_port  # noqa: E402
+from support.transfer import RawUcx, make_ucx, transport_path  # noqa: E402
 
 SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
           "256MiB": dict(hidden=768, layers=8, intermediate=3072),  # tests/test_vllm_transfer.py's memory bound
@@ -213,7 +214,7 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
     # The same raw UCX between two fresh processes once the engine is gone, as this measured
     # it before (its figure moved between runs more than the transfer's did).
     ucx_apart_s = []
-    with _transport_path("ucx_plain", functools.partial(_make_ucx, "^cma,knem,xpmem", False), "cpu") as path:
+    with transport_path("ucx_plain", functools.partial(make_ucx, "^cma,knem,xpmem", False), "cpu") as path:
         _, peer, one_round = path
         assert peer.request("size", nbytes) == ("ok",)
         peer.send("bucketed_rounds", rounds + 1, bucket)

@@ -10,7 +10,7 @@ from filelock import FileLock
 
 from support import etcd as testetcd
 from support.etcd import EtcdCluster
-from test_launch import RL, ROOT, RL_STEPS, STEPS, launch
+from support.launch import RL, RL_STEPS, ROOT, STEPS, launch
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from test_launch import EXAMPLE, ROOT
+from support.launch import EXAMPLE, ROOT
 
 CASES = {
     "a fault on a rank the job does not have": (["launch", "--inject", "kill:trainer:5@3", str(EXAMPLE)],

@@ -15,7 +15,7 @@ import replica.jobstore.commit as commit
 from replica.jobstore.commit import CommitRecord
 from replica.errors import CommitTimeoutError
 from replica.jobstore import Epoch, Generation, JobStore, keys
-from support.children import CountingStore
+from support.stores import CountingStore
 
 TOKEN = b"commit-scale-token"
 T = timedelta(seconds=30)

@@ -1,4 +1,4 @@
-"""replica._testing.cpu_seconds: the process CPU clock the benchmarks' core accounting
+"""support.cpu.cpu_seconds: the process CPU clock the benchmarks' core accounting
 reads (every thread of a process, at nanosecond resolution)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from datetime import timedelta
 
 import pytest
 
-from support.children import cpu_seconds, cpu_since
 from replica.timing import Deadline
+from support.cpu import cpu_seconds, cpu_since
 
 
 def _spin(seconds: float) -> None:

@@ -19,10 +19,9 @@ import replica
 from replica.errors import SnapshotCorruptedError
 from replica.state.export import load_export, write_export
 from replica.state.snapshot import Snapshot, bucket_digests
-from support.children import spawn, wait_for
 from replica.transport.base import bucket_digest
-from test_export import assert_safe_open_reads
-from test_mirror_integrity import assert_state_equal, config, job, mirrored, state_of, trained
+from support.children import spawn, wait_for
+from support.state import assert_safe_open_reads, assert_state_equal, config, job, mirrored, state_of, trained
 
 T = timedelta(seconds=30)
 NO_SCRUB = timedelta(0)

@@ -138,7 +138,7 @@ def test_the_commands_refuse_a_standby_beside_its_trainer_unless_allowed(tmp_pat
     import sys
 
     from replica import envvars
-    from test_launch import EXAMPLE, ROOT, launch_command
+    from support.launch import EXAMPLE, ROOT, launch_command
 
     env = _without_allow()
     proc = subprocess.run(launch_command(tmp_path, "--trainers", "1", steps=2), cwd=ROOT, env=env,

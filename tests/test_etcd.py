@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from support import etcd as testetcd
 from replica.errors import EtcdError, FencedError
 from replica.jobstore.etcd import EtcdConfig, EtcdStore
 from replica.jobstore import JobStore, Text, keys
@@ -23,6 +22,7 @@ from replica.roles import election
 from replica.roles.election import Leadership
 from replica.timing import Deadline
 from replica.jobstore.stores import StoreAddress, StoreKind
+from support import etcd as testetcd
 from support.etcd import EtcdCluster
 
 pytestmark = pytest.mark.skipif(not testetcd.available(), reason="etcd is not installed (make test installs it)")

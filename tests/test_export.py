@@ -1,8 +1,8 @@
 """Exports (``replica.state.export``): written and read with the ``safetensors`` package.
 
 Every export is a standard safetensors file: ``safetensors.safe_open`` reads each tensor
-and the metadata, equal to what ``load_export`` returns (``assert_safe_open_reads``, which
-the other tests that write exports call too). Round trips are bit-exact for every dtype a
+and the metadata, equal to what ``load_export`` returns (``support.state.assert_safe_open_reads``,
+which the other tests that write exports call too). Round trips are bit-exact for every dtype a
 safetensors file holds, views of other tensors' storage, 0-dim and empty tensors. A file
 that is not a readable safetensors file, or not a replica export, is refused with
 ReplicaError (never the package's own SafetensorError); a changed byte with
@@ -26,34 +26,11 @@ from replica.state.export import DCP_SHARDING_INFO, EXTRAS_KEY, export_path, loa
 from replica.state.layout import StateLayout, dtype_of, state_tensors
 from replica.state.serialize import encode
 from replica.state.snapshot import Snapshot, collect_extras
+from support.state import assert_safe_open_reads, bits
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import SafetensorError, safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` (NaN payloads and -0.0 included), for bit-exact comparisons."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_safe_open_reads(path: str | Path, snapshot: Snapshot) -> None:
-    """``safetensors.safe_open`` reads the export at ``path``: every tensor of
-    ``snapshot`` (what ``load_export(path)`` returned) bit for bit, its extras, and
-    the metadata (layout, step, and the digests when they are offset-keyed)."""
-    layout = snapshot.layout
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata()
-        assert StateLayout.from_json(meta["replica.state.layout"]) == layout
-        assert int(meta["replica.step"]) == snapshot.step
-        if meta.get("replica.digests_keyed") == "offset":
-            assert [int(d) for d in json.loads(meta["replica.digests"])] == snapshot.digests
-        assert sorted(f.keys()) == sorted([*(e.name for e in layout.entries), EXTRAS_KEY])
-        for e in layout.entries:
-            t = f.get_tensor(e.name)
-            assert t.dtype == dtype_of(e.dtype) and tuple(t.shape) == tuple(e.shape), e.name
-            assert torch.equal(bits(t), snapshot.buffer[e.offset:e.offset + e.nbytes].cpu()), e.name
-        assert f.get_tensor(EXTRAS_KEY).numpy().tobytes() == snapshot.extras()
 
 
 def write_old_format(snapshot: Snapshot, path: Path) -> Path:

@@ -26,7 +26,8 @@ from replica.roles.report import compare_reports
 from replica.state.export import export_path, load_export, load_extras, step_folder
 from replica.jobstore.etcd import EtcdStore
 from replica.jobstore.commit import CommitRecord
-from test_launch import RL, RL_STEPS, STEPS, free_port, launch
+from support.launch import RL, RL_STEPS, STEPS, launch
+from support.ports import free_port
 from support.vllm_engine import vllm_available
 
 TOKEN = "a-token-for-the-floor-tests"

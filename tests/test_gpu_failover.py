@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 from replica.roles.report import compare_reports
-from test_launch import launch
+from support.launch import launch
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from replica.roles.report import compare_reports
-from test_launch import ROOT, launch
+from support.launch import ROOT, launch
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("transformers", reason="examples/train_hf.py builds a Hugging Face model")

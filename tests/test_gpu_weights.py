@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 import replica
-from support.children import spawn
 from replica.weights import WeightSync
+from support.children import spawn
 from support.weight_engine import EngineStandIn
 
 pytestmark = pytest.mark.gpu

@@ -28,7 +28,6 @@ from replica.errors import (
     TransportError,
 )
 from replica.session.listener import Listener
-from support.children import spawn
 from replica.timing import Deadline
 from replica.transport import MemoryKind, wire
 from replica.transport.control import (
@@ -42,6 +41,7 @@ from replica.transport.control import (
 from replica.transport.gloo import GlooConfig, GlooTransport
 from replica.transport.ipc import IpcConfig, IpcTransport
 from replica.transport.ucx import UcxConfig, UcxTransport
+from support.children import spawn
 
 from support.transport_contract import peer_main
 

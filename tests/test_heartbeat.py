@@ -19,13 +19,13 @@ import torch.distributed as dist
 
 from replica import _C
 
-from support import etcd as testetcd
 from replica.jobstore.etcd import EtcdStore
 from replica.errors import JobStateError
 from replica.jobstore import Heartbeat, HeartbeatSender, JobStore, ThreadHeartbeatSender, keys
-from support.etcd import EtcdCluster
-from support.children import wait_for
 from replica.timing import Deadline
+from support import etcd as testetcd
+from support.children import wait_for
+from support.etcd import EtcdCluster
 
 TOKEN = b"heartbeat-test-token"
 PERIOD = timedelta(milliseconds=20)

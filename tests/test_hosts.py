@@ -13,17 +13,16 @@ from datetime import timedelta
 
 import pytest
 
+from replica.roles.exits import ExitCode
+from replica.roles.report import compare_reports
+from replica.timing import Deadline
 from support import cluster as testcluster
 from support import etcd as testetcd
 from support.cluster import ClusterConfig, NetnsCluster
 from support.etcd import EtcdCluster
-from replica.roles.exits import ExitCode
-from replica.roles.report import compare_reports
-from replica.timing import Deadline
+from support.host_job import Job, python_on, reap
+from support.launch import RL_STEPS, ROOT, STEPS
 from support.vllm_engine import vllm_available
-
-from support.host_job import ROOT, Job, python_on, reap
-from test_launch import RL_STEPS, STEPS
 
 pytestmark = [pytest.mark.netns,
               pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]

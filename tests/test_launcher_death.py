@@ -18,13 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from support.children import descendants, role_of
 from replica.roles.launch import StatusLines
 from replica.roles.local_agent import die_with_launcher
 from replica.timing import Deadline
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_fsdp.py"
+from support.children import descendants, role_of
+from support.launch import EXAMPLE, ROOT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 

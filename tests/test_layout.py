@@ -7,7 +7,8 @@ import torch
 from replica import ops
 from replica.errors import LayoutMismatchError
 from replica.state.layout import StateLayout, global_offsets, state_tensors
-from support.children import free_port, spawn
+from support.children import spawn
+from support.ports import free_port
 
 KiB = 1 << 10
 

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from replica.jobstore.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
 from replica.jobstore import Epoch, Generation, Heartbeat, JobStore, LivenessReply, keys
 from replica.timing import Deadline
-from support.children import CountingStore, wait_for
+from support.children import wait_for
+from support.stores import CountingStore
 
 TOKEN = b"liveness-test-token"
 PERIOD = timedelta(milliseconds=20)

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_job import JobShape
-from support.mirror_roles import TOKEN, standby_main, trainer_main
 from replica.jobstore import JobStore, keys
 from support.children import spawn
+from support.mirror_roles import TOKEN, standby_main, trainer_main
 
 SHAPE = JobShape(total_steps=20)
 CONFIG = {"bucket_bytes": 64 << 10}  # several buckets per rank

@@ -5,7 +5,6 @@ are refused with the first difference named; exports load back."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -22,19 +21,9 @@ import torch.distributed as dist
 import replica
 from fsdp_job import JobShape, build_job, train_step
 from replica.errors import LayoutMismatchError, ReplicaError, StandbyLostError
-from replica.state.layout import state_tensors
 from replica.timing import Deadline
 from support.children import spawn, wait_for
-
-TOKEN = b"mirror-unit-token"
-SHAPE = JobShape(layers=2)
-T = timedelta(seconds=30)
-
-
-def config(**kw) -> replica.Config:
-    kw.setdefault("bucket_bytes", 16 << 10)
-    return replica.Config(token=TOKEN, timeout=T, commit_timeout=T, **kw)
-
+from support.state import SHAPE, T, TOKEN, assert_safe_open_reads, assert_state_equal, config, job, mirrored, state_of, trained
 
 SHM = {"backends": ("shm", "ucx", "gloo"), "bucket_bytes": 64 << 10}
 
@@ -58,35 +47,6 @@ def used_shared_memory(mirror, rep) -> bool:
 @pytest.fixture
 def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)  # a free port, no race
-
-
-def job(shape=SHAPE, seed=0):
-    return build_job(shape, rank=0, world_size=1, fsdp=False, seed=seed)
-
-
-@contextlib.contextmanager
-def mirrored(store, j, cfg: replica.Config | None = None):
-    """A Mirror and a Replicator of job ``j`` in this process (world size 1)."""
-    cfg = cfg or config()
-    with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
-            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
-        yield mirror, rep
-
-
-def state_of(j) -> list[torch.Tensor]:
-    return [t.clone() for _, t in state_tensors(j.model, j.optimizer)]
-
-
-def assert_state_equal(a, b):
-    assert len(a) == len(b)
-    assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
-
-
-def trained(j, steps: int, rep: replica.Replicator | None = None, first: int = 1):
-    for s in range(first, first + steps):
-        train_step(j)
-        if rep is not None:
-            rep.commit(s)
 
 
 def test_commit_then_restore_is_exact(store, via):
@@ -282,8 +242,6 @@ def test_export_loads_back(committed_mirror, tmp_path):
     path = mirror.export(tmp_path)
     assert path.name == "rank00000.safetensors"
     from safetensors.torch import load_file
-    from test_export import assert_safe_open_reads
-
     tensors = load_file(path)  # a standard safetensors file
     assert torch.equal(tensors["model.embed.weight"], j.model.embed.weight.detach())
     assert tensors["model.blocks.1.qkv.weight"].dtype == torch.bfloat16

@@ -11,37 +11,7 @@ import pytest
 import torch
 
 from replica import ops
-
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-MiB = 1 << 20
-
-
-def random_tensor(numel: int, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
-    if dtype.is_floating_point:
-        t = torch.randn(numel, generator=gen).to(dtype)
-    else:
-        high = 256 if dtype == torch.uint8 else 1 << 62
-        t = torch.randint(0, high, (numel,), generator=gen, dtype=dtype)
-    return t.to(device)
-
-
-def random_mix(count: int, max_numel: int, seed: int, device: str) -> list[torch.Tensor]:
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    tensors = []
-    for _ in range(count):
-        numel = rng.choice([0, 1, rng.randint(2, 100), rng.randint(1, max_numel)])
-        shape = (numel,) if numel % 3 else (numel // 3, 3) if numel else (0, 4)
-        tensors.append(random_tensor(numel, rng.choice(DTYPES), device, gen).reshape(shape))
-    return tensors
-
-
-def packed(tensors, fill=0xA5):
-    offsets, total = ops.aligned_offsets(tensors)
-    out = torch.full((total,), fill, dtype=torch.uint8, device=tensors[0].device)
-    return out, offsets
-
+from support.tensors import DEVICES, DTYPES, MiB, packed, random_mix, random_tensor
 
 # --- pack / unpack ---
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from replica import ops
-from test_ops import DEVICES, MiB, packed, random_mix
+from support.tensors import DEVICES, MiB, packed, random_mix
 
 BUILDS = ops.simd_builds()
 

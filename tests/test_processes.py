@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from support.children import descendants, process_state, wait_for
 from replica.processes import start_script
+from support.children import descendants, process_state, wait_for
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server's children are Linux only")
 

@@ -17,7 +17,7 @@ import replica
 from replica.errors import CommitTimeoutError, ReplicaError
 from replica.jobstore import JobStore, keys
 from support.children import wait_for
-from test_mirror_integrity import TOKEN, assert_state_equal, config, job, state_of, trained
+from support.state import TOKEN, assert_state_equal, config, job, state_of, trained
 
 T = timedelta(seconds=30)
 

@@ -20,7 +20,6 @@ import pytest
 ray = pytest.importorskip("ray", reason="replica[ray] is not installed (make test installs it)")
 
 from ray._private import ray_constants  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from replica import envvars  # noqa: E402
 from replica.jobstore.commit import CommitRecord  # noqa: E402
@@ -34,42 +33,10 @@ from replica.roles.selftest import select_cases  # noqa: E402
 from replica.roles.selftest_runs import JobKind  # noqa: E402
 from replica.timing import Deadline  # noqa: E402
 from support.children import descendants  # noqa: E402
-from test_launch import EXAMPLE, ROOT, STEPS  # noqa: E402
+from support.launch import EXAMPLE, ROOT, STEPS  # noqa: E402
+from support.ray_cluster import cluster  # noqa: E402,F401 - the module's Ray cluster fixture
 
 TOKEN = "ray-test-token"
-# The module's Ray cluster: under pytest-xdist (make test) each worker that runs a test of this
-# module starts one.
-
-WORKERS = 5  # 2 trainer machines, 2 rollout machines (the standbys), 1 spare
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A head that runs nothing of the job (0 CPUs: the driver's machine) and five 2-CPU
-    nodes, labelled with their rack (one each) and zone (one for all); health checks tuned so a node killed without notice is declared dead in ~2 s.
-    Ray turns a loopback address into the machine's external one (ray.init, and every
-    node's get_node_ip_address), which this machine cannot reach: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
-    keeps every node of this one-machine cluster on loopback (inherited by the nodes and
-    the commands the tests start)."""
-    saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False  # this process read the variable when it imported ray
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "node_ip_address": "127.0.0.1",
-        "_system_config": {"health_check_period_ms": 500, "health_check_timeout_ms": 500,
-                           "health_check_failure_threshold": 3, "prestart_worker_first_driver": False}})
-    for index in range(WORKERS):  # each node its own rack; all in one zone
-        c.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": f"r{index}", "zone": "z1"})
-    ray.init(address=c.address, log_to_driver=False)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    ray_constants.ENABLE_RAY_CLUSTER = True
-    if saved is None:
-        os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    else:
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = saved
 
 
 def _job(tmp_path, **overrides) -> RayJob:
@@ -247,7 +214,7 @@ def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cl
     machine 2's node (engine 2 only: 2 trainers, 2 standbys) dies whole after the first commit:
     the other engines take its shards and a new engine is started on a node without a trainer. Trainer 1's actor is killed in step 4: standby 1 takes over (engine 1, on
     its machine, is retired). Losses and rewards bit-identical to the failure-free run."""
-    from test_launch import RL_STEPS
+    from support.launch import RL_STEPS
 
     rl = ROOT / "examples" / "rl_loop.py"
     cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")  # a spare machine for the new engine

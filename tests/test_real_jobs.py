@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from replica.roles.report import compare_reports
-from test_launch import ROOT, launch
+from support.launch import ROOT, launch
 
 HF = ROOT / "examples" / "train_hf.py"
 STEPS = 8

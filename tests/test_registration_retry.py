@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import replica
 from replica.weights import WeightReceiver, WeightSync
-from test_mirror_integrity import assert_state_equal, job, state_of, trained
+from support.state import assert_state_equal, job, state_of, trained
 from support.weight_engine import EngineStandIn
 
 TOKEN = b"registration-retry-token"

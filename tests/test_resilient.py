@@ -23,17 +23,7 @@ from replica.distributed import resilient
 from replica.distributed.resilient import ResilientProcessGroup
 from replica.distributed.works import device_type
 from replica.timing import Deadline
-
-
-def make_group(**kw) -> ResilientProcessGroup:
-    return ResilientProcessGroup(store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=5),
-                                 name="test-resilient", **{"cuda": False, **kw})
-
-
-def allreduce(group: ResilientProcessGroup, value: float) -> torch.Tensor:
-    t = torch.tensor([value])
-    group.allreduce([t], dist.AllreduceOptions()).wait()
-    return t
+from support.resilient import allreduce, make_group
 
 
 def test_generations_abort_and_recovery():

@@ -20,13 +20,14 @@ import torch.distributed as dist
 
 from replica.roles.exits import ExitCode
 from replica.roles.report import compare_reports
-from support.children import busy_cores, process_state
-from test_launch import ROOT, free_port, launch, role_env, start_coordinator, wait_for_key
+from support.children import process_state
+from support.cpu import busy_cores
+from support.launch import RL, ROOT, launch, role_env, start_coordinator, wait_for_key
+from support.ports import free_port
 from support.vllm_engine import vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
 
-RL = ROOT / "examples" / "rl_loop.py"
 OPTIONS = ("--rollouts", "3", "--steps", "6")
 
 

@@ -15,13 +15,13 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from support.rollouts import StandInEngine, largest_store_value, stand_in_completion
 from replica.errors import StoreWaitTimeoutError
 from replica.jobstore import JobStore, Number, Text, keys
 from replica.roles.rollout_data import DeskBook, decode_tokens, encode_tokens, prompts_blob
 from replica.roles.rollout_engine import post_result, serve_requests, shard_prompts
 from replica.roles.rollouts import Sampling, fetch_results, request_rollouts
 from replica.transport.desk import Desk, blob_digest
+from support.rollouts import StandInEngine, largest_store_value, stand_in_completion
 
 TOKEN = b"rollout-requests"
 

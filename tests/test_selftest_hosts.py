@@ -13,9 +13,9 @@ from contextlib import ExitStack
 
 import pytest
 
+from replica.roles.selftest import select_cases
 from support import cluster as testcluster
 from support.cluster import ClusterConfig, NetnsCluster
-from replica.roles.selftest import select_cases
 
 from support.host_job import python_on, reap
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from replica import envvars
-from support.children import free_port
 from replica.jobstore import ServedJob
 from replica.roles.served import first_placement, served_job_refusal
 from replica.roles.env import Role
+from support.ports import free_port
 
 TOKEN = "served-test-token"
 CLI = [sys.executable, "-m", "replica.roles.cli"]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from replica.jobstore import JobStore, Stamp, keys
 from replica.roles.report import compare_reports
 from replica.roles.spares import SparePool
-from test_launch import STEPS, launch
+from support.launch import STEPS, launch
 
 
 class _Host:

@@ -19,13 +19,13 @@ from datetime import timedelta
 
 import pytest
 
-from support.children import descendants, process_state, role_of, wait_for
 from replica.jobstore import JobStore
 from replica.roles.remote_agents import RemoteAgents
 from replica.roles.probe import ProcessState, Verdict, judge, look, verdict_of
 from replica.roles.report import compare_reports
 from replica.roles.stalls import StallLog
-from test_launch import ROOT, launch, launch_command
+from support.children import descendants, process_state, role_of, wait_for
+from support.launch import ROOT, launch, launch_command
 
 FREEZE_S = 3.0  # longer than the 2.5 s trainer and standby deadlines
 SLOW_STEP = "stall:trainer:0@3:4"  # trainer 0's step 3 takes 4 s more (its beats go on)

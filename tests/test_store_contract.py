@@ -180,7 +180,7 @@ def test_a_job_stores_read_of_many_keys_some_absent_is_exact_and_on_etcd_a_few_r
     transport reports): the values present, None for the others and for a forged one; on
     etcd in one range over the keys' prefix, not a request per key."""
     from replica.jobstore import JobStore, LostReports, keys
-    from support.children import CountingStore
+    from support.stores import CountingStore
 
     jobs = JobStore(store, token=TOKEN)
     names = [keys.lost(r) for r in range(300)]

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from replica.errors import TransportError
-from support.children import spawn
 from replica.transport import memfd
 from replica.transport.ipc import HOST_OFFER_BYTES, MAX_EXPORTS, IpcConfig, IpcTransport
 from replica.transport.shm import ShmTransport
 from replica.transport.ucx import UcxConfig, UcxTransport
+from support.children import spawn
 
 from support.transport_contract import (CHECKS, STALL_CYCLES, MiB, T, check_round_trip_sizes, connected, empty, pattern,
                                 peer_main, run_transport_contract)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from replica.errors import TransportError
-from support.children import spawn
 from replica.transport.base import PIECE_BYTES
 from replica.transport.ipc import MAX_HOST_BYTES, IpcConfig, IpcTransport
+from support.children import spawn
 
 from support.transport_contract import (
     CHECKS,

@@ -5,7 +5,6 @@ hosts. Skipped where NIXL is not installed (`make test` installs it: replica[nix
 from __future__ import annotations
 
 import functools
-import os
 from datetime import timedelta
 
 import pytest
@@ -32,14 +31,9 @@ from support.transport_contract import (
 )
 from support.children import spawn
 from support.host_job import python_on, reap
+from support.nixl import make_nixl
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'replica[nixl]')")
-
-
-def make_nixl(token: bytes, **options):
-    from replica.transport.nixl import NixlConfig, NixlTransport
-
-    return NixlTransport(NixlConfig(token=token, **options))
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
@@ -214,7 +208,7 @@ def test_a_trainer_killed_with_its_mirror_on_nixl(tmp_path, reference):
     """``--backends nixl,gloo``: every mirror goes over NIXL; trainer 1 dies in its backward,
     its standby takes over, and the losses equal the failure-free run's bit for bit."""
     from replica.roles.report import compare_reports
-    from test_launch import STEPS, launch
+    from support.launch import STEPS, launch
 
     code, report, output = launch(tmp_path, "--backends", "nixl,gloo", "--inject", "kill:trainer:1@3:backward",
                                   env={"REPLICA_LOG": "INFO"})
@@ -319,26 +313,11 @@ def test_a_peer_killed_on_another_host_is_found_at_once():
             reap(listener, holder)
 
 
-class OnTwoHosts:
-    """``make`` for a contract check run across two network-namespace hosts, each given as
-    (netns, address): the process that runs the check (``home``) builds its transport on
-    ``here``; every other process (the peers the check spawns) moves to ``there`` first."""
-
-    def __init__(self, home: int, here: tuple[str, str], there: tuple[str, str]):
-        self.home, self.here, self.there = home, here, there
-
-    def __call__(self, token: bytes, **options):
-        from support import cluster as testcluster
-
-        netns, address = self.here if os.getpid() == self.home else self.there
-        testcluster.enter(netns)
-        return make_nixl(token, host=address, **options)
-
-
 # Run on host a (by Host.command): one contract check, its peers on host b.
 _CHECK_ON_HOST = """
 import os, sys
-from test_transport_nixl import CHECKS, OnTwoHosts
+from support.nixl import OnTwoHosts
+from support.transport_contract import CHECKS
 name, here, there = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
 check = {c.__name__: c for c in CHECKS}[name]
 check(OnTwoHosts(os.getpid(), tuple(here), tuple(there)), device="cpu")
@@ -364,12 +343,10 @@ def test_contract_nixl_between_two_hosts(check, two_hosts):
     """The whole contract with its two ends on two network-namespace hosts, NIXL's UCX
     plugin on tcp (these hosts share one machine, where UCX would otherwise move bytes
     through the kernel or shared memory): each check passes, its bytes over the link."""
-    from support.host_job import ROOT
-
     a, b = two_hosts
     before = sum(a.link_bytes())
     proc = python_on(a, "-c", _CHECK_ON_HOST, check.__name__, f"{a.netns},{a.address}", f"{b.netns},{b.address}",
-                     env={"UCX_TLS": "tcp,self", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"})
+                     env={"UCX_TLS": "tcp,self"})
     try:
         out = proc.communicate(timeout=600)[0]
     finally:

@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from replica.errors import PeerDisconnectedError, SharedMemoryUnavailableError, TransportError
-from support.children import spawn, wait_for
 from replica.timing import Deadline
 from replica.transport import Locality, MemoryKind
 from replica.transport import memfd
 from replica.transport.base import bucket_digest
 from replica.transport.ipc import HOST_OFFER_BYTES, MAX_HOST_BYTES, IpcConfig, IpcTransport
 from replica.transport.shm import ShmTransport
+from support.children import spawn, wait_for
 
 from support.transport_contract import (
     CHECKS,

@@ -100,7 +100,7 @@ def test_a_warm_up_compiles_and_leaves_nothing_behind():
 
 
 def test_a_rehearsal_is_refused_on_a_connected_group():
-    from test_resilient import allreduce, make_group
+    from support.resilient import allreduce, make_group
 
     group = make_group()
     with group.rehearsal():

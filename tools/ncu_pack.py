@@ -8,7 +8,7 @@ import sys
 import torch
 
 sys.path.insert(0, "bench")
-import test_pack as tp  # noqa: E402
+import pack_cases as cases  # noqa: E402
 
 from replica import ops  # noqa: E402
 
@@ -18,14 +18,14 @@ def run(name: str, tensors: list[torch.Tensor]) -> None:
     tensors = [t.cuda() for t in tensors]
     out = torch.zeros(total, dtype=torch.uint8, device="cuda")
     for _ in range(3):
-        digests = ops.pack_checksum(tensors, out, offsets, tp.PACK_CHECKSUM_BLOCK)
+        digests = ops.pack_checksum(tensors, out, offsets, cases.PACK_CHECKSUM_BLOCK)
         ops.pack(tensors, out, offsets)
-        ops.checksum(out, tp.CHECKSUM_BLOCK)
+        ops.checksum(out, cases.CHECKSUM_BLOCK)
     torch.cuda.synchronize()
-    assert torch.equal(digests, ops.checksum(out, tp.PACK_CHECKSUM_BLOCK)), f"{name}: pack_checksum digests differ"
+    assert torch.equal(digests, ops.checksum(out, cases.PACK_CHECKSUM_BLOCK)), f"{name}: pack_checksum digests differ"
     print(f"ncu_pack {name}: ok, {len(tensors)} tensors, {total} bytes")
 
 
-CASES = {"large": lambda: tp._mixed_tensors(tp.LARGE_COUNT, tp._large_sizes(0), seed=0), "small": tp._small_tensors}
+CASES = {"large": cases.large_tensors, "small": cases.small_tensors}
 for case in sys.argv[1:] or list(CASES):
     run(case, CASES[case]())

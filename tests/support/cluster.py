@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from support.children import TornDown
 from replica.timing import Deadline
+from support.resource import TornDown
 
 __all__ = ["ClusterConfig", "Host", "NetnsCluster", "available", "enter"]
 

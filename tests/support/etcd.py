@@ -26,8 +26,9 @@ from pathlib import Path
 
 from replica import envvars
 from replica.jobstore.etcd import EtcdConfig
-from support.children import TornDown, free_ports
 from replica.timing import Deadline
+from support.ports import free_ports
+from support.resource import TornDown
 
 __all__ = ["EtcdCluster", "EtcdMember", "available"]
 

@@ -1,6 +1,6 @@
 """A job across network-namespace hosts, started as docs/failover.md's multi-node recipe
 says, and the helpers that run processes on those hosts: used by tests/test_hosts.py,
-tests/test_transport_nixl.py and bench/test_failover_hosts.py."""
+tests/test_transport_nixl.py, tests/test_selftest_hosts.py and bench/test_failover_hosts.py."""
 
 from __future__ import annotations
 
@@ -12,23 +12,21 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
+from replica.timing import Deadline
 from support.children import process_state
 from support.etcd import EtcdCluster
-from replica.timing import Deadline
+from support.launch import EXAMPLE, RL, RL_STEPS, ROOT, STEPS, TOKEN, role_env
 
-from test_launch import EXAMPLE, RL, RL_STEPS, STEPS, TOKEN, role_env
-
-__all__ = ["Job", "ROOT", "STORE_PORT", "python_on", "reap"]
-
-ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["Job", "STORE_PORT", "python_on", "reap"]
 
 
 def python_on(host, *args: str, stdin=None, env: dict[str, str] | None = None, log=None) -> subprocess.Popen:
     """``python ARGS`` on ``host``, its output (stderr too) in a pipe the caller must keep reading,
     or in the open file ``log`` (a process that talks much and is read only at its end, such as an
     agent forwarding vLLM engines' logs: a full pipe would stop it and the roles whose output it
-    forwards)."""
-    env = {**os.environ, "REPLICA_TOKEN": TOKEN, "UCX_LOG_LEVEL": "fatal", "PYTHONPATH": str(ROOT), **(env or {})}
+    forwards). The repository and tests/ are on its path: a program run so imports ``support``."""
+    env = {**os.environ, "REPLICA_TOKEN": TOKEN, "UCX_LOG_LEVEL": "fatal", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}",
+           **(env or {})}
     return host.popen([sys.executable, *args], env=env, cwd=ROOT, stdin=stdin,
                       stdout=subprocess.PIPE if log is None else log, stderr=subprocess.STDOUT, text=True)
 

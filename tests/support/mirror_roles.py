@@ -23,8 +23,8 @@ from replica.state import serialize
 from replica.session.backends import SHM_BACKEND
 from replica.state.restore import bind_state
 from replica.state.snapshot import Snapshot, collect_extras
-from support.children import RawUcx
 from fsdp_job import Job, JobShape, build_job, train_step
+from support.transfer import RawUcx
 
 __all__ = ["Probe", "standby_main", "trainer_main"]
 

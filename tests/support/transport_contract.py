@@ -18,10 +18,10 @@ from replica.errors import (
     PeerDisconnectedError,
     TransferTimeoutError,
 )
-from support.children import Child, process_state, spawn
 from replica.timing import Deadline
 from replica.transport import Connection, Transport, memfd
 from replica.transport.base import PIECE_BYTES, bucket_digest
+from support.children import Child, process_state, spawn
 
 MiB = 1 << 20
 T = timedelta(seconds=60)
