@@ -1,11 +1,12 @@
-"""Builds the torch extension replica._C; package metadata lives in pyproject.toml."""
+"""Builds the torch extension replica._C and lays out the package; its metadata lives in
+pyproject.toml."""
 
 import glob
 import os
 import shutil
 
 import torch
-from setuptools import setup
+from setuptools import find_packages, setup
 from torch.utils import cpp_extension
 
 # No -std flag: torch picks the C++ standard its headers need. -fopenmp: torch
@@ -16,6 +17,16 @@ from torch.utils import cpp_extension
 # information for torch's headers is most of the compile time.
 CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-fopenmp", *(["-g0"] if os.environ.get("REPLICA_DEBUG_INFO") == "0" else [])]
 LINK_FLAGS = ["-fopenmp"]
+
+# One import name for users: transport/, roles/ and rayapi/ install inside replica; the examples
+# as replica/examples (`replica selftest` runs them). Nothing else ships: not tests/ (nor the
+# tests' helpers, tests/support), bench/ or tools/.
+PACKAGE_DIR = {"replica": "replica", "replica.transport": "transport", "replica.roles": "roles",
+               "replica.ray": "rayapi", "replica.examples": "examples"}
+# Each folder's subpackages: the folders below it with an __init__.py (a folder left holding only
+# bytecode, __pycache__, is none).
+PACKAGES = [f"{name}.{sub}" if sub else name for name, folder in PACKAGE_DIR.items()
+            for sub in ["", *find_packages(folder)]]
 
 
 def default_cuda_arch_list() -> str | None:
@@ -55,6 +66,8 @@ def extension():
 # place (ninja, incremental); `make` installs the editable package this way so that the
 # extension is compiled once, not twice.
 setup(
+    package_dir=PACKAGE_DIR,
+    packages=PACKAGES,
     ext_modules=[] if os.environ.get("REPLICA_NO_EXTENSION") == "1" else [extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
 )

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# Folders of the checkout -> the installed package they become (pyproject.toml's package-dir).
+# Folders of the checkout -> the installed package they become (setup.py's PACKAGE_DIR).
 FOLDERS = {"replica": ROOT / "replica", "replica.transport": ROOT / "transport", "replica.roles": ROOT / "roles",
            "replica.ray": ROOT / "rayapi"}
-# Subpackages of replica/ by concern; replica._testing is the tests' and stays out of the wheel.
+# Subpackages of replica/ by concern.
 SUBPACKAGES = ("distributed", "integrations", "integrations/vllm", "jobstore", "mirror", "session", "state", "weights")
 PACKAGES = FOLDERS | {f"replica.{sub.replace('/', '.')}": ROOT / "replica" / sub for sub in SUBPACKAGES}
 # Scripts shipped in the wheel, not modules to import (`replica selftest` runs them).
@@ -43,8 +43,7 @@ def test_build_maps_folders_into_one_package(tmp_path):
     for name, folder in (PACKAGES | SCRIPTS).items():
         target = tmp_path.joinpath(*name.split("."))
         assert sorted(p.name for p in target.glob("*.py")) == sorted(p.name for p in folder.glob("*.py"))
-    assert (ROOT / "replica" / "_testing").is_dir() and not (tmp_path / "replica" / "_testing").exists(), \
-        "the tests' helpers (replica/_testing) must stay out of the wheel"
+    assert [p.name for p in tmp_path.iterdir()] == ["replica"], "only replica ships (not tests/support)"
     shipped = {p.parent for p in (tmp_path / "replica").rglob("*.py")}
     assert shipped == {tmp_path.joinpath(*name.split(".")) for name in PACKAGES | SCRIPTS}, \
         "a folder of replica/ left out of the wheel"
@@ -174,12 +173,14 @@ def test_layers_point_down_only():
     for sub, allowed in LAYERS.items():
         bad = _outside(_replica_imports(ROOT / "replica" / sub), allowed)
         assert not bad, f"replica/{sub} imports what its layer may not: {bad}"
-    # Nothing shipped imports the tests' helpers; nothing in the tree imports an old module path.
+    # Nothing shipped imports the tests' helpers (tests/support, or a module of tests/); nothing
+    # in the tree imports an old module path.
+    tests = {"support", *(p.stem for p in (ROOT / "tests").glob("*.py"))}
     for folder in FOLDERS.values():
         for path in folder.rglob("*.py"):
+            helpers = {n for n in _imports(path) if n.split(".")[0] in tests}
+            assert not helpers, f"{path} imports the tests' helpers {helpers}"
             names = {n for n in _imports(path) if n.startswith("replica.")}
-            if "_testing" not in path.parts:
-                assert not {n for n in names if n.startswith("replica._testing")}, f"{path} imports the tests' helpers"
             old = {n for n in names if any(n == o or n.startswith(o + ".") for o in OLD_PATHS)}
             assert not old, f"{path} imports old module paths {old} (removed: use the new ones)"
 

@@ -380,7 +380,7 @@ class JobStore:
         in-process, whose waits hold no lock) is shared as it is."""
         own = getattr(self._local, "store", None)
         if own is None:
-            # (a client wrapping a TCPStore, replica._testing.CountingStore, says so)
+            # (a client that wraps a TCPStore, counting or tracing its requests, says so: clone_per_thread)
             connects = isinstance(self.raw, TCPStore) or getattr(self.raw, "clone_per_thread", False)
             # (torch's stub lacks Store.clone, which the binding has)
             raw = self.raw.clone() if connects else self.raw  # pyright: ignore[reportAttributeAccessIssue]
