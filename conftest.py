@@ -6,6 +6,10 @@ import torch
 
 from replica import envvars
 
+# Fixtures shared by tests/ and bench/ (tests/conftest.py's are the tests' alone): the Ray cluster.
+# tests/ is on the path already (pyproject.toml's pythonpath).
+pytest_plugins = ["support.ray_cluster"]
+
 # The tests' jobs run every role on this one machine (network-namespace hosts and simulated
 # Ray nodes share it too): a standby in its trainer's failure domain is allowed, as one-machine
 # demos allow it. tests/test_domains.py checks the refusal without it.

@@ -19,7 +19,6 @@ ray = pytest.importorskip("ray", reason="replica[ray] is not installed")
 
 from bench_results import RESULTS_DIR, machine  # noqa: E402
 from support.launch import launch  # noqa: E402
-from support.ray_cluster import cluster  # noqa: E402,F401 - the module's Ray cluster fixture
 
 STEPS, KILL_STEP, ROUNDS = 12, 7, 3
 _runs: dict[str, list[dict]] = {"local": [], "ray": []}
@@ -38,7 +37,7 @@ def _one(tmp_path: Path, name: str, *options: str) -> dict:
 def test_failover_on_ray_beside_local(benchmark, request, tmp_path):
     if benchmark.disabled:  # tests/test_ray.py runs the failovers in `make test`
         pytest.skip("runs under `make bench` only")
-    cluster = request.getfixturevalue("cluster")  # only now: a skipped bench starts no cluster
+    cluster = request.getfixturevalue("ray_cluster")  # only now: a skipped bench starts no cluster
 
     def both():
         n = len(_runs["ray"])

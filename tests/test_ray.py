@@ -34,7 +34,6 @@ from replica.roles.selftest_runs import JobKind  # noqa: E402
 from replica.timing import Deadline  # noqa: E402
 from support.children import descendants  # noqa: E402
 from support.launch import EXAMPLE, ROOT, STEPS  # noqa: E402
-from support.ray_cluster import cluster  # noqa: E402,F401 - the module's Ray cluster fixture
 
 TOKEN = "ray-test-token"
 
@@ -83,7 +82,7 @@ def test_placement_bundles_and_options():
     assert RayJobConfig(script=("x.py",), backends="ucx,gloo").backends == "ucx,gloo"
 
 
-def test_failover_demo_on_ray_a_trainer_actor_killed(cluster, tmp_path, reference, etcd, monkeypatch):
+def test_failover_demo_on_ray_a_trainer_actor_killed(ray_cluster, tmp_path, reference, etcd, monkeypatch):
     """Trainer 1's actor is killed with ray.kill in the job's fourth step: Ray's ActorDiedError
     is the agent report, standby 1 (on a rollout machine) takes over, losses bit-identical.
     The job's state is in etcd (``RayJobConfig.store``; the other Ray tests use the store the
@@ -122,7 +121,7 @@ def test_failover_demo_on_ray_a_trainer_actor_killed(cluster, tmp_path, referenc
 # 3 min: `make test-slow`. It was flaky (2 of 4) until a replacement whose actor died before it
 # started (placed on the dying node before Ray declared it dead) was placed again: 2 of 2 since.
 @pytest.mark.slow
-def test_a_trainer_node_removed_without_notice(cluster, tmp_path, reference):
+def test_a_trainer_node_removed_without_notice(ray_cluster, tmp_path, reference):
     """Trainer 0's node dies whole (its raylet and every process on it, no goodbye): its
     standby on a rollout node is promoted, a new standby goes to a node without a trainer,
     losses bit-identical."""
@@ -130,18 +129,18 @@ def test_a_trainer_node_removed_without_notice(cluster, tmp_path, reference):
         job.start()
         node_id = job.roles()["trainer 0"]
         _until("commit 3", lambda: (job.commit() or 0) >= 3, job=job)
-        node = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+        node = next(n for n in ray_cluster.worker_nodes if n.node_id == node_id)
         # Every process on the node dies with its raylet, as on a lost machine (a worker left alone
         # notices its raylet's death only later: once the job finished meanwhile, with no failover).
         on_node = descendants(node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid)
-        cluster.remove_node(node, allow_graceful=False)
+        ray_cluster.remove_node(node, allow_graceful=False)
         for pid in on_node:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         assert job.wait(timedelta(minutes=4)) == 0
         failovers = job.failovers()
         placed = job.roles()
-    cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")  # for the module's next test
+    ray_cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")  # for the module's next test
     assert [f["rank"] for f in failovers] == [0]
     assert node_id not in placed.values()
     report = load_report(tmp_path / "ray.json")
@@ -150,7 +149,7 @@ def test_a_trainer_node_removed_without_notice(cluster, tmp_path, reference):
 
 
 @pytest.mark.slow  # 1-2 min; `make test` covers spares under `replica launch` (tests/test_spares.py)
-def test_a_spare_standby_on_a_node_without_a_trainer_is_bound_after_a_kill(cluster, tmp_path, reference):
+def test_a_spare_standby_on_a_node_without_a_trainer_is_bound_after_a_kill(ray_cluster, tmp_path, reference):
     """``RayJobConfig(spares=1)``: once both trainers joined, the driver starts a spare standby on
     the one node that runs none of the job's roles (the placement group's bundles are full).
     Trainer 0 stalls 8 s in steps 2, 3 and 4 (below gloo's timeout: the spare actor's imports);
@@ -171,7 +170,7 @@ def test_a_spare_standby_on_a_node_without_a_trainer_is_bound_after_a_kill(clust
     assert report["last_commit"] == STEPS
 
 
-def test_a_placement_the_cluster_cannot_satisfy_fails_within_its_deadline(cluster, tmp_path):
+def test_a_placement_the_cluster_cannot_satisfy_fails_within_its_deadline(ray_cluster, tmp_path):
     job = _job(tmp_path, placement=Placement(trainer={"GPU": 1}, timeout=timedelta(seconds=3)))
     started = time.monotonic()
     with pytest.raises(PlacementError, match=r"cannot place the job within 3 s.*'GPU': 1.*6 live nodes have .*'CPU': 2\.0"):
@@ -180,14 +179,14 @@ def test_a_placement_the_cluster_cannot_satisfy_fails_within_its_deadline(cluste
     assert ray.util.placement_group_table() and all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # nothing left pending
     # The command line says the same and exits 2.
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--ray", cluster.address,
+    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--ray", ray_cluster.address,
                            "--ray-placement", json.dumps({"trainer": {"CPU": 64}, "timeout_s": 3}), "--steps", "2",
                            str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cannot place the job within 3 s" in proc.stdout
 
 
-def test_a_job_whose_standbys_cannot_leave_their_trainers_zone_is_refused_before_anything_starts(cluster, tmp_path,
+def test_a_job_whose_standbys_cannot_leave_their_trainers_zone_is_refused_before_anything_starts(ray_cluster, tmp_path,
                                                                                                    monkeypatch):
     """Every node is in zone z1: with the zone as the failure domain (``domain_label``) no standby
     can be kept out of its trainer's, so the job is refused once its machines are reserved,
@@ -200,7 +199,7 @@ def test_a_job_whose_standbys_cannot_leave_their_trainers_zone_is_refused_before
             job.start()
         assert job.agents is None or not job.agents.nodes(), "a role was started"
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--ray", cluster.address,
+    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--ray", ray_cluster.address,
                            "--ray-placement", json.dumps({"domain_label": "zone"}), "--steps", "2", str(EXAMPLE)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -209,7 +208,7 @@ def test_a_job_whose_standbys_cannot_leave_their_trainers_zone_is_refused_before
 
 
 @pytest.mark.slow
-def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cluster, tmp_path, rl_reference):
+def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(ray_cluster, tmp_path, rl_reference):
     """The RL loop (vLLM engines, 2 trainers, standbys on the rollout machines) on Ray. Rollout
     machine 2's node (engine 2 only: 2 trainers, 2 standbys) dies whole after the first commit:
     the other engines take its shards and a new engine is started on a node without a trainer. Trainer 1's actor is killed in step 4: standby 1 takes over (engine 1, on
@@ -217,7 +216,7 @@ def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cl
     from support.launch import RL_STEPS
 
     rl = ROOT / "examples" / "rl_loop.py"
-    cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")  # a spare machine for the new engine
+    ray_cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")  # a spare machine for the new engine
     with _job(tmp_path, script=(str(rl),), rollouts=3, steps=RL_STEPS, timeout=timedelta(minutes=8)) as job:
         job.start()
         engine_node = job.roles()["rollout 2"]
@@ -226,7 +225,8 @@ def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cl
         asked = job.generate([[5, 6, 7], [8, 9], [10]], Sampling(max_tokens=4, seed=3))  # the driver asks too
         assert pushed is not None and min(asked.versions) >= pushed
         assert [len(c) for c in asked.completions] == [4, 4, 4]
-        cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == engine_node), allow_graceful=False)
+        node = next(n for n in ray_cluster.worker_nodes if n.node_id == engine_node)
+        ray_cluster.remove_node(node, allow_graceful=False)
         _until("commit 3", lambda: (job.commit() or 0) >= 3, timeout_s=300, job=job)
         ray.kill(job.actor("trainer", 1), no_restart=True)
         assert job.wait(timedelta(minutes=8)) == 0
@@ -245,18 +245,18 @@ def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(cl
 # `make test-slow`: the whole matrix, 19 jobs on Ray (about 8 minutes on 2 cores).
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_the_selftest_on_a_ray_cluster(cluster, tmp_path):
+def test_the_selftest_on_a_ray_cluster(ray_cluster, tmp_path):
     """`replica selftest --ray ADDRESS --durable DIR`, as a user points it at their cluster: every
     job of the matrix is a `replica launch --ray`, each role a Ray actor; every case bit-identical
     (the pair case back to the floor on Ray too, the RL loop's with its vLLM engines as actors),
     each fault fired; the host case, which needs host agents, skipped saying so."""
     work = tmp_path / "work"
-    done = subprocess.run([sys.executable, "-m", "replica.roles.cli", "selftest", "--ray", cluster.address,
+    done = subprocess.run([sys.executable, "-m", "replica.roles.cli", "selftest", "--ray", ray_cluster.address,
                            "--steps", "8", "--durable", str(tmp_path / "floor"), "--report", str(work)], cwd=tmp_path,
                           capture_output=True, text=True, timeout=1700, env=dict(os.environ, REPLICA_TOKEN=TOKEN))
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     summary = json.loads((work / "selftest.json").read_text())
-    assert summary["target"] == cluster.address and summary["passed"] is True
+    assert summary["target"] == ray_cluster.address and summary["passed"] is True
     outcomes = {r["case"]: r["outcome"] for r in summary["results"]}
     cases = select_cases(quick=False, durable=True)
     assert {c.name for c in cases} <= set(outcomes), outcomes

@@ -1,6 +1,7 @@
-"""The Ray cluster fixture (``cluster``) of the tests and benchmarks that run on Ray
+"""The Ray cluster fixture (``ray_cluster``) of the tests and benchmarks that run on Ray
 (``ray.cluster_utils.Cluster``: a head and simulated nodes, each its own raylet, on this
-machine). A module that uses it imports it: ``from support.ray_cluster import cluster``."""
+machine). A pytest plugin (the top-level conftest.py names it): a test asks for
+``ray_cluster`` and gets it, started on first use; without ray installed, no test asks."""
 
 from __future__ import annotations
 
@@ -8,13 +9,13 @@ import os
 
 import pytest
 
-__all__ = ["WORKERS", "cluster"]
+__all__ = ["WORKERS", "ray_cluster"]
 
 WORKERS = 5  # 2 trainer machines, 2 rollout machines (the standbys), 1 spare
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def ray_cluster():
     """A head that runs nothing of the job (0 CPUs: the driver's machine) and five 2-CPU
     nodes, labelled with their rack (one each) and zone (one for all); health checks tuned
     so a node killed without notice is declared dead in ~2 s. One per module that uses it:
