@@ -17,7 +17,7 @@ comma := ,
 unexport PYTHONDONTWRITEBYTECODE
 space := $(subst ,, )
 
-.PHONY: test test-slow demo demo-rl demo-rl-ray bench bench-scale ettr build cuda-check clean
+.PHONY: lint test test-slow demo demo-rl demo-rl-ray bench bench-scale ettr build cuda-check clean
 
 # Dependencies: rebuilt only when the project's metadata changes. Installed with uv (from
 # the registry with pip when it is missing; pip alone if that fails too): the pins live in
@@ -82,7 +82,15 @@ build: $(VENV)/.deps $(VENV)/.system
 # pytest 9 no longer reads.)
 WORKERS ?= $(if $(filter 1,$(shell nproc 2>/dev/null || echo 1)),0,3)
 XDIST = $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --dist load)
-test: build
+# Style and types: ruff's formatter and linter (pyproject's [tool.ruff]) over every Python file,
+# pyright in basic mode over the shipped package (tools/typecheck); any finding fails.
+LINT_PATHS := replica transport roles rayapi tests bench examples tools conftest.py setup.py
+lint: $(VENV)/.deps
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	PYRIGHT=$(VENV)/bin/pyright tools/typecheck
+
+test: lint build
 	$(PY) -m pytest tests bench --benchmark-disable -m "not slow" --durations=30 $(XDIST) $(PYTEST_ARGS)
 
 # The long end-to-end matrix (marker `slow`); CI runs it after `make test`.

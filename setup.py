@@ -15,18 +15,29 @@ from torch.utils import cpp_extension
 # then shares the libgomp that torch itself loaded.
 # REPLICA_DEBUG_INFO=0 (`make build`'s default): -g0 after Python's own -g, as debug
 # information for torch's headers is most of the compile time.
-CXX_FLAGS = ["-O3", "-fvisibility=hidden", "-fopenmp", *(["-g0"] if os.environ.get("REPLICA_DEBUG_INFO") == "0" else [])]
+CXX_FLAGS = [
+    "-O3",
+    "-fvisibility=hidden",
+    "-fopenmp",
+    *(["-g0"] if os.environ.get("REPLICA_DEBUG_INFO") == "0" else []),
+]
 LINK_FLAGS = ["-fopenmp"]
 
 # One import name for users: transport/, roles/ and rayapi/ install inside replica; the examples
 # as replica/examples (`replica selftest` runs them). Nothing else ships: not tests/ (nor the
 # tests' helpers, tests/support), bench/ or tools/.
-PACKAGE_DIR = {"replica": "replica", "replica.transport": "transport", "replica.roles": "roles",
-               "replica.ray": "rayapi", "replica.examples": "examples"}
+PACKAGE_DIR = {
+    "replica": "replica",
+    "replica.transport": "transport",
+    "replica.roles": "roles",
+    "replica.ray": "rayapi",
+    "replica.examples": "examples",
+}
 # Each folder's subpackages: the folders below it with an __init__.py (a folder left holding only
 # bytecode, __pycache__, is none).
-PACKAGES = [f"{name}.{sub}" if sub else name for name, folder in PACKAGE_DIR.items()
-            for sub in ["", *find_packages(folder)]]
+PACKAGES = [
+    f"{name}.{sub}" if sub else name for name, folder in PACKAGE_DIR.items() for sub in ["", *find_packages(folder)]
+]
 
 
 def default_cuda_arch_list() -> str | None:

@@ -30,7 +30,7 @@ def main() -> None:
     if os.environ.get("RESUME") and (last := checkpoints.newest()) is not None:
         checkpoints.load(last, job.model, job.optimizer, job.extra, rank=rank)
         first = last + 1
-    progress = open(root / f"progress.{rank}", "a")
+    progress = open(root / f"progress.{rank}", "a")  # noqa: SIM115 - written step by step until the job ends
     for step in range(first, steps + 1):
         if step == kill_at and rank == 1:
             (root / "killed").write_text(repr(time.time()))

@@ -58,19 +58,19 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from replica.jobstore.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
 from replica.jobstore import Generation, Heartbeat, JobStore, keys
+from replica.jobstore.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
+from replica.jobstore.stores import StoreAddress
 from replica.roles import timing
 from replica.roles.recovery import aim_beats
 from replica.roles.timing import Deadlines
-from replica.jobstore.stores import StoreAddress
 from replica.timing import Deadline
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers (support)
-from support.children import spawn  # noqa: E402
-from support.stores import CountingStore  # noqa: E402
-
 from control_scale_report import merged, report
+
+from support.children import spawn
+from support.stores import CountingStore
 
 TOKEN = b"control-scale-token"
 T = timedelta(seconds=120)
@@ -102,9 +102,18 @@ def _raise_open_files() -> None:
 
 
 def _native_beats(store: JobStore, members: list[int], endpoint: tuple[str, int]) -> list:
-    return [store.heartbeat_sender(m, period=timing.HEARTBEAT_PERIOD, io_timeout=timing.HEARTBEAT_IO,
-                                   python_grace=timing.PYTHON_GRACE, store_after=timing.LIVENESS_STORE_AFTER,
-                                   store_period=timing.LIVENESS_STORE_PERIOD, liveness=endpoint) for m in members]
+    return [
+        store.heartbeat_sender(
+            m,
+            period=timing.HEARTBEAT_PERIOD,
+            io_timeout=timing.HEARTBEAT_IO,
+            python_grace=timing.PYTHON_GRACE,
+            store_after=timing.LIVENESS_STORE_AFTER,
+            store_period=timing.LIVENESS_STORE_PERIOD,
+            liveness=endpoint,
+        )
+        for m in members
+    ]
 
 
 def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int, endpoint: tuple[str, int]) -> None:
@@ -182,8 +191,19 @@ def _worker(pipe, address: str, etcd_env: dict[str, str], n: int, index: int, en
             f.result()
         for f in [training.submit(trainers, part) for part in _split(ranks, READ_THREADS)]:
             f.result()
-        pipe.send(("step", max(acked), max(seen), client.total, client.keys, client.bytes, dict(client.requests),
-                   max((k for m, k in client.calls if m == "multi_get"), default=0), statistics.median(spent)))
+        pipe.send(
+            (
+                "step",
+                max(acked),
+                max(seen),
+                client.total,
+                client.keys,
+                client.bytes,
+                dict(client.requests),
+                max((k for m, k in client.calls if m == "multi_get"), default=0),
+                statistics.median(spent),
+            )
+        )
 
 
 def _beat(pipe, store: JobStore, client: CountingStore, n: int, index: int, seconds: float) -> None:
@@ -216,7 +236,9 @@ def _beat_native(pipe, store: JobStore, n: int, index: int, seconds: float, endp
     answered = sum(b.replies for b in beats)
     for b in beats:
         b.stop()
-    pipe.send(("native beats", sent / seconds, answered / seconds, len(members) / timing.HEARTBEAT_PERIOD.total_seconds()))
+    pipe.send(
+        ("native beats", sent / seconds, answered / seconds, len(members) / timing.HEARTBEAT_PERIOD.total_seconds())
+    )
 
 
 def _listen_to_beats(server, n: int, seconds: float) -> dict:
@@ -235,11 +257,13 @@ def _listen_to_beats(server, n: int, seconds: float) -> dict:
         took.append(time.perf_counter() - t)
         time.sleep(max(0.0, poll - took[-1]))
     elapsed = time.monotonic() - start
-    return {"endpoint_datagrams_per_s": (server.received - received) / elapsed,
-            "endpoint_rejected": server.rejected,
-            "endpoint_cpu_per_s": (time.process_time() - cpu) / elapsed,
-            "endpoint_scan_ms_median": statistics.median(took) * 1e3,
-            "endpoint_heard": sum(1 for a in ages if 0 <= a < 1.0)}
+    return {
+        "endpoint_datagrams_per_s": (server.received - received) / elapsed,
+        "endpoint_rejected": server.rejected,
+        "endpoint_cpu_per_s": (time.process_time() - cpu) / elapsed,
+        "endpoint_scan_ms_median": statistics.median(took) * 1e3,
+        "endpoint_heard": sum(1 for a in ages if 0 <= a < 1.0),
+    }
 
 
 def _scan_heartbeats(store: JobStore, n: int, seconds: float) -> dict:
@@ -256,8 +280,11 @@ def _scan_heartbeats(store: JobStore, n: int, seconds: float) -> dict:
         left = poll - took[-1]
         if left > 0:
             time.sleep(left)
-    return {"scan_ms_median": statistics.median(took) * 1e3, "scans_per_s": len(took) / (time.monotonic() - start),
-            "scan_cpu_per_s": (time.process_time() - cpu) / (time.monotonic() - start)}
+    return {
+        "scan_ms_median": statistics.median(took) * 1e3,
+        "scans_per_s": len(took) / (time.monotonic() - start),
+        "scan_cpu_per_s": (time.process_time() - cpu) / (time.monotonic() - start),
+    }
 
 
 def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], store: JobStore) -> dict:
@@ -270,8 +297,10 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
     server = store.liveness_server("127.0.0.1")  # the coordinator's liveness endpoint
     server.set_generation(0)
     endpoint = ("127.0.0.1", server.port)
-    with spawn(_worker, address, etcd_env, n, 0, endpoint, name="sim-0") as w0, \
-            spawn(_worker, address, etcd_env, n, 1, endpoint, name="sim-1") as w1:
+    with (
+        spawn(_worker, address, etcd_env, n, 0, endpoint, name="sim-0") as w0,
+        spawn(_worker, address, etcd_env, n, 1, endpoint, name="sim-1") as w1,
+    ):
         workers = [w0, w1]
         for w in workers:
             assert w.recv(300) == ("ready",)
@@ -286,10 +315,18 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
             for g in got:
                 for method, count in g[6].items():
                     requests[method] = requests.get(method, 0) + count
-            rows.append({"step": step, "commit_ms": (visible - last_ack) * 1e3, "requests": sum(g[3] for g in got),
-                         "keys": sum(g[4] for g in got), "bytes": sum(g[5] for g in got), "by_method": requests,
-                         "largest_read_keys": max(g[7] for g in got),
-                         "trainer_ms": statistics.median(g[8] for g in got) * 1e3})
+            rows.append(
+                {
+                    "step": step,
+                    "commit_ms": (visible - last_ack) * 1e3,
+                    "requests": sum(g[3] for g in got),
+                    "keys": sum(g[4] for g in got),
+                    "bytes": sum(g[5] for g in got),
+                    "by_method": requests,
+                    "largest_read_keys": max(g[7] for g in got),
+                    "trainer_ms": statistics.median(g[8] for g in got) * 1e3,
+                }
+            )
             assert record.last() == step
         for w in workers:
             w.send("beats", HEARTBEAT_SECONDS)
@@ -302,14 +339,18 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
         listened = _listen_to_beats(server, n, HEARTBEAT_SECONDS)
         native = [w.recv(600) for w in workers]
         # Answered beats leave the store alone: the heartbeat keys the store phase wrote, unchanged.
-        listened["native_store_writes"] = sum(a != b for a, b in zip(in_store, store.get_many(names)))
+        listened["native_store_writes"] = sum(a != b for a, b in zip(in_store, store.get_many(names), strict=False))
         for w in workers:
             w.send("exit")
     server.stop()
     steady = rows[2:] if len(rows) > 4 else rows  # the first steps make the counters and connections
     latency = sorted(r["commit_ms"] for r in steady)
     return {
-        "store": kind, "n": n, "roles": 2 * n, "steps": steps, "setup_s": setup_s,
+        "store": kind,
+        "n": n,
+        "roles": 2 * n,
+        "steps": steps,
+        "setup_s": setup_s,
         "commit_ms_median": statistics.median(latency),
         "commit_ms_p99": latency[min(len(latency) - 1, math.ceil(0.99 * len(latency)) - 1)],
         # A trainer's own control-plane time per step (its generation checks and its read of the
@@ -317,8 +358,10 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
         # time plus any part of the commit's latency longer than a step (a commit not visible by
         # the next commit makes the trainer wait there).
         "trainer_ms_median": statistics.median(r["trainer_ms"] for r in steady),
-        "overhead_1s_pct": (statistics.median(r["trainer_ms"] for r in steady)
-                            + max(0.0, statistics.median(latency) - 1000.0)) / 10.0,
+        "overhead_1s_pct": (
+            statistics.median(r["trainer_ms"] for r in steady) + max(0.0, statistics.median(latency) - 1000.0)
+        )
+        / 10.0,
         "requests_per_step": statistics.median(r["requests"] for r in steady),
         "requests_each_step": [r["requests"] for r in rows],
         "requests_per_rank_step": statistics.median(r["requests"] for r in steady) / n,
@@ -326,21 +369,33 @@ def run(kind: str, n: int, steps: int, address: str, etcd_env: dict[str, str], s
         "bytes_per_step": statistics.median(r["bytes"] for r in steady),
         "largest_read_keys": max(r["largest_read_keys"] for r in steady),
         "by_method": steady[-1]["by_method"],
-        "heartbeat_writes_per_s": sum(b[1] for b in beats), "heartbeat_writes_asked_per_s": sum(b[2] for b in beats),
-        "heartbeat_bytes_per_s": sum(b[3] for b in beats), **scan,
-        "native_beats_per_s": sum(b[1] for b in native), "native_answers_per_s": sum(b[2] for b in native),
-        "native_asked_per_s": sum(b[3] for b in native), **listened,
+        "heartbeat_writes_per_s": sum(b[1] for b in beats),
+        "heartbeat_writes_asked_per_s": sum(b[2] for b in beats),
+        "heartbeat_bytes_per_s": sum(b[3] for b in beats),
+        **scan,
+        "native_beats_per_s": sum(b[1] for b in native),
+        "native_answers_per_s": sum(b[2] for b in native),
+        "native_asked_per_s": sum(b[3] for b in native),
+        **listened,
     }
 
 
-def _member_beats(pipe, address: str, environ: dict[str, str], n: int, index: int, members: list[int],
-                  seconds: float, endpoint: tuple[str, int] | None) -> None:
+def _member_beats(
+    pipe,
+    address: str,
+    environ: dict[str, str],
+    n: int,
+    index: int,
+    members: list[int],
+    seconds: float,
+    endpoint: tuple[str, int] | None,
+) -> None:
     """Beat for ``members`` at HEARTBEAT_PERIOD until told to stop some, then the rest: native
     beats to the coordinator's liveness endpoint, or (``endpoint`` None) signed store writes."""
     _raise_open_files()
     store = JobStore(_connect(address, environ), token=TOKEN)
     if endpoint is not None:
-        beats = dict(zip(members, _native_beats(store, members, endpoint)))
+        beats = dict(zip(members, _native_beats(store, members, endpoint), strict=False))
         pipe.send(("ready",))
         end = Deadline.after(timedelta(seconds=seconds))
         aimed, aimed_at, reaim = f"{endpoint[0]}:{endpoint[1]}", time.monotonic(), timing.LIVENESS_REAIM.total_seconds()
@@ -395,8 +450,9 @@ def _why(decision) -> str:
     return f"{decision.dead.role} {decision.dead.rank}: {decision.reason}"
 
 
-def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
-                    etcd: tuple[str, dict[str, str]] | None = None) -> dict:
+def run_coordinator(
+    n: int, seconds: float = 8.0, beats: str = "endpoint", etcd: tuple[str, dict[str, str]] | None = None
+) -> dict:
     """The real coordinator with 2N members (N >= 12): joins, polls under beats (``endpoint``:
     native beats to its liveness endpoint; ``store``: signed store writes), a kill, a freeze
     and a lost host. ``etcd``: the job's state in etcd (its address, a fresh namespace, and the
@@ -412,8 +468,13 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         import os
 
         os.environ.update(etcd[1])
-        coord = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint",
-                            store=StoreAddress.parse(etcd[0]))
+        coord = Coordinator(
+            world_size=n,
+            token=TOKEN,
+            deadlines=deadlines,
+            liveness=beats == "endpoint",
+            store=StoreAddress.parse(etcd[0]),
+        )
         address, environ = etcd
     else:
         coord = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint")
@@ -431,15 +492,20 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
     members = {who: first + i for i, who in enumerate(order)}
     ids = sorted(members.values())
     total = seconds + 180 + 4 * deadlines.trainer.total_seconds()  # the joins included (2,048 on etcd: ~1 min)
-    with spawn(_member_beats, address, environ, n, 0, ids[0::2], total, endpoint, name="beats-0") as b0, \
-            spawn(_member_beats, address, environ, n, 1, ids[1::2], total, endpoint, name="beats-1") as b1:
+    with (
+        spawn(_member_beats, address, environ, n, 0, ids[0::2], total, endpoint, name="beats-0") as b0,
+        spawn(_member_beats, address, environ, n, 1, ids[1::2], total, endpoint, name="beats-1") as b1,
+    ):
         beaters = [b0, b1]
         for b in beaters:
             assert b.recv(300) == ("ready",)
         start = time.perf_counter()
         for i, (role, rank) in enumerate(order):
-            seq = post_request(store, JoinRequest(role=role, rank=rank, host=f"h{rank % 64}", pid=100000 + i,
-                                                  nonce=f"{role}{rank}"), TOKEN)
+            seq = post_request(
+                store,
+                JoinRequest(role=role, rank=rank, host=f"h{rank % 64}", pid=100000 + i, nonce=f"{role}{rank}"),
+                TOKEN,
+            )
             assert seq == members[(role, rank)], "another join got in between"
         while len(coord.alive()) < 2 * n:
             coord.poll()
@@ -470,8 +536,12 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         killed, frozen = members[("trainer", 2)], members[("trainer", 3)]
         host = [members[("standby", r)] for r in range(4, min(n, 12))]
         faults = {"kill": [killed], "freeze": [frozen], "lost host": host}
-        views.update({killed: (Verdict.GONE, "its process is gone (simulated)"),
-                      frozen: (Verdict.DEAD, "its process is stopped (simulated)")})
+        views.update(
+            {
+                killed: (Verdict.GONE, "its process is gone (simulated)"),
+                frozen: (Verdict.DEAD, "its process is stopped (simulated)"),
+            }
+        )
         views.update({m: (Verdict.GONE, "its host's agent is silent too (simulated)") for m in host})
         at = time.monotonic()
         for b in beaters:
@@ -487,17 +557,27 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
         if etcd is not None:  # the coordinator dies; one elected after it takes over from the job's state in etcd
             coord.close()
             t = time.perf_counter()
-            successor = Coordinator(world_size=n, token=TOKEN, deadlines=deadlines, liveness=beats == "endpoint",
-                                    store=StoreAddress.parse(etcd[0]))
+            successor = Coordinator(
+                world_size=n,
+                token=TOKEN,
+                deadlines=deadlines,
+                liveness=beats == "endpoint",
+                store=StoreAddress.parse(etcd[0]),
+            )
             took = time.perf_counter() - t
             successor.probe = coord.probe
             after, polls_after = [], []
             # Its members' deadlines run from the takeover; the roles find its endpoint within LIVENESS_REAIM.
             loop(Deadline.after(2 * deadlines.trainer + timedelta(seconds=1)), successor, after, polls_after)
             successor.close()
-            takeover = {"takeover_s": took, "members": len(successor.members), "alive": len(successor.alive()),
-                        "false_deaths": len(after), "reasons": [_why(d) for _, d in after if d.dead is not None][:8],
-                        "poll_ms_median": statistics.median(polls_after) * 1e3}
+            takeover = {
+                "takeover_s": took,
+                "members": len(successor.members),
+                "alive": len(successor.alive()),
+                "false_deaths": len(after),
+                "reasons": [_why(d) for _, d in after if d.dead is not None][:8],
+                "poll_ms_median": statistics.median(polls_after) * 1e3,
+            }
         for b in beaters:
             b.send("exit")
     found = {}
@@ -507,14 +587,25 @@ def run_coordinator(n: int, seconds: float = 8.0, beats: str = "endpoint",
     others = [d for _, d in decisions if d.dead is not None and all(d.dead.id not in g for g in faults.values())]
     failed = [d.reason for _, d in decisions if d.kind == "failed"]
     coord.close()
-    return {"n": n, "store": "tcp" if etcd is None else "etcd", "roles": 2 * n, "beats": beats, "join_s": join_s, "coordinator_cpu_per_s": steady_cpu,
-            "fault_lag_ms": (applied - at) * 1e3,
-            "poll_ms_median": statistics.median(steady_poll) * 1e3,
-            "poll_ms_p99": steady_poll[min(len(steady_poll) - 1, math.ceil(0.99 * len(steady_poll)) - 1)] * 1e3,
-            "false_deaths": false_deaths + len(others), "job_failed": failed,
-            "false_death_reasons": [_why(d) for _, d in decisions[:false_deaths] if d.dead is not None][:8]
-            + [_why(d) for d in others][:8], "detect_kill_ms": found["kill"],
-            "detect_freeze_ms": found["freeze"], "detect_lost_host_ms": found["lost host"], "takeover": takeover}
+    return {
+        "n": n,
+        "store": "tcp" if etcd is None else "etcd",
+        "roles": 2 * n,
+        "beats": beats,
+        "join_s": join_s,
+        "coordinator_cpu_per_s": steady_cpu,
+        "fault_lag_ms": (applied - at) * 1e3,
+        "poll_ms_median": statistics.median(steady_poll) * 1e3,
+        "poll_ms_p99": steady_poll[min(len(steady_poll) - 1, math.ceil(0.99 * len(steady_poll)) - 1)] * 1e3,
+        "false_deaths": false_deaths + len(others),
+        "job_failed": failed,
+        "false_death_reasons": [_why(d) for _, d in decisions[:false_deaths] if d.dead is not None][:8]
+        + [_why(d) for d in others][:8],
+        "detect_kill_ms": found["kill"],
+        "detect_freeze_ms": found["freeze"],
+        "detect_lost_host_ms": found["lost host"],
+        "takeover": takeover,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -523,16 +614,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="tcp,etcd", help="tcp (the coordinator's TCPStore) and/or etcd")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--coordinator", default="",
-                        help="N values (>= 12) to run the real coordinator at (default: --n); 0: none")
-    parser.add_argument("--coordinator-stores", default="tcp",
-                        help="where the coordinator runs keep the job's state: tcp (its TCPStore) and/or etcd")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the runs already in --out's JSON that this one does not redo (same store and N; "
-                             "same N, store and beats for the coordinator's)")
-    parser.add_argument("--beats", default="endpoint,store",
-                        help="how the coordinator runs' members beat: endpoint (native beats to its liveness "
-                             "endpoint) and/or store (signed writes, the scheme before it)")
+    parser.add_argument(
+        "--coordinator", default="", help="N values (>= 12) to run the real coordinator at (default: --n); 0: none"
+    )
+    parser.add_argument(
+        "--coordinator-stores",
+        default="tcp",
+        help="where the coordinator runs keep the job's state: tcp (its TCPStore) and/or etcd",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the runs already in --out's JSON that this one does not redo (same store and N; "
+        "same N, store and beats for the coordinator's)",
+    )
+    parser.add_argument(
+        "--beats",
+        default="endpoint,store",
+        help="how the coordinator runs' members beat: endpoint (native beats to its liveness "
+        "endpoint) and/or store (signed writes, the scheme before it)",
+    )
     args = parser.parse_args(argv)
     sizes = [int(x) for x in args.n.split(",")]
     results = []
@@ -541,8 +642,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"control_scale: {kind} store, N = {n} ...", flush=True)
             if kind == "tcp":
                 master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
-                results.append(run(kind, n, args.steps, f"127.0.0.1:{master.port}", {},
-                                   JobStore(master, token=TOKEN)))
+                results.append(run(kind, n, args.steps, f"127.0.0.1:{master.port}", {}, JobStore(master, token=TOKEN)))
                 del master
             elif kind == "etcd":
                 from support import etcd as testetcd

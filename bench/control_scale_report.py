@@ -8,7 +8,6 @@ import json
 import math
 from pathlib import Path
 
-
 __all__ = ["exponent", "merged", "plot", "report"]
 
 
@@ -18,7 +17,7 @@ def exponent(points: list[tuple[int, float]]) -> float | None:
         return None
     xs, ys = [math.log(n) for n, _ in points], [math.log(v) for _, v in points]
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=False)) / sum((x - mx) ** 2 for x in xs)
 
 
 def report(results: list[dict], out: Path, coordinators: list[dict] = ()) -> None:
@@ -26,48 +25,69 @@ def report(results: list[dict], out: Path, coordinators: list[dict] = ()) -> Non
     summary = {}
     for kind in sorted({r["store"] for r in results}):
         mine = sorted((r for r in results if r["store"] == kind), key=lambda r: r["n"])
-        summary[kind] = {"requests_exponent": exponent([(r["n"], r["requests_per_step"]) for r in mine]),
-                         "bytes_exponent": exponent([(r["n"], r["bytes_per_step"]) for r in mine])}
-    (out / "control_scale.json").write_text(json.dumps({"runs": results, "fit": summary,
-                                                        "coordinator": list(coordinators)}, indent=1))
-    lines = ["### Control plane at scale, simulated ranks on this machine (`make bench-scale`)\n",
-             "| store | N ranks | commit after the last ack, median / p99 | store requests per step (per rank) | "
-             "bytes per step | largest read (keys) | beats to the store: writes/s done / asked | the coordinator's "
-             "scan of them (its CPU per s) | beats to the liveness endpoint: taken/s / asked, store writes | "
-             "the endpoint's CPU per s, scan of its table |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+        summary[kind] = {
+            "requests_exponent": exponent([(r["n"], r["requests_per_step"]) for r in mine]),
+            "bytes_exponent": exponent([(r["n"], r["bytes_per_step"]) for r in mine]),
+        }
+    (out / "control_scale.json").write_text(
+        json.dumps({"runs": results, "fit": summary, "coordinator": list(coordinators)}, indent=1)
+    )
+    lines = [
+        "### Control plane at scale, simulated ranks on this machine (`make bench-scale`)\n",
+        "| store | N ranks | commit after the last ack, median / p99 | store requests per step (per rank) | "
+        "bytes per step | largest read (keys) | beats to the store: writes/s done / asked | the coordinator's "
+        "scan of them (its CPU per s) | beats to the liveness endpoint: taken/s / asked, store writes | "
+        "the endpoint's CPU per s, scan of its table |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r['store']} | {r['n']} | {r['commit_ms_median']:.1f} / {r['commit_ms_p99']:.1f} ms | "
-                     f"{r['requests_per_step']:.0f} ({r['requests_per_rank_step']:.2f}) | "
-                     f"{r['bytes_per_step'] / 1e3:.0f} kB | {r['largest_read_keys']} | "
-                     f"{r['heartbeat_writes_per_s']:.0f} / {r['heartbeat_writes_asked_per_s']:.0f} | "
-                     f"{r['scan_ms_median']:.1f} ms ({r['scan_cpu_per_s']:.2f} s) | "
-                     f"{r['endpoint_datagrams_per_s']:.0f} / {r['native_asked_per_s']:.0f}, "
-                     f"{r['native_store_writes']} | {r['endpoint_cpu_per_s']:.2f} s, "
-                     f"{r['endpoint_scan_ms_median']:.2f} ms |")
+        lines.append(
+            f"| {r['store']} | {r['n']} | {r['commit_ms_median']:.1f} / {r['commit_ms_p99']:.1f} ms | "
+            f"{r['requests_per_step']:.0f} ({r['requests_per_rank_step']:.2f}) | "
+            f"{r['bytes_per_step'] / 1e3:.0f} kB | {r['largest_read_keys']} | "
+            f"{r['heartbeat_writes_per_s']:.0f} / {r['heartbeat_writes_asked_per_s']:.0f} | "
+            f"{r['scan_ms_median']:.1f} ms ({r['scan_cpu_per_s']:.2f} s) | "
+            f"{r['endpoint_datagrams_per_s']:.0f} / {r['native_asked_per_s']:.0f}, "
+            f"{r['native_store_writes']} | {r['endpoint_cpu_per_s']:.2f} s, "
+            f"{r['endpoint_scan_ms_median']:.2f} ms |"
+        )
     for kind in sorted({r["store"] for r in results}):
         mine = sorted((r for r in results if r["store"] == kind), key=lambda r: r["n"])
         fits = [r["n"] for r in mine if r["overhead_1s_pct"] < 1.0]
-        lines.append(f"\n{kind}: a trainer's control-plane time per step "
-                     + ", ".join(f"{r['trainer_ms_median']:.2f} ms at N = {r['n']} ({r['overhead_1s_pct']:.2f}% of a "
-                                 f"1 s step)" for r in mine)
-                     + f"; the largest N run under 1%: {max(fits) if fits else 'none'}.")
+        lines.append(
+            f"\n{kind}: a trainer's control-plane time per step "
+            + ", ".join(
+                f"{r['trainer_ms_median']:.2f} ms at N = {r['n']} ({r['overhead_1s_pct']:.2f}% of a 1 s step)"
+                for r in mine
+            )
+            + f"; the largest N run under 1%: {max(fits) if fits else 'none'}."
+        )
     for kind, fit in summary.items():
         if fit["requests_exponent"] is not None:
-            lines.append(f"\n{kind}: per-step work grows as N^{fit['requests_exponent']:.2f} (requests) and "
-                         f"N^{fit['bytes_exponent']:.2f} (bytes).")
+            lines.append(
+                f"\n{kind}: per-step work grows as N^{fit['requests_exponent']:.2f} (requests) and "
+                f"N^{fit['bytes_exponent']:.2f} (bytes)."
+            )
     if coordinators:
-        lines += ["", "| the real coordinator, N ranks (2N members) | store | beats to | join of every member | its "
-                      "CPU per s | a poll, median / p99 | false deaths | kill detected | freeze detected | 8 standbys "
-                      "of a host lost | the job failed | a successor's takeover (etcd): time, false deaths after |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| the real coordinator, N ranks (2N members) | store | beats to | join of every member | its "
+            "CPU per s | a poll, median / p99 | false deaths | kill detected | freeze detected | 8 standbys "
+            "of a host lost | the job failed | a successor's takeover (etcd): time, false deaths after |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for c in coordinators:
+
             def ms(v):
                 return "never" if v is None else f"{v:.0f} ms"
-            lines.append(f"| {c['n']} | {c.get('store', 'tcp')} | {c.get('beats', 'store')} | {c['join_s']:.1f} s | {c['coordinator_cpu_per_s']:.2f} s | "
-                         f"{c['poll_ms_median']:.1f} / {c['poll_ms_p99']:.1f} ms | {c['false_deaths']} | "
-                         f"{ms(c['detect_kill_ms'])} | {ms(c['detect_freeze_ms'])} | {ms(c['detect_lost_host_ms'])} | "
-                         f"{'no' if not c['job_failed'] else c['job_failed'][0]} | {takeover(c.get('takeover'))} |")
+
+            lines.append(
+                f"| {c['n']} | {c.get('store', 'tcp')} | {c.get('beats', 'store')} | {c['join_s']:.1f} s | "
+                f"{c['coordinator_cpu_per_s']:.2f} s | "
+                f"{c['poll_ms_median']:.1f} / {c['poll_ms_p99']:.1f} ms | {c['false_deaths']} | "
+                f"{ms(c['detect_kill_ms'])} | {ms(c['detect_freeze_ms'])} | {ms(c['detect_lost_host_ms'])} | "
+                f"{'no' if not c['job_failed'] else c['job_failed'][0]} | {takeover(c.get('takeover'))} |"
+            )
     (out / "control_scale.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(results, out / "control_scale.png")

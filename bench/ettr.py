@@ -52,8 +52,8 @@ from ettr_model import Failure, Target, best_interval, figures, poisson_schedule
 from ettr_projection import projection  # noqa: E402
 
 from replica import envvars  # noqa: E402
-from replica.state.export import resumable  # noqa: E402
 from replica.errors import ReplicaError  # noqa: E402
+from replica.state.export import resumable  # noqa: E402
 from support import cluster as testcluster  # noqa: E402
 from support.cluster import ClusterConfig, NetnsCluster  # noqa: E402
 
@@ -64,8 +64,10 @@ PROBE = ROOT / "bench" / "store_probe.py"
 STORE_PORT = 29400
 WORKERS = 5  # hosts 1..5 run agents 0..4
 FLOOR_EVERY = 10  # replica's durable floor: a version every this many steps (--durable-every)
-PLACEMENT = {"replica": ("trainer:0", "trainer:1", "standby:0,rollout:0", "standby:1,rollout:1", "rollout:2"),
-             "checkpoint_restart": ("trainer:0", "trainer:1", "rollout:0", "rollout:1", "rollout:2")}
+PLACEMENT = {
+    "replica": ("trainer:0", "trainer:1", "standby:0,rollout:0", "standby:1,rollout:1", "rollout:2"),
+    "checkpoint_restart": ("trainer:0", "trainer:1", "rollout:0", "rollout:1", "rollout:2"),
+}
 SYSTEMS = tuple(PLACEMENT)
 
 
@@ -78,8 +80,12 @@ class Progress:
     def show(self, step: int | None, faults: int, note: str = "") -> None:
         done = step or 0
         bar = "#" * (24 * done // self.steps)
-        print(f"\r  {self.title:<34} [{bar:<24}] step {done:>3}/{self.steps}  faults {faults:>2}  "
-              f"{time.monotonic() - self.started:6.0f} s  {note:<28}", end="", flush=True)
+        print(
+            f"\r  {self.title:<34} [{bar:<24}] step {done:>3}/{self.steps}  faults {faults:>2}  "
+            f"{time.monotonic() - self.started:6.0f} s  {note:<28}",
+            end="",
+            flush=True,
+        )
 
     def end(self, text: str) -> None:
         self.show(self.steps, 0)
@@ -90,25 +96,51 @@ class Attempt:
     """One launch of the job on the cluster: `replica coordinator` on host 0, an agent on
     each worker host, a probe of the job store beside the coordinator."""
 
-    def __init__(self, cluster: NetnsCluster, folder: Path, *, system: str, steps: int, token: str,
-                 number: int, resume_step: int | None = None, resume_export: Path | None = None,
-                 checkpoint_every: int = 0, down: set[int] = frozenset(), train_while_replacing: bool = False):
+    def __init__(
+        self,
+        cluster: NetnsCluster,
+        folder: Path,
+        *,
+        system: str,
+        steps: int,
+        token: str,
+        number: int,
+        resume_step: int | None = None,
+        resume_export: Path | None = None,
+        checkpoint_every: int = 0,
+        down: set[int] = frozenset(),
+        train_while_replacing: bool = False,
+    ):
         self.cluster, self.folder, self.system, self.number = cluster, folder, system, number
         self.report = folder / f"attempt{number}.json"
         self.launched_at = time.time()
         coord = cluster.hosts[0]
         self.store = f"{coord.address}:{STORE_PORT}"
         self.env = {k: v for k, v in os.environ.items() if not k.startswith(envvars.PREFIX)}
-        self.env.update({envvars.TOKEN: token, envvars.TORCH_WORLD_SIZE: "2", envvars.STEPS: str(steps),
-                         envvars.ROLLOUTS: "3", envvars.EXPORT_DIR: str(folder / "export"), envvars.GLOO_LAZY_INIT: "1",
-                         "GLOO_SOCKET_IFNAME": "eth0", envvars.UCX_LOG_LEVEL: "fatal", "PYTHONPATH": str(ROOT)})
+        self.env.update(
+            {
+                envvars.TOKEN: token,
+                envvars.TORCH_WORLD_SIZE: "2",
+                envvars.STEPS: str(steps),
+                envvars.ROLLOUTS: "3",
+                envvars.EXPORT_DIR: str(folder / "export"),
+                envvars.GLOO_LAZY_INIT: "1",
+                "GLOO_SOCKET_IFNAME": "eth0",
+                envvars.UCX_LOG_LEVEL: "fatal",
+                "PYTHONPATH": str(ROOT),
+            }
+        )
         if resume_export is not None:
             self.env[envvars.RESUME] = str(resume_export)
         self.script = [str(SCRIPT)]
         options = ["--agents", str(WORKERS)]
         if system == "checkpoint_restart":
-            self.script += ["--checkpoint-dir", str(folder / "checkpoints"), "--checkpoint-every",
-                            str(checkpoint_every)]
+            self.script += [
+                "--checkpoint-dir",
+                str(folder / "checkpoints"),
+                "--checkpoint-every",
+                str(checkpoint_every),
+            ]
             options += ["--standbys", "0", "--replacements", "0"]
             if resume_step is not None:
                 options += ["--resume-step", str(resume_step)]
@@ -118,16 +150,49 @@ class Attempt:
             # The durable floor: what a pair loss (a rank's trainer and standby) goes back to. `replica
             # coordinator` ends such a job (in-process resumes are `replica launch`'s): the next attempt
             # starts from the newest of the floor and the export.
-            self.env.update({envvars.DURABLE: str(folder / "floor"), envvars.DURABLE_EVERY: str(FLOOR_EVERY),
-                             envvars.DURABLE_INTERVAL: "0"})
+            self.env.update(
+                {
+                    envvars.DURABLE: str(folder / "floor"),
+                    envvars.DURABLE_EVERY: str(FLOOR_EVERY),
+                    envvars.DURABLE_INTERVAL: "0",
+                }
+            )
         self.procs: dict[str, subprocess.Popen] = {}
-        self._start("coordinator", 0, ["-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps",
-                                       str(steps), "--rollouts", "3", "--host", coord.address, "--port",
-                                       str(STORE_PORT), "--timeout", "3600", "--report", str(self.report),
-                                       "--export-dir", str(folder / "export"),
-                                       *options])
-        self.probe = coord.popen([sys.executable, str(PROBE), self.store, "120"], env=self.env, cwd=ROOT,
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._start(
+            "coordinator",
+            0,
+            [
+                "-m",
+                "replica.roles.cli",
+                "coordinator",
+                "--world-size",
+                "2",
+                "--steps",
+                str(steps),
+                "--rollouts",
+                "3",
+                "--host",
+                coord.address,
+                "--port",
+                str(STORE_PORT),
+                "--timeout",
+                "3600",
+                "--report",
+                str(self.report),
+                "--export-dir",
+                str(folder / "export"),
+                *options,
+            ],
+        )
+        self.probe = coord.popen(
+            [sys.executable, str(PROBE), self.store, "120"],
+            env=self.env,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
         if self._answer() != "ready":
             raise RuntimeError(f"the job store of attempt {number} did not come up:\n{self.output('coordinator')}")
         for index, roles in enumerate(PLACEMENT[system]):
@@ -136,13 +201,30 @@ class Attempt:
 
     def start_agent(self, host: int, roles: str = "") -> None:
         address = self.cluster.hosts[host].address
-        self._start(f"agent{host - 1}", host, ["-m", "replica.roles.cli", "agent", "--store", self.store, "--index",
-                                               str(host - 1), "--address", address, "--roles", roles, *self.script])
+        self._start(
+            f"agent{host - 1}",
+            host,
+            [
+                "-m",
+                "replica.roles.cli",
+                "agent",
+                "--store",
+                self.store,
+                "--index",
+                str(host - 1),
+                "--address",
+                address,
+                "--roles",
+                roles,
+                *self.script,
+            ],
+        )
 
     def _start(self, name: str, host: int, args: list[str]) -> None:
         with open(self.folder / f"a{self.number}-{name}.log", "a") as log:
-            self.procs[name] = self.cluster.hosts[host].popen([sys.executable, *args], env=self.env, cwd=ROOT,
-                                                              stdout=log, stderr=subprocess.STDOUT)
+            self.procs[name] = self.cluster.hosts[host].popen(
+                [sys.executable, *args], env=self.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def output(self, name: str) -> str:
         path = self.folder / f"a{self.number}-{name}.log"
@@ -195,8 +277,11 @@ def logged_steps(report: dict) -> dict[int, dict]:
     for i in range(report["steps"]):
         losses = [report["losses_hex"][r][i] for r in ranks]
         if all(v is not None for v in losses):
-            out[i + 1] = {"losses": losses, "metrics": [report["metrics_hex"][r][i] for r in ranks],
-                          "at": report["step_end_times"]["0"][i]}
+            out[i + 1] = {
+                "losses": losses,
+                "metrics": [report["metrics_hex"][r][i] for r in ranks],
+                "at": report["step_end_times"]["0"][i],
+            }
     return out
 
 
@@ -222,14 +307,23 @@ class Run:
 
 
 class Bench:
-    def __init__(self, cluster: NetnsCluster, work: Path, *, steps: int, reboot_s: float, cap: float,
-                 train_while_replacing: bool):
+    def __init__(
+        self, cluster: NetnsCluster, work: Path, *, steps: int, reboot_s: float, cap: float, train_while_replacing: bool
+    ):
         self.cluster, self.work, self.steps, self.reboot_s, self.cap = cluster, work, steps, reboot_s, cap
         self.train_while_replacing = train_while_replacing
         self.token = secrets.token_hex(16)
 
-    def run(self, system: str, *, mtbf_steps: float | None, schedule: list[Failure], checkpoint_every: int = 0,
-            limit_s: float = 3600.0, title: str = "") -> Run:
+    def run(
+        self,
+        system: str,
+        *,
+        mtbf_steps: float | None,
+        schedule: list[Failure],
+        checkpoint_every: int = 0,
+        limit_s: float = 3600.0,
+        title: str = "",
+    ) -> Run:
         run = Run(system=system, mtbf_steps=mtbf_steps, schedule=schedule, checkpoint_every=checkpoint_every)
         folder = self.folder(run)
         shutil.rmtree(folder, ignore_errors=True)
@@ -247,8 +341,11 @@ class Bench:
                 if run.clock_start == 0.0 and commit is not None and commit >= 1:
                     run.clock_start = attempt.losses(1).get(1, {}).get("at") or now
                     schedule_base = run.clock_start
-                progress.show(commit, len(run.injected), f"attempt {run.attempts}" + (
-                    f", hosts down {sorted(down)}" if down else ""))
+                progress.show(
+                    commit,
+                    len(run.injected),
+                    f"attempt {run.attempts}" + (f", hosts down {sorted(down)}" if down else ""),
+                )
                 for host, back in list(down.items()):  # a lost host is back (rebooted, link up)
                     if now >= back:
                         self.cluster.hosts[host].heal()
@@ -291,8 +388,10 @@ class Bench:
                 attempt.stop()
             for host in down:
                 self.cluster.hosts[host].heal()
-        progress.end(f"{len(run.steps)}/{self.steps} steps, {len(run.injected)} faults, "
-                     f"{run.job_restarts} restarts, {run.attempts} attempts")
+        progress.end(
+            f"{len(run.steps)}/{self.steps} steps, {len(run.injected)} faults, "
+            f"{run.job_restarts} restarts, {run.attempts} attempts"
+        )
         return run
 
     def folder(self, run: Run) -> Path:
@@ -309,8 +408,9 @@ class Bench:
         run.launched_at = run.launched_at or time.time()
         resume_step = resume_export = None
         if run.system == "checkpoint_restart":
-            done = [int(p.name) for p in (folder / "checkpoints").glob("*") if p.name.isdigit()
-                    and (p / ".done").exists()]
+            done = [
+                int(p.name) for p in (folder / "checkpoints").glob("*") if p.name.isdigit() and (p / ".done").exists()
+            ]
             resume_step = max(done, default=None)
             if run.attempts > 1:
                 run.steps_redone += max(0, max(run.steps, default=0) - (resume_step or 0))
@@ -324,25 +424,37 @@ class Bench:
                 if found > step:
                     step, resume_export = found, path
             run.steps_redone += max(0, max(run.steps, default=0) - step)
-        return Attempt(self.cluster, folder, system=run.system, steps=self.steps, token=self.token,
-                       number=run.attempts, resume_step=resume_step, resume_export=resume_export,
-                       checkpoint_every=run.checkpoint_every, down=down,
-                       train_while_replacing=self.train_while_replacing)
+        return Attempt(
+            self.cluster,
+            folder,
+            system=run.system,
+            steps=self.steps,
+            token=self.token,
+            number=run.attempts,
+            resume_step=resume_step,
+            resume_export=resume_export,
+            checkpoint_every=run.checkpoint_every,
+            down=down,
+            train_while_replacing=self.train_while_replacing,
+        )
 
     def _collect(self, run: Run, attempt: Attempt, *, finished: bool) -> None:
         """Take what an attempt logged into the run (its steps replace earlier attempts')."""
         if finished and attempt.report.exists():
             report = json.loads(attempt.report.read_text())
-            run.reports.append({k: report[k] for k in ("failovers", "standbys_replaced", "rollouts_lost",
-                                                       "unprotected_spans", "last_commit")})
+            run.reports.append(
+                {
+                    k: report[k]
+                    for k in ("failovers", "standbys_replaced", "rollouts_lost", "unprotected_spans", "last_commit")
+                }
+            )
             run.failovers += len(report["failovers"])
             logged = logged_steps(report)
         else:
             logged = attempt.losses(self.steps)
         run.steps.update(logged)
 
-    def _inject(self, run: Run, attempt: Attempt | None, failure: Failure, down: dict[int, float],
-                now: float) -> str:
+    def _inject(self, run: Run, attempt: Attempt | None, failure: Failure, down: dict[int, float], now: float) -> str:
         """Fire one failure; what it hit ("" when it found nothing to hit)."""
         if failure.target == Target.HOST:
             host = failure.index + 1
@@ -378,20 +490,27 @@ def reference_losses(run: Run) -> dict[int, list]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench/ettr.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench/ettr.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--steps", type=int, default=250, help="steps of every run (default 250)")
-    p.add_argument("--mtbf", default="400,200,100",
-                   help="mean times between failures, in failure-free steps of the unprotected job (default "
-                        "400,200,100: a restart of this job costs ~100 of its steps)")
+    p.add_argument(
+        "--mtbf",
+        default="400,200,100",
+        help="mean times between failures, in failure-free steps of the unprotected job (default "
+        "400,200,100: a restart of this job costs ~100 of its steps)",
+    )
     p.add_argument("--seed", type=int, default=0, help="the failure schedules' seed")
     p.add_argument("--reboot", type=float, default=15.0, help="seconds a lost host takes to come back")
     p.add_argument("--cap", type=float, default=3.0, help="stop a run at this many times its failure-free time")
     p.add_argument("--systems", default=",".join(SYSTEMS), help="which systems to run")
-    p.add_argument("--wait-for-standbys", action="store_true",
-                   help="replica's commits wait for a rank's new standby (its default) instead of training on while "
-                        "it starts (`--train-while-replacing`: the same protection, since the rank has one copy until "
-                        "the new standby is up either way)")
+    p.add_argument(
+        "--wait-for-standbys",
+        action="store_true",
+        help="replica's commits wait for a rank's new standby (its default) instead of training on while "
+        "it starts (`--train-while-replacing`: the same protection, since the rank has one copy until "
+        "the new standby is up either way)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where ettr.json and ettr.png go")
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -404,18 +523,45 @@ def main(argv: list[str] | None = None) -> int:
     # A stop (SIGTERM, Ctrl-C) unwinds, so that the cluster is torn down and every process killed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="replica-ettr-"))
-    result: dict = {"definition": "time in the steps that count toward the final model (each worth its system's "
-                                  "failure-free step time) / wall time from the end of step 1 to the end of the last",
-                    "steps": args.steps, "seed": args.seed, "train_while_replacing": not args.wait_for_standbys, "reboot_s": args.reboot, "cap": args.cap,
-                    "machine": machine(), "work": str(work), "replica": {}, "checkpoint_restart": {}, "runs": {}}
-    print(f"ETTR bench: {args.steps} steps per run, failure rates (MTBF in steps) {rates}, seed {args.seed}; "
-          f"logs in {work}", flush=True)
+    result: dict = {
+        "definition": "time in the steps that count toward the final model (each worth its system's "
+        "failure-free step time) / wall time from the end of step 1 to the end of the last",
+        "steps": args.steps,
+        "seed": args.seed,
+        "train_while_replacing": not args.wait_for_standbys,
+        "reboot_s": args.reboot,
+        "cap": args.cap,
+        "machine": machine(),
+        "work": str(work),
+        "replica": {},
+        "checkpoint_restart": {},
+        "runs": {},
+    }
+    print(
+        f"ETTR bench: {args.steps} steps per run, failure rates (MTBF in steps) {rates}, seed {args.seed}; "
+        f"logs in {work}",
+        flush=True,
+    )
     with NetnsCluster(ClusterConfig(hosts=6)) as cluster:
-        bench = Bench(cluster, work, steps=args.steps, reboot_s=args.reboot, cap=args.cap,
-                      train_while_replacing=not args.wait_for_standbys)
+        bench = Bench(
+            cluster,
+            work,
+            steps=args.steps,
+            reboot_s=args.reboot,
+            cap=args.cap,
+            train_while_replacing=not args.wait_for_standbys,
+        )
         # Failure-free: each system's step time, the reference losses, the baseline's save and restart times.
-        free = {s: bench.run(s, mtbf_steps=None, schedule=[], checkpoint_every=max(2, args.steps // 4) if
-                             s == "checkpoint_restart" else 0, title=f"{s}, no failures") for s in systems}
+        free = {
+            s: bench.run(
+                s,
+                mtbf_steps=None,
+                schedule=[],
+                checkpoint_every=max(2, args.steps // 4) if s == "checkpoint_restart" else 0,
+                title=f"{s}, no failures",
+            )
+            for s in systems
+        }
         calib = free.get("checkpoint_restart")
         reference = free[systems[0]]
         ends = {s: {k: v["at"] for k, v in run.steps.items()} for s, run in free.items()}
@@ -423,15 +569,25 @@ def main(argv: list[str] | None = None) -> int:
         warm = set(range(1, args.steps // 4 + 1))  # the engines and standbys still warming up
         step_s = {s: step_time(ends[s], skip=warm | (saves if s == "checkpoint_restart" else set())) for s in systems}
         wall_free = {s: ends[s][args.steps] - ends[s][1] for s in systems}
-        result["failure_free"] = {s: {"step_s": step_s[s], "wall_s": wall_free[s],
-                                      "losses_equal_reference": reference_losses(free[s]) ==
-                                      reference_losses(reference),
-                                      # a failure-free run measured as the others (the baseline: its saves)
-                                      "ettr": figures(ends=ends[s], steps=args.steps,
-                                                      clock_start=free[s].clock_start, stopped_at=0.0,
-                                                      interruptions=[], saves=bench.saves(free[s]),
-                                                      fallback_step_s=step_s[s]).ettr,
-                                      "ends": ends_of(free[s])} for s in systems}
+        result["failure_free"] = {
+            s: {
+                "step_s": step_s[s],
+                "wall_s": wall_free[s],
+                "losses_equal_reference": reference_losses(free[s]) == reference_losses(reference),
+                # a failure-free run measured as the others (the baseline: its saves)
+                "ettr": figures(
+                    ends=ends[s],
+                    steps=args.steps,
+                    clock_start=free[s].clock_start,
+                    stopped_at=0.0,
+                    interruptions=[],
+                    saves=bench.saves(free[s]),
+                    fallback_step_s=step_s[s],
+                ).ettr,
+                "ends": ends_of(free[s]),
+            }
+            for s in systems
+        }
         if calib is not None:
             save_s = statistics.median(bench.saves(calib).values()) if bench.saves(calib) else 0.0
             # A restart costs its launch to the end of its first step, less that step (the restore is
@@ -448,38 +604,75 @@ def main(argv: list[str] | None = None) -> int:
                 k = 0
                 if system == "checkpoint_restart":
                     info = result["failure_free"]["checkpoint_restart"]
-                    k = best_interval(step_s=step_s[system], save_s=info["save_s"], restart_s=info["restart_s"],
-                                      mtbf_s=mtbf_s, max_interval=args.steps)
-                run = bench.run(system, mtbf_steps=rate, schedule=schedule, checkpoint_every=k,
-                                limit_s=args.cap * wall_free[system] + 300, title=f"{system} mtbf={rate:g} steps"
-                                + (f" K={k}" if k else ""))
-                fig = figures(ends=ends_of(run), steps=args.steps, clock_start=run.clock_start,
-                              stopped_at=run.stopped_at, interruptions=run.interruptions,
-                              saves=bench.saves(run), fallback_step_s=step_s[system])
-                bit_identical = all(reference_losses(run).get(s) == reference_losses(reference).get(s)
-                                    for s in run.steps)
+                    k = best_interval(
+                        step_s=step_s[system],
+                        save_s=info["save_s"],
+                        restart_s=info["restart_s"],
+                        mtbf_s=mtbf_s,
+                        max_interval=args.steps,
+                    )
+                run = bench.run(
+                    system,
+                    mtbf_steps=rate,
+                    schedule=schedule,
+                    checkpoint_every=k,
+                    limit_s=args.cap * wall_free[system] + 300,
+                    title=f"{system} mtbf={rate:g} steps" + (f" K={k}" if k else ""),
+                )
+                fig = figures(
+                    ends=ends_of(run),
+                    steps=args.steps,
+                    clock_start=run.clock_start,
+                    stopped_at=run.stopped_at,
+                    interruptions=run.interruptions,
+                    saves=bench.saves(run),
+                    fallback_step_s=step_s[system],
+                )
+                bit_identical = all(
+                    reference_losses(run).get(s) == reference_losses(reference).get(s) for s in run.steps
+                )
                 result[system][f"{rate:g}"] = fig.ettr
                 result["runs"][str(rate)][system] = {
-                    **asdict(fig), "checkpoint_every": k, "bit_identical": bit_identical and fig.finished,
-                    "ends": ends_of(run), "saves": bench.saves(run), "interruptions": run.interruptions,
-                    "steps_redone": run.steps_redone, "failovers": run.failovers, "job_restarts": run.job_restarts,
-                    "injected": run.injected, "attempts": run.attempts, "reports": run.reports,
+                    **asdict(fig),
+                    "checkpoint_every": k,
+                    "bit_identical": bit_identical and fig.finished,
+                    "ends": ends_of(run),
+                    "saves": bench.saves(run),
+                    "interruptions": run.interruptions,
+                    "steps_redone": run.steps_redone,
+                    "failovers": run.failovers,
+                    "job_restarts": run.job_restarts,
+                    "injected": run.injected,
+                    "attempts": run.attempts,
+                    "reports": run.reports,
                     "mean_recovery_s": sum(fig.recoveries_s) / len(fig.recoveries_s) if fig.recoveries_s else 0.0,
-                    "worst_recovery_s": max(fig.recoveries_s, default=0.0)}
-                print(f"    ETTR {fig.ettr:.3f}  finished {fig.finished}  bit-identical {bit_identical}  "
-                      f"restarts {run.job_restarts}  failovers {run.failovers}", flush=True)
+                    "worst_recovery_s": max(fig.recoveries_s, default=0.0),
+                }
+                print(
+                    f"    ETTR {fig.ettr:.3f}  finished {fig.finished}  bit-identical {bit_identical}  "
+                    f"restarts {run.job_restarts}  failovers {run.failovers}",
+                    flush=True,
+                )
     write(result, args.out)
     return 0
 
 
 def table(result: dict) -> list[str]:
     ff = result["failure_free"]
-    lines = [f"ETTR, {result['steps']} steps per run (failure-free step: "
-             + ", ".join(f"{s} {v['step_s']:.3f} s" for s, v in ff.items())
-             + (f"; the baseline's save {ff['checkpoint_restart']['save_s']:.2f} s, restart "
-                f"{ff['checkpoint_restart']['restart_s']:.1f} s" if "checkpoint_restart" in ff else "") + ")\n",
-             "| MTBF (steps / s) | system | ETTR | faults fired / hit | failovers | job restarts | steps redone | "
-             "recovery mean / worst (s) | bit-identical |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"ETTR, {result['steps']} steps per run (failure-free step: "
+        + ", ".join(f"{s} {v['step_s']:.3f} s" for s, v in ff.items())
+        + (
+            f"; the baseline's save {ff['checkpoint_restart']['save_s']:.2f} s, restart "
+            f"{ff['checkpoint_restart']['restart_s']:.1f} s"
+            if "checkpoint_restart" in ff
+            else ""
+        )
+        + ")\n",
+        "| MTBF (steps / s) | system | ETTR | faults fired / hit | failovers | job restarts | steps redone | "
+        "recovery mean / worst (s) | bit-identical |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for rate, runs in result["runs"].items():
         for system in SYSTEMS:
             run = runs.get(system)
@@ -487,16 +680,19 @@ def table(result: dict) -> list[str]:
                 continue
             hit = sum(1 for i in run["injected"] if i["hit"])
             name = system + (f" (K={run['checkpoint_every']})" if run["checkpoint_every"] else "")
-            lines.append(f"| {float(rate):g} / {runs['mtbf_s']:.0f} | {name} | {run['ettr']:.3f} | "
-                         f"{len(run['injected'])} / {hit} | {run['failovers']} | {run['job_restarts']} | "
-                         f"{run['steps_redone']} | {run['mean_recovery_s']:.1f} / {run['worst_recovery_s']:.1f} | "
-                         f"{run['bit_identical']} |")
+            lines.append(
+                f"| {float(rate):g} / {runs['mtbf_s']:.0f} | {name} | {run['ettr']:.3f} | "
+                f"{len(run['injected'])} / {hit} | {run['failovers']} | {run['job_restarts']} | "
+                f"{run['steps_redone']} | {run['mean_recovery_s']:.1f} / {run['worst_recovery_s']:.1f} | "
+                f"{run['bit_identical']} |"
+            )
     return lines
 
 
 def plot(result: dict, path: Path) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:

@@ -23,8 +23,19 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-__all__ = ["Failure", "Projection", "RunFigures", "Target", "TARGETS", "best_interval", "figures", "modelled_ettr",
-           "poisson_schedule", "project", "step_time"]
+__all__ = [
+    "Failure",
+    "Projection",
+    "RunFigures",
+    "Target",
+    "TARGETS",
+    "best_interval",
+    "figures",
+    "modelled_ettr",
+    "poisson_schedule",
+    "project",
+    "step_time",
+]
 
 
 class Target(enum.StrEnum):
@@ -35,8 +46,13 @@ class Target(enum.StrEnum):
     PAIR = "pair"  # rank INDEX's trainer and its standby at once (hosts that fail together: a switch)
 
 
-TARGETS: Mapping[Target, int] = {Target.TRAINER: 2, Target.STANDBY: 2, Target.ROLLOUT: 3, Target.HOST: 5,
-                                 Target.PAIR: 2}
+TARGETS: Mapping[Target, int] = {
+    Target.TRAINER: 2,
+    Target.STANDBY: 2,
+    Target.ROLLOUT: 3,
+    Target.HOST: 5,
+    Target.PAIR: 2,
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,9 +97,16 @@ class RunFigures:
     recoveries_s: list[float]  # per failure that hit: the gap it fell in, less a step
 
 
-def figures(*, ends: Mapping[int, float], steps: int, clock_start: float, stopped_at: float,
-            interruptions: Sequence[float], saves: Mapping[int, float] | None = None,
-            fallback_step_s: float) -> RunFigures:
+def figures(
+    *,
+    ends: Mapping[int, float],
+    steps: int,
+    clock_start: float,
+    stopped_at: float,
+    interruptions: Sequence[float],
+    saves: Mapping[int, float] | None = None,
+    fallback_step_s: float,
+) -> RunFigures:
     """A run's figures from the end time of each step in the final model (``ends``; a step
     redone counts at its last end), when it stopped (its last step's end when it finished;
     else when it was given up), when each failure hit (``interruptions``) and how long each
@@ -112,8 +135,15 @@ def figures(*, ends: Mapping[int, float], steps: int, clock_start: float, stoppe
         after = [e for e in ends.values() if e > t]
         if before and after:
             recoveries.append(max(0.0, min(after) - max(before) - typical))
-    return RunFigures(ettr=min(1.0, useful / wall), wall_s=wall, useful_s=useful, step_s=typical,
-                      steps_counted=len(gaps), finished=finished, recoveries_s=recoveries)
+    return RunFigures(
+        ettr=min(1.0, useful / wall),
+        wall_s=wall,
+        useful_s=useful,
+        step_s=typical,
+        steps_counted=len(gaps),
+        finished=finished,
+        recoveries_s=recoveries,
+    )
 
 
 def modelled_ettr(*, interval: int, step_s: float, save_s: float, restart_s: float, mtbf_s: float) -> float:
@@ -128,8 +158,10 @@ def modelled_ettr(*, interval: int, step_s: float, save_s: float, restart_s: flo
 def best_interval(*, step_s: float, save_s: float, restart_s: float, mtbf_s: float, max_interval: int) -> int:
     """The checkpoint interval (steps) a user would choose: the one with the best
     modelled ETTR, from the measured step, save and restart times."""
-    return max(range(1, max_interval + 1), key=lambda k: (modelled_ettr(
-        interval=k, step_s=step_s, save_s=save_s, restart_s=restart_s, mtbf_s=mtbf_s), -k))
+    return max(
+        range(1, max_interval + 1),
+        key=lambda k: (modelled_ettr(interval=k, step_s=step_s, save_s=save_s, restart_s=restart_s, mtbf_s=mtbf_s), -k),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,7 +179,9 @@ class Projection:
     restart_fixed_s: float = 300.0  # reschedule every pod, start processes, NCCL init, start vLLM engines
     detect_s: float = 2.5  # measured: the heartbeat deadline (a lost host)
     promote_s: float = 0.1  # measured: a standby's unpack
-    reconnect_s: float = 10.0  # measured: gloo's collective timeout after a lost host; NCCL's rebuild at scale assumed alike
+    reconnect_s: float = (
+        10.0  # measured: gloo's collective timeout after a lost host; NCCL's rebuild at scale assumed alike
+    )
     standby_start_s: float = 30.0  # a new standby's process and model on a rollout host
     wait_for_standby: bool = False  # commits wait for the new standby (replica's default; the bench trains on)
     control_s: float = 0.0  # a trainer's control-plane time per step (measured: make bench-scale), every step
@@ -242,21 +276,29 @@ class Projection:
 
     def baseline_ettr(self, mtbf_s: float) -> tuple[float, int]:
         """Checkpoint-restart at its best interval: (ETTR, interval in steps)."""
-        k = best_interval(step_s=self.step_s, save_s=self.save_s(), restart_s=self.restart_s(), mtbf_s=mtbf_s,
-                          max_interval=10_000)
-        return modelled_ettr(interval=k, step_s=self.step_s, save_s=self.save_s(), restart_s=self.restart_s(),
-                             mtbf_s=mtbf_s), k
+        k = best_interval(
+            step_s=self.step_s, save_s=self.save_s(), restart_s=self.restart_s(), mtbf_s=mtbf_s, max_interval=10_000
+        )
+        return modelled_ettr(
+            interval=k, step_s=self.step_s, save_s=self.save_s(), restart_s=self.restart_s(), mtbf_s=mtbf_s
+        ), k
 
 
 def project(model: Projection, mtbfs_s: Sequence[float]) -> list[dict]:
     rows = []
     for mtbf in mtbfs_s:
         baseline, k = model.baseline_ettr(mtbf)
-        rows.append({"mtbf_s": mtbf, "mtbf_steps": mtbf / model.step_s, "replica": model.replica_ettr(mtbf),
-                     "replica_without_floor": replace(model, floor=False).replica_ettr(mtbf),
-                     "replica_single_failures": replace(model, pair_fraction=0.0).replica_ettr(mtbf),
-                     "replica_switch_domains": replace(model, switch_domains=True).replica_ettr(mtbf),
-                     "replica_rollouts_redone": replace(model, rollouts_kept=False).replica_ettr(mtbf),
-                     "checkpoint_restart": baseline, "checkpoint_every": k})
+        rows.append(
+            {
+                "mtbf_s": mtbf,
+                "mtbf_steps": mtbf / model.step_s,
+                "replica": model.replica_ettr(mtbf),
+                "replica_without_floor": replace(model, floor=False).replica_ettr(mtbf),
+                "replica_single_failures": replace(model, pair_fraction=0.0).replica_ettr(mtbf),
+                "replica_switch_domains": replace(model, switch_domains=True).replica_ettr(mtbf),
+                "replica_rollouts_redone": replace(model, rollouts_kept=False).replica_ettr(mtbf),
+                "checkpoint_restart": baseline,
+                "checkpoint_every": k,
+            }
+        )
     return rows
-

@@ -11,6 +11,7 @@ private page of the parent, and the beat thread's first write to its stack or he
 the fork to end). With the sender of pre-signed datagrams in memory a fork leaves alone
 (csrc/heartbeat.cpp): 4 GiB, forks of 88-100 ms, longest silence 8.5 ms; 12 GiB, forks of
 191-233 ms, longest silence 11.2 ms (the period is 5 ms). `tests/test_fork_beats.py` checks it."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,13 @@ MEMBER = 7
 
 def _child(port: int, liveness_port: int, gib: float, forks: int, results) -> None:
     store = JobStore(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)), token=TOKEN)
-    beat = store.heartbeat_sender(MEMBER, period=timedelta(milliseconds=5), io_timeout=timedelta(seconds=2),
-                                  python_grace=timedelta(seconds=60), liveness=("127.0.0.1", liveness_port))
+    beat = store.heartbeat_sender(
+        MEMBER,
+        period=timedelta(milliseconds=5),
+        io_timeout=timedelta(seconds=2),
+        python_grace=timedelta(seconds=60),
+        liveness=("127.0.0.1", liveness_port),
+    )
     held = torch.ones(int(gib * 2**30) // 4)  # touched: every page present
     time.sleep(1.0)
     took = []
@@ -72,8 +78,11 @@ def main() -> None:
     took = results.get(timeout=60)
     child.join(30)
     server.stop()
-    print(json.dumps({"gib": gib, "fork_ms": [round(t * 1e3, 1) for t in took],
-                      "longest_silence_ms": round(longest * 1e3, 1)}))
+    print(
+        json.dumps(
+            {"gib": gib, "fork_ms": [round(t * 1e3, 1) for t in took], "longest_silence_ms": round(longest * 1e3, 1)}
+        )
+    )
 
 
 if __name__ == "__main__":

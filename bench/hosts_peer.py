@@ -62,7 +62,8 @@ class Ucx:
 
     def __init__(self, role: str, where: str, verify: bool, nixl: bool = False):
         if nixl:
-            from replica.transport.nixl import NixlConfig as UcxConfig, NixlTransport as UcxTransport
+            from replica.transport.nixl import NixlConfig as UcxConfig
+            from replica.transport.nixl import NixlTransport as UcxTransport
         else:
             from replica.transport.ucx import UcxConfig, UcxTransport
 
@@ -95,8 +96,13 @@ class Gloo:
             port = probe.getsockname()[1]
             probe.close()
             say("address", f"{where}:{port}")
-        dist.init_process_group("gloo", init_method=f"tcp://{where if role == 'send' else f'{where}:{port}'}",
-                                rank=0 if role == "recv" else 1, world_size=2, timeout=T)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{where if role == 'send' else f'{where}:{port}'}",
+            rank=0 if role == "recv" else 1,
+            world_size=2,
+            timeout=T,
+        )
         self.peer = 1 if role == "recv" else 0
 
     def send(self, buf: torch.Tensor, digest: int | None) -> None:
@@ -112,10 +118,14 @@ class Gloo:
 def main() -> None:
     path, role, where = sys.argv[1:4]
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
-    link = {"tcp": lambda: Tcp(role, where), "ucx": lambda: Ucx(role, where, False),
-            "ucx_verified": lambda: Ucx(role, where, True), "gloo": lambda: Gloo(role, where),
-            "nixl": lambda: Ucx(role, where, False, nixl=True),
-            "nixl_verified": lambda: Ucx(role, where, True, nixl=True)}[path]()
+    link = {
+        "tcp": lambda: Tcp(role, where),
+        "ucx": lambda: Ucx(role, where, False),
+        "ucx_verified": lambda: Ucx(role, where, True),
+        "gloo": lambda: Gloo(role, where),
+        "nixl": lambda: Ucx(role, where, False, nixl=True),
+        "nixl_verified": lambda: Ucx(role, where, True, nixl=True),
+    }[path]()
     say("connected")
     ack = torch.zeros(ACK, dtype=torch.uint8)
     buf, digest = torch.empty(0, dtype=torch.uint8), None

@@ -13,8 +13,8 @@ import os
 from datetime import timedelta
 
 import torch.distributed as dist
-
 from fsdp_job import JobShape
+
 from support.children import ChildFailed, spawn
 from support.mirror_roles import standby_main, trainer_main
 
@@ -83,11 +83,22 @@ def pinned_job(stack: contextlib.ExitStack, name: str, world: int, shape: JobSha
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     port = store.port
     trainer_cores, standby_cores = split_cores()
-    standbys = [stack.enter_context(spawn(_pinned, standby_cores, standby_main, r, world, port, shape, config,
-                                          name=f"{name}-standby{r}")) for r in range(world)] if config else []
-    trainers = [stack.enter_context(spawn(_pinned, trainer_cores, trainer_main, r, world, port, shape, config,
-                                          name=f"{name}-trainer{r}"))
-                for r in range(world)]
+    standbys = (
+        [
+            stack.enter_context(
+                spawn(_pinned, standby_cores, standby_main, r, world, port, shape, config, name=f"{name}-standby{r}")
+            )
+            for r in range(world)
+        ]
+        if config
+        else []
+    )
+    trainers = [
+        stack.enter_context(
+            spawn(_pinned, trainer_cores, trainer_main, r, world, port, shape, config, name=f"{name}-trainer{r}")
+        )
+        for r in range(world)
+    ]
     for child in standbys + trainers:
         assert child.recv(180)[0] == "ready"
     try:

@@ -9,8 +9,17 @@ import random
 
 import torch
 
-__all__ = ["CHECKSUM_BLOCK", "DTYPES", "LARGE_BYTES", "LARGE_COUNT", "MiB", "PACK_CHECKSUM_BLOCK", "SMALL_COUNT",
-           "large_tensors", "small_tensors"]
+__all__ = [
+    "CHECKSUM_BLOCK",
+    "DTYPES",
+    "LARGE_BYTES",
+    "LARGE_COUNT",
+    "MiB",
+    "PACK_CHECKSUM_BLOCK",
+    "SMALL_COUNT",
+    "large_tensors",
+    "small_tensors",
+]
 
 MiB = 1 << 20
 LARGE_BYTES = 256 * MiB

@@ -35,7 +35,7 @@ from replica.roles.rollout_engine import serve_requests
 from replica.roles.rollouts import Sampling, request_rollouts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers (support)
-from support.rollouts import StandInEngine, largest_store_value, stand_in_completion  # noqa: E402
+from support.rollouts import StandInEngine, largest_store_value, stand_in_completion
 
 TOKEN = b"rollout-path-bench"
 MAX_STORE_VALUE = 64 << 10
@@ -45,19 +45,27 @@ def _engine(port: int, index: int, engines: int, rate: float | None, report) -> 
     store = JobStore(dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60)), token=TOKEN)
     engine = StandInEngine(version=1, tokens_per_s=rate)
     with largest_store_value() as largest:
-        serve_requests(store=store, index=index, num_engines=engines, token=TOKEN, engine=engine,
-                       stop=lambda: store.has(keys.rollout_stop(index)))
+        serve_requests(
+            store=store,
+            index=index,
+            num_engines=engines,
+            token=TOKEN,
+            engine=engine,
+            stop=lambda: store.has(keys.rollout_stop(index)),
+        )
     report.put((largest[0], engine.make_s))
 
 
 def _round(store: JobStore, prompts, sampling, engines: int) -> float:
     start = time.perf_counter()
-    got = request_rollouts(store, prompts, sampling, num_shards=engines, token=TOKEN, num_engines=engines,
-                           timeout=timedelta(minutes=10))
+    got = request_rollouts(
+        store, prompts, sampling, num_shards=engines, token=TOKEN, num_engines=engines, timeout=timedelta(minutes=10)
+    )
     took = time.perf_counter() - start
     check = [0, len(prompts) // 2, len(prompts) - 1]
-    assert all(got.completions[i] == stand_in_completion(prompts[i], sampling.seed + i, sampling.max_tokens)
-               for i in check), "wrong completions"
+    assert all(
+        got.completions[i] == stand_in_completion(prompts[i], sampling.seed + i, sampling.max_tokens) for i in check
+    ), "wrong completions"
     return took
 
 
@@ -94,7 +102,7 @@ def _loopback(nbytes: int) -> float:
     start = time.perf_counter()
     left = nbytes
     while left:
-        client.sendall(payload[:min(len(payload), left)])
+        client.sendall(payload[: min(len(payload), left)])
         left -= min(len(payload), left)
     client.recv(1)
     took = time.perf_counter() - start
@@ -104,24 +112,33 @@ def _loopback(nbytes: int) -> float:
     return took
 
 
-def main(prompts_n: int, samples: int, prompt_tokens: int, tokens: int, engines: int, rate: float, rounds: int,
-         out: str) -> None:
+def main(
+    prompts_n: int, samples: int, prompt_tokens: int, tokens: int, engines: int, rate: float, rounds: int, out: str
+) -> None:
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     store = JobStore(master, token=TOKEN)
     prompts = [[(p * 131 + j) % 32_000 for j in range(prompt_tokens)] for p in range(prompts_n) for _ in range(samples)]
     sampling = Sampling(max_tokens=tokens, seed=11)
     ctx = multiprocessing.get_context("fork")
-    results: dict = {"prompts": prompts_n, "samples": samples, "prompt_tokens": prompt_tokens, "tokens": tokens,
-                     "engines": engines, "rate_tokens_per_s": rate, "rounds": rounds}
+    results: dict = {
+        "prompts": prompts_n,
+        "samples": samples,
+        "prompt_tokens": prompt_tokens,
+        "tokens": tokens,
+        "engines": engines,
+        "rate_tokens_per_s": rate,
+        "rounds": rounds,
+    }
     store.put(keys.latest_version(), Number(value=1))
     for mode, engine_rate in (("paced", rate), ("instant", None)):
         report = ctx.SimpleQueue()
-        procs = [ctx.Process(target=_engine, args=(master.port, i, engines, engine_rate, report))
-                 for i in range(engines)]
+        procs = [
+            ctx.Process(target=_engine, args=(master.port, i, engines, engine_rate, report)) for i in range(engines)
+        ]
         for proc in procs:
             proc.start()
         with largest_store_value() as largest:
-            _round(store, prompts[:engines * 2], Sampling(max_tokens=2), engines)  # warm: connections, desks
+            _round(store, prompts[: engines * 2], Sampling(max_tokens=2), engines)  # warm: connections, desks
             times = [_round(store, prompts, sampling, engines) for _ in range(rounds)]
         for i in range(engines):
             store.put(keys.rollout_stop(i), Flag())
@@ -143,8 +160,9 @@ def main(prompts_n: int, samples: int, prompt_tokens: int, tokens: int, engines:
     results["path_s"] = statistics.median(results["instant_all_s"])
     results["make_s"] = results["instant_make_s"]
     completions = [stand_in_completion(p, sampling.seed + i, tokens) for i, p in enumerate(prompts)]
-    results["store_path_s"] = statistics.median(_store_path(store, prompts, completions, engines)
-                                                for _ in range(rounds))
+    results["store_path_s"] = statistics.median(
+        _store_path(store, prompts, completions, engines) for _ in range(rounds)
+    )
     prompt_bytes, completion_bytes = len(encode_tokens(prompts)), len(encode_tokens(completions))
     results["bytes"] = {"prompts": prompt_bytes, "completions": completion_bytes}
     results["loopback_s"] = _loopback(prompt_bytes * engines + completion_bytes)

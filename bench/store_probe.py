@@ -25,8 +25,11 @@ def logged(store: JobStore, steps: int, world_size: int = 2) -> dict:
     for i in range(steps):
         parts = [texts[r][i].value.split(" ") if texts[r][i] is not None else None for r in range(world_size)]
         if all(parts):
-            out[i + 1] = {"losses": [p[0] for p in parts], "metrics": [dict(x.split("=", 1) for x in p[2:])
-                                                                      for p in parts], "at": float(parts[0][1])}
+            out[i + 1] = {
+                "losses": [p[0] for p in parts],
+                "metrics": [dict(x.split("=", 1) for x in p[2:]) for p in parts],
+                "at": float(parts[0][1]),
+            }
     return out
 
 

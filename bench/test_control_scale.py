@@ -12,8 +12,12 @@ import control_scale
 
 def test_the_simulator_at_small_n(tmp_path, monkeypatch):
     monkeypatch.setattr(control_scale, "HEARTBEAT_SECONDS", 0.3)
-    assert control_scale.main(["--n", "16", "--stores", "tcp", "--steps", "4", "--coordinator", "0",
-                               "--out", str(tmp_path)]) == 0
+    assert (
+        control_scale.main(
+            ["--n", "16", "--stores", "tcp", "--steps", "4", "--coordinator", "0", "--out", str(tmp_path)]
+        )
+        == 0
+    )
     result = json.loads((tmp_path / "control_scale.json").read_text())
     runs = {r["n"]: r for r in result["runs"]}
     assert set(runs) == {16}  # (tests/test_commit_scale.py checks the growth with N)
@@ -41,8 +45,8 @@ def test_the_real_coordinator_under_simulated_members_and_its_successor():
     LIVENESS_STORE_PERIOD, with their stores' tokens) and none is declared dead over two deadlines."""
     import pytest
 
-    from support import etcd as testetcd
     from replica.roles import timing
+    from support import etcd as testetcd
 
     if not testetcd.available():
         pytest.skip("etcd is not installed (make test installs etcd-server)")

@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import math
 import statistics
-
 from dataclasses import replace
 
 import pytest
-
-from ettr_model import (TARGETS, Projection, Target, best_interval, figures, modelled_ettr, poisson_schedule, project,
-                        step_time)
+from ettr_model import (
+    TARGETS,
+    Projection,
+    Target,
+    best_interval,
+    figures,
+    modelled_ettr,
+    poisson_schedule,
+    project,
+    step_time,
+)
 
 
 def test_the_schedule_is_poisson_with_the_asked_mean_and_fixed_by_its_seed():
     schedule = poisson_schedule(mtbf_s=10.0, horizon_s=20_000.0, seed=3)
     assert schedule == poisson_schedule(mtbf_s=10.0, horizon_s=20_000.0, seed=3)
     assert schedule != poisson_schedule(mtbf_s=10.0, horizon_s=20_000.0, seed=4)
-    gaps = [b.at_s - a.at_s for a, b in zip(schedule, schedule[1:])]
+    gaps = [b.at_s - a.at_s for a, b in zip(schedule, schedule[1:], strict=False)]
     assert 9.0 < statistics.mean(gaps) < 11.0, statistics.mean(gaps)
     # Exponential gaps: the standard deviation is the mean (a fixed period would give 0).
     assert 0.85 < statistics.stdev(gaps) / statistics.mean(gaps) < 1.15
@@ -48,20 +55,40 @@ def test_ettr_counts_each_step_once_at_the_runs_own_speed():
     assert fig.useful_s == 8.0 and fig.ettr == pytest.approx(8 / 12)
     assert fig.recoveries_s == [pytest.approx(4.0)]  # the 5 s gap, less a step
     # The same run on a machine twice as slow: the same ETTR (its own speed, not another run's).
-    slow = figures(ends={s: 2 * t for s, t in ends.items()}, steps=9, clock_start=20.0, stopped_at=0.0,
-                   interruptions=[29.0], fallback_step_s=9.9)
+    slow = figures(
+        ends={s: 2 * t for s, t in ends.items()},
+        steps=9,
+        clock_start=20.0,
+        stopped_at=0.0,
+        interruptions=[29.0],
+        fallback_step_s=9.9,
+    )
     assert slow.ettr == pytest.approx(fig.ettr) and slow.step_s == 2.0
     # Checkpoint saves are not steps: 0.5 s after steps 3 and 6 of a clean run.
     saved = {s: 9.0 + s + 0.5 * (s > 3) + 0.5 * (s > 6) for s in range(1, 10)}
-    fig = figures(ends=saved, steps=9, clock_start=10.0, stopped_at=0.0, interruptions=[], saves={3: 0.5, 6: 0.5},
-                  fallback_step_s=9.9)
+    fig = figures(
+        ends=saved,
+        steps=9,
+        clock_start=10.0,
+        stopped_at=0.0,
+        interruptions=[],
+        saves={3: 0.5, 6: 0.5},
+        fallback_step_s=9.9,
+    )
     assert fig.useful_s == pytest.approx(8.0) and fig.ettr == pytest.approx(8 / 9)
     # Not finished: measured at the stop, over the steps it has; too few steps: the fallback.
-    part = figures(ends={1: 10.0, 2: 11.0}, steps=5, clock_start=10.0, stopped_at=20.0, interruptions=[],
-                   fallback_step_s=9.9)
+    part = figures(
+        ends={1: 10.0, 2: 11.0}, steps=5, clock_start=10.0, stopped_at=20.0, interruptions=[], fallback_step_s=9.9
+    )
     assert not part.finished and part.ettr == pytest.approx(1 / 10) and part.step_s == 9.9
-    clean = figures(ends={s: 10.0 + s for s in range(1, 8)}, steps=7, clock_start=11.0, stopped_at=0.0,
-                    interruptions=[], fallback_step_s=9.9)
+    clean = figures(
+        ends={s: 10.0 + s for s in range(1, 8)},
+        steps=7,
+        clock_start=11.0,
+        stopped_at=0.0,
+        interruptions=[],
+        fallback_step_s=9.9,
+    )
     assert clean.ettr == 1.0
 
 
@@ -121,7 +148,8 @@ def test_switch_domains_leave_only_pairs_lost_by_chance():
         chance = (1 - math.exp(-span / mtbf)) / (2 * model.trainer_hosts)
         assert model.pair_share(mtbf) == pytest.approx(chance) and chance < 1e-3
         assert replace(model, switch_domains=False).pair_share(mtbf) == pytest.approx(
-            model.pair_fraction + (1 - model.pair_fraction) * chance)
+            model.pair_fraction + (1 - model.pair_fraction) * chance
+        )
         hosts = replace(model, switch_domains=False).replica_ettr(mtbf)
         assert hosts < model.replica_ettr(mtbf) <= replace(model, pair_fraction=0.0).replica_ettr(mtbf) + 1e-12
 
@@ -146,9 +174,17 @@ def test_the_projection_takes_the_detection_measured_at_scale(tmp_path):
 
     path = tmp_path / "control_scale.json"
     assert measured_detection(256, path) is None  # not run
-    path.write_text(json.dumps({"coordinator": [{"n": 64, "detect_lost_host_ms": 2700.0},
-                                                {"n": 1024, "detect_lost_host_ms": 3700.0},
-                                                {"n": 256, "detect_lost_host_ms": None}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "coordinator": [
+                    {"n": 64, "detect_lost_host_ms": 2700.0},
+                    {"n": 1024, "detect_lost_host_ms": 3700.0},
+                    {"n": 256, "detect_lost_host_ms": None},
+                ]
+            }
+        )
+    )
     assert measured_detection(256, path) == (2.7, 64)  # 256's own found nothing: the nearest that did
     assert measured_detection(900, path) == (3.7, 1024)
 
@@ -162,10 +198,17 @@ def test_the_projection_takes_the_control_planes_time_per_step_measured_at_scale
 
     path = tmp_path / "control_scale.json"
     assert measured_control(256, 120.0, path) is None  # not run
-    path.write_text(json.dumps({"runs": [
-        {"store": "tcp", "n": 256, "trainer_ms_median": 2.0, "commit_ms_median": 30.0},
-        {"store": "etcd", "n": 256, "trainer_ms_median": 50.0, "commit_ms_median": 900.0},
-        {"store": "tcp", "n": 1024, "trainer_ms_median": 4.0, "commit_ms_median": 1500.0}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "runs": [
+                    {"store": "tcp", "n": 256, "trainer_ms_median": 2.0, "commit_ms_median": 30.0},
+                    {"store": "etcd", "n": 256, "trainer_ms_median": 50.0, "commit_ms_median": 900.0},
+                    {"store": "tcp", "n": 1024, "trainer_ms_median": 4.0, "commit_ms_median": 1500.0},
+                ]
+            }
+        )
+    )
     assert measured_control(300, 120.0, path) == (0.002, 256)
     assert measured_control(1000, 1.0, path) == pytest.approx((0.004 + 0.5, 1024))  # the commit 0.5 s late
     plain, loaded = Projection(), Projection(control_s=1.2)

@@ -22,8 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-
 from bench_results import machine, write_results
+
 from replica.roles.coordinator import Deadlines
 from replica.timing import Deadline
 from support.cpu import busy_cores
@@ -48,12 +48,13 @@ def _bench_only(benchmark) -> None:
 
 def _failover_run(tmp_path: Path, fault: str, name: str) -> dict:
     """One `replica launch` with ``fault`` on trainer 1 at KILL_STEP: its timeline."""
-    code, report, output = launch(tmp_path, "--steps", str(STEPS), "--inject", f"{fault}:trainer:1@{KILL_STEP}:backward",
-                                  name=name)
+    code, report, output = launch(
+        tmp_path, "--steps", str(STEPS), "--inject", f"{fault}:trainer:1@{KILL_STEP}:backward", name=name
+    )
     assert code == 0 and len(report["failovers"]) == 1, output[-3000:]
     failover = report["failovers"][0]
     times = report["step_end_times"]["0"]
-    steady = [b - a for a, b in zip(times[1:KILL_STEP - 2], times[2:KILL_STEP - 1])]
+    steady = [b - a for a, b in zip(times[1 : KILL_STEP - 2], times[2 : KILL_STEP - 1], strict=False)]
     return {
         **failover["timeline_ms"],
         "kill_to_step_done_ms": (_resumed_at(times) - failover["killed_at"]) * 1e3,
@@ -66,8 +67,9 @@ def _failover_run(tmp_path: Path, fault: str, name: str) -> dict:
 def _failovers(benchmark, tmp_path: Path, fault: str, name: str) -> list[dict]:
     _bench_only(benchmark)
     runs = []
-    benchmark.pedantic(lambda: runs.append(_failover_run(tmp_path, fault, f"{name}{len(runs)}")), rounds=ROUNDS,
-                       iterations=1)
+    benchmark.pedantic(
+        lambda: runs.append(_failover_run(tmp_path, fault, f"{name}{len(runs)}")), rounds=ROUNDS, iterations=1
+    )
     return runs
 
 
@@ -98,9 +100,13 @@ def test_false_deaths_under_load(benchmark, tmp_path):
     def one_run():
         code, report, output = launch(tmp_path, "--steps", str(STEPS), name=f"quiet{len(runs)}")
         assert code == 0, output[-3000:]
-        runs.append({"false_deaths": len(report["failovers"]) + len(report["standbys_replaced"]),
-                     "regroups": len(report["regroups"]),
-                     "max_heartbeat_silence_s": max(m["max_silence_s"] for m in report["members"])})
+        runs.append(
+            {
+                "false_deaths": len(report["failovers"]) + len(report["standbys_replaced"]),
+                "regroups": len(report["regroups"]),
+                "max_heartbeat_silence_s": max(m["max_silence_s"] for m in report["members"]),
+            }
+        )
 
     with busy_cores() as load:
         benchmark.pedantic(one_run, rounds=LOADED_RUNS, iterations=1)
@@ -115,20 +121,36 @@ def test_pair_loss_from_the_floor(benchmark, tmp_path):
     for the floor's version before the kill to complete (a standby's fsyncs lag on 2 cores)."""
     _bench_only(benchmark)
     runs = []
-    inject = (f"stall:trainer:0@{KILL_STEP - 3}:2,kill:standby:1@{KILL_STEP - 2},"
-              f"kill:trainer:1@{KILL_STEP}:backward")
+    inject = f"stall:trainer:0@{KILL_STEP - 3}:2,kill:standby:1@{KILL_STEP - 2},kill:trainer:1@{KILL_STEP}:backward"
 
     def one_pair_loss():
         folder = tmp_path / f"pair{len(runs)}"
-        code, report, output = launch(tmp_path, "--steps", str(STEPS), "--durable", str(folder), "--durable-every",
-                                      str(CKPT_EVERY), "--durable-interval", "0", "--replacements", "0", "--inject",
-                                      inject, name=f"pair{len(runs)}")
+        code, report, output = launch(
+            tmp_path,
+            "--steps",
+            str(STEPS),
+            "--durable",
+            str(folder),
+            "--durable-every",
+            str(CKPT_EVERY),
+            "--durable-interval",
+            "0",
+            "--replacements",
+            "0",
+            "--inject",
+            inject,
+            name=f"pair{len(runs)}",
+        )
         assert code == 0, output[-3000:]
         (resumed,) = [r for r in report["restarts"] if "resumed_from_floor" in r]
         killed = next(f["fired_at"] for f in report["faults"] if f["fault"].startswith("kill:trainer"))
-        runs.append({"kill_to_step_done_ms": (_resumed_at(report["step_end_times"]["0"]) - killed) * 1e3,
-                     "lost_steps": KILL_STEP - 1 - resumed["resumed_from_floor"],
-                     "replayed_steps": resumed["lost_commit"] - resumed["resumed_from_floor"]})
+        runs.append(
+            {
+                "kill_to_step_done_ms": (_resumed_at(report["step_end_times"]["0"]) - killed) * 1e3,
+                "lost_steps": KILL_STEP - 1 - resumed["resumed_from_floor"],
+                "replayed_steps": resumed["lost_commit"] - resumed["resumed_from_floor"],
+            }
+        )
 
     benchmark.pedantic(one_pair_loss, rounds=ROUNDS, iterations=1)
     _results["pair"] = runs
@@ -136,11 +158,27 @@ def test_pair_loss_from_the_floor(benchmark, tmp_path):
 
 def _run_baseline(directory: Path, **env) -> None:
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "ckpt_job.py")], cwd=ROOT,
-                              env=dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                                       MASTER_PORT=port, CKPT_DIR=str(directory), CKPT_EVERY=str(CKPT_EVERY),
-                                       STEPS=str(STEPS), PYTHONPATH=str(ROOT / "examples"), **env),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "ckpt_job.py")],
+            cwd=ROOT,
+            env=dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                CKPT_DIR=str(directory),
+                CKPT_EVERY=str(CKPT_EVERY),
+                STEPS=str(STEPS),
+                PYTHONPATH=str(ROOT / "examples"),
+                **env,
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for r in range(2)
+    ]
     deadline = Deadline.after(timedelta(seconds=300))
     while any(p.poll() is None for p in procs):
         if any(p.returncode not in (None, 0) for p in procs):
@@ -172,8 +210,9 @@ def test_checkpoint_restart(benchmark, tmp_path):
                 done[int(step)] = float(at)  # the later run's time wins
         assert set(done) == set(range(1, STEPS + 1))
         last_checkpoint = (KILL_STEP - 1) // CKPT_EVERY * CKPT_EVERY
-        runs.append({"kill_to_step_done_ms": (done[KILL_STEP] - killed) * 1e3,
-                     "lost_steps": KILL_STEP - 1 - last_checkpoint})
+        runs.append(
+            {"kill_to_step_done_ms": (done[KILL_STEP] - killed) * 1e3, "lost_steps": KILL_STEP - 1 - last_checkpoint}
+        )
 
     benchmark.pedantic(one_kill, rounds=ROUNDS, iterations=1)
     _results["checkpoint"] = runs
@@ -206,13 +245,23 @@ def report(request):
         "false_deaths_under_load": sum(r["false_deaths"] for r in quiet) if quiet else None,
         "regroups_under_load": sum(r["regroups"] for r in quiet) if quiet else None,
         "loaded_runs": len(quiet),
-        "max_heartbeat_silence_under_load_s": max((r["max_heartbeat_silence_s"] for r in quiet + loaded),
-                                                  default=None),
+        "max_heartbeat_silence_under_load_s": max((r["max_heartbeat_silence_s"] for r in quiet + loaded), default=None),
         "heartbeat_deadline_s": Deadlines().trainer.total_seconds(),
-        "config": {"steps": STEPS, "kill_step": KILL_STEP, "checkpoint_every": CKPT_EVERY, "rounds": len(ours),
-                   "trainers": 2, "load": "2 busy processes per core"},
-        "runs": {"replica": ours, "checkpoint_restart": base, "frozen": frozen, "under_load": loaded,
-                 "quiet_under_load": quiet},
+        "config": {
+            "steps": STEPS,
+            "kill_step": KILL_STEP,
+            "checkpoint_every": CKPT_EVERY,
+            "rounds": len(ours),
+            "trainers": 2,
+            "load": "2 busy processes per core",
+        },
+        "runs": {
+            "replica": ours,
+            "checkpoint_restart": base,
+            "frozen": frozen,
+            "under_load": loaded,
+            "quiet_under_load": quiet,
+        },
         "machine": machine(),
     }
     result["speedup_vs_checkpoint_restart"] = result["checkpoint_restart_ms"] / result["resume_ms"]
@@ -231,19 +280,30 @@ def report(request):
         result["pair_loss_ms"] = median(pair, "kill_to_step_done_ms")
         result["lost_steps_pair_loss"] = median(pair, "lost_steps")
         result["runs"]["pair_loss"] = pair
-        lines.insert(4, f"| replica, trainer lost with its standby (back to the durable floor, every {CKPT_EVERY} "
-                        f"steps) | {result['pair_loss_ms']:.0f} ms | | | | {result['lost_steps_pair_loss']:g} |")
-        lines.append(f"pair loss against checkpoint-restart: {r['checkpoint_restart_ms'] / result['pair_loss_ms']:.1f}x")
+        lines.insert(
+            4,
+            f"| replica, trainer lost with its standby (back to the durable floor, every {CKPT_EVERY} "
+            f"steps) | {result['pair_loss_ms']:.0f} ms | | | | {result['lost_steps_pair_loss']:g} |",
+        )
+        lines.append(
+            f"pair loss against checkpoint-restart: {r['checkpoint_restart_ms'] / result['pair_loss_ms']:.1f}x"
+        )
     if frozen:
-        lines.append(f"frozen (SIGSTOP) trainer: detected in {r['frozen_detect_ms']:.0f} ms (target <= 3000, "
-                     f"deadline {r['heartbeat_deadline_s']:g} s), step finished again {r['frozen_resume_ms']:.0f} ms "
-                     "after the freeze")
+        lines.append(
+            f"frozen (SIGSTOP) trainer: detected in {r['frozen_detect_ms']:.0f} ms (target <= 3000, "
+            f"deadline {r['heartbeat_deadline_s']:g} s), step finished again {r['frozen_resume_ms']:.0f} ms "
+            "after the freeze"
+        )
     if loaded:
-        lines.append(f"kill under load (2 busy processes per core): detect {r['detect_under_load_ms']:.0f} ms, step "
-                     f"finished again {r['resume_under_load_ms']:.0f} ms after the kill")
+        lines.append(
+            f"kill under load (2 busy processes per core): detect {r['detect_under_load_ms']:.0f} ms, step "
+            f"finished again {r['resume_under_load_ms']:.0f} ms after the kill"
+        )
     if quiet:
-        lines.append(f"false deaths under load: {r['false_deaths_under_load']} in {len(quiet)} fault-free runs "
-                     f"(target 0; regroups {r['regroups_under_load']}); longest heartbeat silence "
-                     f"{r['max_heartbeat_silence_under_load_s']:.2f} s against a {r['heartbeat_deadline_s']:g} s "
-                     "deadline")
+        lines.append(
+            f"false deaths under load: {r['false_deaths_under_load']} in {len(quiet)} fault-free runs "
+            f"(target 0; regroups {r['regroups_under_load']}); longest heartbeat silence "
+            f"{r['max_heartbeat_silence_under_load_s']:.2f} s against a {r['heartbeat_deadline_s']:g} s "
+            "deadline"
+        )
     write_results("failover", result, lines)

@@ -15,8 +15,8 @@ import statistics
 from datetime import timedelta
 
 import pytest
-
 from bench_results import machine, write_results
+
 from replica.roles.coordinator import Deadlines
 from replica.timing import Deadline, pause
 from support import cluster as testcluster
@@ -101,8 +101,12 @@ def test_coordinator_host_lost_with_etcd(benchmark, cluster, tmp_path):
     def one() -> None:
         folder = tmp_path / f"coord{len(runs)}"
         folder.mkdir()
-        with EtcdCluster(addresses=[h.address for h in hosts], base_port=2379, spawns=[h.popen for h in hosts],
-                         via=[h.command for h in hosts]) as etcd:
+        with EtcdCluster(
+            addresses=[h.address for h in hosts],
+            base_port=2379,
+            spawns=[h.popen for h in hosts],
+            via=[h.command for h in hosts],
+        ) as etcd:
             job = Job(cluster, folder, etcd=etcd)
             lost_at, codes = job.crash_after("replica/loss/1/3", cluster.hosts[0], holding="coordinator")
         assert codes["coordinator-b"] == 0, job.outputs()
@@ -124,27 +128,41 @@ def report(request):
         values = [r[key] for r in runs if r.get(key) is not None]
         return statistics.median(values) if values else None
 
-    result: dict = {"rounds": ROUNDS, "heartbeat_deadline_s": Deadlines().trainer.total_seconds(),
-                    "runs": _results, "machine": machine()}
-    lines = [f"### failover across hosts (network namespaces; medians of {ROUNDS} runs, ms after the fault)\n",
-             "| fault | detect | promote | reconnect | resumed |", "|---|---|---|---|---|"]
-    for name, title in (("host_lost", "trainer's host lost whole (no reset), in the backward"),
-                        ("host_lost_in_reduce_scatter", "the same, in the gradient reduce-scatter"),
-                        ("host_partitioned", "trainer's host partitioned 8 s")):
+    result: dict = {
+        "rounds": ROUNDS,
+        "heartbeat_deadline_s": Deadlines().trainer.total_seconds(),
+        "runs": _results,
+        "machine": machine(),
+    }
+    lines = [
+        f"### failover across hosts (network namespaces; medians of {ROUNDS} runs, ms after the fault)\n",
+        "| fault | detect | promote | reconnect | resumed |",
+        "|---|---|---|---|---|",
+    ]
+    for name, title in (
+        ("host_lost", "trainer's host lost whole (no reset), in the backward"),
+        ("host_lost_in_reduce_scatter", "the same, in the gradient reduce-scatter"),
+        ("host_partitioned", "trainer's host partitioned 8 s"),
+    ):
         runs = _results.get(name, [])
         if runs:
             row = {k: median(runs, k) for k in ("detect", "promote", "reconnect", "resumed")}
             result[name] = row
-            lines.append(f"| {title} | " + " | ".join(f"{v:.0f}" if v is not None else "-" for v in row.values())
-                         + " |")
+            lines.append(
+                f"| {title} | " + " | ".join(f"{v:.0f}" if v is not None else "-" for v in row.values()) + " |"
+            )
     if _results.get("coordinator_lost"):
         runs = _results["coordinator_lost"]
         result["coordinator_takeover_ms"] = median(runs, "takeover_ms")
         result["steps_during_takeover"] = median(runs, "steps_meanwhile")
-        lines.append(f"\nactive coordinator's host lost (with an etcd member): the other one led "
-                     f"{result['coordinator_takeover_ms']:.0f} ms later (target <= 5000 ms); "
-                     f"{result['steps_during_takeover']:g} steps committed meanwhile")
-    lines.append(f"\nthe heartbeat deadline is {result['heartbeat_deadline_s']:g} s: a lost or cut-off host is "
-                 "found by it (no process exit, no reset); the survivors leave their collective when the failover "
-                 "is announced (resumed: the first step after the failover done)")
+        lines.append(
+            f"\nactive coordinator's host lost (with an etcd member): the other one led "
+            f"{result['coordinator_takeover_ms']:.0f} ms later (target <= 5000 ms); "
+            f"{result['steps_during_takeover']:g} steps committed meanwhile"
+        )
+    lines.append(
+        f"\nthe heartbeat deadline is {result['heartbeat_deadline_s']:g} s: a lost or cut-off host is "
+        "found by it (no process exit, no reset); the survivors leave their collective when the failover "
+        "is announced (resumed: the first step after the failover done)"
+    )
     write_results("failover_hosts", result, lines)

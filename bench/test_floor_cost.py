@@ -26,13 +26,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from bench_results import machine, write_results
 from fsdp_job import JobShape
+from mirror_jobs import pinned_job
+
 from replica.mirror.floor import FloorConfig, write_part
 from replica.state.layout import StateLayout
 from replica.state.snapshot import Snapshot
-from mirror_jobs import pinned_job
 
 ROUNDS = 5
 SIZE_MIB = 512  # make bench: a rank's part of a ~40M-parameter model with AdamW (16 bytes a parameter)
@@ -109,17 +109,30 @@ def test_flush_throughput(benchmark, tmp_path, size_mib):
         for f in [*folder.iterdir(), folder]:  # durable, as the floor's part is
             _fsync(f)
 
-    medians = _median_seconds({"limit": lambda i: _raw_write(tmp_path / f"raw{i}" / "part", raw), "floor": floor_part,
-                               "dcp": dcp_save}, rounds)
+    medians = _median_seconds(
+        {"limit": lambda i: _raw_write(tmp_path / f"raw{i}" / "part", raw), "floor": floor_part, "dcp": dcp_save},
+        rounds,
+    )
     limit, ours, theirs = medians["limit"], medians["floor"], medians["dcp"]
     assert (tmp_path / "floor0" / "rank00000.safetensors").stat().st_size >= nbytes * 0.99
     gib = nbytes / (1 << 30)
-    row = {"size_mib": size_mib, "rounds": rounds, "floor_part_s": ours, "dcp_save_s": theirs, "disk_limit_s": limit,
-           "floor_gib_s": gib / ours, "dcp_gib_s": gib / theirs, "disk_gib_s": gib / limit,
-           "floor_vs_limit": limit / ours, "floor_vs_dcp": theirs / ours}
-    print(f"flush of {size_mib} MiB: floor part {ours:.3f} s ({row['floor_gib_s']:.2f} GiB/s), DCP save "
-          f"{theirs:.3f} s ({row['dcp_gib_s']:.2f} GiB/s), the disk's limit {limit:.3f} s ({row['disk_gib_s']:.2f} "
-          f"GiB/s): {row['floor_vs_limit']:.0%} of the limit, {row['floor_vs_dcp']:.2f}x DCP")
+    row = {
+        "size_mib": size_mib,
+        "rounds": rounds,
+        "floor_part_s": ours,
+        "dcp_save_s": theirs,
+        "disk_limit_s": limit,
+        "floor_gib_s": gib / ours,
+        "dcp_gib_s": gib / theirs,
+        "disk_gib_s": gib / limit,
+        "floor_vs_limit": limit / ours,
+        "floor_vs_dcp": theirs / ours,
+    }
+    print(
+        f"flush of {size_mib} MiB: floor part {ours:.3f} s ({row['floor_gib_s']:.2f} GiB/s), DCP save "
+        f"{theirs:.3f} s ({row['dcp_gib_s']:.2f} GiB/s), the disk's limit {limit:.3f} s ({row['disk_gib_s']:.2f} "
+        f"GiB/s): {row['floor_vs_limit']:.0%} of the limit, {row['floor_vs_dcp']:.2f}x DCP"
+    )
     if not benchmark.disabled:
         benchmark.pedantic(lambda: None, rounds=1, iterations=1)  # the figures are the medians above
         _results[f"throughput_{size_mib}"] = row
@@ -135,7 +148,7 @@ def _block(job, cadence: tuple[int, float] | None, folder: Path, steps: int) -> 
         assert all(s.recv(60) == ("floor",) for s in job.standbys)
     streams_before = len(job.stats()["stream_s"])
     took = [job.run_step() for _ in range(steps)][1:]
-    stream_s = job.stats()["stream_s"][streams_before + 1:]
+    stream_s = job.stats()["stream_s"][streams_before + 1 :]
     written = []
     if cadence is not None:
         for s in job.standbys:
@@ -158,8 +171,11 @@ def test_flush_cost_per_step(benchmark, tmp_path):
     if benchmark.disabled:
         pytest.skip("runs under `make bench` only (tests/test_floor.py covers the floor's paths)")
     default = FloorConfig(directory=tmp_path)
-    cadences = {"none": None, "every step": (1, 0.0),
-                "default": (default.every_steps, default.interval.total_seconds())}
+    cadences = {
+        "none": None,
+        "every step": (1, 0.0),
+        "default": (default.every_steps, default.interval.total_seconds()),
+    }
     blocks: dict[str, list[dict]] = {name: [] for name in cadences}
     with contextlib.ExitStack() as stack:
         job = stack.enter_context(pinned_job(stack, "floor", 2, COST_SHAPE, {"bucket_bytes": 1 << 20}))
@@ -186,27 +202,40 @@ def test_flush_cost_per_step(benchmark, tmp_path):
     assert versions > 0, "no version was written at the every-step cadence"
     counted = COST_BLOCK_STEPS - 1
     # Paired by round: each every-step block against the same round's block without a floor.
-    extra = statistics.median([sum(e["step_s"]) - sum(n["step_s"]) for e, n in
-                               zip(blocks["every step"], blocks["none"], strict=True)])
+    extra = statistics.median(
+        [sum(e["step_s"]) - sum(n["step_s"]) for e, n in zip(blocks["every step"], blocks["none"], strict=True)]
+    )
     # The same pairing of two blocks that differ only by the noise: the default's (a version in one
     # block of about ``every_steps / COST_BLOCK_STEPS``) against the no-floor ones.
-    noise = statistics.median([abs(sum(d["step_s"]) - sum(n["step_s"])) for d, n in
-                               zip(blocks["default"], blocks["none"], strict=True)])
+    noise = statistics.median(
+        [abs(sum(d["step_s"]) - sum(n["step_s"])) for d, n in zip(blocks["default"], blocks["none"], strict=True)]
+    )
     per_version = extra / versions
     default_cost = per_version / default.every_steps / mean["none"]
     _results["per_step"] = {
-        "snapshot_bytes_per_rank": nbytes, "block_steps": COST_BLOCK_STEPS, "rounds": COST_ROUNDS,
-        "step_ms_median": {n: v * 1e3 for n, v in step.items()}, "step_ms_mean": {n: v * 1e3 for n, v in mean.items()},
+        "snapshot_bytes_per_rank": nbytes,
+        "block_steps": COST_BLOCK_STEPS,
+        "rounds": COST_ROUNDS,
+        "step_ms_median": {n: v * 1e3 for n, v in step.items()},
+        "step_ms_mean": {n: v * 1e3 for n, v in mean.items()},
         "stream_ms_median": {n: v * 1e3 for n, v in stream.items()},
-        "versions_per_block_every_step": versions, "part_write_ms": flush_s * 1e3, "counted_steps_per_block": counted,
-        "extra_ms_per_version": per_version * 1e3, "paired_noise_ms_per_block": noise * 1e3,
-        "paired_extra_ms_per_block": extra * 1e3, "every_step_vs_none": mean["every step"] / mean["none"],
-        "default_vs_none_measured": mean["default"] / mean["none"], "default_cost_per_step": default_cost,
-        "default_every_steps": default.every_steps}
+        "versions_per_block_every_step": versions,
+        "part_write_ms": flush_s * 1e3,
+        "counted_steps_per_block": counted,
+        "extra_ms_per_version": per_version * 1e3,
+        "paired_noise_ms_per_block": noise * 1e3,
+        "paired_extra_ms_per_block": extra * 1e3,
+        "every_step_vs_none": mean["every step"] / mean["none"],
+        "default_vs_none_measured": mean["default"] / mean["none"],
+        "default_cost_per_step": default_cost,
+        "default_every_steps": default.every_steps,
+    }
     r = _results["per_step"]
-    print(f"floor cost: step {r['step_ms_mean']}, a version costs the steps {r['extra_ms_per_version']:.2f} ms; "
-          f"every step x{r['every_step_vs_none']:.3f}, default (every {default.every_steps}) "
-          f"{default_cost:.3%} a step")
+    print(
+        f"floor cost: step {r['step_ms_mean']}, a version costs the steps {r['extra_ms_per_version']:.2f} ms; "
+        f"every step x{r['every_step_vs_none']:.3f}, default (every {default.every_steps}) "
+        f"{default_cost:.3%} a step"
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -214,31 +243,43 @@ def report(request):
     yield
     if request.config.getoption("benchmark_disable") or not _results:
         return
-    lines = ["### The durable floor: a rank's part written, against DCP and the disk (medians)\n",
-             "| size | floor part | torch DCP save | disk limit (one write, synced) | floor / limit | floor vs DCP |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "### The durable floor: a rank's part written, against DCP and the disk (medians)\n",
+        "| size | floor part | torch DCP save | disk limit (one write, synced) | floor / limit | floor vs DCP |",
+        "|---|---|---|---|---|---|",
+    ]
     for key, r in sorted(_results.items()):
         if key.startswith("throughput_"):
-            lines.append(f"| {r['size_mib']} MiB | {r['floor_part_s']:.3f} s ({r['floor_gib_s']:.2f} GiB/s) | "
-                         f"{r['dcp_save_s']:.3f} s ({r['dcp_gib_s']:.2f} GiB/s) | {r['disk_limit_s']:.3f} s "
-                         f"({r['disk_gib_s']:.2f} GiB/s) | {r['floor_vs_limit']:.0%} | {r['floor_vs_dcp']:.2f}x |")
+            lines.append(
+                f"| {r['size_mib']} MiB | {r['floor_part_s']:.3f} s ({r['floor_gib_s']:.2f} GiB/s) | "
+                f"{r['dcp_save_s']:.3f} s ({r['dcp_gib_s']:.2f} GiB/s) | {r['disk_limit_s']:.3f} s "
+                f"({r['disk_gib_s']:.2f} GiB/s) | {r['floor_vs_limit']:.0%} | {r['floor_vs_dcp']:.2f}x |"
+            )
     if "per_step" in _results:
         r = _results["per_step"]
         mib = r["snapshot_bytes_per_rank"] / (1 << 20)
-        lines += ["", f"### The mirrored job's step with a floor (2 ranks, {mib:.1f} MiB a rank; standbys on cores "
-                  f"of their own; {r['rounds']} rounds of {r['block_steps']}-step blocks in turn)\n",
-                  "| cadence | step, mean | step, median | mirror stream, median | vs no floor (means) |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"### The mirrored job's step with a floor (2 ranks, {mib:.1f} MiB a rank; standbys on cores "
+            f"of their own; {r['rounds']} rounds of {r['block_steps']}-step blocks in turn)\n",
+            "| cadence | step, mean | step, median | mirror stream, median | vs no floor (means) |",
+            "|---|---|---|---|---|",
+        ]
         for name in r["step_ms_mean"]:
-            lines.append(f"| {name} | {r['step_ms_mean'][name]:.2f} ms | {r['step_ms_median'][name]:.2f} ms | "
-                         f"{r['stream_ms_median'][name]:.2f} ms | "
-                         f"{r['step_ms_mean'][name] / r['step_ms_mean']['none']:.3f} |")
-        lines += ["", f"A version costs the steps {r['extra_ms_per_version']:.2f} ms (every-step blocks against the "
-                  f"same round's blocks without a floor, {r['versions_per_block_every_step']:.1f} versions a block, "
-                  f"a part written in {r['part_write_ms']:.0f} ms); at the default "
-                  f"cadence (every {r['default_every_steps']} steps) that is **{r['default_cost_per_step']:.3%} of a "
-                  "step** (target <= 1%). Paired by round, an every-step block took "
-                  f"{r['paired_extra_ms_per_block']:.0f} ms longer than the block without a floor; a default-cadence "
-                  f"block and a block without a floor differed by {r['paired_noise_ms_per_block']:.0f} ms (median of "
-                  "the absolute differences: the noise)."]
+            lines.append(
+                f"| {name} | {r['step_ms_mean'][name]:.2f} ms | {r['step_ms_median'][name]:.2f} ms | "
+                f"{r['stream_ms_median'][name]:.2f} ms | "
+                f"{r['step_ms_mean'][name] / r['step_ms_mean']['none']:.3f} |"
+            )
+        lines += [
+            "",
+            f"A version costs the steps {r['extra_ms_per_version']:.2f} ms (every-step blocks against the "
+            f"same round's blocks without a floor, {r['versions_per_block_every_step']:.1f} versions a block, "
+            f"a part written in {r['part_write_ms']:.0f} ms); at the default "
+            f"cadence (every {r['default_every_steps']} steps) that is **{r['default_cost_per_step']:.3%} of a "
+            "step** (target <= 1%). Paired by round, an every-step block took "
+            f"{r['paired_extra_ms_per_block']:.0f} ms longer than the block without a floor; a default-cadence "
+            f"block and a block without a floor differed by {r['paired_noise_ms_per_block']:.0f} ms (median of "
+            "the absolute differences: the noise).",
+        ]
     write_results("floor", {**_results, "machine": machine()}, lines)

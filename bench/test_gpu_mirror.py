@@ -80,8 +80,7 @@ class _Loop:
         self.model, self.optimizer, self.commit = model, optimizer, commit
         self.step = 0
         self.seconds: dict[str, list[float]] = {name: [] for name in STEPS}
-        self.x = {name: torch.randn(tokens, DIM, device="cuda", dtype=torch.bfloat16)
-                  for name, tokens in STEPS.items()}
+        self.x = {name: torch.randn(tokens, DIM, device="cuda", dtype=torch.bfloat16) for name, tokens in STEPS.items()}
 
     def run(self, name: str) -> None:
         self.step += 1
@@ -125,8 +124,9 @@ def test_gpu_step_mirrored(benchmark, trainer, mirror):
         standby = stack.enter_context(spawn(_standby, store.port, mirror, name=f"standby-{mirror}"))
         kind, backend = standby.recv(180)
         assert kind == "ready"
-        rep = stack.enter_context(replica.Replicator(model, optimizer, {}, store=store, config=_config(), rank=0,
-                                                     world_size=1))
+        rep = stack.enter_context(
+            replica.Replicator(model, optimizer, {}, store=store, config=_config(), rank=0, world_size=1)
+        )
         loop = _Loop(model, optimizer, commit=rep.commit)
         benchmark.extra_info.update(kind="mirrored", mirror=mirror, backend=backend)
         streams: dict[str, list[float]] = {}
@@ -171,8 +171,10 @@ def test_gpu_step_mirrored(benchmark, trainer, mirror):
     # bytes (the pack), one device-to-host copy into pinned memory (a host mirror's stream).
     if "copy" not in _results:
         src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        _results["copy"] = {"d2d": copy_seconds(torch.empty_like(src), src),
-                            "d2h": copy_seconds(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), src)}
+        _results["copy"] = {
+            "d2d": copy_seconds(torch.empty_like(src), src),
+            "d2h": copy_seconds(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), src),
+        }
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -182,14 +184,23 @@ def report():
         return
     limits = _results["copy"]
     device = torch.cuda.get_device_name()
-    result = {"params": DIM * DIM * LAYERS, "tokens": STEPS, "device": device, "machine": machine(),
-              "config": "default Config() " + repr(CONFIG), "d2d_copy_ms": limits["d2d"] * 1e3,
-              "d2h_copy_ms": limits["d2h"] * 1e3, "mirrors": {}}
-    lines = [f"### GPU mirror overhead, {DIM * DIM * LAYERS / 1e9:.2f}B-parameter bf16 model + AdamW on one "
-             f"{device}, default `Config` (medians of {MEASURED} steps)\n",
-             "| mirror in | over | step | no mirror | with commit() | overhead | stream beside the step | "
-             "stream, trainer idle | beside / idle | idle vs its limit |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    result = {
+        "params": DIM * DIM * LAYERS,
+        "tokens": STEPS,
+        "device": device,
+        "machine": machine(),
+        "config": "default Config() " + repr(CONFIG),
+        "d2d_copy_ms": limits["d2d"] * 1e3,
+        "d2h_copy_ms": limits["d2h"] * 1e3,
+        "mirrors": {},
+    }
+    lines = [
+        f"### GPU mirror overhead, {DIM * DIM * LAYERS / 1e9:.2f}B-parameter bf16 model + AdamW on one "
+        f"{device}, default `Config` (medians of {MEASURED} steps)\n",
+        "| mirror in | over | step | no mirror | with commit() | overhead | stream beside the step | "
+        "stream, trainer idle | beside / idle | idle vs its limit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for mirror in MIRRORS:
         if mirror not in _results:
             continue
@@ -197,22 +208,36 @@ def report():
         nbytes = r["snapshot_bytes"]
         idle = statistics.median(r["stream_s"]["idle"])
         limit = limits["d2d" if mirror == "cuda" else "d2h"]
-        entry = {"backend": r["backend"], "snapshot_bytes": nbytes, "bucket_bytes": r["bucket_bytes"],
-                 "pushed_sends": r["pushed_sends"], "pack_ms": statistics.median(r["pack_s"]) * 1e3,
-                 "idle_stream_ms": idle * 1e3, "idle_stream_GBps": nbytes / idle / 1e9,
-                 "idle_vs_limit": limit / idle, "steps": {}}
+        entry = {
+            "backend": r["backend"],
+            "snapshot_bytes": nbytes,
+            "bucket_bytes": r["bucket_bytes"],
+            "pushed_sends": r["pushed_sends"],
+            "pack_ms": statistics.median(r["pack_s"]) * 1e3,
+            "idle_stream_ms": idle * 1e3,
+            "idle_stream_GBps": nbytes / idle / 1e9,
+            "idle_vs_limit": limit / idle,
+            "steps": {},
+        }
         for name in STEPS:
             plain = statistics.median(_results["plain"][name])
             step = statistics.median(r["step_s"][name])
             stream = statistics.median(r["stream_s"][name])
             entry["steps"][name] = {
-                "step_ms_plain": plain * 1e3, "step_ms": step * 1e3, "overhead_pct": (step / plain - 1) * 100,
-                "stream_ms": stream * 1e3, "stream_GBps": nbytes / stream / 1e9, "stream_vs_idle": idle / stream,
+                "step_ms_plain": plain * 1e3,
+                "step_ms": step * 1e3,
+                "overhead_pct": (step / plain - 1) * 100,
+                "stream_ms": stream * 1e3,
+                "stream_GBps": nbytes / stream / 1e9,
+                "stream_vs_idle": idle / stream,
                 "step_ms_all": [s * 1e3 for s in r["step_s"][name]],
                 # until the last bucket was posted / every send finished / the standby's answer
-                **{f"{part[:-2]}_ms": statistics.median(r["parts"][name][part]) * 1e3
-                   for part in ("post_s", "flush_s", "reply_s")},
-                "stream_ms_all": [s * 1e3 for s in r["stream_s"][name]]}
+                **{
+                    f"{part[:-2]}_ms": statistics.median(r["parts"][name][part]) * 1e3
+                    for part in ("post_s", "flush_s", "reply_s")
+                },
+                "stream_ms_all": [s * 1e3 for s in r["stream_s"][name]],
+            }
             m = entry["steps"][name]
             where = "GPU memory" if mirror == "cuda" else "pinned host memory"
             lines.append(
@@ -220,8 +245,11 @@ def report():
                 f"{m['step_ms']:.1f} ms | {m['overhead_pct']:+.1f}% | {m['stream_ms']:.1f} ms "
                 f"({m['stream_GBps']:.1f} GB/s) | {idle * 1e3:.1f} ms ({nbytes / idle / 1e9:.1f} GB/s) | "
                 f"{m['stream_vs_idle']:.2f}x | {limit / idle:.2f}x of one {'D2D' if mirror == 'cuda' else 'D2H'} "
-                f"copy_ ({nbytes / limit / 1e9:.1f} GB/s) |")
+                f"copy_ ({nbytes / limit / 1e9:.1f} GB/s) |"
+            )
         result["mirrors"][mirror] = entry
-    lines.append(f"\nSnapshot {nbytes / 2**30:.2f} GiB in {r['bucket_bytes'] >> 20} MiB buckets; pack "
-                 f"{statistics.median(r['pack_s']) * 1e3:.2f} ms against one D2D copy_ {limits['d2d'] * 1e3:.2f} ms.")
+    lines.append(
+        f"\nSnapshot {nbytes / 2**30:.2f} GiB in {r['bucket_bytes'] >> 20} MiB buckets; pack "
+        f"{statistics.median(r['pack_s']) * 1e3:.2f} ms against one D2D copy_ {limits['d2d'] * 1e3:.2f} ms."
+    )
     write_results("mirror_gpu", result, lines)

@@ -16,9 +16,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from bench_results import copy_seconds, machine, write_results
 from torch import nn
 
-from bench_results import copy_seconds, machine, write_results
 from support.children import spawn
 
 pytestmark = pytest.mark.gpu
@@ -77,15 +77,29 @@ def test_gpu_weight_sync(benchmark):
     flat = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     push, d2h = statistics.median(push_s), copy_seconds(host, flat, rounds=5)
-    result = {"bytes": nbytes, "backend": backend, "push_ms": push * 1e3, "push_GBps": nbytes / push / 1e9,
-              "d2h_pinned_GBps": nbytes / d2h / 1e9, "push_vs_d2h": d2h / push, "push_ms_all": [s * 1e3 for s in push_s],
-              "device": torch.cuda.get_device_name(), "machine": machine(), "config": repr(CONFIG)}
-    write_results("weight_sync_gpu", result, [
-        f"### weight sync from GPU memory, {DIM * DIM * LAYERS / 1e9:.2f}B bf16 parameters "
-        f"({nbytes / 2**30:.2f} GiB), one engine process, {torch.cuda.get_device_name()} (medians of {ROUNDS})\n",
-        "| path | ms | GB/s | vs limit |",
-        "|---|---|---|---|",
-        f"| push: gather + pack + down + send ({backend}) + ack | {push * 1e3:.1f} | {nbytes / push / 1e9:.1f} | "
-        f"{d2h / push:.2f}x |",
-        f"| limit: one device-to-host copy into pinned memory | {d2h * 1e3:.1f} | {nbytes / d2h / 1e9:.1f} | 1.00x |",
-    ])
+    result = {
+        "bytes": nbytes,
+        "backend": backend,
+        "push_ms": push * 1e3,
+        "push_GBps": nbytes / push / 1e9,
+        "d2h_pinned_GBps": nbytes / d2h / 1e9,
+        "push_vs_d2h": d2h / push,
+        "push_ms_all": [s * 1e3 for s in push_s],
+        "device": torch.cuda.get_device_name(),
+        "machine": machine(),
+        "config": repr(CONFIG),
+    }
+    write_results(
+        "weight_sync_gpu",
+        result,
+        [
+            f"### weight sync from GPU memory, {DIM * DIM * LAYERS / 1e9:.2f}B bf16 parameters "
+            f"({nbytes / 2**30:.2f} GiB), one engine process, {torch.cuda.get_device_name()} (medians of {ROUNDS})\n",
+            "| path | ms | GB/s | vs limit |",
+            "|---|---|---|---|",
+            f"| push: gather + pack + down + send ({backend}) + ack | {push * 1e3:.1f} | {nbytes / push / 1e9:.1f} | "
+            f"{d2h / push:.2f}x |",
+            f"| limit: one device-to-host copy into pinned memory | {d2h * 1e3:.1f} | "
+            f"{nbytes / d2h / 1e9:.1f} | 1.00x |",
+        ],
+    )

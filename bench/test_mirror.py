@@ -39,7 +39,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bench_results import machine, write_results
 from mirror_jobs import SHAPE, pinned_job, place, split_cores
 
@@ -63,8 +62,10 @@ _results: dict[str, list] = {}
 @pytest.fixture(scope="module")
 def jobs():
     with contextlib.ExitStack() as stack:
-        yield {kind: stack.enter_context(pinned_job(stack, kind, WORLD, SHAPE, MIRRORED.get(kind)))
-               for kind in ("plain", *MIRRORED)}
+        yield {
+            kind: stack.enter_context(pinned_job(stack, kind, WORLD, SHAPE, MIRRORED.get(kind)))
+            for kind in ("plain", *MIRRORED)
+        }
 
 
 def test_overhead(benchmark, jobs):
@@ -127,9 +128,11 @@ def test_idle_stream(benchmark, jobs, kind):
     benchmark.extra_info.update(bytes=nbytes, bucket_bytes=bucket)
     benchmark.pedantic(idle_step, rounds=rounds, iterations=1)
     stats = job.stats()
-    _results[f"idle_{kind}"] = [{name: stats[name][-rounds:] for name in ("extras_s", "pack_s", "stream_s", "post_s", "flush_s",
-                                                                   "reply_s")}
-                        | {"memcpy_s": memcpy, "checksum_s": checksum, "bytes": nbytes} | same_state]
+    _results[f"idle_{kind}"] = [
+        {name: stats[name][-rounds:] for name in ("extras_s", "pack_s", "stream_s", "post_s", "flush_s", "reply_s")}
+        | {"memcpy_s": memcpy, "checksum_s": checksum, "bytes": nbytes}
+        | same_state
+    ]
     _results[f"raw_{kind}"] = [{"ucx_s": raw, "bytes": nbytes}]
     assert all(s > 0 for s in stats["stream_s"][-rounds:]) and raw and len(raw) == len(memcpy) and min(raw) > 0
 
@@ -145,7 +148,9 @@ def test_snapshot_pack_alone(benchmark):
     def run() -> None:
         done = subprocess.run([sys.executable, str(script), str(rounds)], capture_output=True, text=True, timeout=300)
         # A child that failed says why here (check=True threw its stderr away: one failure stayed unexplained).
-        assert done.returncode == 0, f"{script.name} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        assert done.returncode == 0, (
+            f"{script.name} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        )
         out.append(done.stdout)
 
     benchmark.pedantic(run, rounds=1, iterations=1)
@@ -171,8 +176,11 @@ def _figures(kind: str) -> dict:
     same_state = {}
     for state in ("hot", "cold"):
         state_pack, state_memcpy = _ms(idle[f"pack_{state}_s"]), _ms(idle[f"memcpy_{state}_s"])
-        same_state |= {f"pack_{state}_ms": state_pack, f"memcpy_{state}_ms": state_memcpy,
-                       f"snapshot_pack_vs_memcpy_{state}": state_memcpy / state_pack}
+        same_state |= {
+            f"pack_{state}_ms": state_pack,
+            f"memcpy_{state}_ms": state_memcpy,
+            f"snapshot_pack_vs_memcpy_{state}": state_memcpy / state_pack,
+        }
     return {
         "mirror_overhead_pct": (mirrored / plain - 1) * 100,
         "step_ms_plain": plain,
@@ -196,8 +204,9 @@ def _figures(kind: str) -> dict:
         # sources in the same state, just written and evicted from every cache; the target
         # figure is the lower of the two.
         **same_state,
-        "snapshot_pack_vs_memcpy": min(same_state["snapshot_pack_vs_memcpy_hot"],
-                                       same_state["snapshot_pack_vs_memcpy_cold"]),
+        "snapshot_pack_vs_memcpy": min(
+            same_state["snapshot_pack_vs_memcpy_hot"], same_state["snapshot_pack_vs_memcpy_cold"]
+        ),
         # The checksum alone of the copied bytes (one thread, in cache): with the memcpy, what
         # a pack with digests must do. The pack against that sum: its distance from the limit.
         "checksum_ms": checksum,
@@ -227,9 +236,11 @@ def _lines(label: str, r: dict) -> list[str]:
         f"| {label}: snapshot pack with digests, {mib:.1f} MiB per rank, in the step | {r['pack_ms']:.2f} ms "
         f"({r['pack_GBps']:.1f} GB/s) | memcpy of a source just written, same process "
         f"{r['memcpy_ms']:.2f} ms ({r['memcpy_GBps']:.1f} GB/s): {r['step_pack_vs_hot_memcpy']:.2f}x |",
-        *(f"| {label}: the pack and a memcpy, sources {words} | {r[f'pack_{state}_ms']:.2f} ms | memcpy "
-          f"{r[f'memcpy_{state}_ms']:.2f} ms: {r[f'snapshot_pack_vs_memcpy_{state}']:.2f}x |"
-          for state, words in (("hot", "just read"), ("cold", "evicted from the caches"))),
+        *(
+            f"| {label}: the pack and a memcpy, sources {words} | {r[f'pack_{state}_ms']:.2f} ms | memcpy "
+            f"{r[f'memcpy_{state}_ms']:.2f} ms: {r[f'snapshot_pack_vs_memcpy_{state}']:.2f}x |"
+            for state, words in (("hot", "just read"), ("cold", "evicted from the caches"))
+        ),
         f"| {label}: `snapshot_pack_vs_memcpy` (the lower) | {r['snapshot_pack_vs_memcpy']:.2f}x | target >= 0.8x |",
         f"| {label}: checksum of the copied bytes | {r['checksum_ms']:.2f} ms | pack vs memcpy + checksum (the "
         f"work it fuses): {r['snapshot_pack_vs_memcpy_plus_checksum']:.2f}x |",
@@ -260,26 +271,46 @@ def report(request):
         "ucx_snapshot_pack_vs_memcpy": ucx["snapshot_pack_vs_memcpy"],
         "ucx_mirror_stream_vs_raw_ucx": ucx["mirror_stream_vs_raw_ucx"],
         # The same pack and memcpy in a process alone (test_snapshot_pack_alone), if it ran.
-        **({f"snapshot_pack_vs_memcpy_alone_{state}": _ms(_results["alone"][f"memcpy_{state}_s"])
-            / _ms(_results["alone"][f"pack_{state}_s"]) for state in ("hot", "cold")} if "alone" in _results else {}),
+        **(
+            {
+                f"snapshot_pack_vs_memcpy_alone_{state}": _ms(_results["alone"][f"memcpy_{state}_s"])
+                / _ms(_results["alone"][f"pack_{state}_s"])
+                for state in ("hot", "cold")
+            }
+            if "alone" in _results
+            else {}
+        ),
         "targets": TARGETS,
-        "config": {"shape": repr(SHAPE), "world_size": WORLD, "cores": [sorted(c) for c in split_cores()], "block_steps": BLOCK_STEPS, "blocks": BLOCKS,
-                   "idle_steps": IDLE_STEPS, "raw_warmup": RAW_WARMUP, **CONFIG, "ucx_backends": CONFIG_UCX["backends"]},
+        "config": {
+            "shape": repr(SHAPE),
+            "world_size": WORLD,
+            "cores": [sorted(c) for c in split_cores()],
+            "block_steps": BLOCK_STEPS,
+            "blocks": BLOCKS,
+            "idle_steps": IDLE_STEPS,
+            "raw_warmup": RAW_WARMUP,
+            **CONFIG,
+            "ucx_backends": CONFIG_UCX["backends"],
+        },
         "machine": machine(),
     }
     counted = len(_results["plain"])
     lines = [
         f"### mirror overhead, FSDP2 tiny transformer, {WORLD} CPU ranks + {WORLD} standbys on cores of their "
         f"own (medians; {counted} steps per job in alternating blocks; shm: the default backends on one node, "
-        "UCX: Config(backends=(\"ucx\", \"gloo\")))\n",
+        'UCX: Config(backends=("ucx", "gloo")))\n',
         "| figure | value | beside |",
         "|---|---|---|",
         f"| step time, no mirror | {ucx['step_ms_plain']:.1f} ms | |",
         *_lines("shm", shared),
         *_lines("UCX", ucx),
-        *(f"| the pack and a memcpy in a process alone (the job's whole state), sources {words} | "
-          f"{_ms(_results['alone'][f'pack_{state}_s']):.2f} ms | memcpy {_ms(_results['alone'][f'memcpy_{state}_s']):.2f} "
-          f"ms: {result[f'snapshot_pack_vs_memcpy_alone_{state}']:.2f}x |"
-          for state, words in (("hot", "just read"), ("cold", "evicted from the caches")) if "alone" in _results),
+        *(
+            f"| the pack and a memcpy in a process alone (the job's whole state), sources {words} | "
+            f"{_ms(_results['alone'][f'pack_{state}_s']):.2f} ms | "
+            f"memcpy {_ms(_results['alone'][f'memcpy_{state}_s']):.2f} "
+            f"ms: {result[f'snapshot_pack_vs_memcpy_alone_{state}']:.2f}x |"
+            for state, words in (("hot", "just read"), ("cold", "evicted from the caches"))
+            if "alone" in _results
+        ),
     ]
     write_results("mirror", result, lines)

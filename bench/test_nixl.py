@@ -22,12 +22,12 @@ import time
 
 import pytest
 import torch
-
 from bench_results import machine, write_results
+
 from replica.transport.base import PIECE_BYTES, bucket_digest
 from replica.transport.nixl_agent import nixl_installed
 from support.children import spawn
-from support.transfer import RawUcx, T, TOKEN, UCX_PATHS, make_ucx, transport_peer
+from support.transfer import TOKEN, UCX_PATHS, RawUcx, T, make_ucx, transport_peer
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'replica[nixl]')")
 
@@ -117,8 +117,10 @@ def _ends(name: str):
             sender.send(reply[1])
             yield sender, receiver
         return
-    with spawn(_sender, name, name=f"{name}-send") as sender, \
-            spawn(transport_peer, _maker(name), "cpu", name=f"{name}-recv") as receiver:
+    with (
+        spawn(_sender, name, name=f"{name}-send") as sender,
+        spawn(transport_peer, _maker(name), "cpu", name=f"{name}-recv") as receiver,
+    ):
         reply = sender.recv(timeout=120)
         assert reply[0] == "address", reply
         receiver.send(reply[1])
@@ -155,7 +157,7 @@ def test_nixl_against_ucx_interleaved(benchmark):
                 assert sender.request("size", nbytes) == ("ok",) and receiver.request("size", nbytes) == ("ok",)
                 receiver.send("rounds", rounds + warmup)
             for r in range(rounds + warmup):
-                for name in names[::1 if r % 2 else -1]:
+                for name in names[:: 1 if r % 2 else -1]:
                     start = time.perf_counter()
                     paths[name][2]()
                     if r >= warmup:
@@ -203,8 +205,12 @@ def test_startup_and_connection(benchmark, name):
 
     benchmark.pedantic(one, rounds=tries, iterations=1)
     if not benchmark.disabled:
-        _startup[name] = {"make_s": statistics.median(made), "connect_s": statistics.median(connected),
-                          "make_max_s": max(made), "connect_max_s": max(connected)}
+        _startup[name] = {
+            "make_s": statistics.median(made),
+            "connect_s": statistics.median(connected),
+            "make_max_s": max(made),
+            "connect_max_s": max(connected),
+        }
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -225,26 +231,35 @@ def report():
         "startup": _startup,
         "machine": machine(),
     }
-    labels = {"raw_ucx": "raw UCX (ucxx tag messages of 16 MiB, no protocol, no digests)",
-              "ucx_default": "replica/UCX, default (shared-memory FIFOs)",
-              "ucx_default_verified": "replica/UCX, default, digests on",
-              "nixl": "replica/NIXL, UCX plugin, defaults (cma within a node)",
-              "nixl_verified": "replica/NIXL, digests on"}
-    lines = [f"### NIXL beside UCX, {BYTES // MiB} MiB one way between two processes, alternate rounds "
-             f"({SESSIONS} sessions x {ROUNDS} rounds; GB/s, medians)\n",
-             "| path | GB/s | rounds (ms) |", "|---|---|---|"]
+    labels = {
+        "raw_ucx": "raw UCX (ucxx tag messages of 16 MiB, no protocol, no digests)",
+        "ucx_default": "replica/UCX, default (shared-memory FIFOs)",
+        "ucx_default_verified": "replica/UCX, default, digests on",
+        "nixl": "replica/NIXL, UCX plugin, defaults (cma within a node)",
+        "nixl_verified": "replica/NIXL, digests on",
+    }
+    lines = [
+        f"### NIXL beside UCX, {BYTES // MiB} MiB one way between two processes, alternate rounds "
+        f"({SESSIONS} sessions x {ROUNDS} rounds; GB/s, medians)\n",
+        "| path | GB/s | rounds (ms) |",
+        "|---|---|---|",
+    ]
     for name, label in labels.items():
         v = _seconds[name]
         lines.append(f"| {label} | {gbps[name]:.2f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} |")
     ok = lambda r: "yes" if r >= TARGET else "**no**"  # noqa: E731
-    lines.append(f"\nNIXL / UCX: {result['nixl_vs_ucx']:.2f}x digests off ({ok(result['nixl_vs_ucx'])}), "
-                 f"{result['nixl_verified_vs_ucx_verified']:.2f}x digests on "
-                 f"({ok(result['nixl_verified_vs_ucx_verified'])}); target >= {TARGET}. NIXL / raw UCX: "
-                 f"{result['nixl_vs_raw_ucx']:.2f}x.")
+    lines.append(
+        f"\nNIXL / UCX: {result['nixl_vs_ucx']:.2f}x digests off ({ok(result['nixl_vs_ucx'])}), "
+        f"{result['nixl_verified_vs_ucx_verified']:.2f}x digests on "
+        f"({ok(result['nixl_verified_vs_ucx_verified'])}); target >= {TARGET}. NIXL / raw UCX: "
+        f"{result['nixl_vs_raw_ucx']:.2f}x."
+    )
     lines.append("\n| start-up, fresh process (medians of 5; max) | transport made | connected |")
     lines.append("|---|---|---|")
     for name in ("ucx_default", "nixl"):
         s = _startup[name]
-        lines.append(f"| {name} | {s['make_s'] * 1e3:.0f} ms ({s['make_max_s'] * 1e3:.0f}) | "
-                     f"{s['connect_s'] * 1e3:.0f} ms ({s['connect_max_s'] * 1e3:.0f}) |")
+        lines.append(
+            f"| {name} | {s['make_s'] * 1e3:.0f} ms ({s['make_max_s'] * 1e3:.0f}) | "
+            f"{s['connect_s'] * 1e3:.0f} ms ({s['connect_max_s'] * 1e3:.0f}) |"
+        )
     write_results("nixl", result, lines)

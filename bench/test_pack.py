@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from bench_results import write_results
 from pack_cases import CHECKSUM_BLOCK, PACK_CHECKSUM_BLOCK, large_tensors, small_tensors
+
 from replica import ops
 
 # name -> (median seconds, payload bytes); filled by the benchmarks below.
@@ -105,8 +105,13 @@ def test_checksum_build(benchmark, large, build):
 
 def test_large_pack_checksum(benchmark, large):
     tensors, offsets, out, _ = large
-    _run(benchmark, "large_pack_checksum", _payload(tensors),
-         lambda: ops.pack_checksum(tensors, out, offsets, PACK_CHECKSUM_BLOCK), 15)
+    _run(
+        benchmark,
+        "large_pack_checksum",
+        _payload(tensors),
+        lambda: ops.pack_checksum(tensors, out, offsets, PACK_CHECKSUM_BLOCK),
+        15,
+    )
 
 
 # --- small: 10,000 tensors of 256 B to 4 KiB ---
@@ -119,8 +124,13 @@ def test_small_pack(benchmark, small):
 
 def test_small_pack_checksum(benchmark, small):
     tensors, offsets, out, _, _, _, payload = small
-    _run(benchmark, "small_pack_checksum", payload,
-         lambda: ops.pack_checksum(tensors, out, offsets, PACK_CHECKSUM_BLOCK), 40)
+    _run(
+        benchmark,
+        "small_pack_checksum",
+        payload,
+        lambda: ops.pack_checksum(tensors, out, offsets, PACK_CHECKSUM_BLOCK),
+        40,
+    )
 
 
 def test_small_cat(benchmark, small):
@@ -135,7 +145,13 @@ def test_small_memcpy_copy(benchmark, small):
 
 def test_small_memcpy_memmove(benchmark, small):
     _, _, _, flat, cat_out, _, payload = small
-    _run(benchmark, "small_memcpy_memmove", payload, lambda: ctypes.memmove(cat_out.data_ptr(), flat.data_ptr(), payload), 40)
+    _run(
+        benchmark,
+        "small_memcpy_memmove",
+        payload,
+        lambda: ctypes.memmove(cat_out.data_ptr(), flat.data_ptr(), payload),
+        40,
+    )
 
 
 def _payload(tensors) -> int:
@@ -159,9 +175,19 @@ def _limit(prefix: str) -> tuple[float, str]:
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    needed = {"large_pack", "large_unpack", "checksum", "small_pack", "small_cat", "large_pack_checksum",
-              "small_pack_checksum",
-              "large_memcpy_copy_", "large_memcpy_memmove", "small_memcpy_copy_", "small_memcpy_memmove"}
+    needed = {
+        "large_pack",
+        "large_unpack",
+        "checksum",
+        "small_pack",
+        "small_cat",
+        "large_pack_checksum",
+        "small_pack_checksum",
+        "large_memcpy_copy_",
+        "large_memcpy_memmove",
+        "small_memcpy_copy_",
+        "small_memcpy_memmove",
+    }
     if not needed <= _medians.keys():
         return  # benchmarks disabled (CI smoke run) or some were deselected
     large_limit, large_how = _limit("large_memcpy")
@@ -176,15 +202,43 @@ def report():
         "small_pack_checksum_vs_pack": _gbps("small_pack_checksum") / _gbps("small_pack"),
     }
     rows = [
-        ("pack, 1,000 mixed tensors, 256 MiB", "large_pack", f"memcpy limit ({large_how})", large_limit, "pack_vs_memcpy"),
+        (
+            "pack, 1,000 mixed tensors, 256 MiB",
+            "large_pack",
+            f"memcpy limit ({large_how})",
+            large_limit,
+            "pack_vs_memcpy",
+        ),
         ("unpack, same", "large_unpack", f"memcpy limit ({large_how})", large_limit, "unpack_vs_memcpy"),
-        ("pack, 10,000 small tensors, ~21 MiB", "small_pack", "torch.cat(out=)", _gbps("small_cat"), "small_pack_vs_cat"),
+        (
+            "pack, 10,000 small tensors, ~21 MiB",
+            "small_pack",
+            "torch.cat(out=)",
+            _gbps("small_cat"),
+            "small_pack_vs_cat",
+        ),
         ("pack, same", "small_pack", f"memcpy limit ({small_how})", small_limit, "small_pack_vs_memcpy"),
-        ("checksum, 256 MiB in 1 MiB blocks", "checksum", f"memcpy limit ({large_how})", large_limit, "checksum_vs_memcpy"),
-        ("pack_checksum, 1,000 mixed tensors, 4 MiB blocks", "large_pack_checksum", "pack", _gbps("large_pack"),
-         "pack_checksum_vs_pack"),
-        ("pack_checksum, 10,000 small tensors", "small_pack_checksum", "pack", _gbps("small_pack"),
-         "small_pack_checksum_vs_pack"),
+        (
+            "checksum, 256 MiB in 1 MiB blocks",
+            "checksum",
+            f"memcpy limit ({large_how})",
+            large_limit,
+            "checksum_vs_memcpy",
+        ),
+        (
+            "pack_checksum, 1,000 mixed tensors, 4 MiB blocks",
+            "large_pack_checksum",
+            "pack",
+            _gbps("large_pack"),
+            "pack_checksum_vs_pack",
+        ),
+        (
+            "pack_checksum, 10,000 small tensors",
+            "small_pack_checksum",
+            "pack",
+            _gbps("small_pack"),
+            "small_pack_checksum_vs_pack",
+        ),
     ]
     lines = [
         "| case | replica GB/s | beside | its GB/s | ratio | target | met |",
@@ -192,7 +246,9 @@ def report():
     ]
     for case, ours, beside, base, key in rows:
         met = "yes" if ratios[key] >= TARGETS[key] else "**no**"
-        lines.append(f"| {case} | {_gbps(ours):.2f} | {beside} | {base:.2f} | {ratios[key]:.2f}x | >= {TARGETS[key]}x | {met} |")
+        lines.append(
+            f"| {case} | {_gbps(ours):.2f} | {beside} | {base:.2f} | {ratios[key]:.2f}x | >= {TARGETS[key]}x | {met} |"
+        )
     machine = {
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -204,9 +260,15 @@ def report():
     builds = [name for name in ops.simd_builds() if f"checksum_{name}" in _medians]
     if builds:
         lines.append("")
-        lines.append("checksum by CPU build (256 MiB, 1 MiB blocks; in use: " + ops.simd_build() + "): "
-                     + ", ".join(f"{b} {_gbps(f'checksum_{b}'):.2f} GB/s ({_gbps(f'checksum_{b}') / large_limit:.2f}x "
-                                 "memcpy)" for b in builds))
+        lines.append(
+            "checksum by CPU build (256 MiB, 1 MiB blocks; in use: "
+            + ops.simd_build()
+            + "): "
+            + ", ".join(
+                f"{b} {_gbps(f'checksum_{b}'):.2f} GB/s ({_gbps(f'checksum_{b}') / large_limit:.2f}x memcpy)"
+                for b in builds
+            )
+        )
     payload = {
         **ratios,
         "targets": TARGETS,
@@ -215,7 +277,10 @@ def report():
         "median_s": {name: s for name, (s, _) in sorted(_medians.items())},
         "machine": machine,
     }
-    header = f"### pack / unpack / checksum (medians; torch {machine['torch']}, {machine['threads']} threads, {machine['processor']})\n"
+    header = (
+        f"### pack / unpack / checksum (medians; torch {machine['torch']}, {machine['threads']} threads, "
+        f"{machine['processor']})\n"
+    )
     write_results("pack", payload, [header, *lines])
 
 
@@ -236,8 +301,12 @@ def _cpu_model() -> str:
 # call, with a sleep kernel queued first so the GPU is still busy while the host prepares
 # the call; they time only the GPU's own work. host: the time until the call returns.
 
-GPU_TARGETS = {("large", "pack"): 0.85, ("large", "unpack"): 0.85, ("large", "pack_checksum"): 0.85,
-               ("small", "pack_checksum"): 0.85}
+GPU_TARGETS = {
+    ("large", "pack"): 0.85,
+    ("large", "unpack"): 0.85,
+    ("large", "pack_checksum"): 0.85,
+    ("small", "pack_checksum"): 0.85,
+}
 GPU_CASES = {
     "large": "1,000 mixed tensors, 256 MiB",
     "small": "10,000 tensors of 256 B to 4 KiB, ~21 MiB",
@@ -263,8 +332,12 @@ def large_cuda(large):
     tensors, offsets, out, flat = large
     out, flat = out.cuda(), flat.cuda()
     return {
-        "tensors": [t.cuda() for t in tensors], "offsets": offsets, "out": out, "flat": flat,
-        "payload": _payload(tensors), "copy_dst": out[: flat.numel()],
+        "tensors": [t.cuda() for t in tensors],
+        "offsets": offsets,
+        "out": out,
+        "flat": flat,
+        "payload": _payload(tensors),
+        "copy_dst": out[: flat.numel()],
     }
 
 
@@ -274,8 +347,13 @@ def small_cuda(small):
     tensors = [t.cuda() for t in tensors]
     out, flat = out.cuda(), flat.cuda()
     return {
-        "tensors": tensors, "offsets": offsets, "out": out, "flat": flat, "payload": payload,
-        "copy_dst": out[: flat.numel()], "cat_out": cat_out.cuda(),
+        "tensors": tensors,
+        "offsets": offsets,
+        "out": out,
+        "flat": flat,
+        "payload": payload,
+        "copy_dst": out[: flat.numel()],
+        "cat_out": cat_out.cuda(),
         "views": [t.reshape(-1).view(torch.uint8) for t in tensors],
     }
 

@@ -19,8 +19,8 @@ import time
 
 import pytest
 import torch
-
 from bench_results import cores_busy, cores_floor, machine, usable_cores, write_results
+
 from replica import ops
 from replica.transport import Transport, memfd
 from replica.transport.base import PIECE_BYTES, bucket_digest
@@ -41,6 +41,7 @@ _medians: dict[str, dict[int, float]] = {}
 # `make test` (benchmarks disabled) runs the path with digests only: the others are UCX_TLS
 # variants of the same code (tests/test_transport_ucx.py runs the transport's contract).
 SMOKE_PARAMS = {"ucx_path": {"ucx_default_verified"}}
+
 
 def _make_ipc() -> Transport:
     from replica.transport.ipc import IpcConfig, IpcTransport
@@ -162,13 +163,15 @@ def test_ucx_digests_interleaved(benchmark):
 
     def session() -> None:
         with contextlib.ExitStack() as stack:
-            paths = {name: stack.enter_context(transport_path(
-                name, functools.partial(make_ucx, *UCX_PATHS[name]), "cpu")) for name in names}
+            paths = {
+                name: stack.enter_context(transport_path(name, functools.partial(make_ucx, *UCX_PATHS[name]), "cpu"))
+                for name in names
+            }
             for _, peer, _ in paths.values():
                 assert peer.request("size", nbytes) == ("ok",)
                 peer.send("rounds", rounds + warmup)
             for r in range(rounds + warmup):
-                for name in names[::1 if r % 2 else -1]:
+                for name in names[:: 1 if r % 2 else -1]:
                     used = cpu_since(paths[name][1].pid)
                     start = time.perf_counter()
                     paths[name][2](buf, digest)
@@ -204,8 +207,10 @@ def test_memcpy_limit(benchmark, nbytes):
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
-    for name, fn in (("memcpy_copy_", lambda: dst.copy_(src)),
-                     ("memcpy_memmove", lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes))):
+    for name, fn in (
+        ("memcpy_copy_", lambda: dst.copy_(src)),
+        ("memcpy_memmove", lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)),
+    ):
         times = []
         for _ in range(rounds + 2):
             t = time.perf_counter()
@@ -224,7 +229,7 @@ def test_checksum_one_thread(benchmark, nbytes):
     thread, as it runs beside the transfer (transport.base.PIECE_BYTES per call)."""
     _smoke_size(benchmark, nbytes)
     buf = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    pieces = [buf[lo:lo + PIECE_BYTES] for lo in range(0, nbytes, PIECE_BYTES)]
+    pieces = [buf[lo : lo + PIECE_BYTES] for lo in range(0, nbytes, PIECE_BYTES)]
     rounds = 1 if benchmark.disabled else ROUNDS[nbytes]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -232,7 +237,7 @@ def test_checksum_one_thread(benchmark, nbytes):
         times = []
         for _ in range(rounds + 2):
             t = time.perf_counter()
-            for lo, piece in zip(range(0, nbytes, PIECE_BYTES), pieces):
+            for lo, piece in zip(range(0, nbytes, PIECE_BYTES), pieces, strict=False):
                 ops.checksum(piece, piece.numel() // 8 * 8 or 8, lo // 8)
             times.append(time.perf_counter() - t)
     finally:
@@ -290,8 +295,7 @@ def test_shared_memory_one_copy(benchmark, nbytes):
                 assert peer.recv(300) == ("done",)
 
             benchmark.extra_info.update(path="one_copy_verified", bytes=nbytes)
-            benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=0 if benchmark.disabled else 2,
-                               iterations=1)
+            benchmark.pedantic(one_round, rounds=rounds, warmup_rounds=0 if benchmark.disabled else 2, iterations=1)
             peer.send("exit")
     finally:
         os.close(fd)
@@ -302,8 +306,15 @@ def test_shared_memory_one_copy(benchmark, nbytes):
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    paths = [*UCX_PATHS, "gloo", "memcpy_copy_", "memcpy_memmove", "checksum_1thread", "one_copy_verified",
-             "shm_verified"]
+    paths = [
+        *UCX_PATHS,
+        "gloo",
+        "memcpy_copy_",
+        "memcpy_memmove",
+        "checksum_1thread",
+        "one_copy_verified",
+        "shm_verified",
+    ]
     if any(set(_medians.get(p, {})) != set(SIZES) for p in paths) or not _interleaved:
         return  # benchmarks disabled (CI smoke run) or some were deselected
     gbps = {p: {n: n / _medians[p][n] / 1e9 for n in SIZES} for p in paths}
@@ -333,10 +344,11 @@ def report():
         # idle: the plain rounds' CPU time (both processes, every thread, UCX's progress threads
         # too) plus the checksum's, spread over every core. Below it only by idle cores or by
         # work beyond the checksum.
-        "ucx_digests_cores_bound_512MiB": plain / cores_floor(plain, statistics.median(_interleaved_cpu["ucx_default"]),
-                                                              _medians["checksum_1thread"][big]),
-        "ucx_interleaved_cores_busy": {name: cores_busy(_interleaved_cpu[name], _interleaved[name])
-                                       for name in _interleaved},
+        "ucx_digests_cores_bound_512MiB": plain
+        / cores_floor(plain, statistics.median(_interleaved_cpu["ucx_default"]), _medians["checksum_1thread"][big]),
+        "ucx_interleaved_cores_busy": {
+            name: cores_busy(_interleaved_cpu[name], _interleaved[name]) for name in _interleaved
+        },
         "ucx_interleaved_cpu_ms": {name: [c * 1e3 for c in v] for name, v in _interleaved_cpu.items()},
         # A single-copy host path with the hash fused into its copy (test_shared_memory_one_copy,
         # no protocol around it) against UCX with digests and against UCX without.
@@ -347,8 +359,11 @@ def report():
         "shm_verified_vs_ucx_verified_512MiB": gbps["shm_verified"][big] / gbps["ucx_default_verified"][big],
         "shm_verified_vs_ucx_plain_512MiB": gbps["shm_verified"][big] / gbps["ucx_default"][big],
         "shm_verified_vs_one_copy_limit_512MiB": gbps["shm_verified"][big] / gbps["one_copy_verified"][big],
-        "targets": {"ucx_shm_vs_memcpy_512MiB": 0.5, "ucx_best_vs_gloo_512MiB": 2.0,
-                    "ucx_digests_vs_plain_512MiB": 0.8},
+        "targets": {
+            "ucx_shm_vs_memcpy_512MiB": 0.5,
+            "ucx_best_vs_gloo_512MiB": 2.0,
+            "ucx_digests_vs_plain_512MiB": 0.8,
+        },
         "gbps": {p: {f"{n // MiB}MiB": v for n, v in by_size.items()} for p, by_size in gbps.items()},
         "machine": machine(),
     }
@@ -364,7 +379,7 @@ def report():
         "memcpy": "memcpy limit (one copy in one process)",
         "checksum_1thread": "checksum alone, one thread, in pieces (the receiver's verification)",
         "one_copy_verified": "one copy through shared memory, the hash fused, digests on (the limit of a "
-                             "single-copy path: no protocol around it)",
+        "single-copy path: no protocol around it)",
         "shm_verified": "replica shm backend (ShmTransport), digests on, the sender's buffer in shared memory",
     }
     lines = [
@@ -374,23 +389,29 @@ def report():
     ]
     for p, label in labels.items():
         row = " | ".join(f"{gbps[p][n]:.2f}" for n in SIZES)
-        lines.append(f"| {label} | {row} | {gbps[p][big] / gbps['memcpy'][big]:.2f}x | {gbps[p][big] / gbps['gloo'][big]:.2f}x |")
+        lines.append(
+            f"| {label} | {row} | {gbps[p][big] / gbps['memcpy'][big]:.2f}x | {gbps[p][big] / gbps['gloo'][big]:.2f}x |"
+        )
     ratio = result["ucx_digests_vs_plain_512MiB"]
     spread = {name: f"{min(v) * 1e3:.0f}-{max(v) * 1e3:.0f}" for name, v in _interleaved.items()}
-    lines.append(f"\ndigests on vs off, UCX default path, 512 MiB, in alternate rounds over "
-                 f"{INTERLEAVED_SESSIONS} pairs of processes: {verified * 1e3:.0f} ms ({spread['ucx_default_verified']}) "
-                 f"against {plain * 1e3:.0f} ms ({spread['ucx_default']}): {ratio:.2f}x (target >= 0.8: "
-                 f"{'yes' if ratio >= 0.8 else '**no**'}); in the table's blocks of rounds "
-                 f"{result['ucx_digests_vs_plain_512MiB_blocks']:.2f}x; were the verification not to overlap the "
-                 f"transfer at all, plain / (plain + one thread's checksum): "
-                 f"{result['ucx_digests_no_overlap_512MiB']:.2f}x; were it to overlap with no core idle, "
-                 f"plain / ((plain's CPU time + the checksum) / {cores} cores): "
-                 f"{result['ucx_digests_cores_bound_512MiB']:.2f}x (cores busy: plain "
-                 f"{result['ucx_interleaved_cores_busy']['ucx_default']:.0%}, digests on "
-                 f"{result['ucx_interleaved_cores_busy']['ucx_default_verified']:.0%})")
-    lines.append(f"\none copy with the hash fused, 512 MiB, digests on: "
-                 f"{result['one_copy_verified_vs_ucx_verified_512MiB']:.2f}x UCX with digests, "
-                 f"{result['one_copy_verified_vs_ucx_plain_512MiB']:.2f}x UCX without")
+    lines.append(
+        f"\ndigests on vs off, UCX default path, 512 MiB, in alternate rounds over "
+        f"{INTERLEAVED_SESSIONS} pairs of processes: {verified * 1e3:.0f} ms ({spread['ucx_default_verified']}) "
+        f"against {plain * 1e3:.0f} ms ({spread['ucx_default']}): {ratio:.2f}x (target >= 0.8: "
+        f"{'yes' if ratio >= 0.8 else '**no**'}); in the table's blocks of rounds "
+        f"{result['ucx_digests_vs_plain_512MiB_blocks']:.2f}x; were the verification not to overlap the "
+        f"transfer at all, plain / (plain + one thread's checksum): "
+        f"{result['ucx_digests_no_overlap_512MiB']:.2f}x; were it to overlap with no core idle, "
+        f"plain / ((plain's CPU time + the checksum) / {cores} cores): "
+        f"{result['ucx_digests_cores_bound_512MiB']:.2f}x (cores busy: plain "
+        f"{result['ucx_interleaved_cores_busy']['ucx_default']:.0%}, digests on "
+        f"{result['ucx_interleaved_cores_busy']['ucx_default_verified']:.0%})"
+    )
+    lines.append(
+        f"\none copy with the hash fused, 512 MiB, digests on: "
+        f"{result['one_copy_verified_vs_ucx_verified_512MiB']:.2f}x UCX with digests, "
+        f"{result['one_copy_verified_vs_ucx_plain_512MiB']:.2f}x UCX without"
+    )
     write_results("resync", result, lines)
 
 
@@ -447,11 +468,14 @@ def report_gpu():
         "device": torch.cuda.get_device_name(),
     }
     header = " | ".join(f"{n // MiB} MiB" for n in GPU_SIZES)
-    lines = [f"### GPU resync, device to device between two processes ({result['device']}, GB/s)\n",
-             f"| path | {header} | vs copy_ @1 GiB | round @1 MiB (us) |",
-             "|---|" + "---|" * (len(GPU_SIZES) + 2)]
+    lines = [
+        f"### GPU resync, device to device between two processes ({result['device']}, GB/s)\n",
+        f"| path | {header} | vs copy_ @1 GiB | round @1 MiB (us) |",
+        "|---|" + "---|" * (len(GPU_SIZES) + 2),
+    ]
     for p in paths:
         row = " | ".join(f"{gbps[p][n]:.1f}" for n in GPU_SIZES)
-        lines.append(f"| {p} | {row} | {gbps[p][big] / gbps['gpu_copy_'][big]:.2f}x | "
-                     f"{result['round_us_1MiB'][p]:.0f} |")
+        lines.append(
+            f"| {p} | {row} | {gbps[p][big] / gbps['gpu_copy_'][big]:.2f}x | {result['round_us_1MiB'][p]:.0f} |"
+        )
     write_results("resync_gpu", result, lines)

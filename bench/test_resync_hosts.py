@@ -13,14 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bench_results import machine, write_results
+
 from replica.transport.nixl_agent import nixl_installed
 from support import cluster as testcluster
 from support.cluster import ClusterConfig, NetnsCluster
 
-pytestmark = [pytest.mark.netns,
-              pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / "bench" / "hosts_peer.py"
@@ -30,7 +29,9 @@ ROUNDS = {1 * MiB: 50, 64 * MiB: 10}
 NIXL_PATHS = ["nixl", "nixl_verified"] if nixl_installed() else []
 PATHS = ["tcp", "ucx", "ucx_verified", "gloo", *NIXL_PATHS]
 NIXL_TARGET = 0.8  # NIXL against replica's UCX backend at 64 MiB between hosts
-SMOKE_PARAMS = {"pair": {"ucx_verified", *NIXL_PATHS[1:]}}  # `make test`: one path across the link (the others: `make bench`)
+SMOKE_PARAMS = {
+    "pair": {"ucx_verified", *NIXL_PATHS[1:]}
+}  # `make test`: one path across the link (the others: `make bench`)
 
 _medians: dict[str, dict[int, float]] = {}
 
@@ -44,8 +45,15 @@ class _Peer:
             # NIXL's UCX reads UCX_TLS from the environment: these hosts share one machine,
             # where it would write through the kernel (cma) and leave the link alone.
             env["UCX_TLS"] = "tcp,self"
-        self.proc = host.popen([sys.executable, str(PEER), *args], env=env, cwd=ROOT, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self.proc = host.popen(
+            [sys.executable, str(PEER), *args],
+            env=env,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
 
     def ask(self, line: str | None = None) -> list[str]:
         if line is not None:
@@ -120,24 +128,43 @@ def report():
         "ucx_vs_tcp_limit": gbps["ucx"][big] / gbps["tcp"][big],
         "ucx_vs_gloo": gbps["ucx"][big] / gbps["gloo"][big],
         "ucx_digests_vs_plain": gbps["ucx_verified"][big] / gbps["ucx"][big],
-        **({"nixl_vs_ucx": gbps["nixl"][big] / gbps["ucx"][big],
-            "nixl_verified_vs_ucx_verified": gbps["nixl_verified"][big] / gbps["ucx_verified"][big],
-            "nixl_target": NIXL_TARGET} if NIXL_PATHS else {}),
+        **(
+            {
+                "nixl_vs_ucx": gbps["nixl"][big] / gbps["ucx"][big],
+                "nixl_verified_vs_ucx_verified": gbps["nixl_verified"][big] / gbps["ucx_verified"][big],
+                "nixl_target": NIXL_TARGET,
+            }
+            if NIXL_PATHS
+            else {}
+        ),
         "at_bytes": big,
         "gbps": {p: {f"{n // MiB}MiB": v for n, v in by.items()} for p, by in gbps.items()},
         "machine": machine(),
         "link": "veth pair through a Linux bridge, network namespaces on one machine",
     }
-    labels = {"tcp": "plain TCP socket (the link's limit)", "ucx": "replica/UCX (tcp between hosts)",
-              "ucx_verified": "replica/UCX, digests on", "gloo": "gloo send/recv",
-              "nixl": "replica/NIXL (UCX plugin, tcp)", "nixl_verified": "replica/NIXL, digests on"}
+    labels = {
+        "tcp": "plain TCP socket (the link's limit)",
+        "ucx": "replica/UCX (tcp between hosts)",
+        "ucx_verified": "replica/UCX, digests on",
+        "gloo": "gloo send/recv",
+        "nixl": "replica/NIXL (UCX plugin, tcp)",
+        "nixl_verified": "replica/NIXL, digests on",
+    }
     labels = {p: label for p, label in labels.items() if p in PATHS}
-    lines = ["### resync between two hosts (network namespaces, veth + bridge), one way (GB/s, medians)\n",
-             "| path | 1 MiB | 64 MiB | vs TCP limit @64 MiB |", "|---|---|---|---|"]
+    lines = [
+        "### resync between two hosts (network namespaces, veth + bridge), one way (GB/s, medians)\n",
+        "| path | 1 MiB | 64 MiB | vs TCP limit @64 MiB |",
+        "|---|---|---|---|",
+    ]
     for p, label in labels.items():
-        lines.append(f"| {label} | " + " | ".join(f"{gbps[p][n]:.2f}" for n in SIZES)
-                     + f" | {gbps[p][big] / gbps['tcp'][big]:.2f}x |")
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{gbps[p][n]:.2f}" for n in SIZES)
+            + f" | {gbps[p][big] / gbps['tcp'][big]:.2f}x |"
+        )
     if NIXL_PATHS:
-        lines.append(f"\nNIXL / UCX at 64 MiB: {result['nixl_vs_ucx']:.2f}x digests off, "
-                     f"{result['nixl_verified_vs_ucx_verified']:.2f}x digests on (target >= {NIXL_TARGET})")
+        lines.append(
+            f"\nNIXL / UCX at 64 MiB: {result['nixl_vs_ucx']:.2f}x digests off, "
+            f"{result['nixl_verified_vs_ucx_verified']:.2f}x digests on (target >= {NIXL_TARGET})"
+        )
     write_results("resync_hosts", result, lines)

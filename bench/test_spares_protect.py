@@ -13,8 +13,8 @@ from __future__ import annotations
 import statistics
 
 import pytest
-
 from bench_results import machine, write_results
+
 from support.launch import launch
 
 ROUNDS = 3
@@ -46,9 +46,12 @@ def test_kill_to_protected_again(benchmark, tmp_path):
 
     benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1)
     medians = {name: statistics.median(v) for name, v in runs.items()}
-    lines = [f"### Kill -> rank protected again, demo job, steps paced at +{PACE_S:g} s (medians of {ROUNDS} runs "
-             "each, in turn)\n",
-             "| new standby | seconds | runs |", "|---|---|---|"]
+    lines = [
+        f"### Kill -> rank protected again, demo job, steps paced at +{PACE_S:g} s (medians of {ROUNDS} runs "
+        "each, in turn)\n",
+        "| new standby | seconds | runs |",
+        "|---|---|---|",
+    ]
     lines += [f"| {name} | {medians[name]:.2f} | {', '.join(f'{v:.2f}' for v in runs[name])} |" for name in SYSTEMS]
     lines.append(f"\nspare / new process: {medians['spare'] / medians['new process']:.2f}")
     print("\n".join(lines))

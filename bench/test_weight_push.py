@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bench_results import machine, write_results
+
 from replica.transport.nixl_agent import nixl_installed
 
 HERE = Path(__file__).parent
@@ -38,8 +38,13 @@ def test_weight_push(benchmark, tmp_path, backends):
     results, over = BACKENDS[backends]
     out = tmp_path / "push.json"
     mib, rounds = (32, 1) if benchmark.disabled else (MIB, ROUNDS)
-    proc = subprocess.run([sys.executable, str(HERE / "weight_push_run.py"), str(mib), str(rounds), str(out),
-                           backends], timeout=900, cwd=HERE, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "weight_push_run.py"), str(mib), str(rounds), str(out), backends],
+        timeout=900,
+        cwd=HERE,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]  # the run's own words, not only its code
     result = json.loads(out.read_text())
     assert result["bytes"] == mib << 20
@@ -54,21 +59,26 @@ def test_weight_push(benchmark, tmp_path, backends):
         return
     spread = {name: f"{min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} ms" for name, v in result["all"].items()}
     cpu, busy = result["cpu_s"], result["cores_busy"]
-    write_results(results, {**result, "target_verified_vs_raw_ucx": TARGET, "machine": machine()}, [
-        f"| {result['bytes'] >> 20} MiB over {over}, {rounds} rounds | median | rounds | vs raw UCX |",
-        "|---|---|---|---|",
-        f"| raw UCX, no digests, same processes | {result['raw_ucx_s'] * 1e3:.0f} ms | {spread['raw_ucx']} | 1.00x |",
-        f"| push without digests | {result['plain_s'] * 1e3:.0f} ms | {spread['plain']} |"
-        f" {result['plain_vs_raw_ucx']:.2f}x |",
-        f"| push with digests | {result['verified_s'] * 1e3:.0f} ms | {spread['verified']} |"
-        f" {result['verified_vs_raw_ucx']:.2f}x (target >= {TARGET}) |",
-        "",
-        f"Alone, on one core: the sender's pack with digests {result['pack_checksum_s'] * 1e3:.0f} ms, the "
-        f"receiver's checksum {result['checksum_s'] * 1e3:.0f} ms.",
-        "",
-        f"CPU time of both processes, every thread (cores busy, of {result['cores']}): raw UCX "
-        f"{cpu['raw_ucx'] * 1e3:.0f} ms ({busy['raw_ucx']:.0%}), push without digests {cpu['plain'] * 1e3:.0f} ms "
-        f"({busy['plain']:.0%}), with digests {cpu['verified'] * 1e3:.0f} ms ({busy['verified']:.0%}). The cores' "
-        f"floor under a push with digests (raw UCX's CPU time, the pack and the checksum, spread over every core): "
-        f"{result['verified_floor_s'] * 1e3:.0f} ms, {result['verified_floor_vs_raw_ucx']:.2f}x raw UCX.",
-    ])
+    write_results(
+        results,
+        {**result, "target_verified_vs_raw_ucx": TARGET, "machine": machine()},
+        [
+            f"| {result['bytes'] >> 20} MiB over {over}, {rounds} rounds | median | rounds | vs raw UCX |",
+            "|---|---|---|---|",
+            f"| raw UCX, no digests, same processes | {result['raw_ucx_s'] * 1e3:.0f} ms | "
+            f"{spread['raw_ucx']} | 1.00x |",
+            f"| push without digests | {result['plain_s'] * 1e3:.0f} ms | {spread['plain']} |"
+            f" {result['plain_vs_raw_ucx']:.2f}x |",
+            f"| push with digests | {result['verified_s'] * 1e3:.0f} ms | {spread['verified']} |"
+            f" {result['verified_vs_raw_ucx']:.2f}x (target >= {TARGET}) |",
+            "",
+            f"Alone, on one core: the sender's pack with digests {result['pack_checksum_s'] * 1e3:.0f} ms, the "
+            f"receiver's checksum {result['checksum_s'] * 1e3:.0f} ms.",
+            "",
+            f"CPU time of both processes, every thread (cores busy, of {result['cores']}): raw UCX "
+            f"{cpu['raw_ucx'] * 1e3:.0f} ms ({busy['raw_ucx']:.0%}), push without digests {cpu['plain'] * 1e3:.0f} ms "
+            f"({busy['plain']:.0%}), with digests {cpu['verified'] * 1e3:.0f} ms ({busy['verified']:.0%}). The cores' "
+            f"floor under a push with digests (raw UCX's CPU time, the pack and the checksum, spread over every core): "
+            f"{result['verified_floor_s'] * 1e3:.0f} ms, {result['verified_floor_vs_raw_ucx']:.2f}x raw UCX.",
+        ],
+    )

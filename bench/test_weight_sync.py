@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bench_results import machine, write_results
+
 from support.vllm_engine import vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
@@ -39,8 +39,12 @@ def test_weight_sync(benchmark, tmp_path, size):
     out = tmp_path / f"{size}.json"
     rounds = 1 if benchmark.disabled else ROUNDS
     first, *rest = _RUN[size]
-    subprocess.run([sys.executable, str(HERE / "weight_sync_run.py"), first, str(rounds), str(out), *rest],
-                   check=True, timeout=1800, cwd=HERE)
+    subprocess.run(
+        [sys.executable, str(HERE / "weight_sync_run.py"), first, str(rounds), str(out), *rest],
+        check=True,
+        timeout=1800,
+        cwd=HERE,
+    )
     result = json.loads(out.read_text())
     assert result["sync_s"] > 0 and result["disk_reload_s"] > 0
     benchmark.extra_info.update({k: v for k, v in result.items() if k != "all"})
@@ -63,8 +67,12 @@ def test_weight_transfer_backend(benchmark, tmp_path, mode):
     if benchmark.disabled:
         pytest.skip("runs under `make bench` only (tests/test_vllm_transfer.py covers the path)")
     out = tmp_path / f"{mode}.json"
-    subprocess.run([sys.executable, str(HERE / "transfer_run.py"), "1GiB", str(BACKEND_SYNCS), mode, str(out)],
-                   check=True, timeout=1800, cwd=HERE)
+    subprocess.run(
+        [sys.executable, str(HERE / "transfer_run.py"), "1GiB", str(BACKEND_SYNCS), mode, str(out)],
+        check=True,
+        timeout=1800,
+        cwd=HERE,
+    )
     result = json.loads(out.read_text())
     assert result["sync_s"] > 0 and result["rss_peak_x_weights"] > 0
     benchmark.extra_info.update({k: v for k, v in result.items() if k != "all"})
@@ -111,25 +119,33 @@ def report():
         summary["engine_rss_x_weights_staged"] = _backend["staged"]["rss_peak_x_weights"]
         summary["engine_stall_s_staged"] = _backend["staged"]["update_s"]
         summary["targets"]["engine_stall_s_staged"] = 0.010
-    lines = ["| model | bytes | sync = receive + prepare + switch | engine stalled | disk reload (engine stalled) |"
-             " disk save + reload | gloo broadcast | memcpy | sync vs disk reload | stall vs disk reload |"
-             " sync while the engine generates (batches meanwhile; one batch alone) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | bytes | sync = receive + prepare + switch | engine stalled | disk reload (engine stalled) |"
+        " disk save + reload | gloo broadcast | memcpy | sync vs disk reload | stall vs disk reload |"
+        " sync while the engine generates (batches meanwhile; one batch alone) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for size, r in _results.items():
-        lines.append(f"| {size} | {r['bytes'] / 2**20:.0f} MiB | {r['sync_s']:.3f} s ({r['receive_s']:.3f} + "
-                     f"{r['prepare_s']:.3f} + {r['stall_s']:.3f}) | {r['stall_s']:.3f} s | {r['disk_reload_s']:.3f} s |"
-                     f" {r['disk_save_s'] + r['disk_reload_s']:.3f} s | {r['gloo_broadcast_s']:.3f} s |"
-                     f" {r['memcpy_s']:.3f} s | {r['disk_reload_s'] / r['sync_s']:.2f}x |"
-                     f" {r['disk_reload_s'] / r['stall_s']:.0f}x | {r['busy_sync_s']:.3f} s ({r['generations_during_sync']:.0f};"
-                     f" {r['generate_s']:.3f} s) |")
-    lines.append(f"\ntransfer (until complete in the engine's receiver) vs raw UCX without digests from the "
-                 f"trainer's process to the engine's, a round before each push, "
-                 f"{big['bytes'] / 2**20:.0f} MiB: {big['raw_ucx_s']:.3f} s / {big['receive_s']:.3f} s = "
-                 f"{summary['transfer_vs_raw_ucx']:.2f}x (target >= 0.8; the default backends: shm on one "
-                 f"node); over UCX: {_results['1GiB_ucx']['raw_ucx_s']:.3f} s / {summary['ucx_receive_s']:.3f} s = "
-                 f"{summary['ucx_transfer_vs_raw_ucx']:.2f}x")
+        lines.append(
+            f"| {size} | {r['bytes'] / 2**20:.0f} MiB | {r['sync_s']:.3f} s ({r['receive_s']:.3f} + "
+            f"{r['prepare_s']:.3f} + {r['stall_s']:.3f}) | {r['stall_s']:.3f} s | {r['disk_reload_s']:.3f} s |"
+            f" {r['disk_save_s'] + r['disk_reload_s']:.3f} s | {r['gloo_broadcast_s']:.3f} s |"
+            f" {r['memcpy_s']:.3f} s | {r['disk_reload_s'] / r['sync_s']:.2f}x |"
+            f" {r['disk_reload_s'] / r['stall_s']:.0f}x | {r['busy_sync_s']:.3f} s ({r['generations_during_sync']:.0f};"
+            f" {r['generate_s']:.3f} s) |"
+        )
+    lines.append(
+        f"\ntransfer (until complete in the engine's receiver) vs raw UCX without digests from the "
+        f"trainer's process to the engine's, a round before each push, "
+        f"{big['bytes'] / 2**20:.0f} MiB: {big['raw_ucx_s']:.3f} s / {big['receive_s']:.3f} s = "
+        f"{summary['transfer_vs_raw_ucx']:.2f}x (target >= 0.8; the default backends: shm on one "
+        f"node); over UCX: {_results['1GiB_ucx']['raw_ucx_s']:.3f} s / {summary['ucx_receive_s']:.3f} s = "
+        f"{summary['ucx_transfer_vs_raw_ucx']:.2f}x"
+    )
     for mode, r in _backend.items():
-        lines.append(f"\nvLLM weight-transfer API, replica backend, {mode}: sync {r['sync_s']:.3f} s, update_weights "
-                     f"(the stall) {r['update_s']:.3f} s, engine RSS peak +{r['rss_peak_x_weights']:.2f}x the weights "
-                     f"over {r['syncs']} syncs (+{r['rss_end_x_weights']:.2f}x at the end; target <= 2.2x)")
+        lines.append(
+            f"\nvLLM weight-transfer API, replica backend, {mode}: sync {r['sync_s']:.3f} s, update_weights "
+            f"(the stall) {r['update_s']:.3f} s, engine RSS peak +{r['rss_peak_x_weights']:.2f}x the weights "
+            f"over {r['syncs']} syncs (+{r['rss_end_x_weights']:.2f}x at the end; target <= 2.2x)"
+        )
     write_results("weight_sync", summary, lines)

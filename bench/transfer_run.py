@@ -33,15 +33,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.vllm_engine import greedy, make_llm, make_model  # noqa: E402
+from weight_sync_run import SHAPES, _sender
 
-from replica import envvars  # noqa: E402
-from support.children import spawn  # noqa: E402
-from weight_sync_run import SHAPES, _sender  # noqa: E402  (bench/, the working directory)
+from replica import envvars
+from support.children import spawn
+from support.vllm_engine import greedy, make_llm, make_model
 
 TOKEN = "bench-transfer-token"
 
@@ -52,8 +51,11 @@ def _memory() -> tuple[int, int]:
     over the shm backend (the default on one node) they are the sender's packed version,
     mapped to be copied out of, which the trainer holds anyway."""
     with open("/proc/self/status") as f:
-        kb = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f)
-              if k in ("RssAnon", "RssFile", "RssShmem")}
+        kb = {
+            k: int(v.split()[0])
+            for k, v in (line.split(":", 1) for line in f)
+            if k in ("RssAnon", "RssFile", "RssShmem")
+        }
     return (kb.get("RssAnon", 0) + kb.get("RssFile", 0)) * 1024, kb.get("RssShmem", 0) * 1024
 
 
@@ -107,8 +109,9 @@ def main(size: str, syncs: int, mode: str, out: Path) -> None:
         make_model(Path(work) / "trained", 1, **SHAPES[size])
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         llm = make_llm(Path(work) / "engine", weight_transfer_config={"backend": "replica"})
-        llm.init_weight_transfer_engine({"init_info": {"store": f"127.0.0.1:{store.port}", "timeout_s": 300,
-                                                       "staged": staged, "buffers": buffers}})
+        llm.init_weight_transfer_engine(
+            {"init_info": {"store": f"127.0.0.1:{store.port}", "timeout_s": 300, "staged": staged, "buffers": buffers}}
+        )
         greedy(llm)
         sync_s, prepare_s, update_s, rss_after = [], [], [], []
         with spawn(_sender, str(Path(work) / "trained"), store.port, TOKEN.encode(), True, name="trainer") as trainer:
@@ -136,14 +139,29 @@ def main(size: str, syncs: int, mode: str, out: Path) -> None:
         assert llm.get_weight_version() == str(syncs)
         greedy(llm)
     med = statistics.median
-    out.write_text(json.dumps({
-        "size": size, "mode": mode, "bytes": nbytes, "syncs": syncs, "sync_s": med(sync_s),
-        "prepare_s": med(prepare_s) if prepare_s else None, "update_s": med(update_s),
-        "rss_peak_x_weights": peak / nbytes, "rss_end_x_weights": rss_after[-1] / nbytes,
-        "shared_peak_x_weights": sampler.shared_peak / nbytes,
-        "all": {"sync_s": sync_s, "prepare_s": prepare_s, "update_s": update_s,
-                "rss_after_x_weights": [r / nbytes for r in rss_after]}},
-        indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "size": size,
+                "mode": mode,
+                "bytes": nbytes,
+                "syncs": syncs,
+                "sync_s": med(sync_s),
+                "prepare_s": med(prepare_s) if prepare_s else None,
+                "update_s": med(update_s),
+                "rss_peak_x_weights": peak / nbytes,
+                "rss_end_x_weights": rss_after[-1] / nbytes,
+                "shared_peak_x_weights": sampler.shared_peak / nbytes,
+                "all": {
+                    "sync_s": sync_s,
+                    "prepare_s": prepare_s,
+                    "update_s": update_s,
+                    "rss_after_x_weights": [r / nbytes for r in rss_after],
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

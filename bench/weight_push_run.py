@@ -28,17 +28,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from bench_results import cores_busy, cores_floor, usable_cores
 
 import replica
-from bench_results import cores_busy, cores_floor, usable_cores
 from replica import ops
 from replica.session.backends import check_backends
 from replica.weights import WeightReceiver
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' helpers (support)
-from support.children import spawn  # noqa: E402
-from support.cpu import cpu_since  # noqa: E402
-from support.transfer import RawUcx  # noqa: E402
+from support.children import spawn
+from support.cpu import cpu_since
+from support.transfer import RawUcx
 
 TOKEN = b"bench-weight-push-token"
 TIMEOUT = timedelta(seconds=300)
@@ -51,16 +51,18 @@ MODES = {"plain": False, "verified": True}  # Config.verify of both ends
 def _configs(backends: tuple[str, ...]) -> dict[str, replica.Config]:
     """One sync per mode, each in a store namespace of its own (its engine 0)."""
     base = replica.Config(token=TOKEN, timeout=TIMEOUT, backends=backends)
-    return {name: dataclasses.replace(base, verify=verify, store_prefix=f"push-{name}")
-            for name, verify in MODES.items()}
+    return {
+        name: dataclasses.replace(base, verify=verify, store_prefix=f"push-{name}") for name, verify in MODES.items()
+    }
 
 
 def _engine(pipe, port: int, backends: tuple[str, ...]) -> None:
     """The receiving process: a WeightReceiver per mode, and the raw UCX baseline's receiving end."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
-    receivers = {name: WeightReceiver(index=0, store=store, config=config)
-                 for name, config in _configs(backends).items()}
+    receivers = {
+        name: WeightReceiver(index=0, store=store, config=config) for name, config in _configs(backends).items()
+    }
     with RawUcx(token=TOKEN, timeout=TIMEOUT) as raw:
         pipe.send(("ready", raw.listen()))
         buf = None
@@ -90,11 +92,12 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
     configs = _configs(backends)
     seconds: dict[str, list[float]] = {"raw_ucx": [], **{name: [] for name in MODES}}
     cpu: dict[str, list[float]] = {name: [] for name in seconds}  # core-seconds of both processes
-    with spawn(_engine, store.port, backends, name="engine") as engine, \
-            RawUcx(token=TOKEN, timeout=TIMEOUT) as raw:
+    with spawn(_engine, store.port, backends, name="engine") as engine, RawUcx(token=TOKEN, timeout=TIMEOUT) as raw:
         _, address = engine.recv(timeout=120)
-        syncs = {name: replica.WeightSync(model, store=store, num_engines=1, config=config)
-                 for name, config in configs.items()}
+        syncs = {
+            name: replica.WeightSync(model, store=store, num_engines=1, config=config)
+            for name, config in configs.items()
+        }
         layout = syncs["verified"].layout
         nbytes, bucket = layout.total_bytes, layout.bucket_bytes
         src = torch.ones(nbytes, dtype=torch.uint8)
@@ -105,7 +108,7 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
             raw_s = raw.send(address, src, bucket)
             assert engine.recv(timeout=300) == ("received",)
             timed, spent = {"raw_ucx": raw_s}, {"raw_ucx": used()}
-            for name in list(MODES)[::1 if step % 2 else -1]:  # each mode first as often as second
+            for name in list(MODES)[:: 1 if step % 2 else -1]:  # each mode first as often as second
                 time.sleep(PAUSE_S)
                 used = cpu_since(engine.pid)
                 start = time.perf_counter()
@@ -125,8 +128,9 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
         assert engine.recv(timeout=120) == ("closed",)
     # The work a push with digests does beyond raw UCX, each alone on this process's core: the
     # pack is a push to no engine (the same gathers and pack with digests, nothing sent).
-    alone = replica.WeightSync(model, store=store, num_engines=0,
-                               config=dataclasses.replace(configs["verified"], store_prefix="push-alone"))
+    alone = replica.WeightSync(
+        model, store=store, num_engines=0, config=dataclasses.replace(configs["verified"], store_prefix="push-alone")
+    )
     pack_s, checksum_s = [], []
     for step in range(rounds + 1):
         start = time.perf_counter()
@@ -142,27 +146,45 @@ def main(mib: int, rounds: int, out: Path, backends: tuple[str, ...] = ("ucx", "
     pack_alone, checksum_alone = statistics.median(pack_s[1:]), statistics.median(checksum_s[1:])
     # A push with digests does raw UCX's work and the pack and the checksum besides.
     floor_s = cores_floor(med["raw_ucx"], med_cpu["raw_ucx"], pack_alone + checksum_alone)
-    result = {"bytes": nbytes, "rounds": rounds, "bucket_bytes": bucket, "backends": list(backends),
-              "raw_ucx_s": med["raw_ucx"], "plain_s": med["plain"], "verified_s": med["verified"],
-              "plain_vs_raw_ucx": med["raw_ucx"] / med["plain"],
-              "verified_vs_raw_ucx": med["raw_ucx"] / med["verified"],
-              "verified_vs_plain": med["plain"] / med["verified"],
-              "pack_checksum_s": pack_alone, "checksum_s": checksum_alone,
-              "cores": usable_cores(), "cpu_s": med_cpu, "cores_busy": busy,
-              "verified_floor_s": floor_s, "verified_floor_vs_raw_ucx": med["raw_ucx"] / floor_s,
-              "all": seconds, "all_cpu": cpu}
-    print(f"{nbytes / 2**20:.0f} MiB over {','.join(backends)}, {rounds} rounds: raw UCX {med['raw_ucx'] * 1e3:.0f} ms,"
-          f" push without digests {med['plain'] * 1e3:.0f} ms ({result['plain_vs_raw_ucx']:.2f}x raw),"
-          f" with digests {med['verified'] * 1e3:.0f} ms ({result['verified_vs_raw_ucx']:.2f}x raw,"
-          f" {result['verified_vs_plain']:.2f}x without); alone: the pack with digests"
-          f" {result['pack_checksum_s'] * 1e3:.0f} ms, the checksum {result['checksum_s'] * 1e3:.0f} ms;"
-          f" CPU time (cores busy) raw {med_cpu['raw_ucx'] * 1e3:.0f} ms ({busy['raw_ucx']:.0%}), without digests"
-          f" {med_cpu['plain'] * 1e3:.0f} ms ({busy['plain']:.0%}), with {med_cpu['verified'] * 1e3:.0f} ms"
-          f" ({busy['verified']:.0%}) on {result['cores']} cores; the cores' floor under a push with digests"
-          f" {floor_s * 1e3:.0f} ms ({result['verified_floor_vs_raw_ucx']:.2f}x raw)")
+    result = {
+        "bytes": nbytes,
+        "rounds": rounds,
+        "bucket_bytes": bucket,
+        "backends": list(backends),
+        "raw_ucx_s": med["raw_ucx"],
+        "plain_s": med["plain"],
+        "verified_s": med["verified"],
+        "plain_vs_raw_ucx": med["raw_ucx"] / med["plain"],
+        "verified_vs_raw_ucx": med["raw_ucx"] / med["verified"],
+        "verified_vs_plain": med["plain"] / med["verified"],
+        "pack_checksum_s": pack_alone,
+        "checksum_s": checksum_alone,
+        "cores": usable_cores(),
+        "cpu_s": med_cpu,
+        "cores_busy": busy,
+        "verified_floor_s": floor_s,
+        "verified_floor_vs_raw_ucx": med["raw_ucx"] / floor_s,
+        "all": seconds,
+        "all_cpu": cpu,
+    }
+    print(
+        f"{nbytes / 2**20:.0f} MiB over {','.join(backends)}, {rounds} rounds: raw UCX {med['raw_ucx'] * 1e3:.0f} ms,"
+        f" push without digests {med['plain'] * 1e3:.0f} ms ({result['plain_vs_raw_ucx']:.2f}x raw),"
+        f" with digests {med['verified'] * 1e3:.0f} ms ({result['verified_vs_raw_ucx']:.2f}x raw,"
+        f" {result['verified_vs_plain']:.2f}x without); alone: the pack with digests"
+        f" {result['pack_checksum_s'] * 1e3:.0f} ms, the checksum {result['checksum_s'] * 1e3:.0f} ms;"
+        f" CPU time (cores busy) raw {med_cpu['raw_ucx'] * 1e3:.0f} ms ({busy['raw_ucx']:.0%}), without digests"
+        f" {med_cpu['plain'] * 1e3:.0f} ms ({busy['plain']:.0%}), with {med_cpu['verified'] * 1e3:.0f} ms"
+        f" ({busy['verified']:.0%}) on {result['cores']} cores; the cores' floor under a push with digests"
+        f" {floor_s * 1e3:.0f} ms ({result['verified_floor_vs_raw_ucx']:.2f}x raw)"
+    )
     out.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]),
-         *([tuple(sys.argv[4].split(","))] if len(sys.argv) > 4 else []))
+    main(
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        Path(sys.argv[3]),
+        *([tuple(sys.argv[4].split(","))] if len(sys.argv) > 4 else []),
+    )

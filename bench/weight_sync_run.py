@@ -50,23 +50,25 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.vllm_engine import greedy, make_llm, make_model  # noqa: E402
+import replica
+from support.children import spawn
+from support.ports import free_port
+from support.transfer import RawUcx, make_ucx, transport_path
+from support.vllm_engine import greedy, make_llm, make_model
 
-import replica  # noqa: E402
-from support.children import spawn  # noqa: E402
-from support.ports import free_port  # noqa: E402
-from support.transfer import RawUcx, make_ucx, transport_path  # noqa: E402
-
-SHAPES = {"tiny": dict(hidden=128, layers=2, intermediate=256),
-          "256MiB": dict(hidden=768, layers=8, intermediate=3072),  # tests/test_vllm_transfer.py's memory bound
-          "1GiB": dict(hidden=1024, layers=16, intermediate=4096)}
+SHAPES = {
+    "tiny": dict(hidden=128, layers=2, intermediate=256),
+    "256MiB": dict(hidden=768, layers=8, intermediate=3072),  # tests/test_vllm_transfer.py's memory bound
+    "1GiB": dict(hidden=1024, layers=16, intermediate=4096),
+}
 TOKEN = b"bench-weights-token"
 WARMUP = 3  # rounds: an engine syncs every step for hours, the steady state is what counts
 CONFIG = replica.Config(token=TOKEN, timeout=timedelta(seconds=300))
 
 
-def _sender(pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = False,
-            backends: tuple[str, ...] | None = None) -> None:
+def _sender(
+    pipe, folder: str, port: int, token: bytes = TOKEN, change: bool = False, backends: tuple[str, ...] | None = None
+) -> None:
     """The trainer: pushes the model's weights on each "push" (``change``: negated first, so
     every version differs, as training makes them)."""
     from transformers import LlamaForCausalLM
@@ -112,8 +114,9 @@ def main(size: str, rounds: int, out: Path, pause_s: float = 0.0, backends: tupl
         run(size, rounds, out, Path(work), pause_s, backends)
 
 
-def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
-        backends: tuple[str, ...] | None = None) -> None:
+def run(
+    size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0, backends: tuple[str, ...] | None = None
+) -> None:
     from replica.integrations.vllm.worker import EngineWeights, ReceiverSpec
 
     torch.manual_seed(0)
@@ -121,12 +124,16 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
     make_model(work / "trained", 1, **SHAPES[size])
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     llm = make_llm(work / "engine")
-    weights = EngineWeights(llm, ReceiverSpec(index=0, store=f"127.0.0.1:{store.port}",
-                                              token_hex=TOKEN.hex(), timeout_s=300, backends=backends))
+    weights = EngineWeights(
+        llm,
+        ReceiverSpec(index=0, store=f"127.0.0.1:{store.port}", token_hex=TOKEN.hex(), timeout_s=300, backends=backends),
+    )
     sync_s, receive_s, prepare_s, stall_s, disk_s, save_s, gloo_s, memcpy_s = [], [], [], [], [], [], [], []
     generate_s, busy_s, during, ucx_s = [], [], [], []
-    with spawn(_sender, str(work / "trained"), store.port, TOKEN, False, backends, name="trainer") as trainer, \
-            RawUcx(token=TOKEN, timeout=CONFIG.timeout) as raw_ucx:
+    with (
+        spawn(_sender, str(work / "trained"), store.port, TOKEN, False, backends, name="trainer") as trainer,
+        RawUcx(token=TOKEN, timeout=CONFIG.timeout) as raw_ucx,
+    ):
         _, nbytes = trainer.recv(timeout=300)
         # Raw UCX without digests between the same two processes, the same bytes in the sync's
         # bucket size, all in flight at once (the transfer's limit on UCX): with a pause, a round
@@ -183,7 +190,7 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
             assert trainer.recv(timeout=300)[1] == [0]
         trainer.send("exit")
         assert trainer.recv(timeout=300) == ("closed",)  # its side first: this side's then flushes cleanly
-        del raw_buffer
+        raw_buffer = None  # its memory back before the export below (raw_round holds the name)
     from safetensors.torch import load_file, save_file
 
     state = load_file(str(work / "trained" / "model.safetensors"))
@@ -231,19 +238,47 @@ def run(size: str, rounds: int, out: Path, work: Path, pause_s: float = 0.0,
         if i:
             memcpy_s.append(time.perf_counter() - start)
     med = statistics.median
-    out.write_text(json.dumps({"size": size, "bytes": nbytes, "rounds": rounds, "sync_s": med(sync_s),
-                               "receive_s": med(receive_s), "prepare_s": med(prepare_s), "stall_s": med(stall_s),
-                               "generate_s": med(generate_s), "busy_sync_s": med(busy_s),
-                               "generations_during_sync": med(during),
-                               "disk_reload_s": med(disk_s), "disk_save_s": med(save_s),
-                               "gloo_broadcast_s": med(gloo_s), "memcpy_s": med(memcpy_s),
-                               "raw_ucx_s": med(ucx_s), "raw_ucx_apart_s": med(ucx_apart_s),
-                               "warmup_rounds": WARMUP, "pause_s": pause_s,
-                               "backends": list(backends or CONFIG.backends),
-                               "all": {"sync_s": sync_s, "prepare_s": prepare_s, "stall_s": stall_s, "busy_sync_s": busy_s,
-                                       "generations_during_sync": during, "disk_reload_s": disk_s}}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "size": size,
+                "bytes": nbytes,
+                "rounds": rounds,
+                "sync_s": med(sync_s),
+                "receive_s": med(receive_s),
+                "prepare_s": med(prepare_s),
+                "stall_s": med(stall_s),
+                "generate_s": med(generate_s),
+                "busy_sync_s": med(busy_s),
+                "generations_during_sync": med(during),
+                "disk_reload_s": med(disk_s),
+                "disk_save_s": med(save_s),
+                "gloo_broadcast_s": med(gloo_s),
+                "memcpy_s": med(memcpy_s),
+                "raw_ucx_s": med(ucx_s),
+                "raw_ucx_apart_s": med(ucx_apart_s),
+                "warmup_rounds": WARMUP,
+                "pause_s": pause_s,
+                "backends": list(backends or CONFIG.backends),
+                "all": {
+                    "sync_s": sync_s,
+                    "prepare_s": prepare_s,
+                    "stall_s": stall_s,
+                    "busy_sync_s": busy_s,
+                    "generations_during_sync": during,
+                    "disk_reload_s": disk_s,
+                },
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4]) if len(sys.argv) > 4 else 0.0,
-         tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else None)
+    main(
+        sys.argv[1],
+        int(sys.argv[2]),
+        Path(sys.argv[3]),
+        float(sys.argv[4]) if len(sys.argv) > 4 else 0.0,
+        tuple(sys.argv[5].split(",")) if len(sys.argv) > 5 else None,
+    )

@@ -24,10 +24,13 @@ _DONE = ".done"  # written by rank 0 once every rank's part is in: holds the sav
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--checkpoint-dir", type=Path,
-                        help="save a torch.distributed.checkpoint here every --checkpoint-every steps (a folder every "
-                             "host reaches) and start from the newest one (`replica coordinator --standbys 0 "
-                             "--resume-step STEP`: the checkpoint-restart baseline)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="save a torch.distributed.checkpoint here every --checkpoint-every steps (a folder every "
+        "host reaches) and start from the newest one (`replica coordinator --standbys 0 "
+        "--resume-step STEP`: the checkpoint-restart baseline)",
+    )
     parser.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints")
 
 
@@ -55,8 +58,15 @@ class Checkpoints:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: Mapping[str, object], *, rank: int) -> float:
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Mapping[str, object],
+        *,
+        rank: int,
+    ) -> float:
         """Save ``step`` (collective: every rank calls it); returns the seconds it took."""
         start = time.perf_counter()
         folder = self.root / str(step)
@@ -70,8 +80,15 @@ class Checkpoints:
             (folder / _DONE).write_text(f"{seconds!r}\n")
         return seconds
 
-    def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             extra: Mapping[str, object], *, rank: int) -> None:
+    def load(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Mapping[str, object],
+        *,
+        rank: int,
+    ) -> None:
         folder = self.root / str(step)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state = {"model": model_sd, "optim": optim_sd}
@@ -81,16 +98,24 @@ class Checkpoints:
         for name, obj in extra.items():
             obj.load_state_dict(saved[name])
 
-    def restore(self, job, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                extra: Mapping[str, object]) -> None:
+    def restore(
+        self, job, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, object]
+    ) -> None:
         """A trainer of a ``replica.roles`` job: load the newest checkpoint, if any, and tell
         the job it starts after it (``job.restored``). Call before ``job.replicate``."""
         if job.role == Role.TRAINER and (last := self.newest()) is not None:
             self.load(last, model, optimizer, extra, rank=job.rank)
             job.restored(last)
 
-    def after(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              extra: Mapping[str, object], *, rank: int) -> None:
+    def after(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Mapping[str, object],
+        *,
+        rank: int,
+    ) -> None:
         """Save ``step`` when one is due (after its commit)."""
         if self.due(step):
             self.save(step, model, optimizer, extra, rank=rank)

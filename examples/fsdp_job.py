@@ -15,8 +15,16 @@ from torch import nn
 
 import replica
 
-__all__ = ["Job", "JobShape", "ShuffledLoader", "TinyLM", "build_job", "deterministic_cuda", "role_device",
-           "train_step"]
+__all__ = [
+    "Job",
+    "JobShape",
+    "ShuffledLoader",
+    "TinyLM",
+    "build_job",
+    "deterministic_cuda",
+    "role_device",
+    "train_step",
+]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -88,7 +96,7 @@ class ShuffledLoader:
         step = self.shape.batch * self.world_size
         if self.position + step > self.shape.samples:
             self.epoch, self.position = self.epoch + 1, 0
-        ids = self._order()[self.position:self.position + step][self.rank::self.world_size]
+        ids = self._order()[self.position : self.position + step][self.rank :: self.world_size]
         self.position += step
         rows = self.data[ids]
         return rows[:, :-1], rows[:, 1:]
@@ -143,8 +151,9 @@ def role_device(kind: str) -> torch.device:
     return device
 
 
-def build_job(shape: JobShape, *, rank: int, world_size: int, fsdp: bool = True, seed: int = 0,
-              device: str | torch.device = "cpu") -> Job:
+def build_job(
+    shape: JobShape, *, rank: int, world_size: int, fsdp: bool = True, seed: int = 0, device: str | torch.device = "cpu"
+) -> Job:
     """The job's objects, freshly initialised on ``device``; sharded with FSDP2 over the
     default group when ``fsdp``."""
     device = torch.device(device)
@@ -164,8 +173,13 @@ def build_job(shape: JobShape, *, rank: int, world_size: int, fsdp: bool = True,
     # parameter and operation (most of a small job's optimizer step).
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=shape.total_steps)
-    return Job(model=model, optimizer=optimizer, scheduler=scheduler,
-               loader=ShuffledLoader(shape, rank=rank, world_size=world_size), device=device)
+    return Job(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loader=ShuffledLoader(shape, rank=rank, world_size=world_size),
+        device=device,
+    )
 
 
 def train_step(job: Job, *, before_backward=None) -> torch.Tensor:

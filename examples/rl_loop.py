@@ -19,10 +19,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from dcp_checkpoint import Checkpoints, add_arguments
 
 import replica
 import replica.roles
-from dcp_checkpoint import Checkpoints, add_arguments
 from replica.roles.env import Role
 from replica.roles.rollouts import Sampling
 
@@ -41,10 +41,19 @@ def build_policy():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=LAYERS, num_attention_heads=HIDDEN // 32, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HIDDEN // 32,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     return LlamaForCausalLM(config).to(torch.float32)
 
 
@@ -59,8 +68,17 @@ def make_engine():
 
     from replica.integrations.vllm.worker import EngineWeights
 
-    return LLM(model=str(folder), skip_tokenizer_init=True, dtype="float32", block_size=32, enforce_eager=True,
-               max_model_len=64, max_num_seqs=PROMPTS * GROUP, seed=0, **EngineWeights.ENGINE_ARGS)
+    return LLM(
+        model=str(folder),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=32,
+        enforce_eager=True,
+        max_model_len=64,
+        max_num_seqs=PROMPTS * GROUP,
+        seed=0,
+        **EngineWeights.ENGINE_ARGS,
+    )
 
 
 def prompts_of(step: int) -> list[list[int]]:
@@ -70,8 +88,8 @@ def prompts_of(step: int) -> list[list[int]]:
 
 def grpo_loss(model, prompts, completions, advantages) -> torch.Tensor:
     """-advantage x log-likelihood of each completion, averaged over tokens."""
-    ids = torch.tensor([p + c for p, c in zip(prompts, completions)])
-    logits = model(ids).logits[:, PROMPT_LEN - 1:-1].float()
+    ids = torch.tensor([p + c for p, c in zip(prompts, completions, strict=False)])
+    logits = model(ids).logits[:, PROMPT_LEN - 1 : -1].float()
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, PROMPT_LEN:, None]).squeeze(-1)
     return -(torch.tensor(advantages)[:, None] * logp).mean()
 
@@ -104,12 +122,13 @@ def main() -> None:
     for step in job.steps(total):
         rollouts.push(step)  # the weights after step - 1, into every engine, in place
         prompts = [p for p in prompts_of(step) for _ in range(GROUP)]
-        completions = rollouts.generate(prompts, Sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=step * 1000),
-                                        step=step)
+        completions = rollouts.generate(
+            prompts, Sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=step * 1000), step=step
+        )
         rewards = [sum(map(target, c)) / MAX_TOKENS for c in completions]
         advantages = []
         for g in range(0, len(rewards), GROUP):  # group-relative: each prompt's samples against each other
-            group = torch.tensor(rewards[g:g + GROUP])
+            group = torch.tensor(rewards[g : g + GROUP])
             advantages += ((group - group.mean()) / (group.std() + 1e-6)).tolist()
         mine = slice(job.rank, None, world)
         loss = grpo_loss(model, prompts[mine], completions[mine], advantages[mine])

@@ -23,11 +23,11 @@ import argparse
 import math
 
 import torch
+from fsdp_job import role_device  # beside this file
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import replica
 import replica.roles
-from fsdp_job import role_device  # beside this file
 
 VOCAB, SEQ = 256, 16
 
@@ -67,9 +67,18 @@ def build_model(device: torch.device, *, world_size: int, dropout: float, compil
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)  # the same initial weights on every rank
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                         attention_dropout=dropout, tie_word_embeddings=False, attn_implementation="eager")
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        attention_dropout=dropout,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     model = Qwen2ForCausalLM(config).to(device)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mesh = init_device_mesh(device.type, (world_size,))
@@ -92,13 +101,23 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch and rank")
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per optimizer step")
     parser.add_argument("--dropout", type=float, default=0.1, help="attention dropout")
-    parser.add_argument("--unmirrored-noise", action="store_true",
-                        help="plant a random draw outside the mirrored state (the divergence guard must catch it)")
-    parser.add_argument("--own-iterator", action="store_true",
-                        help="iterate the data loader directly, not through job.next_batch (against the README, but "
-                             "common): a redo after a failover takes other batches, and the divergence guard says so")
-    parser.add_argument("--compile", choices=("none", "layers", "model"), default="none",
-                        help="torch.compile each decoder layer, or the whole sharded model")
+    parser.add_argument(
+        "--unmirrored-noise",
+        action="store_true",
+        help="plant a random draw outside the mirrored state (the divergence guard must catch it)",
+    )
+    parser.add_argument(
+        "--own-iterator",
+        action="store_true",
+        help="iterate the data loader directly, not through job.next_batch (against the README, but "
+        "common): a redo after a failover takes other batches, and the divergence guard says so",
+    )
+    parser.add_argument(
+        "--compile",
+        choices=("none", "layers", "model"),
+        default="none",
+        help="torch.compile each decoder layer, or the whole sharded model",
+    )
     parser.add_argument("--no-warm-up", action="store_true", help="let a promoted standby compile in its failover")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -109,9 +128,11 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)  # as on GPUs
     warmup = max(1, total // 4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    loader = build_loader(args.loader, rank=job.rank, world_size=job.env.world_size, workers=args.workers,
-                          batch=args.batch)
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))
+    )
+    loader = build_loader(
+        args.loader, rank=job.rank, world_size=job.env.world_size, workers=args.workers, batch=args.batch
+    )
     job.replicate(model, optimizer, {"train": loader, "scheduler": scheduler, "rng": replica.RNGState()})
     noise = torch.Generator().manual_seed(99 + job.rank)  # not mirrored: only with --unmirrored-noise
 

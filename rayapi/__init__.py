@@ -22,9 +22,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("replica.ray needs Ray: pip install 'replica[ray]'") from exc
 
-from replica.ray.ray_agents import Placement, RayAgents
 from replica.ray.job import RayJob, RayJobConfig
 from replica.ray.launch import ray_agents, role_env_for_ray
+from replica.ray.ray_agents import Placement, RayAgents
 from replica.roles.rollouts import Rollouts, Sampling
 
 __all__ = ["Placement", "RayAgents", "RayJob", "RayJobConfig", "Rollouts", "Sampling", "ray_agents", "role_env_for_ray"]

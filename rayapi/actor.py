@@ -41,8 +41,11 @@ def unnice() -> int:
     try:
         os.setpriority(os.PRIO_PROCESS, 0, wanted)  # Linux: this thread; the role's process inherits it
     except PermissionError:
-        logger.warning("this role runs at Ray's worker niceness %d (raising it needs CAP_SYS_NICE): on a loaded "
-                       "machine start Ray with RAY_worker_niceness=0 in the environment of `ray start`", mine)
+        logger.warning(
+            "this role runs at Ray's worker niceness %d (raising it needs CAP_SYS_NICE): on a loaded "
+            "machine start Ray with RAY_worker_niceness=0 in the environment of `ray start`",
+            mine,
+        )
         return mine
     return wanted
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 from replica import envvars
 from replica.errors import JobLifecycleError, JobWaitTimeoutError
-from replica.session.backends import parse_backends
 from replica.jobstore import keys
-from replica.ray.ray_agents import Placement, RayAgents
 from replica.ray.launch import ray_agents
+from replica.ray.ray_agents import Placement, RayAgents
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership
 from replica.roles.env import HOST, Role, parse_faults, shared_domains_allowed
@@ -25,6 +24,7 @@ from replica.roles.rollouts import Rollouts, Sampling, request_rollouts
 from replica.roles.spares import SparePool
 from replica.roles.supervise import JobSpec, supervise
 from replica.roles.timing import Deadlines
+from replica.session.backends import parse_backends
 
 __all__ = ["RayJob", "RayJobConfig"]
 
@@ -67,10 +67,17 @@ class RayJobConfig:
         standbys = self.trainers if self.standbys is None else self.standbys
         if not self.script:
             raise ValueError("script: the user's script (and its arguments) is required")
-        if self.trainers < 1 or not 0 <= standbys <= self.trainers or self.rollouts < 0 or self.steps < 1 \
-                or self.spares < 0:
-            raise ValueError(f"need trainers >= 1, 0 <= standbys <= trainers, rollouts >= 0, steps >= 1, spares >= 0; "
-                             f"got {self.trainers}, {standbys}, {self.rollouts}, {self.steps}, {self.spares}")
+        if (
+            self.trainers < 1
+            or not 0 <= standbys <= self.trainers
+            or self.rollouts < 0
+            or self.steps < 1
+            or self.spares < 0
+        ):
+            raise ValueError(
+                f"need trainers >= 1, 0 <= standbys <= trainers, rollouts >= 0, steps >= 1, spares >= 0; "
+                f"got {self.trainers}, {standbys}, {self.rollouts}, {self.steps}, {self.spares}"
+            )
         parse_backends(self.backends)
         if any(f.role == HOST for f in parse_faults(self.inject)):
             raise ValueError("host faults are for `replica agent` hosts; on Ray, remove or kill a node instead")
@@ -102,25 +109,49 @@ class RayJob:
             raise JobLifecycleError("this RayJob was started already")
         c = self.config
         self.coordinator, env, self._leadership = open_job(
-            trainers=c.trainers, rollouts=c.rollouts, deadlines=c.deadlines, host=c.host, inject=c.inject,
-            steps=c.steps, mirror_device=c.mirror_device, export_dir=c.export_dir, store=c.store,
-            backends=c.backends, strict=c.strict, shared_domains=shared_domains_allowed(c.allow_shared_domain))
+            trainers=c.trainers,
+            rollouts=c.rollouts,
+            deadlines=c.deadlines,
+            host=c.host,
+            inject=c.inject,
+            steps=c.steps,
+            mirror_device=c.mirror_device,
+            export_dir=c.export_dir,
+            store=c.store,
+            backends=c.backends,
+            strict=c.strict,
+            shared_domains=shared_domains_allowed(c.allow_shared_domain),
+        )
         self._token = env[envvars.TOKEN].encode()  # the driver's requests reach the engines' desks with it
         try:
-            self.agents = ray_agents(address=c.address or "auto", placement=c.placement, script=list(c.script),
-                                     env=env, replacements=c.replacements, trainers=c.trainers, rollouts=c.rollouts,
-                                     standbys=self.standbys, members=self.coordinator.members_for_placement,
-                                     shared_domains=self.coordinator.shared_domains)
-            start_roles(self.coordinator, self.agents, trainers=c.trainers, standbys=self.standbys,
-                        rollouts=c.rollouts)
+            self.agents = ray_agents(
+                address=c.address or "auto",
+                placement=c.placement,
+                script=list(c.script),
+                env=env,
+                replacements=c.replacements,
+                trainers=c.trainers,
+                rollouts=c.rollouts,
+                standbys=self.standbys,
+                members=self.coordinator.members_for_placement,
+                shared_domains=self.coordinator.shared_domains,
+            )
+            start_roles(self.coordinator, self.agents, trainers=c.trainers, standbys=self.standbys, rollouts=c.rollouts)
             self.agents.wait_started(c.placement.start_timeout)
         except BaseException:
             self.shutdown()
             raise
-        spec = JobSpec(steps=c.steps, faults=parse_faults(c.inject), timeout=c.timeout, report=c.report,
-                       train_while_replacing=c.train_while_replacing, export_dir=c.export_dir)
-        self._thread = threading.Thread(target=self._supervise, args=(spec, self.coordinator, self.agents),
-                                        name="replica-coordinator", daemon=True)
+        spec = JobSpec(
+            steps=c.steps,
+            faults=parse_faults(c.inject),
+            timeout=c.timeout,
+            report=c.report,
+            train_while_replacing=c.train_while_replacing,
+            export_dir=c.export_dir,
+        )
+        self._thread = threading.Thread(
+            target=self._supervise, args=(spec, self.coordinator, self.agents), name="replica-coordinator", daemon=True
+        )
         self._thread.start()
 
     def _supervise(self, spec: JobSpec, coordinator: Coordinator, agents: RayAgents) -> None:
@@ -156,8 +187,14 @@ class RayJob:
         """The failovers so far: rank, generation, commit, reason and the timeline (ms)."""
         return [dataclasses.asdict(f) for f in self.coordinator.failovers] if self.coordinator else []
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sampling = Sampling(), *,
-                 num_shards: int | None = None, timeout: timedelta = timedelta(minutes=2)) -> Rollouts:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: Sampling = Sampling(),
+        *,
+        num_shards: int | None = None,
+        timeout: timedelta = timedelta(minutes=2),
+    ) -> Rollouts:
         """Completions (token ids) of ``prompts`` from the job's rollout engines, with the
         newest weights the trainers pushed (``Rollouts.versions`` says which, per prompt).
         The trainers push (``rollouts.push(step)`` in the script): the weights go from
@@ -168,8 +205,15 @@ class RayJob:
             raise JobLifecycleError("start() the job first")
         if self.config.rollouts < 1:
             raise ValueError("this job has no rollout engines (RayJobConfig.rollouts = 0)")
-        return request_rollouts(self.coordinator.store, prompts, sampling, timeout=timeout, token=self._token,
-                                num_shards=num_shards or self.config.rollouts, num_engines=self.config.rollouts)
+        return request_rollouts(
+            self.coordinator.store,
+            prompts,
+            sampling,
+            timeout=timeout,
+            token=self._token,
+            num_shards=num_shards or self.config.rollouts,
+            num_engines=self.config.rollouts,
+        )
 
     def weights_version(self) -> int | None:
         """The newest weight version every trainer pushed to the engines (None before the first)."""
@@ -202,4 +246,3 @@ class RayJob:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-

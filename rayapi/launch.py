@@ -44,13 +44,16 @@ def parse_placement(text: str) -> Placement:
         if role in spec:
             resources = spec[role]
             if not isinstance(resources, dict) or not all(
-                    isinstance(v, int | float) and v >= 0 for v in resources.values()):
+                isinstance(v, int | float) and v >= 0 for v in resources.values()
+            ):
                 raise ValueError(f"--ray-placement: {role} takes resource amounts >= 0, got {resources!r}")
             kwargs[role] = {str(k): float(v) for k, v in resources.items()}
     if "strategy" in spec:
         if spec["strategy"] not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(f"--ray-placement: strategy is one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD, got "
-                             f"{spec['strategy']!r}")
+            raise ValueError(
+                f"--ray-placement: strategy is one of PACK, SPREAD, STRICT_PACK, STRICT_SPREAD, got "
+                f"{spec['strategy']!r}"
+            )
         kwargs["strategy"] = spec["strategy"]
     for key, field in (("timeout_s", "timeout"), ("start_timeout_s", "start_timeout")):
         if key in spec:
@@ -64,9 +67,19 @@ def parse_placement(text: str) -> Placement:
     return Placement(**kwargs)
 
 
-def ray_agents(*, address: str, placement: str | Placement, script: list[str], env: dict[str, str],
-               replacements: int, trainers: int, rollouts: int, standbys: int,
-               members: Callable[[], list[tuple[str, int, str, str]]], shared_domains: bool = False) -> RayAgents:
+def ray_agents(
+    *,
+    address: str,
+    placement: str | Placement,
+    script: list[str],
+    env: dict[str, str],
+    replacements: int,
+    trainers: int,
+    rollouts: int,
+    standbys: int,
+    members: Callable[[], list[tuple[str, int, str, str]]],
+    shared_domains: bool = False,
+) -> RayAgents:
     """Connect to the Ray cluster at ``address`` and reserve the job's machines (PlacementError
     if it cannot within the placement's deadline). The script path is made absolute: every
     node must have it at that path (a shared folder, the image, or Ray's runtime_env)."""
@@ -75,8 +88,16 @@ def ray_agents(*, address: str, placement: str | Placement, script: list[str], e
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=True)
     script = [str(Path(script[0]).resolve()), *script[1:]]
-    agents = RayAgents(script=script, env=role_env_for_ray(env), replacements=replacements, placement=placement,
-                       trainers=trainers, rollouts=rollouts, standbys=standbys, members=members,
-                       shared_domains=shared_domains)
+    agents = RayAgents(
+        script=script,
+        env=role_env_for_ray(env),
+        replacements=replacements,
+        placement=placement,
+        trainers=trainers,
+        rollouts=rollouts,
+        standbys=standbys,
+        members=members,
+        shared_domains=shared_domains,
+    )
     agents.reserve()
     return agents

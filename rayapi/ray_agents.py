@@ -33,9 +33,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from replica.errors import PlacementError
 from replica.ray.actor import RoleProcess, node_domain, node_host_name
 from replica.roles.domains import pair_apart
-from replica.roles.remote_agents import kept_apart_from, replacement_site
 from replica.roles.env import Role, member_environ
 from replica.roles.probe import Verdict, by_host
+from replica.roles.remote_agents import kept_apart_from, replacement_site
 from replica.roles.spares import Replacements
 from replica.timing import Deadline
 
@@ -72,7 +72,8 @@ class Placement:
         """Bundles 0..trainers-1 for the trainers, then one per rollout machine."""
         machines = max(rollouts, standbys)
         return [dict(self.trainer) for _ in range(trainers)] + [
-            _plus(self.rollout if r < rollouts else {}, self.standby if r < standbys else {}) for r in range(machines)]
+            _plus(self.rollout if r < rollouts else {}, self.standby if r < standbys else {}) for r in range(machines)
+        ]
 
 
 def _plus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -82,8 +83,13 @@ def _plus(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
 def _actor_options(resources: dict[str, float]) -> dict:
     cpus, gpus = resources.get("CPU", 0.0), resources.get("GPU", 0.0)
     custom = {k: v for k, v in resources.items() if k not in ("CPU", "GPU")}
-    return {"num_cpus": cpus, "num_gpus": gpus, **({"resources": custom} if custom else {}), "max_concurrency": 1,
-            "max_restarts": 0}
+    return {
+        "num_cpus": cpus,
+        "num_gpus": gpus,
+        **({"resources": custom} if custom else {}),
+        "max_concurrency": 1,
+        "max_restarts": 0,
+    }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,9 +125,19 @@ class RayAgents:
     live members as (role, rank, host, domain), which say where trainers run now;
     ``shared_domains``: a standby may be placed in its trainer's failure domain."""
 
-    def __init__(self, *, script: list[str], env: dict[str, str], replacements: int, placement: Placement,
-                 trainers: int, rollouts: int, standbys: int,
-                 members: Callable[[], list[tuple[str, int, str, str]]], shared_domains: bool = False):
+    def __init__(
+        self,
+        *,
+        script: list[str],
+        env: dict[str, str],
+        replacements: int,
+        placement: Placement,
+        trainers: int,
+        rollouts: int,
+        standbys: int,
+        members: Callable[[], list[tuple[str, int, str, str]]],
+        shared_domains: bool = False,
+    ):
         self._script, self._env, self.placement = script, env, placement
         self._replacements = Replacements(replacements)
         # A site's failure domain is its node's (node_domain: the node, or its placement.domain_label
@@ -148,12 +164,17 @@ class RayAgents:
         if not self._pg.wait(int(self.placement.timeout.total_seconds())):
             remove_placement_group(self._pg)
             self._pg = None
-            nodes = [{k: v for k, v in n["Resources"].items() if not k.startswith(_BOOKKEEPING)}
-                     for n in ray.nodes() if n["Alive"]]
+            nodes = [
+                {k: v for k, v in n["Resources"].items() if not k.startswith(_BOOKKEEPING)}
+                for n in ray.nodes()
+                if n["Alive"]
+            ]
             raise PlacementError(
-                f"the Ray cluster cannot place the job within {self.placement.timeout.total_seconds():g} s: it asks for "
-                f"{len(bundles)} bundles {bundles} with strategy {self.placement.strategy} ({self._trainers} trainers, "
-                f"{max(self._rollouts, self._standbys)} rollout machines); the cluster's {len(nodes)} live nodes have {nodes}")
+                f"the Ray cluster cannot place the job within {self.placement.timeout.total_seconds():g} s: "
+                f"it asks for {len(bundles)} bundles {bundles} with strategy {self.placement.strategy} "
+                f"({self._trainers} trainers, {max(self._rollouts, self._standbys)} rollout machines); "
+                f"the cluster's {len(nodes)} live nodes have {nodes}"
+            )
         if not self._shared_domains:
             self._pair_apart(self._pg)
 
@@ -164,8 +185,8 @@ class RayAgents:
         alive = {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
         nodes = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
         domain = [self._domain(nodes.get(b, ""), alive) for b in range(self._trainers + self._standbys)]
-        trainers, sites = domain[:self._trainers], domain[self._trainers:]
-        paired = pair_apart(trainers[:self._standbys], sites)
+        trainers, sites = domain[: self._trainers], domain[self._trainers :]
+        paired = pair_apart(trainers[: self._standbys], sites)
         if paired is None:
             remove_placement_group(pg)
             self._pg = None
@@ -173,7 +194,8 @@ class RayAgents:
                 f"no standby can be kept out of its trainer's failure domain: the job's machines are in "
                 f"{', '.join(f'trainer {r}: {d}' for r, d in enumerate(trainers))}; standbys' machines: "
                 f"{', '.join(sites)} (a domain is a node, or its Ray label placement.domain_label="
-                f"{self.placement.domain_label!r}); add nodes in other domains, or allow it (--allow-shared-domain)")
+                f"{self.placement.domain_label!r}); add nodes in other domains, or allow it (--allow-shared-domain)"
+            )
         self._standby_site = paired
 
     def _domain(self, node: str, alive: dict[str, dict]) -> str:
@@ -184,8 +206,11 @@ class RayAgents:
         """A role in its bundle (after ``reserve``): trainer r in bundle r, rollout and standby r
         in bundle trainers + r (standby r in the one ``reserve`` paired it with: outside its
         trainer's failure domain). Replacements: ``_replace``."""
-        resources = {Role.TRAINER: self.placement.trainer, Role.ROLLOUT: self.placement.rollout,
-                     Role.STANDBY: self.placement.standby}[Role(role)]
+        resources = {
+            Role.TRAINER: self.placement.trainer,
+            Role.ROLLOUT: self.placement.rollout,
+            Role.STANDBY: self.placement.standby,
+        }[Role(role)]
         self._launch(role, rank, resources, self._own_bundle(Role(role), rank))
 
     def _own_bundle(self, role: Role, rank: int) -> int | None:
@@ -196,8 +221,17 @@ class RayAgents:
             return rank
         return self._trainers + (self._standby_site[rank] if role == Role.STANDBY else rank)
 
-    def _launch(self, role: Role, rank: int, resources: dict[str, float], bundle: int | None,
-                node: str | None = None, *, started: float | None = None, spare: int | None = None) -> None:
+    def _launch(
+        self,
+        role: Role,
+        rank: int,
+        resources: dict[str, float],
+        bundle: int | None,
+        node: str | None = None,
+        *,
+        started: float | None = None,
+        spare: int | None = None,
+    ) -> None:
         """An actor in ``bundle`` of the job's placement group, or (None) pinned to ``node``;
         ``started``: a replacement's first try (its start timeout counts from there)."""
         if bundle is not None:
@@ -212,8 +246,16 @@ class RayAgents:
         # cast: ray types what .remote() returns as ActorHandle | type[RoleProcess] (so that the class's
         # methods have types); it is the actor's handle
         handle = cast(ActorHandle[RoleProcess], actor_class.remote(self._script, env, self.placement.domain_label))
-        actor = _Actor(role=Role(role), rank=rank, handle=handle, resources=resources, bundle=bundle,
-                       started=started or time.monotonic(), replacement=started is not None, spare=spare)
+        actor = _Actor(
+            role=Role(role),
+            rank=rank,
+            handle=handle,
+            resources=resources,
+            bundle=bundle,
+            started=started or time.monotonic(),
+            replacement=started is not None,
+            spare=spare,
+        )
         self._actors.append(actor)
         self._calls[handle.where.remote()] = actor
 
@@ -234,8 +276,10 @@ class RayAgents:
         due = [a for when, a in self._retries if when.at <= now]
         self._retries = [(when, a) for when, a in self._retries if when.at > now]
         for actor in due:
-            if (not self._place(actor.role, actor.rank, actor.resources, first_try=actor.started, spare=actor.spare)
-                    and now - actor.started < self.placement.start_timeout.total_seconds()):
+            if (
+                not self._place(actor.role, actor.rank, actor.resources, first_try=actor.started, spare=actor.spare)
+                and now - actor.started < self.placement.start_timeout.total_seconds()
+            ):
                 # nowhere yet: a lost node's bundle may move
                 self._retries.append((Deadline(now) + _RETRY_AFTER, actor))
         return gone
@@ -258,16 +302,25 @@ class RayAgents:
                 continue
             except RayActorError as exc:
                 actor.code = -9
-                if actor.pid is None and actor.replacement and now - actor.started < self.placement.start_timeout.total_seconds():
+                if (
+                    actor.pid is None
+                    and actor.replacement
+                    and now - actor.started < self.placement.start_timeout.total_seconds()
+                ):
                     # placed on a node that was dying (Ray had not declared it dead yet): place it again
-                    logger.warning("the new %s %d's actor died before its role started (%s): placing it again",
-                                   actor.role, actor.rank, type(exc).__name__)
+                    logger.warning(
+                        "the new %s %d's actor died before its role started (%s): placing it again",
+                        actor.role,
+                        actor.rank,
+                        type(exc).__name__,
+                    )
                     self._retries.append((Deadline(now) + _RETRY_AFTER, actor))
                 elif actor.pid is None:
                     logger.error("%s %d's actor died before its role started: %s", actor.role, actor.rank, exc)
                 else:
-                    logger.warning("%s %d's actor died (%s): reported as its exit", actor.role, actor.rank,
-                                   type(exc).__name__)
+                    logger.warning(
+                        "%s %d's actor died (%s): reported as its exit", actor.role, actor.rank, type(exc).__name__
+                    )
                     gone.append((actor.pid, -9, actor.host))
                 continue
             actor.unavailable_since = None
@@ -281,9 +334,17 @@ class RayAgents:
                 continue
             self._ask(actor)
         for actor in self._actors:  # an actor never placed (a replacement with nowhere to go) is given up
-            if actor.pid is None and actor.code is None and now - actor.started > self.placement.start_timeout.total_seconds():
-                logger.error("%s %d could not be started within %g s: given up", actor.role, actor.rank,
-                             self.placement.start_timeout.total_seconds())
+            if (
+                actor.pid is None
+                and actor.code is None
+                and now - actor.started > self.placement.start_timeout.total_seconds()
+            ):
+                logger.error(
+                    "%s %d could not be started within %g s: given up",
+                    actor.role,
+                    actor.rank,
+                    self.placement.start_timeout.total_seconds(),
+                )
                 actor.code = -1
                 ray.kill(actor.handle, no_restart=True)
                 self._calls = {r: a for r, a in self._calls.items() if a is not actor}
@@ -318,8 +379,9 @@ class RayAgents:
     def spare_of(self, pid: int, host: str | None = None) -> int | None:
         return next((a.spare for a in self._actors if a.pid == pid and (host is None or a.host == host)), None)
 
-    def _place(self, role: Role, rank: int, resources: dict[str, float], *, first_try: float,
-               spare: int | None = None) -> bool:
+    def _place(
+        self, role: Role, rank: int, resources: dict[str, float], *, first_try: float, spare: int | None = None
+    ) -> bool:
         """Start a replacement where ``_bundle_for``/``_node_for`` say, on a node Ray has not
         declared dead and where none of the job's actors is unreachable now."""
         suspect = {a.node for a in self._actors if a.unavailable_since is not None and a.code is None}
@@ -335,13 +397,21 @@ class RayAgents:
             bundle = self._bundle_for(own, resources, alive, set())
             node = self._node_for(resources, alive, set()) if bundle is None else None
             if bundle is not None or node is not None:
-                logger.warning("no live Ray node without a trainer has room for a new %s %d: it shares a trainer's "
-                               "node (placement strategy %s), and does not survive that node's loss",
-                               role, rank, self.placement.strategy)
+                logger.warning(
+                    "no live Ray node without a trainer has room for a new %s %d: it shares a trainer's "
+                    "node (placement strategy %s), and does not survive that node's loss",
+                    role,
+                    rank,
+                    self.placement.strategy,
+                )
         if bundle is None and node is None:  # a spare is asked for again later: said once, by its pool
-            logger.log(logging.ERROR if spare is None else logging.DEBUG,
-                       "no live Ray node without a trainer has room for a new %s %d (%s): it is not started",
-                       role, rank, resources)
+            logger.log(
+                logging.ERROR if spare is None else logging.DEBUG,
+                "no live Ray node without a trainer has room for a new %s %d (%s): it is not started",
+                role,
+                rank,
+                resources,
+            )
             return False
         if bundle is not None:
             where = f"in bundle {bundle} of the job's placement group"
@@ -359,13 +429,22 @@ class RayAgents:
         for a in self._actors:
             if a.holds_share and a.node:
                 load[a.node] = load.get(a.node, 0) + 1
-        fits = [n for n, info in alive.items()
-                if all(info["Resources"].get(k, 0.0) >= v for k, v in resources.items() if v > 0)]
-        return replacement_site(fits, domain=lambda n: self._domain(n, alive), trainer_domains=trainer_domains,
-                                load=lambda n: load.get(n, 0), order=lambda n: n)
+        fits = [
+            n
+            for n, info in alive.items()
+            if all(info["Resources"].get(k, 0.0) >= v for k, v in resources.items() if v > 0)
+        ]
+        return replacement_site(
+            fits,
+            domain=lambda n: self._domain(n, alive),
+            trainer_domains=trainer_domains,
+            load=lambda n: load.get(n, 0),
+            order=lambda n: n,
+        )
 
-    def _bundle_for(self, own: int | None, resources: dict[str, float], alive: dict[str, dict],
-                    trainer_domains: set[str]) -> int | None:
+    def _bundle_for(
+        self, own: int | None, resources: dict[str, float], alive: dict[str, dict], trainer_domains: set[str]
+    ) -> int | None:
         """A bundle with room for ``resources`` (its capacity less its live actors') on a live node
         in no trainer's failure domain now: the role's ``own`` first, else the least loaded."""
         capacity = self.placement.bundles(trainers=self._trainers, rollouts=self._rollouts, standbys=self._standbys)
@@ -382,9 +461,13 @@ class RayAgents:
         # on a live node (a lost node's bundle waits for Ray to move it) with room, without a trainer;
         # the role's own bundle ranks first
         fits = [b for b in range(len(capacity)) if nodes.get(b) in alive and room(b)]
-        return replacement_site(fits, domain=lambda b: self._domain(nodes[b], alive), trainer_domains=trainer_domains,
-                                load=lambda b: -1 if b == own else sum(1 for a in live if a.bundle == b),
-                                order=lambda b: b)
+        return replacement_site(
+            fits,
+            domain=lambda b: self._domain(nodes[b], alive),
+            trainer_domains=trainer_domains,
+            load=lambda b: -1 if b == own else sum(1 for a in live if a.bundle == b),
+            order=lambda b: b,
+        )
 
     def kill(self, pid: int, host: str | None = None) -> None:
         for actor in self._actors:
@@ -401,14 +484,17 @@ class RayAgents:
             self._next_nodes_read = Deadline(now) + _NODES_EVERY
             self._dead_nodes = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
         silent = {node_host_name(n) for n in self._dead_nodes}
-        silent |= {a.host for a in self._actors if a.host and a.unavailable_since is not None
-                   and now - a.unavailable_since > longer_than.total_seconds()}
+        silent |= {
+            a.host
+            for a in self._actors
+            if a.host and a.unavailable_since is not None and now - a.unavailable_since > longer_than.total_seconds()
+        }
         return silent
 
     def running(self, pids: set[int]) -> bool:
         return any(a.code is None for a in self._actors if a.pid in pids)
 
-    def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:  # noqa: ARG002 - nodes only
+    def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:
         return by_host(host or "", self.silent_hosts(_NODE_SILENCE))
 
     # --- the end ---
@@ -437,10 +523,14 @@ class RayAgents:
     def nodes(self) -> dict[str, str]:
         """Where each role runs: ``"trainer 0"`` -> Ray node id (live roles; a spare standby,
         bound to a rank or not, is ``"spare N"``)."""
-        return {f"spare {a.spare}" if a.spare is not None else f"{a.role} {a.rank}": a.node
-                for a in self._actors if a.code is None and a.node}
+        return {
+            f"spare {a.spare}" if a.spare is not None else f"{a.role} {a.rank}": a.node
+            for a in self._actors
+            if a.code is None and a.node
+        }
 
     def actor(self, role: Role | str, rank: int):
         """The live actor handle of a role (None if it has none)."""
-        return next((a.handle for a in reversed(self._actors) if a.role == role and a.rank == rank and a.code is None),
-                    None)
+        return next(
+            (a.handle for a in reversed(self._actors) if a.role == role and a.rank == rank and a.code is None), None
+        )

@@ -53,9 +53,24 @@ _LAZY: dict[str, str] = {
 
 # The lazy names, __version__ and the typed errors, in forms type checkers read (a call such as
 # sorted() hides the names from them), then sorted in place.
-__all__ = ["Batches", "Config", "Mirror", "RNGState", "Replicator", "ResilientProcessGroup", "Snapshot", "StateLayout",
-           "WeightReceiver", "WeightSync", "fetch_mirror", "init_resilient_process_group", "load_export", "ops",
-           "restore_snapshot", "__version__"]
+__all__ = [
+    "Batches",
+    "Config",
+    "Mirror",
+    "RNGState",
+    "Replicator",
+    "ResilientProcessGroup",
+    "Snapshot",
+    "StateLayout",
+    "WeightReceiver",
+    "WeightSync",
+    "fetch_mirror",
+    "init_resilient_process_group",
+    "load_export",
+    "ops",
+    "restore_snapshot",
+    "__version__",
+]
 __all__ += errors.__all__
 __all__[:] = sorted(__all__)
 

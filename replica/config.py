@@ -91,10 +91,15 @@ class Config:
         if not isinstance(self.token, bytes) or not self.token:
             raise ValueError("token must be non-empty bytes (the job's secret)")
         if self.bucket_bytes is not None and (
-                isinstance(self.bucket_bytes, bool) or not isinstance(self.bucket_bytes, int)
-                or self.bucket_bytes <= 0 or self.bucket_bytes % ALIGNMENT):
-            raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGNMENT} (or None: by the state's "
-                             f"device), got {self.bucket_bytes!r}")
+            isinstance(self.bucket_bytes, bool)
+            or not isinstance(self.bucket_bytes, int)
+            or self.bucket_bytes <= 0
+            or self.bucket_bytes % ALIGNMENT
+        ):
+            raise ValueError(
+                f"bucket_bytes must be a positive multiple of {ALIGNMENT} (or None: by the state's "
+                f"device), got {self.bucket_bytes!r}"
+            )
         if self.extras_capacity < 64:
             raise ValueError(f"extras_capacity must be >= 64, got {self.extras_capacity}")
         if self.num_inflight_buckets < 1:
@@ -107,8 +112,10 @@ class Config:
         if not isinstance(self.standby_wait, timedelta) or self.standby_wait < timedelta(0):
             raise ValueError(f"standby_wait must be a non-negative datetime.timedelta, got {self.standby_wait!r}")
         if not isinstance(self.scrub_interval, timedelta) or self.scrub_interval < timedelta(0):
-            raise ValueError(f"scrub_interval must be a non-negative datetime.timedelta (0 disables the scrub), "
-                             f"got {self.scrub_interval!r}")
+            raise ValueError(
+                f"scrub_interval must be a non-negative datetime.timedelta (0 disables the scrub), "
+                f"got {self.scrub_interval!r}"
+            )
         for name in ("timeout", "commit_timeout"):
             value = getattr(self, name)
             if not isinstance(value, timedelta) or value <= timedelta(0):

@@ -14,7 +14,8 @@ The checksum: for each 8-byte little-endian word ``w_i`` of the buffer (``i``
 counted from the buffer's start, the last word zero-padded),
 ``t_i = mix(w_i ^ (i + 1) * K)`` (``i`` starts at ``word_offset``, 0 unless
 given: a bucket at byte offset ``o`` of a larger buffer, hashed alone with
-``word_offset = o // 8``, gets the digest its block of the whole buffer has) where ``mix`` is the splitmix64 finalizer (a
+``word_offset = o // 8``, gets the digest its block of the whole buffer has) where ``mix`` is the
+splitmix64 finalizer (a
 bijection on 64-bit integers); a block's digest is
 ``mix(sum(t_i) ^ len_bytes * L)`` with wrapping 64-bit arithmetic. Why this
 one: because ``t_i`` is a bijection of ``w_i``, any error confined to a single
@@ -65,9 +66,7 @@ ALIGNMENT = 64
 ShapeCheck = _C.ShapeCheck
 
 
-def aligned_offsets(
-    tensors: Sequence[torch.Tensor], alignment: int = ALIGNMENT
-) -> tuple[list[int], int]:
+def aligned_offsets(tensors: Sequence[torch.Tensor], alignment: int = ALIGNMENT) -> tuple[list[int], int]:
     """Byte offsets that lay ``tensors`` out back to back, each aligned, and the total size."""
     if alignment <= 0 or alignment % ALIGNMENT:
         raise ValueError(f"alignment must be a positive multiple of {ALIGNMENT}, got {alignment}")
@@ -109,8 +108,9 @@ def checksum(buf: torch.Tensor, block_bytes: int, word_offset: int = 0, *, threa
     return _C.checksum(buf, block_bytes, word_offset, threads or 0)  # the same op, without holding the GIL
 
 
-def pack_checksum(srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int], block_bytes: int,
-                  word_offset: int = 0) -> torch.Tensor:
+def pack_checksum(
+    srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int], block_bytes: int, word_offset: int = 0
+) -> torch.Tensor:
     """``pack(srcs, out, offsets)``, returning ``checksum(out, block_bytes, word_offset)``
     of the result (bit for bit), from one pass over the bytes. Bytes of ``out`` that
     no source covers (alignment gaps, the tail) are hashed as they are."""
@@ -144,9 +144,7 @@ def _check_devices(tensors, buffer, list_name: str, buf_name: str) -> None:
         raise RuntimeError(f"replica: {buf_name} must be a uint8 tensor, got {buffer.dtype}")
     for i, t in enumerate(tensors):
         if t.device != buffer.device:
-            raise RuntimeError(
-                f"replica: {list_name}[{i}] is on {t.device} but {buf_name} is on {buffer.device}"
-            )
+            raise RuntimeError(f"replica: {list_name}[{i}] is on {t.device} but {buf_name} is on {buffer.device}")
 
 
 @torch.library.register_fake("replica::pack")
@@ -238,8 +236,9 @@ def reference_checksum(buf: torch.Tensor, block_bytes: int, word_offset: int = 0
     return _mix(sums ^ (lengths * _LENGTH_KEY)).to(buf.device)
 
 
-def reference_pack_checksum(srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int],
-                            block_bytes: int, word_offset: int = 0) -> torch.Tensor:
+def reference_pack_checksum(
+    srcs: Sequence[torch.Tensor], out: torch.Tensor, offsets: Sequence[int], block_bytes: int, word_offset: int = 0
+) -> torch.Tensor:
     reference_pack(srcs, out, offsets)
     return reference_checksum(out, block_bytes, word_offset)
 

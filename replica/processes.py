@@ -25,8 +25,6 @@ import atexit
 import contextlib
 import ctypes
 import multiprocessing as mp
-from multiprocessing import process as mp_process
-from multiprocessing import reduction
 import os
 import runpy
 import signal
@@ -35,6 +33,8 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass
+from multiprocessing import process as mp_process
+from multiprocessing import reduction
 from typing import Protocol, cast
 
 __all__ = ["Inherited", "PRELOAD", "SERVER", "ScriptProcess", "environ_now", "start_script", "start_server"]
@@ -42,8 +42,17 @@ __all__ = ["Inherited", "PRELOAD", "SERVER", "ScriptProcess", "environ_now", "st
 # What the roles and users' scripts import: torch._dynamo is imported lazily by FSDP2's first
 # fully_shard (a third of a small job's CPU when each child imported it); a module that is not
 # installed is skipped (multiprocessing's fork server ignores an ImportError of its preload).
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo",
-           "torch.distributed.checkpoint", "numpy", "ucxx", "replica"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "numpy",
+    "ucxx",
+    "replica",
+]
 SERVER = mp.get_context("forkserver")
 SERVER.set_forkserver_preload(PRELOAD)
 
@@ -99,8 +108,9 @@ class Inherited:
     @staticmethod
     def here(environ: dict[str, str] | None = None) -> Inherited:
         """This process's working directory and import path, and ``environ`` (default: its own)."""
-        return Inherited(environ=environ_now() if environ is None else dict(environ), cwd=os.getcwd(),
-                         path=list(sys.path))
+        return Inherited(
+            environ=environ_now() if environ is None else dict(environ), cwd=os.getcwd(), path=list(sys.path)
+        )
 
     def enter(self) -> None:
         os.environ.clear()
@@ -151,6 +161,7 @@ def start_server() -> bool:
                 pass
             except BaseException:  # noqa: BLE001 - said, and the server ends; its clients' starts fail
                 import traceback
+
                 traceback.print_exc()
                 status = 1
             finally:
@@ -167,14 +178,23 @@ def _die_with_parent() -> None:
     # The server exits once no client holds its liveness pipe; multiprocessing hands each child
     # a copy (for children of its own), which would keep the server up after the parent died.
     from multiprocessing import forkserver
+
     server = cast(_ForkServerState, forkserver._forkserver)
     if server._forkserver_alive_fd is not None:
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None  # a child of this child starts a server of its own
     if not sys.platform.startswith("linux"):
         return
-    if _libc().prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL), ctypes.c_ulong(0),
-                     ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:
+    if (
+        _libc().prctl(
+            ctypes.c_int(_PR_SET_PDEATHSIG),
+            ctypes.c_ulong(signal.SIGKILL),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        )
+        != 0
+    ):
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     parent = mp.parent_process()
     if parent is not None and not parent.is_alive():
@@ -192,8 +212,13 @@ def _as_a_fresh_interpreter() -> None:
 
 def _set_name(name: str) -> None:
     if sys.platform.startswith("linux"):
-        _libc().prctl(ctypes.c_int(_PR_SET_NAME), ctypes.c_char_p(name.encode()[:_NAME_BYTES]), ctypes.c_ulong(0),
-                      ctypes.c_ulong(0), ctypes.c_ulong(0))
+        _libc().prctl(
+            ctypes.c_int(_PR_SET_NAME),
+            ctypes.c_char_p(name.encode()[:_NAME_BYTES]),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+            ctypes.c_ulong(0),
+        )
 
 
 def _exit_status(exc: SystemExit) -> int:
@@ -216,10 +241,8 @@ def _finish(status: int) -> None:
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:  # a closed or broken stream: nothing more can be said
-                pass
         os._exit(status)
 
 
@@ -239,7 +262,7 @@ def _run_script(inherited: Inherited, argv: list[str], name: str, stdout, stderr
         status = 0
     except SystemExit as exc:
         status = _exit_status(exc)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - the script's own failure, said as the interpreter says it
         sys.excepthook(type(exc), exc, _from_script(exc.__traceback__, argv[0]))
         status = 1
     _finish(status)
@@ -329,8 +352,9 @@ def start_script(argv: list[str], *, env: dict[str, str], name: str) -> ScriptPr
         raise FileNotFoundError(f"no script at {argv[0]!r}")
     # not daemonic: a daemonic process may not start processes (a DataLoader's workers)
     std = (_SentFd(sys.stdout.fileno()), _SentFd(sys.stderr.fileno()))
-    process = SERVER.Process(target=_run_script, args=(Inherited.here(env), list(argv), name, *std), name=name,
-                             daemon=False)
+    process = SERVER.Process(
+        target=_run_script, args=(Inherited.here(env), list(argv), name, *std), name=name, daemon=False
+    )
     process.start()
     # Not joined by multiprocessing at this process's exit, as a daemonic one would not be: a
     # parent that ends without stopping it ends it (the server goes, and the signal comes).

@@ -15,7 +15,6 @@ from replica.roles.generations import Generations
 from replica.roles.join import JoinRequest, answer, pending_requests, refuse_unsigned
 from replica.roles.members import Member, Members
 
-
 __all__ = ["Admission"]
 
 logger = logging.getLogger(__name__)
@@ -30,9 +29,20 @@ class Admission:
     Decides who joins and who is refused, and why: a newcomer becomes a ``Member`` of the
     table with the current generation; a trainer joins only until the job has started."""
 
-    def __init__(self, *, store: JobStore, token: bytes, members: Members, generations: Generations,
-                 world_size: int, rollouts: int, shared_domains: bool, lost_reports: Callable[[], dict[int, int]],
-                 last_commit: Callable[[], int | None], finished: Callable[[], bool]):
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        token: bytes,
+        members: Members,
+        generations: Generations,
+        world_size: int,
+        rollouts: int,
+        shared_domains: bool,
+        lost_reports: Callable[[], dict[int, int]],
+        last_commit: Callable[[], int | None],
+        finished: Callable[[], bool],
+    ):
         """``token``: the job's, which every request is signed under; ``generations``: the
         number a newcomer joins in, published again when trainers join; ``lost_reports``: each
         rank's transport reports (a newcomer's count from there); ``last_commit``: the job's last
@@ -80,10 +90,19 @@ class Admission:
                 continue
             self._nonces.add(request.nonce)
             now = time.time()
-            member = Member(id=seq, role=Role(request.role), rank=request.rank, host=request.host, pid=request.pid,
-                            domain=request.domain,
-                            generation=self._generations.number, joined_at=now, since=now, beat_at=now,
-                            lost_base=lost.get(request.rank, 0))
+            member = Member(
+                id=seq,
+                role=Role(request.role),
+                rank=request.rank,
+                host=request.host,
+                pid=request.pid,
+                domain=request.domain,
+                generation=self._generations.number,
+                joined_at=now,
+                since=now,
+                beat_at=now,
+                lost_base=lost.get(request.rank, 0),
+            )
             # Its heartbeat key exists from now on (unless it beat already): the read of every
             # beat in one request finds them all.
             self._store.compare_set(keys.heartbeat(member.id), None, Heartbeat(member=member.id, beat=0))
@@ -106,11 +125,12 @@ class Admission:
         published) are answered; one its predecessor admitted but did not answer is answered now,
         and a replay of any stays refused. The job has started if it committed or every rank's
         trainer is among them."""
-        self.started = self._last_commit() is not None or {
-            m.rank for m in members if m.role == Role.TRAINER} >= set(range(self._world_size))
+        self.started = self._last_commit() is not None or {m.rank for m in members if m.role == Role.TRAINER} >= set(
+            range(self._world_size)
+        )
         requests = self._store.read_raw_many([self._store.full(keys.join_request(m.id)) for m in members])
         replies = self._store.get_many([keys.join_reply(m.id) for m in members])
-        for member, request, reply in zip(members, requests, replies):
+        for member, request, reply in zip(members, requests, replies, strict=False):
             self._seen = max(self._seen, member.id)
             if request is None:
                 continue
@@ -137,8 +157,10 @@ class Admission:
         if finished:
             return f"{who}: the job is over"
         if request.role == Role.TRAINER and self.started:
-            return (f"{who}: the job is running (generation {self._generations.number}); a trainer cannot join late, "
-                    f"start a standby for its rank instead")
+            return (
+                f"{who}: the job is running (generation {self._generations.number}); a trainer cannot join late, "
+                f"start a standby for its rank instead"
+            )
         if (request.role, request.rank) in live:
             holder = self._members.live(request.role, request.rank)
             return f"{who}: rank {request.rank} already has a live {request.role}, {holder}"
@@ -152,9 +174,11 @@ class Admission:
         other = self._members.live(Role.STANDBY if request.role == Role.TRAINER else Role.TRAINER, request.rank)
         if other is None or other.domain != request.domain:
             return None
-        reason = (f"{who} is in failure domain {request.domain!r}, as {other} is: losing it would lose both copies of "
-                  f"rank {request.rank}; place standbys on other hosts (or set REPLICA_DOMAIN), or pass "
-                  "--allow-shared-domain")
+        reason = (
+            f"{who} is in failure domain {request.domain!r}, as {other} is: losing it would lose both copies of "
+            f"rank {request.rank}; place standbys on other hosts (or set REPLICA_DOMAIN), or pass "
+            "--allow-shared-domain"
+        )
         if self._last_commit() is None and self.misplaced is None:
             self.misplaced = (request.rank, reason)
         return reason

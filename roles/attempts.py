@@ -50,20 +50,26 @@ def announce(store: JobStore, attempt: Attempt) -> None:
     store.put(keys.attempt(), attempt)
 
 
-def ended_attempt(store: JobStore, *, world_size: int, steps: int, faults: Sequence[str], version: int,
-                  reason: str | None) -> tuple[dict, dict]:
+def ended_attempt(
+    store: JobStore, *, world_size: int, steps: int, faults: Sequence[str], version: int, reason: str | None
+) -> tuple[dict, dict]:
     """What the job's report keeps of an attempt (``store``: at its prefix) that went back to the
     floor's version of step ``version`` (``reason``: why): its entry among the restarts, and what
     its roles recorded (``report.logged``: the steps it ran that the next attempt does not run
     again, the faults that fired in it)."""
     report = logged(store, world_size=world_size, steps=steps, faults=list(faults))
-    entry = {"reason": reason, "faults_fired": [f["fault"] for f in report["faults"] if f["fired_at"] is not None],
-             "resumed_from_floor": version, "lost_commit": CommitRecord(store, world_size=world_size).last()}
+    entry = {
+        "reason": reason,
+        "faults_fired": [f["fault"] for f in report["faults"] if f["fired_at"] is not None],
+        "resumed_from_floor": version,
+        "lost_commit": CommitRecord(store, world_size=world_size).last(),
+    }
     return entry, report
 
 
-def earlier_attempts(store: JobStore, number: int, *, world_size: int, steps: int,
-                     faults: Sequence[str]) -> tuple[list[dict], list[dict]]:
+def earlier_attempts(
+    store: JobStore, number: int, *, world_size: int, steps: int, faults: Sequence[str]
+) -> tuple[list[dict], list[dict]]:
     """``ended_attempt`` of each attempt before ``number`` (``store``: at the job's own prefix),
     from what it left in the store and how the attempt after it began (``announce``): their
     entries among the restarts, the oldest first, and their records, the newest first (as
@@ -73,8 +79,14 @@ def earlier_attempts(store: JobStore, number: int, *, world_size: int, steps: in
         began = store.attempt(ended + 1).get(keys.attempt())
         if began is None:  # announce() wrote it before that attempt began
             raise JobStateError(f"attempt {ended + 1} has no (verified) record of how it began")
-        entry, report = ended_attempt(store.attempt(ended), world_size=world_size, steps=steps, faults=faults,
-                                      version=began.step, reason=began.reason)
+        entry, report = ended_attempt(
+            store.attempt(ended),
+            world_size=world_size,
+            steps=steps,
+            faults=faults,
+            version=began.step,
+            reason=began.reason,
+        )
         restarts.append(entry)
         earlier.insert(0, report)
     return restarts, earlier
@@ -91,14 +103,17 @@ def last_placement(members: Iterable[Member], *, standbys: int) -> dict[tuple[Ro
             continue
         key = (Role(member.role), member.rank)
         old = chosen.get(key)
-        if old is None or (member.state == MemberState.ALIVE, member.since) > (old.state == MemberState.ALIVE,
-                                                                                old.since):
+        if old is None or (member.state == MemberState.ALIVE, member.since) > (
+            old.state == MemberState.ALIVE,
+            old.since,
+        ):
             chosen[key] = member
     return {(Role.STANDBY, rank): "" for rank in range(standbys)} | {key: m.host for key, m in chosen.items()}
 
 
-def place(last: dict[tuple[Role, int], str], live: Sequence[AgentInfo], *,
-          shared_domains: bool) -> tuple[list[Placed], list[tuple[Role, int]]]:
+def place(
+    last: dict[tuple[Role, int], str], live: Sequence[AgentInfo], *, shared_domains: bool
+) -> tuple[list[Placed], list[tuple[Role, int]]]:
     """Every role of ``last`` on one of the ``live`` agents (the module says how), in the order to
     start them; and the roles no live agent can take."""
     by_host = {info.host: info for info in live}
@@ -111,10 +126,18 @@ def place(last: dict[tuple[Role, int], str], live: Sequence[AgentInfo], *,
 
     for role, rank in sorted(set(last) - set(placed), key=lambda key: (-_START_ORDER[key[0]], key[1])):
         partner = _PARTNER.get(role)
-        apart = {domain(placed[(partner, rank)])} if partner is not None and not shared_domains \
-            and (partner, rank) in placed else set()
-        site = replacement_site(live, domain=domain, trainer_domains=apart, load=lambda info: load[info.index],
-                                order=lambda info: info.index)
+        apart = (
+            {domain(placed[(partner, rank)])}
+            if partner is not None and not shared_domains and (partner, rank) in placed
+            else set()
+        )
+        site = replacement_site(
+            live,
+            domain=domain,
+            trainer_domains=apart,
+            load=lambda info: load[info.index],
+            order=lambda info: info.index,
+        )
         if site is None:
             unplaced.append((role, rank))
             continue
@@ -124,8 +147,14 @@ def place(last: dict[tuple[Role, int], str], live: Sequence[AgentInfo], *,
     return [Placed(role=role, rank=rank, agent=info) for (role, rank), info in ordered], unplaced
 
 
-def place_on_agents(agents: RemoteAgents, last: dict[tuple[Role, int], str], *, expected: set[int],
-                    shared_domains: bool, within: timedelta = timing.ROLE_WAIT) -> list[tuple[Role, int]]:
+def place_on_agents(
+    agents: RemoteAgents,
+    last: dict[tuple[Role, int], str],
+    *,
+    expected: set[int],
+    shared_domains: bool,
+    within: timedelta = timing.ROLE_WAIT,
+) -> list[tuple[Role, int]]:
     """Wait (``within`` at most) until the agents ``expected`` (those alive when the attempt before
     ended) serve this attempt, then order every role of ``last`` started (``place``); the roles
     no live agent could take."""

@@ -25,18 +25,18 @@ from typing import cast
 from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
 from replica.errors import JobStoreAddressError, JobStoreInUseError
-from replica.jobstore.commit import CommitRecord
-from replica.jobstore import Failover as FailoverRecord
 from replica.jobstore import ExportOutcome, ExportRequest, Flag, JobStore, Promotion, Registration, Stamp, keys
+from replica.jobstore import Failover as FailoverRecord
+from replica.jobstore.commit import CommitRecord
 from replica.jobstore.etcd import EtcdStore
 from replica.jobstore.stores import StoreAddress, StoreKind
-from replica.roles.env import Role, host_name
-from replica.roles.timing import Deadlines
 from replica.roles.admission import Admission
+from replica.roles.env import Role, host_name
 from replica.roles.generations import Generations
 from replica.roles.liveness import Liveness
 from replica.roles.members import Decision, DecisionKind, FailoverTimeline, Mark, Member, Members, MemberState
 from replica.roles.probe import Verdict
+from replica.roles.timing import Deadlines
 
 __all__ = ["Coordinator", "Deadlines", "Decision", "DecisionKind", "FailoverTimeline", "Member", "MemberState"]
 
@@ -54,11 +54,23 @@ class Coordinator:
     (``Members``), who joins (``Admission``), who is dead of silence (``Liveness``, whole: beats,
     deadlines, stalls, the judgement) and the generation number and record (``Generations``)."""
 
-    def __init__(self, *, world_size: int, token: bytes, host: str = "127.0.0.1", port: int = 0,
-                 deadlines: Deadlines = Deadlines(), rollouts: int = 0, resume_from: int | None = None,
-                 store: StoreAddress | None = None, fence: tuple[str, bytes] | None = None,
-                 liveness: bool = True, shared_domains: bool = True, attempt: int = 0,
-                 previous: Coordinator | None = None):
+    def __init__(
+        self,
+        *,
+        world_size: int,
+        token: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        deadlines: Deadlines = Deadlines(),
+        rollouts: int = 0,
+        resume_from: int | None = None,
+        store: StoreAddress | None = None,
+        fence: tuple[str, bytes] | None = None,
+        liveness: bool = True,
+        shared_domains: bool = True,
+        attempt: int = 0,
+        previous: Coordinator | None = None,
+    ):
         """Host the job store on ``host:port`` (a ``TCPStore``), or, with ``store`` on etcd,
         keep the job's state there: if the store holds a running job already (its
         coordinator died), this one takes over from that state (``takeover``). ``fence``: an
@@ -121,21 +133,45 @@ class Coordinator:
         #: When (``at``) and where (``attempt``, ``generation``, ``commit``) this coordinator took over a
         #: running job from the state in the store; None when it started the job.
         self.takeover: dict | None = None
-        self._liveness = Liveness(store=self.store, members=self._members, deadlines=deadlines, host=host,
-                                  endpoint=liveness, moved=self._moved, lost_reports=self.record.all_lost_reports,
-                                  declare_dead=self.declare_dead)
-        self._generations = Generations(store=self.store, members=self._members, world_size=world_size,
-                                        deadlines=deadlines, moved=self._moved, last_commit=self.record.last,
-                                        failed=lambda: self._failed is not None, last_beat=self._liveness.last_beat,
-                                        announce=self._liveness.set_generation)
-        self._admission = Admission(store=self.store, token=token, members=self._members,
-                                    generations=self._generations, world_size=world_size, rollouts=rollouts,
-                                    shared_domains=shared_domains, lost_reports=self._liveness.lost_reports,
-                                    last_commit=self.record.last, finished=self.finished)
+        self._liveness = Liveness(
+            store=self.store,
+            members=self._members,
+            deadlines=deadlines,
+            host=host,
+            endpoint=liveness,
+            moved=self._moved,
+            lost_reports=self.record.all_lost_reports,
+            declare_dead=self.declare_dead,
+        )
+        self._generations = Generations(
+            store=self.store,
+            members=self._members,
+            world_size=world_size,
+            deadlines=deadlines,
+            moved=self._moved,
+            last_commit=self.record.last,
+            failed=lambda: self._failed is not None,
+            last_beat=self._liveness.last_beat,
+            announce=self._liveness.set_generation,
+        )
+        self._admission = Admission(
+            store=self.store,
+            token=token,
+            members=self._members,
+            generations=self._generations,
+            world_size=world_size,
+            rollouts=rollouts,
+            shared_domains=shared_domains,
+            lost_reports=self._liveness.lost_reports,
+            last_commit=self.record.last,
+            finished=self.finished,
+        )
         if self.store.get(keys.generation()) is not None and store is not None and store.kind == StoreKind.ETCD:
             if self.finished():
-                raise JobStoreInUseError(f"the job store {self._address} holds a job that has finished: give each "
-                                         "job a namespace of its own (etcd://HOSTS/NAMESPACE)")
+                raise JobStoreInUseError(
+                    f"the job store {self._address} holds a job that has finished: give each "
+                    "job a namespace of its own (etcd://HOSTS/NAMESPACE)"
+                )
             self._take_over()
             self._liveness.publish()
             return
@@ -168,8 +204,13 @@ class Coordinator:
             if flag is not None:
                 self.unprotected.add(rank)
                 self._unprotected_reg[rank] = self.record.registration(rank)
-        logger.warning("took over the job at generation %d, commit %s, with %d members (%d alive)", generation,
-                       self.record.last(), len(self.members), len(self.alive()))
+        logger.warning(
+            "took over the job at generation %d, commit %s, with %d members (%d alive)",
+            generation,
+            self.record.last(),
+            len(self.members),
+            len(self.alive()),
+        )
 
     def _host_store(self, host: str, port: int) -> TCPStore:
         # TCPStore binds every interface unless handed a socket: bind the configured host.
@@ -179,12 +220,19 @@ class Coordinator:
             listener.bind((host, port))
         except OSError as exc:
             listener.close()
-            raise JobStoreAddressError(f"cannot host the job store on {host}:{port}: {exc} "
-                                       "(is another coordinator running there?)") from exc
+            raise JobStoreAddressError(
+                f"cannot host the job store on {host}:{port}: {exc} (is another coordinator running there?)"
+            ) from exc
         listener.listen(128)
         self.host, self.port = listener.getsockname()[:2]
-        return TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                        master_listen_fd=listener.detach(), timeout=timedelta(seconds=60))
+        return TCPStore(
+            host,
+            self.port,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=listener.detach(),
+            timeout=timedelta(seconds=60),
+        )
 
     @property
     def address(self) -> str:
@@ -194,9 +242,17 @@ class Coordinator:
         """The coordinator of this job's next attempt (``roles/attempts.py``), in this process:
         the same job (world, deadlines, rollouts, domain rule, token) on this one's store, under
         the next attempt's prefix, its first step after ``resume_from`` (None: from the start)."""
-        return Coordinator(world_size=self.world_size, token=self._token, host=self._liveness.host,
-                           deadlines=self.deadlines, rollouts=self.rollouts, resume_from=resume_from,
-                           shared_domains=self.shared_domains, attempt=self.attempt + 1, previous=self)
+        return Coordinator(
+            world_size=self.world_size,
+            token=self._token,
+            host=self._liveness.host,
+            deadlines=self.deadlines,
+            rollouts=self.rollouts,
+            resume_from=resume_from,
+            shared_domains=self.shared_domains,
+            attempt=self.attempt + 1,
+            previous=self,
+        )
 
     @property
     def token(self) -> bytes:
@@ -212,17 +268,21 @@ class Coordinator:
 
     members = property(attrgetter("_members.rows"), doc="Every member that joined, in the order they joined.")
     generation = property(attrgetter("_generations.number"), doc="The current generation's number.")
-    regroups = property(attrgetter("_generations.regroups"),
-                        doc="Fresh generations after a step failed with no death (for the report).")
+    regroups = property(
+        attrgetter("_generations.regroups"), doc="Fresh generations after a step failed with no death (for the report)."
+    )
     refused = property(attrgetter("_admission.refused"), doc="The join requests refused, and why.")
-    started = property(attrgetter("_admission.started"),
-                       doc="Every rank's trainer has joined: no trainer may join any more.")
-    shared_domains = property(attrgetter("_admission.shared_domains"),
-                              doc="A standby may share its trainer's failure domain.")
+    started = property(
+        attrgetter("_admission.started"), doc="Every rank's trainer has joined: no trainer may join any more."
+    )
+    shared_domains = property(
+        attrgetter("_admission.shared_domains"), doc="A standby may share its trainer's failure domain."
+    )
     liveness = property(attrgetter("_liveness.endpoint"), doc="The liveness endpoint (None: beats in the store only).")
     stalls = property(attrgetter("_liveness.stalls"), doc="The coordinator's own stalls (``StallLog``).")
-    suspected_stalls = property(attrgetter("_liveness.suspected_stalls"),
-                                doc="Silences judged stalls, not deaths (for the report).")
+    suspected_stalls = property(
+        attrgetter("_liveness.suspected_stalls"), doc="Silences judged stalls, not deaths (for the report)."
+    )
 
     @property
     def probe(self) -> Callable[[Member], tuple[Verdict, str]] | None:
@@ -270,8 +330,11 @@ class Coordinator:
         dies before that takes the rank's state with it."""
         for rank in sorted(self.unprotected):
             current = self.record.registration(rank)
-            if (current is None or current == self._unprotected_reg.get(rank)
-                    or not self._members.live(Role.STANDBY, rank)):
+            if (
+                current is None
+                or current == self._unprotected_reg.get(rank)
+                or not self._members.live(Role.STANDBY, rank)
+            ):
                 continue
             if not self.record.standby_holds(rank, self.record.last() or 0):
                 continue
@@ -289,7 +352,8 @@ class Coordinator:
         host = host or host_name()
         # A live member first: pids are reused (pid_max may be 32768), and a dead member may hold this one.
         member = next((m for m in self.alive() if m.pid == pid and m.host == host), None) or next(
-            (m for m in self.members if m.pid == pid and m.host == host), None)
+            (m for m in self.members if m.pid == pid and m.host == host), None
+        )
         if member is None:
             if not self.finished():
                 decisions.append(self._fail(-1, f"process {pid} exited with code {code} before it joined the job"))
@@ -302,7 +366,8 @@ class Coordinator:
         if self._mark_done(member, fresh=True):  # its done key may be newer than the last poll
             return decisions
         if (member.role == Role.STANDBY and self.finished()) or (
-                member.role == Role.ROLLOUT and (code == 0 or self.finished())):
+            member.role == Role.ROLLOUT and (code == 0 or self.finished())
+        ):
             member.state = MemberState.DONE  # a rollout exits 0 when told to stop (finished, or retired)
             return decisions
         return decisions + self.declare_dead(member, f"exit code {code}")
@@ -320,8 +385,9 @@ class Coordinator:
             self._late_exit(member, code)
 
     def _late_exit(self, member: Member, code: int) -> None:
-        self.late_exits.append({"member": member.id, "role": member.role, "rank": member.rank, "code": code,
-                                "at": time.time()})
+        self.late_exits.append(
+            {"member": member.id, "role": member.role, "rank": member.rank, "code": code, "at": time.time()}
+        )
 
     def hosts_silent(self, hosts: set[str]) -> list[Decision]:
         """The agents of ``hosts`` have been silent past the trainer deadline (the host is
@@ -333,10 +399,14 @@ class Coordinator:
         now, decisions = time.time(), []
         deadline = self.deadlines.trainer.total_seconds()
         for member in self.alive():
-            if (member.host in hosts and member.role == Role.ROLLOUT
-                    and now - self._liveness.last_beat(member, now) > deadline):
-                decisions += self.declare_dead(member, f"its host's agent and it have been silent for more than "
-                                                       f"{deadline:g} s")
+            if (
+                member.host in hosts
+                and member.role == Role.ROLLOUT
+                and now - self._liveness.last_beat(member, now) > deadline
+            ):
+                decisions += self.declare_dead(
+                    member, f"its host's agent and it have been silent for more than {deadline:g} s"
+                )
         return decisions
 
     def declare_dead(self, member: Member, reason: str) -> list[Decision]:
@@ -347,29 +417,45 @@ class Coordinator:
         if member.role == Role.ROLLOUT:
             logger.warning("%s is dead (%s): the next weight sync skips it", member, reason)
             self.store.put(keys.engine_dead_since(member.rank), Stamp(at=time.time()))
-            self.rollouts_lost.append({"index": member.rank, "reason": reason, "at": time.time(),
-                                       "replacement_started": False})
+            self.rollouts_lost.append(
+                {"index": member.rank, "reason": reason, "at": time.time(), "replacement_started": False}
+            )
             return [Decision(kind=DecisionKind.ROLLOUT_LOST, rank=member.rank, reason=reason, dead=member)]
         if member.role == Role.STANDBY:
             logger.warning("%s is dead (%s)", member, reason)
             self.standbys_replaced.append({"rank": member.rank, "reason": reason, "at": time.time()})
             return [Decision(kind=DecisionKind.STANDBY_LOST, rank=member.rank, reason=reason, dead=member)]
         if self.record.last() is None:
-            return [self._fail(member.rank, restart=True,
-                               reason=f"trainer {member.rank} died ({reason}) before the first global commit: "
-                                      "there is no state to resume from")]
+            return [
+                self._fail(
+                    member.rank,
+                    restart=True,
+                    reason=f"trainer {member.rank} died ({reason}) before the first global commit: "
+                    "there is no state to resume from",
+                )
+            ]
         standby = self._members.live(Role.STANDBY, member.rank)
         if standby is None:
-            return [self._fail(member.rank, state_lost=True,
-                               reason=f"trainer {member.rank} died ({reason}) and has no standby: rank {member.rank} "
-                                      "was unprotected and its state is lost")]
+            return [
+                self._fail(
+                    member.rank,
+                    state_lost=True,
+                    reason=f"trainer {member.rank} died ({reason}) and has no standby: rank {member.rank} "
+                    "was unprotected and its state is lost",
+                )
+            ]
         commit = self.record.last()
         assert commit is not None  # read above: the record's last commit never goes back to None
         if not self.record.standby_holds(member.rank, commit):
-            return [self._fail(member.rank, state_lost=True,
-                               reason=f"trainer {member.rank} died ({reason}) and its standby, {standby}, does not "
-                                      f"hold commit {commit} (it has not received the rank's state yet): rank "
-                                      f"{member.rank}'s state is lost")]
+            return [
+                self._fail(
+                    member.rank,
+                    state_lost=True,
+                    reason=f"trainer {member.rank} died ({reason}) and its standby, {standby}, does not "
+                    f"hold commit {commit} (it has not received the rank's state yet): rank "
+                    f"{member.rank}'s state is lost",
+                )
+            ]
         self._promote(standby, reason)
         return [Decision(kind=DecisionKind.PROMOTED, rank=member.rank, reason=reason, dead=member)]
 
@@ -385,16 +471,26 @@ class Coordinator:
         """No standby protects ``rank`` now: its trainer acknowledges itself until a standby of it
         publishes its mirror (``until_standby_joins``: a replacement is starting; else none will come)."""
         if rank not in self.unprotected:
-            self.unprotected_spans.append({"rank": rank, "from_commit": self.record.last(), "until_commit": None,
-                                           "from_at": time.time(), "until_at": None})
+            self.unprotected_spans.append(
+                {
+                    "rank": rank,
+                    "from_commit": self.record.last(),
+                    "until_commit": None,
+                    "from_at": time.time(),
+                    "until_at": None,
+                }
+            )
             self._unprotected_reg[rank] = self.record.registration(rank)  # that standby protects no more
         self.unprotected.add(rank)
         self.record.set_unprotected(rank, True)
         if until_standby_joins:
             logger.warning("rank %d trains UNPROTECTED until its new standby is ready", rank)
         else:
-            logger.error("rank %d is UNPROTECTED: no standby is left for it; training goes on, but if its "
-                         "trainer dies the job fails", rank)
+            logger.error(
+                "rank %d is UNPROTECTED: no standby is left for it; training goes on, but if its "
+                "trainer dies the job fails",
+                rank,
+            )
 
     def finish(self) -> None:
         # The last trainers' done keys may have come after this loop's last poll (the
@@ -424,8 +520,13 @@ class Coordinator:
         """Members not declared dead whose heartbeat rose within ``quiet`` and whose exit no
         agent reported: not gone yet."""
         now = time.time()
-        return [m for m in self.members if m.state in (MemberState.ALIVE, MemberState.DONE)
-                and m.id not in self._exited and now - self._liveness.last_beat(m, now) < quiet.total_seconds()]
+        return [
+            m
+            for m in self.members
+            if m.state in (MemberState.ALIVE, MemberState.DONE)
+            and m.id not in self._exited
+            and now - self._liveness.last_beat(m, now) < quiet.total_seconds()
+        ]
 
     def all_done(self) -> bool:
         self._refresh_done()
@@ -439,15 +540,16 @@ class Coordinator:
         ranks' polls ~0.7 s, and a freeze's decision with them); on etcd the whole sweep is
         one range."""
         now = time.monotonic()
-        if self._moved(keys.done_count()) or (not self._done_sweep and
-                                              now - self._done_read_at > _DONE_RECHECK.total_seconds()):
+        if self._moved(keys.done_count()) or (
+            not self._done_sweep and now - self._done_read_at > _DONE_RECHECK.total_seconds()
+        ):
             self._done_sweep = [r for r in range(self.world_size) if r not in self._done]
             self._done_read_at = now
         # etcd reads absent keys together: the whole sweep in one range (32 requests a poll were 80 ms there).
         size = len(self._done_sweep) if self.store.reads_absent_together else _DONE_SWEEP
         batch, self._done_sweep = self._done_sweep[:size], self._done_sweep[size:]
         flags = self.store.get_many([keys.done(r) for r in batch])
-        self._done |= {r for r, flag in zip(batch, flags) if flag is not None}
+        self._done |= {r for r, flag in zip(batch, flags, strict=False) if flag is not None}
 
     def members_for_placement(self) -> list[tuple[str, int, str, str]]:
         """The live members as (role, rank, host, domain): where agents place replacements (never in
@@ -469,8 +571,10 @@ class Coordinator:
         if self.store.raw.check([self.store.full(keys.standby(rank))]):
             self.store.delete(keys.standby(rank))  # the promoted standby's address; its replacement publishes anew
         standby.role, standby.since, standby.generation = Role.TRAINER, decided, g
-        self.store.put(keys.failover(g), FailoverRecord(generation=g, commit=commit if commit is not None else -1,
-                                                        rank=rank, member=standby.id))
+        self.store.put(
+            keys.failover(g),
+            FailoverRecord(generation=g, commit=commit if commit is not None else -1, rank=rank, member=standby.id),
+        )
         self.store.put(keys.promote(rank), Promotion(rank=rank, generation=g, member=standby.id))
         self._generations.publish()  # last: whoever sees generation g finds its failover record
         standby.lost_base = self.record.lost_reports(rank)
@@ -482,19 +586,33 @@ class Coordinator:
             # Its claims on shards are void from now on: the other engines take them.
             self.store.put(keys.engine_dead_since(rank), Stamp(at=time.time()))
             self.rollouts_retired.append(rank)
-            logger.warning("%s drains and stops: its machine now hosts trainer %d (%d rollouts left)", engine,
-                           rank, len(self.alive(Role.ROLLOUT)) - 1)
+            logger.warning(
+                "%s drains and stops: its machine now hosts trainer %d (%d rollouts left)",
+                engine,
+                rank,
+                len(self.alive(Role.ROLLOUT)) - 1,
+            )
         self._members.publish()
-        self.failovers.append(FailoverTimeline(rank=rank, generation=g, commit=commit, reason=reason, decided_at=decided))
-        logger.warning("trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted", rank,
-                       reason, g, commit, standby)
+        self.failovers.append(
+            FailoverTimeline(rank=rank, generation=g, commit=commit, reason=reason, decided_at=decided)
+        )
+        logger.warning(
+            "trainer %d is dead (%s): generation %d resumes from commit %s with %s promoted",
+            rank,
+            reason,
+            g,
+            commit,
+            standby,
+        )
 
-    def _fail(self, rank: int, reason: str, *, state_lost: bool = False, restart: bool = False,
-              usage: bool = False) -> Decision:
+    def _fail(
+        self, rank: int, reason: str, *, state_lost: bool = False, restart: bool = False, usage: bool = False
+    ) -> Decision:
         self._failed = reason
         logger.error("the job failed: %s", reason)
-        return Decision(kind=DecisionKind.FAILED, rank=rank, reason=reason, state_lost=state_lost, restart=restart,
-                        usage=usage)
+        return Decision(
+            kind=DecisionKind.FAILED, rank=rank, reason=reason, state_lost=state_lost, restart=restart, usage=usage
+        )
 
     def request_export(self, directory: str) -> int | None:
         """Ask every standby to write its version of the last commit to ``directory``
@@ -541,8 +659,11 @@ class Coordinator:
         failover.killed_at = max((k for k in killed if k <= failover.decided_at), default=None)
         t0 = failover.killed_at or failover.decided_at
         failover.timeline_ms[Mark.DETECT] = (failover.decided_at - t0) * 1e3
-        for name, key in ((Mark.PROMOTE, keys.restored(g)), (Mark.RECONNECT, keys.reconnected(g)),
-                          (Mark.RESUMED, keys.resumed(g))):
+        for name, key in (
+            (Mark.PROMOTE, keys.restored(g)),
+            (Mark.RECONNECT, keys.reconnected(g)),
+            (Mark.RESUMED, keys.resumed(g)),
+        ):
             stamp = self.store.get(key)
             if stamp is not None:
                 failover.timeline_ms[name] = (stamp.at - t0) * 1e3

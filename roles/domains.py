@@ -57,11 +57,14 @@ def layout(scheme: Scheme, *, trainer_hosts: int, rollout_hosts: int, ranks_per_
     if min(trainer_hosts, rollout_hosts, ranks_per_host) < 1:
         raise ValueError("need at least one trainer host, one rollout host and one rank per host")
     if scheme == Scheme.GROUP and rollout_hosts < trainer_hosts:
-        raise ValueError(f"{Scheme.GROUP}: each of {trainer_hosts} trainer hosts needs a rollout host of its own "
-                         f"(got {rollout_hosts})")
+        raise ValueError(
+            f"{Scheme.GROUP}: each of {trainer_hosts} trainer hosts needs a rollout host of its own "
+            f"(got {rollout_hosts})"
+        )
     if scheme == Scheme.SPREAD and rollout_hosts < ranks_per_host:
-        raise ValueError(f"{Scheme.SPREAD}: {ranks_per_host} ranks a host need as many rollout hosts "
-                         f"(got {rollout_hosts})")
+        raise ValueError(
+            f"{Scheme.SPREAD}: {ranks_per_host} ranks a host need as many rollout hosts (got {rollout_hosts})"
+        )
     trainers = [f"t{i}" for i in range(trainer_hosts)]
     rollouts = [f"r{i}" for i in range(rollout_hosts)]
     trainer, standby = {}, {}

@@ -29,8 +29,8 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from replica.errors import FencedError, JobStoreInUseError
-from replica.jobstore.etcd import EtcdStore
 from replica.jobstore import JobStore, Number, Text, keys
+from replica.jobstore.etcd import EtcdStore
 from replica.jobstore.stores import StoreAddress
 from replica.timing import Deadline, pause
 
@@ -87,14 +87,17 @@ class Leadership:
                 if holder is None or silent >= SILENCE.total_seconds():
                     if raw.compare_set(self._key, holder or b"", self._claim) == self._claim:
                         if holder is not None:
-                            logger.warning("the coordinator that led sent no beat for %.1f s: this one takes over",
-                                           silent)
+                            logger.warning(
+                                "the coordinator that led sent no beat for %.1f s: this one takes over", silent
+                            )
                         self._lead()
                         return True
                 elif not shown:
                     who = self.candidate.get(keys.coordinator())
-                    logger.warning("another coordinator leads (%s): this one waits to take over",
-                                   who.value.rsplit(" ", 1)[0] if who is not None else "unverified")
+                    logger.warning(
+                        "another coordinator leads (%s): this one waits to take over",
+                        who.value.rsplit(" ", 1)[0] if who is not None else "unverified",
+                    )
                     shown = True
             except (RuntimeError, OSError) as exc:  # etcd electing a leader, a member lost: look again
                 logger.info("campaign: %s", exc)
@@ -103,8 +106,7 @@ class Leadership:
 
     def _lead(self) -> None:
         self.store = store = self.candidate.on(self._raw.fenced(*self.claim))
-        self._thread = threading.Thread(target=self._beat, args=(store,), name="replica-coordinator-beat",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._beat, args=(store,), name="replica-coordinator-beat", daemon=True)
         self._thread.start()
 
     def leading(self) -> bool:
@@ -150,9 +152,13 @@ def lead_new_job(address: StoreAddress, token: bytes, *, connect: timedelta = ti
     is heard for ``SILENCE``). The caller resigns when the job ends."""
     leadership = Leadership(JobStore(address.connect(timeout=connect), token=token))
     if leadership.candidate.has(keys.generation()):
-        raise JobStoreInUseError(f"the job store {address} holds a job already: give each job a namespace of its "
-                                 "own (etcd://HOSTS/NAMESPACE); `replica coordinator --store` takes over a running one")
+        raise JobStoreInUseError(
+            f"the job store {address} holds a job already: give each job a namespace of its "
+            "own (etcd://HOSTS/NAMESPACE); `replica coordinator --store` takes over a running one"
+        )
     if not leadership.campaign(timeout=SILENCE * 2):
-        raise JobStoreInUseError(f"another coordinator leads the job store {address}: give each job a namespace of "
-                                 "its own (etcd://HOSTS/NAMESPACE)")
+        raise JobStoreInUseError(
+            f"another coordinator leads the job store {address}: give each job a namespace of "
+            "its own (etcd://HOSTS/NAMESPACE)"
+        )
     return leadership

@@ -24,9 +24,30 @@ from replica.session.backends import parse_backends
 if TYPE_CHECKING:
     from replica.distributed import ResilientProcessGroup
 
-__all__ = ["ACTIONS", "Action", "DEFAULT_STEPS", "Fault", "PHASES", "Phase", "ROLES", "Role", "RoleEnv", "RoleState",
-           "base_environ", "check_faults", "configure_logging", "domain_name", "durable_of", "host_name", "job_environ",
-           "member_environ", "parse_faults", "process_group", "role_name", "shared_domains_allowed"]
+__all__ = [
+    "ACTIONS",
+    "Action",
+    "DEFAULT_STEPS",
+    "Fault",
+    "PHASES",
+    "Phase",
+    "ROLES",
+    "Role",
+    "RoleEnv",
+    "RoleState",
+    "base_environ",
+    "check_faults",
+    "configure_logging",
+    "domain_name",
+    "durable_of",
+    "host_name",
+    "job_environ",
+    "member_environ",
+    "parse_faults",
+    "process_group",
+    "role_name",
+    "shared_domains_allowed",
+]
 
 #: The job's step count when the launcher is not told (``replica launch --steps``) and a
 #: role's environment does not say (``RoleEnv.steps``).
@@ -123,8 +144,9 @@ class Fault:
     def __post_init__(self) -> None:
         action, phase = Action(self.action), Phase(self.phase)
         role = HOST if self.role == HOST else Role(self.role)
-        if (role == HOST and action not in _HOST_ACTIONS) or (role != HOST and action in (Action.PARTITION,
-                                                                                             Action.SLOW)):
+        if (role == HOST and action not in _HOST_ACTIONS) or (
+            role != HOST and action in (Action.PARTITION, Action.SLOW)
+        ):
             raise ValueError("a host takes kill, partition or slow; partition and slow take only a host")
         if action == Action.CORRUPT and role != Role.STANDBY:
             raise ValueError("corrupt takes a standby (its part of a durable version)")
@@ -141,8 +163,13 @@ class Fault:
                 raise ValueError(f"slow: its rate must be > 0 Mbit/s, got {rate:g}")
         elif rate is not None:
             raise ValueError(f"{action} takes no rate")
-        for name, value in (("action", action), ("role", role), ("phase", phase), ("duration", duration),
-                            ("rate_mbit", rate)):
+        for name, value in (
+            ("action", action),
+            ("role", role),
+            ("phase", phase),
+            ("duration", duration),
+            ("rate_mbit", rate),
+        ):
             object.__setattr__(self, name, value)
 
     def __str__(self) -> str:
@@ -156,14 +183,26 @@ class Fault:
         return f"{self.action}:{self.role}:{self.rank}@{self.step}:{self.phase}{when}"
 
 
-def check_faults(faults: tuple[Fault, ...], *, trainers: int, standbys: int, rollouts: int, first_step: int,
-                 last_step: int, agents: int | None = None, durable: bool | None = None) -> None:
+def check_faults(
+    faults: tuple[Fault, ...],
+    *,
+    trainers: int,
+    standbys: int,
+    rollouts: int,
+    first_step: int,
+    last_step: int,
+    agents: int | None = None,
+    durable: bool | None = None,
+) -> None:
     """ValueError naming the first of ``faults`` that could never fire in this job: a rank
     it does not have, a step it does not run (``first_step`` .. ``last_step``), a host
     without an agent (``agents``: the number of host agents; None: no host faults here), a
     durable part corrupted in a job without a floor (``durable`` False; None: not known here)."""
-    counts = {Role.TRAINER: ("trainers", trainers), Role.STANDBY: ("standbys", standbys),
-              Role.ROLLOUT: ("rollouts", rollouts)}
+    counts = {
+        Role.TRAINER: ("trainers", trainers),
+        Role.STANDBY: ("standbys", standbys),
+        Role.ROLLOUT: ("rollouts", rollouts),
+    }
     for fault in faults:
         if fault.role == HOST:
             if agents is not None and not 0 <= fault.rank < agents:
@@ -171,8 +210,10 @@ def check_faults(faults: tuple[Fault, ...], *, trainers: int, standbys: int, rol
         else:
             what, count = counts[Role(fault.role)]
             if not 0 <= fault.rank < count:
-                raise ValueError(f"fault {fault}: the job has {count} {what} "
-                                 f"({'none' if count == 0 else f'ranks 0 .. {count - 1}'}): it would never fire")
+                raise ValueError(
+                    f"fault {fault}: the job has {count} {what} "
+                    f"({'none' if count == 0 else f'ranks 0 .. {count - 1}'}): it would never fire"
+                )
         if not first_step <= fault.step <= last_step:
             raise ValueError(f"fault {fault}: the job runs steps {first_step} .. {last_step}: it would never fire")
         if fault.generation is not None and fault.generation < 0:
@@ -193,18 +234,24 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
             generation = int(extra.pop()[1:]) if extra and extra[-1].startswith("g") else None
             if len(extra) > 1:
                 raise ValueError("too many fields")
-            if action not in ACTIONS or (role not in ROLES and role != HOST) or (
-                    action not in (*_TIMED, Action.SLOW) and extra and extra[0] not in PHASES):
+            if (
+                action not in ACTIONS
+                or (role not in ROLES and role != HOST)
+                or (action not in (*_TIMED, Action.SLOW) and extra and extra[0] not in PHASES)
+            ):
                 raise ValueError(f"action one of {ACTIONS}, role one of {ROLES} or {HOST}, phase one of {PHASES}")
         except ValueError as exc:
-            raise ValueError(f"bad fault {item!r}: expected kill|freeze:ROLE:RANK@STEP[:PHASE][:gGEN], "
-                             "stall:ROLE:RANK@STEP[:SECONDS][:gGEN], corrupt:standby:RANK@STEP, kill:host:N@STEP, "
-                             f"partition:host:N@STEP[:SECONDS] or slow:host:N@STEP[:MBIT] ({exc})") from exc
+            raise ValueError(
+                f"bad fault {item!r}: expected kill|freeze:ROLE:RANK@STEP[:PHASE][:gGEN], "
+                "stall:ROLE:RANK@STEP[:SECONDS][:gGEN], corrupt:standby:RANK@STEP, kill:host:N@STEP, "
+                f"partition:host:N@STEP[:SECONDS] or slow:host:N@STEP[:MBIT] ({exc})"
+            ) from exc
         try:
             common = functools.partial(Fault, action=Action(action), role=role, generation=generation)
             if action in _TIMED:
-                fault = common(rank=int(rank), step=int(step),
-                               duration=timedelta(seconds=float(extra[0])) if extra else None)
+                fault = common(
+                    rank=int(rank), step=int(step), duration=timedelta(seconds=float(extra[0])) if extra else None
+                )
             elif action == Action.SLOW:
                 fault = common(rank=int(rank), step=int(step), rate_mbit=float(extra[0]) if extra else None)
             else:
@@ -232,22 +279,43 @@ def base_environ() -> dict[str, str]:
     return {envvars.GLOO_LAZY_INIT: "1", envvars.UCX_LOG_LEVEL: "fatal", **os.environ}
 
 
-def job_environ(*, store: str, token: str, world_size: int, steps: int = DEFAULT_STEPS, inject: str = "",
-                rollouts: int = 0, mirror_device: str = "", export_dir: str = "", resume: str = "",
-                backends: Sequence[str] = (), strict: bool = False, durable: FloorConfig | None = None,
-                attempt: int = 0) -> dict[str, str]:
+def job_environ(
+    *,
+    store: str,
+    token: str,
+    world_size: int,
+    steps: int = DEFAULT_STEPS,
+    inject: str = "",
+    rollouts: int = 0,
+    mirror_device: str = "",
+    export_dir: str = "",
+    resume: str = "",
+    backends: Sequence[str] = (),
+    strict: bool = False,
+    durable: FloorConfig | None = None,
+    attempt: int = 0,
+) -> dict[str, str]:
     """What every role of a job shares in its environment, as ``RoleEnv.from_environ`` reads
     it: the launchers' half of the contract (``member_environ`` adds each process's role and
     rank). ``inject``: the ``--inject`` spec; "" for ``mirror_device``, ``export_dir``: the
     reader's default. ``attempt``: the job's attempt (its returns to the durable floor so far)."""
-    return {envvars.STORE: store, envvars.TOKEN: token, envvars.WORLD_SIZE: str(world_size),
-            envvars.STEPS: str(steps), envvars.INJECT: inject, envvars.ROLLOUTS: str(rollouts),
-            envvars.MIRROR_DEVICE: mirror_device, envvars.EXPORT_DIR: export_dir, envvars.RESUME: resume,
-            envvars.BACKENDS: ",".join(backends), envvars.STRICT: "1" if strict else "",
-            envvars.DURABLE: str(durable.directory) if durable is not None else "",
-            envvars.DURABLE_EVERY: str(durable.every_steps) if durable is not None else "",
-            envvars.DURABLE_INTERVAL: str(durable.interval.total_seconds()) if durable is not None else "",
-            envvars.ATTEMPT: str(attempt) if attempt else ""}
+    return {
+        envvars.STORE: store,
+        envvars.TOKEN: token,
+        envvars.WORLD_SIZE: str(world_size),
+        envvars.STEPS: str(steps),
+        envvars.INJECT: inject,
+        envvars.ROLLOUTS: str(rollouts),
+        envvars.MIRROR_DEVICE: mirror_device,
+        envvars.EXPORT_DIR: export_dir,
+        envvars.RESUME: resume,
+        envvars.BACKENDS: ",".join(backends),
+        envvars.STRICT: "1" if strict else "",
+        envvars.DURABLE: str(durable.directory) if durable is not None else "",
+        envvars.DURABLE_EVERY: str(durable.every_steps) if durable is not None else "",
+        envvars.DURABLE_INTERVAL: str(durable.interval.total_seconds()) if durable is not None else "",
+        envvars.ATTEMPT: str(attempt) if attempt else "",
+    }
 
 
 def durable_of(env: Mapping[str, str]) -> FloorConfig | None:
@@ -258,16 +326,21 @@ def durable_of(env: Mapping[str, str]) -> FloorConfig | None:
     defaults = FloorConfig(directory=Path(env[envvars.DURABLE]))
     every = env.get(envvars.DURABLE_EVERY)
     interval = env.get(envvars.DURABLE_INTERVAL)
-    return FloorConfig(directory=defaults.directory,
-                       every_steps=int(every) if every else defaults.every_steps,
-                       interval=timedelta(seconds=float(interval)) if interval else defaults.interval)
+    return FloorConfig(
+        directory=defaults.directory,
+        every_steps=int(every) if every else defaults.every_steps,
+        interval=timedelta(seconds=float(interval)) if interval else defaults.interval,
+    )
 
 
 def member_environ(role: Role, rank: int, *, spare: int | None = None) -> dict[str, str]:
     """What one role process adds to its job's environment (``job_environ``): its role and rank
     (a spare standby: its index, and a rank it takes from its binding)."""
-    return {envvars.ROLE: str(Role(role)), envvars.RANK: str(rank),
-            **({envvars.SPARE: str(spare)} if spare is not None else {})}
+    return {
+        envvars.ROLE: str(Role(role)),
+        envvars.RANK: str(rank),
+        **({envvars.SPARE: str(spare)} if spare is not None else {}),
+    }
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)
@@ -302,31 +375,54 @@ class RoleEnv:
         missing = [k for k in (envvars.ROLE, envvars.TOKEN) if not env.get(k)]
         if missing:
             raise RoleEnvironmentError(f"{', '.join(missing)} not set: start role processes with `replica launch`")
-        store = StoreAddress.parse(env.get(envvars.STORE) or env.get(envvars.MASTER_ADDR, "127.0.0.1") + ":" +
-                                   env.get(envvars.STORE_PORT, "29400"))
+        store = StoreAddress.parse(
+            env.get(envvars.STORE)
+            or env.get(envvars.MASTER_ADDR, "127.0.0.1") + ":" + env.get(envvars.STORE_PORT, "29400")
+        )
         role = env[envvars.ROLE]
         if role not in ROLES:
             raise RoleEnvironmentError(f"{envvars.ROLE} must be one of {ROLES}, got {role!r}")
-        return cls(role=Role(role), rank=int(env.get(envvars.RANK, env.get(envvars.TORCH_RANK, "0"))),
-                   world_size=int(env.get(envvars.WORLD_SIZE, env.get(envvars.TORCH_WORLD_SIZE, "1"))),
-                   store=store, token=env[envvars.TOKEN].encode(),
-                   faults=parse_faults(env.get(envvars.INJECT, "")), host=env.get(envvars.HOST, "127.0.0.1"),
-                   steps=int(env.get(envvars.STEPS) or DEFAULT_STEPS),
-                   rollouts=int(env.get(envvars.ROLLOUTS, "0")), mirror_device=env.get(envvars.MIRROR_DEVICE, ""),
-                   export_dir=env.get(envvars.EXPORT_DIR) or "replica-export", resume=env.get(envvars.RESUME, ""),
-                   backends=parse_backends(env.get(envvars.BACKENDS, "")),
-                   strict=env.get(envvars.STRICT, "") == "1", durable=durable_of(env),
-                   spare=int(env[envvars.SPARE]) if env.get(envvars.SPARE) else None,
-                   attempt=int(env.get(envvars.ATTEMPT) or 0))
+        return cls(
+            role=Role(role),
+            rank=int(env.get(envvars.RANK, env.get(envvars.TORCH_RANK, "0"))),
+            world_size=int(env.get(envvars.WORLD_SIZE, env.get(envvars.TORCH_WORLD_SIZE, "1"))),
+            store=store,
+            token=env[envvars.TOKEN].encode(),
+            faults=parse_faults(env.get(envvars.INJECT, "")),
+            host=env.get(envvars.HOST, "127.0.0.1"),
+            steps=int(env.get(envvars.STEPS) or DEFAULT_STEPS),
+            rollouts=int(env.get(envvars.ROLLOUTS, "0")),
+            mirror_device=env.get(envvars.MIRROR_DEVICE, ""),
+            export_dir=env.get(envvars.EXPORT_DIR) or "replica-export",
+            resume=env.get(envvars.RESUME, ""),
+            backends=parse_backends(env.get(envvars.BACKENDS, "")),
+            strict=env.get(envvars.STRICT, "") == "1",
+            durable=durable_of(env),
+            spare=int(env[envvars.SPARE]) if env.get(envvars.SPARE) else None,
+            attempt=int(env.get(envvars.ATTEMPT) or 0),
+        )
 
     def to_environ(self) -> dict[str, str]:
         """This role's variables as the launchers write them: ``from_environ`` of them is this."""
-        return {**job_environ(store=str(self.store), token=self.token.decode(), world_size=self.world_size,
-                              steps=self.steps, inject=",".join(map(str, self.faults)), rollouts=self.rollouts,
-                              mirror_device=self.mirror_device, export_dir=self.export_dir, resume=self.resume,
-                              backends=self.backends, strict=self.strict, durable=self.durable,
-                              attempt=self.attempt),
-                **member_environ(self.role, self.rank, spare=self.spare), envvars.HOST: self.host}
+        return {
+            **job_environ(
+                store=str(self.store),
+                token=self.token.decode(),
+                world_size=self.world_size,
+                steps=self.steps,
+                inject=",".join(map(str, self.faults)),
+                rollouts=self.rollouts,
+                mirror_device=self.mirror_device,
+                export_dir=self.export_dir,
+                resume=self.resume,
+                backends=self.backends,
+                strict=self.strict,
+                durable=self.durable,
+                attempt=self.attempt,
+            ),
+            **member_environ(self.role, self.rank, spare=self.spare),
+            envvars.HOST: self.host,
+        }
 
 
 def host_name() -> str:
@@ -351,5 +447,6 @@ def shared_domains_allowed(flag: bool = False) -> bool:
 
 def configure_logging() -> None:
     """Log to stderr at ``REPLICA_LOG`` (default WARNING) in every role and the coordinator."""
-    logging.basicConfig(level=os.environ.get(envvars.LOG, "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get(envvars.LOG, "WARNING"), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )

@@ -16,7 +16,6 @@ from replica.jobstore import JobStore, Stamp, keys
 from replica.roles.env import Action, Fault, Phase, Role, RoleState, process_group
 from replica.timing import pause
 
-
 __all__ = ["FaultPlan"]
 
 logger = logging.getLogger(__name__)

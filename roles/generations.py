@@ -9,10 +9,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from replica.jobstore.commit import publish_generation
-from replica.jobstore import Failover as FailoverRecord
 from replica.errors import JobStateError
+from replica.jobstore import Failover as FailoverRecord
 from replica.jobstore import Generation, JobStore, keys
+from replica.jobstore.commit import publish_generation
 from replica.roles import timing
 from replica.roles.env import Role
 from replica.roles.members import Member, Members
@@ -32,9 +32,19 @@ class Generations:
     (``regroup``), and puts the record back when another writer changed it (``guard``). A
     failover's generation is the coordinator's decision (``advance``, then ``publish``)."""
 
-    def __init__(self, *, store: JobStore, members: Members, world_size: int, deadlines: Deadlines,
-                 moved: Callable[[str], bool], last_commit: Callable[[], int | None], failed: Callable[[], bool],
-                 last_beat: Callable[[Member, float], float], announce: Callable[[int], None]):
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        members: Members,
+        world_size: int,
+        deadlines: Deadlines,
+        moved: Callable[[str], bool],
+        last_commit: Callable[[], int | None],
+        failed: Callable[[], bool],
+        last_beat: Callable[[Member, float], float],
+        announce: Callable[[int], None],
+    ):
         """``moved``: whether a plain counter of the store moved since the last look;
         ``last_commit``: the job's last global commit; ``failed``: whether the job failed;
         ``last_beat``: when a member's heartbeat last rose (looks now); ``announce``: tell the
@@ -78,8 +88,11 @@ class Generations:
         number each poll; the whole record (every rank's member) when that is off, and
         each ``BEAT_SCAN``."""
         number = self._store.get(keys.generation_number())
-        if (number is not None and number.value == self.number
-                and time.time() - self._checked_at < timing.BEAT_SCAN.total_seconds()):
+        if (
+            number is not None
+            and number.value == self.number
+            and time.time() - self._checked_at < timing.BEAT_SCAN.total_seconds()
+        ):
             return
         self._checked_at = time.time()
         current = self._store.get(keys.generation())
@@ -106,8 +119,9 @@ class Generations:
         # A trainer silent now may be dead: its own deadline decides, and a failover regroups
         # every trainer anyway. (A coordinator that just took over starts both clocks at once,
         # the request's and the silence's: the request's first look came a poll earlier.)
-        if any(now - self._last_beat(m, now) > timing.GONE_AFTER.total_seconds()
-               for m in self._members.alive(Role.TRAINER)):
+        if any(
+            now - self._last_beat(m, now) > timing.GONE_AFTER.total_seconds() for m in self._members.alive(Role.TRAINER)
+        ):
             return
         self._regroup_asked_at = None
         commit = self._last_commit()
@@ -116,5 +130,11 @@ class Generations:
         self._store.put(keys.failover(g), FailoverRecord(generation=g, commit=commit, rank=-1, member=-1))
         self.publish()
         self.regroups.append({"generation": g, "commit": commit, "asked_by": asked, "at": now})
-        logger.warning("trainers %s found generation %d failed with no death: generation %d resumes from commit %s "
-                       "with the same trainers", asked, g - 1, g, commit)
+        logger.warning(
+            "trainers %s found generation %d failed with no death: generation %d resumes from commit %s "
+            "with the same trainers",
+            asked,
+            g - 1,
+            g,
+            commit,
+        )

@@ -35,18 +35,32 @@ from datetime import timedelta
 from pathlib import Path
 
 from replica import envvars
+from replica.errors import InterfaceNotFoundError, ReplicaError
 from replica.jobstore import (
-    AgentInfo, AgentOrder, Attempt, Flag, JobStore, Number, OrderKind, ProcessLooks, RoleExit, ServedJob, Stamp,
+    AgentInfo,
+    AgentOrder,
+    Attempt,
+    Flag,
+    JobStore,
+    Number,
+    OrderKind,
+    ProcessLooks,
+    RoleExit,
+    ServedJob,
+    Stamp,
     keys,
 )
-from replica.errors import InterfaceNotFoundError, ReplicaError
-from replica.state.export import step_folder
+from replica.jobstore.stores import StoreAddress, StoreKind
+from replica.processes import start_server
 from replica.roles import timing
-from replica.timing import Deadline, pause
 from replica.roles.argparsing import (
-    Parser, existing_file, non_negative_int, positive_float, shared_domain_option, start_options,
+    Parser,
+    existing_file,
+    non_negative_int,
+    positive_float,
+    shared_domain_option,
+    start_options,
 )
-from replica.roles.exits import ExitCode
 from replica.roles.env import (
     HOST,
     ROLES,
@@ -60,11 +74,12 @@ from replica.roles.env import (
     parse_faults,
     shared_domains_allowed,
 )
+from replica.roles.exits import ExitCode
 from replica.roles.local_agent import LocalAgent
 from replica.roles.served import served_job_refusal
-from replica.processes import start_server
 from replica.roles.stalls import StallLog
-from replica.jobstore.stores import StoreAddress, StoreKind
+from replica.state.export import step_folder
+from replica.timing import Deadline, pause
 
 __all__ = ["HostAgent", "main", "parse_roles"]
 
@@ -103,8 +118,17 @@ class HostAgent:
 
     STALL = timedelta(seconds=3)
 
-    def __init__(self, *, store: JobStore, index: int, address: str, local: LocalAgent,
-                 faults: tuple[Fault, ...] = (), domain: str = "", serving: bool = False):
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        index: int,
+        address: str,
+        local: LocalAgent,
+        faults: tuple[Fault, ...] = (),
+        domain: str = "",
+        serving: bool = False,
+    ):
         """``serving`` (``--serve``): an injected host kill ends this agent's part in the job (its
         roles killed, nothing more said) instead of the agent, which goes on to the next job."""
         self.store, self.index, self.local, self.address = store, index, local, address
@@ -138,8 +162,10 @@ class HostAgent:
         self._register(self.store)
 
     def _register(self, store: JobStore) -> None:
-        store.put(keys.agent(self.index), AgentInfo(index=self.index, host=self.host, address=self.address,
-                                                    pid=os.getpid(), domain=self.domain))
+        store.put(
+            keys.agent(self.index),
+            AgentInfo(index=self.index, host=self.host, address=self.address, pid=os.getpid(), domain=self.domain),
+        )
         self._registered = self.attempt
 
     # --- the main thread ---
@@ -170,13 +196,19 @@ class HostAgent:
             silent = self._stalls.silence(self._talked_at, now)  # this agent's own stalls are no silence of the store
             if silent > timing.STORE_LOST.total_seconds():
                 # Its roles find the store gone too: they export what they hold and stop by themselves.
-                print(f"replica: agent {self.index}: the job store does not answer ({silent:.0f} s); waiting for "
-                      "the roles to export and stop", flush=True)
+                print(
+                    f"replica: agent {self.index}: the job store does not answer ({silent:.0f} s); waiting for "
+                    "the roles to export and stop",
+                    flush=True,
+                )
                 self.local.wait(timing.EXPORT_WAIT)
                 return ExitCode.COORDINATOR_LOST
             if silent > self.STALL.total_seconds() and time.monotonic() - self._started_at > self.STALL.total_seconds():
-                logger.warning("[agent %d] the job store has not answered for %.1f s: asking again on a new "
-                               "connection", self.index, silent)
+                logger.warning(
+                    "[agent %d] the job store has not answered for %.1f s: asking again on a new connection",
+                    self.index,
+                    silent,
+                )
                 self._start_talker()
             pause(timing.SUPERVISE_POLL, self.ended)
         return ExitCode.OK
@@ -184,8 +216,11 @@ class HostAgent:
     def _begin(self, attempt: Attempt) -> None:
         """The job went back to its durable floor: stop this host's roles (the attempt before's),
         then serve ``attempt``: talk under its prefix and start what its coordinator orders."""
-        print(f"replica: agent {self.index}: the job goes back to the durable floor's version of step "
-              f"{attempt.step} (attempt {attempt.number}): stopping this host's roles", flush=True)
+        print(
+            f"replica: agent {self.index}: the job goes back to the durable floor's version of step "
+            f"{attempt.step} (attempt {attempt.number}): stopping this host's roles",
+            flush=True,
+        )
         self._talker += 1  # the attempt before's talker stops
         self.local.kill_all(timing.EXPORT_WAIT)
         self._adopt(attempt)
@@ -195,9 +230,13 @@ class HostAgent:
     def _adopt(self, attempt: Attempt) -> None:
         """Serve ``attempt`` from now on (nothing of the attempt before is reported or obeyed)."""
         faults = [f for f in parse_faults(self.local.env.get(envvars.INJECT, "")) if str(f) not in attempt.fired]
-        self.local = self.local.again({envvars.ATTEMPT: str(attempt.number),
-                                       envvars.RESUME: str(step_folder(attempt.directory, attempt.step)),
-                                       envvars.INJECT: ",".join(map(str, faults))})
+        self.local = self.local.again(
+            {
+                envvars.ATTEMPT: str(attempt.number),
+                envvars.RESUME: str(step_folder(attempt.directory, attempt.step)),
+                envvars.INJECT: ",".join(map(str, faults)),
+            }
+        )
         self.attempt, self.store = attempt.number, self.base.attempt(attempt.number)
         with self._lock:
             self._next = None
@@ -240,11 +279,28 @@ class HostAgent:
             heal.daemon = True
             heal.start()
         elif fault.action == Action.SLOW:
-            _tc("qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{fault.rate_mbit:g}mbit", "burst", "256kb",
-                "latency", "100ms")
+            _tc(
+                "qdisc",
+                "replace",
+                "dev",
+                device,
+                "root",
+                "tbf",
+                "rate",
+                f"{fault.rate_mbit:g}mbit",
+                "burst",
+                "256kb",
+                "latency",
+                "100ms",
+            )
             self._slowed = device
-            logger.warning("[agent %d] the link of %s (%s) is limited to %g Mbit/s", self.index, self.address, device,
-                           fault.rate_mbit)
+            logger.warning(
+                "[agent %d] the link of %s (%s) is limited to %g Mbit/s",
+                self.index,
+                self.address,
+                device,
+                fault.rate_mbit,
+            )
 
     def close(self) -> None:
         """Stop talking; undo what faults left (a slowed link). The talkers are joined (a
@@ -265,8 +321,9 @@ class HostAgent:
     def _start_talker(self) -> None:
         self._talker += 1
         self._started_at = time.monotonic()
-        thread = threading.Thread(target=self._talk, args=(self._talker,), name=f"replica-agent-talker-{self._talker}",
-                                  daemon=True)
+        thread = threading.Thread(
+            target=self._talk, args=(self._talker,), name=f"replica-agent-talker-{self._talker}", daemon=True
+        )
         thread.start()
         self._talkers = [t for t in self._talkers if t.is_alive()] + [thread]
 
@@ -285,8 +342,10 @@ class HostAgent:
                     pending = list(self._exits)
                 for pid, code in pending:
                     n = store.count(keys.agent_exits(self.index), 1)
-                    store.put(keys.agent_exit(self.index, n), RoleExit(host=self.host, pid=pid, code=code,
-                                                                       spare=self.local.spares.get(pid, -1)))
+                    store.put(
+                        keys.agent_exit(self.index, n),
+                        RoleExit(host=self.host, pid=pid, code=code, spare=self.local.spares.get(pid, -1)),
+                    )
                     with self._lock:
                         if (pid, code) in self._exits:
                             self._exits.remove((pid, code))
@@ -309,9 +368,14 @@ class HostAgent:
                 if time.monotonic() - beat_at >= AGENT_BEAT.total_seconds():
                     # Its verdicts first: a fresh beat vouches for looks at least as fresh.
                     looks = self.local.looks()
-                    store.put(keys.agent_looks(self.index), ProcessLooks(
-                        pids=tuple(pid for pid, _, _ in looks), verdicts=tuple(str(v) for _, v, _ in looks),
-                        whys=tuple(why for _, _, why in looks)))
+                    store.put(
+                        keys.agent_looks(self.index),
+                        ProcessLooks(
+                            pids=tuple(pid for pid, _, _ in looks),
+                            verdicts=tuple(str(v) for _, v, _ in looks),
+                            whys=tuple(why for _, _, why in looks),
+                        ),
+                    )
                     beat += 1
                     store.put(keys.agent_beat(self.index), Number(value=beat))
                     beat_at = time.monotonic()
@@ -360,15 +424,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=non_negative_int, required=True, help="this host's agent number, 0 .. --agents - 1")
     p.add_argument("--address", default="127.0.0.1", help="this host's routable address (REPLICA_HOST of its roles)")
     p.add_argument("--roles", default="", help="roles to start at once, e.g. trainer:0 or standby:1,rollout:1")
-    p.add_argument("--domain", default="",
-                   help=f"this host's failure domain (a rack, a switch, a zone: what fails together; {envvars.DOMAIN} "
-                        "of its roles); replacement standbys never go to a trainer's domain (default: the host)")
-    p.add_argument("--serve", action="store_true",
-                   help="serve job after job: each `replica coordinator ... SCRIPT` at --store names its script and "
-                        "settings and places every role (no SCRIPT and no --roles here); `replica selftest --agents` "
-                        "runs its matrix so")
-    p.add_argument("--idle-timeout", type=positive_float, default=3600.0, metavar="SECONDS",
-                   help="with --serve: stop when no new job comes for this long (default: an hour)")
+    p.add_argument(
+        "--domain",
+        default="",
+        help=f"this host's failure domain (a rack, a switch, a zone: what fails together; {envvars.DOMAIN} "
+        "of its roles); replacement standbys never go to a trainer's domain (default: the host)",
+    )
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="serve job after job: each `replica coordinator ... SCRIPT` at --store names its script and "
+        "settings and places every role (no SCRIPT and no --roles here); `replica selftest --agents` "
+        "runs its matrix so",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=positive_float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="with --serve: stop when no new job comes for this long (default: an hour)",
+    )
     start_options(p)
     shared_domain_option(p)
     p.add_argument("script", type=existing_file, nargs="?", help="the job's script (the same on every host)")
@@ -382,8 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     if not os.environ.get(envvars.TOKEN):
         parser.error(f"set {envvars.TOKEN} to the job's secret token")
     if args.serve and (args.script or args.roles):
-        parser.error("--serve takes no SCRIPT and no --roles: each job's coordinator names its script and places "
-                     "its roles")
+        parser.error(
+            "--serve takes no SCRIPT and no --roles: each job's coordinator names its script and places its roles"
+        )
     if not args.serve and not args.script:
         parser.error("the job's SCRIPT is required (or --serve, to run the jobs coordinators name)")
     try:
@@ -392,12 +468,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     domain = args.domain or domain_name()
-    both = sorted({rank for role, rank in roles if role == Role.TRAINER} &
-                  {rank for role, rank in roles if role == Role.STANDBY})
+    both = sorted(
+        {rank for role, rank in roles if role == Role.TRAINER} & {rank for role, rank in roles if role == Role.STANDBY}
+    )
     if both and not shared_domains_allowed(args.allow_shared_domain):
-        parser.error(f"--roles: the trainer and the standby of rank {both[0]} on one host (failure domain "
-                     f"{domain!r}): losing it would lose both copies of the rank; start the "
-                     "standby on another host, or pass --allow-shared-domain")
+        parser.error(
+            f"--roles: the trainer and the standby of rank {both[0]} on one host (failure domain "
+            f"{domain!r}): losing it would lose both copies of the rank; start the "
+            "standby on another host, or pass --allow-shared-domain"
+        )
     if args.index < 0:
         parser.error(f"--index must be >= 0, got {args.index}")
     if not args.exec_roles:
@@ -416,11 +495,19 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args, store, local, domain=domain, roles=roles)
 
 
-def _run(args: argparse.Namespace, store: JobStore, local: LocalAgent, *, domain: str,
-         roles: list[tuple[Role, int]]) -> int:
+def _run(
+    args: argparse.Namespace, store: JobStore, local: LocalAgent, *, domain: str, roles: list[tuple[Role, int]]
+) -> int:
     """One job: this host's part of it, until its end."""
-    agent = HostAgent(store=store, index=args.index, address=args.address, local=local,
-                      faults=parse_faults(local.env.get(envvars.INJECT, "")), domain=domain, serving=args.serve)
+    agent = HostAgent(
+        store=store,
+        index=args.index,
+        address=args.address,
+        local=local,
+        faults=parse_faults(local.env.get(envvars.INJECT, "")),
+        domain=domain,
+        serving=args.serve,
+    )
     print(f"replica: agent {args.index} on {agent.host} ({args.address}) for the job at {args.store}", flush=True)
     if agent.attempt == 0:  # in a later attempt the coordinator orders every role
         for role, rank in roles:
@@ -437,8 +524,7 @@ def _run(args: argparse.Namespace, store: JobStore, local: LocalAgent, *, domain
     return status
 
 
-def _serve(args: argparse.Namespace, address: StoreAddress, *, token: bytes, env: dict[str, str],
-           domain: str) -> int:
+def _serve(args: argparse.Namespace, address: StoreAddress, *, token: bytes, env: dict[str, str], domain: str) -> int:
     """``--serve``: the jobs named at ``address`` (``keys.served_job``), one after the other, until
     none comes for ``--idle-timeout``."""
     print(f"replica: agent {args.index} on {host_name()} ({args.address}) serves the jobs at {address}", flush=True)
@@ -451,8 +537,9 @@ def _serve(args: argparse.Namespace, address: StoreAddress, *, token: bytes, env
             print(f"replica: agent {args.index}: refuses the job {job.id}: {why}", flush=True)
             continue
         print(f"replica: agent {args.index} serves the job {job.id} ({Path(job.script).name})", flush=True)
-        local = LocalAgent(script=[job.script, *job.args], env={**env, **job.environ}, replacements=0,
-                           exec_roles=args.exec_roles)
+        local = LocalAgent(
+            script=[job.script, *job.args], env={**env, **job.environ}, replacements=0, exec_roles=args.exec_roles
+        )
         _run(args, store, local, domain=domain, roles=[])
         del found, store  # the job's connection (its last references): closed before its store goes away
         if address.kind == StoreKind.TCP:  # its coordinator keeps the store up until every role left
@@ -461,8 +548,9 @@ def _serve(args: argparse.Namespace, address: StoreAddress, *, token: bytes, env
     return ExitCode.OK
 
 
-def _next_job(address: StoreAddress, *, token: bytes, served: str, within: timedelta,
-              index: int) -> tuple[JobStore, ServedJob] | None:
+def _next_job(
+    address: StoreAddress, *, token: bytes, served: str, within: timedelta, index: int
+) -> tuple[JobStore, ServedJob] | None:
     """The job store at ``address`` and the job it names, once that is not ``served`` (nor ended);
     None when none comes ``within``. The store comes and goes with each job's coordinator: one
     connection is kept while it answers, and a hosted store is connected to only once its port

@@ -54,14 +54,20 @@ class JoinRequest:
         try:
             body, mac = raw.decode().rsplit("\n", 1)
             fields = json.loads(body)
-            request = cls(role=str(fields["role"]), rank=int(fields["rank"]), host=str(fields["host"]),
-                          pid=int(fields["pid"]), nonce=str(fields["nonce"]),
-                          domain=str(fields.get("domain") or fields["host"]))
+            request = cls(
+                role=str(fields["role"]),
+                rank=int(fields["rank"]),
+                host=str(fields["host"]),
+                pid=int(fields["pid"]),
+                nonce=str(fields["nonce"]),
+                domain=str(fields.get("domain") or fields["host"]),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise JoinRefusedError(f"malformed join request: {exc}") from exc
         if not hmac.compare_digest(mac, _mac(token, body)):
-            raise JoinRefusedError(f"wrong job token from {request.role} rank {request.rank} "
-                                   f"(pid {request.pid} on {request.host})")
+            raise JoinRefusedError(
+                f"wrong job token from {request.role} rank {request.rank} (pid {request.pid} on {request.host})"
+            )
         return request
 
 
@@ -95,8 +101,9 @@ def post_request(store: JobStore, request: JoinRequest, token: bytes) -> int:
 
 def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timedelta) -> Admission:
     """Ask the coordinator to admit this process; raises JoinRefusedError if refused."""
-    request = JoinRequest(role=role, rank=rank, host=host_name(), pid=os.getpid(), nonce=secrets.token_hex(16),
-                          domain=domain_name())
+    request = JoinRequest(
+        role=role, rank=rank, host=host_name(), pid=os.getpid(), nonce=secrets.token_hex(16), domain=domain_name()
+    )
     seq = post_request(store, request, token)
     key = keys.join_reply(seq)
     unsigned = _Unsigned()
@@ -122,8 +129,13 @@ def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timede
         return Admission(member=seq, generation=reply.generation)
 
     try:  # blocks in the store until the reply is written
-        return store.wait_for(answered, wake=lambda: [key], timeout=timeout, what=f"answer to the join of {role} "
-                              f"rank {rank}", poll=timing.UNSIGNED_POLL)
+        return store.wait_for(
+            answered,
+            wake=lambda: [key],
+            timeout=timeout,
+            what=f"answer to the join of {role} rank {rank}",
+            poll=timing.UNSIGNED_POLL,
+        )
     except StoreWaitTimeoutError:
         raise JoinRefusedError(f"no coordinator answered the join of {role} rank {rank} within {timeout}") from None
     except ReplicaError:
@@ -131,13 +143,16 @@ def join(store: JobStore, *, role: str, rank: int, token: bytes, timeout: timede
     except RuntimeError as exc:  # the store went away (the job ended) while this waited
         if unsigned.raw is not None:
             raise _unsigned(role, rank, unsigned.raw) from exc
-        raise JoinRefusedError(f"the job store went away before the join of {role} rank {rank} was "
-                               f"answered: {exc}") from exc
+        raise JoinRefusedError(
+            f"the job store went away before the join of {role} rank {rank} was answered: {exc}"
+        ) from exc
 
 
 def _unsigned(role: str, rank: int, raw: bytes) -> JoinRefusedError:
-    return JoinRefusedError(f"{role} rank {rank} was not admitted: the only reply is not signed with this "
-                            f"process's token ({_reason(raw)}); is {envvars.TOKEN} the job's?")
+    return JoinRefusedError(
+        f"{role} rank {rank} was not admitted: the only reply is not signed with this "
+        f"process's token ({_reason(raw)}); is {envvars.TOKEN} the job's?"
+    )
 
 
 def _reason(raw: bytes) -> str:
@@ -158,8 +173,10 @@ def pending_requests(store: JobStore, after: int) -> list[tuple[int, bytes | Non
 
 
 def answer(store: JobStore, seq: int, request: JoinRequest, *, generation: int, refused: str | None = None) -> None:
-    store.put(keys.join_reply(seq), JoinReply(seq=seq, nonce=request.nonce, admitted=refused is None,
-                                              reason=refused or "", generation=generation))
+    store.put(
+        keys.join_reply(seq),
+        JoinReply(seq=seq, nonce=request.nonce, admitted=refused is None, reason=refused or "", generation=generation),
+    )
 
 
 def refuse_unsigned(store: JobStore, seq: int, reason: str) -> None:

@@ -38,9 +38,18 @@ class Liveness:
     or their standby reported the connection gone and a short silence confirms it. It says so
     through ``declare_dead``; what a death leads to (a promotion, a replacement) is not its."""
 
-    def __init__(self, *, store: JobStore, members: Members, deadlines: Deadlines, host: str, endpoint: bool,
-                 moved: Callable[[str], bool], lost_reports: Callable[[], dict[int, int]],
-                 declare_dead: Callable[[Member, str], list[Decision]]):
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        members: Members,
+        deadlines: Deadlines,
+        host: str,
+        endpoint: bool,
+        moved: Callable[[str], bool],
+        lost_reports: Callable[[], dict[int, int]],
+        declare_dead: Callable[[Member, str], list[Decision]],
+    ):
         """``endpoint``: start the liveness endpoint on ``host`` (any free port; its address is
         published as ``keys.liveness()``). ``moved``: whether a plain counter of the store moved
         since the last look; ``lost_reports``: every rank's transport reports, read from the store."""
@@ -84,9 +93,13 @@ class Liveness:
         if self.endpoint is None:
             return None
         survivors = [m.id for m in self._members.rows if m.state != MemberState.DEAD]  # alive, or done at the end
-        return {"endpoint": self._address(self.endpoint.port), "datagrams": self.endpoint.received,
-                "rejected": self.endpoint.rejected, "members": len(survivors),
-                "members_heard": sum(1 for age in self.endpoint.ages(survivors) if age >= 0)}
+        return {
+            "endpoint": self._address(self.endpoint.port),
+            "datagrams": self.endpoint.received,
+            "rejected": self.endpoint.rejected,
+            "members": len(survivors),
+            "members_heard": sum(1 for age in self.endpoint.ages(survivors) if age >= 0),
+        }
 
     # --- the beats ---
 
@@ -94,7 +107,7 @@ class Liveness:
         """A coordinator taking over: each of ``members``' beat counter as the store holds it, in one
         request (the silence is timed from the takeover)."""
         beats = self._store.get_many([keys.heartbeat(m.id) for m in members])
-        for member, beat in zip(members, beats):
+        for member, beat in zip(members, beats, strict=False):
             member.beats = beat.beat if beat is not None and beat.member == member.id else 0
 
     def lost_reports(self) -> dict[int, int]:
@@ -130,7 +143,7 @@ class Liveness:
             return members
         ids = [m.id for m in members]
         unheard = []
-        for member, age, number in zip(members, self.endpoint.ages(ids), self.endpoint.beats(ids)):
+        for member, age, number in zip(members, self.endpoint.ages(ids), self.endpoint.beats(ids), strict=False):
             if age >= 0:
                 self._beat_rose(member, number, now - age)
             if age < 0 or age > timing.LIVENESS_STORE_AFTER.total_seconds():
@@ -173,14 +186,14 @@ class Liveness:
         ages = self.endpoint.ages([m.id for m in members])
         # The endpoint's age is a lower bound of the silence (a store beat can only be newer than
         # the datagram's), so members it heard lately are not overdue.
-        candidates = [m for m, age in zip(members, ages) if age < 0 or age > floor]
+        candidates = [m for m, age in zip(members, ages, strict=False) if age < 0 or age > floor]
         if not candidates:
             return
         unheard = {m.id for m in self._heard(candidates, now)}
         overdue = [m for m in candidates if now - m.beat_at > self._limit(m, now)[0]]
         stale = [m for m in overdue if m.id in unheard]
         if stale:
-            for member, beat in zip(stale, self._store.get_many([keys.heartbeat(m.id) for m in stale])):
+            for member, beat in zip(stale, self._store.get_many([keys.heartbeat(m.id) for m in stale]), strict=False):
                 self._beat_read(member, beat, now)
         for member in overdue:
             member.checked_at = now
@@ -192,7 +205,9 @@ class Liveness:
         per key)."""
         unheard = self._heard(self._members.alive(), now)
         if unheard:
-            for member, beat in zip(unheard, self._store.get_many([keys.heartbeat(m.id) for m in unheard])):
+            for member, beat in zip(
+                unheard, self._store.get_many([keys.heartbeat(m.id) for m in unheard]), strict=False
+            ):
                 self._beat_read(member, beat, now)
         self.beats_read_at = now
 
@@ -202,8 +217,11 @@ class Liveness:
         """The coordinator polls at ``now``: a gap since its last poll is its own stall."""
         stall = self.stalls.tick(now)
         if stall is not None and stall.seconds >= timing.STALL_LOGGED.total_seconds():
-            logger.warning("the coordinator did not run for %.1f s (its process stalled): silence in that span "
-                           "counts against no member", stall.seconds)
+            logger.warning(
+                "the coordinator did not run for %.1f s (its process stalled): silence in that span "
+                "counts against no member",
+                stall.seconds,
+            )
 
     def _silence(self, member: Member) -> float:
         """How long ``member`` has been silent as of the last read of its beats (never longer
@@ -227,8 +245,10 @@ class Liveness:
             quiet += silent >= timing.QUIET.total_seconds()
             _, lost = self._limit(member, now)
             if lost and silent > self._deadlines.confirm.total_seconds():
-                decisions += self._declare_dead(member, f"its standby saw the connection vanish and it has sent "
-                                                        f"no heartbeat for {silent * 1e3:.0f} ms")
+                decisions += self._declare_dead(
+                    member,
+                    f"its standby saw the connection vanish and it has sent no heartbeat for {silent * 1e3:.0f} ms",
+                )
             elif silent > (deadline := self._deadlines.of(member.role).total_seconds()):
                 overdue.append((member, silent, deadline))
         return decisions + self._judge_silent(overdue, quiet, now)
@@ -251,15 +271,21 @@ class Liveness:
                 entry.update(outcome="left", until=now)
                 continue
             entry.update(outcome="recovered", until=now)  # heard again: it was a stall
-            logger.warning("%s is heard again after %.1f s of silence: it was a stall, not a death",
-                           entry["member"], now - entry["at"] + entry["silent_s"])
+            logger.warning(
+                "%s is heard again after %.1f s of silence: it was a stall, not a death",
+                entry["member"],
+                now - entry["at"] + entry["silent_s"],
+            )
         if not overdue:
             return []
         looks = {}
         for member, silent, _ in overdue:
             held = self._held.get(member.id)
-            if held is not None and now - held["looked"] < timing.PROBE_EVERY.total_seconds() and (
-                    silent <= timing.STALL_HOLD.total_seconds()):
+            if (
+                held is not None
+                and now - held["looked"] < timing.PROBE_EVERY.total_seconds()
+                and (silent <= timing.STALL_HOLD.total_seconds())
+            ):
                 continue  # looked at lately: still held
             looks[member.id] = (Verdict.UNKNOWN, "") if self.probe is None else self.probe(member)
             if held is not None:
@@ -269,8 +295,11 @@ class Liveness:
         quiet, alive = quiet - gone, len(self._members.alive()) - gone
         together = quiet >= 2 and (quiet == alive or quiet > self._host_worth())
         if together and not any(self._held.get(m.id, {}).get("together") for m, _, _ in overdue):
-            logger.warning("suspected stall: %d of %d members silent together: none is declared dead on its "
-                           "deadline alone", quiet, alive)
+            logger.warning(
+                "suspected stall: %d of %d members silent together: none is declared dead on its deadline alone",
+                quiet,
+                alive,
+            )
         decisions = []
         for member, silent, deadline in overdue:
             if member.id not in looks:
@@ -287,12 +316,25 @@ class Liveness:
                 decisions += self._declare_dead(member, f"{said}; {why}" if why else said)
             elif member.id not in self._held:
                 why = why or "nothing else sees its process"
-                entry = {"member": str(member), "role": member.role, "rank": member.rank, "at": now,
-                         "silent_s": round(silent, 3), "why": why, "together": together, "outcome": None,
-                         "until": None, "looked": now}
+                entry = {
+                    "member": str(member),
+                    "role": member.role,
+                    "rank": member.rank,
+                    "at": now,
+                    "silent_s": round(silent, 3),
+                    "why": why,
+                    "together": together,
+                    "outcome": None,
+                    "until": None,
+                    "looked": now,
+                }
                 self._held[member.id] = entry
                 self.suspected_stalls.append(entry)
-                logger.warning("%s has been silent for %.1f s but %s: a stall, not a death (held up to %g s)", member,
-                               silent, why if not together else f"{quiet} members are silent together",
-                               timing.STALL_HOLD.total_seconds())
+                logger.warning(
+                    "%s has been silent for %.1f s but %s: a stall, not a death (held up to %g s)",
+                    member,
+                    silent,
+                    why if not together else f"{quiet} members are silent together",
+                    timing.STALL_HOLD.total_seconds(),
+                )
         return decisions

@@ -16,16 +16,16 @@ from pathlib import Path
 
 from replica import envvars
 from replica.errors import MainThreadError
-from replica.session.backends import check_backends, parse_backends
+from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.mirror.floor import FloorConfig
+from replica.processes import ScriptProcess, start_script
 from replica.roles.coordinator import Coordinator
 from replica.roles.election import Leadership, lead_new_job
 from replica.roles.env import Role, base_environ, host_name, job_environ, member_environ, role_name
 from replica.roles.probe import ProcessView, Verdict, verdict_of
 from replica.roles.spares import Replacements
 from replica.roles.timing import Deadlines
-from replica.jobstore.stores import StoreAddress, StoreKind
-from replica.processes import ScriptProcess, start_script
+from replica.session.backends import check_backends, parse_backends
 from replica.timing import Deadline
 
 __all__ = ["LocalAgent", "die_with_launcher", "open_job", "role_env", "start_roles"]
@@ -58,23 +58,63 @@ def die_with_launcher(argv: list[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *argv]
 
 
-def role_env(*, store: str, token: str, world_size: int, inject: str, steps: int, rollouts: int, mirror_device: str,
-             export_dir: Path, resume: Path | None, backends: str = "", strict: bool = False,
-             durable: FloorConfig | None = None, attempt: int = 0) -> dict[str, str]:
+def role_env(
+    *,
+    store: str,
+    token: str,
+    world_size: int,
+    inject: str,
+    steps: int,
+    rollouts: int,
+    mirror_device: str,
+    export_dir: Path,
+    resume: Path | None,
+    backends: str = "",
+    strict: bool = False,
+    durable: FloorConfig | None = None,
+    attempt: int = 0,
+) -> dict[str, str]:
     """The environment every role of a launched job starts with (this one's, plus the job's:
     ``replica.roles.env.job_environ``, which ``RoleEnv.from_environ`` reads)."""
-    return {**base_environ(), **job_environ(
-        store=store, token=token, world_size=world_size, steps=steps, inject=inject, rollouts=rollouts,
-        mirror_device="" if mirror_device == "model" else mirror_device, export_dir=str(export_dir.resolve()),
-        resume=str(resume) if resume else "", backends=parse_backends(backends), strict=strict, durable=durable,
-        attempt=attempt)}
+    return {
+        **base_environ(),
+        **job_environ(
+            store=store,
+            token=token,
+            world_size=world_size,
+            steps=steps,
+            inject=inject,
+            rollouts=rollouts,
+            mirror_device="" if mirror_device == "model" else mirror_device,
+            export_dir=str(export_dir.resolve()),
+            resume=str(resume) if resume else "",
+            backends=parse_backends(backends),
+            strict=strict,
+            durable=durable,
+            attempt=attempt,
+        ),
+    }
 
 
-def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, port: int = 0, inject: str, steps: int,
-             mirror_device: str, export_dir: Path, resume: tuple[int, Path] | None = None, store: str = "",
-             backends: str = "", strict: bool = False, shared_domains: bool = True,
-             durable: FloorConfig | None = None,
-             previous: Coordinator | None = None) -> tuple[Coordinator, dict[str, str], Leadership | None]:
+def open_job(
+    *,
+    trainers: int,
+    rollouts: int,
+    deadlines: Deadlines,
+    host: str,
+    port: int = 0,
+    inject: str,
+    steps: int,
+    mirror_device: str,
+    export_dir: Path,
+    resume: tuple[int, Path] | None = None,
+    store: str = "",
+    backends: str = "",
+    strict: bool = False,
+    shared_domains: bool = True,
+    durable: FloorConfig | None = None,
+    previous: Coordinator | None = None,
+) -> tuple[Coordinator, dict[str, str], Leadership | None]:
     """A launched job's coordinator and the environment its roles start with; the job's token
     is ``REPLICA_TOKEN`` or a fresh one. The job store is hosted by the coordinator on
     ``host:port``, or, with ``store`` (``etcd://HOSTS/NAMESPACE``), kept in etcd: then the
@@ -98,22 +138,43 @@ def open_job(*, trainers: int, rollouts: int, deadlines: Deadlines, host: str, p
         attempt, token = 0, os.environ.get(envvars.TOKEN) or secrets.token_hex(16)
         address = StoreAddress.parse(store) if store else None
         if address is not None and address.kind != StoreKind.ETCD:
-            raise ValueError(f"the job store {store!r}: a launcher hosts its own store (--host/--port) or keeps the "
-                             "job in etcd (etcd://HOSTS/NAMESPACE)")
+            raise ValueError(
+                f"the job store {store!r}: a launcher hosts its own store (--host/--port) or keeps the "
+                "job in etcd (etcd://HOSTS/NAMESPACE)"
+            )
         leadership = lead_new_job(address, token.encode()) if address is not None else None
         try:
-            coord = Coordinator(world_size=trainers, token=token.encode(), host=host, port=port, deadlines=deadlines,
-                                rollouts=rollouts, resume_from=resume[0] if resume else None, store=address,
-                                fence=leadership.claim if leadership is not None else None,
-                                shared_domains=shared_domains)
+            coord = Coordinator(
+                world_size=trainers,
+                token=token.encode(),
+                host=host,
+                port=port,
+                deadlines=deadlines,
+                rollouts=rollouts,
+                resume_from=resume[0] if resume else None,
+                store=address,
+                fence=leadership.claim if leadership is not None else None,
+                shared_domains=shared_domains,
+            )
         except BaseException:
             if leadership is not None:
                 leadership.resign()
             raise
-    env = role_env(store=coord.address, token=token, world_size=trainers, inject=inject, steps=steps,
-                   rollouts=rollouts, mirror_device=mirror_device, export_dir=export_dir,
-                   resume=resume[1] if resume else None, backends=backends, strict=strict, durable=durable,
-                   attempt=attempt)
+    env = role_env(
+        store=coord.address,
+        token=token,
+        world_size=trainers,
+        inject=inject,
+        steps=steps,
+        rollouts=rollouts,
+        mirror_device=mirror_device,
+        export_dir=export_dir,
+        resume=resume[1] if resume else None,
+        backends=backends,
+        strict=strict,
+        durable=durable,
+        attempt=attempt,
+    )
     return coord, env, leadership
 
 
@@ -136,8 +197,12 @@ class LocalAgent:
     def again(self, env: dict[str, str]) -> LocalAgent:
         """A fresh agent for the same script with ``env`` added to the roles' environment (the
         job's next attempt); this one's processes are its own (``kill_all``)."""
-        return LocalAgent(script=self._script, env={**self._env, **env}, replacements=self._replacements.left,
-                          exec_roles=self._exec_roles)
+        return LocalAgent(
+            script=self._script,
+            env={**self._env, **env},
+            replacements=self._replacements.left,
+            exec_roles=self._exec_roles,
+        )
 
     @property
     def env(self) -> dict[str, str]:
@@ -161,8 +226,9 @@ class LocalAgent:
                 raise MainThreadError("LocalAgent.start must be called from the main thread")
             popen = subprocess.Popen(die_with_launcher([sys.executable, *self._script]), env=env)
         else:
-            popen = start_script(self._script, env=env,
-                                 name=role_name(role, rank) if spare is None else f"spare {spare}")
+            popen = start_script(
+                self._script, env=env, name=role_name(role, rank) if spare is None else f"spare {spare}"
+            )
         self.procs[popen.pid] = (role, popen)
         if spare is not None:
             self.spares[popen.pid] = spare
@@ -216,8 +282,9 @@ class LocalAgent:
         """(pid, verdict, why) of each role process whose exit was not reported yet, judged
         from this look at it and the last (what a host agent writes with its beats, for the
         coordinator's ``probe``). Reads ``/proc`` only: safe beside the thread that reaps."""
-        return [(pid, *verdict_of(self._views, pid, min_gap_s=0.0))
-                for pid in list(self.procs) if pid not in self._reported]
+        return [
+            (pid, *verdict_of(self._views, pid, min_gap_s=0.0)) for pid in list(self.procs) if pid not in self._reported
+        ]
 
     def unaware_of_end(self) -> set[str]:
         return set()  # this agent is the coordinator's own process

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from replica.jobstore import JobStore, Text, keys
 from replica.roles.env import Role
 
-
 __all__ = ["Decision", "DecisionKind", "FailoverTimeline", "Mark", "Member", "MemberState", "Members"]
 
 
@@ -77,8 +76,10 @@ class Members:
     def table(self) -> list[dict]:
         """The membership table: role, rank, host, domain, pid, generation and state of every member."""
         shown = ("id", "role", "rank", "host", "domain", "pid", "generation", "state", "max_silence_s")
-        return [{k: round(v, 3) if k == "max_silence_s" else v for k, v in asdict(m).items() if k in shown}
-                for m in self.rows]
+        return [
+            {k: round(v, 3) if k == "max_silence_s" else v for k, v in asdict(m).items() if k in shown}
+            for m in self.rows
+        ]
 
     def publish(self) -> None:
         """Write the table to the store (within ``batch``: once, at its end)."""
@@ -105,12 +106,23 @@ class Members:
         """Rebuild the rows from the table a predecessor published (``table``): every live member's
         deadline runs from ``now``; ``lost``: each rank's transport reports so far."""
         for row in json.loads(table.value) if table is not None else []:
-            self.rows.append(Member(id=int(row["id"]), role=Role(row["role"]), rank=int(row["rank"]),
-                                    host=str(row["host"]), domain=str(row.get("domain") or row["host"]),
-                                    pid=int(row["pid"]), generation=int(row["generation"]), joined_at=now, since=now,
-                                    state=MemberState(row["state"]), beat_at=now,
-                                    lost_base=lost.get(int(row["rank"]), 0),
-                                    max_silence_s=float(row.get("max_silence_s", 0.0))))
+            self.rows.append(
+                Member(
+                    id=int(row["id"]),
+                    role=Role(row["role"]),
+                    rank=int(row["rank"]),
+                    host=str(row["host"]),
+                    domain=str(row.get("domain") or row["host"]),
+                    pid=int(row["pid"]),
+                    generation=int(row["generation"]),
+                    joined_at=now,
+                    since=now,
+                    state=MemberState(row["state"]),
+                    beat_at=now,
+                    lost_base=lost.get(int(row["rank"]), 0),
+                    max_silence_s=float(row.get("max_silence_s", 0.0)),
+                )
+            )
 
 
 class Mark(enum.StrEnum):

@@ -43,9 +43,17 @@ class Verdict(enum.StrEnum):
     UNKNOWN = "unknown"  # no second channel (no agent sees the process): the deadline alone decides
 
 
-_STATES = {"R": ProcessState.RUNNING, "D": ProcessState.WAITING, "S": ProcessState.SLEEPING,
-           "I": ProcessState.SLEEPING, "T": ProcessState.STOPPED, "t": ProcessState.STOPPED,
-           "Z": ProcessState.GONE, "X": ProcessState.GONE, "x": ProcessState.GONE}
+_STATES = {
+    "R": ProcessState.RUNNING,
+    "D": ProcessState.WAITING,
+    "S": ProcessState.SLEEPING,
+    "I": ProcessState.SLEEPING,
+    "T": ProcessState.STOPPED,
+    "t": ProcessState.STOPPED,
+    "Z": ProcessState.GONE,
+    "X": ProcessState.GONE,
+    "x": ProcessState.GONE,
+}
 
 
 def look(pid: int) -> ProcessView:
@@ -95,8 +103,9 @@ def judge(before: ProcessView | None, after: ProcessView) -> tuple[Verdict, str]
     else:
         used, span = after.cpu_s - before.cpu_s, after.at - before.at
     if after.state in (ProcessState.RUNNING, ProcessState.WAITING):
-        return Verdict.STALLED, f"its process is {after.state}" + (f" ({used:.2f} s of CPU in {span:.1f} s)"
-                                                                   if used else "")
+        return Verdict.STALLED, f"its process is {after.state}" + (
+            f" ({used:.2f} s of CPU in {span:.1f} s)" if used else ""
+        )
     if used:
         return Verdict.STALLED, f"its process used {used:.2f} s of CPU in the last {span:.1f} s"
     return Verdict.DEAD, "its process sleeps and uses no CPU"

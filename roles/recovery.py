@@ -14,13 +14,13 @@ from datetime import timedelta
 from typing import NoReturn
 
 import replica
-from replica.jobstore.commit import EpochRecord, hint_generation
 from replica.errors import StoreWaitTimeoutError
 from replica.jobstore import Flag, Generation, HeartbeatSender, JobStore, Promotion, Regroup, Stamp, keys
+from replica.jobstore.commit import EpochRecord, hint_generation
 from replica.roles import timing
-from replica.timing import Deadline, pause
 from replica.roles.env import Role, RoleState, process_group
 from replica.roles.exits import ExitCode, exit_now
+from replica.timing import Deadline, pause
 
 __all__ = ["Recovery", "aim_beats"]
 
@@ -50,8 +50,9 @@ def aim_beats(senders: Sequence[HeartbeatSender], store: JobStore, aimed: str | 
         for sender in senders:
             sender.aim(*endpoint)
     except (RuntimeError, ValueError) as exc:  # unresolvable here: the store path goes on
-        logger.warning("%s cannot beat to the liveness endpoint %s (%s); beating to the job store", who,
-                       published.value, exc)
+        logger.warning(
+            "%s cannot beat to the liveness endpoint %s (%s); beating to the job store", who, published.value, exc
+        )
         return aimed
     logger.info("%s beating to the liveness endpoint %s", who, published.value)
     return published.value
@@ -78,8 +79,16 @@ class Recovery:
     (``role``: a ``RoleState``; the group comes after the join, the role changes at a
     promotion). Its waits and periods are ``replica.roles.timing``'s, read at each use."""
 
-    def __init__(self, role: RoleState, *, store: JobStore, rank: int, member: int, export_dir: str,
-                 export_held: Callable[[], None]):
+    def __init__(
+        self,
+        role: RoleState,
+        *,
+        store: JobStore,
+        rank: int,
+        member: int,
+        export_dir: str,
+        export_held: Callable[[], None],
+    ):
         """``store``: the role's connection to the job store (its attempt's); ``rank``, ``member``:
         the role's rank and member id (its join's); ``export_dir``: where the versions go when the
         store is lost, which ``export_held()`` writes them to."""
@@ -117,9 +126,14 @@ class Recovery:
         hint alone (``hint_generation``): a standby promoted a moment ago still holds the
         generation before its promotion, which the liveness answers may still vouch for (the
         endpoint learns the new number after the store): what would stop it is read again."""
+
         def given_away(current: Generation | None) -> bool:
-            return (self._role.role == Role.TRAINER and current is not None and self._rank < len(current.trainers)
-                    and current.trainers[self._rank] not in (-1, self._member))
+            return (
+                self._role.role == Role.TRAINER
+                and current is not None
+                and self._rank < len(current.trainers)
+                and current.trainers[self._rank] not in (-1, self._member)
+            )
 
         return given_away(self._epochs.generation(store)) and given_away(self._epochs.generation(store, fresh=True))
 
@@ -148,15 +162,26 @@ class Recovery:
         try:
             # Woken by the next generation's failover record; the job's end is looked for every
             # timing.STANDBY_LOOK (a store waits for every key it is given, not for the first).
-            found = self._store.wait_for(announced, wake=lambda: [keys.failover(floor + 1)], timeout=timing.ROLE_WAIT,
-                                         what="failover or regroup", every=timing.STANDBY_LOOK)
+            found = self._store.wait_for(
+                announced,
+                wake=lambda: [keys.failover(floor + 1)],
+                timeout=timing.ROLE_WAIT,
+                what="failover or regroup",
+                every=timing.STANDBY_LOOK,
+            )
         except StoreWaitTimeoutError:
-            raise replica.ReplicaError("the step failed but no coordinator announced a failover or a regroup "
-                                       f"within {timing.ROLE_WAIT}") from None
+            raise replica.ReplicaError(
+                f"the step failed but no coordinator announced a failover or a regroup within {timing.ROLE_WAIT}"
+            ) from None
         if found is _JOB_ENDED:
             # Nothing to resume here: the coordinator said why. Leave now, not at its linger's end.
-            logger.error("[%s rank %d] the job ended while this process waited for a failover after its failed "
-                         "step; it stops (exit code %d)", self._role.role, self._rank, ExitCode.FAILED)
+            logger.error(
+                "[%s rank %d] the job ended while this process waited for a failover after its failed "
+                "step; it stops (exit code %d)",
+                self._role.role,
+                self._rank,
+                ExitCode.FAILED,
+            )
             exit_now(ExitCode.FAILED)
         return found
 
@@ -179,13 +204,19 @@ class Recovery:
         arrived (the caller then waits for the next one)."""
         group = process_group(self._role)
         try:
-            group.configure(generation, ready_timeout=timing.ROLE_WAIT,
-                            ready_abort=lambda: self._generation_number() > generation)
+            group.configure(
+                generation, ready_timeout=timing.ROLE_WAIT, ready_abort=lambda: self._generation_number() > generation
+            )
             return True
         except (replica.ReplicaError, RuntimeError) as exc:  # gloo reports a failed rendezvous as RuntimeError
             self._failed_generation = max(self._failed_generation, generation)
-            logger.warning("[%s rank %d] generation %d could not be joined (%s); waiting for the next",
-                           self._role.role, self._rank, generation, exc)
+            logger.warning(
+                "[%s rank %d] generation %d could not be joined (%s); waiting for the next",
+                self._role.role,
+                self._rank,
+                generation,
+                exc,
+            )
             return False
 
     def _generation_number(self, store: JobStore | None = None) -> int:
@@ -193,8 +224,9 @@ class Recovery:
         current = self._epochs.generation(store)
         return -1 if current is None else current.number
 
-    def wait_promotion(self, look: Callable[[JobStore], None],
-                       fire: Callable[[JobStore], None] | None) -> tuple[int, int] | None:
+    def wait_promotion(
+        self, look: Callable[[JobStore], None], fire: Callable[[JobStore], None] | None
+    ) -> tuple[int, int] | None:
         """Wait (on a store connection of this thread's own) until the coordinator promotes
         this standby: the generation it is promoted in and the commit that resumes from; None
         when the job ended first. Each look at the store calls ``look(store)`` first (the job
@@ -222,10 +254,15 @@ class Recovery:
             # While a fresh liveness answer says the generation did not move, no promotion can have
             # come: the store is not asked for one (1,024 waiting standbys asked ~100,000 times a second).
             promotion = self._store.wait_for(
-                promoted, wake=lambda: [keys.failover(generation + 1)], timeout=timing.PROMOTION_WAIT,
-                what="promotion", every=timing.STANDBY_POLL if fire else timing.STANDBY_LOOK, poll=timing.STANDBY_POLL,
+                promoted,
+                wake=lambda: [keys.failover(generation + 1)],
+                timeout=timing.PROMOTION_WAIT,
+                what="promotion",
+                every=timing.STANDBY_POLL if fire else timing.STANDBY_LOOK,
+                poll=timing.STANDBY_POLL,
                 quiet=lambda: self._fresh_generation() == generation,
-                quiet_every=timing.STANDBY_POLL if fire else timing.STANDBY_QUIET_LOOK)
+                quiet_every=timing.STANDBY_POLL if fire else timing.STANDBY_QUIET_LOOK,
+            )
         if isinstance(promotion, Flag):
             return None
         return promotion.generation, self._store.wait(keys.failover(promotion.generation), timing.ROLE_WAIT).commit
@@ -251,8 +288,15 @@ class Recovery:
             while True:
                 pause(timedelta(seconds=1))
         role = self._role.role
-        logger.error("[%s rank %d] the job store is gone (%s): the coordinator died or is cut off; this %s "
-                     "exports the versions it holds to %s and stops", role, self._rank, exc, role, self._export_dir)
+        logger.error(
+            "[%s rank %d] the job store is gone (%s): the coordinator died or is cut off; this %s "
+            "exports the versions it holds to %s and stops",
+            role,
+            self._rank,
+            exc,
+            role,
+            self._export_dir,
+        )
         self._export_held()
         exit_now(ExitCode.COORDINATOR_LOST)
 
@@ -297,10 +341,15 @@ class Recovery:
         except Exception as exc:  # noqa: BLE001 - the store path beats meanwhile; the loop looks again
             logger.warning("[%s rank %d] no liveness endpoint yet (%s)", self._role.role, self._rank, exc)
             aimed, endpoint = None, None
-        sender = self._store.heartbeat_sender(self._member, period=timing.HEARTBEAT_PERIOD,
-                                              io_timeout=timing.HEARTBEAT_IO, python_grace=timing.PYTHON_GRACE,
-                                              store_after=timing.LIVENESS_STORE_AFTER,
-                                              store_period=timing.LIVENESS_STORE_PERIOD, liveness=endpoint)
+        sender = self._store.heartbeat_sender(
+            self._member,
+            period=timing.HEARTBEAT_PERIOD,
+            io_timeout=timing.HEARTBEAT_IO,
+            python_grace=timing.PYTHON_GRACE,
+            store_after=timing.LIVENESS_STORE_AFTER,
+            store_period=timing.LIVENESS_STORE_PERIOD,
+            liveness=endpoint,
+        )
         self._sender = sender
         hint_generation(self._store, self._fresh_generation)
         store: JobStore | None = None
@@ -313,8 +362,12 @@ class Recovery:
                 sender.touch()
                 if (sender.failing_for > timing.HEARTBEAT_IO.total_seconds()) != beats_failing:
                     beats_failing = not beats_failing
-                    logger.warning("[%s rank %d] heartbeats %s", self._role.role, self._rank,
-                                   f"fail: {sender.last_error}" if beats_failing else "get through again")
+                    logger.warning(
+                        "[%s rank %d] heartbeats %s",
+                        self._role.role,
+                        self._rank,
+                        f"fail: {sender.last_error}" if beats_failing else "get through again",
+                    )
                 try:
                     if store is None:
                         store = self._store.reconnect(timing.HEARTBEAT_IO)
@@ -325,8 +378,12 @@ class Recovery:
                     if self._superseded(store):
                         self.fenced_exit()
                     group = self._role.group
-                    if group is not None and self._role.role == Role.TRAINER and group.errored is None and \
-                            self.failover_announced(store):
+                    if (
+                        group is not None
+                        and self._role.role == Role.TRAINER
+                        and group.errored is None
+                        and self.failover_announced(store)
+                    ):
                         # NCCL does not fail a collective whose peer died, nor does gloo before its timeout
                         # when the peer's host is lost (no reset): get this survivor out of it.
                         group.abort("the coordinator announced a failover")
@@ -335,8 +392,14 @@ class Recovery:
                     failures += 1
                     failing_since = failing_since if failures > 1 else time.monotonic()
                     if failures == 1 or failures % _HEARTBEAT_LOG_EVERY == 0:
-                        logger.warning("[%s rank %d] the job store does not answer (%d in a row): %s; beats: %s",
-                                       self._role.role, self._rank, failures, exc, sender.last_error or "getting through")
+                        logger.warning(
+                            "[%s rank %d] the job store does not answer (%d in a row): %s; beats: %s",
+                            self._role.role,
+                            self._rank,
+                            failures,
+                            exc,
+                            sender.last_error or "getting through",
+                        )
                     store = None
                     if time.monotonic() - failing_since > timing.STORE_LOST.total_seconds():
                         self._coordinator_lost(exc)
@@ -356,6 +419,10 @@ class Recovery:
     def fenced_exit(self) -> NoReturn:
         """This trainer was declared dead and replaced: whatever it does now would be a
         zombie's. Exit at once (the standbys and engines refuse its epoch anyway)."""
-        logger.error("[trainer rank %d] this process was declared dead and its rank given to another "
-                     "process; it stops now (exit code %d)", self._rank, ExitCode.FENCED)
+        logger.error(
+            "[trainer rank %d] this process was declared dead and its rank given to another "
+            "process; it stops now (exit code %d)",
+            self._rank,
+            ExitCode.FENCED,
+        )
         exit_now(ExitCode.FENCED)

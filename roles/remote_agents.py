@@ -28,14 +28,21 @@ logger = logging.getLogger(__name__)
 Site = TypeVar("Site")
 
 
-def replacement_site(sites: Iterable[Site], *, domain: Callable[[Site], str], trainer_domains: set[str],
-                     load: Callable[[Site], int], order: Callable[[Site], object]) -> Site | None:
+def replacement_site(
+    sites: Iterable[Site],
+    *,
+    domain: Callable[[Site], str],
+    trainer_domains: set[str],
+    load: Callable[[Site], int],
+    order: Callable[[Site], object],
+) -> Site | None:
     """Where a replacement standby or engine goes, among ``sites`` (hosts' agents, Ray nodes
     or bundles) that can take it: one in a failure domain (a host by default:
     ``replica.roles.env.domain_name``) where no trainer runs now, the least loaded, then the
     first in ``order``; None if there is none. The one placement rule of every launcher."""
     candidates = [s for s in sites if domain(s) not in trainer_domains]
     return min(candidates, key=lambda s: (load(s), order(s)), default=None)
+
 
 def kept_apart_from(*, spare: bool) -> tuple[Role, ...]:
     """The roles whose failure domains a new standby or engine may not share: a trainer's; a
@@ -54,8 +61,15 @@ class RemoteAgents:
     """``supervise.Agent`` for agents on other hosts. ``members()`` gives the live
     members as (role, rank, host, domain) for placement; ``replacements`` < 0: no limit."""
 
-    def __init__(self, store: JobStore, *, count: int, replacements: int,
-                 members: Callable[[], list[tuple[str, int, str, str]]], trainers: int = 0):
+    def __init__(
+        self,
+        store: JobStore,
+        *,
+        count: int,
+        replacements: int,
+        members: Callable[[], list[tuple[str, int, str, str]]],
+        trainers: int = 0,
+    ):
         if count < 0:
             raise ValueError(f"need count >= 0, got {count}")
         self._store, self._count, self._members = store, count, members
@@ -75,10 +89,13 @@ class RemoteAgents:
     def agents(self) -> dict[int, AgentInfo]:
         """The agents registered so far."""
         for index in range(self._count):
-            if index not in self._info and (info := self._store.get(keys.agent(index))) is not None:
-                if info.index == index:
-                    self._info[index] = info
-                    logger.info("agent %d registered: %s (%s)", index, info.host, info.address)
+            if (
+                index not in self._info
+                and (info := self._store.get(keys.agent(index))) is not None
+                and info.index == index
+            ):
+                self._info[index] = info
+                logger.info("agent %d registered: %s (%s)", index, info.host, info.address)
         return self._info
 
     def live(self) -> list[AgentInfo]:
@@ -86,8 +103,9 @@ class RemoteAgents:
         ``exits()`` looks at the beats every round)."""
         self._watch_beats()
         now = time.monotonic()
-        return [info for index, info in self.agents().items()
-                if now - self._beats[index][1] < AGENT_SILENCE.total_seconds()]
+        return [
+            info for index, info in self.agents().items() if now - self._beats[index][1] < AGENT_SILENCE.total_seconds()
+        ]
 
     def _watch_beats(self) -> None:
         now = time.monotonic()
@@ -140,15 +158,20 @@ class RemoteAgents:
         self._watch_beats()
         now, agents = time.monotonic(), self.agents()
         ended = self._store.get_many([keys.agent_ended(index) for index in agents])
-        return {info.host for (index, info), flag in zip(agents.items(), ended)
-                if flag is None and index in self._beats
-                and now - self._beats[index][1] < timing.STORE_LOST.total_seconds()}
+        return {
+            info.host
+            for (index, info), flag in zip(agents.items(), ended, strict=False)
+            if flag is None and index in self._beats and now - self._beats[index][1] < timing.STORE_LOST.total_seconds()
+        }
 
     def silent_hosts(self, longer_than: timedelta) -> set[str]:
         self._watch_beats()
         now = time.monotonic()
-        return {info.host for index, info in self.agents().items()
-                if index in self._beats and now - self._beats[index][1] > longer_than.total_seconds()}
+        return {
+            info.host
+            for index, info in self.agents().items()
+            if index in self._beats and now - self._beats[index][1] > longer_than.total_seconds()
+        }
 
     def probe(self, pid: int, host: str | None = None) -> tuple[Verdict, str]:
         """Gone with its host when that host's agent is silent too; else its agent's latest
@@ -158,8 +181,11 @@ class RemoteAgents:
         if verdict[0] != Verdict.UNKNOWN:
             return verdict
         for index, info in self.agents().items():
-            if info.host == host and (looks := self._store.get(keys.agent_looks(index))) is not None \
-                    and pid in looks.pids:
+            if (
+                info.host == host
+                and (looks := self._store.get(keys.agent_looks(index))) is not None
+                and pid in looks.pids
+            ):
                 i = looks.pids.index(pid)
                 return Verdict(looks.verdicts[i]), f"{looks.whys[i]} (its agent's look)"
         return verdict
@@ -212,23 +238,34 @@ class RemoteAgents:
         load = {}
         for _, _, host, _ in members:
             load[host] = load.get(host, 0) + 1
-        return replacement_site(self.live(), domain=lambda info: info.domain or info.host,
-                                trainer_domains=trainer_domains, load=lambda info: load.get(info.host, 0),
-                                order=lambda info: info.index)
+        return replacement_site(
+            self.live(),
+            domain=lambda info: info.domain or info.host,
+            trainer_domains=trainer_domains,
+            load=lambda info: load.get(info.host, 0),
+            order=lambda info: info.index,
+        )
 
     def _settle_suspects(self) -> None:
         """Wait out the suspicion of the hosts suspected within ``AGENT_SILENCE`` (a second at most):
         then ``live()`` tells a lost host (its agent silent since) from one whose process alone died."""
         now = time.monotonic()
-        self._suspects = {host: at for host, at in self._suspects.items()
-                          if now - at < (AGENT_SILENCE + 2 * _WATCH_EVERY).total_seconds()}
+        self._suspects = {
+            host: at
+            for host, at in self._suspects.items()
+            if now - at < (AGENT_SILENCE + 2 * _WATCH_EVERY).total_seconds()
+        }
         if self._suspects and any(info.host in self._suspects for info in self.live()):
             # Beats are read every _WATCH_EVERY: the last one of a lost host may be read that late.
-            settle = Deadline.after(timedelta(seconds=max(self._suspects.values()) - now) + AGENT_SILENCE
-                                    + 2 * _WATCH_EVERY)
-            logger.info("a member on %s died with no exit its agent reported: waiting %.2f s to see whether "
-                        "its host is lost before placing a role", ", ".join(sorted(self._suspects)),
-                        settle.remaining_s())
+            settle = Deadline.after(
+                timedelta(seconds=max(self._suspects.values()) - now) + AGENT_SILENCE + 2 * _WATCH_EVERY
+            )
+            logger.info(
+                "a member on %s died with no exit its agent reported: waiting %.2f s to see whether "
+                "its host is lost before placing a role",
+                ", ".join(sorted(self._suspects)),
+                settle.remaining_s(),
+            )
             pause(settle.remaining(), deadline=settle)
             self._suspects.clear()
 

@@ -14,18 +14,28 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from replica.state.divergence import Divergence, Measure
 from replica.jobstore import JobStore, keys
 from replica.roles.env import Action, parse_faults
 from replica.roles.members import Mark
 from replica.roles.rollouts import regenerated_tokens, reopened_tokens, served_shards
+from replica.state.divergence import Divergence, Measure
 
 if TYPE_CHECKING:
     from replica.roles.coordinator import Coordinator
     from replica.roles.members import FailoverTimeline
 
-__all__ = ["PHASES", "build_report", "compare_reports", "fill_from", "load_report", "logged", "print_timeline",
-           "summary_lines", "write_loss_png", "write_timeline_png"]
+__all__ = [
+    "PHASES",
+    "build_report",
+    "compare_reports",
+    "fill_from",
+    "load_report",
+    "logged",
+    "print_timeline",
+    "summary_lines",
+    "write_loss_png",
+    "write_timeline_png",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +63,10 @@ def logged(store: JobStore, *, world_size: int, steps: int, faults: list[str]) -
         "divergences": divergences,
         "metrics_hex": metrics,
         "step_end_times": times,
-        "faults": [{"fault": f, "fired_at": None if stamp is None else stamp.at} for f, stamp in zip(faults, stamps)],
+        "faults": [
+            {"fault": f, "fired_at": None if stamp is None else stamp.at}
+            for f, stamp in zip(faults, stamps, strict=False)
+        ],
     }
 
 
@@ -83,7 +96,8 @@ def build_report(coord: Coordinator, *, steps: int, faults: list[str], failure: 
         # here: it wrote no result.
         "rollout_tokens_regenerated": regenerated_tokens(shards) + reopened_tokens(coord.store),
         "rollouts_retired": coord.rollouts_retired,
-        "rollout_split": _rollout_split(coord, steps, recorded["step_end_times"].get("0", [])) if coord.rollouts
+        "rollout_split": _rollout_split(coord, steps, recorded["step_end_times"].get("0", []))
+        if coord.rollouts
         else None,
         "refused_joins": coord.refused,
         "members": coord.membership(),
@@ -102,8 +116,11 @@ def _floor(coord: Coordinator, steps: int) -> dict:
     newest, and how many parts could not be written."""
     found = coord.store.get_many([keys.floor_version(s) for s in range(1, steps + 1)])
     latest = coord.store.get(keys.floor_latest())
-    return {"versions": [v.step for v in found if v is not None], "latest": None if latest is None else latest.value,
-            "errors": coord.store.count(keys.floor_errors())}
+    return {
+        "versions": [v.step for v in found if v is not None],
+        "latest": None if latest is None else latest.value,
+        "errors": coord.store.count(keys.floor_errors()),
+    }
 
 
 def _rollout_split(coord: Coordinator, steps: int, ends: list[float | None]) -> dict | None:
@@ -118,17 +135,21 @@ def _rollout_split(coord: Coordinator, steps: int, ends: list[float | None]) -> 
             step.append(end - before)
     if not step:
         return None
-    return {"steps_measured": len(step), "rollout_s_median": statistics.median(rollout),
-            "step_s_median": statistics.median(step),
-            "rollout_share_median": statistics.median(r / t for r, t in zip(rollout, step))}
+    return {
+        "steps_measured": len(step),
+        "rollout_s_median": statistics.median(rollout),
+        "step_s_median": statistics.median(step),
+        "rollout_share_median": statistics.median(r / t for r, t in zip(rollout, step, strict=False)),
+    }
 
 
 def fill_from(report: dict, earlier: dict) -> None:
     """Steps ``report``'s attempt did not run (it resumed from a version of the job's durable floor)
     take what ``earlier`` (an attempt before it) recorded: losses, metrics, step end times."""
     have = {f["fault"] for f in report.get("faults", [])}
-    report["faults"] = [f for f in earlier.get("faults", []) if f["fault"] not in have and f.get("fired_at")] + \
-        report.get("faults", [])  # the faults that fired before (not injected again) stay on record
+    report["faults"] = [
+        f for f in earlier.get("faults", []) if f["fault"] not in have and f.get("fired_at")
+    ] + report.get("faults", [])  # the faults that fired before (not injected again) stay on record
     for field in ("losses_hex", "metrics_hex", "step_end_times"):
         for rank, values in report.get(field, {}).items():
             before = earlier.get(field, {}).get(rank, [])
@@ -158,21 +179,25 @@ def compare_reports(reference: dict, other: dict) -> list[str]:
     """Every difference in the per-rank, per-step losses (compared as exact floats)."""
     problems = []
     if reference["trainers"] != other["trainers"] or reference["steps"] != other["steps"]:
-        return [f"different jobs: {reference['trainers']} trainers x {reference['steps']} steps against "
-                f"{other['trainers']} x {other['steps']}"]
+        return [
+            f"different jobs: {reference['trainers']} trainers x {reference['steps']} steps against "
+            f"{other['trainers']} x {other['steps']}"
+        ]
     for rank, losses in reference["losses_hex"].items():
-        for step, (a, b) in enumerate(zip(losses, other["losses_hex"][rank]), start=1):
+        for step, (a, b) in enumerate(zip(losses, other["losses_hex"][rank], strict=False), start=1):
             if a is None or b is None:
                 problems.append(f"rank {rank} step {step}: no loss recorded ({a} / {b})")
             elif float.fromhex(a) != float.fromhex(b):
                 problems.append(f"rank {rank} step {step}: {float.fromhex(a)!r} != {float.fromhex(b)!r}")
     for rank, steps in reference.get("metrics_hex", {}).items():
-        for step, (a, b) in enumerate(zip(steps, other.get("metrics_hex", {}).get(rank, [])), start=1):
+        for step, (a, b) in enumerate(zip(steps, other.get("metrics_hex", {}).get(rank, []), strict=False), start=1):
             if a and b and a != b:
                 problems.append(f"rank {rank} step {step}: metrics {a} != {b}")
     for which, report in (("reference", reference), ("run", other)):
         for found in report.get("divergences", []):
-            problems.append(f"{which}: the divergence guard found: {Divergence.from_json(json.dumps(found)).describe()}")
+            problems.append(
+                f"{which}: the divergence guard found: {Divergence.from_json(json.dumps(found)).describe()}"
+            )
     return problems
 
 
@@ -181,35 +206,71 @@ def summary_lines(report: dict) -> list[str]:
     the details): failovers, divergences, suspected stalls, unprotected spans, the coordinator's
     own stalls."""
     failovers = report["failovers"]
-    lines = [f"{report['steps']} steps, last commit {report['last_commit']}"
-             + (f"; {report['failure']}" if report["failure"] else "")]  # supervise's "the job failed: ..."
-    lines.append(f"failovers: {len(failovers)}" + (" (" + ", ".join(
-        f"rank {f['rank']} from commit {f['commit']}" for f in failovers) + ")" if failovers else ""))
+    lines = [
+        f"{report['steps']} steps, last commit {report['last_commit']}"
+        + (f"; {report['failure']}" if report["failure"] else "")
+    ]  # supervise's "the job failed: ..."
+    lines.append(
+        f"failovers: {len(failovers)}"
+        + (
+            " (" + ", ".join(f"rank {f['rank']} from commit {f['commit']}" for f in failovers) + ")"
+            if failovers
+            else ""
+        )
+    )
     divergences = report["divergences"]
-    lines.append(f"divergences after a failover: {len(divergences)}" + (" (" + ", ".join(
-        f"rank {d.get('rank')} step {d.get('step')}" for d in divergences) + "; see the report)" if divergences else ""))
+    lines.append(
+        f"divergences after a failover: {len(divergences)}"
+        + (
+            " (" + ", ".join(f"rank {d.get('rank')} step {d.get('step')}" for d in divergences) + "; see the report)"
+            if divergences
+            else ""
+        )
+    )
     stalls = report.get("suspected_stalls", [])
     outcomes = collections.Counter(s["outcome"] or "open" for s in stalls)
-    lines.append(f"suspected stalls: {len(stalls)}" + (" (" + ", ".join(
-        f"{n} {outcome}" for outcome, n in sorted(outcomes.items())) + ")" if stalls else ""))
+    lines.append(
+        f"suspected stalls: {len(stalls)}"
+        + (" (" + ", ".join(f"{n} {outcome}" for outcome, n in sorted(outcomes.items())) + ")" if stalls else "")
+    )
     spans = report["unprotected_spans"]
-    lines.append(f"unprotected spans: {len(spans)}" + (" (" + ", ".join(
-        f"rank {s['rank']} from commit {s['from_commit']} to "
-        f"{'the end' if s['until_commit'] is None else s['until_commit']}" for s in spans) + ")" if spans else ""))
+    lines.append(
+        f"unprotected spans: {len(spans)}"
+        + (
+            " ("
+            + ", ".join(
+                f"rank {s['rank']} from commit {s['from_commit']} to "
+                f"{'the end' if s['until_commit'] is None else s['until_commit']}"
+                for s in spans
+            )
+            + ")"
+            if spans
+            else ""
+        )
+    )
     resumed = [r for r in report.get("restarts", []) if "resumed_from_floor" in r]
     if resumed:
-        lines.append("resumed from the durable floor: " + ", ".join(
-            f"version {r['resumed_from_floor']} (commit {r['lost_commit']} lost: "
-            f"{r['lost_commit'] - r['resumed_from_floor']} steps replayed)" for r in resumed))
+        lines.append(
+            "resumed from the durable floor: "
+            + ", ".join(
+                f"version {r['resumed_from_floor']} (commit {r['lost_commit']} lost: "
+                f"{r['lost_commit'] - r['resumed_from_floor']} steps replayed)"
+                for r in resumed
+            )
+        )
     split = report.get("rollout_split")
     if split:
-        lines.append(f"rollouts: {100 * split['rollout_share_median']:.0f}% of a step (median of "
-                     f"{split['steps_measured']} steps: push and generate {split['rollout_s_median']:.2f} s, "
-                     f"the step {split['step_s_median']:.2f} s)")
+        lines.append(
+            f"rollouts: {100 * split['rollout_share_median']:.0f}% of a step (median of "
+            f"{split['steps_measured']} steps: push and generate {split['rollout_s_median']:.2f} s, "
+            f"the step {split['step_s_median']:.2f} s)"
+        )
     own = report.get("coordinator_stalls", {})
     if own.get("count"):
-        lines.append(f"coordinator stalls: {own['count']} ({own['total_s']:.1f} s in all, the longest "
-                     f"{own['longest_s']:.1f} s; they counted against no member)")
+        lines.append(
+            f"coordinator stalls: {own['count']} ({own['total_s']:.1f} s in all, the longest "
+            f"{own['longest_s']:.1f} s; they counted against no member)"
+        )
     return [f"replica: {line}" for line in lines]
 
 
@@ -252,7 +313,7 @@ def write_timeline_png(failovers: list[FailoverTimeline], path: Path) -> bool:
     colors = ("tab:red", "tab:orange", "tab:blue", "tab:green")
     for row, f in enumerate(failovers):
         start = 0.0
-        for phase, color in zip(PHASES, colors):
+        for phase, color in zip(PHASES, colors, strict=False):
             if phase not in f.timeline_ms:
                 continue
             end = f.timeline_ms[phase]
@@ -278,18 +339,32 @@ def write_loss_png(reference: dict, other: dict, path: Path, *, names: tuple[str
     if plt is None:
         return False
     fig, (loss_ax, time_ax) = plt.subplots(2, 1, figsize=(9, 6), sharex=True, height_ratios=(2, 1))
-    for (rank, ref), color in zip(sorted(reference["losses_hex"].items(), key=lambda kv: int(kv[0])),
-                                  ("tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:olive", "tab:cyan")):
+    for (rank, ref), color in zip(
+        sorted(reference["losses_hex"].items(), key=lambda kv: int(kv[0])),
+        ("tab:blue", "tab:green", "tab:purple", "tab:brown", "tab:olive", "tab:cyan"),
+        strict=False,
+    ):
         steps = range(1, len(ref) + 1)
         # The curves coincide when the runs are equal: the reference wide and pale, the other thin on top.
         loss_ax.plot(steps, _curve(ref), color=color, linewidth=5, alpha=0.3, label=f"rank {rank}, {names[0]}")
-        loss_ax.plot(steps, _curve(other["losses_hex"].get(rank, [])), color=color, linewidth=1, marker=".",
-                     markersize=4, label=f"rank {rank}, {names[1]}")
-    for report, name, style in ((reference, names[0], dict(linewidth=5, alpha=0.3, color="gray")),
-                                (other, names[1], dict(linewidth=1, marker=".", markersize=4, color="black"))):
+        loss_ax.plot(
+            steps,
+            _curve(other["losses_hex"].get(rank, [])),
+            color=color,
+            linewidth=1,
+            marker=".",
+            markersize=4,
+            label=f"rank {rank}, {names[1]}",
+        )
+    for report, name, style in (
+        (reference, names[0], dict(linewidth=5, alpha=0.3, color="gray")),
+        (other, names[1], dict(linewidth=1, marker=".", markersize=4, color="black")),
+    ):
         ends = _curve(report.get("step_end_times", {}).get("0", []), convert=float)
         if len(ends) > 1:
-            time_ax.plot(range(2, len(ends) + 1), [b - a for a, b in zip(ends, ends[1:])], label=name, **style)
+            time_ax.plot(
+                range(2, len(ends) + 1), [b - a for a, b in zip(ends, ends[1:], strict=False)], label=name, **style
+            )
     for fault in other.get("faults", []):
         if not fault.get("fired_at"):
             continue
@@ -298,8 +373,13 @@ def write_loss_png(reference: dict, other: dict, path: Path, *, names: tuple[str
         loss_ax.axvline(parsed.step, color=color, linestyle="--", linewidth=1, label=f"{fault['fault']} fired")
         time_ax.axvline(parsed.step, color=color, linestyle="--", linewidth=1)
     for failover in other.get("failovers", []):
-        loss_ax.axvline(failover["commit"], color="gray", linestyle=":", linewidth=1,
-                        label=f"rank {failover['rank']} failed over to commit {failover['commit']}")
+        loss_ax.axvline(
+            failover["commit"],
+            color="gray",
+            linestyle=":",
+            linewidth=1,
+            label=f"rank {failover['rank']} failed over to commit {failover['commit']}",
+        )
     loss_ax.set_ylabel("loss")
     loss_ax.set_title(f"replica: per-step loss, {names[0]} and {names[1]}")
     loss_ax.legend(loc="best", fontsize="small", ncol=2)

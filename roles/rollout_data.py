@@ -39,12 +39,16 @@ def encode_tokens(seqs: Sequence[Sequence[int]]) -> bytes:
     lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
     if len(seqs) and int(lengths.max(initial=0)) >= 1 << 32:
         raise ValueError("a token list over 2**32 tokens")
-    flat = np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs]) if len(seqs) else \
-        np.zeros(0, dtype=np.int64)
+    flat = (
+        np.concatenate([np.asarray(s, dtype=np.int64).reshape(-1) for s in seqs])
+        if len(seqs)
+        else np.zeros(0, dtype=np.int64)
+    )
     if flat.size and (flat.min() < -(1 << 31) or flat.max() >= 1 << 31):
         raise ValueError("a token id outside int32")
-    return b"".join((np.uint32(len(seqs)).astype("<u4").tobytes(), lengths.astype("<u4").tobytes(),
-                     flat.astype(_DTYPE).tobytes()))
+    return b"".join(
+        (np.uint32(len(seqs)).astype("<u4").tobytes(), lengths.astype("<u4").tobytes(), flat.astype(_DTYPE).tobytes())
+    )
 
 
 def decode_tokens(blob: bytes) -> list[list[int]]:
@@ -61,7 +65,7 @@ def decode_tokens(blob: bytes) -> list[list[int]]:
     flat = np.frombuffer(blob, dtype=_DTYPE, offset=body).tolist()
     out, at = [], 0
     for n in lengths.tolist():
-        out.append(flat[at:at + n])
+        out.append(flat[at : at + n])
         at += n
     return out
 
@@ -88,8 +92,7 @@ class DeskBook:
     address from the store (an engine publishes it signed, ``keys.engine_desk``; a replacement
     at the same index publishes its own), one connection kept to each."""
 
-    def __init__(self, store: JobStore, *, token: bytes, num_engines: int,
-                 timeout: timedelta = timedelta(seconds=30)):
+    def __init__(self, store: JobStore, *, token: bytes, num_engines: int, timeout: timedelta = timedelta(seconds=30)):
         self.store = store
         self.num_engines = num_engines
         self._token = token
@@ -103,7 +106,7 @@ class DeskBook:
         """The published desks of ``engines`` (default: all)."""
         wanted = list(range(self.num_engines) if engines is None else engines)
         found = self.store.get_many([keys.engine_desk(i) for i in wanted])
-        return {i: text.value for i, text in zip(wanted, found) if text is not None}
+        return {i: text.value for i, text in zip(wanted, found, strict=False) if text is not None}
 
     def fetch(self, name: str, digest: str, holders: Sequence[int]) -> bytes | None:
         """Blob ``name`` from the first of ``holders`` whose desk serves it with ``digest``;
@@ -142,8 +145,7 @@ class DeskBook:
             logger.info("the desk of engine %d (%s) did not serve %s: %s", engine, client.address, name, exc)
             return None
         if blob is not None and blob_digest(blob) != digest:
-            logger.warning("the desk of engine %d served %s with another digest than its record: ignored", engine,
-                           name)
+            logger.warning("the desk of engine %d served %s with another digest than its record: ignored", engine, name)
             return None
         return blob
 

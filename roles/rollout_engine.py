@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import replica
 from replica.errors import WeightsTimeoutError
-from replica.jobstore import JobStore, Stamp, Text, keys
 from replica.integrations.vllm.served import ServedLLM
+from replica.jobstore import JobStore, Stamp, Text, keys
 from replica.jobstore.stores import StoreAddress
 from replica.roles import timing
 from replica.roles.rollout_data import (
@@ -86,12 +86,21 @@ class _VllmEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict, seeds: Sequence[int]) -> list[list[int]]:
         if isinstance(self.llm, ServedLLM):
-            return self.llm.complete(prompts, temperature=sampling["temperature"], max_tokens=sampling["max_tokens"],
-                                     seeds=seeds)
+            return self.llm.complete(
+                prompts, temperature=sampling["temperature"], max_tokens=sampling["max_tokens"], seeds=seeds
+            )
         from vllm import SamplingParams
 
-        params = [SamplingParams(temperature=sampling["temperature"], max_tokens=sampling["max_tokens"], seed=seed,
-                                 detokenize=False, ignore_eos=True) for seed in seeds]
+        params = [
+            SamplingParams(
+                temperature=sampling["temperature"],
+                max_tokens=sampling["max_tokens"],
+                seed=seed,
+                detokenize=False,
+                ignore_eos=True,
+            )
+            for seed in seeds
+        ]
         outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -103,11 +112,19 @@ class _VllmEngine:
                 self.llm.close()
 
 
-def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: bytes,
-                   make_llm: Callable[[], LLM | ServedLLM],
-                   stop: Callable[[], bool], on_shard: Callable[[int], None] | None = None,
-                   host: str = "127.0.0.1", backends: tuple[str, ...] | None = None,
-                   retiring: Callable[[], bool] | None = None) -> None:
+def serve_rollouts(
+    *,
+    store: JobStore,
+    index: int,
+    num_engines: int,
+    token: bytes,
+    make_llm: Callable[[], LLM | ServedLLM],
+    stop: Callable[[], bool],
+    on_shard: Callable[[int], None] | None = None,
+    host: str = "127.0.0.1",
+    backends: tuple[str, ...] | None = None,
+    retiring: Callable[[], bool] | None = None,
+) -> None:
     """The rollout role with a vLLM engine: run the one ``make_llm()`` returns (a ``vllm.LLM`` in
     this process, or a ``ServedLLM``: a `vllm serve` beside it), take weight versions as they
     come, serve shards until ``stop()``. ``on_shard(step)`` runs after a shard is claimed and
@@ -117,11 +134,28 @@ def serve_rollouts(*, store: JobStore, index: int, num_engines: int, token: byte
 
     llm = make_llm()
     served = isinstance(llm, ServedLLM)
-    weights = EngineWeights(llm, ReceiverSpec(index=index, store=str(StoreAddress.of(store.raw)),
-                                              token_hex="" if served else token.hex(), host=host,
-                                              store_prefix=store.prefix, backends=backends))
-    serve_requests(store=store, index=index, num_engines=num_engines, token=token, engine=_VllmEngine(llm, weights),
-                   stop=stop, on_shard=on_shard, host=host, retiring=retiring)
+    weights = EngineWeights(
+        llm,
+        ReceiverSpec(
+            index=index,
+            store=str(StoreAddress.of(store.raw)),
+            token_hex="" if served else token.hex(),
+            host=host,
+            store_prefix=store.prefix,
+            backends=backends,
+        ),
+    )
+    serve_requests(
+        store=store,
+        index=index,
+        num_engines=num_engines,
+        token=token,
+        engine=_VllmEngine(llm, weights),
+        stop=stop,
+        on_shard=on_shard,
+        host=host,
+        retiring=retiring,
+    )
 
 
 def shard_prompts(num_prompts: int, num_shards: int, shard: int) -> range:
@@ -129,9 +163,18 @@ def shard_prompts(num_prompts: int, num_shards: int, shard: int) -> range:
     return range(shard, num_prompts, num_shards)
 
 
-def serve_requests(*, store: JobStore, index: int, num_engines: int, token: bytes, engine: Engine,
-                   stop: Callable[[], bool], on_shard: Callable[[int], None] | None = None,
-                   host: str = "127.0.0.1", retiring: Callable[[], bool] | None = None) -> None:
+def serve_requests(
+    *,
+    store: JobStore,
+    index: int,
+    num_engines: int,
+    token: bytes,
+    engine: Engine,
+    stop: Callable[[], bool],
+    on_shard: Callable[[int], None] | None = None,
+    host: str = "127.0.0.1",
+    retiring: Callable[[], bool] | None = None,
+) -> None:
     """Serve requests with ``engine`` (closed on the way out) until ``stop()``: the loop of
     ``serve_rollouts``, for any engine (the tests' and the benchmark's stand-ins too). Stopped
     and ``retiring()`` (the engine is retired, the job goes on), it hands the completions it keeps
@@ -217,15 +260,29 @@ class _Server:
         if served is None:
             return True, False  # told to stop (retired) while waiting: another engine takes the shard
         if superseded(request, served):
-            logger.warning("[rollout %d] request %d (step %s) needs version %d, superseded by version %d: its step "
-                           "was redone after a failover; skipped", self.index, n, request["step"], request["version"],
-                           served)
+            logger.warning(
+                "[rollout %d] request %d (step %s) needs version %d, superseded by version %d: its step "
+                "was redone after a failover; skipped",
+                self.index,
+                n,
+                request["step"],
+                request["version"],
+                served,
+            )
             return True, False
         index = shard_prompts(request["num_prompts"], shards, shard)
         seeds = [request["sampling"]["seed"] + i for i in index]
         completions = self.engine.generate([prompts[i] for i in index], request["sampling"], seeds)
-        post_result(self.store, self.desk, n, shard, completions, engine=self.index, version=served,
-                    epoch=self.engine.served_epoch)
+        post_result(
+            self.store,
+            self.desk,
+            n,
+            shard,
+            completions,
+            engine=self.index,
+            version=served,
+            epoch=self.engine.served_epoch,
+        )
         return False, True
 
     def _prompts(self, n: int, request: dict) -> list[list[int]] | None:
@@ -241,15 +298,37 @@ class _Server:
         return decode_tokens(blob)
 
 
-def post_result(store: JobStore, desk: Desk, n: int, shard: int, completions: Sequence[Sequence[int]], *,
-                engine: int, version: int, epoch: tuple[int, int] | None = None) -> None:
+def post_result(
+    store: JobStore,
+    desk: Desk,
+    n: int,
+    shard: int,
+    completions: Sequence[Sequence[int]],
+    *,
+    engine: int,
+    version: int,
+    epoch: tuple[int, int] | None = None,
+) -> None:
     """Keep a shard's completions on this engine's ``desk`` and post where they are (signed,
     with their digest: the readers check it)."""
     blob = encode_tokens(completions)
     desk.put(result_blob(n, shard), blob)
-    store.put(keys.result(n, shard), Text(value=json.dumps({
-        "engine": engine, "pid": os.getpid(), "version": version, "epoch": epoch,
-        "digest": blob_digest(blob), "bytes": len(blob), "tokens": sum(map(len, completions))})))
+    store.put(
+        keys.result(n, shard),
+        Text(
+            value=json.dumps(
+                {
+                    "engine": engine,
+                    "pid": os.getpid(),
+                    "version": version,
+                    "epoch": epoch,
+                    "digest": blob_digest(blob),
+                    "bytes": len(blob),
+                    "tokens": sum(map(len, completions)),
+                }
+            )
+        ),
+    )
 
 
 def _hand_off(store: JobStore, index: int, desk: Desk, book: DeskBook) -> None:
@@ -268,8 +347,11 @@ def _hand_off(store: JobStore, index: int, desk: Desk, book: DeskBook) -> None:
             continue
         record = json.loads(current.value)
         blob = desk.get(name)  # (None: dropped since it was listed)
-        if blob is None or record.get("held_by", record["engine"]) != index or not book.upload(name, blob,
-                                                                                             {target: peers[target]}):
+        if (
+            blob is None
+            or record.get("held_by", record["engine"]) != index
+            or not book.upload(name, blob, {target: peers[target]})
+        ):
             continue
         store.compare_set(keys.result(n, k), raw, Text(value=json.dumps({**record, "held_by": target})))
         moved += 1
@@ -290,8 +372,9 @@ def superseded(request: dict, served: int) -> bool:
     return served > needed and not request.get("at_least")
 
 
-def _wait_version(engine: Engine, version: int, stop: Callable[[], bool],
-                  timeout: timedelta = timing.ROLLOUT_TIMEOUT) -> int | None:
+def _wait_version(
+    engine: Engine, version: int, stop: Callable[[], bool], timeout: timedelta = timing.ROLLOUT_TIMEOUT
+) -> int | None:
     """Serve ``version`` once it has arrived; None if told to stop first."""
     deadline = Deadline.after(timeout)
     while not deadline.expired:

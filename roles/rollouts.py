@@ -30,9 +30,22 @@ from replica.roles.rollout_data import DeskBook, decode_tokens, encode_tokens, p
 from replica.timing import Deadline, pause
 from replica.transport.desk import blob_digest
 
-__all__ = ["KEPT_GENERATIONS", "Posted", "RolloutClient", "Rollouts", "Sampling", "await_rollouts", "fetch_results",
-           "post_request", "regenerated_tokens", "reopen", "reopened_tokens", "request_rollouts", "result_keys",
-           "served_shards"]
+__all__ = [
+    "KEPT_GENERATIONS",
+    "Posted",
+    "RolloutClient",
+    "Rollouts",
+    "Sampling",
+    "await_rollouts",
+    "fetch_results",
+    "post_request",
+    "regenerated_tokens",
+    "reopen",
+    "reopened_tokens",
+    "request_rollouts",
+    "result_keys",
+    "served_shards",
+]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,9 +77,18 @@ class RolloutClient:
     rank fetches all completions from the engines' desks (``token``: the job's, which they
     check; ``num_engines``: the job's rollout engines)."""
 
-    def __init__(self, *, store: JobStore, sync: replica.WeightSync, num_shards: int, token: bytes,
-                 num_engines: int, epoch: Callable[[], int] = lambda: 0, abort: Callable[[], bool] = lambda: False,
-                 timeout: timedelta = timing.ROLLOUT_TIMEOUT):
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        sync: replica.WeightSync,
+        num_shards: int,
+        token: bytes,
+        num_engines: int,
+        epoch: Callable[[], int] = lambda: 0,
+        abort: Callable[[], bool] = lambda: False,
+        timeout: timedelta = timing.ROLLOUT_TIMEOUT,
+    ):
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
         self.store = store
@@ -107,8 +129,13 @@ class RolloutClient:
             version: int = request["version"]  # the one the kept request was made with
             self.version = version
             if self.sync.is_leader:
-                logger.warning("step %d is redone: its rollouts, request %d (version %d), are kept; no push, and "
-                               "only the shards not done yet are generated", step, kept, version)
+                logger.warning(
+                    "step %d is redone: its rollouts, request %d (version %d), are kept; no push, and "
+                    "only the shards not done yet are generated",
+                    step,
+                    kept,
+                    version,
+                )
             return version
         version = self.store.count(keys.version_seq(), 1) if self.sync.is_leader else 0
         self.sync.push(version)
@@ -149,14 +176,31 @@ class RolloutClient:
             key = keys.request_of(self._epoch(), step)
             if self.sync.is_leader and self.version is not None and not self._abort():
                 self._await_engines()
-                posted = post_request(self.store, self.desks, prompts, sampling, step=step, version=self.version,
-                                      num_shards=self.num_shards, blob=blob)
+                posted = post_request(
+                    self.store,
+                    self.desks,
+                    prompts,
+                    sampling,
+                    step=step,
+                    version=self.version,
+                    num_shards=self.num_shards,
+                    blob=blob,
+                )
                 self.store.put(key, Number(value=posted.n))
             if not self._wait([key]):
                 return None
             n = self._written(key).value
-        got = await_rollouts(self.store, self.desks, n, len(prompts), self.num_shards, posted=posted,
-                             timeout=self.timeout, abort=self._abort, refresh=self.sync.refresh)
+        got = await_rollouts(
+            self.store,
+            self.desks,
+            n,
+            len(prompts),
+            self.num_shards,
+            posted=posted,
+            timeout=self.timeout,
+            abort=self._abort,
+            refresh=self.sync.refresh,
+        )
         return None if got is None else got.completions
 
     def _await_engines(self) -> None:
@@ -167,12 +211,15 @@ class RolloutClient:
             return
         self._engines_awaited = True
         deadline = Deadline.after(timing.ROLLOUT_ENGINES_WAIT)
-        while len(up := self.desks.addresses()) < self.desks.num_engines and not deadline.expired \
-                and not self._abort():
+        while len(up := self.desks.addresses()) < self.desks.num_engines and not deadline.expired and not self._abort():
             pause(_ENGINES_POLL, deadline=deadline)
         if len(up) < self.desks.num_engines:
-            logger.warning("the first request goes to %d of the job's %d engines (the others are not up after %s)",
-                           len(up), self.desks.num_engines, timing.ROLLOUT_ENGINES_WAIT)
+            logger.warning(
+                "the first request goes to %d of the job's %d engines (the others are not up after %s)",
+                len(up),
+                self.desks.num_engines,
+                timing.ROLLOUT_ENGINES_WAIT,
+            )
 
     def _find_kept(self, step: int) -> int:
         """The newest request for ``step`` of the last KEPT_GENERATIONS generations before this
@@ -199,11 +246,15 @@ class RolloutClient:
         """ReplicaError if kept request ``n`` asked for other prompts or sampling than the redone
         step does (the redo is not the step it replays: loud, as a divergence; nothing is
         generated behind it)."""
-        if (request["prompts"] != blob_digest(blob) or request["num_shards"] != self.num_shards
-                or request["sampling"] != asdict(sampling)):
+        if (
+            request["prompts"] != blob_digest(blob)
+            or request["num_shards"] != self.num_shards
+            or request["sampling"] != asdict(sampling)
+        ):
             raise replica.ReplicaError(
                 f"step {request['step']} is redone with other prompts or sampling than its kept rollouts (request "
-                f"{n}) were made for: the redo diverges from the step it replays (see docs/weight-sync.md)")
+                f"{n}) were made for: the redo diverges from the step it replays (see docs/weight-sync.md)"
+            )
 
     def _written(self, key: Key[T]) -> T:
         """The value under ``key``, which was written (a wait saw it, or the leader found it);
@@ -238,9 +289,18 @@ class Posted:
         self._held |= self.desks.upload(prompts_blob(self.n), self.blob, missing)
 
 
-def post_request(store: JobStore, desks: DeskBook, prompts: Sequence[Sequence[int]], sampling: Sampling, *,
-                 step: int, version: int, num_shards: int, at_least: bool = False,
-                 blob: bytes | None = None) -> Posted:
+def post_request(
+    store: JobStore,
+    desks: DeskBook,
+    prompts: Sequence[Sequence[int]],
+    sampling: Sampling,
+    *,
+    step: int,
+    version: int,
+    num_shards: int,
+    at_least: bool = False,
+    blob: bytes | None = None,
+) -> Posted:
     """Post a generation request (prompt i in shard i mod ``num_shards``): its prompts go to
     every engine's desk first (``blob``: them encoded, if the caller has it), then its record to
     the store. ``at_least``: any engine holding ``version`` or a newer one may serve it (a
@@ -250,9 +310,23 @@ def post_request(store: JobStore, desks: DeskBook, prompts: Sequence[Sequence[in
     blob = encode_tokens(prompts) if blob is None else blob
     posted = Posted(desks, store.count(keys.request_seq(), 1), blob)
     posted.spread()
-    store.put(keys.request(posted.n), Text(value=json.dumps({
-        "step": step, "version": version, "at_least": at_least, "sampling": asdict(sampling),
-        "num_shards": num_shards, "num_prompts": len(prompts), "prompts": blob_digest(blob), "bytes": len(blob)})))
+    store.put(
+        keys.request(posted.n),
+        Text(
+            value=json.dumps(
+                {
+                    "step": step,
+                    "version": version,
+                    "at_least": at_least,
+                    "sampling": asdict(sampling),
+                    "num_shards": num_shards,
+                    "num_prompts": len(prompts),
+                    "prompts": blob_digest(blob),
+                    "bytes": len(blob),
+                }
+            )
+        ),
+    )
     return posted
 
 
@@ -260,8 +334,15 @@ def result_keys(n: int, num_shards: int) -> list:
     return [keys.result(n, k) for k in range(num_shards)]
 
 
-def _wait_keys(store: JobStore, wanted: list, *, timeout: timedelta, abort: Callable[[], bool],
-               refresh: Callable[[], None] | None = None, what: str | None = None) -> None:
+def _wait_keys(
+    store: JobStore,
+    wanted: list,
+    *,
+    timeout: timedelta,
+    abort: Callable[[], bool],
+    refresh: Callable[[], None] | None = None,
+    what: str | None = None,
+) -> None:
     """Until every key of ``wanted`` holds a (verified) value, polled on this thread's own store
     connection; raises _Aborted once ``abort()`` says so, StoreWaitTimeoutError after ``timeout``.
     ``refresh()`` runs every ``ROLLOUT_REFRESH`` meanwhile."""
@@ -275,12 +356,18 @@ def _wait_keys(store: JobStore, wanted: list, *, timeout: timedelta, abort: Call
             refresh()
             refreshed = Deadline.after(timing.ROLLOUT_REFRESH)
 
-    store.wait_for(lambda own: all(v is not None for v in own.get_many(wanted)) or None, wake=lambda: wanted,
-                   timeout=timeout, abort=check, what=what or f"{wanted[0]} and {len(wanted) - 1} more")
+    store.wait_for(
+        lambda own: all(v is not None for v in own.get_many(wanted)) or None,
+        wake=lambda: wanted,
+        timeout=timeout,
+        abort=check,
+        what=what or f"{wanted[0]} and {len(wanted) - 1} more",
+    )
 
 
-def fetch_results(store: JobStore, desks: DeskBook, n: int, num_prompts: int,
-                  num_shards: int) -> tuple[Rollouts, list[int]]:
+def fetch_results(
+    store: JobStore, desks: DeskBook, n: int, num_prompts: int, num_shards: int
+) -> tuple[Rollouts, list[int]]:
     """The completions of request ``n`` from the desks their result records name, and the
     shards none of them served (lost: their engine died, or dropped them)."""
     completions: list[list[int]] = [[] for _ in range(num_prompts)]
@@ -291,13 +378,14 @@ def fetch_results(store: JobStore, desks: DeskBook, n: int, num_prompts: int,
         if text is None:
             raise replica.ReplicaError(f"request {n}: shard {k} has no (verified) result")
         records.append(json.loads(text.value))
-    blobs = desks.fetch_each([(result_blob(n, k), r["digest"], r.get("held_by", r["engine"]))
-                              for k, r in enumerate(records)])
+    blobs = desks.fetch_each(
+        [(result_blob(n, k), r["digest"], r.get("held_by", r["engine"])) for k, r in enumerate(records)]
+    )
     for k, (record, blob) in enumerate(zip(records, blobs, strict=True)):
         if blob is None:
             lost.append(k)
             continue
-        for i, tokens in zip(range(k, num_prompts, num_shards), decode_tokens(blob)):
+        for i, tokens in zip(range(k, num_prompts, num_shards), decode_tokens(blob), strict=False):
             completions[i], versions[i] = tokens, record["version"]
     return Rollouts(completions=completions, versions=versions), lost
 
@@ -310,16 +398,38 @@ def reopen(store: JobStore, n: int, shards: Sequence[int]) -> None:
     for k in shards:
         store.delete(keys.result(n, k))
         store.delete(keys.claim(n, k))
-    store.put(keys.reopened(store.count(keys.reopened_seq(), 1)), Text(value=json.dumps({
-        "request": n, "step": json.loads(request.value)["step"] if request is not None else -1,
-        "shards": list(shards), "tokens": sum(json.loads(r.value)["tokens"] for r in records)})))
-    logger.warning("request %d: shard(s) %s are on no engine's desk any more (their engine is gone): generated again",
-                   n, list(shards))
+    store.put(
+        keys.reopened(store.count(keys.reopened_seq(), 1)),
+        Text(
+            value=json.dumps(
+                {
+                    "request": n,
+                    "step": json.loads(request.value)["step"] if request is not None else -1,
+                    "shards": list(shards),
+                    "tokens": sum(json.loads(r.value)["tokens"] for r in records),
+                }
+            )
+        ),
+    )
+    logger.warning(
+        "request %d: shard(s) %s are on no engine's desk any more (their engine is gone): generated again",
+        n,
+        list(shards),
+    )
 
 
-def await_rollouts(store: JobStore, desks: DeskBook, n: int, num_prompts: int, num_shards: int, *,
-                   posted: Posted | None, timeout: timedelta, abort: Callable[[], bool] = lambda: False,
-                   refresh: Callable[[], object] | None = None) -> Rollouts | None:
+def await_rollouts(
+    store: JobStore,
+    desks: DeskBook,
+    n: int,
+    num_prompts: int,
+    num_shards: int,
+    *,
+    posted: Posted | None,
+    timeout: timedelta,
+    abort: Callable[[], bool] = lambda: False,
+    refresh: Callable[[], object] | None = None,
+) -> Rollouts | None:
     """Request ``n``'s completions once every shard is done, fetched from the engines' desks;
     None if ``abort()`` said so first. The poster (``posted``: it holds the prompts) spreads them
     to engines that came up meanwhile and opens lost shards again; ``refresh()`` (the leader's
@@ -335,8 +445,14 @@ def await_rollouts(store: JobStore, desks: DeskBook, n: int, num_prompts: int, n
     wanted = result_keys(n, num_shards)
     while True:
         try:
-            _wait_keys(store, wanted, timeout=deadline.remaining(), abort=abort, refresh=catch_up,
-                       what=f"the completions of request {n}")
+            _wait_keys(
+                store,
+                wanted,
+                timeout=deadline.remaining(),
+                abort=abort,
+                refresh=catch_up,
+                what=f"the completions of request {n}",
+            )
         except _Aborted:
             return None
         got, lost = fetch_results(store, desks, n, num_prompts, num_shards)
@@ -345,15 +461,24 @@ def await_rollouts(store: JobStore, desks: DeskBook, n: int, num_prompts: int, n
         if posted is not None:
             reopen(store, n, lost)
         if deadline.expired:
-            raise replica.ReplicaError(f"request {n}: the completions of shard(s) {lost} were on no engine's desk "
-                                       f"within {timeout}")
+            raise replica.ReplicaError(
+                f"request {n}: the completions of shard(s) {lost} were on no engine's desk within {timeout}"
+            )
         if abort():
             return None
         pause(timing.ROLLOUT_REFRESH)
 
 
-def request_rollouts(store: JobStore, prompts: Sequence[Sequence[int]], sampling: Sampling, *, num_shards: int,
-                     token: bytes, num_engines: int, timeout: timedelta = timing.ROLLOUT_TIMEOUT) -> Rollouts:
+def request_rollouts(
+    store: JobStore,
+    prompts: Sequence[Sequence[int]],
+    sampling: Sampling,
+    *,
+    num_shards: int,
+    token: bytes,
+    num_engines: int,
+    timeout: timedelta = timing.ROLLOUT_TIMEOUT,
+) -> Rollouts:
     """A driver's request (not a trainer's): completions of ``prompts`` from the rollout
     engines, with the newest weights the trainers have pushed (waits for a first push).
     Each shard is served by one engine with the version it holds then, so shards may
@@ -365,14 +490,20 @@ def request_rollouts(store: JobStore, prompts: Sequence[Sequence[int]], sampling
         return Rollouts(completions=[], versions=[])
     store = store.own()  # the caller's thread gets its own connection (the driver's coordinator uses its own)
     deadline = Deadline.after(timeout)
-    latest = store.wait_for(lambda own: own.get(keys.latest_version()), wake=lambda: [keys.latest_version()],
-                            timeout=timeout, what="a first weight push of the trainers")
+    latest = store.wait_for(
+        lambda own: own.get(keys.latest_version()),
+        wake=lambda: [keys.latest_version()],
+        timeout=timeout,
+        what="a first weight push of the trainers",
+    )
     desks = DeskBook(store, token=token, num_engines=num_engines, timeout=timing.ROLLOUT_DESK_TIMEOUT)
     try:
-        posted = post_request(store, desks, prompts, sampling, step=-1, version=latest.value, num_shards=num_shards,
-                              at_least=True)
-        got = await_rollouts(store, desks, posted.n, len(prompts), num_shards, posted=posted,
-                             timeout=deadline.remaining())
+        posted = post_request(
+            store, desks, prompts, sampling, step=-1, version=latest.value, num_shards=num_shards, at_least=True
+        )
+        got = await_rollouts(
+            store, desks, posted.n, len(prompts), num_shards, posted=posted, timeout=deadline.remaining()
+        )
         assert got is not None  # None only if abort() said so: nothing aborts a driver's wait
         return got
     finally:
@@ -395,9 +526,19 @@ def served_shards(store: JobStore) -> list[dict]:
             result = store.get(keys.result(n, k))
             if result is not None:
                 result = json.loads(result.value)
-                rows.append({"request": n, "step": request["step"], "shard": k, "needed": request["version"],
-                             "engine": result["engine"], "pid": result["pid"], "version": result["version"],
-                             "epoch": result.get("epoch"), "tokens": result["tokens"]})
+                rows.append(
+                    {
+                        "request": n,
+                        "step": request["step"],
+                        "shard": k,
+                        "needed": request["version"],
+                        "engine": result["engine"],
+                        "pid": result["pid"],
+                        "version": result["version"],
+                        "epoch": result.get("epoch"),
+                        "tokens": result["tokens"],
+                    }
+                )
     return rows
 
 

@@ -18,24 +18,24 @@ from typing import Any
 import torch
 
 import replica
-from replica.state.data import Batches, prepare_extras
-from replica.state.divergence import Divergence, Measure, comparable
-from replica.state.inputs import InputDigests
-from replica.mirror.floor import Floor
 from replica.errors import DivergenceError, FencedError
 from replica.jobstore import Epoch, ExportOutcome, ExportStatus, Flag, JobStore, Stamp, Text, keys
-from replica.state.export import export_path, load_export, step_folder
-from replica.state.restore import materialize_optimizer_state, restore_snapshot
+from replica.mirror.floor import Floor
 from replica.mirror.warmup import WarmUp, compiled_graphs, warm_up
 from replica.roles import timing
 from replica.roles.env import Phase, Role, RoleEnv, configure_logging, process_group
-from replica.roles.join import join
 from replica.roles.exits import ExitCode, exit_now
 from replica.roles.faults import FaultPlan
+from replica.roles.join import join
 from replica.roles.recovery import Recovery
 from replica.roles.rollout_engine import serve_rollouts
 from replica.roles.rollouts import RolloutClient
 from replica.roles.spares import wait_for_binding
+from replica.state.data import Batches, prepare_extras
+from replica.state.divergence import Divergence, Measure, comparable
+from replica.state.export import export_path, load_export, step_folder
+from replica.state.inputs import InputDigests
+from replica.state.restore import materialize_optimizer_state, restore_snapshot
 
 __all__ = ["Job", "init"]
 
@@ -121,19 +121,35 @@ class Job:
         self._floor: Floor | None = None  # a standby's durable floor (--durable)
         self._exported = False
         self._faults = FaultPlan(env.faults, role=self, rank=self.rank, store=self.store)
-        self._recovery = Recovery(self, store=self.store, rank=self.rank, member=self.member,
-                                  export_dir=env.export_dir, export_held=self._export_held)
+        self._recovery = Recovery(
+            self,
+            store=self.store,
+            rank=self.rank,
+            member=self.member,
+            export_dir=env.export_dir,
+            export_held=self._export_held,
+        )
         self._recovery.start()  # beat from the moment it is a member: the coordinator's deadline runs from the join
         # A lost standby is replaced by the launcher: wait for it rather than fail the trainer.
-        config = replica.Config(token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT,
-                                commit_timeout=timing.COMMIT_WAIT)
+        config = replica.Config(
+            token=env.token, host=env.host, standby_wait=timing.STANDBY_WAIT, commit_timeout=timing.COMMIT_WAIT
+        )
         # The job's backends (--backends), else Config's own.
         self.config = dataclasses.replace(config, backends=env.backends) if env.backends else config
         # gloo fails a frozen peer's collective at its timeout; NCCL's watchdog never beats the coordinator.
-        self.group = None if env.role == Role.ROLLOUT else replica.init_resilient_process_group(
-            store=self.store.sub(keys.process_group()), rank=env.rank, world_size=env.world_size,
-            timeout=timing.PROCESS_GROUP_TIMEOUT, nccl_timeout=timing.NCCL_TIMEOUT,
-            generation=0 if env.role == Role.TRAINER else None, ready_timeout=timing.ROLE_WAIT)
+        self.group = (
+            None
+            if env.role == Role.ROLLOUT
+            else replica.init_resilient_process_group(
+                store=self.store.sub(keys.process_group()),
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timing.PROCESS_GROUP_TIMEOUT,
+                nccl_timeout=timing.NCCL_TIMEOUT,
+                generation=0 if env.role == Role.TRAINER else None,
+                ready_timeout=timing.ROLE_WAIT,
+            )
+        )
         # What replicate() bound: the model, the optimizer and the extras (prepared).
         self._bound: tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]] | None = None
         self._step = 0
@@ -148,8 +164,7 @@ class Job:
 
     # --- what the script calls ---
 
-    def replicate(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  extra: Mapping[str, object]) -> Job:
+    def replicate(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, object]) -> Job:
         """Mirror ``model``, ``optimizer`` and ``extra`` (``Stateful`` objects: LR schedulers,
         ``replica.RNGState()``, and data loaders, which are wrapped in ``replica.Batches``:
         take the batches from ``next_batch(name)``). Everything that feeds the loss must be
@@ -164,9 +179,15 @@ class Job:
             # Create the optimizer's state now, while waiting: promotion is then one unpack.
             materialize_optimizer_state(optimizer)
             # A trainer of another model is refused at once (checked before the mirror is published).
-            self._mirror = replica.Mirror(rank=self.rank, world_size=self.env.world_size, store=self.store,
-                                          config=self.config, model=model, optimizer=optimizer,
-                                          device=self.env.mirror_device or None)
+            self._mirror = replica.Mirror(
+                rank=self.rank,
+                world_size=self.env.world_size,
+                store=self.store,
+                config=self.config,
+                model=model,
+                optimizer=optimizer,
+                device=self.env.mirror_device or None,
+            )
             if self.env.durable is not None:  # the floor: some of the versions it holds, written to disk
                 self._floor = Floor(self._mirror, self.env.durable, on_written=self._faults.on_written)
         self._faults.install(model, optimizer, step=lambda: self._step)
@@ -201,8 +222,12 @@ class Job:
         if self.role != Role.STANDBY:
             return None
         self._warmed = warm_up(step, model=model, optimizer=optimizer, extra=extra, group=process_group(self))
-        logger.info("[standby rank %d] warmed up in %.1f s (%d graphs compiled)", self.rank, self._warmed.seconds,
-                    self._warmed.graphs)
+        logger.info(
+            "[standby rank %d] warmed up in %.1f s (%d graphs compiled)",
+            self.rank,
+            self._warmed.seconds,
+            self._warmed.graphs,
+        )
         return self._warmed
 
     def _replicated(self, what: str) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:
@@ -226,13 +251,21 @@ class Job:
         if graphs <= 0:
             return
         if self._warmed is None:
-            logger.warning("[trainer rank %d] the promoted standby's first step compiled %d torch.compile graph(s) "
-                           "inside the failover; job.warm_up(step) compiles them while the standby waits "
-                           "(docs/mirror.md)", self.rank, graphs)
+            logger.warning(
+                "[trainer rank %d] the promoted standby's first step compiled %d torch.compile graph(s) "
+                "inside the failover; job.warm_up(step) compiles them while the standby waits "
+                "(docs/mirror.md)",
+                self.rank,
+                graphs,
+            )
         else:
-            logger.warning("[trainer rank %d] the promoted standby's first step compiled %d torch.compile graph(s) "
-                           "its warm-up did not: give warm_up() a batch of the real shapes and the step's whole "
-                           "code path (docs/mirror.md)", self.rank, graphs)
+            logger.warning(
+                "[trainer rank %d] the promoted standby's first step compiled %d torch.compile graph(s) "
+                "its warm-up did not: give warm_up() a batch of the real shapes and the step's whole "
+                "code path (docs/mirror.md)",
+                self.rank,
+                graphs,
+            )
 
     def on_restore(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(step)`` whenever this process's state was rolled back to the
@@ -284,7 +317,7 @@ class Job:
             raise
         except FencedError:  # its standby or the commit record says the rank belongs to another process
             self._recovery.fenced_exit()
-        for found in rep.divergences[self._divergences_seen:]:
+        for found in rep.divergences[self._divergences_seen :]:
             self._divergence(found)
         self._divergences_seen = len(rep.divergences)
         self._faults.fire(Phase.MIRROR, step)  # the stream of this step is in flight now
@@ -299,8 +332,16 @@ class Job:
             logged = self.store.get(keys.loss(self.rank, step))
             before = logged.value.split(" ")[0] if logged is not None else None
         if before is not None and before != now:
-            self._divergence(Divergence(rank=self.rank, step=step, measure=Measure.LOSS, before=before, after=now,
-                                        comparable=comparable(self._replicated("log()")[0])))
+            self._divergence(
+                Divergence(
+                    rank=self.rank,
+                    step=step,
+                    measure=Measure.LOSS,
+                    before=before,
+                    after=now,
+                    comparable=comparable(self._replicated("log()")[0]),
+                )
+            )
         self._losses[step] = now
         for old in sorted(self._losses)[:-_LOSSES_KEPT]:
             del self._losses[old]
@@ -309,16 +350,25 @@ class Job:
         mismatch = self._inputs.settle(step)
         if mismatch is not None:
             model = self._replicated("log() or commit()")[0]
-            self._divergence(Divergence(rank=self.rank, step=step, measure=Measure.INPUT, before=mismatch.before,
-                                        after=mismatch.after, comparable=comparable(model),
-                                        where=f"{mismatch.what} of forward {mismatch.forward} of the step"))
+            self._divergence(
+                Divergence(
+                    rank=self.rank,
+                    step=step,
+                    measure=Measure.INPUT,
+                    before=mismatch.before,
+                    after=mismatch.after,
+                    comparable=comparable(model),
+                    where=f"{mismatch.what} of forward {mismatch.forward} of the step",
+                )
+            )
 
     def _divergence(self, found: Divergence) -> None:
         """One loud line (the replicator logs what it finds itself), a record in the job
         report, and under --strict the job's end."""
         if found.measure in (Measure.LOSS, Measure.INPUT):
-            (logger.error if found.comparable else logger.info)("[%s rank %d] %s", self.role, self.rank,
-                                                                found.describe())
+            (logger.error if found.comparable else logger.info)(
+                "[%s rank %d] %s", self.role, self.rank, found.describe()
+            )
         self.store.put(keys.divergence(self.rank, found.step, found.measure.value), Text(value=found.to_json()))
         if self.env.strict and found.comparable:
             self._report_fatal(DivergenceError(found.describe()))
@@ -347,16 +397,30 @@ class Job:
             extra = "".join(f" {k}={float(v).hex()}" for k, v in sorted(metrics.items()))
             self.store.put(keys.loss(self.rank, step), Text(value=f"{value.hex()} {time.time()!r}{extra}"))
 
-    def rollout_client(self, model: torch.nn.Module, *, num_shards: int, name_map=None,
-                       dtype: torch.dtype | None = None) -> RolloutClient:
+    def rollout_client(
+        self, model: torch.nn.Module, *, num_shards: int, name_map=None, dtype: torch.dtype | None = None
+    ) -> RolloutClient:
         """Weight sync to the job's rollout engines and generation requests to them
         (every trainer rank, and every standby, which uses it once promoted)."""
-        sync = replica.WeightSync(model, store=self.store, num_engines=self.env.rollouts, config=self.config,
-                                  rank=self.rank, name_map=name_map, dtype=dtype, epoch=self.epoch)
-        return RolloutClient(store=self.store, sync=sync, num_shards=num_shards, token=self.env.token,
-                             num_engines=self.env.rollouts,
-                             epoch=lambda: process_group(self).generation,
-                             abort=self._step_failed)
+        sync = replica.WeightSync(
+            model,
+            store=self.store,
+            num_engines=self.env.rollouts,
+            config=self.config,
+            rank=self.rank,
+            name_map=name_map,
+            dtype=dtype,
+            epoch=self.epoch,
+        )
+        return RolloutClient(
+            store=self.store,
+            sync=sync,
+            num_shards=num_shards,
+            token=self.env.token,
+            num_engines=self.env.rollouts,
+            epoch=lambda: process_group(self).generation,
+            abort=self._step_failed,
+        )
 
     def _step_failed(self) -> bool:
         """The step in progress failed (a trainer died): it is redone after the failover, and
@@ -372,11 +436,18 @@ class Job:
         if self.role != Role.ROLLOUT:
             raise replica.ReplicaError(f"serve_rollouts() in a {self.role} process")
         try:
-            serve_rollouts(store=self.store, index=self.rank, num_engines=self.env.rollouts, token=self.env.token,
-                           make_llm=make_llm, host=self.env.host, backends=self.env.backends or None,
-                           stop=lambda: self.store.has(keys.finished()) or self.store.has(keys.rollout_stop(self.rank)),
-                           retiring=lambda: not self.store.has(keys.finished()),
-                           on_shard=self._faults.on_shard)
+            serve_rollouts(
+                store=self.store,
+                index=self.rank,
+                num_engines=self.env.rollouts,
+                token=self.env.token,
+                make_llm=make_llm,
+                host=self.env.host,
+                backends=self.env.backends or None,
+                stop=lambda: self.store.has(keys.finished()) or self.store.has(keys.rollout_stop(self.rank)),
+                retiring=lambda: not self.store.has(keys.finished()),
+                on_shard=self._faults.on_shard,
+            )
         finally:
             self.close()
 
@@ -433,8 +504,16 @@ class Job:
     def _start_replicator(self, held: tuple[replica.Snapshot, replica.Snapshot | None] | None = None) -> None:
         model, optimizer, extra = self._replicated("_start_replicator()")
         self._divergences_seen = 0
-        self._rep = rep = replica.Replicator(model, optimizer, extra, store=self.store, config=self.config,
-                                             rank=self.rank, world_size=self.env.world_size, epoch=self.epoch)
+        self._rep = rep = replica.Replicator(
+            model,
+            optimizer,
+            extra,
+            store=self.store,
+            config=self.config,
+            rank=self.rank,
+            world_size=self.env.world_size,
+            epoch=self.epoch,
+        )
         rep.interrupted = self._recovery.failover_announced
         if held is not None:
             rep.adopt(*held)
@@ -486,8 +565,9 @@ class Job:
         # guard checks them against its losses (at most the two in flight when it died).
         self._redo_in_store = {commit + 1, commit + 2}
         self._restored_to(commit)
-        logger.warning("[standby rank %d] promoted to trainer at commit %d, generation %d", self.rank, commit,
-                       generation)
+        logger.warning(
+            "[standby rank %d] promoted to trainer at commit %d, generation %d", self.rank, commit, generation
+        )
         return commit
 
     def _report_fatal(self, exc: Exception) -> None:

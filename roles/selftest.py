@@ -32,8 +32,26 @@ from replica.roles.members import Mark
 from replica.roles.report import compare_reports, write_loss_png
 from replica.roles.selftest_runs import Device, JobKind, Plan, Run, kill_all, launch, target_name
 
-__all__ = ["CASES", "Case", "Device", "JobKind", "Outcome", "Plan", "Reference", "Result", "kill_all", "main", "parse",
-           "plan_of", "run_case", "run_matrix", "run_reference", "select_cases", "unavailable"]
+__all__ = [
+    "CASES",
+    "Case",
+    "Device",
+    "JobKind",
+    "Outcome",
+    "Plan",
+    "Reference",
+    "Result",
+    "kill_all",
+    "main",
+    "parse",
+    "plan_of",
+    "run_case",
+    "run_matrix",
+    "run_reference",
+    "select_cases",
+    "unavailable",
+]
+
 
 class Outcome(enum.StrEnum):
     PASSED = "bit-identical"
@@ -66,41 +84,104 @@ class Case:
 
 
 CASES = (
-    Case(name="trainer-forward", job=JobKind.FSDP, inject="kill:trainer:{b}@5:forward",
-         proves="a trainer lost in its forward pass: its standby takes the last global commit, the survivors roll back"),
-    Case(name="trainer-backward", job=JobKind.FSDP, inject="kill:trainer:{a}@5:backward", quick=True,
-         proves="a trainer lost in its backward pass, gradients half made"),
-    Case(name="trainer-reduce-scatter", job=JobKind.FSDP, inject="kill:trainer:{a}@5:reduce-scatter", min_trainers=2,
-         proves="a trainer lost inside FSDP2's gradient reduce-scatter: the survivors' collective fails and is redone"),
-    Case(name="trainer-optimizer", job=JobKind.FSDP, inject="kill:trainer:{b}@5:optimizer",
-         proves="a trainer lost in its optimizer step, its parameters half updated"),
-    Case(name="trainer-commit", job=JobKind.FSDP, inject="kill:trainer:{a}@5:commit",
-         proves="a trainer lost in the global commit: the step counts once, whether or not it was committed"),
-    Case(name="trainer-mirror", job=JobKind.FSDP, inject="kill:trainer:{b}@5:mirror",
-         proves="a trainer lost while streaming its shard to its standby: the standby keeps the last whole commit"),
-    Case(name="standby-killed", job=JobKind.FSDP, inject="kill:standby:{a}@4", quick=True,
-         proves="a standby lost: a new one is started and filled; the trainers never stop"),
-    Case(name="trainer-frozen", job=JobKind.FSDP, inject="freeze:trainer:{b}@5:backward", quick=True,
-         proves="a trainer alive but silent (SIGSTOP) past its heartbeat deadline: judged dead, fenced, replaced"),
-    Case(name="two-trainers", job=JobKind.FSDP, inject="kill:trainer:{a}@3:backward,kill:trainer:{b}@7:optimizer",
-         proves="two trainers lost one after the other: the second failover starts from the first's replacement"),
-    Case(name="hf-optimizer", job=JobKind.HF, inject="kill:trainer:{b}@5:optimizer",
-         proves="a Hugging Face model (mixed precision, dropout, a StatefulDataLoader) lost in its optimizer step"),
-    Case(name="rl-trainer", job=JobKind.RL, inject="kill:trainer:{a}@4:backward",
-         proves="the RL loop: a trainer lost; the rollouts of the step are the same, the policy is the same"),
-    Case(name="rl-rollout", job=JobKind.RL, inject="kill:rollout:1@3",
-         proves="the RL loop: a vLLM engine lost while generating; the others take its prompts, nothing changes"),
+    Case(
+        name="trainer-forward",
+        job=JobKind.FSDP,
+        inject="kill:trainer:{b}@5:forward",
+        proves="a trainer lost in its forward pass: its standby takes the last global commit, the survivors roll back",
+    ),
+    Case(
+        name="trainer-backward",
+        job=JobKind.FSDP,
+        inject="kill:trainer:{a}@5:backward",
+        quick=True,
+        proves="a trainer lost in its backward pass, gradients half made",
+    ),
+    Case(
+        name="trainer-reduce-scatter",
+        job=JobKind.FSDP,
+        inject="kill:trainer:{a}@5:reduce-scatter",
+        min_trainers=2,
+        proves="a trainer lost inside FSDP2's gradient reduce-scatter: the survivors' collective fails and is redone",
+    ),
+    Case(
+        name="trainer-optimizer",
+        job=JobKind.FSDP,
+        inject="kill:trainer:{b}@5:optimizer",
+        proves="a trainer lost in its optimizer step, its parameters half updated",
+    ),
+    Case(
+        name="trainer-commit",
+        job=JobKind.FSDP,
+        inject="kill:trainer:{a}@5:commit",
+        proves="a trainer lost in the global commit: the step counts once, whether or not it was committed",
+    ),
+    Case(
+        name="trainer-mirror",
+        job=JobKind.FSDP,
+        inject="kill:trainer:{b}@5:mirror",
+        proves="a trainer lost while streaming its shard to its standby: the standby keeps the last whole commit",
+    ),
+    Case(
+        name="standby-killed",
+        job=JobKind.FSDP,
+        inject="kill:standby:{a}@4",
+        quick=True,
+        proves="a standby lost: a new one is started and filled; the trainers never stop",
+    ),
+    Case(
+        name="trainer-frozen",
+        job=JobKind.FSDP,
+        inject="freeze:trainer:{b}@5:backward",
+        quick=True,
+        proves="a trainer alive but silent (SIGSTOP) past its heartbeat deadline: judged dead, fenced, replaced",
+    ),
+    Case(
+        name="two-trainers",
+        job=JobKind.FSDP,
+        inject="kill:trainer:{a}@3:backward,kill:trainer:{b}@7:optimizer",
+        proves="two trainers lost one after the other: the second failover starts from the first's replacement",
+    ),
+    Case(
+        name="hf-optimizer",
+        job=JobKind.HF,
+        inject="kill:trainer:{b}@5:optimizer",
+        proves="a Hugging Face model (mixed precision, dropout, a StatefulDataLoader) lost in its optimizer step",
+    ),
+    Case(
+        name="rl-trainer",
+        job=JobKind.RL,
+        inject="kill:trainer:{a}@4:backward",
+        proves="the RL loop: a trainer lost; the rollouts of the step are the same, the policy is the same",
+    ),
+    Case(
+        name="rl-rollout",
+        job=JobKind.RL,
+        inject="kill:rollout:1@3",
+        proves="the RL loop: a vLLM engine lost while generating; the others take its prompts, nothing changes",
+    ),
     # The coordinator places trainer r on agent r (the least loaded agent first, in index order):
     # host {b} is trainer {b}'s; its standby is on another host, its new standby goes to a third.
-    Case(name="host-lost", job=JobKind.FSDP, inject="kill:host:{b}@5", min_agents=3,
-         proves="a host lost whole (its agent and every process on it, as a machine that dies): its trainer's "
-                "standby on another host takes over, and a new standby starts on a third"),
+    Case(
+        name="host-lost",
+        job=JobKind.FSDP,
+        inject="kill:host:{b}@5",
+        min_agents=3,
+        proves="a host lost whole (its agent and every process on it, as a machine that dies): its trainer's "
+        "standby on another host takes over, and a new standby starts on a third",
+    ),
     # Trainer {a} stalls 2 s in step 4: time for version 3 to be written whole on a loaded machine.
-    Case(name="trainer-and-standby", job=JobKind.FSDP, durable=True,
-         inject="stall:trainer:{a}@4:2,kill:standby:{b}@5,kill:trainer:{b}@7:optimizer",
-         proves="a trainer lost with its own standby (no copy of its state left in memory): every rank goes back "
-                "to the durable floor's newest complete version and replays from it"),
+    Case(
+        name="trainer-and-standby",
+        job=JobKind.FSDP,
+        durable=True,
+        inject="stall:trainer:{a}@4:2,kill:standby:{b}@5,kill:trainer:{b}@7:optimizer",
+        proves="a trainer lost with its own standby (no copy of its state left in memory): every rank goes back "
+        "to the durable floor's newest complete version and replays from it",
+    ),
 )
+
+
 @dataclass(kw_only=True, slots=True)
 class Result:
     case: str
@@ -119,15 +200,19 @@ class Result:
     overhead: float | None = None
 
     def to_dict(self) -> dict:
-        return {k: (str(v) if isinstance(v, enum.Enum) else v) for k, v in
-                ((name, getattr(self, name)) for name in self.__slots__)}
+        return {
+            k: (str(v) if isinstance(v, enum.Enum) else v)
+            for k, v in ((name, getattr(self, name)) for name in self.__slots__)
+        }
 
 
-def select_cases(*, quick: bool, only: tuple[str, ...] = (), durable: bool = False,
-                 agents: bool = False) -> tuple[Case, ...]:
+def select_cases(
+    *, quick: bool, only: tuple[str, ...] = (), durable: bool = False, agents: bool = False
+) -> tuple[Case, ...]:
     """The cases named (``only``), or the quick ones, or all; a durable case only with a floor
     (``durable``), a host case only on host agents (``agents``); named, such a case is skipped
     where it cannot run, saying so."""
+
     def chosen(c: Case) -> bool:
         if c.durable or c.min_agents:
             return (not c.durable or durable) and (not c.min_agents or agents) and (c.durable or not quick)
@@ -154,7 +239,7 @@ def _unavailable(kind: JobKind, plan: Plan) -> str:
 
 def _median_step_ms(report: dict) -> float | None:
     ends = [t for t in report.get("step_end_times", {}).get("0", []) if t is not None]
-    gaps = [(b - a) * 1000 for a, b in zip(ends, ends[1:])]
+    gaps = [(b - a) * 1000 for a, b in zip(ends, ends[1:], strict=False)]
     return statistics.median(gaps) if gaps else None
 
 
@@ -176,13 +261,27 @@ def _steps_redone(report: dict) -> int:
 
 
 def _last_trainer_kill(report: dict) -> int:
-    kills = [fault for entry in report["faults"] if entry.get("fired_at") for fault in parse_faults(entry["fault"])
-             if fault.role == Role.TRAINER and fault.action == Action.KILL]
+    kills = [
+        fault
+        for entry in report["faults"]
+        if entry.get("fired_at")
+        for fault in parse_faults(entry["fault"])
+        if fault.role == Role.TRAINER and fault.action == Action.KILL
+    ]
     return max((f.step for f in kills), default=0)
 
 
-def _judge(name: str, kind: JobKind, inject: str, run: Run, reference: dict | None, baseline_ms: float | None,
-           *, plan: Plan, durable: bool = False) -> Result:
+def _judge(
+    name: str,
+    kind: JobKind,
+    inject: str,
+    run: Run,
+    reference: dict | None,
+    baseline_ms: float | None,
+    *,
+    plan: Plan,
+    durable: bool = False,
+) -> Result:
     result = Result(case=name, job=kind, inject=inject, outcome=Outcome.FAILED, log=str(run.log), seconds=run.seconds)
     report = run.report
     if run.code is None:
@@ -254,8 +353,14 @@ def unavailable(case: Case, plan: Plan) -> str:
     return why
 
 
-def run_reference(plan: Plan, kind: JobKind, *, running: list[subprocess.Popen],
-                  step: Callable[[str], None] = lambda _: None, say: Callable[[str], None] = print) -> Reference:
+def run_reference(
+    plan: Plan,
+    kind: JobKind,
+    *,
+    running: list[subprocess.Popen],
+    step: Callable[[str], None] = lambda _: None,
+    say: Callable[[str], None] = print,
+) -> Reference:
     """The baseline and the reference of a job of ``kind`` (the reference only if the baseline ran)."""
     step(f"{kind} job, unmirrored baseline (no standbys)")
     baseline = launch(plan, kind, f"{kind}-unmirrored", standbys=False, running=running)
@@ -269,8 +374,13 @@ def run_reference(plan: Plan, kind: JobKind, *, running: list[subprocess.Popen],
         ref = _judge(f"{kind}-reference", kind, "", reference, baseline.report, first.step_ms, plan=plan)
         report = reference.report
     else:
-        ref = Result(case=f"{kind}-reference", job=kind, inject="", outcome=Outcome.FAILED,
-                     why=f"the unmirrored run failed: {first.why}")
+        ref = Result(
+            case=f"{kind}-reference",
+            job=kind,
+            inject="",
+            outcome=Outcome.FAILED,
+            why=f"the unmirrored run failed: {first.why}",
+        )
     say(_progress(ref))
     return Reference(baseline=first, result=ref, report=report)
 
@@ -279,11 +389,18 @@ def run_case(plan: Plan, case: Case, reference: Reference, *, running: list[subp
     """One faulted run of ``case``, judged against its job's ``reference``."""
     inject = case.spec(plan.num_trainers)
     if not reference.passed:
-        return Result(case=case.name, job=case.job, inject=inject, outcome=Outcome.FAILED,
-                      why=f"its reference run failed: {reference.result.why}", log=reference.result.log)
+        return Result(
+            case=case.name,
+            job=case.job,
+            inject=inject,
+            outcome=Outcome.FAILED,
+            why=f"its reference run failed: {reference.result.why}",
+            log=reference.result.log,
+        )
     run = launch(plan, case.job, case.name, inject=inject, running=running, durable=case.durable)
-    return _judge(case.name, case.job, inject, run, reference.report, reference.baseline.step_ms, plan=plan,
-                  durable=case.durable)
+    return _judge(
+        case.name, case.job, inject, run, reference.report, reference.baseline.step_ms, plan=plan, durable=case.durable
+    )
 
 
 def run_matrix(plan: Plan, cases: tuple[Case, ...], *, say: Callable[[str], None] = print) -> list[Result]:
@@ -295,8 +412,11 @@ def run_matrix(plan: Plan, cases: tuple[Case, ...], *, say: Callable[[str], None
     runnable = []
     for case in cases:
         if why := unavailable(case, plan):
-            results.append(Result(case=case.name, job=case.job, inject=case.spec(plan.num_trainers),
-                                  outcome=Outcome.SKIPPED, why=why))
+            results.append(
+                Result(
+                    case=case.name, job=case.job, inject=case.spec(plan.num_trainers), outcome=Outcome.SKIPPED, why=why
+                )
+            )
         else:
             runnable.append(case)
     total = len(runnable) + 2 * len({c.job for c in runnable})
@@ -337,69 +457,137 @@ def _progress(result: Result) -> str:
     return line
 
 
-_COLUMNS = ("case", "job", "result", "detect ms", "promote ms", "resumed ms", "steps redone", "step ms",
-            "vs unmirrored")
+_COLUMNS = (
+    "case",
+    "job",
+    "result",
+    "detect ms",
+    "promote ms",
+    "resumed ms",
+    "steps redone",
+    "step ms",
+    "vs unmirrored",
+)
 
 
 def table(results: list[Result]) -> list[str]:
     """The results as a markdown table (several failovers in a case: their times joined by /)."""
     rows = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for r in results:
-        cells = (r.case, str(r.job), str(r.outcome), _ms(r.detect_ms), _ms(r.promote_ms), _ms(r.resumed_ms),
-                 "-" if r.steps_redone is None else str(r.steps_redone),
-                 "-" if r.step_ms is None else f"{r.step_ms:.0f}",
-                 "-" if r.overhead is None else f"{r.overhead:+.0%}")
+        cells = (
+            r.case,
+            str(r.job),
+            str(r.outcome),
+            _ms(r.detect_ms),
+            _ms(r.promote_ms),
+            _ms(r.resumed_ms),
+            "-" if r.steps_redone is None else str(r.steps_redone),
+            "-" if r.step_ms is None else f"{r.step_ms:.0f}",
+            "-" if r.overhead is None else f"{r.overhead:+.0%}",
+        )
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 
 def _write(plan: Plan, cases: tuple[Case, ...], results: list[Result], *, seconds: float) -> None:
-    summary = {"device": str(plan.device), "trainers": plan.num_trainers, "steps": plan.steps,
-               "target": target_name(plan), "seconds": round(seconds, 1),
-               "passed": all(r.outcome in (Outcome.PASSED, Outcome.BASELINE, Outcome.SKIPPED) for r in results),
-               "results": [r.to_dict() for r in results]}
+    summary = {
+        "device": str(plan.device),
+        "trainers": plan.num_trainers,
+        "steps": plan.steps,
+        "target": target_name(plan),
+        "seconds": round(seconds, 1),
+        "passed": all(r.outcome in (Outcome.PASSED, Outcome.BASELINE, Outcome.SKIPPED) for r in results),
+        "results": [r.to_dict() for r in results],
+    }
     (plan.directory / "selftest.json").write_text(json.dumps(summary, indent=1) + "\n")
     proves = {c.name: c.proves for c in cases}
-    lines = [f"# replica selftest: {plan.num_trainers} trainers, {plan.steps} steps, {plan.device}, "
-             f"{target_name(plan)} ({seconds:.0f} s)", "", *table(results), ""]
-    lines += [f"- **{r.case}** ({r.inject}): {proves[r.case]}" + (f" -- {r.outcome}: {r.why}" if r.why else "")
-              for r in results if r.case in proves]
+    lines = [
+        f"# replica selftest: {plan.num_trainers} trainers, {plan.steps} steps, {plan.device}, "
+        f"{target_name(plan)} ({seconds:.0f} s)",
+        "",
+        *table(results),
+        "",
+    ]
+    lines += [
+        f"- **{r.case}** ({r.inject}): {proves[r.case]}" + (f" -- {r.outcome}: {r.why}" if r.why else "")
+        for r in results
+        if r.case in proves
+    ]
     (plan.directory / "selftest.md").write_text("\n".join(lines) + "\n")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = Parser(prog="replica selftest", description=__doc__)
-    p.add_argument("--quick", action="store_true",
-                   help="three cases (" + ", ".join(c.name for c in CASES if c.quick) + ") of the FSDP2 job, and "
-                        "with --durable the durable ones (" + ", ".join(c.name for c in CASES if c.durable) + ")")
-    p.add_argument("--case", action="append", default=[], metavar="NAME",
-                   help="run only this case (repeatable): " + ", ".join(c.name for c in CASES))
-    p.add_argument("--device", choices=tuple(Device), default=Device.CPU,
-                   help="cuda: every role on a GPU (rank r on GPU r mod the GPUs visible), NCCL; cpu: gloo")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="three cases (" + ", ".join(c.name for c in CASES if c.quick) + ") of the FSDP2 job, and "
+        "with --durable the durable ones (" + ", ".join(c.name for c in CASES if c.durable) + ")",
+    )
+    p.add_argument(
+        "--case",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only this case (repeatable): " + ", ".join(c.name for c in CASES),
+    )
+    p.add_argument(
+        "--device",
+        choices=tuple(Device),
+        default=Device.CPU,
+        help="cuda: every role on a GPU (rank r on GPU r mod the GPUs visible), NCCL; cpu: gloo",
+    )
     p.add_argument("--trainers", type=positive_int, default=2, help="the world size of every job")
     p.add_argument("--steps", type=positive_int, default=10, help="steps of every job (at least 8)")
-    p.add_argument("--ray", default="", metavar="ADDRESS",
-                   help="run every job on the Ray cluster at ADDRESS (host:port of its GCS), each role a Ray actor "
-                        "(needs replica[ray] here and on the cluster)")
-    p.add_argument("--agents", type=non_negative_int, default=0, metavar="N",
-                   help="run every job's roles on the N host agents started with `replica agent --store HOST:PORT "
-                        "--index I --serve` (I = 0 .. N-1, one per host): each job's coordinator runs here and listens "
-                        "at --host:--port, their --store")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="with --agents: this host's address the agents reach (their --store's host)")
+    p.add_argument(
+        "--ray",
+        default="",
+        metavar="ADDRESS",
+        help="run every job on the Ray cluster at ADDRESS (host:port of its GCS), each role a Ray actor "
+        "(needs replica[ray] here and on the cluster)",
+    )
+    p.add_argument(
+        "--agents",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="run every job's roles on the N host agents started with `replica agent --store HOST:PORT "
+        "--index I --serve` (I = 0 .. N-1, one per host): each job's coordinator runs here and listens "
+        "at --host:--port, their --store",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="with --agents: this host's address the agents reach (their --store's host)"
+    )
     p.add_argument("--port", type=port, default=29400, help="with --agents: the port of their --store")
-    p.add_argument("--report", type=Path, default=None, metavar="DIR",
-                   help="the work directory: each case's log, job report and plots, and selftest.json/.md "
-                        "(default: a new folder replica-selftest-* in the system's temporary folder)")
+    p.add_argument(
+        "--report",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the work directory: each case's log, job report and plots, and selftest.json/.md "
+        "(default: a new folder replica-selftest-* in the system's temporary folder)",
+    )
     deadline_options(p)
-    p.add_argument("--case-timeout", type=positive_float, default=300.0,
-                   help="seconds before a case is abandoned and its processes killed")
-    p.add_argument("--durable", type=Path, default=None, metavar="DIR",
-                   help="add the case of a trainer lost with its own standby: its jobs write a durable floor to "
-                        "DIR/CASE (local to each host, or shared) and go back to it")
-    p.add_argument("--unmirrored-noise", action="store_true",
-                   help="plant a divergence: the Hugging Face job draws from a generator outside the mirrored state, "
-                        "so each of its faulted cases must fail (a check that the check can fail)")
+    p.add_argument(
+        "--case-timeout",
+        type=positive_float,
+        default=300.0,
+        help="seconds before a case is abandoned and its processes killed",
+    )
+    p.add_argument(
+        "--durable",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="add the case of a trainer lost with its own standby: its jobs write a durable floor to "
+        "DIR/CASE (local to each host, or shared) and go back to it",
+    )
+    p.add_argument(
+        "--unmirrored-noise",
+        action="store_true",
+        help="plant a divergence: the Hugging Face job draws from a generator outside the mirrored state, "
+        "so each of its faulted cases must fail (a check that the check can fail)",
+    )
     return p
 
 
@@ -429,9 +617,11 @@ def _refusal(args: argparse.Namespace) -> str:
         if not torch.cuda.is_available():
             return "--device cuda: this machine has no CUDA device torch can use (torch.cuda.is_available() is False)"
         if torch.cuda.device_count() < args.trainers:
-            return (f"--device cuda --trainers {args.trainers}: NCCL needs a GPU per trainer and this machine has "
-                    f"{torch.cuda.device_count()}; pass --trainers {torch.cuda.device_count()} or point --ray at a "
-                    "cluster")
+            return (
+                f"--device cuda --trainers {args.trainers}: NCCL needs a GPU per trainer and this machine has "
+                f"{torch.cuda.device_count()}; pass --trainers {torch.cuda.device_count()} or point --ray at a "
+                "cluster"
+            )
     if args.ray:
         if importlib.util.find_spec("ray") is None:
             return "--ray needs Ray here: pip install 'replica[ray]'"
@@ -471,8 +661,9 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, tuple[Case
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        cases = select_cases(quick=args.quick, only=tuple(args.case), durable=args.durable is not None,
-                             agents=args.agents > 0)
+        cases = select_cases(
+            quick=args.quick, only=tuple(args.case), durable=args.durable is not None, agents=args.agents > 0
+        )
     except ValueError as exc:
         parser.error(str(exc))
     if why := _refusal(args):
@@ -484,18 +675,30 @@ def plan_of(args: argparse.Namespace) -> Plan:
     """``parse``'s command line as a plan; its work directory is made (a new temporary one by default)."""
     directory = args.report or Path(tempfile.mkdtemp(prefix="replica-selftest-"))
     directory.mkdir(exist_ok=True)
-    return Plan(device=Device(args.device), num_trainers=args.trainers, steps=args.steps, directory=directory.resolve(),
-                case_timeout=timedelta(seconds=args.case_timeout), ray=args.ray, agents=args.agents,
-                host=args.host, port=args.port,
-                unmirrored_noise=args.unmirrored_noise, launch_options=_deadline_argv(args),
-                durable=None if args.durable is None else args.durable.resolve())
+    return Plan(
+        device=Device(args.device),
+        num_trainers=args.trainers,
+        steps=args.steps,
+        directory=directory.resolve(),
+        case_timeout=timedelta(seconds=args.case_timeout),
+        ray=args.ray,
+        agents=args.agents,
+        host=args.host,
+        port=args.port,
+        unmirrored_noise=args.unmirrored_noise,
+        launch_options=_deadline_argv(args),
+        durable=None if args.durable is None else args.durable.resolve(),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     args, cases = parse(argv)
     plan = plan_of(args)
-    print(f"replica selftest: {len(cases)} cases, {plan.num_trainers} trainers, {plan.steps} steps, {plan.device}, "
-          f"on {target_name(plan)}; work directory {plan.directory}", flush=True)
+    print(
+        f"replica selftest: {len(cases)} cases, {plan.num_trainers} trainers, {plan.steps} steps, {plan.device}, "
+        f"on {target_name(plan)}; work directory {plan.directory}",
+        flush=True,
+    )
     started = time.monotonic()
     results: list[Result] = []
     try:
@@ -511,9 +714,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replica selftest: {r.case} {r.outcome}: {r.why} (log: {r.log})")
     names = {c.name for c in cases}
     count = {o: sum(r.outcome == o for r in results if r.case in names) for o in Outcome}
-    print(f"replica selftest: {count[Outcome.PASSED]} of {len(cases)} cases bit-identical, "
-          f"{count[Outcome.DIFFERS]} differ, {count[Outcome.FAILED]} failed, {count[Outcome.SKIPPED]} skipped"
-          + (f" ({len(bad) - count[Outcome.DIFFERS] - count[Outcome.FAILED]} reference runs failed)"
-             if len(bad) > count[Outcome.DIFFERS] + count[Outcome.FAILED] else "")
-          + f", in {seconds:.0f} s; report in {plan.directory / 'selftest.md'}", flush=True)
+    print(
+        f"replica selftest: {count[Outcome.PASSED]} of {len(cases)} cases bit-identical, "
+        f"{count[Outcome.DIFFERS]} differ, {count[Outcome.FAILED]} failed, {count[Outcome.SKIPPED]} skipped"
+        + (
+            f" ({len(bad) - count[Outcome.DIFFERS] - count[Outcome.FAILED]} reference runs failed)"
+            if len(bad) > count[Outcome.DIFFERS] + count[Outcome.FAILED]
+            else ""
+        )
+        + f", in {seconds:.0f} s; report in {plan.directory / 'selftest.md'}",
+        flush=True,
+    )
     return ExitCode.FAILED if bad else ExitCode.OK

@@ -22,16 +22,30 @@ from collections.abc import Iterator
 
 import pytest
 
-from replica.roles.selftest import CASES, Case, JobKind, Plan, Reference, kill_all, parse, plan_of, run_case, \
-    run_reference, unavailable
+from replica.roles.selftest import (
+    CASES,
+    Case,
+    JobKind,
+    Plan,
+    Reference,
+    kill_all,
+    parse,
+    plan_of,
+    run_case,
+    run_reference,
+    unavailable,
+)
 
 __all__ = ["pytest_addoption", "test_case"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.getgroup("replica selftest").addoption(
-        "--replica-selftest", default="", metavar="OPTIONS",
-        help="`replica selftest`'s options for the matrix's pytest cases (e.g. \"--ray HOST:PORT --quick\")")
+        "--replica-selftest",
+        default="",
+        metavar="OPTIONS",
+        help="`replica selftest`'s options for the matrix's pytest cases (e.g. \"--ray HOST:PORT --quick\")",
+    )
 
 
 class _Matrix:

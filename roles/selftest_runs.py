@@ -5,6 +5,7 @@ folder of the work directory."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import signal
@@ -94,23 +95,57 @@ def _job_args(kind: JobKind, plan: Plan) -> tuple[list[str], list[str]]:
 def _argv(plan: Plan, kind: JobKind, *, inject: str, standbys: bool, durable: Path | None) -> tuple[list[str], dict]:
     """The launcher's command line for one run, and what it adds to its environment."""
     options, script = _job_args(kind, plan)
-    common = ["--steps", str(plan.steps), "--report", "run.json", "--timeout", str(plan.case_timeout.total_seconds()),
-              "--export-dir", "export", *plan.launch_options, *options]
+    common = [
+        "--steps",
+        str(plan.steps),
+        "--report",
+        "run.json",
+        "--timeout",
+        str(plan.case_timeout.total_seconds()),
+        "--export-dir",
+        "export",
+        *plan.launch_options,
+        *options,
+    ]
     if not standbys:
         common += ["--standbys", "0"]
     if plan.agents:
         # The coordinator serves the job to the agents: the script, and the roles' settings from its environment.
         env = {envvars.INJECT: inject}
         if durable is not None:
-            env.update({envvars.DURABLE: str(durable), envvars.DURABLE_EVERY: str(_DURABLE_EVERY),
-                        envvars.DURABLE_INTERVAL: "0"})
-        argv = ["coordinator", "--world-size", str(plan.num_trainers), "--host", plan.host, "--port", str(plan.port),
-                "--agents", str(plan.agents), *common, *(["--replacements", "0"] if durable is not None else [])]
+            env.update(
+                {
+                    envvars.DURABLE: str(durable),
+                    envvars.DURABLE_EVERY: str(_DURABLE_EVERY),
+                    envvars.DURABLE_INTERVAL: "0",
+                }
+            )
+        argv = [
+            "coordinator",
+            "--world-size",
+            str(plan.num_trainers),
+            "--host",
+            plan.host,
+            "--port",
+            str(plan.port),
+            "--agents",
+            str(plan.agents),
+            *common,
+            *(["--replacements", "0"] if durable is not None else []),
+        ]
         return [*argv, *script], env
     argv = ["launch", "--trainers", str(plan.num_trainers), *common]
     if durable is not None:
-        argv += ["--durable", str(durable), "--durable-every", str(_DURABLE_EVERY), "--durable-interval", "0",
-                 "--replacements", "0"]
+        argv += [
+            "--durable",
+            str(durable),
+            "--durable-every",
+            str(_DURABLE_EVERY),
+            "--durable-interval",
+            "0",
+            "--replacements",
+            "0",
+        ]
     if inject:
         argv += ["--inject", inject]
     # One machine holds every role: a standby shares its trainer's host by construction there.
@@ -118,23 +153,42 @@ def _argv(plan: Plan, kind: JobKind, *, inject: str, standbys: bool, durable: Pa
     return [*argv, *script], {}
 
 
-def launch(plan: Plan, kind: JobKind, name: str, *, inject: str = "", standbys: bool = True,
-           running: list[subprocess.Popen], durable: bool = False) -> Run:
+def launch(
+    plan: Plan,
+    kind: JobKind,
+    name: str,
+    *,
+    inject: str = "",
+    standbys: bool = True,
+    running: list[subprocess.Popen],
+    durable: bool = False,
+) -> Run:
     """One run of a job of ``kind``, in ``plan.directory / name``, under the case deadline: its
     process group is killed when it runs past it. ``durable``: with a floor in ``plan.durable /
     name`` and no replacement standby (a lost pair stays lost)."""
     folder = plan.directory / name
     folder.mkdir(parents=True, exist_ok=True)
-    argv, env = _argv(plan, kind, inject=inject, standbys=standbys,
-                      durable=plan.durable / name if durable and plan.durable is not None else None)
+    argv, env = _argv(
+        plan,
+        kind,
+        inject=inject,
+        standbys=standbys,
+        durable=plan.durable / name if durable and plan.durable is not None else None,
+    )
     log = folder / "run.log"
     started = time.monotonic()
     with log.open("w") as out:
         out.write("$ " + " ".join(argv) + "\n")
         out.flush()
-        process = subprocess.Popen([sys.executable, "-m", "replica.roles.cli", *argv], cwd=folder, stdout=out,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                   env={**os.environ, **env} if env else None)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "replica.roles.cli", *argv],
+            cwd=folder,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **env} if env else None,
+        )
         running.append(process)
         try:
             code = process.wait(timeout=plan.case_timeout.total_seconds() + _GRACE_S)
@@ -154,10 +208,8 @@ def launch(plan: Plan, kind: JobKind, name: str, *, inject: str = "", standbys: 
 
 def _kill_group(process: subprocess.Popen) -> None:
     """The launcher's process group, killed (its roles die with it); a no-op once it ended."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     process.wait()
 
 

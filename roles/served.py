@@ -24,8 +24,12 @@ def serve_job(store: JobStore, *, script: Path, args: Sequence[str], environ: Ma
     """Name the job in ``store`` (at the job's own prefix) for the agents: ``script`` (a path that
     holds on every host) with ``args``, its roles' settings ``environ`` (``job_environ``'s; what each
     agent sets itself is left out). A new id: an agent serves each job once."""
-    job = ServedJob(id=secrets.token_hex(8), script=str(script.resolve()), args=tuple(args),
-                    environ={name: value for name, value in environ.items() if name not in _AGENTS_OWN})
+    job = ServedJob(
+        id=secrets.token_hex(8),
+        script=str(script.resolve()),
+        args=tuple(args),
+        environ={name: value for name, value in environ.items() if name not in _AGENTS_OWN},
+    )
     store.put(keys.served_job(), job)
     return job
 
@@ -35,8 +39,11 @@ def served_job_refusal(job: ServedJob) -> str:
     path = Path(job.script)
     if not path.is_absolute() or not path.is_file():
         return f"its script {job.script} is not on this host (every host needs it at the same path)"
-    odd = sorted(name for name, value in job.environ.items()
-                 if not name.startswith(envvars.PREFIX) or name in _AGENTS_OWN or not isinstance(value, str))
+    odd = sorted(
+        name
+        for name, value in job.environ.items()
+        if not name.startswith(envvars.PREFIX) or name in _AGENTS_OWN or not isinstance(value, str)
+    )
     if odd:
         return f"it sets {', '.join(odd)}, which a job's settings do not hold"
     return ""

@@ -43,8 +43,14 @@ def wait_for_binding(store: JobStore, env: RoleEnv) -> RoleEnv | None:
             return binding.value
         return -1 if s.has(keys.finished()) else None
 
-    rank = store.wait_for(bound, wake=lambda: [keys.spare_binding(index)], timeout=timing.PROMOTION_WAIT,
-                          what=f"spare {index}'s rank", every=timing.STANDBY_LOOK, poll=timing.STANDBY_POLL)
+    rank = store.wait_for(
+        bound,
+        wake=lambda: [keys.spare_binding(index)],
+        timeout=timing.PROMOTION_WAIT,
+        what=f"spare {index}'s rank",
+        every=timing.STANDBY_LOOK,
+        poll=timing.STANDBY_POLL,
+    )
     if rank < 0:
         logger.info("[spare %d] the job ended without needing it", index)
         return None
@@ -110,9 +116,12 @@ class SparePool:
         if self._wanted:
             self._retry = Deadline.after(timing.SPARE_RETRY)
             if not self._said:
-                logger.warning("%d spare standby(s) cannot be started yet (trainers still joining, or no host "
-                               "without a trainer has room): asking again every %g s", self._wanted,
-                               timing.SPARE_RETRY.total_seconds())
+                logger.warning(
+                    "%d spare standby(s) cannot be started yet (trainers still joining, or no host "
+                    "without a trainer has room): asking again every %g s",
+                    self._wanted,
+                    timing.SPARE_RETRY.total_seconds(),
+                )
                 self._said = True
 
     def exited(self, pid: int, host: str | None = None) -> bool:
@@ -130,8 +139,11 @@ class SparePool:
         """Bind a ready spare to ``rank`` (the one started first); its index, or None when none
         is ready. A refill takes its place when allowed."""
         free = sorted(self.free)
-        ready = [i for i, found in zip(free, self._store.get_many([keys.spare_ready(i) for i in free]))
-                 if found is not None]
+        ready = [
+            i
+            for i, found in zip(free, self._store.get_many([keys.spare_ready(i) for i in free]), strict=False)
+            if found is not None
+        ]
         if not ready:
             return None
         index = ready[0]

@@ -9,29 +9,28 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
-from collections.abc import Callable, Sequence
 
 from replica.errors import FencedError
 from replica.jobstore import ExportStatus, Number, keys
 from replica.mirror.floor import check_version
-from replica.roles.coordinator import Coordinator, Decision, DecisionKind
 from replica.roles import timing
+from replica.roles.coordinator import Coordinator, Decision, DecisionKind
 from replica.roles.env import Fault, Role
 from replica.roles.exits import ExitCode
 from replica.roles.probe import Verdict
-from replica.roles.spares import SparePool
 from replica.roles.report import build_report, fill_from, print_timeline, summary_lines, write_timeline_png
+from replica.roles.spares import SparePool
 from replica.timing import Deadline, pause
 
 __all__ = ["Agent", "JobSpec", "ReplacementWatch", "supervise"]
 
 logger = logging.getLogger(__name__)
 _FLOOR_LOOKUP = 256  # the versions looked up in the job store at once, going back from the newest
-
 
 
 class Agent(Protocol):
@@ -134,9 +133,15 @@ class ReplacementWatch:
         return overdue
 
 
-def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
-              leading: Callable[[], bool] | None = None, cancel: threading.Event | None = None,
-              spares: SparePool | None = None) -> ExitCode:
+def supervise(
+    coord: Coordinator,
+    spec: JobSpec,
+    agent: Agent | None = None,
+    *,
+    leading: Callable[[], bool] | None = None,
+    cancel: threading.Event | None = None,
+    spares: SparePool | None = None,
+) -> ExitCode:
     """Run the job to its end; returns the exit status (0: every rank finished).
     ``leading()`` (an elected coordinator's) is asked before every round: once it says
     no, another coordinator may lead, and this one stops at once, deciding nothing
@@ -165,29 +170,38 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
             print("\nreplica: the job was shut down before its end", flush=True)
             break
         if leading is not None and not leading():
-            print("\nreplica: another coordinator leads now (this one was silent or cut off); this one stops",
-                  flush=True)
+            print(
+                "\nreplica: another coordinator leads now (this one was silent or cut off); this one stops", flush=True
+            )
             return ExitCode.DEPOSED
         decisions.clear()
         exits.extend(agent.exits() if agent is not None else [])
+
         def hosts() -> None:
             if agent is not None:
                 decisions.extend(coord.hosts_silent(agent.silent_hosts(coord.deadlines.trainer)))
 
         def overdue() -> None:
             for rank in replacing.check():
-                print(f"\nreplica: WARNING rank {rank}'s new standby is not up after "
-                      f"{timing.REPLACEMENT_WAIT.total_seconds():g} s: rank {rank} trains UNPROTECTED until it is",
-                      flush=True)
+                print(
+                    f"\nreplica: WARNING rank {rank}'s new standby is not up after "
+                    f"{timing.REPLACEMENT_WAIT.total_seconds():g} s: rank {rank} trains UNPROTECTED until it is",
+                    flush=True,
+                )
 
-        for work in (take_exits, hosts, lambda: decisions.extend(coord.poll()), overdue,
-                     spares.tick if spares is not None else lambda: None):
+        for work in (
+            take_exits,
+            hosts,
+            lambda: decisions.extend(coord.poll()),
+            overdue,
+            spares.tick if spares is not None else lambda: None,
+        ):
             try:
                 work()
             except FencedError as exc:
                 print(f"\nreplica: another coordinator leads now ({exc}); this one stops", flush=True)
                 return ExitCode.DEPOSED
-            except Exception:  # noqa: BLE001 - nothing in the store may end the job's loop; say what broke
+            except Exception:
                 errors += 1
                 if errors == 1 or errors % 100 == 0:
                     logger.exception("the coordinator's poll failed (%d times so far); going on", errors)
@@ -208,8 +222,11 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
             status = ExitCode.RESUME
             break
         if restart is not None:
-            print(f"\nreplica: {restart}; nothing was committed, so nothing is lost: the job starts again from its "
-                  f"start (restart {len(spec.restarts) + 1}, {spec.restarts_left - 1} more allowed)", flush=True)
+            print(
+                f"\nreplica: {restart}; nothing was committed, so nothing is lost: the job starts again from its "
+                f"start (restart {len(spec.restarts) + 1}, {spec.restarts_left - 1} more allowed)",
+                flush=True,
+            )
             status = ExitCode.RESTART
             break
         if failure is not None:
@@ -246,9 +263,8 @@ def supervise(coord: Coordinator, spec: JobSpec, agent: Agent | None = None, *,
     if spec.report is not None:
         spec.report.write_text(json.dumps(report, indent=2) + "\n")
         print(f"replica: report written to {spec.report}")
-    if spec.timeline_png is not None and coord.failovers:
-        if write_timeline_png(coord.failovers, spec.timeline_png):
-            print(f"replica: timeline plotted in {spec.timeline_png}")
+    if spec.timeline_png is not None and coord.failovers and write_timeline_png(coord.failovers, spec.timeline_png):
+        print(f"replica: timeline plotted in {spec.timeline_png}")
     return status
 
 
@@ -271,8 +287,11 @@ def _linger(coord: Coordinator, agent: Agent | None) -> None:
         if not waiting:
             return
         pause(timing.SUPERVISE_POLL, deadline=until)
-    logger.warning("%s did not see the job's end within %g s; the coordinator stops all the same",
-                   ", ".join(sorted(waiting)), timing.FINISH_LINGER.total_seconds())
+    logger.warning(
+        "%s did not see the job's end within %g s; the coordinator stops all the same",
+        ", ".join(sorted(waiting)),
+        timing.FINISH_LINGER.total_seconds(),
+    )
 
 
 def _floor_version(coord: Coordinator, spec: JobSpec) -> int | None:
@@ -285,20 +304,29 @@ def _floor_version(coord: Coordinator, spec: JobSpec) -> int | None:
         return None
     for first in range(latest.value, spec.first_step - 1, -_FLOOR_LOOKUP):  # newest first, a slice of steps at a time
         steps = range(first, max(first - _FLOOR_LOOKUP, spec.first_step - 1), -1)
-        for step, version in zip(steps, coord.store.get_many([keys.floor_version(s) for s in steps])):
+        for step, version in zip(steps, coord.store.get_many([keys.floor_version(s) for s in steps]), strict=False):
             if version is None:
                 continue
             problem = check_version(version)
             if problem is None:
                 coord.store.put(keys.floor_latest(), Number(value=step))
                 return step
-            print(f"\nreplica: WARNING the durable floor's version of step {step} is not usable ({problem}): "
-                  "trying the one before it", flush=True)
+            print(
+                f"\nreplica: WARNING the durable floor's version of step {step} is not usable ({problem}): "
+                "trying the one before it",
+                flush=True,
+            )
     return None
 
 
-def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobSpec,
-         replacing: ReplacementWatch, spares: SparePool | None = None) -> str | None:
+def _act(
+    coord: Coordinator,
+    decision: Decision,
+    agent: Agent | None,
+    spec: JobSpec,
+    replacing: ReplacementWatch,
+    spares: SparePool | None = None,
+) -> str | None:
     if decision.kind == DecisionKind.FAILED:
         exported = _export(coord, spec.export_dir) if decision.state_lost and spec.export_dir is not None else ""
         return f"the job failed: {decision.reason}{exported}"
@@ -308,8 +336,11 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobS
         replaced = agent is not None and agent.replace_rollout(decision.rank)
         if replaced:
             coord.rollout_replacement_started(decision.rank)
-        print(f"\nreplica: {decision.dead} is dead ({decision.reason}); training goes on without it"
-              + ("; a replacement is starting" if replaced else ""), flush=True)
+        print(
+            f"\nreplica: {decision.dead} is dead ({decision.reason}); training goes on without it"
+            + ("; a replacement is starting" if replaced else ""),
+            flush=True,
+        )
         return None
     what = "promoted its standby" if decision.kind == DecisionKind.PROMOTED else "training goes on"
     print(f"\nreplica: {decision.dead} is dead ({decision.reason}); {what}", flush=True)
@@ -320,18 +351,30 @@ def _act(coord: Coordinator, decision: Decision, agent: Agent | None, spec: JobS
     if go_on:  # before the new standby can join and protect the rank again
         coord.set_unprotected(decision.rank, until_standby_joins=True)
     if spare is not None:
-        print(f"replica: spare {spare} is rank {decision.rank}'s new standby; the rank is unprotected until it "
-              "holds the rank's state, and training goes on meanwhile", flush=True)
+        print(
+            f"replica: spare {spare} is rank {decision.rank}'s new standby; the rank is unprotected until it "
+            "holds the rank's state, and training goes on meanwhile",
+            flush=True,
+        )
     elif agent is not None and agent.replace_standby(decision.rank):
-        print(f"replica: rank {decision.rank} is unprotected until its new standby is up; "
-              + ("training goes on meanwhile" + (", backed by the durable floor" if spec.durable else "") if go_on else
-                 f"training waits for it (up to {timing.REPLACEMENT_WAIT.total_seconds():g} s)"), flush=True)
+        print(
+            f"replica: rank {decision.rank} is unprotected until its new standby is up; "
+            + (
+                "training goes on meanwhile" + (", backed by the durable floor" if spec.durable else "")
+                if go_on
+                else f"training waits for it (up to {timing.REPLACEMENT_WAIT.total_seconds():g} s)"
+            ),
+            flush=True,
+        )
         if not go_on:
             replacing.started(decision.rank)
     else:
         coord.set_unprotected(decision.rank)
-        print(f"replica: WARNING rank {decision.rank} is UNPROTECTED: no standby is left for it; if its trainer "
-              "dies the job fails", flush=True)
+        print(
+            f"replica: WARNING rank {decision.rank} is UNPROTECTED: no standby is left for it; if its trainer "
+            "dies the job fails",
+            flush=True,
+        )
     return None
 
 
@@ -355,14 +398,20 @@ def _export(coord: Coordinator, directory: Path) -> str:
     if failed:
         text += f"; the export of rank(s) {sorted(failed)} failed ({failed})"
     if lost:
-        text += (f"; rank(s) {lost} have no copy of it left, so `replica launch --resume {directory}` needs their "
-                 "files from elsewhere")
+        text += (
+            f"; rank(s) {lost} have no copy of it left, so `replica launch --resume {directory}` needs their "
+            "files from elsewhere"
+        )
     return text
 
 
 def _show_progress(coord: Coordinator, step: int, total: int) -> None:
-    print(f"\rreplica: step {step}/{total}  commit {coord.record.last()}  generation {coord.generation}  failovers "
-          f"{len(coord.failovers)}  unprotected {sorted(coord.unprotected) or 'none'}", end="", flush=True)
+    print(
+        f"\rreplica: step {step}/{total}  commit {coord.record.last()}  generation {coord.generation}  failovers "
+        f"{len(coord.failovers)}  unprotected {sorted(coord.unprotected) or 'none'}",
+        end="",
+        flush=True,
+    )
 
 
 def _progress(coord: Coordinator, total: int, shown: int) -> int:

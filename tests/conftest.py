@@ -40,12 +40,14 @@ def _once_per_run(tmp_path_factory, name: str, make) -> dict:
 def reference(tmp_path_factory):
     """The report of examples/train_fsdp.py run by `replica launch` without faults: every
     faulty run of that job must match its losses bit for bit. Made once per run."""
+
     def make(folder):
         folder.mkdir(exist_ok=True)
         code, report, output = launch(folder, name="reference")
         assert code == 0, output[-4000:]
         assert report["failovers"] == [] and report["last_commit"] == STEPS
         return report
+
     return _once_per_run(tmp_path_factory, "reference", make)
 
 
@@ -54,14 +56,17 @@ def rl_reference(tmp_path_factory):
     """The RL loop (examples/rl_loop.py) without faults, for the runs with faults to match
     (losses and rewards). Which engines serve which shards, and how many there are, does not
     change a single completion: it runs on one engine and no standbys (cheaper)."""
+
     def make(folder):
         folder.mkdir(exist_ok=True)
-        code, report, output = launch(folder, "--rollouts", "1", "--standbys", "0", "--steps", str(RL_STEPS),
-                                      name="reference", script=RL)
+        code, report, output = launch(
+            folder, "--rollouts", "1", "--standbys", "0", "--steps", str(RL_STEPS), name="reference", script=RL
+        )
         assert code == 0, output[-4000:]
         assert report["last_commit"] == RL_STEPS and report["failovers"] == []
         assert all(m.get("reward") for m in report["metrics_hex"]["0"])  # every step scored its rollouts
         return report
+
     return _once_per_run(tmp_path_factory, "rl-reference", make)
 
 
@@ -71,14 +76,25 @@ def fresh_seed1(tmp_path_factory):
     generates: its greedy tokens and first-token log-probabilities for the test prompts
     (tests/jobs/fresh_engine.py, in a process of its own). Every sync to those weights must
     equal it. Made once per run (an engine's start is 16 s of CPU)."""
+
     def make(folder):
         from support.vllm_engine import make_model
 
         make_model(folder / "seed1", 1)
-        done = subprocess.run([sys.executable, str(ROOT / "tests" / "jobs" / "fresh_engine.py"), str(folder / "seed1"),
-                               str(folder / "fresh.json")], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "tests" / "jobs" / "fresh_engine.py"),
+                str(folder / "seed1"),
+                str(folder / "fresh.json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads((folder / "fresh.json").read_text())
+
     return _once_per_run(tmp_path_factory, "fresh-seed1", make)
 
 
@@ -88,8 +104,12 @@ _SHARED_ETCD = "TESTS_SHARED_ETCD"
 
 
 def pytest_configure(config):
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput") and \
-            testetcd.available() and _SHARED_ETCD not in os.environ:
+    if (
+        getattr(config.option, "numprocesses", None)
+        and not hasattr(config, "workerinput")
+        and testetcd.available()
+        and _SHARED_ETCD not in os.environ
+    ):
         config._shared_etcd = EtcdCluster(addresses=["127.0.0.1"] * 3).__enter__()
         os.environ[_SHARED_ETCD] = config._shared_etcd.describe()  # the workers start after this
 
@@ -131,6 +151,7 @@ def pid_namespace():
     cannot make one. Without ``mount_proc`` the program still sees this namespace's
     /proc, so it can map this side's shared memory while this side cannot map its own:
     a refusal then shows on one side only."""
+
     def command(mount_proc: bool) -> list[str]:
         if os.geteuid() != 0:
             pytest.skip("a PID namespace of its own needs root (unshare)")
@@ -139,4 +160,5 @@ def pid_namespace():
         if probe.returncode != 0:  # a container without CAP_SYS_ADMIN
             pytest.skip(f"this machine cannot make a PID namespace: {probe.stderr.strip()}")
         return prefix
+
     return command

@@ -24,8 +24,9 @@ def _agent(index: int, domain: str = "") -> AgentInfo:
 
 
 def _member(id_: int, role: Role, rank: int, host: str, *, since: float, state=MemberState.ALIVE) -> Member:
-    return Member(id=id_, role=role, rank=rank, host=host, pid=id_, generation=0, joined_at=since, since=since,
-                  state=state)
+    return Member(
+        id=id_, role=role, rank=rank, host=host, pid=id_, generation=0, joined_at=since, since=since, state=state
+    )
 
 
 def test_the_last_placement_takes_each_roles_newest_member_a_live_one_first():
@@ -46,8 +47,13 @@ def test_the_last_placement_takes_each_roles_newest_member_a_live_one_first():
 
 
 def test_roles_stay_on_live_agents_and_the_lost_ones_go_apart_from_their_partner():
-    last = {(Role.TRAINER, 0): "h0", (Role.TRAINER, 1): "h1", (Role.STANDBY, 0): "h2", (Role.STANDBY, 1): "h3",
-            (Role.ROLLOUT, 0): "h3"}
+    last = {
+        (Role.TRAINER, 0): "h0",
+        (Role.TRAINER, 1): "h1",
+        (Role.STANDBY, 0): "h2",
+        (Role.STANDBY, 1): "h3",
+        (Role.ROLLOUT, 0): "h3",
+    }
     live = [_agent(0), _agent(2), _agent(4)]  # h1 and h3 are lost: rank 1's pair and engine 0
     placed, unplaced = place(last, live, shared_domains=False)
     where = {(p.role, p.rank): p.agent.index for p in placed}
@@ -103,8 +109,8 @@ def test_the_attempts_before_a_later_one_are_read_back_from_the_store():
     restarts, earlier = earlier_attempts(job, 2, world_size=1, steps=3, faults=[fault])
     assert restarts == [
         {"reason": "rank 0's state is lost", "faults_fired": [fault], "resumed_from_floor": 2, "lost_commit": 3},
-        {"reason": "lost again", "faults_fired": [], "resumed_from_floor": 2, "lost_commit": None}]
+        {"reason": "lost again", "faults_fired": [], "resumed_from_floor": 2, "lost_commit": None},
+    ]
     assert [e["step_end_times"]["0"] for e in earlier] == [[None, None, 9.5], [1.5, 2.5, 3.5]]  # the newest first
-    assert [e["faults"] for e in earlier] == [[{"fault": fault, "fired_at": None}],
-                                              [{"fault": fault, "fired_at": 7.0}]]
+    assert [e["faults"] for e in earlier] == [[{"fault": fault, "fired_at": None}], [{"fault": fault, "fired_at": 7.0}]]
     assert earlier_attempts(job, 0, world_size=1, steps=3, faults=[fault]) == ([], [])

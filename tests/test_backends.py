@@ -7,8 +7,8 @@ import importlib.util
 import pytest
 
 import replica
-from replica.session.backends import backend_class, choose_backend, choose_backends
 from replica.errors import TransportError
+from replica.session.backends import backend_class, choose_backend, choose_backends
 from replica.transport import Locality, MemoryKind
 
 
@@ -60,8 +60,9 @@ def test_shm_when_listed_takes_host_memory_within_the_node_only():
 def test_uninstalled_ucxx_falls_back_instead_of_failing_later(monkeypatch):
     # Neither UCX nor NIXL (the default's next choice where UCX is missing: tests/test_transport_nixl.py)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("ucxx", "nixl") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("ucxx", "nixl") else real(name, *a)
+    )
     with pytest.raises(TransportError, match="ucxx is not installed"):
         backend_class("ucx")
     assert choose_backend(config(), MemoryKind.HOST, Locality.REMOTE) == "gloo"
@@ -75,8 +76,8 @@ def test_a_shared_buffer_that_cannot_be_made_is_a_plain_one(monkeypatch, caplog)
     plain memory, with a warning (the shm backend then stages its buckets)."""
     import errno
 
-    from replica.transport.buffers import transfer_buffer
     from replica.transport import memfd
+    from replica.transport.buffers import transfer_buffer
 
     def no_memfd(nbytes, **_):
         raise OSError(errno.EMFILE, "Too many open files (injected)")

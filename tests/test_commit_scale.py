@@ -12,9 +12,9 @@ import pytest
 import torch.distributed as dist
 
 import replica.jobstore.commit as commit
-from replica.jobstore.commit import CommitRecord
 from replica.errors import CommitTimeoutError
-from replica.jobstore import Epoch, Generation, JobStore, keys
+from replica.jobstore import Generation, JobStore, keys
+from replica.jobstore.commit import CommitRecord
 from support.stores import CountingStore
 
 TOKEN = b"commit-scale-token"
@@ -126,8 +126,12 @@ def test_a_waiter_raises_a_commit_its_raiser_never_did_and_only_then(server, mon
     assert waiter.wait(1, timedelta(seconds=5)) == 1  # raised by the waiter
     # Step 2: every ack in, the raiser dead again, and the counter lowered by someone without the token.
     for r in range(n):
-        records[r].store.put(keys.ack(r, holders[r]), records[r].store.get(keys.ack(r, holders[r])).__class__(
-            rank=r, step=2, generation=epochs[r].generation, member=epochs[r].member, holder=holders[r]))
+        records[r].store.put(
+            keys.ack(r, holders[r]),
+            records[r]
+            .store.get(keys.ack(r, holders[r]))
+            .__class__(rank=r, step=2, generation=epochs[r].generation, member=epochs[r].member, holder=holders[r]),
+        )
     jobs.count(keys.ack_count(2, 0) if group >= n else keys.summary_count(2), 1)  # far below: acks still coming
     assert waiter.wait(2, timedelta(seconds=10)) == 2  # the full check every _RECHECK_FULL raised it
 
@@ -158,8 +162,9 @@ def test_a_group_whose_summarizer_died_is_raised_by_the_next_ack_or_the_full_che
         fault.setattr(CommitRecord, "_summarize", lambda self, g, t: summarized.append((g, t)) or self.last_seen())
         replacement.acknowledge(n - 1, 2, epochs[n - 1], nonce)
     assert summarized[-1] == (1, 2) and records[0].last() == 1
-    waiter = CommitRecord(JobStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T),
-                                   token=TOKEN), world_size=n)
+    waiter = CommitRecord(
+        JobStore(dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=T), token=TOKEN), world_size=n
+    )
     assert waiter.wait(2, timedelta(seconds=10)) == 2
 
 

@@ -11,12 +11,12 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
+from fsdp_job import JobShape, build_job, train_step
 
 import replica
-from fsdp_job import JobShape, build_job, train_step
-from replica.jobstore.commit import CommitRecord
 from replica.errors import CommitTimeoutError, FencedError, JobStateError
 from replica.jobstore import Commit, Epoch, Generation, Heartbeat, JobStore, keys
+from replica.jobstore.commit import CommitRecord
 from replica.roles import timing
 from replica.roles.coordinator import Coordinator, Deadlines
 from replica.roles.join import JoinRequest, post_request
@@ -104,12 +104,24 @@ def test_a_replaced_standby_neither_counts_nor_displaces_its_successor(store):
 def _forge_everything(port: int) -> None:
     """Everything a process without the token tried against the old store."""
     raw = raw_client(port)
-    for key, value in [("replica/commit", "999"), ("replica/commit", "x"), ("replica/ack/0/trainer", "999"),
-                       ("replica/generation", "7"), ("replica/failover/7", "3"), ("replica/promote/0", "7"),
-                       ("replica/fatal", "forged fatal error"), ("replica/finished", "1"), ("replica/done/0", "1"),
-                       ("replica/lost/0", "50"), ("replica/unprotected/0", "1"), ("replica/hb/1", "1000"),
-                       # the counters the coordinator reads before the keys they announce
-                       ("replica/done_count", "7"), ("replica/lost_count", "9"), ("replica/regroup_count", "3")]:
+    for key, value in [
+        ("replica/commit", "999"),
+        ("replica/commit", "x"),
+        ("replica/ack/0/trainer", "999"),
+        ("replica/generation", "7"),
+        ("replica/failover/7", "3"),
+        ("replica/promote/0", "7"),
+        ("replica/fatal", "forged fatal error"),
+        ("replica/finished", "1"),
+        ("replica/done/0", "1"),
+        ("replica/lost/0", "50"),
+        ("replica/unprotected/0", "1"),
+        ("replica/hb/1", "1000"),
+        # the counters the coordinator reads before the keys they announce
+        ("replica/done_count", "7"),
+        ("replica/lost_count", "9"),
+        ("replica/regroup_count", "3"),
+    ]:
         raw.set(key, value)
 
 
@@ -154,8 +166,16 @@ def test_a_fenced_trainer_cannot_reach_its_standby_or_commit(store):
     jobs.put(keys.generation(), Generation(number=0, trainers=(1,)))
     zombie_epoch = Epoch(generation=0, member=1)
     with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror:
-        with replica.Replicator(old.model, old.optimizer, old.extra, store=store, config=cfg, rank=0,
-                                world_size=1, epoch=lambda: zombie_epoch) as zombie:
+        with replica.Replicator(
+            old.model,
+            old.optimizer,
+            old.extra,
+            store=store,
+            config=cfg,
+            rank=0,
+            world_size=1,
+            epoch=lambda: zombie_epoch,
+        ) as zombie:
             for step in (1, 2):
                 train_step(old)
                 zombie.commit(step)
@@ -173,8 +193,16 @@ def test_a_fenced_trainer_cannot_reach_its_standby_or_commit(store):
         # Nothing of step 3 is kept (its slot held step 1, which nothing needs: the commit is 2).
         assert mirror.held_steps() == [2] and CommitRecord(jobs, world_size=1).last() == 2
         # A zombie connecting afresh is refused before it can displace anyone.
-        with replica.Replicator(new.model, new.optimizer, new.extra, store=store, config=cfg, rank=0,
-                                world_size=1, epoch=lambda: zombie_epoch) as again:
+        with replica.Replicator(
+            new.model,
+            new.optimizer,
+            new.extra,
+            store=store,
+            config=cfg,
+            rank=0,
+            world_size=1,
+            epoch=lambda: zombie_epoch,
+        ) as again:
             train_step(new)
             again.commit(3)
             with pytest.raises(FencedError):
@@ -182,8 +210,9 @@ def test_a_fenced_trainer_cannot_reach_its_standby_or_commit(store):
         assert mirror.held_steps() == [2]
         # The rank's current trainer streams and commits as usual.
         current = Epoch(generation=1, member=9)
-        with replica.Replicator(new.model, new.optimizer, new.extra, store=store, config=cfg, rank=0,
-                                world_size=1, epoch=lambda: current) as rep:
+        with replica.Replicator(
+            new.model, new.optimizer, new.extra, store=store, config=cfg, rank=0, world_size=1, epoch=lambda: current
+        ) as rep:
             train_step(new)
             rep.commit(3)
             # Step 2 is released once the commit covers 3 (its slot takes step 4 early).
@@ -193,9 +222,9 @@ def test_a_fenced_trainer_cannot_reach_its_standby_or_commit(store):
 def test_an_engine_on_a_host_whose_agent_went_silent_is_dead_at_the_trainer_deadline():
     """An engine's own deadline allows long generations (60 s); on a host whose agent has
     gone silent too (the host is lost or cut off), it is dead at the trainer deadline."""
+    from replica.jobstore import AgentInfo, Number
     from replica.roles.coordinator import DecisionKind
     from replica.roles.remote_agents import RemoteAgents
-    from replica.jobstore import AgentInfo, Number
 
     deadlines = Deadlines(trainer=timedelta(milliseconds=300), rollout=timedelta(seconds=60))
     coord = Coordinator(world_size=1, token=TOKEN, rollouts=1, deadlines=deadlines)
@@ -236,17 +265,32 @@ def test_a_replacement_goes_to_the_least_loaded_host_without_a_trainer():
     from replica.roles.remote_agents import replacement_site
 
     hosts = {"a": 0, "b": 2, "c": 1, "d": 1}  # host -> its live members
-    pick = lambda trainer_hosts: replacement_site(hosts, domain=lambda h: h,  # noqa: E731
-                                                  trainer_domains=trainer_hosts, load=hosts.get, order=lambda h: h)
+
+    def pick(trainer_hosts):
+        return replacement_site(
+            hosts,
+            domain=lambda h: h,
+            trainer_domains=trainer_hosts,
+            load=hosts.get,
+            order=lambda h: h,
+        )
+
     assert pick(set()) == "a"
     assert pick({"a"}) == "c"  # c and d are as loaded: the first in order
     assert pick({"a", "c", "d"}) == "b"
     assert pick(set(hosts)) is None  # every host runs a trainer: nowhere
     # Hosts in racks: a trainer in rack 1 rules out every host of rack 1, however idle.
     rack = {"a": "rack1", "b": "rack2", "c": "rack1", "d": "rack2"}
-    in_racks = lambda trainer_racks: replacement_site(hosts, domain=rack.get,  # noqa: E731
-                                                      trainer_domains=trainer_racks, load=hosts.get,
-                                                      order=lambda h: h)
+
+    def in_racks(trainer_racks):
+        return replacement_site(
+            hosts,
+            domain=rack.get,
+            trainer_domains=trainer_racks,
+            load=hosts.get,
+            order=lambda h: h,
+        )
+
     assert in_racks({"rack1"}) == "d"
     assert in_racks({"rack1", "rack2"}) is None
 
@@ -256,14 +300,17 @@ def test_a_replacement_standby_is_ordered_to_an_agent_outside_its_trainers_domai
     --domain`): the coordinator's agents place a new standby on a host of another domain,
     even when a host of the trainer's own domain is idle. A join that names no domain is
     in its host's."""
-    from replica.roles.remote_agents import RemoteAgents
     from replica.jobstore import AgentInfo, Number, OrderKind
+    from replica.roles.remote_agents import RemoteAgents
 
     coord = Coordinator(world_size=2, token=TOKEN, deadlines=Deadlines(trainer=timedelta(seconds=60)))
     jobs = JobStore(raw_client(coord.port), token=TOKEN)
     for rank, (host, domain) in enumerate((("h1", "rack1"), ("h4", ""))):
-        seq = post_request(jobs, JoinRequest(role="trainer", rank=rank, host=host, pid=100 + rank, nonce=f"d{rank}",
-                                             domain=domain), TOKEN)
+        seq = post_request(
+            jobs,
+            JoinRequest(role="trainer", rank=rank, host=host, pid=100 + rank, nonce=f"d{rank}", domain=domain),
+            TOKEN,
+        )
         coord.poll()
         assert jobs.get(keys.join_reply(seq)).admitted
     assert [(m["host"], m["domain"]) for m in coord.membership()] == [("h1", "rack1"), ("h4", "h4")]

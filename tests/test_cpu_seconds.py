@@ -31,8 +31,13 @@ def test_counts_every_thread_of_this_process():
 
 
 def test_another_process_at_fine_resolution_then_gone():
-    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\n"
-                              "while time.process_time() < end: pass\ntime.sleep(60)"])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nend = time.process_time() + 0.3\nwhile time.process_time() < end: pass\ntime.sleep(60)",
+        ]
+    )
     try:
         meter = cpu_since(child.pid)
         deadline = Deadline.after(timedelta(seconds=60))

@@ -14,9 +14,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import replica
+from replica.errors import ReplicaError
 from replica.state import serialize
 from replica.state.data import Batches, prepare_extras
-from replica.errors import ReplicaError
 
 
 class Augmented(Dataset):
@@ -83,7 +83,7 @@ def test_a_restored_run_takes_the_batches_of_the_uninterrupted_one(kind, rng_fir
         next(restored)
     state = serialize.decode(mirrored)
     order = [("rng", replica.RNGState()), ("train", restored)]
-    for name, obj in (order if rng_first else order[::-1]):
+    for name, obj in order if rng_first else order[::-1]:
         obj.load_state_dict(state[name])
     assert restored.restores == 1
     for step in range(cut + 1, total + 1):

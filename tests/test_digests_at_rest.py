@@ -8,7 +8,6 @@ flip really changed what the digest sees."""
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
 
 import pytest
@@ -55,8 +54,9 @@ def commit_steps(j, rep: replica.Replicator, steps: int) -> None:
 
 
 def test_digests_are_the_wire_digests_and_capture_drops_them():
-    layout = replica.StateLayout.of(job().model, None, world_size=1, rank=0, extras_capacity=1 << 10,
-                                    bucket_bytes=4 << 10)
+    layout = replica.StateLayout.of(
+        job().model, None, world_size=1, rank=0, extras_capacity=1 << 10, bucket_bytes=4 << 10
+    )
     snapshot = Snapshot(layout)
     snapshot.buffer.copy_(torch.randint(0, 256, snapshot.buffer.shape, dtype=torch.uint8))
     ranges = layout.buckets()
@@ -206,8 +206,10 @@ def _trainer(pipe, port: int, cfg: replica.Config) -> None:
 
 def test_the_scrub_finds_a_flip_and_the_trainer_repairs_it(store):
     cfg = config(scrub_interval=timedelta(seconds=0.2))
-    with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
-            spawn(_trainer, store.port, cfg, name="trainer") as trainer:
+    with (
+        replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror,
+        spawn(_trainer, store.port, cfg, name="trainer") as trainer,
+    ):
         kind, at_three = trainer.recv(120)
         assert kind == "committed"
         slot = committed_slot(mirror, 3)
@@ -260,8 +262,7 @@ def test_an_export_written_before_offset_keyed_digests_is_still_checked(tmp_path
     """Exports of protocol 1 kept digests keyed from each bucket's start: load_export checks
     those, then keeps the offset-keyed ones; a changed byte is refused either way."""
     j = job()
-    layout = replica.StateLayout.of(j.model, None, world_size=1, rank=0, extras_capacity=1 << 10,
-                                    bucket_bytes=4 << 10)
+    layout = replica.StateLayout.of(j.model, None, world_size=1, rank=0, extras_capacity=1 << 10, bucket_bytes=4 << 10)
     snapshot = Snapshot(layout)
     tensors = [t for _, t in replica.state.layout.state_tensors(j.model, None)]
     snapshot.capture(tensors, b"extras", step=5, digests=True)

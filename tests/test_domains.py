@@ -7,14 +7,15 @@ import itertools
 
 import pytest
 
-from replica.roles.domains import (Layout, Scheme, exposed_after, fatal_pairs, fatal_probability, layout,
-                                   pair_apart)
+from replica.roles.domains import Layout, Scheme, exposed_after, fatal_pairs, fatal_probability, layout, pair_apart
 
 
 def _fatal_by_brute_force(placed: Layout) -> int:
     """Every pair of hosts lost together; fatal when some rank had both its halves there."""
-    return sum(any({placed.trainer[r], placed.standby[r]} <= {a, b} for r in placed.trainer)
-               for a, b in itertools.combinations(placed.hosts, 2))
+    return sum(
+        any({placed.trainer[r], placed.standby[r]} <= {a, b} for r in placed.trainer)
+        for a, b in itertools.combinations(placed.hosts, 2)
+    )
 
 
 @pytest.mark.parametrize("scheme", list(Scheme))
@@ -60,8 +61,13 @@ def _join(coord, role: str, rank: int, host: str, domain: str = "") -> object:
     from replica.jobstore import keys
     from replica.roles.join import JoinRequest, post_request
 
-    seq = post_request(coord.store, JoinRequest(role=role, rank=rank, host=host, pid=1000 + seq_of(coord),
-                                                nonce=f"{role}-{rank}-{host}", domain=domain), TOKEN)
+    seq = post_request(
+        coord.store,
+        JoinRequest(
+            role=role, rank=rank, host=host, pid=1000 + seq_of(coord), nonce=f"{role}-{rank}-{host}", domain=domain
+        ),
+        TOKEN,
+    )
     decisions = coord.poll()
     return coord.store.get(keys.join_reply(seq)), decisions
 
@@ -141,19 +147,41 @@ def test_the_commands_refuse_a_standby_beside_its_trainer_unless_allowed(tmp_pat
     from support.launch import EXAMPLE, ROOT, launch_command
 
     env = _without_allow()
-    proc = subprocess.run(launch_command(tmp_path, "--trainers", "1", steps=2), cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        launch_command(tmp_path, "--trainers", "1", steps=2),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "replica launch: error: every role of `replica launch` runs on this machine" in proc.stderr
     assert not (tmp_path / "run.json").exists()  # refused before anything started
-    agent = [sys.executable, "-m", "replica.roles.cli", "agent", "--store", "127.0.0.1:1", "--index", "0",
-             "--roles", "trainer:0,standby:1,standby:0", str(EXAMPLE)]
-    proc = subprocess.run(agent, cwd=ROOT, env={**env, envvars.TOKEN: "t"}, capture_output=True, text=True,
-                          timeout=120)
+    agent = [
+        sys.executable,
+        "-m",
+        "replica.roles.cli",
+        "agent",
+        "--store",
+        "127.0.0.1:1",
+        "--index",
+        "0",
+        "--roles",
+        "trainer:0,standby:1,standby:0",
+        str(EXAMPLE),
+    ]
+    proc = subprocess.run(agent, cwd=ROOT, env={**env, envvars.TOKEN: "t"}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "the trainer and the standby of rank 0 on one host" in proc.stderr, proc.stderr
     # Allowed by the option, the same job runs (the variable is not set).
-    proc = subprocess.run(launch_command(tmp_path, "--trainers", "1", "--allow-shared-domain", steps=2), cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        launch_command(tmp_path, "--trainers", "1", "--allow-shared-domain", steps=2),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
 
 
@@ -169,8 +197,9 @@ def test_standbys_are_paired_out_of_their_trainers_domains():
     for trainers in itertools.product("ab", repeat=3):
         for sites in itertools.product("abc", repeat=3):
             paired = pair_apart(list(trainers), list(sites))
-            possible = [p for p in itertools.permutations(range(3))
-                        if all(sites[p[r]] != trainers[r] for r in range(3))]
+            possible = [
+                p for p in itertools.permutations(range(3)) if all(sites[p[r]] != trainers[r] for r in range(3))
+            ]
             if not possible:
                 assert paired is None, (trainers, sites)
                 continue
@@ -178,4 +207,3 @@ def test_standbys_are_paired_out_of_their_trainers_domains():
             assert all(sites[paired[r]] != trainers[r] for r in range(3)), (trainers, sites, paired)
             kept = {r for r in range(3) if sites[r] != trainers[r]}
             assert all(paired[r] == r for r in kept) or not any(all(p[r] == r for r in kept) for p in possible)
-

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import threading
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -16,12 +16,12 @@ import pytest
 import torch.distributed as dist
 
 from replica.errors import EtcdError, FencedError
-from replica.jobstore.etcd import EtcdConfig, EtcdStore
 from replica.jobstore import JobStore, Text, keys
+from replica.jobstore.etcd import EtcdConfig, EtcdStore
+from replica.jobstore.stores import StoreAddress, StoreKind
 from replica.roles import election
 from replica.roles.election import Leadership
 from replica.timing import Deadline
-from replica.jobstore.stores import StoreAddress, StoreKind
 from support import etcd as testetcd
 from support.etcd import EtcdCluster
 
@@ -48,9 +48,10 @@ def test_only_the_job_user_in_its_namespace_gets_in(etcd):
     good = EtcdStore(etcd.config(namespace=f"{etcd.namespace}auth/"))
     good.set("k", b"v")
     for name, config, why in (
-            ("a wrong password", dataclasses.replace(good.config, password="not-it"), "authentication failed"),
-            ("no credentials", dataclasses.replace(good.config, user="", password=""), "user name is empty"),
-            ("another namespace", dataclasses.replace(etcd.config(), namespace="elsewhere/"), "permission denied")):
+        ("a wrong password", dataclasses.replace(good.config, password="not-it"), "authentication failed"),
+        ("no credentials", dataclasses.replace(good.config, user="", password=""), "user name is empty"),
+        ("another namespace", dataclasses.replace(etcd.config(), namespace="elsewhere/"), "permission denied"),
+    ):
         with pytest.raises(EtcdError, match=why) as caught:
             EtcdStore(config).set("k", b"forged")
         assert etcd.password not in str(caught.value) and "not-it" not in str(caught.value), name
@@ -80,8 +81,11 @@ def test_losing_the_leader_and_a_member_keeps_the_store_going(etcd_own):
 
 
 def test_a_cluster_that_does_not_answer_is_an_error_within_its_deadline(etcd):
-    gone = EtcdConfig(endpoints=(("127.0.0.1", 1), ("127.0.0.1", 2)), unreachable_after=timedelta(seconds=1),
-                      request_timeout=timedelta(milliseconds=200))
+    gone = EtcdConfig(
+        endpoints=(("127.0.0.1", 1), ("127.0.0.1", 2)),
+        unreachable_after=timedelta(seconds=1),
+        request_timeout=timedelta(milliseconds=200),
+    )
     started = time.monotonic()
     with pytest.raises(dist.DistNetworkError, match="no etcd member"):
         EtcdStore(gone).set("k", b"v")
@@ -98,8 +102,26 @@ def test_tls_when_certificates_are_given(tmp_path):
         with pytest.raises(dist.DistNetworkError):  # plain http to a member that speaks https
             EtcdStore(etcd.config(ca_file="", **fast)).set("k", b"x")
         other = tmp_path / "other-ca.crt"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(tmp_path / "k"),
-                        "-out", str(other), "-days", "1", "-subj", "/CN=another CA"], check=True, capture_output=True)
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                str(tmp_path / "k"),
+                "-out",
+                str(other),
+                "-days",
+                "1",
+                "-subj",
+                "/CN=another CA",
+            ],
+            check=True,
+            capture_output=True,
+        )
         with pytest.raises(EtcdError, match="does not verify"):
             EtcdStore(etcd.config(ca_file=str(other), **fast)).set("k", b"x")
         assert store.get("k") == b"v"
@@ -118,8 +140,13 @@ def test_a_fenced_store_writes_only_while_its_fence_holds(etcd):
     fenced.multi_set(["m1", "m2"], [b"1", b"2"])
     assert fenced.delete_key("m2")
     store.set("claim", b"someone else's")
-    for write in (lambda: fenced.set("a", b"2"), lambda: fenced.add("n", 1), lambda: fenced.delete_key("a"),
-                  lambda: fenced.compare_set("c", b"x", b"y"), lambda: fenced.multi_set(["m1"], [b"9"])):
+    for write in (
+        lambda: fenced.set("a", b"2"),
+        lambda: fenced.add("n", 1),
+        lambda: fenced.delete_key("a"),
+        lambda: fenced.compare_set("c", b"x", b"y"),
+        lambda: fenced.multi_set(["m1"], [b"9"]),
+    ):
         with pytest.raises(FencedError):
             write()
     assert store.multi_get(["a", "n", "c", "m1"]) == [b"1", b"2", b"x", b"1"]  # nothing changed
@@ -169,8 +196,13 @@ time.sleep(600)
 
 def test_a_waiting_coordinator_takes_over_when_the_leader_dies(etcd):
     namespace = f"{etcd.namespace}elect2/"
-    leader = subprocess.Popen([sys.executable, "-c", _LEADER, etcd.endpoints, namespace, TOKEN.decode()],
-                              env=dict(os.environ, **etcd.environ()), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    leader = subprocess.Popen(
+        [sys.executable, "-c", _LEADER, etcd.endpoints, namespace, TOKEN.decode()],
+        env=dict(os.environ, **etcd.environ()),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert leader.stdout.readline().strip() == "leading"
         waiting = Leadership(_job(etcd, "elect2"))
@@ -204,17 +236,39 @@ def test_a_launcher_keeps_its_job_in_etcd_and_never_shares_a_namespace(etcd, mon
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("REPLICA_TOKEN", TOKEN.decode())
     store = f"etcd://{etcd.endpoints}/{etcd.namespace}launch1/"
-    common = dict(trainers=2, rollouts=0, deadlines=Deadlines(), host="127.0.0.1", inject="", steps=3,
-                  mirror_device="model", export_dir=tmp_path)
+    common = dict(
+        trainers=2,
+        rollouts=0,
+        deadlines=Deadlines(),
+        host="127.0.0.1",
+        inject="",
+        steps=3,
+        mirror_device="model",
+        export_dir=tmp_path,
+    )
     coord, env, leadership = open_job(store=store, **common)
     try:
         assert leadership.leading() and coord.address == env["REPLICA_STORE"] == str(StoreAddress.parse(store))
         assert _job(etcd, "launch1").get(keys.generation()) is not None  # the job's state is in etcd
         with pytest.raises(JobStoreInUseError, match="holds a job already"):
             open_job(store=store, **common)
-        proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--store", store, "--steps", "2",
-                               str(ROOT / "examples" / "train_fsdp.py")], cwd=ROOT, capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "replica.roles.cli",
+                "launch",
+                "--store",
+                store,
+                "--steps",
+                "2",
+                str(ROOT / "examples" / "train_fsdp.py"),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2 and "holds a job already" in proc.stdout, proc.stdout[-2000:] + proc.stderr
         assert etcd.password not in proc.stdout + proc.stderr
     finally:
@@ -288,6 +342,7 @@ def test_a_wait_goes_on_when_the_member_it_watches_on_dies(etcd_own):
     (member,) = [m for m in etcd.members if m.endpoint == watched]
     member.kill()
     try:
+
         def write_once_watched_again() -> None:
             deadline = Deadline.after(timedelta(seconds=30))
             while len(opened) < 2 and not deadline.expired:

@@ -16,8 +16,11 @@ import pytest
 from replica.jobstore.etcdwatch import WatchBroken, WatchStream
 from replica.timing import Deadline
 
-MESSAGES = [{"result": {"created": True}}, {"result": {"events": [{"kv": {"key": "aw==", "value": "dg=="}}]}},
-            {"result": {"events": [{"type": "DELETE", "kv": {"key": "aw=="}}]}}]
+MESSAGES = [
+    {"result": {"created": True}},
+    {"result": {"events": [{"kv": {"key": "aw==", "value": "dg=="}}]}},
+    {"result": {"events": [{"type": "DELETE", "kv": {"key": "aw=="}}]}},
+]
 
 
 def _serve(pieces: list[bytes | float], *, head: bytes = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"):
@@ -51,7 +54,7 @@ def _serve(pieces: list[bytes | float], *, head: bytes = b"HTTP/1.1 200 OK\r\nTr
 def _chunked(payload: bytes, sizes: list[int]) -> bytes:
     out, at = b"", 0
     for size in sizes:
-        out += f"{size:x}\r\n".encode() + payload[at:at + size] + b"\r\n"
+        out += f"{size:x}\r\n".encode() + payload[at : at + size] + b"\r\n"
         at += size
     assert at == len(payload)
     return out
@@ -62,14 +65,22 @@ def test_messages_come_whole_however_the_bytes_are_cut():
     wire = _chunked(payload, [5, 40, 1, len(payload) - 46])
     pieces: list[bytes | float] = [wire[:3], 0.3, wire[3:50], wire[50:51], 0.3, wire[51:]]
     endpoint, got = _serve(pieces)
-    stream = WatchStream(endpoint, "/v3/watch", {"create_request": {"key": "aw=="}},
-                         headers={"Authorization": "tok"}, ssl_context=None, timeout=timedelta(seconds=5))
+    stream = WatchStream(
+        endpoint,
+        "/v3/watch",
+        {"create_request": {"key": "aw=="}},
+        headers={"Authorization": "tok"},
+        ssl_context=None,
+        timeout=timedelta(seconds=5),
+    )
     try:
         out: list[dict] = []
         timed_out = 0
         deadline = Deadline.after(timedelta(seconds=20))
         while len(out) < len(MESSAGES) and not deadline.expired:
-            message = stream.next(Deadline.after(timedelta(milliseconds=50)))  # shorter than the pauses: reads run out, lose nothing
+            message = stream.next(
+                Deadline.after(timedelta(milliseconds=50))
+            )  # shorter than the pauses: reads run out, lose nothing
             if message is None:
                 timed_out += 1
             else:
@@ -88,9 +99,11 @@ def test_a_refused_ended_or_garbled_watch_is_broken():
     endpoint, _ = _serve([], head=b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 0\r\n\r\n")
     with pytest.raises(WatchBroken, match="refused"):
         WatchStream(endpoint, "/v3/watch", {}, headers={}, ssl_context=None, timeout=timedelta(seconds=5))
-    for wire, why in ((_chunked(b'{"result": {}}\n', [15]) + b"0\r\n\r\n", "ended"),
-                      (b"zz\r\nnot hex\r\n", "chunk size"),
-                      (_chunked(b"not json\n", [9]), "not a watch message")):
+    for wire, why in (
+        (_chunked(b'{"result": {}}\n', [15]) + b"0\r\n\r\n", "ended"),
+        (b"zz\r\nnot hex\r\n", "chunk size"),
+        (_chunked(b"not json\n", [9]), "not a watch message"),
+    ):
         endpoint, _ = _serve([wire, 5.0])
         stream = WatchStream(endpoint, "/v3/watch", {}, headers={}, ssl_context=None, timeout=timedelta(seconds=5))
         with pytest.raises(WatchBroken, match=why):

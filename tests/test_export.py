@@ -22,7 +22,15 @@ import torch
 
 import replica
 from replica.errors import ReplicaError, SnapshotCorruptedError
-from replica.state.export import DCP_SHARDING_INFO, EXTRAS_KEY, export_path, load_export, resumable, step_folder, write_export
+from replica.state.export import (
+    DCP_SHARDING_INFO,
+    EXTRAS_KEY,
+    export_path,
+    load_export,
+    resumable,
+    step_folder,
+    write_export,
+)
 from replica.state.layout import StateLayout, dtype_of, state_tensors
 from replica.state.serialize import encode
 from replica.state.snapshot import Snapshot, collect_extras
@@ -36,20 +44,34 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 def write_old_format(snapshot: Snapshot, path: Path) -> Path:
     """The hand-written writer replica used before the safetensors package (kept verbatim
     but for the atomic rename): the tensors in layout order, then the extras."""
-    codes = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-             "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32",
-             "int16": "I16", "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8",
-             "bool": "BOOL"}
+    codes = {
+        "float64": "F64",
+        "float32": "F32",
+        "float16": "F16",
+        "bfloat16": "BF16",
+        "float8_e4m3fn": "F8_E4M3",
+        "float8_e5m2": "F8_E5M2",
+        "int64": "I64",
+        "int32": "I32",
+        "int16": "I16",
+        "int8": "I8",
+        "uint64": "U64",
+        "uint32": "U32",
+        "uint16": "U16",
+        "uint8": "U8",
+        "bool": "BOOL",
+    }
     layout, buffer, extras = snapshot.layout, snapshot.buffer.cpu(), snapshot.extras()
-    header: dict = {"__metadata__": {"format": "pt", "replica.state.layout": layout.to_json(),
-                                     "replica.step": str(snapshot.step)}}
+    header: dict = {
+        "__metadata__": {"format": "pt", "replica.state.layout": layout.to_json(), "replica.step": str(snapshot.step)}
+    }
     if snapshot.digests is not None:
         header["__metadata__"]["replica.digests"] = json.dumps(snapshot.digests)
         header["__metadata__"]["replica.digests_keyed"] = "offset"
     pieces, end = [], 0
     for e in layout.entries:
         header[e.name] = {"dtype": codes[e.dtype], "shape": list(e.shape), "data_offsets": [end, end + e.nbytes]}
-        pieces.append(buffer[e.offset:e.offset + e.nbytes])
+        pieces.append(buffer[e.offset : e.offset + e.nbytes])
         end += e.nbytes
     header[EXTRAS_KEY] = {"dtype": "U8", "shape": [len(extras)], "data_offsets": [end, end + len(extras)]}
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -80,8 +102,23 @@ def _special(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Ten
     return t.reshape(shape)
 
 
-ALL_DTYPES = ["float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int64", "int32",
-              "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool"]
+ALL_DTYPES = [
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint64",
+    "uint32",
+    "uint16",
+    "uint8",
+    "bool",
+]
 
 
 def state(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -105,10 +142,16 @@ def state(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     return tensors
 
 
-def snapshot_of(tensors, extras: bytes = b"extras \x00\xff", *, step: int = 9, digests: bool = True,
-                rank: int = 0, world_size: int = 1) -> Snapshot:
-    layout = StateLayout.build(tensors, world_size=world_size, rank=rank, extras_capacity=1 << 10,
-                               bucket_bytes=1 << 10)
+def snapshot_of(
+    tensors,
+    extras: bytes = b"extras \x00\xff",
+    *,
+    step: int = 9,
+    digests: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Snapshot:
+    layout = StateLayout.build(tensors, world_size=world_size, rank=rank, extras_capacity=1 << 10, bucket_bytes=1 << 10)
     snapshot = Snapshot(layout)
     snapshot.capture([t for _, t in tensors], extras, step=step, digests=digests)
     return snapshot
@@ -116,7 +159,7 @@ def snapshot_of(tensors, extras: bytes = b"extras \x00\xff", *, step: int = 9, d
 
 def assert_same(loaded: Snapshot, tensors, extras: bytes) -> None:
     for e, (name, t) in zip(loaded.layout.entries, tensors, strict=True):
-        got = loaded.buffer[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+        got = loaded.buffer[e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
         assert e.name == name and got.dtype == t.dtype and got.shape == t.shape, name
         assert torch.equal(bits(got), bits(t)), name
     assert loaded.extras() == extras
@@ -167,7 +210,7 @@ def test_a_file_of_the_hand_written_writer_still_loads(tmp_path):
         # (the new one also says where its shards lie, for torch.distributed.checkpoint)
         assert a.metadata() == {k: v for k, v in b.metadata().items() if k != DCP_SHARDING_INFO}
         assert sorted(a.keys()) == sorted(b.keys())
-        assert all(torch.equal(bits(a.get_tensor(k)), bits(b.get_tensor(k))) for k in a.keys())
+        assert all(torch.equal(bits(a.get_tensor(k)), bits(b.get_tensor(k))) for k in a.keys())  # noqa: SIM118 - safe_open handles
     # ... and the old file's corruption is found as before.
     data = bytearray(old.read_bytes())
     data[-50] ^= 0x01
@@ -182,15 +225,19 @@ def _damaged(tmp_path: Path, change) -> Path:
     return path
 
 
-@pytest.mark.parametrize("change", [
-    lambda d: d[:-7],  # truncated body
-    lambda d: d[:len(d) // 3],  # truncated in the header
-    lambda d: d[:5],  # not even a header length
-    lambda d: b"",
-    lambda d: d + b"\x00" * 8,  # grown
-    lambda d: struct.pack("<Q", 1 << 40) + d[8:],  # a header length past the file
-    lambda d: d[:8] + b"[" + d[9:],  # a header that is not JSON
-], ids=["body", "header", "length", "empty", "grown", "length-too-big", "not-json"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: d[:-7],  # truncated body
+        lambda d: d[: len(d) // 3],  # truncated in the header
+        lambda d: d[:5],  # not even a header length
+        lambda d: b"",
+        lambda d: d + b"\x00" * 8,  # grown
+        lambda d: struct.pack("<Q", 1 << 40) + d[8:],  # a header length past the file
+        lambda d: d[:8] + b"[" + d[9:],  # a header that is not JSON
+    ],
+    ids=["body", "header", "length", "empty", "grown", "length-too-big", "not-json"],
+)
 def test_an_unreadable_file_is_a_replica_error(tmp_path, change):
     path = _damaged(tmp_path, change)
     with pytest.raises(ReplicaError, match="not a readable safetensors file") as caught:
@@ -201,7 +248,7 @@ def test_an_unreadable_file_is_a_replica_error(tmp_path, change):
 
 
 def test_a_changed_byte_is_snapshot_corruption(tmp_path):
-    path = _damaged(tmp_path, lambda d: d[:len(d) - 100] + bytes([d[len(d) - 100] ^ 0x20]) + d[len(d) - 99:])
+    path = _damaged(tmp_path, lambda d: d[: len(d) - 100] + bytes([d[len(d) - 100] ^ 0x20]) + d[len(d) - 99 :])
     with pytest.raises(SnapshotCorruptedError, match="step 9") as caught:
         load_export(path)
     assert caught.value.rank == 0 and caught.value.step == 9 and caught.value.buckets
@@ -282,13 +329,15 @@ def test_an_export_restores_a_model_and_optimizer(tmp_path):
     model, optimizer = make(0)
     layout = StateLayout.of(model, optimizer, world_size=1, rank=0, extras_capacity=1 << 12, bucket_bytes=1 << 10)
     snapshot = Snapshot(layout)
-    snapshot.capture([t for _, t in state_tensors(model, optimizer)], encode(collect_extras(optimizer, {})),
-                     step=4, digests=True)
+    snapshot.capture(
+        [t for _, t in state_tensors(model, optimizer)], encode(collect_extras(optimizer, {})), step=4, digests=True
+    )
     path = write_export(snapshot, tmp_path / "rank00000.safetensors")
     loaded = load_export(path)
     assert_safe_open_reads(path, loaded)
     fresh, fresh_optimizer = make(1)
     replica.restore_snapshot(loaded, fresh, fresh_optimizer, {}, rank=0, world_size=1)
-    for (name, want), (_, got) in zip(state_tensors(model, optimizer), state_tensors(fresh, fresh_optimizer),
-                                      strict=True):
+    for (name, want), (_, got) in zip(
+        state_tensors(model, optimizer), state_tensors(fresh, fresh_optimizer), strict=True
+    ):
         assert torch.equal(bits(got), bits(want)), name

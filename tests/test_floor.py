@@ -15,17 +15,16 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-
-from replica.errors import ReplicaError
 import torch.distributed as dist
 
+from replica.errors import ReplicaError
 from replica.jobstore import FloorVersion, JobStore, keys
+from replica.jobstore.commit import CommitRecord
+from replica.jobstore.etcd import EtcdStore
 from replica.mirror.floor import MANIFEST, FloorConfig, drop_half_written, manifest_file, verify_manifest_file
 from replica.roles.env import PHASES
 from replica.roles.report import compare_reports
 from replica.state.export import export_path, load_export, load_extras, step_folder
-from replica.jobstore.etcd import EtcdStore
-from replica.jobstore.commit import CommitRecord
 from support.launch import RL, RL_STEPS, STEPS, launch
 from support.ports import free_port
 from support.vllm_engine import vllm_available
@@ -45,8 +44,15 @@ def test_floor_settings_are_checked():
 
 
 def test_a_manifest_file_is_signed_with_the_jobs_token():
-    version = FloorVersion(step=6, directory="/d", files=("step00000006/rank00000.safetensors",), nbytes=(10,),
-                           digests=(123,), fingerprints=("f",), written_at=1.0)
+    version = FloorVersion(
+        step=6,
+        directory="/d",
+        files=("step00000006/rank00000.safetensors",),
+        nbytes=(10,),
+        digests=(123,),
+        fingerprints=("f",),
+        written_at=1.0,
+    )
     data = manifest_file(version, b"key")
     assert verify_manifest_file(data, b"key")["step"] == 6
     with pytest.raises(ReplicaError, match="signature does not match"):
@@ -61,16 +67,22 @@ def test_the_standby_that_completes_a_version_drops_every_ranks_half_written_old
     """Version 6 was left half-written (rank 0's standby died before its part) and rank 1's
     standby closed before version 9 completed, its part of 6 still there: the standby whose part
     completes 9 deletes it. Complete versions, newer ones and what is not a part stay."""
-    store = JobStore(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=30)), token=TOKEN.encode())
+    store = JobStore(
+        dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)),
+        token=TOKEN.encode(),
+    )
     for step, ranks in ((3, (0, 1)), (6, (1,)), (9, (0, 1)), (12, (1,))):
         for rank in ranks:
             export_path(step_folder(tmp_path, step), rank).parent.mkdir(exist_ok=True)
             export_path(step_folder(tmp_path, step), rank).write_bytes(b"part")
     (tmp_path / "notes.txt").write_text("the user's")
     for step in (3, 9):
-        store.put(keys.floor_version(step), FloorVersion(step=step, directory=str(tmp_path), files=(), nbytes=(),
-                                                         digests=(), fingerprints=(), written_at=1.0))
+        store.put(
+            keys.floor_version(step),
+            FloorVersion(
+                step=step, directory=str(tmp_path), files=(), nbytes=(), digests=(), fingerprints=(), written_at=1.0
+            ),
+        )
     assert drop_half_written(tmp_path, 9, store) == [6]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "step00000003", "step00000009", "step00000012"]
     assert drop_half_written(tmp_path, 9, store) == []  # nothing more to drop
@@ -86,8 +98,9 @@ def test_versions_are_complete_the_newest_two_kept_and_a_resume_from_one_is_bit_
     computes the steps after it exactly as the first did."""
     floor = tmp_path / "floor"
     env = {"REPLICA_TOKEN": TOKEN}
-    code, report, output = launch(tmp_path, "--durable", str(floor), "--durable-every", "3", "--durable-interval",
-                                  "0", steps=STEPS, env=env)
+    code, report, output = launch(
+        tmp_path, "--durable", str(floor), "--durable-every", "3", "--durable-interval", "0", steps=STEPS, env=env
+    )
     assert code == 0, output[-4000:]
     # A standby writes one version at a time and skips one that comes meanwhile (by design): under
     # load the write of 3 may outlast three steps, and 6 is skipped.
@@ -113,8 +126,9 @@ def test_versions_are_complete_the_newest_two_kept_and_a_resume_from_one_is_bit_
     extras = load_extras(export_path(step_folder(floor, newest), 1))  # what the tensors leave out, decoded
     assert sorted(extras["extra"]) == ["loader", "rng", "scheduler"], sorted(extras["extra"])
     assert extras["extra"]["scheduler"]["last_epoch"] == newest and extras["param_groups"][0]["weight_decay"] == 0.1
-    code, resumed, output = launch(tmp_path, "--resume", str(step_folder(floor, older)), name="resumed",
-                                   steps=STEPS, env=env)
+    code, resumed, output = launch(
+        tmp_path, "--resume", str(step_folder(floor, older)), name="resumed", steps=STEPS, env=env
+    )
     assert code == 0, output[-4000:]
     for rank in ("0", "1"):
         assert resumed["losses_hex"][rank][older:] == report["losses_hex"][rank][older:], rank
@@ -130,9 +144,18 @@ def test_a_killed_standbys_half_written_version_is_never_complete(tmp_path):
     and 8, below gloo's 10 s timeout, to leave the replacement time to come before the job ends:
     on a loaded machine 6 s were not enough to start it, build its model and send it the state)."""
     floor = tmp_path / "floor"
-    code, report, output = launch(tmp_path, "--durable", str(floor), "--durable-every", "3", "--durable-interval",
-                                  "0", "--inject", "kill:standby:0@6,stall:trainer:0@7:8,stall:trainer:0@8:8",
-                                  steps=STEPS)
+    code, report, output = launch(
+        tmp_path,
+        "--durable",
+        str(floor),
+        "--durable-every",
+        "3",
+        "--durable-interval",
+        "0",
+        "--inject",
+        "kill:standby:0@6,stall:trainer:0@7:8,stall:trainer:0@8:8",
+        steps=STEPS,
+    )
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
     assert report["standbys_replaced"], "the standby was not replaced"
@@ -151,10 +174,23 @@ def test_a_killed_standbys_half_written_version_is_never_complete(tmp_path):
 def read_with_dcp(tmp_path: Path, folder: Path, world: int) -> list[dict]:
     """Each rank's findings of tests/jobs/dcp_read.py reading ``folder`` at ``world`` ranks."""
     outs = [tmp_path / f"dcp-{world}-{rank}.json" for rank in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(DCP_READ), str(folder), str(world), str(rank),
-                               str(tmp_path / f"dcp-init-{world}"), str(out)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank, out in enumerate(outs)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(DCP_READ),
+                str(folder),
+                str(world),
+                str(rank),
+                str(tmp_path / f"dcp-init-{world}"),
+                str(out),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank, out in enumerate(outs)
+    ]
     for proc in procs:
         output = proc.communicate(timeout=180)[0]
         assert proc.returncode == 0, output[-4000:]
@@ -179,8 +215,9 @@ def test_a_floor_that_cannot_be_written_is_warned_once_and_the_job_goes_on(tmp_p
     standby warns once, the failed parts are counted in the report, no version is complete,
     and the job ends as it would without a floor."""
     with _tmpfs(tmp_path / "floor", options) as floor:
-        code, report, output = launch(tmp_path, "--durable", str(floor), "--durable-every", "3",
-                                      "--durable-interval", "0", steps=STEPS)
+        code, report, output = launch(
+            tmp_path, "--durable", str(floor), "--durable-every", "3", "--durable-interval", "0", steps=STEPS
+        )
     assert code == 0, output[-4000:]
     assert report["last_commit"] == STEPS
     assert report["floor"]["versions"] == [] and report["floor"]["errors"] >= 4, report["floor"]  # 3 versions x 2
@@ -191,8 +228,9 @@ def test_a_floor_that_cannot_be_written_is_warned_once_and_the_job_goes_on(tmp_p
 def test_a_version_at_least_every_interval(tmp_path):
     """--durable-every 0: the versions come by time, planned by rank 0's standby two commits
     ahead so that every standby still holds the step when it is committed."""
-    code, report, output = launch(tmp_path, "--durable", str(tmp_path / "floor"), "--durable-every", "0",
-                                  "--durable-interval", "0.3", steps=40)
+    code, report, output = launch(
+        tmp_path, "--durable", str(tmp_path / "floor"), "--durable-every", "0", "--durable-interval", "0.3", steps=40
+    )
     assert code == 0, output[-4000:]
     versions = report["floor"]["versions"]
     assert versions and report["floor"]["errors"] == 0, report["floor"]
@@ -209,9 +247,13 @@ def _pair_loss_cases() -> list[tuple[str, str]]:
     step, phase = random.Random().choice([(step, phase) for step in range(7, 10) for phase in PHASES])
     # (The standby, then its trainer in the backward two steps later: the rotten-version test below.)
     room = f"{STALL_FOR_VERSION_3},"
-    return [(f"{room}kill:standby:1@6,kill:trainer:1@8:optimizer",
-             "the standby while it writes version 6, then its trainer"),
-            (f"{room}kill:standby:1@{step - 2},kill:trainer:1@{step}:{phase}", "a random step and phase")]
+    return [
+        (
+            f"{room}kill:standby:1@6,kill:trainer:1@8:optimizer",
+            "the standby while it writes version 6, then its trainer",
+        ),
+        (f"{room}kill:standby:1@{step - 2},kill:trainer:1@{step}:{phase}", "a random step and phase"),
+    ]
 
 
 @pytest.mark.parametrize("inject,what", _pair_loss_cases(), ids=["mid-flush", "random"])
@@ -221,9 +263,21 @@ def test_a_trainer_lost_with_its_standby_resumes_from_the_floor_bit_identically(
     complete version and replays from there; the whole run equals the failure-free one. The
     mid-flush case hosts the job store on a fixed --port: the next attempt keeps that store."""
     port = ("--port", str(free_port())) if "write" in what else ()
-    code, report, output = launch(tmp_path, "--durable", str(tmp_path / "floor"), "--durable-every", "3",
-                                  "--durable-interval", "0", "--replacements", "0", "--inject", inject, *port,
-                                  steps=STEPS)
+    code, report, output = launch(
+        tmp_path,
+        "--durable",
+        str(tmp_path / "floor"),
+        "--durable-every",
+        "3",
+        "--durable-interval",
+        "0",
+        "--replacements",
+        "0",
+        "--inject",
+        inject,
+        *port,
+        steps=STEPS,
+    )
     assert code == 0, (what, inject, output[-6000:])
     fired = [f["fault"] for f in report["faults"] if f["fired_at"] is not None]
     assert len(fired) == len(report["faults"]) == 3, (inject, report["faults"])
@@ -246,9 +300,23 @@ def test_a_rotten_part_of_the_newest_version_is_found_and_the_one_before_used(tm
     inject = "corrupt:standby:0@6,stall:trainer:0@7:2,kill:standby:1@8,kill:trainer:1@9:backward"  # (stall: as in
     # _pair_loss_cases, time for version 6 to complete)
     namespace = f"{etcd.namespace}floor-{tmp_path.name}/"
-    code, report, output = launch(tmp_path, "--durable", str(tmp_path / "floor"), "--durable-every", "3",
-                                  "--durable-interval", "0", "--replacements", "0", "--inject", inject,
-                                  "--store", f"etcd://{etcd.endpoints}/{namespace}", steps=STEPS, env={**etcd.environ(), "REPLICA_TOKEN": TOKEN})
+    code, report, output = launch(
+        tmp_path,
+        "--durable",
+        str(tmp_path / "floor"),
+        "--durable-every",
+        "3",
+        "--durable-interval",
+        "0",
+        "--replacements",
+        "0",
+        "--inject",
+        inject,
+        "--store",
+        f"etcd://{etcd.endpoints}/{namespace}",
+        steps=STEPS,
+        env={**etcd.environ(), "REPLICA_TOKEN": TOKEN},
+    )
     assert code == 0, output[-6000:]
     assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]  # the byte was flipped
     (resumed,) = [r for r in report["restarts"] if "resumed_from_floor" in r]
@@ -270,10 +338,24 @@ def test_the_rl_loop_resumes_from_the_floor_with_the_same_rollouts(tmp_path, rl_
     the rewards equal the failure-free run's."""
     if not vllm_available():
         pytest.skip("vLLM is not installed")
-    code, report, output = launch(tmp_path, "--rollouts", "2", "--durable", str(tmp_path / "floor"),
-                                  "--durable-every", "2", "--durable-interval", "0", "--replacements", "0",
-                                  "--inject", "kill:standby:1@3,kill:trainer:1@5:backward", steps=RL_STEPS,
-                                  script=RL, timeout_s=480)
+    code, report, output = launch(
+        tmp_path,
+        "--rollouts",
+        "2",
+        "--durable",
+        str(tmp_path / "floor"),
+        "--durable-every",
+        "2",
+        "--durable-interval",
+        "0",
+        "--replacements",
+        "0",
+        "--inject",
+        "kill:standby:1@3,kill:trainer:1@5:backward",
+        steps=RL_STEPS,
+        script=RL,
+        timeout_s=480,
+    )
     assert code == 0, output[-6000:]
     assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
     (resumed,) = [r for r in report["restarts"] if "resumed_from_floor" in r]

@@ -49,15 +49,23 @@ def _receive_times(rx: socket.socket) -> list[int]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 def test_beats_go_on_while_the_process_forks():
-    store = JobStore(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=30)), token=TOKEN)
+    store = JobStore(
+        dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)),
+        token=TOKEN,
+    )
     rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     rx.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
     rx.bind(("127.0.0.1", 0))
     ballast = torch.ones(BALLAST_BYTES // 4)  # written: every page present, its page table copied at a fork
-    beat = store.heartbeat_sender(0, period=PERIOD, io_timeout=timedelta(seconds=2), python_grace=timedelta(seconds=60),
-                                  store_after=timedelta(seconds=600), liveness=rx.getsockname())
+    beat = store.heartbeat_sender(
+        0,
+        period=PERIOD,
+        io_timeout=timedelta(seconds=2),
+        python_grace=timedelta(seconds=60),
+        store_after=timedelta(seconds=600),
+        liveness=rx.getsockname(),
+    )
     try:
         time.sleep(0.2)
         forks = []
@@ -82,9 +90,12 @@ def test_beats_go_on_while_the_process_forks():
     assert long, f"no fork took {LONG_FORK_NS / 1e6:.0f} ms: {[(e - s) / 1e6 for s, e in forks]}"
     during = sum(1 for t in received for start, end in long if start < t < end)
     expected = sum(end - start for start, end in long) / (PERIOD.total_seconds() * 1e9)
-    print(f"{during} beats during {len(long)} forks of {[round((e - s) / 1e6) for s, e in long]} ms "
-          f"(due: {expected:.0f}; {beat.unsigned_beats} unsigned)")
+    print(
+        f"{during} beats during {len(long)} forks of {[round((e - s) / 1e6) for s, e in long]} ms "
+        f"(due: {expected:.0f}; {beat.unsigned_beats} unsigned)"
+    )
     # Every beat due would be `expected`; a third of them allows a loaded machine's scheduling.
     # A beat that waited for the fork sends none inside it.
-    assert during >= expected / 3, (f"{during} beats during {len(long)} forks of "
-                                    f"{[round((e - s) / 1e6) for s, e in long]} ms (due: {expected:.0f})")
+    assert during >= expected / 3, (
+        f"{during} beats during {len(long)} forks of {[round((e - s) / 1e6) for s, e in long]} ms (due: {expected:.0f})"
+    )

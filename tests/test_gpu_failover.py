@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+
 from replica.roles.report import compare_reports
 from support.launch import launch
 
@@ -29,8 +30,9 @@ LOG = {"REPLICA_LOG": "INFO"}
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    code, report, output = launch(tmp_path_factory.mktemp("gpu-reference"), *ARGS, name="reference", steps=STEPS,
-                                  script_args=GPU)
+    code, report, output = launch(
+        tmp_path_factory.mktemp("gpu-reference"), *ARGS, name="reference", steps=STEPS, script_args=GPU
+    )
     assert code == 0, output[-6000:]
     assert report["failovers"] == [] and report["last_commit"] == STEPS
     losses = [float.fromhex(h) for h in report["losses_hex"]["0"]]
@@ -48,14 +50,24 @@ def test_reference_runs_are_repeatable(tmp_path, reference):
 # On one node a mirror on the GPU streams over CUDA IPC, one in host memory over shared
 # memory (the trainer's device buckets exported, copied down by the standby), or over UCX
 # where the job says so (--backends ucx,gloo: as to a standby on another node).
-@pytest.mark.parametrize("mirror,backend,backends", [("model", "ipc", ""), ("cpu", "shm", ""),
-                                                     ("cpu", "ucx", "ucx,gloo")])
+@pytest.mark.parametrize(
+    "mirror,backend,backends", [("model", "ipc", ""), ("cpu", "shm", ""), ("cpu", "ucx", "ucx,gloo")]
+)
 def test_gpu_trainer_killed_standby_promoted(tmp_path, reference, mirror, backend, backends):
     if backend == "ucx":
         pytest.importorskip("ucxx", reason="the host mirror of a GPU model streams over UCX")
-    code, report, output = launch(tmp_path, *ARGS, "--mirror-device", mirror, *(["--backends", backends] * bool(backends)),
-                                  "--inject", f"kill:trainer:0@{KILL_AT}:backward", steps=STEPS, script_args=GPU,
-                                  env=LOG)
+    code, report, output = launch(
+        tmp_path,
+        *ARGS,
+        "--mirror-device",
+        mirror,
+        *(["--backends", backends] * bool(backends)),
+        "--inject",
+        f"kill:trainer:0@{KILL_AT}:backward",
+        steps=STEPS,
+        script_args=GPU,
+        env=LOG,
+    )
     assert code == 0, output[-6000:]
     assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]  # the kill fired
     (failover,) = report["failovers"]

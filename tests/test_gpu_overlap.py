@@ -70,8 +70,9 @@ def test_a_kernel_queued_right_after_commit_does_not_delay_the_stream(mirror):
         standby = stack.enter_context(spawn(_standby, store.port, mirror, name=f"standby-{mirror}"))
         status, backend = standby.recv(120)
         assert status == "ready" and backend == ("ipc" if mirror == "cuda" else "shm")
-        rep = stack.enter_context(replica.Replicator(model, optimizer, {}, store=store, config=_config(), rank=0,
-                                                     world_size=1))
+        rep = stack.enter_context(
+            replica.Replicator(model, optimizer, {}, store=store, config=_config(), rank=0, world_size=1)
+        )
         assert rep.config.bucket_bytes is None  # the default: sized for the device
         # Step 1: connects, maps the standby's buffers; not timed.
         _train(model, optimizer)
@@ -86,8 +87,10 @@ def test_a_kernel_queued_right_after_commit_does_not_delay_the_stream(mirror):
             slept = torch.cuda.Event()
             slept.record()
             assert rep.wait_committed() == step
-            assert not slept.query(), (f"step {step}'s stream finished only after the kernel queued behind its "
-                                       "commit: it waited for the trainer's next step")
+            assert not slept.query(), (
+                f"step {step}'s stream finished only after the kernel queued behind its "
+                "commit: it waited for the trainer's next step"
+            )
             slept.synchronize()
         conn = rep._stream._conn
         # Every bucket of every stream went the trainer's way: pushed from its process.

@@ -20,8 +20,11 @@ pytestmark = pytest.mark.gpu
 def _mixed():
     g = torch.Generator().manual_seed(3)
     host = [torch.tensor(7.0), torch.randn(5, generator=g).double(), torch.empty(0), torch.tensor(True)]
-    device = [torch.randn(1000, 3, generator=g).cuda(), torch.randint(0, 9, (17,), generator=g).cuda().to(torch.int16),
-              torch.randn(33, generator=g).cuda().bfloat16()]
+    device = [
+        torch.randn(1000, 3, generator=g).cuda(),
+        torch.randint(0, 9, (17,), generator=g).cuda().to(torch.int16),
+        torch.randn(33, generator=g).cuda().bfloat16(),
+    ]
     return [device[0], host[0], device[1], host[1], host[2], device[2], host[3]]
 
 
@@ -46,7 +49,7 @@ def test_pack_and_unpack_across_devices(where):
     targets = [torch.full_like(t, 0) if t.dtype != torch.bool else torch.zeros_like(t) for t in tensors]
     unpack_state(buffer, targets, offsets)
     torch.cuda.synchronize()
-    for t, r in zip(tensors, targets):
+    for t, r in zip(tensors, targets, strict=False):
         assert r.device == t.device and torch.equal(r.cpu(), t.cpu())
 
 

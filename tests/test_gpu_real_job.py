@@ -22,9 +22,12 @@ pytest.importorskip("transformers", reason="examples/train_hf.py builds a Huggin
 HF = ROOT / "examples" / "train_hf.py"
 STEPS = 8
 ARGS = ("--trainers", "1", "--heartbeat-deadline", "10")
-LOADERS = {"stateful": ("--loader", "stateful"), "plain-workers": ("--loader", "plain", "--workers", "2"),
-           # each decoder layer compiled; the standby compiles in its warm-up, not in the failover
-           "stateful-compiled": ("--loader", "stateful", "--compile", "layers")}
+LOADERS = {
+    "stateful": ("--loader", "stateful"),
+    "plain-workers": ("--loader", "plain", "--workers", "2"),
+    # each decoder layer compiled; the standby compiles in its warm-up, not in the failover
+    "stateful-compiled": ("--loader", "stateful", "--compile", "layers"),
+}
 
 
 @pytest.mark.parametrize("loader", list(LOADERS))
@@ -32,11 +35,18 @@ def test_a_real_job_on_the_gpu_killed_once_is_bit_identical(tmp_path, loader):
     if loader.startswith("stateful"):
         pytest.importorskip("torchdata", reason="the StatefulDataLoader is torchdata's")
     script_args = ("--device", "cuda", *LOADERS[loader])
-    code, reference, output = launch(tmp_path, *ARGS, name="reference", script=HF, steps=STEPS,
-                                     script_args=script_args)
+    code, reference, output = launch(tmp_path, *ARGS, name="reference", script=HF, steps=STEPS, script_args=script_args)
     assert code == 0, output[-6000:]
-    code, report, output = launch(tmp_path, *ARGS, "--inject", "kill:trainer:0@5:optimizer", name="run", script=HF,
-                                  steps=STEPS, script_args=script_args)
+    code, report, output = launch(
+        tmp_path,
+        *ARGS,
+        "--inject",
+        "kill:trainer:0@5:optimizer",
+        name="run",
+        script=HF,
+        steps=STEPS,
+        script_args=script_args,
+    )
     assert code == 0, output[-6000:]
     assert report["faults"][0]["fired_at"] is not None and len(report["failovers"]) == 1
     assert report["divergences"] == [], report["divergences"]

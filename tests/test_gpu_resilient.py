@@ -24,8 +24,12 @@ from support.children import spawn
 
 pytestmark = pytest.mark.gpu
 
-_NCCL_ENV = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
-             "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC")
+_NCCL_ENV = (
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC",
+)
 
 
 def _fresh_child() -> None:
@@ -36,8 +40,15 @@ def _fresh_child() -> None:
 
 
 def _group(name: str, **kw) -> ResilientProcessGroup:
-    return ResilientProcessGroup(store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30),
-                                 name=name, cuda=True, **{"nccl_timeout": timedelta(seconds=60), **kw})
+    return ResilientProcessGroup(
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=30),
+        name=name,
+        cuda=True,
+        **{"nccl_timeout": timedelta(seconds=60), **kw},
+    )
 
 
 def _spin(seconds: float) -> None:
@@ -86,7 +97,8 @@ def _generations(pipe) -> None:
         torch.cuda.current_stream().synchronize()
         report[generation] = {
             "results": [torch.equal(t, x) for t in (gathered, scattered, reduced)],
-            "check": repr(group.check()), "tracked_after_check": len(group._works),
+            "check": repr(group.check()),
+            "tracked_after_check": len(group._works),
             "has_get_error": hasattr(group._inners["cuda"], "get_error"),
         }
     report["env"] = {name: os.environ.get(name) for name in _NCCL_ENV}
@@ -176,8 +188,9 @@ def _fsdp_step(pipe) -> None:
 
     import replica
 
-    group = replica.init_resilient_process_group(store=dist.HashStore(), rank=0, world_size=1,
-                                                 timeout=timedelta(seconds=30), nccl_timeout=timedelta(seconds=60))
+    group = replica.init_resilient_process_group(
+        store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30), nccl_timeout=timedelta(seconds=60)
+    )
     seen: list[str] = []
     group.on_collective = seen.append
     torch.manual_seed(0)
@@ -213,8 +226,9 @@ def _fsdp_step(pipe) -> None:
         report["reference"].append(step(reference, opt_ref, x, y).item())
         torch.cuda.current_stream().synchronize()
         report.setdefault("checks", []).append(repr(group.check()))
-    report["max_diff"] = max((p.to_local() - r).abs().max().item()
-                             for p, r in zip(model.parameters(), reference.parameters(), strict=True))
+    report["max_diff"] = max(
+        (p.to_local() - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters(), strict=True)
+    )
     report["fsdp_collectives"] = sorted(set(seen))
     # What FSDP2 calls on its mesh's group at world size > 1 (at 1, recent FSDP2 calls nothing):
     # torch.distributed's own functions, with CUDA tensors, through the registered group.

@@ -26,15 +26,21 @@ from support.weight_engine import EngineStandIn
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = replica.Config(token=b"gpu-weights-token", bucket_bytes=8 << 10, timeout=timedelta(seconds=30),
-                        backends=("gloo",))
+CONFIG = replica.Config(
+    token=b"gpu-weights-token", bucket_bytes=8 << 10, timeout=timedelta(seconds=30), backends=("gloo",)
+)
 
 
 def make_model(device: str) -> nn.Module:
     """Mixed dtypes, tensors larger than a bucket, many buckets, sizes that leave alignment gaps."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(1000, 48), nn.Linear(48, 300), nn.LayerNorm(300), nn.Linear(300, 7),
-                          *(nn.Linear(7 if i == 0 else 40, 40) for i in range(6)))
+    model = nn.Sequential(
+        nn.Embedding(1000, 48),
+        nn.Linear(48, 300),
+        nn.LayerNorm(300),
+        nn.Linear(300, 7),
+        *(nn.Linear(7 if i == 0 else 40, 40) for i in range(6)),
+    )
     model[2].to(torch.bfloat16)
     return model.to(device)
 
@@ -51,8 +57,10 @@ def test_cuda_weights_arrive_as_the_host_path_sends_them(dtype):
     models = {"cpu": make_model("cpu"), "cuda": make_model("cuda")}
     stores = {device: dist.HashStore() for device in models}
     engines = {device: Engine(stores[device]) for device in models}
-    syncs = {device: WeightSync(models[device], store=stores[device], num_engines=1, config=CONFIG, dtype=dtype)
-             for device in models}
+    syncs = {
+        device: WeightSync(models[device], store=stores[device], num_engines=1, config=CONFIG, dtype=dtype)
+        for device in models
+    }
     try:
         num_buckets = len(syncs["cuda"]._buckets)
         assert num_buckets >= 6  # both staging slots are reused, more than once
@@ -96,8 +104,13 @@ def _fsdp_trainer(pipe, port: int) -> None:
     from torch.distributed.fsdp import fully_shard
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    group = replica.init_resilient_process_group(store=dist.PrefixStore("pg", store), rank=0, world_size=1,
-                                                 timeout=timedelta(seconds=30), nccl_timeout=timedelta(seconds=60))
+    group = replica.init_resilient_process_group(
+        store=dist.PrefixStore("pg", store),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=30),
+        nccl_timeout=timedelta(seconds=60),
+    )
     seen: list[str] = []
     group.on_collective = seen.append
     model = make_model("cuda")
@@ -110,9 +123,17 @@ def _fsdp_trainer(pipe, port: int) -> None:
     expected = {name: p.to_local().detach().cpu().clone() for name, p in model.named_parameters()}
     blob = io.BytesIO()
     torch.save(expected, blob)  # plain bytes: the pipe's tensor sharing would need this process alive
-    pipe.send({"synced": stats.engines_synced, "staged": stats.staged_buckets, "buckets": len(sync._buckets),
-               "collectives": sorted(set(seen)), "check": repr(group.check()), "expected": blob.getvalue(),
-               "dtensor": all(hasattr(p, "full_tensor") for p in model.parameters())})
+    pipe.send(
+        {
+            "synced": stats.engines_synced,
+            "staged": stats.staged_buckets,
+            "buckets": len(sync._buckets),
+            "collectives": sorted(set(seen)),
+            "check": repr(group.check()),
+            "expected": blob.getvalue(),
+            "dtensor": all(hasattr(p, "full_tensor") for p in model.parameters()),
+        }
+    )
     sync.close()
     dist.destroy_process_group()
 

@@ -42,7 +42,6 @@ from replica.transport.gloo import GlooConfig, GlooTransport
 from replica.transport.ipc import IpcConfig, IpcTransport
 from replica.transport.ucx import UcxConfig, UcxTransport
 from support.children import spawn
-
 from support.transport_contract import peer_main
 
 TOKEN = b"job-token"
@@ -366,13 +365,11 @@ def _handshake_against(side, act, **kwargs) -> BaseException | None:
 
 
 def _server(sock, token=TOKEN, timeout_s=5.0):
-    return server_handshake(sock, peer="test-client", token=token, address=b"srv", inbound_id=1,
-                            timeout_s=timeout_s)
+    return server_handshake(sock, peer="test-client", token=token, address=b"srv", inbound_id=1, timeout_s=timeout_s)
 
 
 def _client(sock, token=TOKEN, timeout_s=5.0):
-    return client_handshake(sock, peer="test-server", token=token, address=b"cli", inbound_id=2,
-                            timeout_s=timeout_s)
+    return client_handshake(sock, peer="test-server", token=token, address=b"cli", inbound_id=2, timeout_s=timeout_s)
 
 
 def _vanish_after_challenge(sock) -> None:
@@ -390,12 +387,16 @@ def _silent(sock) -> None:
     pass  # the socket stays open and mute until the handshake gave up
 
 
-@pytest.mark.parametrize("side, act, timeout_s, raises", [
-    (_server, _vanish_after_challenge, 5.0, PeerDisconnectedError),
-    (_server, _silent, 0.3, TransferTimeoutError),
-    (_client, _vanish_after_hello, 5.0, PeerDisconnectedError),  # was AuthenticationError
-    (_client, _silent, 0.3, TransferTimeoutError),
-], ids=["server-eof", "server-stall", "client-eof", "client-stall"])
+@pytest.mark.parametrize(
+    "side, act, timeout_s, raises",
+    [
+        (_server, _vanish_after_challenge, 5.0, PeerDisconnectedError),
+        (_server, _silent, 0.3, TransferTimeoutError),
+        (_client, _vanish_after_hello, 5.0, PeerDisconnectedError),  # was AuthenticationError
+        (_client, _silent, 0.3, TransferTimeoutError),
+    ],
+    ids=["server-eof", "server-stall", "client-eof", "client-stall"],
+)
 def test_handshake_eof_or_stall_is_a_retryable_transport_error(side, act, timeout_s, raises):
     exc = _handshake_against(side, act, timeout_s=timeout_s)
     assert isinstance(exc, raises) and not isinstance(exc, AuthenticationError), repr(exc)
@@ -452,8 +453,7 @@ def test_a_client_vanishing_mid_handshake_is_logged_not_raised_by_accept(backend
 
 
 def test_wrong_token_is_refused_and_raised_by_accept(log):
-    with listening(make_ipc) as (transport, address), make_ipc(b"not-the-token") as intruder, \
-            make_ipc(TOKEN) as client:
+    with listening(make_ipc) as (transport, address), make_ipc(b"not-the-token") as intruder, make_ipc(TOKEN) as client:
         with pytest.raises(AuthenticationError, match="refused"):
             intruder.connect(address, T)
         with pytest.raises(AuthenticationError, match="wrong job token"):
@@ -472,14 +472,15 @@ def test_gloo_gives_up_on_a_client_that_vanishes_after_the_handshake(log):
     timeout = timedelta(seconds=3)
     with listening(make_gloo, handshake_timeout=timeout) as (transport, address):
         with challenged(address) as (raw, nonce):
-            hello = wire.Hello(proof=wire.proof(TOKEN, nonce, b"client"), nonce=wire.new_nonce(),
-                               inbound_id=1, address=b"")
+            hello = wire.Hello(
+                proof=wire.proof(TOKEN, nonce, b"client"), nonce=wire.new_nonce(), inbound_id=1, address=b""
+            )
             raw.sendall(hello.encode())
-            welcome = wire.Welcome.decode(recv_exact(raw, wire.Welcome.fixed_size()),
-                                          lambda n: recv_exact(raw, n))
+            welcome = wire.Welcome.decode(recv_exact(raw, wire.Welcome.fixed_size()), lambda n: recv_exact(raw, n))
             assert welcome.accepted, "the hand-made client was not admitted"
-        assert eventually(lambda: "opening the data path" in log.text), \
+        assert eventually(lambda: "opening the data path" in log.text), (
             "gloo's data path outlived the handshake deadline"
+        )
         assert not transport._handshakes
 
 
@@ -522,9 +523,11 @@ class _CountingTransport(ControlledTransport):
 
 def test_failed_or_refused_handshakes_leave_no_offer_behind(log):
     config = EndpointConfig(token=TOKEN)
-    with _CountingTransport(config, fail_open=True) as server, \
-            _CountingTransport(config, fail_open=False) as client, \
-            _CountingTransport(EndpointConfig(token=b"not-the-token"), fail_open=False) as intruder:
+    with (
+        _CountingTransport(config, fail_open=True) as server,
+        _CountingTransport(config, fail_open=False) as client,
+        _CountingTransport(EndpointConfig(token=b"not-the-token"), fail_open=False) as intruder,
+    ):
         address = server.listen()
         with pytest.raises(AuthenticationError):
             intruder.connect(address, T)
@@ -544,9 +547,15 @@ def test_config_checks_the_handshake_settings():
     config = EndpointConfig(token=TOKEN)
     assert config.handshake_timeout == timedelta(seconds=10) and config.max_pending_handshakes == 64
     assert "job-token" not in repr(UcxConfig(token=TOKEN, handshake_timeout=timedelta(seconds=3)))
-    for bad in ({"handshake_timeout": timedelta(0)}, {"handshake_timeout": 5.0},
-                {"max_pending_handshakes": 0}, {"max_pending_handshakes": True},
-                {"verify_threads": -1}, {"verify_threads": True}, {"verify_threads": 2.0}):
+    for bad in (
+        {"handshake_timeout": timedelta(0)},
+        {"handshake_timeout": 5.0},
+        {"max_pending_handshakes": 0},
+        {"max_pending_handshakes": True},
+        {"verify_threads": -1},
+        {"verify_threads": True},
+        {"verify_threads": 2.0},
+    ):
         with pytest.raises(ValueError):
             EndpointConfig(token=TOKEN, **bad)
 
@@ -558,8 +567,7 @@ def test_receivers_verify_on_all_cores_but_two_unless_told():
     auto = max(1, min(8, cores - 2))
     assert resolve_verify_threads(0) == auto
     assert resolve_verify_threads(5) == 5 and resolve_verify_threads(20) == 20
-    conn = _FakeConnection(transport=None, sock=None, peer="p", memory=MemoryKind.HOST, verify=True,
-                           verify_threads=0)
+    conn = _FakeConnection(transport=None, sock=None, peer="p", memory=MemoryKind.HOST, verify=True, verify_threads=0)
     assert conn._verify_threads == auto
 
 

@@ -1,5 +1,6 @@
 """The heartbeat senders (``JobStore.heartbeat_sender``; the native one in csrc/heartbeat.cpp):
-every kind a ``HeartbeatSender``, signed exactly as the job store signs, beating while the main thread holds the GIL, stopping when the
+every kind a ``HeartbeatSender``, signed exactly as the job store signs, beating while the main
+thread holds the GIL, stopping when the
 interpreter shows no life, and saying when the store is gone. A real TCPStore, and a
 real 3-member etcd cluster with authentication (the beat speaks its HTTP gateway)."""
 
@@ -18,10 +19,9 @@ import pytest
 import torch.distributed as dist
 
 from replica import _C
-
-from replica.jobstore.etcd import EtcdStore
 from replica.errors import JobStateError
 from replica.jobstore import Heartbeat, HeartbeatSender, JobStore, ThreadHeartbeatSender, keys
+from replica.jobstore.etcd import EtcdStore
 from replica.timing import Deadline
 from support import etcd as testetcd
 from support.children import wait_for
@@ -48,11 +48,17 @@ RFC_4231 = [
     (b"Jefe", b"what do ya want for nothing?", "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"),
     (b"\xaa" * 20, b"\xdd" * 50, "773ea91e36800e46854db8ebd09181a72959098b3ef8c122d9635514ced565fe"),
     (bytes(range(1, 26)), b"\xcd" * 50, "82558a389a443c0ea4cc819899f2083a85f0faa3e578f8077a2e3ff46729665b"),
-    (b"\xaa" * 131, b"Test Using Larger Than Block-Size Key - Hash Key First",
-     "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"),
-    (b"\xaa" * 131, b"This is a test using a larger than block-size key and a larger than block-size data. The key "
-                    b"needs to be hashed before being used by the HMAC algorithm.",
-     "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2"),
+    (
+        b"\xaa" * 131,
+        b"Test Using Larger Than Block-Size Key - Hash Key First",
+        "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54",
+    ),
+    (
+        b"\xaa" * 131,
+        b"This is a test using a larger than block-size key and a larger than block-size data. The key "
+        b"needs to be hashed before being used by the HMAC algorithm.",
+        "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2",
+    ),
 ]
 
 
@@ -64,8 +70,12 @@ def test_the_native_hmac_is_hmac_sha256():
         assert hmac.new(key, message, hashlib.sha256).hexdigest() == digest  # the vector itself
         assert _C.hmac_sha256_hex(key, message) == digest
     rng = random.Random(4231)
-    cases = [(b"k" * 32, b'replica/hb/3\x00{"beat":1,"member":3}'), (b"x" * 100, b""), (b"", b"a" * 200),
-             (bytes(range(32)), bytes(range(256)) * 3)]
+    cases = [
+        (b"k" * 32, b'replica/hb/3\x00{"beat":1,"member":3}'),
+        (b"x" * 100, b""),
+        (b"", b"a" * 200),
+        (bytes(range(32)), bytes(range(256)) * 3),
+    ]
     cases += [(rng.randbytes(rng.choice([0, 1, 32, 63, 64, 65, 200])), rng.randbytes(n)) for n in range(0, 200)]
     for key, message in cases:
         assert _C.hmac_sha256_hex(key, message) == hmac.new(key, message, hashlib.sha256).hexdigest(), (key, message)
@@ -86,7 +96,7 @@ def test_one_signed_format_in_both_languages():
         assert _C.verify_value(store._mac_key, store.full(key), signed) == body
         assert store.verify(key, _C.sign_value(store._mac_key, store.full(key), body)) == value
         at = rng.randrange(len(signed))
-        tampered = signed[:at] + bytes([signed[at] ^ 1]) + signed[at + 1:]
+        tampered = signed[:at] + bytes([signed[at] ^ 1]) + signed[at + 1 :]
         assert _C.verify_value(store._mac_key, store.full(key), tampered) is None
         with pytest.raises(JobStateError):
             store.verify(key, tampered)
@@ -99,10 +109,22 @@ def test_every_kind_of_sender_is_a_heartbeat_sender(store):
     here on the same store; ``heartbeat_sender`` picks it for etcd over https, tested below)
     are ``HeartbeatSender``s: each has every member the roles use, of the type it promises."""
     members = sorted(name for name in vars(HeartbeatSender) if not name.startswith("_"))
-    assert members == ["aim", "beats", "failing_for", "generation", "last_error", "paused", "replies", "reply_age",
-                       "stop", "touch"]
-    senders = [store.heartbeat_sender(30, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30)),
-               ThreadHeartbeatSender(store.reconnect(IO), 31, period=PERIOD, python_grace=timedelta(seconds=30))]
+    assert members == [
+        "aim",
+        "beats",
+        "failing_for",
+        "generation",
+        "last_error",
+        "paused",
+        "replies",
+        "reply_age",
+        "stop",
+        "touch",
+    ]
+    senders = [
+        store.heartbeat_sender(30, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30)),
+        ThreadHeartbeatSender(store.reconnect(IO), 31, period=PERIOD, python_grace=timedelta(seconds=30)),
+    ]
     try:
         assert isinstance(senders[0], _C.NativeHeartbeatSender)
         for sender in senders:
@@ -165,8 +187,9 @@ def test_beats_stop_when_the_interpreter_shows_no_life(store):
 
 def test_a_store_gone_is_reported():
     raw = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    beat = JobStore(raw, token=TOKEN).heartbeat_sender(9, period=PERIOD, io_timeout=timedelta(milliseconds=300),
-                                                       python_grace=timedelta(seconds=30))
+    beat = JobStore(raw, token=TOKEN).heartbeat_sender(
+        9, period=PERIOD, io_timeout=timedelta(milliseconds=300), python_grace=timedelta(seconds=30)
+    )
     try:
         wait_for(lambda: beat.beats >= 2, "beats")
         assert beat.failing_for == 0.0 and beat.last_error == ""
@@ -180,11 +203,29 @@ def test_a_store_gone_is_reported():
 
 def test_bad_arguments_are_refused(store):
     with pytest.raises(RuntimeError, match="32-byte"):
-        _C.NativeHeartbeatSender(host="127.0.0.1", port=29400, key="k", mac_key=b"short", member=1, period_s=0.1,
-                                 io_timeout_s=1, python_grace_s=1)
+        _C.NativeHeartbeatSender(
+            host="127.0.0.1",
+            port=29400,
+            key="k",
+            mac_key=b"short",
+            member=1,
+            period_s=0.1,
+            io_timeout_s=1,
+            python_grace_s=1,
+        )
     with pytest.raises(RuntimeError, match="no etcd endpoint"):
-        _C.NativeHeartbeatSender.on_etcd(endpoints=[], user="", password="", key="k", store_key="k", mac_key=b"k" * 32,
-                                         member=1, period_s=0.1, io_timeout_s=1, python_grace_s=1)
+        _C.NativeHeartbeatSender.on_etcd(
+            endpoints=[],
+            user="",
+            password="",
+            key="k",
+            store_key="k",
+            mac_key=b"k" * 32,
+            member=1,
+            period_s=0.1,
+            io_timeout_s=1,
+            python_grace_s=1,
+        )
     with pytest.raises(RuntimeError, match="period must be > 0"):
         store.heartbeat_sender(1, period=timedelta(0), io_timeout=IO, python_grace=IO)
 
@@ -192,8 +233,9 @@ def test_bad_arguments_are_refused(store):
 def test_on_etcd_a_lost_member_moves_the_beat_to_another(etcd_own):
     etcd = etcd_own  # it stops members: a cluster of its own
     store = JobStore(EtcdStore(etcd.config(namespace=f"{etcd.namespace}heartbeat/")), token=TOKEN)
-    beat = store.heartbeat_sender(10, period=PERIOD, io_timeout=timedelta(milliseconds=500),
-                                  python_grace=timedelta(seconds=30))
+    beat = store.heartbeat_sender(
+        10, period=PERIOD, io_timeout=timedelta(milliseconds=500), python_grace=timedelta(seconds=30)
+    )
     assert not isinstance(beat, ThreadHeartbeatSender)  # the native beat
     first = etcd.members[0]  # the beat starts with the first member
     try:
@@ -229,12 +271,19 @@ def test_while_unanswered_the_store_takes_a_beat_each_store_period(store):
     sink.bind(("127.0.0.1", 0))
     sink.setblocking(False)
     with pytest.raises(ValueError, match="at least the period"):
-        store.heartbeat_sender(20, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30),
-                               store_period=PERIOD / 2)
+        store.heartbeat_sender(
+            20, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30), store_period=PERIOD / 2
+        )
     store_period = timedelta(milliseconds=400)
-    beat = store.heartbeat_sender(20, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30),
-                                  store_after=timedelta(milliseconds=100), store_period=store_period,
-                                  liveness=sink.getsockname())
+    beat = store.heartbeat_sender(
+        20,
+        period=PERIOD,
+        io_timeout=IO,
+        python_grace=timedelta(seconds=30),
+        store_after=timedelta(milliseconds=100),
+        store_period=store_period,
+        liveness=sink.getsockname(),
+    )
     seen, datagrams = set(), 0
     try:
         watched = Deadline.after(timedelta(seconds=2))
@@ -270,10 +319,18 @@ def test_on_etcd_the_beat_writes_with_the_tokens_of_its_store(etcd):
     raw.config = dataclasses.replace(raw.config, password="not-the-password")  # what the beat is given
     beat = store.heartbeat_sender(21, period=PERIOD, io_timeout=IO, python_grace=timedelta(seconds=30))
     config = raw.config
-    refused = _C.NativeHeartbeatSender.on_etcd(endpoints=list(config.endpoints), user=config.user,
-                                               password=config.password, key="k", store_key=config.namespace + "k",
-                                               mac_key=b"k" * 32, member=22, period_s=0.02, io_timeout_s=2,
-                                               python_grace_s=30)
+    refused = _C.NativeHeartbeatSender.on_etcd(
+        endpoints=list(config.endpoints),
+        user=config.user,
+        password=config.password,
+        key="k",
+        store_key=config.namespace + "k",
+        mac_key=b"k" * 32,
+        member=22,
+        period_s=0.02,
+        io_timeout_s=2,
+        python_grace_s=30,
+    )
     try:
         wait_for(lambda: beat.beats >= 3, "beats with the store's tokens")
         assert store.get(keys.heartbeat(21)).beat >= 3

@@ -24,8 +24,7 @@ from support.host_job import Job, python_on, reap
 from support.launch import RL_STEPS, ROOT, STEPS
 from support.vllm_engine import vllm_available
 
-pytestmark = [pytest.mark.netns,
-              pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]
 
 PEER = ROOT / "tests" / "jobs" / "ucx_peer.py"
 MiB = 1 << 20
@@ -39,14 +38,18 @@ def cluster():
 
 def reaches(src, dst, port: int, timeout_s: float = 2.0) -> bool:
     """Whether a TCP connection from ``src`` to ``dst``'s listener on ``port`` opens."""
-    code = (f"import socket\ntry:\n socket.create_connection(({dst.address!r}, {port}), timeout={timeout_s})\n"
-            f"except OSError:\n raise SystemExit(1)")
+    code = (
+        f"import socket\ntry:\n socket.create_connection(({dst.address!r}, {port}), timeout={timeout_s})\n"
+        f"except OSError:\n raise SystemExit(1)"
+    )
     return subprocess.run(src.command([sys.executable, "-c", code]), timeout=30).returncode == 0
 
 
 def listener_on(host, port: int) -> subprocess.Popen:
-    code = (f"import socket, time\ns = socket.socket(); s.bind(({host.address!r}, {port})); s.listen(16)\n"
-            "print('up', flush=True)\ntime.sleep(600)")
+    code = (
+        f"import socket, time\ns = socket.socket(); s.bind(({host.address!r}, {port})); s.listen(16)\n"
+        "print('up', flush=True)\ntime.sleep(600)"
+    )
     proc = host.popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "up"
     return proc
@@ -159,8 +162,10 @@ def test_a_trainer_host_lost_whole_fails_over_bit_identically(cluster, tmp_path,
     finally:
         job.kill()
         cluster.hosts[2].heal()
-    assert codes == {"coordinator": 0, "standby0": 0, "standby1": 0, "trainer0": 0, "trainer1": -9}, \
-        (codes, job.outputs())
+    assert codes == {"coordinator": 0, "standby0": 0, "standby1": 0, "trainer0": 0, "trainer1": -9}, (
+        codes,
+        job.outputs(),
+    )
     result = json.loads(job.report.read_text())
     (failover,) = result["failovers"]
     assert failover["rank"] == 1, failover
@@ -263,8 +268,10 @@ def test_a_partitioned_trainer_host_is_fenced_and_the_job_ends_bit_identical(clu
         codes = job.finish()
     finally:
         job.kill()
-    assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": 0, "agent4": 0}, \
-        (codes, job.outputs())
+    assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": 0, "agent4": 0}, (
+        codes,
+        job.outputs(),
+    )
     result = json.loads(job.report.read_text())
     assert all(f["fired_at"] is not None for f in result["faults"]), result["faults"]
     (failover,) = result["failovers"]
@@ -285,8 +292,7 @@ def test_a_partitioned_trainer_host_is_fenced_and_the_job_ends_bit_identical(clu
 
 
 @pytest.mark.slow  # 48 s: `make test-slow`
-def test_a_partitioned_standby_host_leaves_its_rank_unprotected_until_a_new_standby_joins(
-        cluster, tmp_path, reference):
+def test_a_partitioned_standby_host_leaves_its_rank_unprotected_until_a_new_standby_joins(cluster, tmp_path, reference):
     """Standby 1's host is cut off after step 3: its deadline passes, rank 1 trains on
     unprotected, and a new standby started on the spare host protects it again. Healed,
     the old standby finds its place taken and stops by itself. Bit-identical throughout."""
@@ -306,7 +312,12 @@ def test_a_partitioned_standby_host_leaves_its_rank_unprotected_until_a_new_stan
     assert codes["standby1"] in (ExitCode.OK, ExitCode.FENCED, ExitCode.COORDINATOR_LOST), (codes, job.outputs())
     assert "Exception in thread" not in old, old[-4000:]  # every failure was handled where it happened
     assert {k: c for k, c in codes.items() if k != "standby1"} == {
-        "coordinator": 0, "standby0": 0, "standby1-new": 0, "trainer0": 0, "trainer1": 0}, (codes, job.outputs())
+        "coordinator": 0,
+        "standby0": 0,
+        "standby1-new": 0,
+        "trainer0": 0,
+        "trainer1": 0,
+    }, (codes, job.outputs())
     result = json.loads(job.report.read_text())
     assert result["failovers"] == [], result["failovers"]
     (span,) = result["unprotected_spans"]
@@ -325,12 +336,22 @@ def test_the_active_coordinators_host_lost_with_etcd_another_takes_over(cluster,
     if not testetcd.available():
         pytest.skip("etcd is not installed (make test installs etcd-server)")
     hosts = [cluster.hosts[i] for i in (0, 3, 4)]
-    with EtcdCluster(addresses=[h.address for h in hosts], base_port=2379, spawns=[h.popen for h in hosts],
-                     via=[h.command for h in hosts]) as etcd:
+    with EtcdCluster(
+        addresses=[h.address for h in hosts],
+        base_port=2379,
+        spawns=[h.popen for h in hosts],
+        via=[h.command for h in hosts],
+    ) as etcd:
         job = Job(cluster, tmp_path, inject="kill:trainer:1@8:backward", etcd=etcd)
         lost_at, codes = job.crash_after("replica/loss/1/3", cluster.hosts[0], holding="coordinator")
-    assert codes == {"coordinator": -9, "coordinator-b": 0, "standby0": 0, "standby1": 0, "trainer0": 0,
-                     "trainer1": -9}, (codes, job.outputs())
+    assert codes == {
+        "coordinator": -9,
+        "coordinator-b": 0,
+        "standby0": 0,
+        "standby1": 0,
+        "trainer0": 0,
+        "trainer1": -9,
+    }, (codes, job.outputs())
     result = json.loads((tmp_path / "run-b.json").read_text())
     takeover = result["takeover"]
     took = takeover["at"] - lost_at
@@ -360,10 +381,15 @@ def test_a_later_attempt_is_taken_over_by_another_coordinator_on_etcd(cluster, t
     if not testetcd.available():
         pytest.skip("etcd is not installed (make test installs etcd-server)")
     hosts = [cluster.hosts[i] for i in (0, 1, 3)]
-    with EtcdCluster(addresses=[h.address for h in hosts], base_port=2379, spawns=[h.popen for h in hosts],
-                     via=[h.command for h in hosts]) as etcd:
-        job = Job(cluster, tmp_path, inject="freeze:trainer:1@8:backward", durable=tmp_path / "floor", agents=True,
-                  etcd=etcd)
+    with EtcdCluster(
+        addresses=[h.address for h in hosts],
+        base_port=2379,
+        spawns=[h.popen for h in hosts],
+        via=[h.command for h in hosts],
+    ) as etcd:
+        job = Job(
+            cluster, tmp_path, inject="freeze:trainer:1@8:backward", durable=tmp_path / "floor", agents=True, etcd=etcd
+        )
         try:
             job.lose_pair(cluster.hosts[2], cluster.hosts[4])
             _, codes = job.crash_after("replica/attempt1/loss/1/7", cluster.hosts[0], holding="coordinator")
@@ -379,7 +405,8 @@ def test_a_later_attempt_is_taken_over_by_another_coordinator_on_etcd(cluster, t
     assert resumed["resumed_from_floor"] in (3, 6) and "state is lost" in resumed["reason"], resumed
     assert resumed["faults_fired"] == ["freeze:trainer:1@8:backward"], resumed
     assert [(f["fault"], f["fired_at"] is not None) for f in result["faults"]] == [
-        ("freeze:trainer:1@8:backward", True)], result["faults"]
+        ("freeze:trainer:1@8:backward", True)
+    ], result["faults"]
     assert compare_reports(reference, result) == [], job.outputs()
     assert result["last_commit"] == STEPS
 
@@ -397,8 +424,10 @@ def test_host_agents_report_exits_and_start_replacements(cluster, tmp_path, refe
         codes = job.finish()
     finally:
         job.kill()
-    assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": -9, "agent4": 0}, \
-        (codes, job.outputs())
+    assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": -9, "agent4": 0}, (
+        codes,
+        job.outputs(),
+    )
     result = json.loads(job.report.read_text())
     first, second = result["standbys_replaced"]
     # Reported by its agent (host 3's, agent index 2) at once; on a loaded machine a standby whose
@@ -426,8 +455,14 @@ def test_host_agents_start_a_spare_where_no_trainer_runs_and_it_is_bound_after_a
     gloo's timeout: the spare's imports) and 6 and 7 (its model and the rank's state); trainer 1 is
     killed in step 4's backward: its standby is promoted and the spare becomes rank 1's new standby
     (the pool starts a new spare in its place). Bit-identical, rank 1 protected again at the end."""
-    job = Job(cluster, tmp_path, inject="stall:trainer:0@2:8,stall:trainer:0@3:8,kill:trainer:1@4:backward,"
-                                        "stall:trainer:0@6:8,stall:trainer:0@7:8", agents=True, spares=1)
+    job = Job(
+        cluster,
+        tmp_path,
+        inject="stall:trainer:0@2:8,stall:trainer:0@3:8,kill:trainer:1@4:backward,"
+        "stall:trainer:0@6:8,stall:trainer:0@7:8",
+        agents=True,
+        spares=1,
+    )
     try:
         job.wait_output("agent4", "started spare standby 0", timeout_s=120)
         codes = job.finish()
@@ -460,8 +495,10 @@ def test_a_rollout_host_lost_whole(cluster, tmp_path, rl_reference):
         codes = job.finish(timeout_s=300)
     finally:
         job.kill()
-    assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": -9, "agent4": 0}, \
-        (codes, job.outputs())
+    assert codes == {"coordinator": 0, "agent0": 0, "agent1": 0, "agent2": 0, "agent3": -9, "agent4": 0}, (
+        codes,
+        job.outputs(),
+    )
     result = json.loads(job.report.read_text())
     assert all(f["fired_at"] is not None for f in result["faults"]), result["faults"]
     assert [r["rank"] for r in result["standbys_replaced"]] == [1], result["standbys_replaced"]

@@ -25,11 +25,13 @@ from support.launch import EXAMPLE, ROOT, STEPS, TOKEN, launch, role_env, start_
 from support.ports import free_port
 from support.state import assert_safe_open_reads
 
+
 # `make test-slow` (CI's 30 minutes): `make test`'s fault matrix below kills in reduce-scatter
 # and mirror, and kills a trainer twice in a row.
 @pytest.mark.slow
-@pytest.mark.parametrize("first,second", [("forward", "backward"), ("reduce-scatter", "optimizer"),
-                                          ("commit", "mirror")])
+@pytest.mark.parametrize(
+    "first,second", [("forward", "backward"), ("reduce-scatter", "optimizer"), ("commit", "mirror")]
+)
 def test_trainers_killed_in_each_phase(tmp_path, reference, first, second):
     """Two trainers die one after the other, each in a different phase of a step
     (three runs cover the six phases): trainer 1 at step 3, then trainer 0 at step 7."""
@@ -37,7 +39,7 @@ def test_trainers_killed_in_each_phase(tmp_path, reference, first, second):
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"])  # both faults fired
     assert [f["rank"] for f in report["failovers"]] == [1, 0]
-    for failover, killed_at, phase in zip(report["failovers"], (3, 7), (first, second)):
+    for failover, killed_at, phase in zip(report["failovers"], (3, 7), (first, second), strict=False):
         # At most the step in flight is lost. Killed in `mirror` (right after commit() returned,
         # its stream in flight), the step may still be acknowledged everywhere before the kill
         # lands (seen on a loaded machine): then nothing is lost.
@@ -75,31 +77,47 @@ def test_a_survivor_dies_right_after_the_first_failover(tmp_path, reference):
 def test_fault_specs_round_trip():
     from replica.roles.env import HOST, Action, Fault, Phase, Role, parse_faults
 
-    specs = ("kill:trainer:0@4:forward:g1,stall:trainer:1@3:14:g2,kill:standby:1@3,stall:trainer:0@2,"
-             "partition:host:1@5,slow:host:0@2:12.5,kill:host:2@7,partition:host:0@3:0.5")
+    specs = (
+        "kill:trainer:0@4:forward:g1,stall:trainer:1@3:14:g2,kill:standby:1@3,stall:trainer:0@2,"
+        "partition:host:1@5,slow:host:0@2:12.5,kill:host:2@7,partition:host:0@3:0.5"
+    )
     faults = parse_faults(specs)
     assert faults[0] == Fault(role=Role.TRAINER, rank=0, step=4, phase=Phase.FORWARD, generation=1)
-    assert faults[1] == Fault(action=Action.STALL, role=Role.TRAINER, rank=1, step=3, duration=timedelta(seconds=14),
-                              generation=2)
-    assert faults[1] == Fault(action="stall", role="trainer", rank=1, step=3, duration=timedelta(seconds=14),
-                              generation=2)  # strings become the enums
+    assert faults[1] == Fault(
+        action=Action.STALL, role=Role.TRAINER, rank=1, step=3, duration=timedelta(seconds=14), generation=2
+    )
+    assert faults[1] == Fault(
+        action="stall", role="trainer", rank=1, step=3, duration=timedelta(seconds=14), generation=2
+    )  # strings become the enums
     assert type(faults[1].action) is Action and type(faults[1].role) is Role and type(faults[0].phase) is Phase
     assert (faults[2].generation, faults[3].duration) == (None, timedelta(seconds=3))
     assert (faults[4].duration, faults[4].rate_mbit) == (timedelta(seconds=10), None)  # a partition's default
     assert (faults[5].role, faults[5].rate_mbit, faults[5].duration) == (HOST, 12.5, None)  # Mbit/s, not seconds
     assert parse_faults("slow:host:0@2")[0].rate_mbit == 100
-    assert ",".join(map(str, faults)) == "kill:trainer:0@4:forward:g1,stall:trainer:1@3:14:g2," \
-                                         "kill:standby:1@3:forward,stall:trainer:0@2:3,partition:host:1@5:10," \
-                                         "slow:host:0@2:12.5,kill:host:2@7,partition:host:0@3:0.5"
+    assert (
+        ",".join(map(str, faults)) == "kill:trainer:0@4:forward:g1,stall:trainer:1@3:14:g2,"
+        "kill:standby:1@3:forward,stall:trainer:0@2:3,partition:host:1@5:10,"
+        "slow:host:0@2:12.5,kill:host:2@7,partition:host:0@3:0.5"
+    )
     assert parse_faults(",".join(map(str, faults))) == faults
-    for bad in ("kill:trainer:0@4:forward:g", "kill:trainer:0@4:forward:extra:g1", "kill:trainer:0@4:gx",
-                "kill:trainer:0@4:sideways", "stall:trainer:0@4:-1", "slow:host:0@2:0", "stall:trainer:0@4:inf"):
+    for bad in (
+        "kill:trainer:0@4:forward:g",
+        "kill:trainer:0@4:forward:extra:g1",
+        "kill:trainer:0@4:gx",
+        "kill:trainer:0@4:sideways",
+        "stall:trainer:0@4:-1",
+        "slow:host:0@2:0",
+        "stall:trainer:0@4:inf",
+    ):
         with pytest.raises(ValueError, match="bad fault"):
             parse_faults(bad)
-    for wrong in (dict(action=Action.SLOW, role=Role.TRAINER), dict(action=Action.STALL, role=HOST),
-                  dict(action=Action.KILL, role=Role.TRAINER, duration=timedelta(seconds=1)),
-                  dict(action=Action.STALL, role=Role.TRAINER, rate_mbit=10.0),
-                  dict(action=Action.CORRUPT, role=Role.TRAINER)):
+    for wrong in (
+        dict(action=Action.SLOW, role=Role.TRAINER),
+        dict(action=Action.STALL, role=HOST),
+        dict(action=Action.KILL, role=Role.TRAINER, duration=timedelta(seconds=1)),
+        dict(action=Action.STALL, role=Role.TRAINER, rate_mbit=10.0),
+        dict(action=Action.CORRUPT, role=Role.TRAINER),
+    ):
         with pytest.raises(ValueError):
             Fault(rank=0, step=1, **wrong)
     corrupt = parse_faults("corrupt:standby:1@6")
@@ -122,12 +140,25 @@ def test_role_env_is_what_the_launchers_write():
     from replica.mirror.floor import FloorConfig
     from replica.roles.env import Role, RoleEnv, job_environ, member_environ, parse_faults
 
-    env = RoleEnv(role=Role.STANDBY, rank=3, world_size=4, store=StoreAddress.parse("10.0.0.1:29500"), token=b"tok",
-                  faults=parse_faults("kill:trainer:1@3:backward,stall:standby:0@2:4:g1"), host="10.0.0.2",
-                  steps=7, rollouts=2, mirror_device="cpu", export_dir="/x/export", resume="/x/old",
-                  backends=("ucx", "gloo"), strict=True,
-                  durable=FloorConfig(directory=Path("/x/floor"), every_steps=7, interval=timedelta(seconds=90)),
-                  spare=2, attempt=1)
+    env = RoleEnv(
+        role=Role.STANDBY,
+        rank=3,
+        world_size=4,
+        store=StoreAddress.parse("10.0.0.1:29500"),
+        token=b"tok",
+        faults=parse_faults("kill:trainer:1@3:backward,stall:standby:0@2:4:g1"),
+        host="10.0.0.2",
+        steps=7,
+        rollouts=2,
+        mirror_device="cpu",
+        export_dir="/x/export",
+        resume="/x/old",
+        backends=("ucx", "gloo"),
+        strict=True,
+        durable=FloorConfig(directory=Path("/x/floor"), every_steps=7, interval=timedelta(seconds=90)),
+        spare=2,
+        attempt=1,
+    )
     defaults = RoleEnv(role=Role.TRAINER, rank=0, world_size=1, store=StoreAddress.parse("127.0.0.1:1"), token=b"t")
     changed = {f.name for f in dataclasses.fields(RoleEnv) if getattr(env, f.name) != getattr(defaults, f.name)}
     assert changed == {f.name for f in dataclasses.fields(RoleEnv)}, "a field the round trip does not exercise"
@@ -136,8 +167,13 @@ def test_role_env_is_what_the_launchers_write():
     assert all(name.startswith(envvars.PREFIX) for name in written)
     launched = {**job_environ(store="127.0.0.1:29400", token="t", world_size=2), **member_environ(Role.ROLLOUT, 1)}
     read = RoleEnv.from_environ(launched)
-    assert (read.role, read.rank, read.world_size, read.steps, read.export_dir) == (Role.ROLLOUT, 1, 2, 20,
-                                                                                   "replica-export")
+    assert (read.role, read.rank, read.world_size, read.steps, read.export_dir) == (
+        Role.ROLLOUT,
+        1,
+        2,
+        20,
+        "replica-export",
+    )
 
 
 def test_the_fault_matrix_under_load(tmp_path, reference):
@@ -146,8 +182,9 @@ def test_the_fault_matrix_under_load(tmp_path, reference):
     trainer 0 killed right after its commit (the replacement standby 0 is promoted).
     Exactly those die: no healthy role is taken for dead, and the run is bit-identical."""
     with busy_cores(per_core=2) as load:
-        code, report, output = launch(tmp_path, "--inject",
-                                      "kill:trainer:1@3:reduce-scatter,kill:standby:0@5,kill:trainer:0@8:mirror")
+        code, report, output = launch(
+            tmp_path, "--inject", "kill:trainer:1@3:reduce-scatter,kill:standby:0@5,kill:trainer:0@8:mirror"
+        )
         assert load.all_alive()  # the load lasted the whole run
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"])
@@ -160,8 +197,10 @@ def test_the_fault_matrix_under_load(tmp_path, reference):
         assert failover["killed_at"] is not None and failover["decided_at"] >= failover["killed_at"], failover
         if "exit code -9" not in failover["reason"]:  # the deadline came first; the exit was -9 all the same
             assert "no heartbeat" in failover["reason"], failover
-            assert any(e["role"] == "trainer" and e["rank"] == failover["rank"] and e["code"] == -9
-                       for e in report["late_exits"]), (failover, report["late_exits"])
+            assert any(
+                e["role"] == "trainer" and e["rank"] == failover["rank"] and e["code"] == -9
+                for e in report["late_exits"]
+            ), (failover, report["late_exits"])
     assert compare_reports(reference, report) == []
     assert report["last_commit"] == STEPS
 
@@ -169,8 +208,9 @@ def test_the_fault_matrix_under_load(tmp_path, reference):
 def test_a_trainer_killed_with_its_mirror_on_ucx(tmp_path, reference):
     """``--backends ucx,gloo`` keeps every host transfer on UCX (on one node the default is the
     shm backend): trainer 1 dies, its standby, mirrored over UCX, takes over, bit-identical."""
-    code, report, output = launch(tmp_path, "--backends", "ucx,gloo", "--inject", "kill:trainer:1@3:backward",
-                                  env={"REPLICA_LOG": "INFO"})
+    code, report, output = launch(
+        tmp_path, "--backends", "ucx,gloo", "--inject", "kill:trainer:1@3:backward", env={"REPLICA_LOG": "INFO"}
+    )
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
     assert [f["rank"] for f in report["failovers"]] == [1], report["failovers"]
@@ -179,21 +219,50 @@ def test_a_trainer_killed_with_its_mirror_on_ucx(tmp_path, reference):
     assert report["last_commit"] == STEPS
 
 
-@pytest.mark.parametrize("spec, why", [("explode:trainer:1@3", "bad fault 'explode:trainer:1@3'"),
-                                       ("partition:trainer:1@3", "partition and slow take only a host"),
-                                       ("slow:host:1@3:0", "must be > 0"),
-                                       ("kill:host:1@3", "host faults need host agents")])
+@pytest.mark.parametrize(
+    "spec, why",
+    [
+        ("explode:trainer:1@3", "bad fault 'explode:trainer:1@3'"),
+        ("partition:trainer:1@3", "partition and slow take only a host"),
+        ("slow:host:1@3:0", "must be > 0"),
+        ("kill:host:1@3", "host faults need host agents"),
+    ],
+)
 def test_bad_inject_spec_is_refused(tmp_path, spec, why):
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--inject", spec,
-                           str(ROOT / "examples" / "train_fsdp.py")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replica.roles.cli",
+            "launch",
+            "--inject",
+            spec,
+            str(ROOT / "examples" / "train_fsdp.py"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and why in proc.stderr, proc.stderr
 
 
 def test_an_unknown_backend_is_refused_before_anything_starts():
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--backends", "ucx,carrier-pigeon",
-                           str(ROOT / "examples" / "train_fsdp.py")], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replica.roles.cli",
+            "launch",
+            "--backends",
+            "ucx,carrier-pigeon",
+            str(ROOT / "examples" / "train_fsdp.py"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "unknown transport backend(s) 'carrier-pigeon'" in proc.stderr, proc.stderr
     assert proc.stdout == ""  # nothing started (the coordinator and every role print as they start)
 
@@ -228,10 +297,32 @@ def test_wrong_token_late_trainer_and_second_standby_are_refused(tmp_path, refer
     second standby for a rank. Each is refused with a clear error, the token never
     appears in any output, and the job finishes undisturbed."""
     port, report = free_port(), tmp_path / "run.json"
-    job = subprocess.Popen([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", str(STEPS), "--port",
-                            str(port), "--timeout", "240", "--report", str(report), "--heartbeat-deadline", "1",
-                            "--inject", "stall:trainer:0@3:6", str(EXAMPLE)], cwd=ROOT, env=dict(os.environ, REPLICA_TOKEN=TOKEN),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "replica.roles.cli",
+            "launch",
+            "--steps",
+            str(STEPS),
+            "--port",
+            str(port),
+            "--timeout",
+            "240",
+            "--report",
+            str(report),
+            "--heartbeat-deadline",
+            "1",
+            "--inject",
+            "stall:trainer:0@3:6",
+            str(EXAMPLE),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, REPLICA_TOKEN=TOKEN),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     wait_for_key(store, "replica/killed/stall:trainer:0@3:6", job)  # the job is running, and will for 6 s
     joiners = {
@@ -239,8 +330,17 @@ def test_wrong_token_late_trainer_and_second_standby_are_refused(tmp_path, refer
         "late trainer": role_env(port, "trainer", 0),
         "second standby": role_env(port, "standby", 1),
     }
-    procs = {name: subprocess.Popen([sys.executable, str(EXAMPLE)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True) for name, env in joiners.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, str(EXAMPLE)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, env in joiners.items()
+    }
     try:
         outputs = {name: p.communicate(timeout=120)[0] for name, p in procs.items()}
         output = job.communicate(timeout=240)[0]
@@ -261,8 +361,12 @@ def test_wrong_token_late_trainer_and_second_standby_are_refused(tmp_path, refer
         assert TOKEN not in text and "not-the-job-token" not in text  # never logged
     assert result["faults"][0]["fired_at"] is not None  # the 6 s stall happened ...
     assert result["failovers"] == [] and compare_reports(reference, result) == []  # ... and was no death
-    assert {(m["role"], m["rank"]) for m in result["members"]} == {("trainer", 0), ("trainer", 1), ("standby", 0),
-                                                                    ("standby", 1)}
+    assert {(m["role"], m["rank"]) for m in result["members"]} == {
+        ("trainer", 0),
+        ("trainer", 1),
+        ("standby", 0),
+        ("standby", 1),
+    }
 
 
 def test_model_differing_between_roles_fails_the_job_clearly(tmp_path):
@@ -294,8 +398,14 @@ def test_training_goes_on_while_the_new_standby_starts(tmp_path, reference):
     commits unprotected while its new standby starts (no pause in commit()); once
     that standby joins (trainer 0 stalls 8 s to leave it time), it holds rank 1's
     state: killing trainer 1 again promotes it, and the run stays bit-identical."""
-    code, report, output = launch(tmp_path, "--train-while-replacing", "--heartbeat-deadline", "2", "--inject",
-                                  "kill:trainer:1@3:backward,stall:trainer:0@6:8,kill:trainer:1@9:backward")
+    code, report, output = launch(
+        tmp_path,
+        "--train-while-replacing",
+        "--heartbeat-deadline",
+        "2",
+        "--inject",
+        "kill:trainer:1@3:backward,stall:trainer:0@6:8,kill:trainer:1@9:backward",
+    )
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"])
     assert [f["rank"] for f in report["failovers"]] == [1, 1]
@@ -309,11 +419,16 @@ def test_training_goes_on_while_the_new_standby_starts(tmp_path, reference):
     assert report["last_commit"] == STEPS
 
 
-@pytest.mark.parametrize("options", [
-    ("--standbys", "1", "--inject", "kill:trainer:1@3"),
-    pytest.param(("--replacements", "0", "--inject", "kill:standby:1@3,kill:trainer:1@4:forward"),
-                 marks=pytest.mark.slow),
-], ids=["never-had-a-standby", "trainer-killed-right-after-its-standby"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        ("--standbys", "1", "--inject", "kill:trainer:1@3"),
+        pytest.param(
+            ("--replacements", "0", "--inject", "kill:standby:1@3,kill:trainer:1@4:forward"), marks=pytest.mark.slow
+        ),
+    ],
+    ids=["never-had-a-standby", "trainer-killed-right-after-its-standby"],
+)
 def test_unprotected_trainer_dying_fails_the_job_clearly(tmp_path, options):
     """Rank 1's state is lost (it never had a standby; or its standby died and, with no
     replacement allowed, the trainer died a moment later): the job ends with one message
@@ -344,8 +459,11 @@ def test_standalone_coordinator_with_torchrun_style_roles(tmp_path, reference):
     port, report = free_port(), tmp_path / "run.json"
     inject = {"REPLICA_INJECT": "kill:trainer:1@5:backward"}
     coordinator = start_coordinator(port, report, **inject)
-    roles = [subprocess.Popen([sys.executable, str(EXAMPLE)], env=role_env(port, role, rank, **inject), cwd=ROOT)
-             for role in ("standby", "trainer") for rank in (0, 1)]
+    roles = [
+        subprocess.Popen([sys.executable, str(EXAMPLE)], env=role_env(port, role, rank, **inject), cwd=ROOT)
+        for role in ("standby", "trainer")
+        for rank in (0, 1)
+    ]
     output = coordinator.communicate(timeout=240)[0]
     codes = [p.wait(timeout=30) for p in roles]
     assert coordinator.returncode == 0, output[-4000:]
@@ -373,8 +491,16 @@ def test_trainers_restored_from_their_own_checkpoint_end_bit_identical(tmp_path,
     def run(name: str, *options: str, **env: str) -> tuple[subprocess.Popen, str, list[int | None]]:
         port = free_port()
         coordinator = start_coordinator(port, tmp_path / f"{name}.json", "--standbys", "0", *options, **env)
-        trainers = [subprocess.Popen([sys.executable, *script], env=role_env(port, "trainer", rank, **env), cwd=ROOT,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for rank in (0, 1)]
+        trainers = [
+            subprocess.Popen(
+                [sys.executable, *script],
+                env=role_env(port, "trainer", rank, **env),
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            for rank in (0, 1)
+        ]
         try:
             output = coordinator.communicate(timeout=240)[0]
             return coordinator, output, [p.wait(timeout=60) for p in trainers]
@@ -407,10 +533,18 @@ def test_a_frozen_trainer_waking_up_after_its_failover_stops_by_itself(tmp_path,
     port, report = free_port(), tmp_path / "run.json"
     inject = {"REPLICA_INJECT": "freeze:trainer:1@5:backward"}
     coordinator = start_coordinator(port, report, **inject)
-    roles = [subprocess.Popen([sys.executable, str(EXAMPLE)], env=role_env(port, role, rank, **inject), cwd=ROOT,
-                              stdout=subprocess.PIPE if (role, rank) == ("trainer", 1) else None,
-                              stderr=subprocess.STDOUT if (role, rank) == ("trainer", 1) else None, text=True)
-             for role in ("standby", "trainer") for rank in (0, 1)]
+    roles = [
+        subprocess.Popen(
+            [sys.executable, str(EXAMPLE)],
+            env=role_env(port, role, rank, **inject),
+            cwd=ROOT,
+            stdout=subprocess.PIPE if (role, rank) == ("trainer", 1) else None,
+            stderr=subprocess.STDOUT if (role, rank) == ("trainer", 1) else None,
+            text=True,
+        )
+        for role in ("standby", "trainer")
+        for rank in (0, 1)
+    ]
     zombie = roles[3]
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
@@ -447,10 +581,18 @@ def test_coordinator_killed_roles_export_and_the_job_resumes_from_the_export(tmp
     from the newest step all ranks exported, bit-identical to the run that never failed."""
     port, report, export = free_port(), tmp_path / "run.json", tmp_path / "export"
     coordinator = start_coordinator(port, report)
-    roles = [subprocess.Popen([sys.executable, str(EXAMPLE)], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=role_env(port, role, rank, REPLICA_EXPORT_DIR=str(export)))
-             for role in ("standby", "trainer") for rank in (0, 1)]
+    roles = [
+        subprocess.Popen(
+            [sys.executable, str(EXAMPLE)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=role_env(port, role, rank, REPLICA_EXPORT_DIR=str(export)),
+        )
+        for role in ("standby", "trainer")
+        for rank in (0, 1)
+    ]
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         wait_for_key(store, "replica/loss/0/5", coordinator)
@@ -460,7 +602,7 @@ def test_coordinator_killed_roles_export_and_the_job_resumes_from_the_export(tmp
     finally:
         for p in (coordinator, *roles):
             p.kill()
-    for p, output in zip(roles, outputs):
+    for p, output in zip(roles, outputs, strict=False):
         assert p.returncode == ExitCode.COORDINATOR_LOST, output[-3000:]  # stopped by itself, not hung, no traceback
         assert "the job store is gone" in output, output[-3000:]
         assert f'{EXAMPLE.name}", line' not in output, output[-3000:]  # the script did not die of an exception
@@ -480,8 +622,13 @@ def test_coordinator_killed_roles_export_and_the_job_resumes_from_the_export(tmp
 
 def test_resume_refuses_an_incomplete_export(tmp_path):
     (tmp_path / "step00000003").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--resume", str(tmp_path),
-                           str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "replica.roles.cli", "launch", "--resume", str(tmp_path), str(EXAMPLE)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "holds no complete export of 2 ranks" in proc.stderr, proc.stderr
 
 

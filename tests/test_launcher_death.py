@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -26,9 +25,11 @@ from support.launch import EXAMPLE, ROOT
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
 
-_GET_PDEATHSIG = ("import ctypes, os, sys; v = ctypes.c_int(-1); "
-                  "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); "  # 2: PR_GET_PDEATHSIG
-                  "print(v.value, os.getppid(), sys.argv[1:])")
+_GET_PDEATHSIG = (
+    "import ctypes, os, sys; v = ctypes.c_int(-1); "
+    "ctypes.CDLL(None).prctl(2, ctypes.byref(v), 0, 0, 0); "  # 2: PR_GET_PDEATHSIG
+    "print(v.value, os.getppid(), sys.argv[1:])"
+)
 
 
 def _proc(pid: int) -> tuple[str, int] | None:
@@ -37,7 +38,7 @@ def _proc(pid: int) -> tuple[str, int] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return fields[0], int(fields[19])
 
 
@@ -48,8 +49,12 @@ def _alive(pid: int, started: int) -> bool:
 
 
 def test_wrapped_command_runs_as_is_with_the_parent_death_signal_set():
-    proc = subprocess.run(die_with_launcher([sys.executable, "-c", _GET_PDEATHSIG, "a b", "--c"]),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        die_with_launcher([sys.executable, "-c", _GET_PDEATHSIG, "a b", "--c"]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"{signal.SIGKILL} {os.getpid()} ['a b', '--c']"
 
@@ -97,9 +102,24 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job, start):
         script.write_text(_SLEEPER)
     if start == "exec":
         options = (*options, "--exec-roles")
-    launcher = subprocess.Popen([sys.executable, "-m", "replica.roles.cli", "launch", "--steps", "100", "--timeout",
-                                 "600", *options, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "replica.roles.cli",
+            "launch",
+            "--steps",
+            "100",
+            "--timeout",
+            "600",
+            *options,
+            str(script),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     output: list[str] = []
 
     def read() -> None:  # the roles write here too: they inherit the launcher's stdout and stderr
@@ -143,8 +163,9 @@ def test_roles_die_with_a_killed_launcher(tmp_path, job, start):
         assert launcher.wait(timeout=30) == -signal.SIGKILL  # the launcher was killed, not ended by itself
 
         deadline = Deadline.after(timedelta(seconds=10))
-        while (left := [pid for pid, (_, started) in children.items() if _alive(pid, started)]) and \
-                not deadline.expired:
+        while (
+            left := [pid for pid, (_, started) in children.items() if _alive(pid, started)]
+        ) and not deadline.expired:
             time.sleep(0.05)
         assert left == [], f"roles {[found[pid] for pid in left]} outlived their launcher"
     finally:
@@ -163,14 +184,16 @@ def test_progress_line_stands_on_its_own_line():
     out = io.StringIO()
     lines = StatusLines(out, every_s=3600)
     with contextlib.redirect_stdout(lines):
-        print("\rreplica: step 1/9", end="", flush=True)   # the first one: at once
-        print("\rreplica: step 2/9", end="", flush=True)   # within the period: held
+        print("\rreplica: step 1/9", end="", flush=True)  # the first one: at once
+        print("\rreplica: step 2/9", end="", flush=True)  # within the period: held
         print("\rreplica: step 3/9", end="", flush=True)
         print("\nreplica: trainer 1 is dead", flush=True)  # shows step 3 first, on a line of its own
         print("\nreplica: trainer 0 is dead", flush=True)  # no empty line: the line was ended
         print("\rreplica: step 9/9", end="", flush=True)
-        print(flush=True)                                  # ends the job's progress: shows step 9
+        print(flush=True)  # ends the job's progress: shows step 9
         print("done")
-        print("\n\nfar below")                           # a newline that ends nothing stays
-    assert out.getvalue() == ("replica: step 1/9\nreplica: step 3/9\nreplica: trainer 1 is dead\n"
-                              "replica: trainer 0 is dead\nreplica: step 9/9\ndone\n\nfar below\n")
+        print("\n\nfar below")  # a newline that ends nothing stays
+    assert out.getvalue() == (
+        "replica: step 1/9\nreplica: step 3/9\nreplica: trainer 1 is dead\n"
+        "replica: trainer 0 is dead\nreplica: step 9/9\ndone\n\nfar below\n"
+    )

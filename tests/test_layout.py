@@ -35,8 +35,14 @@ def layout_of(model, opt, **kw):
 def test_enumerates_params_persistent_buffers_and_optimizer_state():
     model, opt = trained()
     names = [name for name, _ in state_tensors(model, opt)]
-    assert names[:6] == ["model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias",
-                         "model.2.weight", "model.2.bias"]
+    assert names[:6] == [
+        "model.0.weight",
+        "model.0.bias",
+        "model.1.weight",
+        "model.1.bias",
+        "model.2.weight",
+        "model.2.bias",
+    ]
     # Named as torch.distributed.checkpoint names {"model": ..., "optim": ...} state dicts.
     assert "model.counter" in names and "model.scratch" not in names
     assert names[-3:] == ["optim.state.2.bias.exp_avg", "optim.state.2.bias.exp_avg_sq", "optim.state.2.bias.step"]
@@ -49,16 +55,16 @@ def test_offsets_are_aligned_disjoint_and_packable():
     layout = layout_of(model, opt)
     ends = [e.offset + e.nbytes for e in layout.entries]
     assert all(e.offset % ops.ALIGNMENT == 0 for e in layout.entries)
-    assert all(end <= nxt.offset for end, nxt in zip(ends, layout.entries[1:]))
+    assert all(end <= nxt.offset for end, nxt in zip(ends, layout.entries[1:], strict=False))
     assert layout.extras_offset >= ends[-1] and layout.total_bytes >= layout.extras_offset + 4 * KiB
     buckets = layout.buckets()
     assert buckets[0][0] == 0 and buckets[-1][1] == layout.total_bytes
-    assert all(a[1] == b[0] for a, b in zip(buckets, buckets[1:]))
+    assert all(a[1] == b[0] for a, b in zip(buckets, buckets[1:], strict=False))
     buf = torch.zeros(layout.total_bytes, dtype=torch.uint8)
     ops.pack(tensors, buf, layout.offsets)
     back = [torch.empty_like(t) for t in tensors]
     ops.unpack(buf, back, layout.offsets)
-    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back, strict=False))
 
 
 def test_fingerprint_is_deterministic_and_json_round_trips():
@@ -98,8 +104,9 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="bucket_bytes"):
         layout_of(model, opt, bucket_bytes=100)
     with pytest.raises(ValueError, match="named"):
-        StateLayout.build([("a", torch.zeros(1)), ("a", torch.zeros(1))], world_size=1, rank=0,
-                          extras_capacity=0, bucket_bytes=64)
+        StateLayout.build(
+            [("a", torch.zeros(1)), ("a", torch.zeros(1))], world_size=1, rank=0, extras_capacity=0, bucket_bytes=64
+        )
 
 
 # --- FSDP2, two real processes ---
@@ -126,8 +133,14 @@ def _fsdp_rank(pipe, rank: int, port: int, hidden: int) -> None:
         opt.step()
         tensors = list(state_tensors(model, opt))
         assert all(type(t) is torch.Tensor for _, t in tensors), "DTensors must be taken to_local()"
-        layout = StateLayout.build(tensors, world_size=2, rank=rank, extras_capacity=KiB, bucket_bytes=KiB,
-                                   global_offsets=global_offsets(model, opt))
+        layout = StateLayout.build(
+            tensors,
+            world_size=2,
+            rank=rank,
+            extras_capacity=KiB,
+            bucket_bytes=KiB,
+            global_offsets=global_offsets(model, opt),
+        )
         pipe.send(layout.to_json())
     finally:
         dist.destroy_process_group()
@@ -145,8 +158,11 @@ def test_fsdp2_shards():
     assert rank0.entries[0].shape == (8, 8)  # half of the 16 x 8 weight on each rank
     # where each shard lies in the whole tensor (through to_json/from_json), optimizer state too
     assert (rank0.entries[0].global_offset, rank1.entries[0].global_offset) == ((0, 0), (8, 0))
-    moments = [(a.global_offset, b.global_offset) for a, b in zip(rank0.entries, rank1.entries)
-               if a.name == "optim.state.0.weight.exp_avg"]
+    moments = [
+        (a.global_offset, b.global_offset)
+        for a, b in zip(rank0.entries, rank1.entries, strict=False)
+        if a.name == "optim.state.0.weight.exp_avg"
+    ]
     assert moments == [((0, 0), (8, 0))]
     steps = [e for e in rank1.entries if e.name.endswith(".step")]
     assert steps and all(e.global_offset == () for e in steps)  # plain tensors, whole on every rank

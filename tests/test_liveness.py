@@ -13,8 +13,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from replica.jobstore.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
 from replica.jobstore import Epoch, Generation, Heartbeat, JobStore, LivenessReply, keys
+from replica.jobstore.commit import CommitRecord, EpochRecord, hint_generation, publish_generation
 from replica.timing import Deadline
 from support.children import wait_for
 from support.stores import CountingStore
@@ -71,7 +71,10 @@ def test_a_silent_endpoint_sends_the_beats_back_to_the_store_and_a_new_one_takes
         stopped_at = time.monotonic()
         in_store = store.get(keys.heartbeat(9))  # None when the aim came before the first beat
         before = in_store.beat if in_store is not None else 0
-        wait_for(lambda: (store.get(keys.heartbeat(9)) or Heartbeat(member=9, beat=0)).beat > before, "beats in the store again")
+        wait_for(
+            lambda: (store.get(keys.heartbeat(9)) or Heartbeat(member=9, beat=0)).beat > before,
+            "beats in the store again",
+        )
         # STORE_AFTER without an answer (a test allows 5x plus a loaded machine's second)
         assert time.monotonic() - stopped_at < STORE_AFTER.total_seconds() * 5 + 1
         assert beat.reply_age > STORE_AFTER.total_seconds()
@@ -98,8 +101,15 @@ def test_only_signed_rising_beats_count(store):
         signed = store.sign(keys.heartbeat(4), Heartbeat(member=4, beat=10))
         other = JobStore(store.raw, token=b"another job").sign(keys.heartbeat(4), Heartbeat(member=4, beat=11))
         renamed = store.sign(keys.heartbeat(5), Heartbeat(member=4, beat=12))  # signed for another member's key
-        for datagram in [b"garbage", b"", b"x" * 4000, other, renamed,
-                         b'{"beat":99,"member":4}\n' + b"0" * 64, signed.replace(b'"beat":10', b'"beat":99')]:
+        for datagram in [
+            b"garbage",
+            b"",
+            b"x" * 4000,
+            other,
+            renamed,
+            b'{"beat":99,"member":4}\n' + b"0" * 64,
+            signed.replace(b'"beat":10', b'"beat":99'),
+        ]:
             probe.sendto(datagram, at)
         wait_for(lambda: server.rejected == 7, "7 rejections")
         assert server.beats([4]) == [0]
@@ -178,17 +188,26 @@ def test_the_coordinator_times_beats_it_hears_and_reads_the_store_only_for_the_u
 
     deadline = timedelta(milliseconds=1500)
     coord = Coordinator(world_size=2, token=TOKEN, deadlines=Deadlines(trainer=deadline))
-    jobs = JobStore(dist.TCPStore("127.0.0.1", coord.port, is_master=False, timeout=timedelta(seconds=30)),
-                    token=TOKEN)
+    jobs = JobStore(dist.TCPStore("127.0.0.1", coord.port, is_master=False, timeout=timedelta(seconds=30)), token=TOKEN)
     try:
         address = jobs.get(keys.liveness()).value
         assert address == f"127.0.0.1:{coord.liveness.port}"
-        members = [post_request(jobs, JoinRequest(role="trainer", rank=r, host="h", pid=100 + r, nonce=f"n{r}"), TOKEN)
-                   for r in range(2)]
+        members = [
+            post_request(jobs, JoinRequest(role="trainer", rank=r, host="h", pid=100 + r, nonce=f"n{r}"), TOKEN)
+            for r in range(2)
+        ]
         assert coord.poll() == []
         assert coord.liveness.generation == coord.generation  # answers carry the published generation
-        udp, stored = (jobs.heartbeat_sender(m, period=timedelta(milliseconds=100), io_timeout=IO, python_grace=GRACE,
-                                             store_after=timedelta(seconds=60)) for m in members)
+        udp, stored = (
+            jobs.heartbeat_sender(
+                m,
+                period=timedelta(milliseconds=100),
+                io_timeout=IO,
+                python_grace=GRACE,
+                store_after=timedelta(seconds=60),
+            )
+            for m in members
+        )
         try:
             host, _, port = address.rpartition(":")
             udp.aim(host, int(port))
@@ -211,8 +230,14 @@ def test_the_coordinator_times_beats_it_hears_and_reads_the_store_only_for_the_u
 
 def test_a_beat_aimed_from_the_start_never_writes_the_store(store):
     server = store.liveness_server("127.0.0.1")
-    beat = store.heartbeat_sender(12, period=PERIOD, io_timeout=IO, python_grace=GRACE, store_after=STORE_AFTER,
-                                  liveness=("127.0.0.1", server.port))
+    beat = store.heartbeat_sender(
+        12,
+        period=PERIOD,
+        io_timeout=IO,
+        python_grace=GRACE,
+        store_after=STORE_AFTER,
+        liveness=("127.0.0.1", server.port),
+    )
     try:
         wait_for(lambda: server.beats([12])[0] >= 10 and beat.replies >= 10, "ten answered beats")
         assert store.get(keys.heartbeat(12)) is None
@@ -234,19 +259,27 @@ def test_a_deadline_is_met_within_a_poll_not_a_scan_of_every_beat(monkeypatch):
     monkeypatch.setattr(timing, "BEAT_SCAN", timedelta(seconds=600))
     deadline = timedelta(seconds=1)
     coord = Coordinator(world_size=3, token=TOKEN, deadlines=Deadlines(trainer=deadline, standby=deadline))
-    jobs = JobStore(dist.TCPStore("127.0.0.1", coord.port, is_master=False, timeout=timedelta(seconds=30)),
-                    token=TOKEN)
+    jobs = JobStore(dist.TCPStore("127.0.0.1", coord.port, is_master=False, timeout=timedelta(seconds=30)), token=TOKEN)
     beats = []
     try:
         host, _, port = jobs.get(keys.liveness()).value.rpartition(":")
-        members = [post_request(jobs, JoinRequest(role="trainer", rank=r, host="h", pid=100 + r, nonce=f"n{r}"), TOKEN)
-                   for r in range(3)]
+        members = [
+            post_request(jobs, JoinRequest(role="trainer", rank=r, host="h", pid=100 + r, nonce=f"n{r}"), TOKEN)
+            for r in range(3)
+        ]
         assert coord.poll() == []  # admits them, and reads every beat (the first scan)
         scanned_at = coord._liveness.beats_read_at
         assert scanned_at > 0
         for m in members:
-            beats.append(jobs.heartbeat_sender(m, period=timedelta(milliseconds=100), io_timeout=IO, python_grace=GRACE,
-                                               store_after=timedelta(seconds=60)))
+            beats.append(
+                jobs.heartbeat_sender(
+                    m,
+                    period=timedelta(milliseconds=100),
+                    io_timeout=IO,
+                    python_grace=GRACE,
+                    store_after=timedelta(seconds=60),
+                )
+            )
         beats[0].aim(host, int(port))
         beats[1].aim(host, int(port))  # beats[2]: the store only
         wait_for(lambda: beats[0].replies > 0 and beats[1].replies > 0, "answers")

@@ -14,8 +14,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from fsdp_job import JobShape
+
 from replica.jobstore import JobStore, keys
 from support.children import spawn
 from support.mirror_roles import TOKEN, standby_main, trainer_main
@@ -33,6 +33,7 @@ def _run(*, kill: bool, replace: str = "promote", resilient: bool = False):
     losses: dict[tuple[int, int], torch.Tensor] = {}
     events: dict[str, object] = {}
     with contextlib.ExitStack() as stack:
+
         def start(target, rank, name):
             extra = (None, resilient) if target is trainer_main else ()
             return stack.enter_context(spawn(target, rank, WORLD, port, SHAPE, CONFIG, *extra, name=name))
@@ -66,8 +67,10 @@ def _run(*, kill: bool, replace: str = "promote", resilient: bool = False):
                     trainers[KILLED_RANK], standbys[KILLED_RANK] = standbys[KILLED_RANK], new_standby
                 else:  # a fresh trainer process fetches the state from the standby, which stays its standby
                     trainers[KILLED_RANK] = stack.enter_context(
-                        spawn(trainer_main, KILLED_RANK, WORLD, port, SHAPE, CONFIG, 1, resilient,
-                              name="trainer1-fresh"))
+                        spawn(
+                            trainer_main, KILLED_RANK, WORLD, port, SHAPE, CONFIG, 1, resilient, name="trainer1-fresh"
+                        )
+                    )
                     events["replaced"] = trainers[KILLED_RANK].recv(120)
                 events["rolled_back"] = trainers[1 - KILLED_RANK].recv(120)
                 events["commit"] = events["rolled_back"][1]
@@ -105,8 +108,11 @@ def test_failover_losses_are_bit_identical(reference, replace):
     assert events["rolled_back"] == ("recovered", commit)
     assert events["final_commit"] == [SHAPE.total_steps] * WORLD
     assert set(losses) == set(reference)
-    different = [(r, s, float(losses[r, s]), float(reference[r, s]))
-                 for (r, s) in sorted(reference) if not torch.equal(losses[r, s], reference[r, s])]
+    different = [
+        (r, s, float(losses[r, s]), float(reference[r, s]))
+        for (r, s) in sorted(reference)
+        if not torch.equal(losses[r, s], reference[r, s])
+    ]
     assert not different, different
     # The run is not trivially constant: losses change from step to step.
     assert len({float(reference[0, s]) for s in range(1, SHAPE.total_steps + 1)}) == SHAPE.total_steps

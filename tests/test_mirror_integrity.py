@@ -1,5 +1,6 @@
 """Mirror integrity: Replicator and Mirror over real UCX and shared memory, in one
-process or two (or in two PID namespaces, where shared memory falls back to UCX). Corrupted buckets are asked for again and never committed; a standby or
+process or two (or in two PID namespaces, where shared memory falls back to UCX). Corrupted buckets
+are asked for again and never committed; a standby or
 trainer dying mid-transfer leaves the last commit intact; mismatched layouts
 are refused with the first difference named; exports load back."""
 
@@ -17,13 +18,24 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from fsdp_job import JobShape, build_job, train_step
 
 import replica
-from fsdp_job import JobShape, build_job, train_step
 from replica.errors import LayoutMismatchError, ReplicaError, StandbyLostError
 from replica.timing import Deadline
 from support.children import spawn, wait_for
-from support.state import SHAPE, T, TOKEN, assert_safe_open_reads, assert_state_equal, config, job, mirrored, state_of, trained
+from support.state import (
+    SHAPE,
+    TOKEN,
+    T,
+    assert_safe_open_reads,
+    assert_state_equal,
+    config,
+    job,
+    mirrored,
+    state_of,
+    trained,
+)
 
 SHM = {"backends": ("shm", "ucx", "gloo"), "bucket_bytes": 64 << 10}
 
@@ -66,7 +78,7 @@ def test_commit_then_restore_is_exact(store, via):
         # Each stream's time is split into its parts (posted, sends finished, answered).
         stream = rep.stream_stats
         assert len(stream.stream_s) == len(stream.post_s) == len(stream.flush_s) == len(stream.reply_s) == 3
-        for total, *parts in zip(stream.stream_s, stream.post_s, stream.flush_s, stream.reply_s):
+        for total, *parts in zip(stream.stream_s, stream.post_s, stream.flush_s, stream.reply_s, strict=False):
             assert all(p >= 0 for p in parts) and abs(sum(parts) - total) < 1e-6
 
 
@@ -124,8 +136,10 @@ def test_standby_dying_mid_transfer_keeps_the_last_commit(store, via):
     port = store.port
     cfg = config(**{"bucket_bytes": 8 << 10, **via}, num_inflight_buckets=1)
     j = job(BIG)
-    with spawn(_standby, port, cfg, name="standby") as standby, \
-            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
+    with (
+        spawn(_standby, port, cfg, name="standby") as standby,
+        replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep,
+    ):
         assert standby.recv(60) == "ready"
         trained(j, 2, rep)
         assert rep.wait_committed() == 2
@@ -172,8 +186,10 @@ def _trainer(pipe, port: int, cfg: replica.Config) -> None:
 
 def test_trainer_dying_mid_transfer_leaves_the_mirror_on_its_commit(store, via):
     cfg = config(**{"bucket_bytes": 8 << 10, **via}, num_inflight_buckets=1)
-    with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
-            spawn(_trainer, store.port, cfg, name="trainer") as trainer:
+    with (
+        replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror,
+        spawn(_trainer, store.port, cfg, name="trainer") as trainer,
+    ):
         at_two = trainer.recv(120)
         trainer.send("go")
         trainer.process.join(60)
@@ -229,8 +245,9 @@ def test_restore_refuses_other_extras(committed_mirror):
 def test_trainer_of_another_layout_is_refused(committed_mirror, store):
     mirror, _ = committed_mirror
     other = job(JobShape(layers=1))
-    with replica.Replicator(other.model, other.optimizer, other.extra, store=store, config=config(),
-                            rank=0, world_size=1) as rep:
+    with replica.Replicator(
+        other.model, other.optimizer, other.extra, store=store, config=config(), rank=0, world_size=1
+    ) as rep:
         trained(other, 1, rep, first=10)
         with pytest.raises(LayoutMismatchError, match="refused this trainer's state layout"):
             rep.wait_committed(timedelta(seconds=30))
@@ -242,6 +259,7 @@ def test_export_loads_back(committed_mirror, tmp_path):
     path = mirror.export(tmp_path)
     assert path.name == "rank00000.safetensors"
     from safetensors.torch import load_file
+
     tensors = load_file(path)  # a standard safetensors file
     assert torch.equal(tensors["model.embed.weight"], j.model.embed.weight.detach())
     assert tensors["model.blocks.1.qkv.weight"].dtype == torch.bfloat16
@@ -280,11 +298,15 @@ def test_bad_config_and_arguments(store):
         replica.Mirror(rank=0, world_size=1, store=store, config=config(backends=("carrier-pigeon",)))
 
 
-@pytest.mark.parametrize("make_optimizer", [
-    lambda params: torch.optim.Adam(params, lr=1e-3),
-    lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
-    lambda params: torch.optim.AdamW(params, lr=1e-3, amsgrad=True),
-], ids=["adam", "sgd_momentum", "adamw_amsgrad"])
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda params: torch.optim.Adam(params, lr=1e-3),
+        lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+        lambda params: torch.optim.AdamW(params, lr=1e-3, amsgrad=True),
+    ],
+    ids=["adam", "sgd_momentum", "adamw_amsgrad"],
+)
 def test_other_optimizers_round_trip(store, make_optimizer):
     def make(seed):
         j = job(seed=seed)
@@ -304,7 +326,7 @@ def test_other_optimizers_round_trip(store, make_optimizer):
         after = [train_step(j) for _ in range(2)]
         replica.RNGState().load_state_dict(rng)
         again = [train_step(fresh) for _ in range(2)]
-        assert all(torch.equal(a, b) for a, b in zip(after, again))
+        assert all(torch.equal(a, b) for a, b in zip(after, again, strict=False))
 
 
 def test_fetch_from_the_standby(committed_mirror, store):
@@ -368,8 +390,12 @@ def test_a_peer_that_cannot_share_memory_falls_back_to_ucx(store, pid_namespace,
         assert mirror.backend == "shm" and mirror.fallback is not None and mirror.fallback[0] == "ucx"
         assert mirror._registration.endpoints() == [("shm", mirror.address), mirror.fallback]
         here = replica.fetch_mirror(rank=0, world_size=1, store=store, config=cfg)
-        out = subprocess.run([*command, sys.executable, "-c", _FETCH_FROM_ANOTHER_NAMESPACE, str(store.port),
-                              TOKEN.decode()], capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [*command, sys.executable, "-c", _FETCH_FROM_ANOTHER_NAMESPACE, str(store.port), TOKEN.decode()],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr[-4000:]
         assert "cannot share host memory" in out.stderr and "connecting over ucx instead" in out.stderr, out.stderr
         assert out.stdout.split(" ", 1) == ["2", f"{replica.ops.checksum(here.buffer, 1 << 20).tolist()}\n"]
@@ -433,14 +459,16 @@ def test_the_next_versions_receives_are_posted_early_only_into_a_slot_nothing_ne
     standby posts the next version's receives before its BEGIN only into a free slot
     or the older version once the global commit covers the newer: while the commit
     lags (rank 1 has not acknowledged), the commit's version is kept."""
-    from replica.jobstore.commit import CommitRecord
     from replica.jobstore import JobStore
+    from replica.jobstore.commit import CommitRecord
 
     record = CommitRecord(JobStore(store, token=TOKEN), world_size=2)
     j = build_job(SHAPE, rank=0, world_size=2, fsdp=False, seed=0)
     cfg = config()
-    with replica.Mirror(rank=0, world_size=2, store=store, config=cfg) as mirror, \
-            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=2) as rep:
+    with (
+        replica.Mirror(rank=0, world_size=2, store=store, config=cfg) as mirror,
+        replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=2) as rep,
+    ):
         trained(j, 1, rep)
         record.acknowledge(1, 1)
         assert rep.wait_committed() == 1

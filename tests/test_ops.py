@@ -17,9 +17,7 @@ from support.tensors import DEVICES, DTYPES, MiB, packed, random_mix, random_ten
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "seed,count,max_numel", [(s, 40, 20_000) for s in range(6)] + [(7, 10_000, 1024)]
-)
+@pytest.mark.parametrize("seed,count,max_numel", [(s, 40, 20_000) for s in range(6)] + [(7, 10_000, 1024)])
 def test_pack_matches_reference(device, seed, count, max_numel):
     tensors = random_mix(count, max_numel, seed, device)
     out, offsets = packed(tensors)
@@ -138,8 +136,7 @@ def test_pack_unpack_random_addresses(device, seed):
     """Many segments in one call, each at its own misalignment, sizes up to a few tiles."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    sizes = [rng.choice([rng.randint(1, 40), rng.randint(1, 5000), rng.randint(1, 70_000)])
-             for _ in range(150)]
+    sizes = [rng.choice([rng.randint(1, 40), rng.randint(1, 5000), rng.randint(1, 70_000)]) for _ in range(150)]
     tensors = [view_at(n, rng.randrange(16), device, gen) for n in sizes]
     offsets, total = ops.aligned_offsets(tensors)
     out_shift = rng.randrange(16)
@@ -231,9 +228,7 @@ def test_opcheck(device):
     tensors = random_mix(8, 500, seed=3, device=device)
     out, offsets = packed(tensors)
     torch.library.opcheck(torch.ops.replica.pack.default, (tensors, out, offsets))
-    torch.library.opcheck(
-        torch.ops.replica.unpack.default, (out, [torch.empty_like(t) for t in tensors], offsets)
-    )
+    torch.library.opcheck(torch.ops.replica.unpack.default, (out, [torch.empty_like(t) for t in tensors], offsets))
     torch.library.opcheck(torch.ops.replica.checksum.default, (out, 64))
     torch.library.opcheck(torch.ops.replica.checksum.default, (out[:0], 64))
 
@@ -307,7 +302,9 @@ def test_zero_sized_segments_may_share_offsets():
 
 
 def test_error_offsets_count():
-    assert "got 2 srcs but 1 offsets" in _pack_error([torch.ones(1), torch.ones(1)], torch.empty(256, dtype=torch.uint8), [0])
+    assert "got 2 srcs but 1 offsets" in _pack_error(
+        [torch.ones(1), torch.ones(1)], torch.empty(256, dtype=torch.uint8), [0]
+    )
 
 
 def test_error_source_aliases_out():
@@ -492,8 +489,11 @@ def test_restore_into_parameters_under_no_grad():
 
 
 def test_shape_check_finds_the_first_tensor_unlike_its_counterpart():
-    like = [torch.empty(3, 4, device="meta"), torch.empty(5, dtype=torch.bfloat16, device="meta"),
-            torch.empty((), dtype=torch.int64, device="meta")]
+    like = [
+        torch.empty(3, 4, device="meta"),
+        torch.empty(5, dtype=torch.bfloat16, device="meta"),
+        torch.empty((), dtype=torch.int64, device="meta"),
+    ]
     check = ops.ShapeCheck(like)
     same = [torch.zeros(3, 4), torch.zeros(5, dtype=torch.bfloat16), torch.tensor(7)]
     assert check.first_mismatch(same) == -1

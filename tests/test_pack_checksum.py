@@ -178,8 +178,7 @@ def test_pack_checksum_streams_runs_of_small_segments(build, start):
     it are hashed as out holds them."""
     gen = torch.Generator().manual_seed(11)
     rng = random.Random(11)
-    tensors = [torch.randint(0, 256, (rng.randint(1, 4096),), generator=gen, dtype=torch.uint8)
-               for _ in range(5000)]
+    tensors = [torch.randint(0, 256, (rng.randint(1, 4096),), generator=gen, dtype=torch.uint8) for _ in range(5000)]
     assert sum(t.numel() for t in tensors) > 2 * MiB  # the kernel streams from 2 MiB per call
     _case(tensors, 0xC3, 64 * 1024, word_offset=5, tail=37, start=start)
 
@@ -255,13 +254,16 @@ def test_checksum_on_threads_of_its_own_gives_the_same_digests(threads):
     """ops.checksum(threads=k): the call's own k threads (2 MiB each at least), whatever
     torch's setting; blocks that straddle the threads' ranges, a short last word, any
     word offset."""
-    buf = torch.randint(0, 256, (5 * 2 * MiB + 13,), dtype=torch.uint8, generator=torch.Generator().manual_seed(threads))
+    buf = torch.randint(
+        0, 256, (5 * 2 * MiB + 13,), dtype=torch.uint8, generator=torch.Generator().manual_seed(threads)
+    )
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for block, word_offset in ((8, 0), (3 * MiB + 8, 12345), (buf.numel() + 3 & ~7, 7), (MiB, 0)):
-            assert torch.equal(ops.checksum(buf, block, word_offset, threads=threads),
-                               ops.checksum(buf, block, word_offset)), (block, word_offset)
+            assert torch.equal(
+                ops.checksum(buf, block, word_offset, threads=threads), ops.checksum(buf, block, word_offset)
+            ), (block, word_offset)
         small = buf[: 3 * MiB + 5]
         assert torch.equal(ops.checksum(small, 4096, 3, threads=threads), ops.reference_checksum(small, 4096, 3))
     finally:
@@ -296,6 +298,8 @@ def test_repeated_calls_reuse_their_device_table_and_stay_exact():
                 ops.pack(tensors, out, offsets)
                 back = [torch.empty_like(t) for t in tensors]
                 ops.unpack(out, back, offsets)
-                assert all(torch.equal(b, t) for b, t in zip(back, tensors)), f"round {seed}/{i}: unpack differs"
+                assert all(torch.equal(b, t) for b, t in zip(back, tensors, strict=False)), (
+                    f"round {seed}/{i}: unpack differs"
+                )
             torch.cuda.current_stream().wait_stream(stream)
         del tensors, out

@@ -11,8 +11,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Folders of the checkout -> the installed package they become (setup.py's PACKAGE_DIR).
-FOLDERS = {"replica": ROOT / "replica", "replica.transport": ROOT / "transport", "replica.roles": ROOT / "roles",
-           "replica.ray": ROOT / "rayapi"}
+FOLDERS = {
+    "replica": ROOT / "replica",
+    "replica.transport": ROOT / "transport",
+    "replica.roles": ROOT / "roles",
+    "replica.ray": ROOT / "rayapi",
+}
 # Subpackages of replica/ by concern.
 SUBPACKAGES = ("distributed", "integrations", "integrations/vllm", "jobstore", "mirror", "session", "state", "weights")
 PACKAGES = FOLDERS | {f"replica.{sub.replace('/', '.')}": ROOT / "replica" / sub for sub in SUBPACKAGES}
@@ -37,16 +41,23 @@ def test_subpackages_import_under_replica():
 
 
 def test_build_maps_folders_into_one_package(tmp_path):
-    done = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, f"setup.py build_py exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    done = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, (
+        f"setup.py build_py exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    )
     for name, folder in (PACKAGES | SCRIPTS).items():
         target = tmp_path.joinpath(*name.split("."))
         assert sorted(p.name for p in target.glob("*.py")) == sorted(p.name for p in folder.glob("*.py"))
     assert [p.name for p in tmp_path.iterdir()] == ["replica"], "only replica ships (not tests/support)"
     shipped = {p.parent for p in (tmp_path / "replica").rglob("*.py")}
-    assert shipped == {tmp_path.joinpath(*name.split(".")) for name in PACKAGES | SCRIPTS}, \
+    assert shipped == {tmp_path.joinpath(*name.split(".")) for name in PACKAGES | SCRIPTS}, (
         "a folder of replica/ left out of the wheel"
+    )
 
 
 @pytest.mark.parametrize("name", _modules())
@@ -69,12 +80,34 @@ def test_top_level_all_names_the_errors_and_the_lazy_names():
 # replica 0.1's flat module paths, removed before any release: none may come back, as a
 # module or as an alias (each names where its module lives now, e.g. replica.jobstore).
 OLD_PATHS = (
-    "replica.backends", "replica.bucketstream", "replica.commit", "replica.data", "replica.divergence",
-    "replica.etcd", "replica.etcdwatch", "replica.export", "replica.jobstate", "replica.layout",
-    "replica.listener", "replica.pagebuffer", "replica.placement", "replica.protocol", "replica.registry",
-    "replica.repair", "replica.replicator", "replica.resilient", "replica.restore", "replica.rng",
-    "replica.serialize", "replica.snapshot", "replica.stores", "replica.stream", "replica.vllm_plugin",
-    "replica.vllm_staging", "replica.vllm_transfer", "replica.vllm_worker",
+    "replica.backends",
+    "replica.bucketstream",
+    "replica.commit",
+    "replica.data",
+    "replica.divergence",
+    "replica.etcd",
+    "replica.etcdwatch",
+    "replica.export",
+    "replica.jobstate",
+    "replica.layout",
+    "replica.listener",
+    "replica.pagebuffer",
+    "replica.placement",
+    "replica.protocol",
+    "replica.registry",
+    "replica.repair",
+    "replica.replicator",
+    "replica.resilient",
+    "replica.restore",
+    "replica.rng",
+    "replica.serialize",
+    "replica.snapshot",
+    "replica.stores",
+    "replica.stream",
+    "replica.vllm_plugin",
+    "replica.vllm_staging",
+    "replica.vllm_transfer",
+    "replica.vllm_worker",
 )
 
 
@@ -89,31 +122,41 @@ def test_old_module_paths_do_not_import(old):
 def test_public_paths_in_a_fresh_interpreter():
     """The names users have: replica.Replicator, Mirror, Config, replica.roles.init, and the
     vLLM module paths (a vLLM configured with them), each in an interpreter of its own."""
-    code = ("import replica; from replica import Config, Mirror, Replicator\n"
-            "from replica.integrations.vllm.transfer import ReplicaWeightTransferEngine\n"
-            "from replica.integrations.vllm.plugin import register\n"
-            "from replica.mirror import Mirror as M, fetch_mirror\n"
-            "from replica.jobstore import JobStore, keys\n"
-            "import replica.roles; assert callable(replica.roles.init) and M is Mirror\n")
+    code = (
+        "import replica; from replica import Config, Mirror, Replicator\n"
+        "from replica.integrations.vllm.transfer import ReplicaWeightTransferEngine\n"
+        "from replica.integrations.vllm.plugin import register\n"
+        "from replica.mirror import Mirror as M, fetch_mirror\n"
+        "from replica.jobstore import JobStore, keys\n"
+        "import replica.roles; assert callable(replica.roles.init) and M is Mirror\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
 #: What the data plane never needs: the mirror, the training loop's collectives, FSDP, vLLM.
-HEAVY = ("replica.mirror", "replica.distributed", "replica.weights", "replica.state", "replica.integrations",
-         "replica.roles", "torch.distributed.fsdp", "vllm")
+HEAVY = (
+    "replica.mirror",
+    "replica.distributed",
+    "replica.weights",
+    "replica.state",
+    "replica.integrations",
+    "replica.roles",
+    "torch.distributed.fsdp",
+    "vllm",
+)
 
 
 @pytest.mark.parametrize("module", ["replica", "replica.errors", "replica.transport"])
 def test_importing_a_layer_loads_nothing_above_it(module):
     """The top-level names are imported on first use: the bottom layer's independence holds at
     run time, not only in the source."""
-    code = (f"import sys, {module}\n"
-            f"print('\\n'.join(m for m in sys.modules if m.startswith({HEAVY!r})))")
+    code = f"import sys, {module}\nprint('\\n'.join(m for m in sys.modules if m.startswith({HEAVY!r})))"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.split() == [], done.stdout
     import replica  # and each name still resolves, once, to its definition
+
     assert replica.Mirror is importlib.import_module("replica.mirror.standby").Mirror
     assert replica.ops is importlib.import_module("replica.ops")
     with pytest.raises(AttributeError, match="no attribute 'Mirorr'"):
@@ -167,8 +210,11 @@ def test_layers_point_down_only():
     bad = {n for n in _replica_imports(ROOT / "replica") if n.startswith("replica.roles")}
     assert not bad, f"replica imports roles: {bad}"
     # replica.ray (Ray actors) sits on top of roles; only the command line reaches up to it, lazily.
-    bad = {n for n in _replica_imports(ROOT / "replica") | _replica_imports(ROOT / "roles", skip=("cli.py",))
-           if n.startswith("replica.ray")}
+    bad = {
+        n
+        for n in _replica_imports(ROOT / "replica") | _replica_imports(ROOT / "roles", skip=("cli.py",))
+        if n.startswith("replica.ray")
+    }
     assert not bad, f"replica or roles import replica.ray: {bad}"
     for sub, allowed in LAYERS.items():
         bad = _outside(_replica_imports(ROOT / "replica" / sub), allowed)
@@ -203,8 +249,10 @@ def test_extension_does_not_carry_its_own_libstdcxx():
     if nm.returncode != 0:
         pytest.skip(f"nm cannot read the extension: {nm.stderr.strip()}")
     copies = [line for line in nm.stdout.splitlines() if "std::locale::" in line]
-    assert not copies, (f"{_C.__file__} defines {len(copies)} std::locale symbols of its own (libstdc++ linked "
-                        f"statically), e.g. {copies[0]}; rebuild with the system compiler")
+    assert not copies, (
+        f"{_C.__file__} defines {len(copies)} std::locale symbols of its own (libstdc++ linked "
+        f"statically), e.g. {copies[0]}; rebuild with the system compiler"
+    )
 
 
 def _calls_monotonic_plus(path: Path) -> list[int]:
@@ -213,8 +261,13 @@ def _calls_monotonic_plus(path: Path) -> list[int]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
             left = node.left
-            if (isinstance(left, ast.Call) and isinstance(left.func, ast.Attribute) and left.func.attr == "monotonic"
-                    and isinstance(left.func.value, ast.Name) and left.func.value.id == "time"):
+            if (
+                isinstance(left, ast.Call)
+                and isinstance(left.func, ast.Attribute)
+                and left.func.attr == "monotonic"
+                and isinstance(left.func.value, ast.Name)
+                and left.func.value.id == "time"
+            ):
                 found.append(node.lineno)
     return found
 
@@ -222,8 +275,13 @@ def _calls_monotonic_plus(path: Path) -> list[int]:
 def test_deadlines_are_written_one_way(tmp_path):
     """Every deadline is a ``replica.timing.Deadline``: no ``time.monotonic() +`` outside that module."""
     folders = [*FOLDERS.values(), ROOT / "bench", ROOT / "tests", ROOT / "examples", ROOT / "tools"]
-    hand = {f"{p.relative_to(ROOT)}:{line}" for folder in folders for p in folder.rglob("*.py")
-            if p != ROOT / "replica" / "timing.py" for line in _calls_monotonic_plus(p)}
+    hand = {
+        f"{p.relative_to(ROOT)}:{line}"
+        for folder in folders
+        for p in folder.rglob("*.py")
+        if p != ROOT / "replica" / "timing.py"
+        for line in _calls_monotonic_plus(p)
+    }
     assert not hand, f"deadlines written by hand (use replica.timing.Deadline): {sorted(hand)}"
     (tmp_path / "m.py").write_text("import time\nend = time.monotonic() + 5\n")
     assert _calls_monotonic_plus(tmp_path / "m.py") == [2]  # the check can fail
@@ -246,8 +304,13 @@ def test_environment_variables_are_named_in_one_module():
     """Every REPLICA_* variable is a constant of replica/envvars.py, which writers and readers
     both import: nothing shipped, no example and no benchmark spells one out."""
     names = ROOT / "replica" / "envvars.py"
-    found = [hit for folder in (*FOLDERS.values(), ROOT / "examples", ROOT / "bench")
-             for path in sorted(folder.rglob("*.py")) if path != names for hit in _env_names_spelled_out(path)]
+    found = [
+        hit
+        for folder in (*FOLDERS.values(), ROOT / "examples", ROOT / "bench")
+        for path in sorted(folder.rglob("*.py"))
+        if path != names
+        for hit in _env_names_spelled_out(path)
+    ]
     assert not found, "environment variables spelled out (use replica.envvars):\n" + "\n".join(found)
     from replica import envvars
 
@@ -257,8 +320,10 @@ def test_environment_variables_are_named_in_one_module():
 
 def test_environment_name_check_sees_literals(tmp_path):
     # The rule above must be able to fail: a plain string, an f-string's text and a keyword.
-    (tmp_path / "m.py").write_text('import os\nos.environ.get("REPLICA_TOKEN")\nx = f"REPLICA_STEPS={1}"\n'
-                                   'dict(REPLICA_ROLE="trainer")\n"""Prose may name REPLICA_TOKEN."""\n'
-                                   'y = "set REPLICA_TOKEN"\n')
+    (tmp_path / "m.py").write_text(
+        'import os\nos.environ.get("REPLICA_TOKEN")\nx = f"REPLICA_STEPS={1}"\n'
+        'dict(REPLICA_ROLE="trainer")\n"""Prose may name REPLICA_TOKEN."""\n'
+        'y = "set REPLICA_TOKEN"\n'
+    )
     found = _env_names_spelled_out(tmp_path / "m.py")
     assert sorted(int(hit.split(": ", 1)[0].rsplit(":", 1)[1]) for hit in found) == [2, 3, 4], found

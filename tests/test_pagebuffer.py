@@ -33,7 +33,7 @@ def test_pages_go_back_once_nothing_holds_them_and_held_ones_stay():
     assert _resident(buf) == n
     spans = [(lo, min(lo + 3_000_001, n)) for lo in range(0, n, 3_000_001)]  # not page-aligned
     kept = []
-    for k, ((lo, hi), view) in enumerate(zip(spans, buf.consumable(iter(spans)))):
+    for k, ((lo, hi), view) in enumerate(zip(spans, buf.consumable(iter(spans)), strict=False)):
         assert view.numel() == hi - lo and int(view[0]) == 7
         derived = view[1:].view(torch.uint8)
         if k == 5:

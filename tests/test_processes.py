@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,10 +16,12 @@ import pytest
 from replica.processes import start_script
 from support.children import descendants, process_state, wait_for
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server's children are Linux only")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the fork server's children are Linux only"
+)
 
 # What a script sees of its start, written as JSON to argv[1]; then it ends as argv[2] says.
-_SCRIPT = '''
+_SCRIPT = """
 import atexit, json, os, sys, threading, time
 import multiprocessing as mp
 
@@ -39,7 +40,8 @@ if __name__ == "__main__":
     forked = mp.get_context("fork").Process(target=time.sleep, args=(0,))  # a DataLoader's workers do this
     forked.start()
     forked.join()
-    seen = {"start_method": mp.get_start_method(), "parent": mp.parent_process(), "name": __name__, "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+    seen = {"start_method": mp.get_start_method(), "parent": mp.parent_process(), "name": __name__,
+            "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
             "given": os.environ.get("GIVEN"), "parent_only": os.environ.get("PARENT_ONLY"),
             "comm": open("/proc/self/comm").read().strip(), "spawned": spawned, "forked": forked.exitcode,
             "torch_preloaded": "torch" in sys.modules}
@@ -53,7 +55,7 @@ if __name__ == "__main__":
         sys.exit(int(end[4:]))
     if end == "sleep":
         time.sleep(600)
-'''
+"""
 
 
 @pytest.fixture
@@ -67,15 +69,27 @@ def script(tmp_path) -> Path:
 def test_a_script_runs_as_python_would_run_it(tmp_path, script, monkeypatch):
     monkeypatch.setenv("PARENT_ONLY", "1")
     out = tmp_path / "seen.json"
-    proc = start_script([str(script), str(out), "exit0"], env={"GIVEN": "yes", "PATH": os.environ["PATH"]},
-                        name="trainer 3")
+    proc = start_script(
+        [str(script), str(out), "exit0"], env={"GIVEN": "yes", "PATH": os.environ["PATH"]}, name="trainer 3"
+    )
     assert proc.wait(timeout=120) == 0 and proc.returncode == 0 and proc.poll() == 0
     seen = json.loads(out.read_text())
-    assert seen == {"start_method": "fork", "parent": None, "name": "__main__", "argv": [str(script), str(out), "exit0"], "path0": str(script.parent),
-                    "cwd": os.getcwd(), "given": "yes", "parent_only": None, "comm": "trainer 3", "spawned": [9],
-                    "forked": 0, "torch_preloaded": True}
-    assert (tmp_path / "seen.json.atexit").read_text() == "ran"      # atexit handlers ran
-    assert (tmp_path / "seen.json.thread").read_text() == "joined"   # a non-daemon thread was waited for
+    assert seen == {
+        "start_method": "fork",
+        "parent": None,
+        "name": "__main__",
+        "argv": [str(script), str(out), "exit0"],
+        "path0": str(script.parent),
+        "cwd": os.getcwd(),
+        "given": "yes",
+        "parent_only": None,
+        "comm": "trainer 3",
+        "spawned": [9],
+        "forked": 0,
+        "torch_preloaded": True,
+    }
+    assert (tmp_path / "seen.json.atexit").read_text() == "ran"  # atexit handlers ran
+    assert (tmp_path / "seen.json.thread").read_text() == "joined"  # a non-daemon thread was waited for
 
 
 @pytest.mark.parametrize(("end", "status"), [("exit3", 3), ("raise", 1)])
@@ -160,16 +174,31 @@ def test_a_server_forked_from_its_starter_runs_scripts_as_the_execd_one(tmp_path
     """start_server: a command's fork (no interpreter started again) where it runs no other
     thread; the exec'd server where it does. The script sees the same either way."""
     out = tmp_path / "seen.json"
-    done = subprocess.run([sys.executable, "-c", _STARTER, mode, str(script), str(out), "exit0"], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "GIVEN": "yes"})
+    done = subprocess.run(
+        [sys.executable, "-c", _STARTER, mode, str(script), str(out), "exit0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "GIVEN": "yes"},
+    )
     assert done.returncode == 0, done.stderr
     started, status = done.stdout.splitlines()
     assert started.split()[1] == str(forked) and status == "0"
     seen = json.loads(out.read_text())
-    assert {k: seen[k] for k in ("start_method", "parent", "name", "path0", "given", "comm", "spawned", "forked",
-                                 "torch_preloaded")} == {
-        "start_method": "fork", "parent": None, "name": "__main__", "path0": str(script.parent), "given": "yes",
-        "comm": "trainer 0", "spawned": [9], "forked": 0, "torch_preloaded": True}
+    assert {
+        k: seen[k]
+        for k in ("start_method", "parent", "name", "path0", "given", "comm", "spawned", "forked", "torch_preloaded")
+    } == {
+        "start_method": "fork",
+        "parent": None,
+        "name": "__main__",
+        "path0": str(script.parent),
+        "given": "yes",
+        "comm": "trainer 0",
+        "spawned": [9],
+        "forked": 0,
+        "torch_preloaded": True,
+    }
     assert (tmp_path / "seen.json.atexit").read_text() == "ran"
 
 
@@ -178,8 +207,9 @@ def test_a_script_dies_with_the_process_that_started_it(tmp_path, script, mode):
     """Its starter SIGKILLed: the starter's fork server (exec'd, or the starter's fork) exits and
     the script gets its parent-death signal."""
     out = tmp_path / "seen.json"
-    starter = subprocess.Popen([sys.executable, "-c", _STARTER, mode, str(script), str(out), "sleep"],
-                               stdout=subprocess.PIPE, text=True)
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, mode, str(script), str(out), "sleep"], stdout=subprocess.PIPE, text=True
+    )
     pid = 0
     try:
         pid = int(starter.stdout.readline().split()[0])
@@ -189,8 +219,9 @@ def test_a_script_dies_with_the_process_that_started_it(tmp_path, script, mode):
         assert (name == "replica-forks") == (mode == "forked"), name
         starter.kill()
         starter.wait(timeout=30)
-        wait_for(lambda: not _running(pid) and not _running(server), "the script's and its server's death",
-                 timeout_s=10)
+        wait_for(
+            lambda: not _running(pid) and not _running(server), "the script's and its server's death", timeout_s=10
+        )
     finally:
         if starter.poll() is None:
             starter.kill()

@@ -54,8 +54,9 @@ def test_the_promoted_trainer_holds_the_commit_and_its_new_standby_receives_it_f
         replacement.append(replica.Mirror(rank=0, world_size=1, store=store, config=cfg))
 
     starter = threading.Thread(target=start_replacement)
-    with replica.Replicator(promoted.model, promoted.optimizer, promoted.extra, store=store, config=cfg, rank=0,
-                            world_size=1) as rep:
+    with replica.Replicator(
+        promoted.model, promoted.optimizer, promoted.extra, store=store, config=cfg, rank=0, world_size=1
+    ) as rep:
         rep.adopt(held, spare)
         assert rep._snapshots == [held, spare] and spare.step is None  # no copy; the spare holds no step
         assert rep._snapshots[0].buffer.data_ptr() == slot.buffer.data_ptr()
@@ -92,8 +93,7 @@ def test_a_handed_over_mirror_receives_nothing_more(store):
     j = job()
     standby = replica.Mirror(rank=0, world_size=1, store=store, config=cfg)
     try:
-        with replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0,
-                                world_size=1) as rep:
+        with replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
             trained(j, 2, rep)
             assert rep.wait_committed() == 2
             held, _ = standby.hand_over(2)
@@ -126,8 +126,7 @@ def test_a_step_answered_but_never_recorded_goes_to_the_replacement(store):
     standby._acknowledge = dies_before_recording
     new_standby = None
     try:
-        with replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0,
-                                world_size=1) as rep:
+        with replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
             trained(j, 2, rep)
             wait_for(lambda: rep.stream_stats.acked_step == 2, "the answer to step 2")
             # The standby answers first, then records (here: then skips): the answer may arrive first.

@@ -22,10 +22,10 @@ ray = pytest.importorskip("ray", reason="replica[ray] is not installed (make tes
 from ray._private import ray_constants  # noqa: E402
 
 from replica import envvars  # noqa: E402
+from replica.errors import PlacementError  # noqa: E402
+from replica.jobstore import JobStore  # noqa: E402
 from replica.jobstore.commit import CommitRecord  # noqa: E402
 from replica.jobstore.etcd import EtcdStore  # noqa: E402
-from replica.jobstore import JobStore  # noqa: E402
-from replica.errors import PlacementError  # noqa: E402
 from replica.ray import Placement, RayJob, RayJobConfig, Sampling  # noqa: E402
 from replica.ray.launch import parse_placement  # noqa: E402
 from replica.roles.report import compare_reports, load_report  # noqa: E402
@@ -39,8 +39,14 @@ TOKEN = "ray-test-token"
 
 
 def _job(tmp_path, **overrides) -> RayJob:
-    config = dict(script=(str(EXAMPLE),), trainers=2, steps=STEPS, report=tmp_path / "ray.json",
-                  export_dir=tmp_path / "export", timeout=timedelta(minutes=5))
+    config = dict(
+        script=(str(EXAMPLE),),
+        trainers=2,
+        steps=STEPS,
+        report=tmp_path / "ray.json",
+        export_dir=tmp_path / "export",
+        timeout=timedelta(minutes=5),
+    )
     return RayJob(RayJobConfig(**(config | overrides)))
 
 
@@ -65,14 +71,19 @@ def _assert_standbys_beside_no_trainer(report: dict) -> None:
 
 def test_placement_bundles_and_options():
     p = Placement(trainer={"GPU": 8}, rollout={"GPU": 8}, standby={"CPU": 1})
-    assert p.bundles(trainers=2, rollouts=2, standbys=1) == [{"GPU": 8}, {"GPU": 8}, {"GPU": 8, "CPU": 1},
-                                                              {"GPU": 8}]
+    assert p.bundles(trainers=2, rollouts=2, standbys=1) == [{"GPU": 8}, {"GPU": 8}, {"GPU": 8, "CPU": 1}, {"GPU": 8}]
     assert parse_placement('{"trainer": {"CPU": 2}, "strategy": "SPREAD", "timeout_s": 5}') == Placement(
-        trainer={"CPU": 2.0}, strategy="SPREAD", timeout=timedelta(seconds=5))
+        trainer={"CPU": 2.0}, strategy="SPREAD", timeout=timedelta(seconds=5)
+    )
     assert parse_placement('{"domain_label": "rack"}') == Placement(domain_label="rack")
-    for bad, why in [("{", "not JSON"), ('{"gpu": {}}', "keys"), ('{"trainer": {"CPU": -1}}', ">= 0"),
-                     ('{"strategy": "RANDOM"}', "strategy"), ('{"timeout_s": 0}', "timeout_s"),
-                     ('{"domain_label": ""}', "domain_label")]:
+    for bad, why in [
+        ("{", "not JSON"),
+        ('{"gpu": {}}', "keys"),
+        ('{"trainer": {"CPU": -1}}', ">= 0"),
+        ('{"strategy": "RANDOM"}', "strategy"),
+        ('{"timeout_s": 0}', "timeout_s"),
+        ('{"domain_label": ""}', "domain_label"),
+    ]:
         with pytest.raises(ValueError, match=why):
             parse_placement(bad)
     with pytest.raises(ValueError, match="host faults"):
@@ -103,7 +114,8 @@ def test_failover_demo_on_ray_a_trainer_actor_killed(ray_cluster, tmp_path, refe
         # Each role's failure domain is its node's rack label (Placement.domain_label), one rack a node.
         racks = {n["NodeID"]: f"rack={n['Labels']['rack']}" for n in ray.nodes() if "rack" in n.get("Labels", {})}
         assert {(m.role, m.rank): m.domain for m in job.coordinator.members} == {
-            tuple(role.split()[0:1]) + (int(role.split()[1]),): racks[node] for role, node in nodes.items()}, nodes
+            tuple(role.split()[0:1]) + (int(role.split()[1]),): racks[node] for role, node in nodes.items()
+        }, nodes
         ray.kill(job.actor("trainer", 1), no_restart=True)
         killed = time.time()
         assert job.wait(timedelta(minutes=4)) == 0
@@ -173,35 +185,74 @@ def test_a_spare_standby_on_a_node_without_a_trainer_is_bound_after_a_kill(ray_c
 def test_a_placement_the_cluster_cannot_satisfy_fails_within_its_deadline(ray_cluster, tmp_path):
     job = _job(tmp_path, placement=Placement(trainer={"GPU": 1}, timeout=timedelta(seconds=3)))
     started = time.monotonic()
-    with pytest.raises(PlacementError, match=r"cannot place the job within 3 s.*'GPU': 1.*6 live nodes have .*'CPU': 2\.0"):
+    with pytest.raises(
+        PlacementError, match=r"cannot place the job within 3 s.*'GPU': 1.*6 live nodes have .*'CPU': 2\.0"
+    ):
         job.start()
     assert time.monotonic() - started < 3 * 5
     assert ray.util.placement_group_table() and all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())  # nothing left pending
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )  # nothing left pending
     # The command line says the same and exits 2.
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--ray", ray_cluster.address,
-                           "--ray-placement", json.dumps({"trainer": {"CPU": 64}, "timeout_s": 3}), "--steps", "2",
-                           str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replica.roles.cli",
+            "launch",
+            "--ray",
+            ray_cluster.address,
+            "--ray-placement",
+            json.dumps({"trainer": {"CPU": 64}, "timeout_s": 3}),
+            "--steps",
+            "2",
+            str(EXAMPLE),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "cannot place the job within 3 s" in proc.stdout
 
 
-def test_a_job_whose_standbys_cannot_leave_their_trainers_zone_is_refused_before_anything_starts(ray_cluster, tmp_path,
-                                                                                                   monkeypatch):
+def test_a_job_whose_standbys_cannot_leave_their_trainers_zone_is_refused_before_anything_starts(
+    ray_cluster, tmp_path, monkeypatch
+):
     """Every node is in zone z1: with the zone as the failure domain (``domain_label``) no standby
     can be kept out of its trainer's, so the job is refused once its machines are reserved,
     before any role starts, naming the trainers' domains; the machines are freed. The command
     line says the same and exits 2."""
     monkeypatch.delenv(envvars.ALLOW_SHARED_DOMAIN, raising=False)  # it would allow the job
     with _job(tmp_path, placement=Placement(domain_label="zone")) as job:
-        with pytest.raises(PlacementError, match=r"no standby can be kept out of its trainer's failure domain.*"
-                                                 r"trainer 0: zone=z1, trainer 1: zone=z1.*domain_label='zone'"):
+        with pytest.raises(
+            PlacementError,
+            match=r"no standby can be kept out of its trainer's failure domain.*"
+            r"trainer 0: zone=z1, trainer 1: zone=z1.*domain_label='zone'",
+        ):
             job.start()
         assert job.agents is None or not job.agents.nodes(), "a role was started"
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--ray", ray_cluster.address,
-                           "--ray-placement", json.dumps({"domain_label": "zone"}), "--steps", "2", str(EXAMPLE)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replica.roles.cli",
+            "launch",
+            "--ray",
+            ray_cluster.address,
+            "--ray-placement",
+            json.dumps({"domain_label": "zone"}),
+            "--steps",
+            "2",
+            str(EXAMPLE),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "no standby can be kept out of its trainer's failure domain" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
@@ -211,7 +262,8 @@ def test_a_job_whose_standbys_cannot_leave_their_trainers_zone_is_refused_before
 def test_the_rl_loop_on_ray_a_rollout_node_removed_and_a_trainer_actor_killed(ray_cluster, tmp_path, rl_reference):
     """The RL loop (vLLM engines, 2 trainers, standbys on the rollout machines) on Ray. Rollout
     machine 2's node (engine 2 only: 2 trainers, 2 standbys) dies whole after the first commit:
-    the other engines take its shards and a new engine is started on a node without a trainer. Trainer 1's actor is killed in step 4: standby 1 takes over (engine 1, on
+    the other engines take its shards and a new engine is started on a node without a trainer.
+    Trainer 1's actor is killed in step 4: standby 1 takes over (engine 1, on
     its machine, is retired). Losses and rewards bit-identical to the failure-free run."""
     from support.launch import RL_STEPS
 
@@ -251,9 +303,27 @@ def test_the_selftest_on_a_ray_cluster(ray_cluster, tmp_path):
     (the pair case back to the floor on Ray too, the RL loop's with its vLLM engines as actors),
     each fault fired; the host case, which needs host agents, skipped saying so."""
     work = tmp_path / "work"
-    done = subprocess.run([sys.executable, "-m", "replica.roles.cli", "selftest", "--ray", ray_cluster.address,
-                           "--steps", "8", "--durable", str(tmp_path / "floor"), "--report", str(work)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=1700, env=dict(os.environ, REPLICA_TOKEN=TOKEN))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replica.roles.cli",
+            "selftest",
+            "--ray",
+            ray_cluster.address,
+            "--steps",
+            "8",
+            "--durable",
+            str(tmp_path / "floor"),
+            "--report",
+            str(work),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+        env=dict(os.environ, REPLICA_TOKEN=TOKEN),
+    )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     summary = json.loads((work / "selftest.json").read_text())
     assert summary["target"] == ray_cluster.address and summary["passed"] is True
@@ -267,8 +337,14 @@ def test_the_selftest_on_a_ray_cluster(ray_cluster, tmp_path):
             continue
         assert outcomes[case.name] == "bit-identical", (case.name, outcomes)
         report = json.loads((work / case.name / "run.json").read_text())
-        assert report["faults"] and all(f["fired_at"] is not None for f in report["faults"]), (case.name, report["faults"])
+        assert report["faults"] and all(f["fired_at"] is not None for f in report["faults"]), (
+            case.name,
+            report["faults"],
+        )
     assert outcomes.get("host-lost", "skipped") == "skipped", outcomes
-    (resumed,) = [r for r in json.loads((work / "trainer-and-standby" / "run.json").read_text())["restarts"]
-                  if "resumed_from_floor" in r]
+    (resumed,) = [
+        r
+        for r in json.loads((work / "trainer-and-standby" / "run.json").read_text())["restarts"]
+        if "resumed_from_floor" in r
+    ]
     assert resumed["resumed_from_floor"] % 3 == 0, resumed

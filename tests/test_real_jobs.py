@@ -24,8 +24,9 @@ pytest.importorskip("transformers", reason="examples/train_hf.py builds a Huggin
 LOADERS = {"stateful": ("--loader", "stateful"), "plain-workers": ("--loader", "plain", "--workers", "2")}
 
 
-def run(tmp_path: Path, loader: str, *options: str, name: str = "run",
-        script_args: tuple[str, ...] = ()) -> tuple[int, dict, str]:
+def run(
+    tmp_path: Path, loader: str, *options: str, name: str = "run", script_args: tuple[str, ...] = ()
+) -> tuple[int, dict, str]:
     if loader == "stateful":
         pytest.importorskip("torchdata", reason="the StatefulDataLoader is torchdata's (replica[data])")
     return launch(tmp_path, *options, name=name, script=HF, steps=STEPS, script_args=LOADERS[loader] + script_args)
@@ -72,8 +73,11 @@ def test_a_real_job_killed_in_every_phase_is_bit_identical(tmp_path, references,
 @pytest.mark.parametrize("loader", list(LOADERS))
 def test_a_real_job_killed_twice_in_a_row_is_bit_identical(tmp_path, references, loader):
     """Trainer 1 dies at step 3, then trainer 0 (a survivor of the first failover) at step 6."""
-    assert_bit_identical(references(loader), *run(tmp_path, loader, "--inject",
-                                                  "kill:trainer:1@3:backward,kill:trainer:0@6:optimizer"), kills=2)
+    assert_bit_identical(
+        references(loader),
+        *run(tmp_path, loader, "--inject", "kill:trainer:1@3:backward,kill:trainer:0@6:optimizer"),
+        kills=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +87,16 @@ def compiled_references(tmp_path_factory, references):
 
     def reference(mode: str) -> dict:
         if mode not in made:
-            code, report, output = run(tmp_path_factory.mktemp(f"hf-compile-{mode}"), "stateful", name="reference",
-                                       script_args=("--compile", mode))
+            code, report, output = run(
+                tmp_path_factory.mktemp(f"hf-compile-{mode}"),
+                "stateful",
+                name="reference",
+                script_args=("--compile", mode),
+            )
             assert code == 0, output[-4000:]
-            assert compare_reports(references("stateful"), report) != [], \
+            assert compare_reports(references("stateful"), report) != [], (
                 "the compiled run equals the eager one: did torch.compile take effect?"
+            )
             made[mode] = report
         return made[mode]
 
@@ -104,16 +113,22 @@ def test_a_compiled_real_job_killed_once_is_bit_identical(tmp_path, compiled_ref
     ``OptimizedModule``, its names prefixed). The standby compiled in its warm-up
     (``job.warm_up``), so its first step after the promotion compiles nothing, and the redo
     equals the compiled failure-free run bit for bit."""
-    code, report, output = run(tmp_path, "stateful", "--inject", f"kill:trainer:1@5:{phase}",
-                               script_args=("--compile", mode))
+    code, report, output = run(
+        tmp_path, "stateful", "--inject", f"kill:trainer:1@5:{phase}", script_args=("--compile", mode)
+    )
     assert_bit_identical(compiled_references(mode), code, report, output)
     assert COMPILED_IN_FAILOVER not in output, "the warm-up did not cover the promoted standby's first step"
 
 
 @pytest.mark.slow
 def test_a_standby_without_a_warm_up_says_it_compiled_in_the_failover(tmp_path, compiled_references):
-    code, report, output = run(tmp_path, "stateful", "--inject", "kill:trainer:1@5:backward",
-                               script_args=("--compile", "model", "--no-warm-up"))
+    code, report, output = run(
+        tmp_path,
+        "stateful",
+        "--inject",
+        "kill:trainer:1@5:backward",
+        script_args=("--compile", "model", "--no-warm-up"),
+    )
     assert_bit_identical(compiled_references("model"), code, report, output)
     assert COMPILED_IN_FAILOVER in output and "job.warm_up(step)" in output, output[-4000:]
 
@@ -122,8 +137,15 @@ def test_a_random_draw_outside_the_mirrored_state_is_caught(tmp_path):
     """--unmirrored-noise draws from a generator the loop keeps outside ``extra``: after the
     failover, the survivor's redo of the step in flight differs from its first attempt. The
     guard says so (its loss and its state), the report records it, --strict ends the job."""
-    code, report, output = launch(tmp_path, "--strict", "--inject", "kill:trainer:1@5:optimizer", script=HF,
-                                  steps=STEPS, script_args=("--loader", "plain", "--unmirrored-noise"))
+    code, report, output = launch(
+        tmp_path,
+        "--strict",
+        "--inject",
+        "kill:trainer:1@5:optimizer",
+        script=HF,
+        steps=STEPS,
+        script_args=("--loader", "plain", "--unmirrored-noise"),
+    )
     assert report["faults"][0]["fired_at"] is not None, "the kill did not fire"
     assert code != 0, "--strict let a diverged job finish with exit code 0"
     found = {(d["rank"], d["step"], d["measure"]) for d in report["divergences"]}
@@ -133,16 +155,18 @@ def test_a_random_draw_outside_the_mirrored_state_is_caught(tmp_path):
     assert "DIVERGED" in (report["failure"] or "")
 
 
-@pytest.mark.parametrize("inject,steps", [("kill:trainer:0@8:backward,kill:trainer:1@10:backward", 12),
-                                          ("kill:trainer:1@5:forward", STEPS)])
+@pytest.mark.parametrize(
+    "inject,steps", [("kill:trainer:0@8:backward,kill:trainer:1@10:backward", 12), ("kill:trainer:1@5:forward", STEPS)]
+)
 def test_a_loop_with_its_own_iterator_is_caught_when_killed_before_its_loss(tmp_path, inject, steps):
     """The loop iterates its DataLoader itself (--own-iterator), dropout on, and is killed in
     the forward or the backward: the step it died in logged no loss and packed no state, so
     only its inputs tell. The survivor's redo takes the next batches of its own iterator, not
     the ones its first attempt took: the guard reports the inputs' divergence (measure
     "input"), where it used to stay silent while the losses left the failure-free run."""
-    code, report, output = launch(tmp_path, "--inject", inject, script=HF, steps=steps,
-                                  script_args=("--loader", "plain", "--own-iterator"))
+    code, report, output = launch(
+        tmp_path, "--inject", inject, script=HF, steps=steps, script_args=("--loader", "plain", "--own-iterator")
+    )
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
     inputs = [d for d in report["divergences"] if d["measure"] == "input"]

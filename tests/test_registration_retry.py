@@ -5,7 +5,6 @@ an engine whose connection failed again on a later push instead of never."""
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from datetime import timedelta
@@ -80,8 +79,10 @@ def test_a_standby_whose_first_connection_failed_is_tried_again():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=T)
     cfg = config(timeout=T, standby_wait=timedelta(seconds=20))
     j = job()
-    with FlakyMirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
-            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
+    with (
+        FlakyMirror(rank=0, world_size=1, store=store, config=cfg) as mirror,
+        replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep,
+    ):
         trained(j, 2, rep)
         assert rep.wait_committed(timedelta(seconds=60)) == 2
         assert mirror.dropped == 1  # the fault fired

@@ -61,8 +61,9 @@ def test_members_that_start_far_apart_connect_the_first_generation():
     def member(rank: int, late_s: float) -> None:
         time.sleep(late_s)
         try:
-            group = ResilientProcessGroup(store=store, rank=rank, world_size=2, timeout=timedelta(seconds=1),
-                                          name=f"test-late-{rank}", cuda=False)
+            group = ResilientProcessGroup(
+                store=store, rank=rank, world_size=2, timeout=timedelta(seconds=1), name=f"test-late-{rank}", cuda=False
+            )
             group.configure(0, ready_timeout=timedelta(seconds=30))
             groups[rank] = group
         except BaseException as exc:  # noqa: BLE001 - reported below
@@ -75,8 +76,10 @@ def test_members_that_start_far_apart_connect_the_first_generation():
         t.join(60)
     assert not errors and sorted(groups) == [0, 1], errors
     results = [None, None]
-    sums = [threading.Thread(target=lambda r=r: results.__setitem__(r, allreduce(groups[r], r + 1.0).item()))
-            for r in range(2)]
+    sums = [
+        threading.Thread(target=lambda r=r: results.__setitem__(r, allreduce(groups[r], r + 1.0).item()))
+        for r in range(2)
+    ]
     for t in sums:
         t.start()
     for t in sums:
@@ -108,8 +111,12 @@ def _in_all(groups: list[ResilientProcessGroup], fn) -> list:
 
 def _groups(name: str, world: int, timeout_s: float = 10) -> list[ResilientProcessGroup]:
     store = dist.HashStore()
-    groups = [ResilientProcessGroup(store=store, rank=r, world_size=world, timeout=timedelta(seconds=timeout_s),
-                                    name=f"{name}-{r}", cuda=False) for r in range(world)]
+    groups = [
+        ResilientProcessGroup(
+            store=store, rank=r, world_size=world, timeout=timedelta(seconds=timeout_s), name=f"{name}-{r}", cuda=False
+        )
+        for r in range(world)
+    ]
     _in_all(groups, lambda g, r: g.configure(0))
     return groups
 
@@ -117,10 +124,12 @@ def _groups(name: str, world: int, timeout_s: float = 10) -> list[ResilientProce
 # Every CPU collective FSDP2 and replica post, as rank 0 of 2 posts it alone (its peer gone silent).
 _SILENT_PEER = {
     "allreduce": lambda g: g.allreduce([torch.ones(4)], dist.AllreduceOptions()),
-    "reduce_scatter_tensor": lambda g: g._reduce_scatter_base(torch.empty(2), torch.ones(4),
-                                                              dist.ReduceScatterOptions()),
-    "reduce_scatter": lambda g: g.reduce_scatter([torch.empty(2)], [[torch.ones(2), torch.ones(2)]],
-                                                 dist.ReduceScatterOptions()),
+    "reduce_scatter_tensor": lambda g: g._reduce_scatter_base(
+        torch.empty(2), torch.ones(4), dist.ReduceScatterOptions()
+    ),
+    "reduce_scatter": lambda g: g.reduce_scatter(
+        [torch.empty(2)], [[torch.ones(2), torch.ones(2)]], dist.ReduceScatterOptions()
+    ),
     "all_gather_into_tensor": lambda g: g._allgather_base(torch.empty(4), torch.ones(2), c10d.AllgatherOptions()),
     "allgather": lambda g: g.allgather([[torch.empty(2), torch.empty(2)]], [torch.ones(2)], c10d.AllgatherOptions()),
     "broadcast": lambda g: g.broadcast([torch.ones(2)], dist.BroadcastOptions()),
@@ -173,11 +182,14 @@ def test_cpu_reduce_scatters_give_each_rank_its_reduced_chunk():
 
     total = sum(torch.arange(world * 6, dtype=torch.float32).reshape(world * 2, 3) * (r + 1) for r in range(world))
     for rank, out in enumerate(_in_all(groups, flat)):
-        assert torch.equal(out, total[2 * rank:2 * rank + 2]), (rank, out)
+        assert torch.equal(out, total[2 * rank : 2 * rank + 2]), (rank, out)
 
     def listed(g, r):
         outs = [torch.empty(2), torch.empty(3)]
-        inputs = [[torch.full((2,), 10.0 * d + r) for d in range(world)], [torch.full((3,), d - r) for d in range(world)]]
+        inputs = [
+            [torch.full((2,), 10.0 * d + r) for d in range(world)],
+            [torch.full((3,), d - r) for d in range(world)],
+        ]
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         g.reduce_scatter(outs, inputs, opts).wait()

@@ -43,8 +43,9 @@ def test_rl_loop_survives_a_trainer_and_a_rollout_kill_under_load(tmp_path, refe
     asserts nothing more and took 2 min of CI's 30: `make demo-rl` runs it.)"""
     with busy_cores(per_core=2) as load:
         # Loaded, this run took 4-5 min of its job's first 4-min deadline: give it room.
-        code, report, output = launch(tmp_path, *OPTIONS, "--inject", "kill:rollout:0@2,kill:trainer:1@4:backward",
-                                      script=RL, timeout_s=480)
+        code, report, output = launch(
+            tmp_path, *OPTIONS, "--inject", "kill:rollout:0@2,kill:trainer:1@4:backward", script=RL, timeout_s=480
+        )
         assert load.all_alive()  # the load lasted the whole run
     assert code == 0, output[-4000:]
     assert report["standbys_replaced"] == [], report["standbys_replaced"]  # no false death
@@ -64,8 +65,9 @@ def test_rl_loop_survives_a_trainer_and_a_rollout_kill_under_load(tmp_path, refe
     assert compare_reports(reference, report) == []  # losses and rewards, bit for bit
     # Step 4's rollouts were done when trainer 1 died in its backward: the redo takes them (no second
     # push, no second generation; a redo from step 3, if its commit was not complete, takes step 3's too).
-    assert re.search(r"step [34] is redone: its rollouts, request \d+ \(version \d+\), are kept", output), \
-        output[-4000:]
+    assert re.search(r"step [34] is redone: its rollouts, request \d+ \(version \d+\), are kept", output), output[
+        -4000:
+    ]
     assert report["rollout_tokens_regenerated"] == 0, shards
     assert report["last_commit"] == 6
 
@@ -87,9 +89,16 @@ def test_a_frozen_leader_waking_up_after_its_failover_pushes_no_weights(tmp_path
     inject = {"REPLICA_INJECT": f"freeze:trainer:0@{FROZEN_STEP}:forward"}
     coordinator = start_coordinator(port, report, "--rollouts", "1", steps=6, **inject)
     logs = [tmp_path / f"{role}{rank}.log" for role, rank in ROLES]  # files: a full pipe would stall a role
-    roles = [subprocess.Popen([sys.executable, str(RL)], env=role_env(port, role, rank, **steps, **inject), cwd=ROOT,
-                              stdout=log.open("w"), stderr=subprocess.STDOUT)
-             for (role, rank), log in zip(ROLES, logs)]
+    roles = [
+        subprocess.Popen(
+            [sys.executable, str(RL)],
+            env=role_env(port, role, rank, **steps, **inject),
+            cwd=ROOT,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for (role, rank), log in zip(ROLES, logs, strict=False)
+    ]
     zombie = roles[3]
     try:
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))

@@ -49,16 +49,28 @@ def _answer(store: JobStore, desks: list[Desk], n: int, serves: int, *, shards: 
     """Engine k answers shard k of request n with version ``serves`` (engine 0 all of them with
     one desk): each completion is its prompt reversed, from the prompts the poster put on the desk."""
     own = store.own()
-    request = json.loads(own.wait_for(lambda s: s.get(keys.request(n)), wake=lambda: [keys.request(n)],
-                                      timeout=timedelta(seconds=20), what="the request").value)
+    request = json.loads(
+        own.wait_for(
+            lambda s: s.get(keys.request(n)),
+            wake=lambda: [keys.request(n)],
+            timeout=timedelta(seconds=20),
+            what="the request",
+        ).value
+    )
     for k in shards if shards is not None else range(request["num_shards"]):
         desk = desks[k % len(desks)]
         blob = desk.get(prompts_blob(n))
         assert blob is not None and blob_digest(blob) == request["prompts"]
         prompts = decode_tokens(blob)
-        post_result(own, desk, n, k, [prompts[i][::-1] for i in shard_prompts(request["num_prompts"],
-                                                                             request["num_shards"], k)],
-                    engine=k % len(desks), version=serves)
+        post_result(
+            own,
+            desk,
+            n,
+            k,
+            [prompts[i][::-1] for i in shard_prompts(request["num_prompts"], request["num_shards"], k)],
+            engine=k % len(desks),
+            version=serves,
+        )
     return request
 
 
@@ -67,6 +79,7 @@ def test_a_driver_request_waits_for_the_first_push_and_gets_completions_in_order
     answered = {}
 
     with _desks(store, 3) as desks:
+
         def trainers_and_engines():
             time.sleep(0.3)
             store.own().put(keys.latest_version(), Number(value=5))  # the trainers' first push
@@ -74,8 +87,15 @@ def test_a_driver_request_waits_for_the_first_push_and_gets_completions_in_order
 
         helper = threading.Thread(target=trainers_and_engines)
         helper.start()
-        got = request_rollouts(store, prompts, Sampling(max_tokens=3), num_shards=3, token=TOKEN, num_engines=3,
-                               timeout=timedelta(seconds=20))
+        got = request_rollouts(
+            store,
+            prompts,
+            Sampling(max_tokens=3),
+            num_shards=3,
+            token=TOKEN,
+            num_engines=3,
+            timeout=timedelta(seconds=20),
+        )
         helper.join()
     assert got.completions == [p[::-1] for p in prompts]
     assert got.versions == [6, 6, 6, 6]
@@ -88,15 +108,17 @@ def test_a_driver_request_nobody_serves_times_out_naming_it(store):
     store.put(keys.latest_version(), Number(value=1))
     start = time.monotonic()
     with pytest.raises(StoreWaitTimeoutError, match="completions of request 1"):
-        request_rollouts(store, [[1]], Sampling(), num_shards=2, token=TOKEN, num_engines=2,
-                         timeout=timedelta(seconds=1))
+        request_rollouts(
+            store, [[1]], Sampling(), num_shards=2, token=TOKEN, num_engines=2, timeout=timedelta(seconds=1)
+        )
     assert time.monotonic() - start < 5 * 1 + 5
 
 
 def test_without_a_push_a_driver_request_times_out_naming_the_push(store):
     with pytest.raises(StoreWaitTimeoutError, match="first weight push"):
-        request_rollouts(store, [[1]], Sampling(), num_shards=1, token=TOKEN, num_engines=1,
-                         timeout=timedelta(seconds=0.5))
+        request_rollouts(
+            store, [[1]], Sampling(), num_shards=1, token=TOKEN, num_engines=1, timeout=timedelta(seconds=0.5)
+        )
     assert store.get(keys.request(1)) is None  # nothing was posted
 
 
@@ -140,8 +162,16 @@ def _client(store: JobStore, generation: int, *, leader: bool = True):
     from replica.roles.rollouts import RolloutClient
 
     aborted = threading.Event()  # set: the step failed (a trainer died), as the runtime says
-    client = RolloutClient(store=store.own(), sync=_Sync(leader), num_shards=2, token=TOKEN, num_engines=1,
-                           epoch=lambda: generation, abort=aborted.is_set, timeout=timedelta(seconds=20))
+    client = RolloutClient(
+        store=store.own(),
+        sync=_Sync(leader),
+        num_shards=2,
+        token=TOKEN,
+        num_engines=1,
+        epoch=lambda: generation,
+        abort=aborted.is_set,
+        timeout=timedelta(seconds=20),
+    )
     client.aborted = aborted
     return client
 
@@ -183,8 +213,9 @@ def test_a_redone_step_takes_the_rollouts_its_first_attempt_asked_for(store):
         assert first.sync.pushed == [version]
         leader, follower = _client(store, 1), _client(store, 1, leader=False)
         answers = {}
-        reader = threading.Thread(target=lambda: answers.update(follower=(follower.push(4), follower.generate(
-            prompts, sampling, step=4))))
+        reader = threading.Thread(
+            target=lambda: answers.update(follower=(follower.push(4), follower.generate(prompts, sampling, step=4)))
+        )
         reader.start()
         assert leader.push(4) == version and leader.sync.pushed == []  # kept: no push
         assert leader.generate(prompts, sampling, step=4) == [p[::-1] for p in prompts]
@@ -220,13 +251,26 @@ def _serving(store: JobStore, engines: list, *, per_engine=lambda i: {}, **kwarg
     each loop's (stop event, thread); every loop is stopped and joined on the way out.
     ``kwargs`` go to every loop, ``per_engine(i)``'s to loop i."""
     stops = [threading.Event() for _ in engines]
-    loops = [threading.Thread(target=_serve, args=(store,), kwargs=dict(
-        index=i, num_engines=len(engines), token=TOKEN, engine=engine, stop=stops[i].is_set, **kwargs,
-        **per_engine(i))) for i, engine in enumerate(engines)]
+    loops = [
+        threading.Thread(
+            target=_serve,
+            args=(store,),
+            kwargs=dict(
+                index=i,
+                num_engines=len(engines),
+                token=TOKEN,
+                engine=engine,
+                stop=stops[i].is_set,
+                **kwargs,
+                **per_engine(i),
+            ),
+        )
+        for i, engine in enumerate(engines)
+    ]
     for loop in loops:
         loop.start()
     try:
-        yield list(zip(stops, loops))
+        yield list(zip(stops, loops, strict=False))
     finally:
         for stop in stops:
             stop.set()
@@ -252,11 +296,26 @@ def test_completions_lost_with_their_engine_are_made_again_by_another(store):
     try:
         with _serving(store, engines, per_engine=lambda i: {"on_shard": hold if i == 1 else None}) as loops:
             store.put(keys.latest_version(), Number(value=1))
-            asker = threading.Thread(target=lambda: result.update(got=request_rollouts(
-                store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2, timeout=timedelta(seconds=60))))
+            asker = threading.Thread(
+                target=lambda: result.update(
+                    got=request_rollouts(
+                        store,
+                        prompts,
+                        sampling,
+                        num_shards=2,
+                        token=TOKEN,
+                        num_engines=2,
+                        timeout=timedelta(seconds=60),
+                    )
+                )
+            )
             asker.start()
-            store.wait_for(lambda s: s.get(keys.result(1, 0)), wake=lambda: [keys.result(1, 0)],
-                           timeout=timedelta(seconds=20), what="shard 0")
+            store.wait_for(
+                lambda s: s.get(keys.result(1, 0)),
+                wake=lambda: [keys.result(1, 0)],
+                timeout=timedelta(seconds=20),
+                what="shard 0",
+            )
             (stop, loop), _ = loops
             stop.set()
             loop.join(20)
@@ -283,8 +342,9 @@ def test_a_large_request_keeps_every_store_value_small(store):
     sampling = Sampling(max_tokens=256, seed=3)
     with largest_store_value() as largest, _serving(store, [StandInEngine(version=2), StandInEngine(version=2)]):
         store.put(keys.latest_version(), Number(value=2))
-        got = request_rollouts(store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2,
-                               timeout=timedelta(seconds=60))
+        got = request_rollouts(
+            store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2, timeout=timedelta(seconds=60)
+        )
     assert got.completions == [stand_in_completion(p, 3 + i, 256) for i, p in enumerate(prompts)]
     assert got.versions == [2] * 1024
     assert 0 < largest[0] < 4096, largest[0]
@@ -298,8 +358,9 @@ def test_a_retired_engine_hands_its_completions_to_a_live_one(store):
     engines = [StandInEngine(version=1), StandInEngine(version=1)]
     with _serving(store, engines, retiring=lambda: True) as loops:
         store.put(keys.latest_version(), Number(value=1))
-        first = request_rollouts(store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2,
-                                 timeout=timedelta(seconds=30))
+        first = request_rollouts(
+            store, prompts, sampling, num_shards=2, token=TOKEN, num_engines=2, timeout=timedelta(seconds=30)
+        )
         _, (stop, loop) = loops
         stop.set()
         loop.join(20)

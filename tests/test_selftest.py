@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from replica.roles.selftest import CASES, Device, Plan, run_matrix, select_cases
 from replica import envvars
+from replica.roles.selftest import CASES, Device, Plan, run_matrix, select_cases
 from replica.timing import Deadline
 
 SELFTEST = [sys.executable, "-m", "replica.roles.cli", "selftest"]
@@ -41,9 +41,14 @@ def test_quick_matrix_passes_and_each_fault_fired(tmp_path):
     assert "| case | job | result | detect ms |" in out and "[6/6] trainer-and-standby" in out, out[-3000:]
     summary = json.loads((work / "selftest.json").read_text())
     outcomes = {r["case"]: r["outcome"] for r in summary["results"]}
-    assert outcomes == {"fsdp-unmirrored": "baseline", "fsdp-reference": "bit-identical",
-                        "trainer-backward": "bit-identical", "standby-killed": "bit-identical",
-                        "trainer-frozen": "bit-identical", "trainer-and-standby": "bit-identical"}, outcomes
+    assert outcomes == {
+        "fsdp-unmirrored": "baseline",
+        "fsdp-reference": "bit-identical",
+        "trainer-backward": "bit-identical",
+        "standby-killed": "bit-identical",
+        "trainer-frozen": "bit-identical",
+        "trainer-and-standby": "bit-identical",
+    }, outcomes
     assert summary["passed"] is True
     # --durable: the pair's loss sent every rank back to the floor, which the case's own folder holds
     (pair,) = [r for r in summary["results"] if r["case"] == "trainer-and-standby"]
@@ -73,24 +78,43 @@ def test_the_matrix_as_pytest_cases(tmp_path):
     selected case runs as a test (its job's baseline and reference first), one the options leave
     out is skipped saying so, and options the selftest refuses stop pytest with exit 2."""
     work = tmp_path / "work"
-    pytest_ = [sys.executable, "-m", "pytest", "-p", "replica.roles.selftest_pytest", "--pyargs",
-               "replica.roles.selftest_pytest", "-p", "no:cacheprovider", "-q", "-rs"]
-    done = subprocess.run([*pytest_, "-k", "trainer-backward or two-trainers",
-                           f"--replica-selftest=--quick --steps 8 --report {work}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=900)
+    pytest_ = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "replica.roles.selftest_pytest",
+        "--pyargs",
+        "replica.roles.selftest_pytest",
+        "-p",
+        "no:cacheprovider",
+        "-q",
+        "-rs",
+    ]
+    done = subprocess.run(
+        [*pytest_, "-k", "trainer-backward or two-trainers", f"--replica-selftest=--quick --steps 8 --report {work}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert "1 passed, 1 skipped" in done.stdout and "not selected by the options" in done.stdout, done.stdout[-3000:]
     report = _job_report(work, "trainer-backward")
     assert report["faults"] and all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
     assert sorted(p.name for p in work.iterdir()) == ["fsdp-reference", "fsdp-unmirrored", "trainer-backward"]
-    refused = subprocess.run([*pytest_, "--replica-selftest=--steps 3"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=300)
+    refused = subprocess.run(
+        [*pytest_, "--replica-selftest=--steps 3"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
     said = refused.stdout + refused.stderr
     assert "--replica-selftest: replica selftest: error: --steps 3: the cases fire faults up to step 7" in said, said
 
-@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("transformers", "torchdata")),
-                    reason="the Hugging Face job needs transformers and torchdata")
+
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("transformers", "torchdata")),
+    reason="the Hugging Face job needs transformers and torchdata",
+)
 def test_a_planted_divergence_fails_the_run_and_names_its_case(tmp_path):
     """--unmirrored-noise: the Hugging Face job draws from a generator outside the mirrored
     state, so its redo after the kill differs from the reference: the selftest must say so."""
@@ -105,14 +129,16 @@ def test_a_planted_divergence_fails_the_run_and_names_its_case(tmp_path):
 
 
 def _bad_inputs() -> list[tuple[tuple[str, ...], str]]:
-    cases = [(("--ray", "127.0.0.1:1"), "--ray 127.0.0.1:1: cannot reach the Ray head there"),
-             (("--ray", "nonsense"), "need HOST:PORT"),
-             (("--steps", "5"), "need --steps 8 or more"),
-             (("--case", "trainer-nowhere"), "no case trainer-nowhere"),
-             (("--trainers", "0"), "need an integer >= 1"),
-             (("--agents", "1"), "the matrix needs 2 host agents or more"),
-             (("--agents", "2", "--ray", "auto"), "--agents and --ray: pick one target"),
-             (("--agents", "2"), f"--agents: set {envvars.TOKEN} to the secret the agents were started with")]
+    cases = [
+        (("--ray", "127.0.0.1:1"), "--ray 127.0.0.1:1: cannot reach the Ray head there"),
+        (("--ray", "nonsense"), "need HOST:PORT"),
+        (("--steps", "5"), "need --steps 8 or more"),
+        (("--case", "trainer-nowhere"), "no case trainer-nowhere"),
+        (("--trainers", "0"), "need an integer >= 1"),
+        (("--agents", "1"), "the matrix needs 2 host agents or more"),
+        (("--agents", "2", "--ray", "auto"), "--agents and --ray: pick one target"),
+        (("--agents", "2"), f"--agents: set {envvars.TOKEN} to the secret the agents were started with"),
+    ]
     if importlib.util.find_spec("ray") is None:
         cases[:2] = [(("--ray", "127.0.0.1:1"), "--ray needs Ray here")]
     return cases
@@ -163,9 +189,14 @@ def test_ctrl_c_stops_every_process_it_started(tmp_path):
     and role processes are gone."""
     work = tmp_path / "work"
     # As from a terminal: SIGINT handled (a pytest-xdist worker ignores it, and exec keeps that).
-    process = subprocess.Popen([*SELFTEST, "--case", "trainer-backward", "--report", str(work)], cwd=tmp_path,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [*SELFTEST, "--case", "trainer-backward", "--report", str(work)],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = Deadline.after(timedelta(seconds=120))
         # Interrupted in the middle of its second run (the reference), with the case still to come.
@@ -198,12 +229,18 @@ def test_case_selection():
     assert [c.name for c in select_cases(quick=True)] == ["trainer-backward", "standby-killed", "trainer-frozen"]
     durable = [c for c in CASES if c.durable]
     assert [c.name for c in durable] == ["trainer-and-standby"]
-    assert select_cases(quick=False) == tuple(c for c in CASES if not c.durable and not c.min_agents)  # no floor, no agents
+    assert select_cases(quick=False) == tuple(
+        c for c in CASES if not c.durable and not c.min_agents
+    )  # no floor, no agents
     assert select_cases(quick=False, durable=True) == tuple(c for c in CASES if not c.min_agents)
     assert select_cases(quick=False, durable=True, agents=True) == CASES
     assert [c.name for c in CASES if c.min_agents] == ["host-lost"]  # without agents, named: skipped saying why
-    assert [c.name for c in select_cases(quick=True, durable=True)] == ["trainer-backward", "standby-killed",
-                                                                         "trainer-frozen", "trainer-and-standby"]
+    assert [c.name for c in select_cases(quick=True, durable=True)] == [
+        "trainer-backward",
+        "standby-killed",
+        "trainer-frozen",
+        "trainer-and-standby",
+    ]
     assert [c.name for c in select_cases(quick=True, only=("two-trainers",))] == ["two-trainers"]
     with pytest.raises(ValueError, match="no case nope"):
         select_cases(quick=False, only=("nope",))
@@ -214,9 +251,9 @@ def test_case_selection():
 @pytest.mark.slow
 def test_full_matrix_on_this_machine(tmp_path):
     """Every case: the FSDP2 job's kills in each phase, a standby, a freeze, two trainers one
-    after the other, a trainer with its standby (back to the floor); the Hugging Face job; the RL loop with vLLM engines where vLLM is installed."""
-    done = _run("--report", str(tmp_path / "work"), "--durable", str(tmp_path / "floor"), cwd=tmp_path,
-                timeout_s=1800)
+    after the other, a trainer with its standby (back to the floor); the Hugging Face job; the RL
+    loop with vLLM engines where vLLM is installed."""
+    done = _run("--report", str(tmp_path / "work"), "--durable", str(tmp_path / "floor"), cwd=tmp_path, timeout_s=1800)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "work" / "selftest.json").read_text())
     ran = {r["case"]: r for r in summary["results"]}

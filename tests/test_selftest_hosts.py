@@ -16,11 +16,9 @@ import pytest
 from replica.roles.selftest import select_cases
 from support import cluster as testcluster
 from support.cluster import ClusterConfig, NetnsCluster
-
 from support.host_job import python_on, reap
 
-pytestmark = [pytest.mark.netns,
-              pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(not testcluster.available(), reason="needs root and `ip netns`")]
 
 PORT = 29410
 AGENTS = 5
@@ -34,13 +32,43 @@ def test_full_matrix_on_serving_agents_across_hosts(tmp_path):
     with NetnsCluster(ClusterConfig(hosts=1 + AGENTS)) as cluster, ExitStack() as files:
         coordinator = cluster.hosts[0]
         logs = [files.enter_context(open(tmp_path / f"agent{i}.log", "w")) for i in range(AGENTS)]
-        agents = [python_on(host, "-m", "replica.roles.cli", "agent", "--store", f"{coordinator.address}:{PORT}",
-                            "--index", str(i), "--address", host.address, "--serve", "--idle-timeout", "300",
-                            env={"GLOO_SOCKET_IFNAME": "eth0"}, log=logs[i])
-                  for i, host in enumerate(cluster.hosts[1:])]
-        selftest = python_on(coordinator, "-m", "replica.roles.cli", "selftest", "--agents", str(AGENTS), "--host",
-                             coordinator.address, "--port", str(PORT), "--report", str(work), "--durable",
-                             str(tmp_path / "floor"), *(arg for case in CASES for arg in ("--case", case)))
+        agents = [
+            python_on(
+                host,
+                "-m",
+                "replica.roles.cli",
+                "agent",
+                "--store",
+                f"{coordinator.address}:{PORT}",
+                "--index",
+                str(i),
+                "--address",
+                host.address,
+                "--serve",
+                "--idle-timeout",
+                "300",
+                env={"GLOO_SOCKET_IFNAME": "eth0"},
+                log=logs[i],
+            )
+            for i, host in enumerate(cluster.hosts[1:])
+        ]
+        selftest = python_on(
+            coordinator,
+            "-m",
+            "replica.roles.cli",
+            "selftest",
+            "--agents",
+            str(AGENTS),
+            "--host",
+            coordinator.address,
+            "--port",
+            str(PORT),
+            "--report",
+            str(work),
+            "--durable",
+            str(tmp_path / "floor"),
+            *(arg for case in CASES for arg in ("--case", case)),
+        )
         try:
             said, _ = selftest.communicate(timeout=1700)
         finally:

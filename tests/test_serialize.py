@@ -21,7 +21,9 @@ def test_round_trip_is_exact():
         "name": "warmup — cosine",
         "blob": b"\x00\xff",
         1: "int key",
-        "tensors": [torch.arange(6).to(dt).reshape(2, 3) for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool)],
+        "tensors": [
+            torch.arange(6).to(dt).reshape(2, 3) for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool)
+        ],
         "array": np.arange(5, dtype=np.uint32),
         "scalar": np.float64(1.5),
         "empty": torch.empty(0, 3),
@@ -45,8 +47,17 @@ def test_runs_of_32_bit_words_travel_as_one_array_and_come_back_exactly():
     data = serialize.encode(state)
     assert len(data) < 4 * 625 + 64  # 4 bytes a word, not an encoded int each
     assert serialize.decode(data) == state and type(serialize.decode(data)[1]) is tuple
-    for value in ([7] * 20, list(range((1 << 32) - 20, 1 << 32)), [True] * 20, [1 << 32] * 20, [-1] * 20, [1.0] * 20,
-                  [0] * 15, [1, True] * 10, (5,) * 16):
+    for value in (
+        [7] * 20,
+        list(range((1 << 32) - 20, 1 << 32)),
+        [True] * 20,
+        [1 << 32] * 20,
+        [-1] * 20,
+        [1.0] * 20,
+        [0] * 15,
+        [1, True] * 10,
+        (5,) * 16,
+    ):
         back = serialize.decode(serialize.encode(value))
         assert back == value and type(back) is type(value)
         assert [type(x) for x in back] == [type(x) for x in value]  # a bool stays a bool
@@ -76,7 +87,9 @@ def test_lr_scheduler_state_round_trips():
         opt.step()
         sched.step()
     state = serialize.decode(serialize.encode(sched.state_dict()))
-    fresh = torch.optim.lr_scheduler.OneCycleLR(torch.optim.AdamW(model.parameters(), lr=1e-3), max_lr=0.01, total_steps=100)
+    fresh = torch.optim.lr_scheduler.OneCycleLR(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), max_lr=0.01, total_steps=100
+    )
     fresh.load_state_dict(state)
     assert fresh.state_dict() == sched.state_dict()
 

@@ -18,8 +18,8 @@ import pytest
 
 from replica import envvars
 from replica.jobstore import ServedJob
-from replica.roles.served import first_placement, served_job_refusal
 from replica.roles.env import Role
+from replica.roles.served import first_placement, served_job_refusal
 from support.ports import free_port
 
 TOKEN = "served-test-token"
@@ -27,9 +27,24 @@ CLI = [sys.executable, "-m", "replica.roles.cli"]
 
 
 def _agent(index: int, port: int, log: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([*CLI, "agent", "--store", f"127.0.0.1:{port}", "--index", str(index), "--domain",
-                             f"d{index}", "--serve", *extra], stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, envvars.TOKEN: TOKEN}, start_new_session=True)
+    return subprocess.Popen(
+        [
+            *CLI,
+            "agent",
+            "--store",
+            f"127.0.0.1:{port}",
+            "--index",
+            str(index),
+            "--domain",
+            f"d{index}",
+            "--serve",
+            *extra,
+        ],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, envvars.TOKEN: TOKEN},
+        start_new_session=True,
+    )
 
 
 @contextlib.contextmanager
@@ -57,18 +72,31 @@ def test_an_agent_refuses_a_job_it_cannot_run(tmp_path):
 
 def test_a_served_job_places_every_role():
     assert first_placement(world_size=2, standbys=1, rollouts=1) == {
-        (Role.TRAINER, 0): "", (Role.TRAINER, 1): "", (Role.STANDBY, 0): "", (Role.ROLLOUT, 0): ""}
+        (Role.TRAINER, 0): "",
+        (Role.TRAINER, 1): "",
+        (Role.STANDBY, 0): "",
+        (Role.ROLLOUT, 0): "",
+    }
 
 
-@pytest.mark.parametrize("args,message", [
-    (("--serve", "job.py"), "--serve takes no SCRIPT and no --roles"),
-    (("--serve", "--roles", "trainer:0"), "--serve takes no SCRIPT and no --roles"),
-    ((), "the job's SCRIPT is required (or --serve"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("--serve", "job.py"), "--serve takes no SCRIPT and no --roles"),
+        (("--serve", "--roles", "trainer:0"), "--serve takes no SCRIPT and no --roles"),
+        ((), "the job's SCRIPT is required (or --serve"),
+    ],
+)
 def test_serve_and_a_script_exclude_each_other(tmp_path, args, message):
     (tmp_path / "job.py").write_text("")
-    done = subprocess.run([*CLI, "agent", "--store", "127.0.0.1:1", "--index", "0", *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60, env={**os.environ, envvars.TOKEN: TOKEN})
+    done = subprocess.run(
+        [*CLI, "agent", "--store", "127.0.0.1:1", "--index", "0", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, envvars.TOKEN: TOKEN},
+    )
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
@@ -84,8 +112,13 @@ def test_selftest_port_in_use_exits_2(tmp_path):
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        done = subprocess.run([*CLI, "selftest", "--agents", "3", "--port", str(port), "--report", str(tmp_path / "w")],
-                              capture_output=True, text=True, timeout=120, env={**os.environ, envvars.TOKEN: TOKEN})
+        done = subprocess.run(
+            [*CLI, "selftest", "--agents", "3", "--port", str(port), "--report", str(tmp_path / "w")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, envvars.TOKEN: TOKEN},
+        )
     assert done.returncode == 2 and f"--port {port}: cannot listen there for the agents" in done.stderr, done.stderr
     assert not (tmp_path / "w").exists()
 
@@ -99,16 +132,37 @@ def test_selftest_on_serving_agents_runs_job_after_job_and_loses_a_host(tmp_path
     port = free_port()
     work = tmp_path / "work"
     with _agents(3, port, tmp_path, "--idle-timeout", "120"):
-        done = subprocess.run([*CLI, "selftest", "--agents", "3", "--port", str(port), "--case", "host-lost",
-                               "--steps", "8", "--report", str(work)], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=900, env={**os.environ, envvars.TOKEN: TOKEN})
+        done = subprocess.run(
+            [
+                *CLI,
+                "selftest",
+                "--agents",
+                "3",
+                "--port",
+                str(port),
+                "--case",
+                "host-lost",
+                "--steps",
+                "8",
+                "--report",
+                str(work),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, envvars.TOKEN: TOKEN},
+        )
     logs = {i: (tmp_path / f"agent{i}.log").read_text() for i in range(3)}
     assert done.returncode == 0, (done.stdout[-4000:], logs)
     summary = json.loads((work / "selftest.json").read_text())
     assert summary["target"] == f"3 host agents (127.0.0.1:{port})", summary
     outcomes = {r["case"]: r["outcome"] for r in summary["results"]}
-    assert outcomes == {"fsdp-unmirrored": "baseline", "fsdp-reference": "bit-identical",
-                        "host-lost": "bit-identical"}, summary
+    assert outcomes == {
+        "fsdp-unmirrored": "baseline",
+        "fsdp-reference": "bit-identical",
+        "host-lost": "bit-identical",
+    }, summary
     report = json.loads((work / "host-lost" / "run.json").read_text())
     (fault,) = report["faults"]
     assert fault["fault"] == "kill:host:1@5" and fault["fired_at"], fault

@@ -66,7 +66,11 @@ def test_the_pool_places_spares_when_it_can_binds_ready_ones_and_refills():
 def _durations(report: dict, rank: str = "0") -> dict[int, float]:
     """Each step's seconds on ``rank`` (from the previous step's end), by step."""
     ends = report["step_end_times"][rank]
-    return {step: b - a for step, (a, b) in enumerate(zip(ends, ends[1:]), start=2) if a is not None and b is not None}
+    return {
+        step: b - a
+        for step, (a, b) in enumerate(zip(ends, ends[1:], strict=False), start=2)
+        if a is not None and b is not None
+    }
 
 
 def test_a_spare_becomes_the_new_standby_and_training_does_not_wait(tmp_path, reference):
@@ -79,9 +83,15 @@ def test_a_spare_becomes_the_new_standby_and_training_does_not_wait(tmp_path, re
     model (on a loaded machine 9 s were not enough); trainer 1, held in the same collectives,
     streams it the rank's state after step 7; then trainer 1 is killed again in step 10, and the
     former spare is promoted: the run stays bit-identical."""
-    code, report, output = launch(tmp_path, "--spares", "1", "--replacements", "0", "--inject",
-                                  "kill:trainer:1@3:backward,stall:trainer:0@6:8,stall:trainer:0@7:8,"
-                                  "kill:trainer:1@10:backward")
+    code, report, output = launch(
+        tmp_path,
+        "--spares",
+        "1",
+        "--replacements",
+        "0",
+        "--inject",
+        "kill:trainer:1@3:backward,stall:trainer:0@6:8,stall:trainer:0@7:8,kill:trainer:1@10:backward",
+    )
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
     assert [(b["rank"], b["spare"]) for b in report["spares_bound"]] == [(1, 0)], report["spares_bound"]
@@ -98,5 +108,7 @@ def test_a_spare_becomes_the_new_standby_and_training_does_not_wait(tmp_path, re
     # The issue's target is two normal steps; asserted at 5x that (a loaded machine), far below a new
     # standby's start (seconds, against a step of tens of milliseconds here).
     assert max(steps[4], steps[5]) <= 10 * normal, (steps, normal)
-    print(f"steps 4 and 5 (after the failover) {steps[4] * 1e3:.0f} and {steps[5] * 1e3:.0f} ms, a normal step "
-          f"{normal * 1e3:.0f} ms")
+    print(
+        f"steps 4 and 5 (after the failover) {steps[4] * 1e3:.0f} and {steps[5] * 1e3:.0f} ms, a normal step "
+        f"{normal * 1e3:.0f} ms"
+    )

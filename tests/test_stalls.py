@@ -20,8 +20,8 @@ from datetime import timedelta
 import pytest
 
 from replica.jobstore import JobStore
-from replica.roles.remote_agents import RemoteAgents
 from replica.roles.probe import ProcessState, Verdict, judge, look, verdict_of
+from replica.roles.remote_agents import RemoteAgents
 from replica.roles.report import compare_reports
 from replica.roles.stalls import StallLog
 from support.children import descendants, process_state, role_of, wait_for
@@ -32,6 +32,7 @@ SLOW_STEP = "stall:trainer:0@3:4"  # trainer 0's step 3 takes 4 s more (its beat
 
 
 # --- the parts ---
+
 
 def test_the_stall_log_discounts_only_the_gaps_between_polls():
     log = StallLog(after=timedelta(milliseconds=250), keep=timedelta(seconds=60))
@@ -109,6 +110,7 @@ def test_a_host_agent_counts_only_the_stores_silence_not_its_own(server, tmp_pat
             if agent._stalls.count == 0 and time.monotonic() - started > 0.5:
                 time.sleep(1.5)  # both threads of the agent stop at once, for longer than STORE_LOST
             return real()
+
         return call
 
     monkeypatch.setattr(local, "looks", held_up(looks))
@@ -133,17 +135,39 @@ def test_a_host_agent_judges_its_processes_for_the_coordinator(server, tmp_path)
     script = tmp_path / "role.py"
     script.write_text(ROLE_SCRIPT)
     env = {**os.environ, "REPLICA_TOKEN": "a-token-for-the-probe-test"}
-    agent = subprocess.Popen([sys.executable, "-m", "replica.roles.cli", "agent", "--store", f"127.0.0.1:{server.port}",
-                              "--index", "0", "--roles", "trainer:0,trainer:1", str(script)], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "replica.roles.cli",
+            "agent",
+            "--store",
+            f"127.0.0.1:{server.port}",
+            "--index",
+            "0",
+            "--roles",
+            "trainer:0,trainer:1",
+            str(script),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         store = JobStore(server, token=env["REPLICA_TOKEN"].encode())
         agents = RemoteAgents(store, count=1, replacements=0, members=list)
         wait_for(lambda: agents.agents(), "the agent to register", timeout_s=120)
         host = agents.agents()[0].host
         roles = {}
-        wait_for(lambda: roles.update({role_of(p): p for p in descendants(agent.pid)}) or
-                 {("trainer", 0), ("trainer", 1)} <= set(roles), "both roles to start", timeout_s=60)
+        wait_for(
+            lambda: (
+                roles.update({role_of(p): p for p in descendants(agent.pid)})
+                or {("trainer", 0), ("trainer", 1)} <= set(roles)
+            ),
+            "both roles to start",
+            timeout_s=60,
+        )
         busy, idle = roles[("trainer", 0)], roles[("trainer", 1)]
 
         def verdict(pid: int, expected: Verdict, what: str) -> str:
@@ -153,8 +177,10 @@ def test_a_host_agent_judges_its_processes_for_the_coordinator(server, tmp_path)
         assert "its process is running" in verdict(busy, Verdict.STALLED, "the running role")
         assert verdict(idle, Verdict.DEAD, "the idle role") == "its process sleeps and uses no CPU (its agent's look)"
         os.kill(idle, signal.SIGSTOP)
-        wait_for(lambda: agents.probe(idle, host) == (Verdict.DEAD, "its process is stopped (its agent's look)"),
-                 "the agent to see the stop")
+        wait_for(
+            lambda: agents.probe(idle, host) == (Verdict.DEAD, "its process is stopped (its agent's look)"),
+            "the agent to see the stop",
+        )
         assert agents.probe(agent.pid, host) == (Verdict.UNKNOWN, "")  # not a role: no agent vouches for it
         assert agents.probe(busy, "another-host") == (Verdict.UNKNOWN, "")
         os.kill(agent.pid, signal.SIGSTOP)  # its host, as far as anyone can tell, is gone
@@ -175,14 +201,16 @@ def test_a_host_agent_judges_its_processes_for_the_coordinator(server, tmp_path)
 
 # --- the job ---
 
+
 class Job:
     """`replica launch` of the example job (2 trainers, 2 standbys) in the background, its
     output (the launcher's and the roles') read as it comes."""
 
     def __init__(self, tmp_path, *options: str):
         self.report_path = tmp_path / "run.json"
-        self.proc = subprocess.Popen(launch_command(tmp_path, *options), cwd=ROOT, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            launch_command(tmp_path, *options), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         self._out = bytearray()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -212,10 +240,8 @@ class Job:
 
     def close(self) -> None:
         for pid in [self.proc.pid, *self.roles()]:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -318,7 +344,8 @@ def test_a_death_before_the_first_commit_restarts_the_job_from_its_start(tmp_pat
     assert report["failure"] is None and report["failovers"] == []
     assert compare_reports(reference, report) == []
     # --replacements 0 allows no restart: the job fails as before, saying why
-    code, report, output = launch(tmp_path, "--replacements", "0", "--inject", "kill:trainer:1@1:backward",
-                                  name="no-restart")
+    code, report, output = launch(
+        tmp_path, "--replacements", "0", "--inject", "kill:trainer:1@1:backward", name="no-restart"
+    )
     assert code == 1 and "before the first global commit" in report["failure"], output[-4000:]
     assert report["restarts"] == []

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replica.jobstore.etcd import EtcdStore
 from replica.jobstore import Commit, JobStore, Text, keys
+from replica.jobstore.etcd import EtcdStore
 
 TOKEN = b"store-contract-token"
 _namespaces = iter(range(10**6))  # the session's etcd cluster (tests/conftest.py) is shared
@@ -28,8 +28,9 @@ def store(request) -> dist.Store:
         return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     cluster = request.getfixturevalue("etcd")
     # The job user may write only under the cluster's namespace: a fresh sub-namespace per test.
-    return EtcdStore(cluster.config(namespace=f"{cluster.namespace}t{next(_namespaces)}/",
-                                    timeout=timedelta(seconds=30)))
+    return EtcdStore(
+        cluster.config(namespace=f"{cluster.namespace}t{next(_namespaces)}/", timeout=timedelta(seconds=30))
+    )
 
 
 def client(store: dist.Store) -> dist.Store:

@@ -12,9 +12,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from replica.jobstore.commit import CommitRecord
 from replica.errors import CommitTimeoutError, StoreWaitTimeoutError
 from replica.jobstore import Commit, JobStore, Number, keys
+from replica.jobstore.commit import CommitRecord
 
 TOKEN = b"store-waits-token"
 T = timedelta(seconds=30)

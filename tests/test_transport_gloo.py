@@ -3,7 +3,6 @@
 import pytest
 
 from replica.transport.gloo import GlooConfig, GlooTransport
-
 from support.transport_contract import CHECKS, run_transport_contract
 
 

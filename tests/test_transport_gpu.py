@@ -16,9 +16,18 @@ from replica.transport.ipc import HOST_OFFER_BYTES, MAX_EXPORTS, IpcConfig, IpcT
 from replica.transport.shm import ShmTransport
 from replica.transport.ucx import UcxConfig, UcxTransport
 from support.children import spawn
-
-from support.transport_contract import (CHECKS, STALL_CYCLES, MiB, T, check_round_trip_sizes, connected, empty, pattern,
-                                peer_main, run_transport_contract)
+from support.transport_contract import (
+    CHECKS,
+    STALL_CYCLES,
+    MiB,
+    T,
+    check_round_trip_sizes,
+    connected,
+    empty,
+    pattern,
+    peer_main,
+    run_transport_contract,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -50,8 +59,11 @@ def make_nixl(token: bytes):
 # skip, saying so.
 _NEEDS_UCXX = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx is not installed")
 _NEEDS_NIXL = pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="NIXL is not installed")
-BACKENDS = pytest.mark.parametrize("make", [make_ipc, pytest.param(make_ucx, marks=_NEEDS_UCXX),
-                                            pytest.param(make_nixl, marks=_NEEDS_NIXL)], ids=["ipc", "ucx", "nixl"])
+BACKENDS = pytest.mark.parametrize(
+    "make",
+    [make_ipc, pytest.param(make_ucx, marks=_NEEDS_UCXX), pytest.param(make_nixl, marks=_NEEDS_NIXL)],
+    ids=["ipc", "ucx", "nixl"],
+)
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))

@@ -10,7 +10,6 @@ from replica.errors import TransportError
 from replica.transport.base import PIECE_BYTES
 from replica.transport.ipc import MAX_HOST_BYTES, IpcConfig, IpcTransport
 from support.children import spawn
-
 from support.transport_contract import (
     CHECKS,
     MiB,

@@ -14,7 +14,9 @@ from replica.errors import TransportError
 from replica.session import backends
 from replica.transport.base import PIECE_BYTES
 from replica.transport.nixl_agent import nixl_installed
-
+from support.children import spawn
+from support.host_job import python_on, reap
+from support.nixl import make_nixl
 from support.transport_contract import (
     CHECKS,
     MiB,
@@ -29,9 +31,6 @@ from support.transport_contract import (
     peer_main,
     run_transport_contract,
 )
-from support.children import spawn
-from support.host_job import python_on, reap
-from support.nixl import make_nixl
 
 pytestmark = pytest.mark.skipif(not nixl_installed(), reason="NIXL is not installed (pip install 'replica[nixl]')")
 
@@ -50,7 +49,6 @@ def test_a_large_bucket_goes_in_pieces_and_small_ones_whole():
     assert messages_of_a_bucket(make_nixl, 2 * PIECE_BYTES + 4099) == [PIECE_BYTES, PIECE_BYTES, 4099]
 
 
-
 def test_a_storage_is_registered_once_for_every_bucket_in_it():
     """Buckets sent from slices of one buffer into slices of another: each side registers
     its storage once, whatever the number of buckets; the bytes arrive exact."""
@@ -59,9 +57,9 @@ def test_a_storage_is_registered_once_for_every_bucket_in_it():
         before = client.agent.registrations
         source, target = pattern(32 * MiB, 4), empty(32 * MiB, "cpu", fill=0)
         for _ in range(3):
-            receives = [other.irecv(target[i * 4 * MiB:(i + 1) * 4 * MiB], tag=7) for i in range(8)]
+            receives = [other.irecv(target[i * 4 * MiB : (i + 1) * 4 * MiB], tag=7) for i in range(8)]
             for i in range(8):
-                conn.send(source[i * 4 * MiB:(i + 1) * 4 * MiB], tag=7, timeout=T, bucket=i)
+                conn.send(source[i * 4 * MiB : (i + 1) * 4 * MiB], tag=7, timeout=T, bucket=i)
             assert [r.wait(T).bucket for r in receives] == list(range(8))
         assert torch.equal(source, target)
         # One process, one agent: both storages, once each.
@@ -145,7 +143,9 @@ def test_a_plugin_nixl_does_not_have_is_refused_naming_what_it_has():
 
 def test_the_environment_names_the_plugin_and_a_bad_one_stops_the_launch():
     assert backends.nixl_options({"REPLICA_NIXL_BACKEND": "LIBFABRIC", "REPLICA_NIXL_PARAMS": "a=1, b=x"}) == {
-        "plugin": "LIBFABRIC", "plugin_params": (("a", "1"), ("b", "x"))}
+        "plugin": "LIBFABRIC",
+        "plugin_params": (("a", "1"), ("b", "x")),
+    }
     with pytest.raises(ValueError, match="name=value"):
         backends.nixl_options({"REPLICA_NIXL_PARAMS": "junk"})
 
@@ -159,10 +159,14 @@ def test_the_environment_names_the_plugin_and_a_bad_one_stops_the_launch():
 def test_nixl_named_but_not_installed_is_one_clear_error(monkeypatch):
     # NIXL is installed here, so its absence is simulated where the backend looks for it.
     real = backends.importlib.util.find_spec
-    monkeypatch.setattr(backends.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "nixl" else real(name, *a))
-    with pytest.raises(TransportError, match=r"'nixl' is not available: nixl is not installed \(pip install "
-                                             r"'replica\[nixl\]'\)"):
+    monkeypatch.setattr(
+        backends.importlib.util, "find_spec", lambda name, *a: None if name == "nixl" else real(name, *a)
+    )
+    with pytest.raises(
+        TransportError,
+        match=r"'nixl' is not available: nixl is not installed \(pip install "
+        r"'replica\[nixl\]'\)",
+    ):
         backends.check_backends(("nixl",))
 
 
@@ -173,8 +177,9 @@ def test_nixl_is_chosen_by_default_only_where_ucx_is_missing(monkeypatch):
     config = Config(token=b"t")
     assert backends.choose_backend(config, MemoryKind.CUDA, Locality.REMOTE) == "ucx"
     real = backends.importlib.util.find_spec
-    monkeypatch.setattr(backends.importlib.util, "find_spec",
-                        lambda name, *a: None if name == "ucxx" else real(name, *a))
+    monkeypatch.setattr(
+        backends.importlib.util, "find_spec", lambda name, *a: None if name == "ucxx" else real(name, *a)
+    )
     assert backends.choose_backend(config, MemoryKind.CUDA, Locality.REMOTE) == "nixl"
 
 
@@ -188,8 +193,9 @@ def test_a_killed_peer_frees_nothing_it_did_not_own():
         peer.kill()
         from support.children import wait_for
 
-        wait_for(lambda: not conn.alive and conn._peer_agent not in agent._remotes, "the dead peer forgotten",
-                 timeout_s=10)
+        wait_for(
+            lambda: not conn.alive and conn._peer_agent not in agent._remotes, "the dead peer forgotten", timeout_s=10
+        )
         with spawn(peer_main, make_nixl, b"job-token") as fresh:
             fresh_conn = connected(transport, fresh)
             assert transport.agent is agent
@@ -210,8 +216,9 @@ def test_a_trainer_killed_with_its_mirror_on_nixl(tmp_path, reference):
     from replica.roles.report import compare_reports
     from support.launch import STEPS, launch
 
-    code, report, output = launch(tmp_path, "--backends", "nixl,gloo", "--inject", "kill:trainer:1@3:backward",
-                                  env={"REPLICA_LOG": "INFO"})
+    code, report, output = launch(
+        tmp_path, "--backends", "nixl,gloo", "--inject", "kill:trainer:1@3:backward", env={"REPLICA_LOG": "INFO"}
+    )
     assert code == 0, output[-4000:]
     assert all(f["fired_at"] is not None for f in report["faults"]), report["faults"]
     assert [f["rank"] for f in report["failovers"]] == [1], report["failovers"]
@@ -227,9 +234,22 @@ def test_a_nixl_plugin_that_is_not_there_stops_the_launch_before_anything_starts
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "replica.roles.cli", "launch", "--backends", "nixl",
-                           str(root / "examples" / "train_fsdp.py")], cwd=root, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, REPLICA_NIXL_BACKEND="NOSUCH"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replica.roles.cli",
+            "launch",
+            "--backends",
+            "nixl",
+            str(root / "examples" / "train_fsdp.py"),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, REPLICA_NIXL_BACKEND="NOSUCH"),
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "NIXL has no backend 'NOSUCH'; this installation has" in proc.stdout, proc.stdout + proc.stderr
     assert "job store at" not in proc.stdout  # nothing started: the coordinator prints that first
@@ -246,8 +266,9 @@ def test_weights_pushed_over_nixl_arrive_exact_and_a_corrupted_bucket_is_resent(
     from support.weight_engine import EngineStandIn
 
     store = dist.HashStore()
-    config = replica.Config(token=b"weights-token", bucket_bytes=256 << 10, timeout=timedelta(seconds=20),
-                            backends=("nixl",))
+    config = replica.Config(
+        token=b"weights-token", bucket_bytes=256 << 10, timeout=timedelta(seconds=20), backends=("nixl",)
+    )
     model = torch.nn.Sequential(torch.nn.Linear(256, 600), torch.nn.ReLU(), torch.nn.Linear(600, 256))
     engine = EngineStandIn(0, store, config=config, wait=timedelta(seconds=30))
     sync = WeightSync(model, store=store, num_engines=1, config=config)
@@ -336,17 +357,30 @@ def two_hosts():
 
 
 @pytest.mark.netns
-@pytest.mark.parametrize("check", [  # `make test` runs the round trip; `make test-slow` every check
-    pytest.param(c, id=c.__name__.removeprefix("check_"), marks=() if c is check_round_trip_sizes else pytest.mark.slow)
-    for c in CHECKS])
+@pytest.mark.parametrize(
+    "check",
+    [  # `make test` runs the round trip; `make test-slow` every check
+        pytest.param(
+            c, id=c.__name__.removeprefix("check_"), marks=() if c is check_round_trip_sizes else pytest.mark.slow
+        )
+        for c in CHECKS
+    ],
+)
 def test_contract_nixl_between_two_hosts(check, two_hosts):
     """The whole contract with its two ends on two network-namespace hosts, NIXL's UCX
     plugin on tcp (these hosts share one machine, where UCX would otherwise move bytes
     through the kernel or shared memory): each check passes, its bytes over the link."""
     a, b = two_hosts
     before = sum(a.link_bytes())
-    proc = python_on(a, "-c", _CHECK_ON_HOST, check.__name__, f"{a.netns},{a.address}", f"{b.netns},{b.address}",
-                     env={"UCX_TLS": "tcp,self"})
+    proc = python_on(
+        a,
+        "-c",
+        _CHECK_ON_HOST,
+        check.__name__,
+        f"{a.netns},{a.address}",
+        f"{b.netns},{b.address}",
+        env={"UCX_TLS": "tcp,self"},
+    )
     try:
         out = proc.communicate(timeout=600)[0]
     finally:

@@ -21,19 +21,17 @@ import torch
 
 from replica.errors import PeerDisconnectedError, SharedMemoryUnavailableError, TransportError
 from replica.timing import Deadline
-from replica.transport import Locality, MemoryKind
-from replica.transport import memfd
+from replica.transport import Locality, MemoryKind, memfd
 from replica.transport.base import bucket_digest
 from replica.transport.ipc import HOST_OFFER_BYTES, MAX_HOST_BYTES, IpcConfig, IpcTransport
 from replica.transport.shm import ShmTransport
 from support.children import spawn, wait_for
-
 from support.transport_contract import (
     CHECKS,
     SHARED,
-    assert_echoes,
     MiB,
     T,
+    assert_echoes,
     check_peer_killed_mid_transfer,
     check_round_trip_sizes,
     connected,
@@ -221,9 +219,9 @@ def foreign_memfd(name: str, seals: int = 0):
 
 def test_an_unsealed_region_is_refused():
     """A region the peer could shrink under the reader (SIGBUS) is never mapped."""
-    with foreign_memfd("replica-shm") as record:  # named as ours, but not sealed
-        with pytest.raises(TransportError, match="not sealed"):
-            memfd.map_region(record)
+    # named as ours, but not sealed
+    with foreign_memfd("replica-shm") as record, pytest.raises(TransportError, match="not sealed"):
+        memfd.map_region(record)
 
 
 def test_a_record_of_another_file_is_refused():
@@ -263,8 +261,9 @@ def test_a_peer_in_another_pid_namespace_is_refused_with_the_reason(caplog, pid_
     command = pid_namespace(mount_proc)
     with make_shm(b"job-token") as transport:
         address = transport.listen()
-        out = subprocess.run([*command, sys.executable, "-c", _NAMESPACED_PEER, address],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [*command, sys.executable, "-c", _NAMESPACED_PEER, address], capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.startswith("refused: SharedMemoryUnavailableError:"), out.stdout
         assert "cannot share host memory" in out.stdout, out.stdout
@@ -278,8 +277,10 @@ def test_a_peer_in_another_pid_namespace_is_refused_with_the_reason(caplog, pid_
 def test_a_peer_of_another_backend_is_refused_at_once(caplog):
     """A CUDA IPC peer offers no region and sends no verdict: the shm side refuses it at once,
     saying why, instead of waiting out its handshake for a verdict that never comes."""
-    with ShmTransport(IpcConfig(token=b"job-token", handshake_timeout=timedelta(seconds=60))) as server, \
-            IpcTransport(IpcConfig(token=b"job-token")) as client:
+    with (
+        ShmTransport(IpcConfig(token=b"job-token", handshake_timeout=timedelta(seconds=60))) as server,
+        IpcTransport(IpcConfig(token=b"job-token")) as client,
+    ):
         conn = client.connect(server.listen(), timedelta(seconds=30))
         wait_for(lambda: not conn.alive, "the shm side to refuse the IPC peer", timeout_s=10)
         assert any("not a shared-memory peer" in r.getMessage() for r in caplog.records)
@@ -326,16 +327,19 @@ def test_a_region_closes_its_file_when_its_tensor_is_freed():
     del view
     gc.collect()
     assert not os.path.exists(f"/proc/self/fd/{fd}") or not os.readlink(f"/proc/self/fd/{fd}").startswith(
-        "/memfd:replica-shm")
+        "/memfd:replica-shm"
+    )
     assert memfd.region_of(torch.zeros(10, dtype=torch.uint8)) is None
 
 
 def test_only_replica_regions_are_mapped():
     """A record naming any other file descriptor (here: a sealed memfd of another name, as
     other programs make) is refused before anything is mapped."""
-    with foreign_memfd("someone-else", fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) as record:
-        with pytest.raises(TransportError, match="not a replica shared-memory region"):
-            memfd.map_region(record)
+    with (
+        foreign_memfd("someone-else", fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) as record,
+        pytest.raises(TransportError, match="not a replica shared-memory region"),
+    ):
+        memfd.map_region(record)
 
 
 def test_an_offer_of_another_processs_region_is_refused():
@@ -349,7 +353,12 @@ def test_an_offer_of_another_processs_region_is_refused():
     with make_shm(b"job-token") as transport, spawn(peer_main, make_shm, b"job-token") as peer:
         conn = connected(transport, peer)
         assert conn._peer_pid == peer.pid != os.getpid()
-        offer = ipc_frames.OFFER_FIXED.pack(9, 0, 0, 77, 0, HOST_OFFER_BYTES, True) + bytes(64) + ipc_frames.HOST_EXPORT + record
+        offer = (
+            ipc_frames.OFFER_FIXED.pack(9, 0, 0, 77, 0, HOST_OFFER_BYTES, True)
+            + bytes(64)
+            + ipc_frames.HOST_EXPORT
+            + record
+        )
         with pytest.raises(TransportError, match="another process made"):
             conn._on_control(ipc_frames.OFFER, offer)
         assert conn.num_imports == 0

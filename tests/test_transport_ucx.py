@@ -2,22 +2,21 @@
 
 import functools
 import os
-from datetime import timedelta
 import time
+from datetime import timedelta
 
 import pytest
 
 from replica.errors import PeerDisconnectedError
-
 from replica.timing import Deadline
 from replica.transport.base import PIECE_BYTES
 from replica.transport.ucx import UcxConfig, UcxTransport
-
+from support.children import spawn, wait_for
 from support.transport_contract import (
     CHECKS,
-    assert_echoes,
     MiB,
     T,
+    assert_echoes,
     check_bucket_in_pieces,
     check_peer_killed_mid_transfer,
     check_round_trip_sizes,
@@ -29,7 +28,6 @@ from support.transport_contract import (
     peer_main,
     run_transport_contract,
 )
-from support.children import spawn, wait_for
 
 
 def make_ucx(token: bytes, **options) -> UcxTransport:
@@ -121,8 +119,10 @@ def _posts_after_close(pipe) -> None:
         # The losing side of the race, made certain: the connection closes between
         # isend's check of the connection and its post to the UCX endpoint.
         conn.close()
-        for post in (lambda: conn._isend(data, 1, lambda: b"\0" * 64, None),
-                     lambda: conn._irecv(empty(MiB, "cpu"), 2, empty(64, "cpu"), None)):
+        for post in (
+            lambda: conn._isend(data, 1, lambda: b"\0" * 64, None),
+            lambda: conn._irecv(empty(MiB, "cpu"), 2, empty(64, "cpu"), None),
+        ):
             try:
                 post()
             except PeerDisconnectedError as exc:
@@ -218,9 +218,12 @@ def _drops_racing_completions(pipe, rounds: int) -> None:
 
             # One side sends; the other posts receives and drops each at once, so the
             # progress thread completes receives just as they are dropped; then a close.
-            threads = [threading.Thread(target=loop, args=(lambda: other.isend(data, tag=2), 0), daemon=True),
-                       threading.Thread(target=loop, args=(lambda: conn.irecv(empty(64 * 1024, "cpu"), tag=2), 1),
-                                        daemon=True)]
+            threads = [
+                threading.Thread(target=loop, args=(lambda: other.isend(data, tag=2), 0), daemon=True),
+                threading.Thread(
+                    target=loop, args=(lambda: conn.irecv(empty(64 * 1024, "cpu"), tag=2), 1), daemon=True
+                ),
+            ]
             for t in threads:
                 t.start()
             # Both sides posting before the close (on a loaded machine a thread may wait 50 ms
@@ -259,4 +262,5 @@ def test_transfers_dropped_while_their_connection_closes_do_not_deadlock():
         got = child.recv(timeout=180)
     assert got == ("ok", 20, 0, 0, True, True), (
         f"(rounds, threads stuck, receives never released, both sides posted every round, "
-        f"dropped receives were held unfinished): {got}")
+        f"dropped receives were held unfinished): {got}"
+    )

@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replica.jobstore import JobStore, keys
 import replica
+from replica.jobstore import JobStore, keys
 from support.vllm_engine import greedy, hf_first_logprobs, make_llm, make_model, vllm_available
 
 pytestmark = pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (pip install -e .[vllm])")
@@ -37,8 +37,7 @@ def job(tmp_path_factory):
     make_model(root / "seed0", 0)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     llm = make_llm(root / "seed0")
-    weights = EngineWeights(llm, ReceiverSpec(index=0, store=f"127.0.0.1:{store.port}",
-                                              token_hex=TOKEN.hex()))
+    weights = EngineWeights(llm, ReceiverSpec(index=0, store=f"127.0.0.1:{store.port}", token_hex=TOKEN.hex()))
     yield root, store, llm, weights
     weights.close()
     del llm, weights
@@ -61,8 +60,9 @@ def test_sync_equals_a_fresh_engine_and_transformers(job, fresh_seed1):
     root, store, llm, weights = job
     before, _ = greedy(llm)
     trained = make_model(root / "seed1", 1)  # "the trainer's weights", also saved for the fresh engine
-    in_place = _engine_job(str(root / "seed0"), str(root / "in_place.json"), "--receive", str(store.port), "1", "1",
-                           TOKEN.hex())
+    in_place = _engine_job(
+        str(root / "seed0"), str(root / "in_place.json"), "--receive", str(store.port), "1", "1", TOKEN.hex()
+    )
     try:
         JobStore(store, token=TOKEN).wait(keys.engine(1), timedelta(seconds=240))  # engine 1 is up
         sync = replica.WeightSync(trained, store=store, num_engines=2, config=CONFIG)
@@ -83,7 +83,7 @@ def test_sync_equals_a_fresh_engine_and_transformers(job, fresh_seed1):
         assert first == [dict(f) for f in result["first"]]  # log-probabilities equal, not just close
 
     reference = hf_first_logprobs(trained)
-    for prompt, (top, ref) in enumerate(zip(first, reference)):
+    for prompt, (top, ref) in enumerate(zip(first, reference, strict=False)):
         assert max(top, key=top.get) == int(ref.argmax()), prompt
         for token, logprob in top.items():
             assert abs(logprob - float(ref[token])) < 1e-4, (prompt, token, logprob, float(ref[token]))
@@ -156,8 +156,7 @@ def test_engine_serves_its_version_while_the_next_is_prepared(job, monkeypatch):
     while not llm.collective_rpc("replica_wait", args=(step, 0.0))[0]:
         # Received and being prepared, or prepared since the wait: never neither (the
         # stager publishes a version before it lets the received bytes go).
-        assert (llm.collective_rpc("replica_ready")[0] == step
-                or llm.collective_rpc("replica_wait", args=(step, 0.0))[0])
+        assert llm.collective_rpc("replica_ready")[0] == step or llm.collective_rpc("replica_wait", args=(step, 0.0))[0]
         assert greedy(llm)[0] == served  # the live model is untouched
         during += 1
     assert during >= 1 and len(slowed) > 4  # generation did overlap preparation
@@ -166,6 +165,8 @@ def test_engine_serves_its_version_while_the_next_is_prepared(job, monkeypatch):
     new, first = greedy(llm)
     sync.close()
     assert new != served
-    for prompt, (top, ref) in enumerate(zip(first, hf_first_logprobs(trained))):  # and it is the new version
+    for prompt, (top, ref) in enumerate(
+        zip(first, hf_first_logprobs(trained), strict=False)
+    ):  # and it is the new version
         assert max(top, key=top.get) == int(ref.argmax()), prompt
         assert all(abs(logprob - float(ref[token])) < 1e-4 for token, logprob in top.items()), prompt

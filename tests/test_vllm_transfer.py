@@ -73,11 +73,17 @@ def _trainer(store, llm, model, backends: tuple[str, ...] | None = None, **info)
 
     from replica.integrations.vllm.transfer import LLMClient, ReplicaTrainerInitInfo
 
-    config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30),
-                            **({"backends": backends} if backends else {}))
+    config = replica.Config(
+        token=TOKEN.encode(),
+        bucket_bytes=256 << 10,
+        timeout=timedelta(seconds=30),
+        **({"backends": backends} if backends else {}),
+    )
     return WeightTransferTrainerFactory.trainer_init(
         ReplicaTrainerInitInfo(rank=0, store=f"127.0.0.1:{store.port}", engines=1, config=config, **info),
-        client=LLMClient(llm), source=model)
+        client=LLMClient(llm),
+        source=model,
+    )
 
 
 def _serve(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
@@ -93,15 +99,45 @@ def _start_server(model: Path, log: Path) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", REPLICA_TOKEN=TOKEN, VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        REPLICA_TOKEN=TOKEN,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+    )
     with log.open("w") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
-             "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32",
-             "--enforce-eager", "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0", *SERVE_ARGS],
-            env=env, stdout=out, stderr=out,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--skip-tokenizer-init",
+                "--dtype",
+                "float32",
+                "--block-size",
+                "32",
+                "--enforce-eager",
+                "--max-model-len",
+                "256",
+                "--max-num-seqs",
+                "8",
+                "--seed",
+                "0",
+                *SERVE_ARGS,
+            ],
+            env=env,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
     return server, f"http://127.0.0.1:{port}"
 
 
@@ -138,9 +174,18 @@ def _completions(url: str, model: Path) -> list[list[int]]:
 
     from support.vllm_engine import MAX_TOKENS, PROMPTS
 
-    answer = requests.post(f"{url}/v1/completions", timeout=120, json={
-        "model": str(model), "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True}).json()
+    answer = requests.post(
+        f"{url}/v1/completions",
+        timeout=120,
+        json={
+            "model": str(model),
+            "prompt": PROMPTS,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+    ).json()
     return [c["token_ids"] for c in sorted(answer["choices"], key=lambda c: c["index"])]
 
 
@@ -249,7 +294,7 @@ def test_a_superseded_trainers_version_is_refused(engine, models):
         zombie.shutdown()
         jobs.delete(keys.generation())
         with torch.no_grad():
-            for p, before in zip(trained.parameters(), saved):
+            for p, before in zip(trained.parameters(), saved, strict=False):
                 p.copy_(before)  # exactly (adding and subtracting 0.5 would round)
 
 
@@ -288,6 +333,7 @@ def test_staged_with_one_buffer_drops_an_unused_prepared_version_and_stays_exact
     root, trained, fresh = models
     trainer = _trainer(store, llm, trained, staged=True, buffers=1)
     try:
+
         def prepared(step: int) -> bool:
             return llm.collective_rpc(lambda w, s: _weights(w).wait(s, timedelta(seconds=60)), args=(step,))[0]
 
@@ -366,11 +412,19 @@ def test_a_tensor_parallel_multiprocess_engine_each_worker_receives(models):
     generation equals a fresh TP=2 engine started from the trained weights, bit for bit."""
     root, _, _ = models
     job = [sys.executable, str(ROOT / "tests" / "jobs" / "transfer_job.py")]
-    fresh = subprocess.Popen([*job, str(root / "seed1"), "-", str(root / "fresh_tp2.json"), "2"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    fresh = subprocess.Popen(
+        [*job, str(root / "seed1"), "-", str(root / "fresh_tp2.json"), "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        proc = subprocess.run([*job, str(root / "seed0"), str(root / "seed1"), str(root / "tp2.json"), "2"],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [*job, str(root / "seed0"), str(root / "seed1"), str(root / "tp2.json"), "2"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert fresh.wait(timeout=600) == 0, fresh.stderr.read()[-3000:]
     finally:
@@ -392,9 +446,12 @@ def test_the_openai_server_is_synced_through_its_weight_transfer_routes(models, 
     synced by a trainer over its HTTP routes (vLLM's HTTP client): its completions equal a
     fresh engine's tokens and log-probabilities, and /weight_info names the version."""
     import requests
-
-    from replica.integrations.vllm.transfer import ReplicaTrainerInitInfo, ServerClient  # registers the trainer side here
     from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    from replica.integrations.vllm.transfer import (
+        ReplicaTrainerInitInfo,
+        ServerClient,
+    )  # registers the trainer side here
     from support.vllm_engine import MAX_TOKENS, PROMPTS
 
     root, trained, fresh = models
@@ -404,20 +461,34 @@ def test_the_openai_server_is_synced_through_its_weight_transfer_routes(models, 
         config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30))
         trainer = WeightTransferTrainerFactory.trainer_init(
             ReplicaTrainerInitInfo(rank=0, store=f"127.0.0.1:{store.port}", engines=1, config=config),
-            client=ServerClient(url), source=trained)
+            client=ServerClient(url),
+            source=trained,
+        )
         assert trainer.send_weights(7).engines_synced == [0]
         assert requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"] == "7"
-        answer = requests.post(f"{url}/v1/completions", timeout=120, json={
-            "model": str(root / "seed0"), "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "logprobs": 5, "return_token_ids": True, "return_tokens_as_token_ids": True}).json()
+        answer = requests.post(
+            f"{url}/v1/completions",
+            timeout=120,
+            json={
+                "model": str(root / "seed0"),
+                "prompt": PROMPTS,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+                "logprobs": 5,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+            },
+        ).json()
         trainer.shutdown()
     finally:
         _stop(server)
     choices = sorted(answer["choices"], key=lambda c: c["index"])
     expected = fresh
     assert [c["token_ids"] for c in choices] == expected["tokens"]
-    first = [{int(k.removeprefix("token_id:")): v for k, v in c["logprobs"]["top_logprobs"][0].items()}
-             for c in choices]
+    first = [
+        {int(k.removeprefix("token_id:")): v for k, v in c["logprobs"]["top_logprobs"][0].items()} for c in choices
+    ]
     assert first == [dict(f) for f in expected["first"]]
 
 
@@ -452,7 +523,9 @@ def test_a_killed_engine_is_skipped_and_its_replacement_refreshed(engine, models
         config = replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30))
         trainer = WeightTransferTrainerFactory.trainer_init(
             ReplicaTrainerInitInfo(rank=0, store=f"127.0.0.1:{store.port}", engines=2, config=config),
-            client=client, source=trained)
+            client=client,
+            source=trained,
+        )
         try:
             assert trainer.send_weights(60).engines_synced == [0, 1]
             assert version(url) == "60" and llm.get_weight_version() == "60"
@@ -497,12 +570,18 @@ def test_the_engines_memory_stays_bounded_over_syncs(tmp_path, mode):
     the live weights, one more copy and a fixed overhead: asserted loosely here, the engine
     process's RSS above its start (its own pages, not the trainer's it maps) stays under 2.5x the
     weights over 8 syncs of a 270 MB model (each a new version: the trainer negates its weights),
-    and no sync leaks a copy (that would pass 2.5x within 8) or a mapping. Staged, the engine's stall (the update_weights call, once the version is
+    and no sync leaks a copy (that would pass 2.5x within 8) or a mapping. Staged, the engine's
+    stall (the update_weights call, once the version is
     prepared) stays under 50 ms (5x the 10 ms target). `make bench` measures both on the 950 MB
     model (bench/transfer_run.py)."""
     out = tmp_path / "rss.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "transfer_run.py"), "256MiB", "8", mode,
-                           str(out)], cwd=ROOT / "bench", capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "transfer_run.py"), "256MiB", "8", mode, str(out)],
+        cwd=ROOT / "bench",
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["syncs"] == 8 and result["bytes"] > 200e6, result
@@ -530,19 +609,36 @@ def test_a_served_engine_is_the_rollout_roles_engine(models, tmp_path):
     store = JobStore(raw, token=TOKEN.encode())
     server, url = _serve(root / "seed0", tmp_path / "server.log")
     stop = threading.Event()
-    role = threading.Thread(target=lambda: serve_rollouts(
-        store=store.own(), index=0, num_engines=1, token=TOKEN.encode(), make_llm=lambda: ServedLLM(url),
-        stop=stop.is_set))
+    role = threading.Thread(
+        target=lambda: serve_rollouts(
+            store=store.own(),
+            index=0,
+            num_engines=1,
+            token=TOKEN.encode(),
+            make_llm=lambda: ServedLLM(url),
+            stop=stop.is_set,
+        )
+    )
     role.start()
     try:
         store.wait(keys.engine(0), timedelta(seconds=120))  # the server's worker listens as receiver 0
-        sync = replica.WeightSync(trained, store=raw, num_engines=1,
-                                  config=replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10,
-                                                        timeout=timedelta(seconds=30)))
+        sync = replica.WeightSync(
+            trained,
+            store=raw,
+            num_engines=1,
+            config=replica.Config(token=TOKEN.encode(), bucket_bytes=256 << 10, timeout=timedelta(seconds=30)),
+        )
         assert sync.push(1).engines_synced == [0]
         store.put(keys.latest_version(), Number(value=1))  # what the trainers' push says
-        ask = functools.partial(request_rollouts, store, PROMPTS, num_shards=2, token=TOKEN.encode(), num_engines=1,
-                                timeout=timedelta(seconds=120))
+        ask = functools.partial(
+            request_rollouts,
+            store,
+            PROMPTS,
+            num_shards=2,
+            token=TOKEN.encode(),
+            num_engines=1,
+            timeout=timedelta(seconds=120),
+        )
         greedy_ = ask(Sampling(max_tokens=MAX_TOKENS, temperature=0))
         sampled = [ask(Sampling(max_tokens=MAX_TOKENS, temperature=1.0, seed=5)) for _ in range(2)]
         sync.close()

@@ -35,8 +35,8 @@ def _standby(pipe) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     import replica
-    from replica.state.data import Batches
     from replica.mirror.warmup import warm_up
+    from replica.state.data import Batches
 
     # A standby's group: rank 1 of 2, no generation connected (it builds its model before joining).
     group = replica.init_resilient_process_group(store=dist.HashStore(), rank=1, world_size=2, generation=None)
@@ -66,13 +66,16 @@ def _standby(pipe) -> None:
     out = {
         "rng_kept": torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1],
         "grads_dropped": all(p.grad is None for p in model.parameters()),
-        "params_kept": all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before)),
+        "params_kept": all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before, strict=False)),
         "errored": group.errored,
         "first_graphs": first.graphs,
         "again_graphs": run(step).graphs,  # the same step: dynamo's graph is reused
     }
-    refusals = {"optimizer": lambda: (step(), optimizer.step()), "loader": lambda: next(loader),
-                "connect": lambda: group.configure(0)}
+    refusals = {
+        "optimizer": lambda: (step(), optimizer.step()),
+        "loader": lambda: next(loader),
+        "connect": lambda: group.configure(0),
+    }
     for name, fn in refusals.items():
         try:
             run(fn)
@@ -105,12 +108,10 @@ def test_a_rehearsal_is_refused_on_a_connected_group():
     group = make_group()
     with group.rehearsal():
         assert allreduce(group, 5.0).item() == 5.0  # completed at once, untouched, nothing recorded
-        with pytest.raises(ReplicaError, match="already running"):
-            with group.rehearsal():
-                pass
+        with pytest.raises(ReplicaError, match="already running"), group.rehearsal():
+            pass
     assert group.errored is None
     group.configure(0)
-    with pytest.raises(ReplicaError, match="not connected yet"):
-        with group.rehearsal():
-            pass
+    with pytest.raises(ReplicaError, match="not connected yet"), group.rehearsal():
+        pass
     group.shutdown()

@@ -68,7 +68,9 @@ def test_an_engine_refuses_a_superseded_leader_and_accepts_the_current_one():
     assert not engine.receiver.wait_ready(2, timedelta(seconds=1))
     assert engine.receiver.ready() == 1 and engine.receiver.apply(engine.load) is None  # still version 1
 
-    current = WeightSync(trained, store=store, num_engines=1, config=CONFIG, epoch=lambda: Epoch(generation=1, member=7))
+    current = WeightSync(
+        trained, store=store, num_engines=1, config=CONFIG, epoch=lambda: Epoch(generation=1, member=7)
+    )
     stats = current.push(4)
     assert stats.engines_synced == [0] and stats.engines_skipped == {}
     assert engine.sync(4) == 4 and holds(engine, trained)

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from replica.jobstore import JobStore, keys
 import replica
+from replica.jobstore import JobStore, keys
 from replica.weights import ModelSource, WeightSync, tensor_buckets, weight_layout
 from support.weight_engine import EngineStandIn
 
@@ -27,12 +27,14 @@ CONFIG = replica.Config(token=TOKEN, bucket_bytes=64 << 10, timeout=timedelta(se
 
 
 def test_buckets_hold_whole_tensors_and_cover_everything():
-    named = [(f"t{i}", torch.empty(n, dtype=torch.float32, device="meta")) for i, n in
-             enumerate([10, 5000, 20000, 3, 70000, 8])]
+    named = [
+        (f"t{i}", torch.empty(n, dtype=torch.float32, device="meta"))
+        for i, n in enumerate([10, 5000, 20000, 3, 70000, 8])
+    ]
     layout = weight_layout(named, bucket_bytes=64 << 10)
     buckets = tensor_buckets(layout)
     assert buckets[0].lo == 0 and buckets[-1].hi == layout.total_bytes and buckets[-1].end == len(named)
-    for a, b in zip(buckets, buckets[1:]):
+    for a, b in zip(buckets, buckets[1:], strict=False):
         assert a.hi == b.lo and a.end == b.first  # contiguous, whole tensors
     for b in buckets:
         assert b.hi - b.lo <= 64 << 10 or b.end - b.first == 1  # only a lone big tensor exceeds the size
@@ -128,9 +130,22 @@ def test_engine_refuses_weights_that_do_not_fit():
 
 def _trainers(tmp_path: Path, port: int, steps: int, engines: int, **env: str) -> list[subprocess.Popen]:
     script = ROOT / "tests" / "jobs" / "weights_job.py"
-    return [subprocess.Popen([sys.executable, str(script)], env=dict(
-        os.environ, RANK=str(r), WORLD_SIZE="2", PORT=str(port), STEPS=str(steps), OUT=str(tmp_path),
-        ENGINES=str(engines), **env)) for r in range(2)]
+    return [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=dict(
+                os.environ,
+                RANK=str(r),
+                WORLD_SIZE="2",
+                PORT=str(port),
+                STEPS=str(steps),
+                OUT=str(tmp_path),
+                ENGINES=str(engines),
+                **env,
+            ),
+        )
+        for r in range(2)
+    ]
 
 
 @pytest.fixture()
@@ -264,9 +279,11 @@ def test_a_consumed_version_gives_its_memory_back_as_it_is_copied_out():
         engine.receiver.close()
     two = Engine(1, store, buffers=2)
     try:
-        with pytest.raises(ValueError, match="consume needs a receiver with one buffer"):
-            with two.receiver.hold(consume=True):
-                pass
+        with (
+            pytest.raises(ValueError, match="consume needs a receiver with one buffer"),
+            two.receiver.hold(consume=True),
+        ):
+            pass
     finally:
         two.receiver.close()
 
@@ -277,8 +294,9 @@ def test_host_weights_go_through_shared_memory_offered_where_they_lie():
     copy), the engine copies it out with its digest taken by that copy, and every
     version arrives exact."""
     store = dist.HashStore()
-    config = replica.Config(token=TOKEN, bucket_bytes=64 << 10, timeout=timedelta(seconds=20),
-                            backends=("shm", "ucx", "gloo"))
+    config = replica.Config(
+        token=TOKEN, bucket_bytes=64 << 10, timeout=timedelta(seconds=20), backends=("shm", "ucx", "gloo")
+    )
     model = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.ReLU(), torch.nn.Linear(300, 64))
     engine = EngineStandIn(0, store, config=config, wait=timedelta(seconds=30))
     sync = WeightSync(model, store=store, num_engines=1, config=config)

@@ -8,9 +8,9 @@ import sys
 import torch
 
 sys.path.insert(0, "bench")
-import pack_cases as cases  # noqa: E402
+import pack_cases as cases
 
-from replica import ops  # noqa: E402
+from replica import ops
 
 
 def run(name: str, tensors: list[torch.Tensor]) -> None:

@@ -34,10 +34,28 @@ from replica.transport.wire import HEADER_BYTES, BucketHeader
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's from Python 3.11
 
-__all__ = ["AUTO_VERIFY_THREADS_MAX", "After", "Capabilities", "Connection", "Locality", "MAX_OFFSET", "MAX_TAG",
-           "MemoryKind", "PIECE_BYTES", "Pending", "SendFaults", "Transfer", "Transport", "bucket_digest",
-           "check_verify_threads", "nvtx_range", "ready_event", "resolve_verify_threads", "select_transport",
-           "valid_offset"]
+__all__ = [
+    "AUTO_VERIFY_THREADS_MAX",
+    "After",
+    "Capabilities",
+    "Connection",
+    "Locality",
+    "MAX_OFFSET",
+    "MAX_TAG",
+    "MemoryKind",
+    "PIECE_BYTES",
+    "Pending",
+    "SendFaults",
+    "Transfer",
+    "Transport",
+    "bucket_digest",
+    "check_verify_threads",
+    "nvtx_range",
+    "ready_event",
+    "resolve_verify_threads",
+    "select_transport",
+    "valid_offset",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -265,8 +283,16 @@ class _Piece:
 class Transfer:
     """Handle of one send or receive in flight; ``wait`` finishes it."""
 
-    def __init__(self, conn: Connection, pieces: list[_Piece], *, kind: str, tag: int, buf: torch.Tensor,
-                 header: BucketHeader | None):
+    def __init__(
+        self,
+        conn: Connection,
+        pieces: list[_Piece],
+        *,
+        kind: str,
+        tag: int,
+        buf: torch.Tensor,
+        header: BucketHeader | None,
+    ):
         self._conn = conn
         self._pieces = pieces
         self._kind = kind
@@ -298,8 +324,9 @@ class Transfer:
                 self._wait_piece(piece, deadline, timeout)
                 if self._kind == "recv":  # verified while the next pieces arrive
                     assert piece.header_buf is not None, "a receive's pieces each have a header buffer"
-                    header, term_sum = self._conn._check_piece(self._tag, piece.flat, piece.header_buf,
-                                                               getattr(piece.pending, "digest", None))
+                    header, term_sum = self._conn._check_piece(
+                        self._tag, piece.flat, piece.header_buf, getattr(piece.pending, "digest", None)
+                    )
                     headers.append(header)
                     sums.append(term_sum)
         self._done = True
@@ -313,9 +340,12 @@ class Transfer:
         polls: Backoff | None = None  # made at the first sleep: most pieces are done at once
         while not (piece.done or self._poll(piece)):
             if deadline.expired:
-                self._conn._fail(TransferTimeoutError(
-                    f"{self._kind} of tag {self._tag} to {self._conn.peer} did not finish "
-                    f"within {_seconds(timeout):.3f} s; connection closed"))
+                self._conn._fail(
+                    TransferTimeoutError(
+                        f"{self._kind} of tag {self._tag} to {self._conn.peer} did not finish "
+                        f"within {_seconds(timeout):.3f} s; connection closed"
+                    )
+                )
                 raise self._conn._failure()
             if completion is not None:
                 pause(_COMPLETION_SLICE, completion, deadline)
@@ -372,9 +402,18 @@ class Connection(ABC):
     def alive(self) -> bool:
         return self._error is None
 
-    def isend(self, buf: torch.Tensor, *, tag: int, step: int = 0, bucket: int = 0,
-              offset: int = 0, fingerprint: int = 0, digest: int | None = None,
-              after: After | torch.cuda.Event = After.CURRENT_STREAM) -> Transfer:
+    def isend(
+        self,
+        buf: torch.Tensor,
+        *,
+        tag: int,
+        step: int = 0,
+        bucket: int = 0,
+        offset: int = 0,
+        fingerprint: int = 0,
+        digest: int | None = None,
+        after: After | torch.cuda.Event = After.CURRENT_STREAM,
+    ) -> Transfer:
         """Start sending ``buf`` (contiguous, host or CUDA) under ``tag``; returns at once.
 
         ``digest``: ``bucket_digest(buf, offset=offset)``, when the caller has it already
@@ -398,8 +437,9 @@ class Connection(ABC):
                 if flat.is_cuda:  # the clone is complete once its side stream is
                     ready = torch.cuda.Event(blocking=True)
                     ready.record()
-        whole = BucketHeader(step=step, bucket=bucket, offset=offset, nbytes=flat.numel(), digest=0,
-                             fingerprint=fingerprint)
+        whole = BucketHeader(
+            step=step, bucket=bucket, offset=offset, nbytes=flat.numel(), digest=0, fingerprint=fingerprint
+        )
         spans = _pieces(flat.numel(), self.piece_bytes)
 
         def header_of(lo: int, hi: int) -> Callable[[], bytes]:
@@ -416,6 +456,7 @@ class Connection(ABC):
                             value = bucket_digest(flat, offset=offset)
                     whole = dataclasses.replace(whole, digest=value)
                 return dataclasses.replace(whole, offset=offset + lo, nbytes=hi - lo, digest=value).encode()
+
             return finish_header
 
         pieces = []
@@ -449,7 +490,9 @@ class Connection(ABC):
 
     def close(self) -> None:
         """Close the connection; transfers still in flight fail with PeerDisconnectedError."""
-        self._fail(PeerDisconnectedError(f"connection to {self.peer} was closed by this side", graceful=True), quiet=True)
+        self._fail(
+            PeerDisconnectedError(f"connection to {self.peer} was closed by this side", graceful=True), quiet=True
+        )
 
     def __enter__(self) -> Connection:
         return self
@@ -470,8 +513,13 @@ class Connection(ABC):
             self._closed = True
         if not quiet:  # a peer that said goodbye ended it, nothing failed
             graceful = isinstance(error, PeerDisconnectedError) and error.graceful
-            logger.log(logging.INFO if graceful else logging.WARNING, "connection to %s %s: %s", self.peer,
-                       "ended" if graceful else "failed", error)
+            logger.log(
+                logging.INFO if graceful else logging.WARNING,
+                "connection to %s %s: %s",
+                self.peer,
+                "ended" if graceful else "failed",
+                error,
+            )
         self._abort()
 
     def _failure(self) -> TransportError:
@@ -489,8 +537,9 @@ class Connection(ABC):
             raise TransportError(f"this transport cannot move {kind.name} memory ({buf.device})")
         return as_bytes(buf, what)
 
-    def _check_piece(self, tag: int, flat: torch.Tensor, header_buf: torch.Tensor,
-                     taken: int | None = None) -> tuple[BucketHeader, int]:
+    def _check_piece(
+        self, tag: int, flat: torch.Tensor, header_buf: torch.Tensor, taken: int | None = None
+    ) -> tuple[BucketHeader, int]:
         """A received piece's header, and its digest (0 when not verifying), taken at
         once: the next pieces are still arriving. ``taken``: the digest the backend
         took while it copied the piece in (keyed by the header's offset), if it did."""
@@ -502,7 +551,8 @@ class Connection(ABC):
             if header.nbytes != flat.numel():
                 raise TransportError(
                     f"tag {tag} from {self.peer}: sender sent {header.nbytes} bytes into a "
-                    f"{flat.numel()}-byte receive buffer")
+                    f"{flat.numel()}-byte receive buffer"
+                )
             if not self._verify_digests:
                 return header, 0
             if not valid_offset(header.offset):
@@ -519,7 +569,11 @@ class Connection(ABC):
         at = first.offset
         for piece in headers:
             if (piece.step, piece.bucket, piece.fingerprint, piece.offset) != (
-                    first.step, first.bucket, first.fingerprint, at):
+                first.step,
+                first.bucket,
+                first.fingerprint,
+                at,
+            ):
                 raise TransportError(f"tag {tag} from {self.peer}: piece {piece} does not follow {first}")
             at += piece.nbytes
         if self._verify_digests:
@@ -528,21 +582,24 @@ class Connection(ABC):
                 raise BucketCorruptedError(
                     f"bucket {header.bucket} of step {header.step} (tag {tag}) from {self.peer} "
                     "failed its digest; ask for it again",
-                    step=header.step, bucket=header.bucket, tag=tag)
+                    step=header.step,
+                    bucket=header.bucket,
+                    tag=tag,
+                )
         return header
 
-    def _check_bucket(self, flat: torch.Tensor) -> None:
+    def _check_bucket(self, flat: torch.Tensor) -> None:  # noqa: B027 - a hook: most backends send any bucket
         """Refuse a bucket this backend cannot send (before any of its pieces goes)."""
 
     @abstractmethod
-    def _isend(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes],
-               ready: torch.cuda.Event | None) -> Pending:
+    def _isend(
+        self, flat: torch.Tensor, tag: int, header: Callable[[], bytes], ready: torch.cuda.Event | None
+    ) -> Pending:
         """Post ``flat`` then the header that ``header()`` returns, under ``tag``;
         a CUDA ``flat`` is read only once ``ready`` (if any) completed."""
 
     @abstractmethod
-    def _irecv(self, flat: torch.Tensor, tag: int, header_buf: torch.Tensor,
-               ready: torch.cuda.Event | None) -> Pending:
+    def _irecv(self, flat: torch.Tensor, tag: int, header_buf: torch.Tensor, ready: torch.cuda.Event | None) -> Pending:
         """Post the receive of the next message under ``tag`` into ``flat``, written
         only once ``ready`` (if any) completed."""
 
@@ -551,8 +608,9 @@ class Connection(ABC):
         """Release the connection's resources; pending operations must stop."""
 
 
-def select_transport(candidates: Sequence[Transport | type[Transport]], memory: MemoryKind,
-                     locality: Locality) -> Transport | type[Transport]:
+def select_transport(
+    candidates: Sequence[Transport | type[Transport]], memory: MemoryKind, locality: Locality
+) -> Transport | type[Transport]:
     """The first of ``candidates`` (in order of preference) that moves ``memory`` to a
     peer at ``locality``. Candidates may be classes, to choose before constructing one."""
     for transport in candidates:

@@ -14,8 +14,9 @@ __all__ = ["transfer_buffer"]
 logger = logging.getLogger(__name__)
 
 
-def transfer_buffer(nbytes: int, *, device: torch.device | str = "cpu", pin_memory: bool = False,
-                    shared: bool = False) -> torch.Tensor:
+def transfer_buffer(
+    nbytes: int, *, device: torch.device | str = "cpu", pin_memory: bool = False, shared: bool = False
+) -> torch.Tensor:
     """A zeroed uint8 buffer of ``nbytes`` on ``device`` that a backend sends from or
     receives into. On the host: in shared memory when ``shared`` asks (the shm backend
     offers its buckets where they lie, and a peer on a GPU copies into it directly),
@@ -29,11 +30,19 @@ def transfer_buffer(nbytes: int, *, device: torch.device | str = "cpu", pin_memo
         try:
             return memfd.shared_empty(nbytes, pinned=pin)
         except OSError as exc:  # no memfd here (out of descriptors, a seccomp filter): still a buffer
-            logger.warning("cannot allocate %d bytes of shared memory (%s): a plain buffer instead (the shm "
-                           "backend copies its buckets into shared memory, or its peers fall back)", nbytes, exc)
+            logger.warning(
+                "cannot allocate %d bytes of shared memory (%s): a plain buffer instead (the shm "
+                "backend copies its buckets into shared memory, or its peers fall back)",
+                nbytes,
+                exc,
+            )
         except RuntimeError as exc:  # CUDA would not page-lock it: pinned and private is faster to a GPU
-            logger.warning("cannot pin %d bytes of shared memory (%s): a pinned private buffer instead (the shm "
-                           "backend copies its buckets through a staging region)", nbytes, exc)
+            logger.warning(
+                "cannot pin %d bytes of shared memory (%s): a pinned private buffer instead (the shm "
+                "backend copies its buckets through a staging region)",
+                nbytes,
+                exc,
+            )
     if pin:
         return torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
     buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)

@@ -37,7 +37,7 @@ from replica.errors import (
 from replica.timing import Deadline, pause
 from replica.transport.base import Connection, Locality, Transport
 from replica.transport.endpoint import EndpointConfig, is_local_address, keep_alive, peer_locality
-from replica.transport.framing import BYE, ControlMonitor, GRACEFUL, encode_frame
+from replica.transport.framing import BYE, GRACEFUL, ControlMonitor, encode_frame
 from replica.transport.handshake import (
     ControlServer,
     HandshakeDeadline,
@@ -177,8 +177,9 @@ class ControlledTransport(Transport):
                 raise TransportError("listen() on a closed transport")
             if self._server is None:
                 self._server = ControlServer(self._host, self._port)
-                self._acceptor = threading.Thread(target=self._accept_loop, args=(self._server,),
-                                                  name="replica-control-accept", daemon=True)
+                self._acceptor = threading.Thread(
+                    target=self._accept_loop, args=(self._server,), name="replica-control-accept", daemon=True
+                )
                 self._acceptor.start()
         return self._server.address
 
@@ -194,8 +195,9 @@ class ControlledTransport(Transport):
                 if self._closed:
                     raise TransportError("accept() on a closed transport")
                 if deadline.expired:
-                    raise TransferTimeoutError(f"no peer finished a handshake with {self._server.address} "
-                                               f"within {timeout_s:.3f} s")
+                    raise TransferTimeoutError(
+                        f"no peer finished a handshake with {self._server.address} within {timeout_s:.3f} s"
+                    )
                 self._arrived.wait(deadline.remaining_s())
             item = self._finished.popleft()
         if isinstance(item, AuthenticationError):
@@ -228,8 +230,7 @@ class ControlledTransport(Transport):
                 self._overflow_log.warning("accepting on %s failed: %s", server.address, exc)
                 pause(_ACCEPT_SLICE)
                 continue
-            thread = threading.Thread(target=self._handshake, args=(sock, peer), name="replica-handshake",
-                                      daemon=True)
+            thread = threading.Thread(target=self._handshake, args=(sock, peer), name="replica-handshake", daemon=True)
             with self._lock:
                 refused = self._closed or len(self._handshakes) >= self._max_pending
                 if not refused:
@@ -240,7 +241,10 @@ class ControlledTransport(Transport):
                 if not self._closed:
                     self._overflow_log.warning(
                         "closed the connection from %s at once: %d handshakes are already pending "
-                        "(max_pending_handshakes)", peer, self._max_pending)
+                        "(max_pending_handshakes)",
+                        peer,
+                        self._max_pending,
+                    )
 
     def _handshake(self, sock: socket.socket, peer: str) -> None:
         """One accepted socket's handshake, on its own thread, under its own deadline."""
@@ -269,8 +273,10 @@ class ControlledTransport(Transport):
         with self._arrived:
             if not self._closed:
                 # Refusals are logged already; keep no more than could be pending at once.
-                if isinstance(item, ControlledConnection) or \
-                        sum(isinstance(x, AuthenticationError) for x in self._finished) < self._max_pending:
+                if (
+                    isinstance(item, ControlledConnection)
+                    or sum(isinstance(x, AuthenticationError) for x in self._finished) < self._max_pending
+                ):
                     self._finished.append(item)
                     self._arrived.notify()
                 return
@@ -293,11 +299,20 @@ class ControlledTransport(Transport):
                 send_welcome(sock, hello, token=self._token, address=offer, inbound_id=recv_id, deadline=deadline)
                 peer_offer, send_id = hello.address, hello.inbound_id
             else:
-                peer_offer, send_id = answer_challenge(sock, peer=peer, token=self._token, address=offer,
-                                                        inbound_id=recv_id, deadline=deadline)
+                peer_offer, send_id = answer_challenge(
+                    sock, peer=peer, token=self._token, address=offer, inbound_id=recv_id, deadline=deadline
+                )
             try:
-                conn = self._open(sock=sock, peer=peer, peer_offer=peer_offer, send_id=send_id,
-                                  recv_id=recv_id, server=server, state=state, timeout_s=deadline.remaining())
+                conn = self._open(
+                    sock=sock,
+                    peer=peer,
+                    peer_offer=peer_offer,
+                    send_id=send_id,
+                    recv_id=recv_id,
+                    server=server,
+                    state=state,
+                    timeout_s=deadline.remaining(),
+                )
             except ReplicaError:
                 raise
             except Exception as exc:  # a backend's own error (gloo's store, UCX): the peer may try again
@@ -361,8 +376,18 @@ class ControlledTransport(Transport):
         """Undo ``_offer`` when the handshake fails (or ``_open`` raised)."""
 
     @abstractmethod
-    def _open(self, *, sock: socket.socket, peer: str, peer_offer: bytes, send_id: int, recv_id: int,
-              server: bool, state: Any, timeout_s: float) -> ControlledConnection:
+    def _open(
+        self,
+        *,
+        sock: socket.socket,
+        peer: str,
+        peer_offer: bytes,
+        send_id: int,
+        recv_id: int,
+        server: bool,
+        state: Any,
+        timeout_s: float,
+    ) -> ControlledConnection:
         """Build the data path once both sides proved the token, within ``timeout_s``
         (what is left of the handshake's deadline). On the accepting side it runs
         on a handshake thread, concurrently with other handshakes' ``_offer`` and

@@ -70,8 +70,15 @@ class Desk:
     peer's PUT is stored, before the peer hears so. ``timeout``: how long a peer may take over a handshake or a
     request before its connection is dropped."""
 
-    def __init__(self, *, token: bytes, host: str = "127.0.0.1", port: int = 0,
-                 timeout: timedelta = timedelta(seconds=30), on_put: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        *,
+        token: bytes,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout: timedelta = timedelta(seconds=30),
+        on_put: Callable[[str], None] | None = None,
+    ):
         if not token:
             raise ValueError("a desk needs the job's token")
         self._token = token
@@ -145,8 +152,9 @@ class Desk:
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
-            server_handshake(sock, peer=peer, token=self._token, address=b"", inbound_id=0,
-                             timeout_s=self._timeout.total_seconds())
+            server_handshake(
+                sock, peer=peer, token=self._token, address=b"", inbound_id=0, timeout_s=self._timeout.total_seconds()
+            )
             while not self._closed.is_set() and self._answer(sock, peer):
                 pass
         except AuthenticationError as exc:
@@ -242,8 +250,14 @@ class DeskClient:
                 raise PeerDisconnectedError(f"the desk at {self.address}: {exc}") from exc
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
-                client_handshake(sock, peer=self.address, token=self._token, address=b"", inbound_id=0,
-                                 timeout_s=deadline.remaining())
+                client_handshake(
+                    sock,
+                    peer=self.address,
+                    token=self._token,
+                    address=b"",
+                    inbound_id=0,
+                    timeout_s=deadline.remaining(),
+                )
             except BaseException:
                 sock.close()
                 raise

@@ -55,8 +55,11 @@ class EndpointConfig:
         check_verify_threads(self.verify_threads)
         if not isinstance(self.handshake_timeout, timedelta) or self.handshake_timeout <= timedelta(0):
             raise ValueError(f"handshake_timeout must be a positive timedelta, got {self.handshake_timeout!r}")
-        if isinstance(self.max_pending_handshakes, bool) or not isinstance(self.max_pending_handshakes, int) \
-                or self.max_pending_handshakes < 1:
+        if (
+            isinstance(self.max_pending_handshakes, bool)
+            or not isinstance(self.max_pending_handshakes, int)
+            or self.max_pending_handshakes < 1
+        ):
             raise ValueError(f"max_pending_handshakes must be an int >= 1, got {self.max_pending_handshakes!r}")
         if not isinstance(self.peer_silence, timedelta) or self.peer_silence < timedelta(seconds=2):
             raise ValueError(f"peer_silence must be a timedelta of at least 2 s, got {self.peer_silence!r}")
@@ -73,8 +76,12 @@ def keep_alive(sock: socket.socket, silence: timedelta) -> None:
     (not Linux), the one it has stays; heartbeats find the peer all the same."""
     seconds = max(2, int(silence.total_seconds()))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", seconds - 1),
-                        ("TCP_USER_TIMEOUT", seconds * 1000)):
+    for name, value in (
+        ("TCP_KEEPIDLE", 1),
+        ("TCP_KEEPINTVL", 1),
+        ("TCP_KEEPCNT", seconds - 1),
+        ("TCP_USER_TIMEOUT", seconds * 1000),
+    ):
         option = getattr(socket, name, None)
         if option is not None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)

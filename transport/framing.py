@@ -10,9 +10,8 @@ import selectors
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING, cast
 from datetime import timedelta
-
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
     from replica.transport.control import ControlledConnection
@@ -57,10 +56,8 @@ class ControlMonitor:
         self._selector.register(sock, selectors.EVENT_READ, (conn, bytearray()))
 
     def forget(self, sock: socket.socket) -> None:
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(sock)
-        except (KeyError, ValueError):
-            pass
 
     def close(self) -> None:
         self._stopped.set()
@@ -102,8 +99,8 @@ class ControlMonitor:
                 return f"peer sent a {length}-byte control frame"
             if len(pending) < _FRAME.size + length:
                 break
-            payload = bytes(pending[_FRAME.size:_FRAME.size + length])
-            del pending[:_FRAME.size + length]
+            payload = bytes(pending[_FRAME.size : _FRAME.size + length])
+            del pending[: _FRAME.size + length]
             try:
                 conn._on_control(kind, payload)
             except Exception as exc:  # noqa: BLE001 - a bad frame ends the connection, not the monitor

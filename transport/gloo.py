@@ -84,8 +84,10 @@ class GlooConnection(ControlledConnection):
         return _Works([payload, self._group.send([head], self._peer_rank, 2 * tag + 1)], (flat, head))
 
     def _irecv(self, flat, tag, header_buf, ready):
-        works = [self._group.recv([header_buf], self._peer_rank, 2 * tag + 1),
-                 self._group.recv([flat], self._peer_rank, 2 * tag)]
+        works = [
+            self._group.recv([header_buf], self._peer_rank, 2 * tag + 1),
+            self._group.recv([flat], self._peer_rank, 2 * tag),
+        ]
         return _Works(works, (flat, header_buf))
 
     def _release(self) -> None:
@@ -132,8 +134,9 @@ class GlooTransport(ControlledTransport):
             host, port = state.getsockname()[:2]
             # The store takes the socket and closes it when it dies: detach it
             # so the fd is closed once, never a reused number of someone else's.
-            store = tcp_store(host, port, 2, True, timeout=left(), wait_for_workers=False,
-                              master_listen_fd=state.detach())
+            store = tcp_store(
+                host, port, 2, True, timeout=left(), wait_for_workers=False, master_listen_fd=state.detach()
+            )
         else:
             host, port = parse_address(peer_offer.decode())
             store = tcp_store(host, port, 2, False, timeout=left())
@@ -153,8 +156,15 @@ class GlooTransport(ControlledTransport):
             with contextlib.suppress(Exception):
                 group.abort()
             raise
-        return GlooConnection(transport=self, sock=sock, peer=peer, group=group, peer_rank=1 - rank,
-                              verify=self.config.verify, verify_threads=self.config.verify_threads)
+        return GlooConnection(
+            transport=self,
+            sock=sock,
+            peer=peer,
+            group=group,
+            peer_rank=1 - rank,
+            verify=self.config.verify,
+            verify_threads=self.config.verify_threads,
+        )
 
     def _shutdown(self) -> None:
         pass

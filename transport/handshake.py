@@ -110,6 +110,7 @@ def _read_address(sock, deadline):
         if length > MAX_ADDRESS_BYTES:
             raise ValueError(f"peer announced a {length}-byte address")
         return recv_exact(sock, length, deadline)
+
     return read
 
 
@@ -122,8 +123,7 @@ def await_hello(sock: socket.socket, *, peer: str, token: bytes, deadline: Hands
     nonce = wire.new_nonce()
     send_all(sock, wire.encode_challenge(nonce), deadline)
     try:
-        hello = wire.Hello.decode(recv_exact(sock, wire.Hello.fixed_size(), deadline),
-                                  _read_address(sock, deadline))
+        hello = wire.Hello.decode(recv_exact(sock, wire.Hello.fixed_size(), deadline), _read_address(sock, deadline))
     except ValueError as exc:
         logger.warning("refused connection from %s: no valid job token (%s)", peer, exc)
         raise AuthenticationError(f"{peer} did not present a job token: {exc}") from exc
@@ -136,16 +136,25 @@ def await_hello(sock: socket.socket, *, peer: str, token: bytes, deadline: Hands
     return hello
 
 
-def send_welcome(sock: socket.socket, hello: wire.Hello, *, token: bytes, address: bytes,
-                  inbound_id: int, deadline: HandshakeDeadline) -> None:
+def send_welcome(
+    sock: socket.socket,
+    hello: wire.Hello,
+    *,
+    token: bytes,
+    address: bytes,
+    inbound_id: int,
+    deadline: HandshakeDeadline,
+) -> None:
     """Server side, second half: prove the token back and tell the client where to send."""
-    welcome = wire.Welcome(accepted=True, proof=wire.proof(token, hello.nonce, b"server"),
-                           inbound_id=inbound_id, address=address)
+    welcome = wire.Welcome(
+        accepted=True, proof=wire.proof(token, hello.nonce, b"server"), inbound_id=inbound_id, address=address
+    )
     send_all(sock, welcome.encode(), deadline)
 
 
-def server_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
-                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
+def server_handshake(
+    sock: socket.socket, *, peer: str, token: bytes, address: bytes, inbound_id: int, timeout_s: float
+) -> tuple[bytes, int]:
     """Challenge the client for the job token; returns its data address and tag id.
 
     Raises AuthenticationError for a missing or wrong token; PeerDisconnectedError
@@ -156,22 +165,25 @@ def server_handshake(sock: socket.socket, *, peer: str, token: bytes, address: b
     return hello.address, hello.inbound_id
 
 
-def answer_challenge(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
-                      inbound_id: int, deadline: HandshakeDeadline) -> tuple[bytes, int]:
+def answer_challenge(
+    sock: socket.socket, *, peer: str, token: bytes, address: bytes, inbound_id: int, deadline: HandshakeDeadline
+) -> tuple[bytes, int]:
     try:
         server_nonce = wire.decode_challenge(recv_exact(sock, wire.CHALLENGE_BYTES, deadline))
     except ValueError as exc:
         raise TransportError(f"{peer} is not a replica endpoint: {exc}") from exc
     nonce = wire.new_nonce()
-    hello = wire.Hello(proof=wire.proof(token, server_nonce, b"client"), nonce=nonce,
-                       inbound_id=inbound_id, address=address)
+    hello = wire.Hello(
+        proof=wire.proof(token, server_nonce, b"client"), nonce=nonce, inbound_id=inbound_id, address=address
+    )
     send_all(sock, hello.encode(), deadline)
     # A server that refuses the token says so in its Welcome: an EOF or a stall
     # here (it died, dropped a stalled handshake, or was at its cap) stays a
     # PeerDisconnectedError / TransferTimeoutError, which callers may retry.
     try:
-        welcome = wire.Welcome.decode(recv_exact(sock, wire.Welcome.fixed_size(), deadline),
-                                      _read_address(sock, deadline))
+        welcome = wire.Welcome.decode(
+            recv_exact(sock, wire.Welcome.fixed_size(), deadline), _read_address(sock, deadline)
+        )
     except ValueError as exc:
         raise TransportError(f"{peer} is not a replica endpoint: {exc}") from exc
     if not welcome.accepted:
@@ -181,15 +193,22 @@ def answer_challenge(sock: socket.socket, *, peer: str, token: bytes, address: b
     return welcome.address, welcome.inbound_id
 
 
-def client_handshake(sock: socket.socket, *, peer: str, token: bytes, address: bytes,
-                     inbound_id: int, timeout_s: float) -> tuple[bytes, int]:
+def client_handshake(
+    sock: socket.socket, *, peer: str, token: bytes, address: bytes, inbound_id: int, timeout_s: float
+) -> tuple[bytes, int]:
     """Answer the server's challenge and check its own proof; returns its data address and tag id.
 
     Raises AuthenticationError when the server refuses this side's token or cannot
     prove its own; PeerDisconnectedError or TransferTimeoutError (retryable) when
     it closes or stalls."""
-    return answer_challenge(sock, peer=peer, token=token, address=address, inbound_id=inbound_id,
-                             deadline=HandshakeDeadline(timeout_s, f"handshake with {peer}"))
+    return answer_challenge(
+        sock,
+        peer=peer,
+        token=token,
+        address=address,
+        inbound_id=inbound_id,
+        deadline=HandshakeDeadline(timeout_s, f"handshake with {peer}"),
+    )
 
 
 class ControlServer:

@@ -64,13 +64,20 @@ import torch
 from replica.errors import TransportError
 from replica.transport.base import Capabilities, Locality, MemoryKind
 from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
-
 from replica.transport.ipc_cuda import EventThread
 from replica.transport.ipc_frames import HOST_OFFER_BYTES, MAX_EXPORTS, MAX_HOST_BYTES, MAX_STAGED_BYTES
 from replica.transport.ipc_recv import Receiving
 from replica.transport.ipc_send import Sending
 
-__all__ = ["HOST_OFFER_BYTES", "IpcConfig", "IpcConnection", "IpcTransport", "MAX_EXPORTS", "MAX_HOST_BYTES", "MAX_STAGED_BYTES"]
+__all__ = [
+    "HOST_OFFER_BYTES",
+    "IpcConfig",
+    "IpcConnection",
+    "IpcTransport",
+    "MAX_EXPORTS",
+    "MAX_HOST_BYTES",
+    "MAX_STAGED_BYTES",
+]
 
 
 # repr=False keeps EndpointConfig.__repr__, which leaves the token out.
@@ -93,8 +100,16 @@ class IpcConnection(Sending, Receiving, ControlledConnection):
     # GB/s on an H200 in 16 MiB pieces).
     piece_bytes = None
 
-    def __init__(self, *, host_offers: bool = False, probe: torch.Tensor | None = None, peer_pid: int | None = None,
-                 push: bool = True, push_host: bool = False, **kwargs):
+    def __init__(
+        self,
+        *,
+        host_offers: bool = False,
+        probe: torch.Tensor | None = None,
+        peer_pid: int | None = None,
+        push: bool = True,
+        push_host: bool = False,
+        **kwargs,
+    ):
         # HOST too: small control messages ride the control socket (see the module docstring).
         super().__init__(memory=MemoryKind.HOST | MemoryKind.CUDA, **kwargs)
         # The state both halves share, declared with its types in IpcState (replica.transport.ipc_cuda):
@@ -204,14 +219,22 @@ class IpcTransport(ControlledTransport):
 
     def _offer(self, server, locality):
         if locality is not Locality.SAME_NODE:
-            raise TransportError("CUDA IPC reaches processes on this host only; the peer is on another "
-                                 "(use the UCX transport)")
+            raise TransportError(
+                "CUDA IPC reaches processes on this host only; the peer is on another (use the UCX transport)"
+            )
         return b"", None
 
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
-        return IpcConnection(transport=self, sock=sock, peer=peer, verify=self.config.verify,
-                             verify_threads=self.config.verify_threads, push=self.config.push,
-                             push_host=self.config.push_host, **self._host_path(peer, peer_offer, state))
+        return IpcConnection(
+            transport=self,
+            sock=sock,
+            peer=peer,
+            verify=self.config.verify,
+            verify_threads=self.config.verify_threads,
+            push=self.config.push,
+            push_host=self.config.push_host,
+            **self._host_path(peer, peer_offer, state),
+        )
 
     def _host_path(self, peer: str, peer_offer: bytes, state: Any) -> dict[str, Any]:
         """What the connection needs for host buckets beyond the control socket: none here."""

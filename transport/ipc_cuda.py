@@ -140,7 +140,7 @@ class EventThread:
                 if event is not None:
                     event.synchronize()  # releases the GIL
                 callback()
-            except Exception:  # noqa: BLE001 - one bad callback must not stop the others
+            except Exception:
                 logger.exception("%s: callback failed", self._name)
             del item, event, callback  # nothing the callback held outlives it here
 
@@ -164,8 +164,7 @@ class Export:
 class Send:
     """A send: done when acknowledged (an offered bucket) or written (host message)."""
 
-    def __init__(self, keep: Any, export: Export | None = None,
-                 finished: Callable[[], None] | None = None):
+    def __init__(self, keep: Any, export: Export | None = None, finished: Callable[[], None] | None = None):
         self.completion = threading.Event()
         self.done = False
         self.export = export
@@ -259,8 +258,9 @@ class Import:
 
     __slots__ = ("uuid", "handle", "storage_bytes", "storage_offset", "ref_handle", "ref_offset", "bytes")
 
-    def __init__(self, uuid: bytes, handle: bytes, storage_bytes: int, storage_offset: int,
-                 ref_handle: bytes, ref_offset: int):
+    def __init__(
+        self, uuid: bytes, handle: bytes, storage_bytes: int, storage_offset: int, ref_handle: bytes, ref_offset: int
+    ):
         self.uuid = uuid
         self.handle = handle
         self.storage_bytes = storage_bytes
@@ -285,20 +285,29 @@ class Import:
         if source is None:
             raise TransportError(
                 f"the peer's GPU {self.uuid.decode()} is not visible to this process (CUDA_VISIBLE_DEVICES?); "
-                "CUDA IPC needs both processes to see the same GPU; use the UCX transport")
+                "CUDA IPC needs both processes to see the same GPU; use the UCX transport"
+            )
         if device is None:
             device = source
         elif device != source and not torch.cuda.can_device_access_peer(device, source):
             raise TransportError(
                 f"cuda:{device} cannot access the peer's GPU {self.uuid.decode()} (cuda:{source} here): "
-                f"no peer access between them; receive on cuda:{source} or use the UCX transport")
+                f"no peer access between them; receive on cuda:{source} or use the UCX transport"
+            )
         torch.cuda._lazy_init()
         # The export's own event is not waited on: the sender offers a bucket only
         # once its producers finished, and waiting on another process's event
         # could block this stream forever if that process dies.
         storage = torch.UntypedStorage._new_shared_cuda(
-            device, self.handle, self.storage_bytes, self.storage_offset, self.ref_handle, self.ref_offset,
-            bytes(IPC_EVENT_HANDLE_BYTES), False)
+            device,
+            self.handle,
+            self.storage_bytes,
+            self.storage_offset,
+            self.ref_handle,
+            self.ref_offset,
+            bytes(IPC_EVENT_HANDLE_BYTES),
+            False,
+        )
         return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", device)).set_(storage)
 
     def unmap(self) -> None:
@@ -417,12 +426,17 @@ class IpcState(ControlledConnection):
     def _offers_host(self, flat: torch.Tensor) -> bool: ...
 
     @abstractmethod
-    def _export(self, storage: torch.UntypedStorage, flat: torch.Tensor,
-                table: collections.OrderedDict[tuple[int, int, int], Export]) -> Export: ...
+    def _export(
+        self,
+        storage: torch.UntypedStorage,
+        flat: torch.Tensor,
+        table: collections.OrderedDict[tuple[int, int, int], Export],
+    ) -> Export: ...
 
     @abstractmethod
-    def _retire_exports(self, table: collections.OrderedDict[tuple[int, int, int], Export],
-                        using: torch.UntypedStorage, *, keep: Export) -> list[tuple[int, bytes]]: ...
+    def _retire_exports(
+        self, table: collections.OrderedDict[tuple[int, int, int], Export], using: torch.UntypedStorage, *, keep: Export
+    ) -> list[tuple[int, bytes]]: ...
 
     @abstractmethod
     def _post(self, item: Outgoing) -> None: ...

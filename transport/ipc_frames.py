@@ -6,7 +6,6 @@ from __future__ import annotations
 import struct
 from datetime import timedelta
 
-
 from replica.transport.base import valid_offset
 from replica.transport.framing import MAX_FRAME_BYTES
 from replica.transport.wire import HEADER_BYTES, BucketHeader
@@ -106,7 +105,7 @@ def read_blobs(data: bytes, at: int, n: int) -> tuple[list[bytes], int]:
         at += _BLOB.size
         if at + length > len(data):
             raise ValueError("truncated frame")
-        out.append(data[at:at + length])
+        out.append(data[at : at + length])
         at += length
     return out, at
 

@@ -24,7 +24,29 @@ from replica.transport.ipc_cuda import (
     Want,
     copy_stream,
 )
-from replica.transport.ipc_frames import ACK, CUDA_EXPORT, EXPLAIN, EXPORT_FIXED, HOST, HOST_EXPORT, HOST_FIXED, HOST_MORE, INLINE_COPY_BYTES, MAX_HOST_BYTES, MAX_IMPORTS, OFFER, OFFER_FIXED, PUSHED, PUSHED_FIXED, RELEASE, U64, WANT, WANT_FIXED, digest_offset, read_blobs
+from replica.transport.ipc_frames import (
+    ACK,
+    CUDA_EXPORT,
+    EXPLAIN,
+    EXPORT_FIXED,
+    HOST,
+    HOST_EXPORT,
+    HOST_FIXED,
+    HOST_MORE,
+    INLINE_COPY_BYTES,
+    MAX_HOST_BYTES,
+    MAX_IMPORTS,
+    OFFER,
+    OFFER_FIXED,
+    PUSHED,
+    PUSHED_FIXED,
+    RELEASE,
+    U64,
+    WANT,
+    WANT_FIXED,
+    digest_offset,
+    read_blobs,
+)
 from replica.transport.wire import HEADER_BYTES
 
 __all__ = ["Receiving"]
@@ -108,7 +130,7 @@ class Receiving(IpcState):
             self._on_want(payload)
         elif kind == PUSHED:
             tag, index, taken, digest = PUSHED_FIXED.unpack_from(payload)
-            header = payload[PUSHED_FIXED.size:PUSHED_FIXED.size + HEADER_BYTES]
+            header = payload[PUSHED_FIXED.size : PUSHED_FIXED.size + HEADER_BYTES]
             with self._state_lock:
                 receive = self._waiting.pop((tag, index), None)
             if receive is None:
@@ -123,8 +145,9 @@ class Receiving(IpcState):
             if nbytes > MAX_HOST_BYTES:
                 raise TransportError(f"peer announced a {nbytes}-byte host message")
             at = HOST_FIXED.size + HEADER_BYTES
-            self._partial = HostMessage(tag=tag, index=index, nbytes=nbytes, header=payload[HOST_FIXED.size:at],
-                                         data=bytearray(nbytes))
+            self._partial = HostMessage(
+                tag=tag, index=index, nbytes=nbytes, header=payload[HOST_FIXED.size : at], data=bytearray(nbytes)
+            )
             self._host_bytes(self._partial, payload, at)
         elif kind == HOST_MORE:
             if self._partial is None:
@@ -154,14 +177,17 @@ class Receiving(IpcState):
                 source = self._decode_export(payload, WANT_FIXED.size, mapped=False)
                 with self._state_lock:
                     if len(self._destinations) >= MAX_IMPORTS:
-                        raise TransportError(f"peer exported more than {MAX_IMPORTS} receive buffers without "
-                                             "releasing any")
+                        raise TransportError(
+                            f"peer exported more than {MAX_IMPORTS} receive buffers without releasing any"
+                        )
                     self._destinations[export_id] = source
             elif source is None:
                 raise TransportError(f"a receive into unknown export {export_id}")
             if byte_offset + nbytes > source.storage_bytes:
-                raise TransportError(f"a receive into bytes [{byte_offset}, {byte_offset + nbytes}) of a "
-                                     f"{source.storage_bytes}-byte storage")
+                raise TransportError(
+                    f"a receive into bytes [{byte_offset}, {byte_offset + nbytes}) of a "
+                    f"{source.storage_bytes}-byte storage"
+                )
         want = Want(tag=tag, index=index, source=source, byte_offset=byte_offset, nbytes=nbytes)
         with self._state_lock:
             item = self._pushes.pop((tag, index), None)
@@ -177,7 +203,7 @@ class Receiving(IpcState):
         n = len(payload) - at
         if message.filled + n > message.nbytes:
             raise TransportError("a host message ran past its announced size")
-        message.data[message.filled:message.filled + n] = memoryview(payload)[at:]
+        message.data[message.filled : message.filled + n] = memoryview(payload)[at:]
         message.filled += n
         if message.filled == message.nbytes:
             self._partial = None
@@ -187,7 +213,7 @@ class Receiving(IpcState):
         """An export record at ``payload[at:]``. ``mapped``: a region the peer offers is
         mapped at once (it can be opened only while its owner lives, and once mapped it
         outlives its owner); the peer's receive buffers are mapped on the first push."""
-        kind, at = payload[at:at + 1], at + 1
+        kind, at = payload[at : at + 1], at + 1
         if kind == HOST_EXPORT:
             if not self._host_offers:
                 raise TransportError("a shared-memory export on a connection that takes none")
@@ -207,7 +233,7 @@ class Receiving(IpcState):
     def _decode_offer(self, payload: bytes) -> Offer:
         tag, index, seq, export_id, byte_offset, nbytes, announces = OFFER_FIXED.unpack_from(payload)
         at = OFFER_FIXED.size + HEADER_BYTES
-        header = payload[OFFER_FIXED.size:at]
+        header = payload[OFFER_FIXED.size : at]
         with self._state_lock:
             source = self._imports.get(export_id)
         if announces:
@@ -221,10 +247,12 @@ class Receiving(IpcState):
         elif source is None:
             raise TransportError(f"offer of unknown export {export_id}")
         if byte_offset + nbytes > source.storage_bytes:
-            raise TransportError(f"offer of bytes [{byte_offset}, {byte_offset + nbytes}) of a "
-                                 f"{source.storage_bytes}-byte storage")
-        return Offer(tag=tag, index=index, seq=seq, nbytes=nbytes, byte_offset=byte_offset, header=header,
-                      source=source)
+            raise TransportError(
+                f"offer of bytes [{byte_offset}, {byte_offset + nbytes}) of a {source.storage_bytes}-byte storage"
+            )
+        return Offer(
+            tag=tag, index=index, seq=seq, nbytes=nbytes, byte_offset=byte_offset, header=header, source=source
+        )
 
     def _match(self, message: Offer | HostMessage) -> None:
         key = (message.tag, message.index)
@@ -260,7 +288,7 @@ class Receiving(IpcState):
                 return
             else:
                 mapped = message.source.map(flat.device.index if flat.device.type == "cuda" else None)
-                src = mapped[message.byte_offset:message.byte_offset + n]
+                src = mapped[message.byte_offset : message.byte_offset + n]
             device = flat.device if flat.device.type == "cuda" else src.device
             stream = copy_stream(device)
             if receive.posted is not None:
@@ -271,8 +299,11 @@ class Receiving(IpcState):
             copied.record(stream)
         except Exception as exc:  # noqa: BLE001 - a failed copy fails the connection, not the thread
             receive.completion.set()
-            self._fail(exc if isinstance(exc, TransportError) else
-                       TransportError(f"receiving tag {message.tag} from {self.peer} failed: {exc}"))
+            self._fail(
+                exc
+                if isinstance(exc, TransportError)
+                else TransportError(f"receiving tag {message.tag} from {self.peer} failed: {exc}")
+            )
             return
         # src (the mapping) and flat stay referenced until the copy has run.
         self._transport._copied.submit(copied, functools.partial(self._copied, receive, message, src, flat))
@@ -285,7 +316,7 @@ class Receiving(IpcState):
         if flat is None or self._error is not None:
             return  # the connection failed: its waiters were woken, the buffer is theirs again
         try:
-            src = message.source.map(None)[message.byte_offset:message.byte_offset + n]
+            src = message.source.map(None)[message.byte_offset : message.byte_offset + n]
             offset = digest_offset(message.header) if self._verify_digests else None
             if offset is None:
                 flat[:n].copy_(src)
@@ -295,8 +326,11 @@ class Receiving(IpcState):
             # A region that cannot be opened any more most often means its owner died:
             # the control socket says so within moments, and then that is the error.
             if inline or not self._failed.wait(EXPLAIN.total_seconds()):
-                self._fail(exc if isinstance(exc, TransportError) else
-                           TransportError(f"receiving tag {message.tag} from {self.peer} failed: {exc}"))
+                self._fail(
+                    exc
+                    if isinstance(exc, TransportError)
+                    else TransportError(f"receiving tag {message.tag} from {self.peer} failed: {exc}")
+                )
             receive.completion.set()
             return
         del src
@@ -306,7 +340,5 @@ class Receiving(IpcState):
         # src and flat are only held: their last references drop after this returns.
         receive.finish(message.header)
         if isinstance(message, Offer):
-            try:
+            with contextlib.suppress(TransportError):  # the peer is gone; it no longer waits for the acknowledgement
                 self._send_control(ACK, U64.pack(message.seq))
-            except TransportError:
-                pass  # the peer is gone; it no longer waits for the acknowledgement

@@ -66,8 +66,9 @@ class Sending(IpcState):
         head = header()
         send = Send((flat, ready))
         with self._state_lock:
-            item = Bucket(flat=flat, tag=tag, index=self._next_index(tag), seq=next(self._seq), head=head,
-                           ready=ready, send=send)
+            item = Bucket(
+                flat=flat, tag=tag, index=self._next_index(tag), seq=next(self._seq), head=head, ready=ready, send=send
+            )
             self._sends[item.seq] = send
         self._offer(item)
         return send
@@ -89,7 +90,8 @@ class Sending(IpcState):
         if flat.device.type == "cpu" and nbytes > MAX_HOST_BYTES and not self._offers_host(flat):
             raise TransportError(
                 f"a {nbytes}-byte host message is over CUDA IPC's limit of {MAX_HOST_BYTES} bytes "
-                "(host messages ride the control socket); send device memory, or use the UCX transport")
+                "(host messages ride the control socket); send device memory, or use the UCX transport"
+            )
 
     def _send_host(self, flat: torch.Tensor, tag: int, header: Callable[[], bytes]) -> Send:
         nbytes = flat.numel()
@@ -102,8 +104,9 @@ class Sending(IpcState):
                 seq = next(self._seq)
                 self._sends[seq] = send
             frames = [(HOST, HOST_FIXED.pack(tag, index, nbytes) + head + data[:HOST_FIRST_BYTES])]
-            frames += [(HOST_MORE, data[at:at + MAX_FRAME_BYTES])
-                       for at in range(HOST_FIRST_BYTES, nbytes, MAX_FRAME_BYTES)]
+            frames += [
+                (HOST_MORE, data[at : at + MAX_FRAME_BYTES]) for at in range(HOST_FIRST_BYTES, nbytes, MAX_FRAME_BYTES)
+            ]
             self._post(Outgoing(ready=None, frames=frames, written=functools.partial(self._written, seq, send)))
         return send
 
@@ -137,8 +140,11 @@ class Sending(IpcState):
         if self._error is not None:
             return  # its waiter was woken with the connection's error
         source, flat = want.source, item.flat
-        if source is None or self._push_failure is not None or (
-                isinstance(source, Import) and flat.device.type != "cuda"):
+        if (
+            source is None
+            or self._push_failure is not None
+            or (isinstance(source, Import) and flat.device.type != "cuda")
+        ):
             self._offer(item)
             return
         n = min(flat.numel(), want.nbytes)  # a size mismatch fails the receive's check
@@ -149,7 +155,7 @@ class Sending(IpcState):
                 full = source.map(None)
             else:
                 full = source.destination(pin=flat.device.type == "cuda")
-            dst, src = full[want.byte_offset:want.byte_offset + n], flat[:n]
+            dst, src = full[want.byte_offset : want.byte_offset + n], flat[:n]
             if flat.device.type == "cuda":
                 stream = push_stream(flat.device)
                 if item.ready is not None:
@@ -176,8 +182,9 @@ class Sending(IpcState):
             if self._error is not None:
                 return
             self._push_failure = str(exc)
-            logger.warning("cannot copy into the buffers of %s (%s); offering it its buckets to copy instead",
-                           self.peer, exc)
+            logger.warning(
+                "cannot copy into the buffers of %s (%s); offering it its buckets to copy instead", self.peer, exc
+            )
             self._offer(item)
             return
         with self._state_lock:
@@ -209,8 +216,9 @@ class Sending(IpcState):
             with self._state_lock:
                 export.inflight += 1  # first: an export in flight is never retired
             frames = self._retire_exports(self._exports, storage, keep=export)
-            fixed = OFFER_FIXED.pack(item.tag, item.index, item.seq, export.id, flat.storage_offset(), flat.numel(),
-                                      not export.announced)
+            fixed = OFFER_FIXED.pack(
+                item.tag, item.index, item.seq, export.id, flat.storage_offset(), flat.numel(), not export.announced
+            )
             frames.append((OFFER, fixed + item.head + (b"" if export.announced else export.record)))
             export.announced = True
             self._post(Outgoing(ready=item.ready, frames=frames))
@@ -235,10 +243,15 @@ class Sending(IpcState):
                 self._staging.append(region)
                 while sum(r.numel() for r in self._staging) > MAX_STAGED_BYTES:
                     self._staging.pop(0)
+
         return staged, give_back
 
-    def _export(self, storage: torch.UntypedStorage, flat: torch.Tensor,
-                table: collections.OrderedDict[tuple[int, int, int], Export]) -> Export:
+    def _export(
+        self,
+        storage: torch.UntypedStorage,
+        flat: torch.Tensor,
+        table: collections.OrderedDict[tuple[int, int, int], Export],
+    ) -> Export:
         """This storage's export in ``table`` (offers or destinations); taken once
         (torch nests a new ref-counter and event into the storage on every
         ``_share_cuda_``). Caller holds _out_lock."""
@@ -259,19 +272,24 @@ class Sending(IpcState):
             record = HOST_EXPORT + region.record
         else:
             try:
-                (_, handle, storage_bytes, storage_offset, ref_handle, ref_offset, _event,
-                 _sync) = storage._share_cuda_()
+                (_, handle, storage_bytes, storage_offset, ref_handle, ref_offset, _event, _sync) = (
+                    storage._share_cuda_()
+                )
             except RuntimeError as exc:
                 raise TransportError(f"cannot export this CUDA buffer for IPC ({exc}); use the UCX transport") from exc
-            record = (CUDA_EXPORT + EXPORT_FIXED.pack(storage_bytes, storage_offset, ref_offset)
-                      + blobs(uuid_of(flat.device.index), handle, ref_handle))
+            record = (
+                CUDA_EXPORT
+                + EXPORT_FIXED.pack(storage_bytes, storage_offset, ref_offset)
+                + blobs(uuid_of(flat.device.index), handle, ref_handle)
+            )
         export = Export(next(self._export_ids), StorageWeakRef(storage), record)
         with self._state_lock:
             table[key] = export
         return export
 
-    def _retire_exports(self, table: collections.OrderedDict[tuple[int, int, int], Export],
-                        using: torch.UntypedStorage, *, keep: Export) -> list[tuple[int, bytes]]:
+    def _retire_exports(
+        self, table: collections.OrderedDict[tuple[int, int, int], Export], using: torch.UntypedStorage, *, keep: Export
+    ) -> list[tuple[int, bytes]]:
         """RELEASE frames for the exports of ``table`` whose storage is gone, those of
         the storage in use that it has left (a resize moved its bytes), and, past
         MAX_EXPORTS, the least recently used ones; never one in use (a send or a

@@ -13,6 +13,7 @@ write them.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -79,10 +80,8 @@ def pin(t: torch.Tensor) -> None:
 
 
 def _unpin(cudart, address: int) -> None:
-    try:
+    with contextlib.suppress(Exception):
         cudart.cudaHostUnregister(address)
-    except Exception:  # noqa: BLE001 - at exit CUDA may be gone already; the pages go with the mapping
-        pass
 
 
 def _mapping_of(t: torch.Tensor) -> _Mapping:
@@ -186,13 +185,16 @@ def map_region(record: bytes, *, writable: bool = False) -> torch.Tensor:
     except OSError as exc:
         raise TransportError(
             f"cannot open the peer's shared memory at {path} ({exc.strerror}): the peer must run as the same "
-            "user in the same PID namespace (same container); use the UCX transport") from exc
+            "user in the same PID namespace (same container); use the UCX transport"
+        ) from exc
     try:
         st = os.fstat(opened)
         if st.st_ino != inode or st.st_size != size:
-            raise TransportError(f"{path} is not the peer's shared memory (inode {st.st_ino}, {st.st_size} bytes; "
-                                 f"expected inode {inode}, {size} bytes): is the peer in another PID namespace? "
-                                 "use the UCX transport")
+            raise TransportError(
+                f"{path} is not the peer's shared memory (inode {st.st_ino}, {st.st_size} bytes; "
+                f"expected inode {inode}, {size} bytes): is the peer in another PID namespace? "
+                "use the UCX transport"
+            )
         try:
             seals = fcntl.fcntl(opened, fcntl.F_GET_SEALS)
         except OSError:

@@ -29,9 +29,10 @@ import collections
 import logging
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -257,8 +258,19 @@ class NixlConnection(ControlledConnection):
             self._deliver(recv, *early)
             return recv
         mem = _MEM_TYPES.index(region.mem_type) if region else 0
-        self._send_control(_WANT, _WANT_FIXED.pack(tag, key[1], region.id if region else 0, flat.data_ptr(),
-                                                   flat.numel(), mem, region.device if region else 0) + metadata)
+        self._send_control(
+            _WANT,
+            _WANT_FIXED.pack(
+                tag,
+                key[1],
+                region.id if region else 0,
+                flat.data_ptr(),
+                flat.numel(),
+                mem,
+                region.device if region else 0,
+            )
+            + metadata,
+        )
         return recv
 
     def _deliver(self, recv: _Recv, head: bytes, payload: bytes | None) -> None:
@@ -277,8 +289,8 @@ class NixlConnection(ControlledConnection):
     def _on_control(self, kind: int, payload: bytes) -> None:
         if kind == _WANT:
             tag, index, region, addr, nbytes, mem, device = _WANT_FIXED.unpack_from(payload)
-            if payload[_WANT_FIXED.size:]:
-                self._agent.load(self._peer_agent, payload[_WANT_FIXED.size:])
+            if payload[_WANT_FIXED.size :]:
+                self._agent.load(self._peer_agent, payload[_WANT_FIXED.size :])
             want = _Want(region=region, addr=addr, nbytes=nbytes, mem_type=_MEM_TYPES[mem], device=device)
             with self._state_lock:
                 send = self._waiting.pop((tag, index), None)
@@ -288,8 +300,8 @@ class NixlConnection(ControlledConnection):
                 self._write(send, want)
         elif kind in (_PUSHED, _INLINE):
             key = _KEY.unpack_from(payload)
-            head = payload[_KEY.size:_KEY.size + HEADER_BYTES]
-            data = payload[_KEY.size + HEADER_BYTES:] if kind == _INLINE else None
+            head = payload[_KEY.size : _KEY.size + HEADER_BYTES]
+            data = payload[_KEY.size + HEADER_BYTES :] if kind == _INLINE else None
             with self._state_lock:
                 recv = self._recvs.pop(key, None)
                 if recv is None:
@@ -331,8 +343,7 @@ class NixlTransport(ControlledTransport):
     (its UCX plugin does), to peers on this host or others. Its agent is this process's,
     made by the first NixlTransport (see ``replica.transport.nixl_agent``)."""
 
-    capabilities = Capabilities(memory=MemoryKind.HOST | MemoryKind.CUDA,
-                                locality=Locality.SAME_NODE | Locality.REMOTE)
+    capabilities = Capabilities(memory=MemoryKind.HOST | MemoryKind.CUDA, locality=Locality.SAME_NODE | Locality.REMOTE)
 
     def __init__(self, config: NixlConfig):
         # Fails before anything listens; made once per process (see nixl_agent).
@@ -350,8 +361,15 @@ class NixlTransport(ControlledTransport):
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
         peer_agent = self._agent.add_peer(peer_offer)
         try:
-            return NixlConnection(transport=self, sock=sock, peer=peer, agent=self._agent, peer_agent=peer_agent,
-                                  verify=self.config.verify, verify_threads=self.config.verify_threads)
+            return NixlConnection(
+                transport=self,
+                sock=sock,
+                peer=peer,
+                agent=self._agent,
+                peer_agent=peer_agent,
+                verify=self.config.verify,
+                verify_threads=self.config.verify_threads,
+            )
         except BaseException:
             self._agent.drop_peer(peer_agent)
             raise

@@ -73,8 +73,9 @@ def _modules() -> tuple[Any, Any]:
             return importlib.import_module(f"{package}._api"), importlib.import_module(f"{package}._bindings")
         except ImportError as exc:
             errors.append(f"{package}: {exc}")
-    raise TransportError(f"the nixl transport backend needs NIXL, which is not installed ({_INSTALL_HINT}): "
-                         + "; ".join(errors))
+    raise TransportError(
+        f"the nixl transport backend needs NIXL, which is not installed ({_INSTALL_HINT}): " + "; ".join(errors)
+    )
 
 
 def nixl_installed() -> bool:
@@ -184,13 +185,16 @@ class Agent:
             raise TransportError(f"NIXL could not start its {plugin} backend with {dict(params)}: {exc}") from exc
         mem_types = tuple(t.removesuffix("_SEG") for t in agent.get_backend_mem_types(plugin))
         if plugin == "UCX" and _other_ucx_loaded():
-            logger.warning("NIXL shares this process with another UCX (ucxx's libucx, loaded first): NIXL's UCX "
-                           "then cannot use its shared-memory paths and falls back to slower ones (measured here: "
-                           "0.75 GB/s instead of 4.7). Use one of the two per process (--backends nixl,gloo).")
+            logger.warning(
+                "NIXL shares this process with another UCX (ucxx's libucx, loaded first): NIXL's UCX "
+                "then cannot use its shared-memory paths and falls back to slower ones (measured here: "
+                "0.75 GB/s instead of 4.7). Use one of the two per process (--backends nixl,gloo)."
+            )
         info = agent.get_partial_agent_metadata(bindings.nixlRegDList(bindings.DRAM_SEG), True, [plugin])
         logger.info("NIXL agent %s started with its %s backend (memory: %s)", name, plugin, ", ".join(mem_types))
-        return cls(plugin=plugin, name=name, _agent=agent, _bindings=bindings, mem_types=mem_types,
-                   connection_info=bytes(info))
+        return cls(
+            plugin=plugin, name=name, _agent=agent, _bindings=bindings, mem_types=mem_types, connection_info=bytes(info)
+        )
 
     # --- peers ---
 
@@ -243,14 +247,18 @@ class Agent:
         """The registration covering ``flat`` (its storage's, made if none), counted as in use."""
         mem_type, device = _where(flat)
         if mem_type not in self.mem_types:
-            raise TransportError(f"NIXL's {self.plugin} backend cannot move {mem_type} memory "
-                                 f"(it moves {', '.join(self.mem_types)})")
+            raise TransportError(
+                f"NIXL's {self.plugin} backend cannot move {mem_type} memory (it moves {', '.join(self.mem_types)})"
+            )
         storage = flat.untyped_storage()
         base, nbytes = storage.data_ptr(), storage.nbytes()
         with self._lock:
             for region in reversed(self._regions.values()):
-                if region.mem_type == mem_type and region.device == device and region.contains(flat.data_ptr(),
-                                                                                                  flat.numel()):
+                if (
+                    region.mem_type == mem_type
+                    and region.device == device
+                    and region.contains(flat.data_ptr(), flat.numel())
+                ):
                     self._regions.move_to_end(region.id)
                     region.uses += 1
                     return region
@@ -260,8 +268,17 @@ class Agent:
             except Exception as exc:
                 raise TransportError(f"NIXL could not register {nbytes} bytes of {mem_type}: {exc}") from exc
             self._made += 1
-            region = Region(id=next(self._ids), base=base, nbytes=nbytes, mem_type=mem_type, device=device,
-                            descs=descs, keep=storage, metadata=bytes(metadata), uses=1)
+            region = Region(
+                id=next(self._ids),
+                base=base,
+                nbytes=nbytes,
+                mem_type=mem_type,
+                device=device,
+                descs=descs,
+                keep=storage,
+                metadata=bytes(metadata),
+                uses=1,
+            )
             self._regions[region.id] = region
             self._evict()
             return region
@@ -282,7 +299,7 @@ class Agent:
         idle = [r for r in self._regions.values() if r.uses == 0]
         orphans = [r for r in idle if _only_ours(r.keep)]
         excess = len(self._regions) - len(orphans) - MAX_REGIONS
-        rest = [r for r in idle if r not in orphans][:max(excess, 0)]
+        rest = [r for r in idle if r not in orphans][: max(excess, 0)]
         for region in orphans + rest:
             del self._regions[region.id]
             try:
@@ -321,7 +338,7 @@ class Agent:
             return handle
 
     def state(self, handle: Any) -> str:
-        """"DONE" (the bytes are in the peer's memory: NIXL's UCX backend flushes before
+        """ "DONE" (the bytes are in the peer's memory: NIXL's UCX backend flushes before
         it says so), "PROC" or "ERR"."""
         with self._lock:
             return self._agent.check_xfer_state(handle)
@@ -341,8 +358,9 @@ _agents: dict[tuple[str, tuple[tuple[str, str], ...], timedelta], Agent] = {}
 _agents_lock = threading.Lock()
 
 
-def shared_agent(plugin: str = DEFAULT_PLUGIN, params: tuple[tuple[str, str], ...] = (),
-                 wakeup: timedelta = PROGRESS_WAKEUP) -> Agent:
+def shared_agent(
+    plugin: str = DEFAULT_PLUGIN, params: tuple[tuple[str, str], ...] = (), wakeup: timedelta = PROGRESS_WAKEUP
+) -> Agent:
     """This process's agent for ``plugin`` with ``params``, made at the first call.
     TransportError, saying what is there, when NIXL is missing or has no such plugin."""
     key = (plugin, tuple(sorted(params)), wakeup)

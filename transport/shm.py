@@ -13,7 +13,6 @@ from replica.errors import SharedMemoryUnavailableError, TransportError
 from replica.transport import memfd
 from replica.transport.base import Capabilities, Locality, MemoryKind
 from replica.transport.control import exchange_verdicts
-
 from replica.transport.ipc import IpcConfig, IpcTransport
 
 __all__ = ["IpcConfig", "ShmTransport"]  # IpcConfig: the configuration it takes
@@ -47,7 +46,11 @@ class ShmTransport(IpcTransport):
         return region.record + probe.numpy().tobytes(), probe
 
     def _host_path(self, peer, peer_offer, state):
-        return {"host_offers": True, "probe": state, "peer_pid": memfd.parse_record(peer_offer[:memfd.RECORD_BYTES]).pid}
+        return {
+            "host_offers": True,
+            "probe": state,
+            "peer_pid": memfd.parse_record(peer_offer[: memfd.RECORD_BYTES]).pid,
+        }
 
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
         # Both sides say whether they could map the other's probe before either uses the
@@ -58,29 +61,40 @@ class ShmTransport(IpcTransport):
         # Neither side sends a verdict where either offered no region: this side could not make
         # its own (a server out of memfds), or the peer is none (or could not make one).
         if state is None:
-            raise SharedMemoryUnavailableError(f"cannot share host memory with {peer}: this side could not make "
-                                               "a shared-memory region")
+            raise SharedMemoryUnavailableError(
+                f"cannot share host memory with {peer}: this side could not make a shared-memory region"
+            )
         if len(peer_offer) != memfd.RECORD_BYTES + _PROBE_NONCE_BYTES:
-            raise SharedMemoryUnavailableError(f"cannot share host memory with {peer}: it offers no region to map "
-                                               "(it could not make one, or it is not a shared-memory peer)")
+            raise SharedMemoryUnavailableError(
+                f"cannot share host memory with {peer}: it offers no region to map "
+                "(it could not make one, or it is not a shared-memory peer)"
+            )
         reason = self._check_probe(peer_offer)
         peer_reason = exchange_verdicts(sock, reason, peer=peer, timeout_s=timeout_s)
         if reason or peer_reason:
             raise SharedMemoryUnavailableError(
                 f"cannot share host memory with {peer}: "
-                + (reason or f"it could not map this side's region ({peer_reason})"))
-        return super()._open(sock=sock, peer=peer, peer_offer=peer_offer, send_id=send_id, recv_id=recv_id,
-                             server=server, state=state, timeout_s=timeout_s)
+                + (reason or f"it could not map this side's region ({peer_reason})")
+            )
+        return super()._open(
+            sock=sock,
+            peer=peer,
+            peer_offer=peer_offer,
+            send_id=send_id,
+            recv_id=recv_id,
+            server=server,
+            state=state,
+            timeout_s=timeout_s,
+        )
 
     @staticmethod
     def _check_probe(peer_offer: bytes) -> str:
         """Why the peer's probe region cannot be mapped and read back here ("" when it can)."""
-        record, nonce = peer_offer[:memfd.RECORD_BYTES], peer_offer[memfd.RECORD_BYTES:]
+        record, nonce = peer_offer[: memfd.RECORD_BYTES], peer_offer[memfd.RECORD_BYTES :]
         try:
             mapped = memfd.map_region(record)
         except TransportError as exc:
             return str(exc)
         if mapped[:_PROBE_NONCE_BYTES].numpy().tobytes() != nonce:
-            return ("the region it offered does not hold what it said (another PID namespace?); "
-                    "use the UCX transport")
+            return "the region it offered does not hold what it said (another PID namespace?); use the UCX transport"
         return ""

@@ -21,16 +21,17 @@ import ctypes
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from replica.errors import PeerDisconnectedError, TransportError
-from replica.transport.base import Capabilities, Locality, MemoryKind
 from replica.timing import Backoff, Deadline
+from replica.transport.base import Capabilities, Locality, MemoryKind
 from replica.transport.control import ControlledConnection, ControlledTransport, EndpointConfig
 from replica.transport.framing import GRACEFUL
 
@@ -126,16 +127,17 @@ def _bind_cuda_context(device: int) -> None:
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
         dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-        for name, call in (("cuInit", lambda: cuda.cuInit(0)),
-                           ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), device)),
-                           ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
-                           ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(ctx))):
+        for name, call in (
+            ("cuInit", lambda: cuda.cuInit(0)),
+            ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), device)),
+            ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
+            ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(ctx)),
+        ):
             status = call()
             if status != 0:
                 raise OSError(f"{name} returned CUDA error {status}")
     except Exception as exc:  # noqa: BLE001 - without it host transfers still work; say why CUDA ones may not
-        logger.warning("UCX progress thread has no CUDA context for cuda:%d (%s); CUDA transfers may fail",
-                       device, exc)
+        logger.warning("UCX progress thread has no CUDA context for cuda:%d (%s); CUDA transfers may fail", device, exc)
 
 
 def _endpoint_closed(conn_ref: weakref.ref) -> None:
@@ -144,8 +146,9 @@ def _endpoint_closed(conn_ref: weakref.ref) -> None:
     that may wait for that progress."""
     conn = conn_ref()
     if conn is not None and conn.alive:
-        threading.Thread(target=conn._peer_lost, args=("UCX endpoint closed",), daemon=True,
-                         name="replica-ucx-closed").start()
+        threading.Thread(
+            target=conn._peer_lost, args=("UCX endpoint closed",), daemon=True, name="replica-ucx-closed"
+        ).start()
 
 
 class _Requests:
@@ -161,7 +164,7 @@ class _Requests:
 
     __slots__ = ("_requests", "_keep", "_worker", "__weakref__")
 
-    def __init__(self, worker: "_Worker", requests: list, keep):
+    def __init__(self, worker: _Worker, requests: list, keep):
         self._worker = worker
         self._requests = requests
         self._keep = keep  # buffers UCX reads or writes until the requests finish
@@ -194,8 +197,7 @@ class _Worker:
         self.locality = locality  # of the peers it serves
         self.handle = ucx.UCXWorker(context)
         if config.cuda_progress_context and torch.cuda.is_available():
-            self.handle.set_progress_thread_start_callback(_bind_cuda_context,
-                                                           cb_args=(torch.cuda.current_device(),))
+            self.handle.set_progress_thread_start_callback(_bind_cuda_context, cb_args=(torch.cuda.current_device(),))
         if config.polling_progress:
             self.handle.start_progress_thread(polling_mode=True)
         else:
@@ -287,14 +289,20 @@ class UcxConnection(ControlledConnection):
         _settle(ready)
         keep: list[torch.Tensor | np.ndarray] = [flat]  # the buffers UCX reads until the sends finish
         posted = _Requests(self._worker, [], keep)
-        posted._requests.append(self._post(
-            lambda ep: ep.tag_send(_array(flat), tag=self._tag(self._send_id, tag, _KIND_PAYLOAD))))
+        posted._requests.append(
+            self._post(lambda ep: ep.tag_send(_array(flat), tag=self._tag(self._send_id, tag, _KIND_PAYLOAD)))
+        )
         header_arr = np.frombuffer(header(), dtype=np.uint8).copy()  # outside the lock: it may hash the bucket
         keep.append(header_arr)
         # Refused when the connection closed meanwhile: the close cancelled the
         # payload, which `posted` hands to the worker as it goes.
-        posted._requests.append(self._post(lambda ep: ep.tag_send(_array(torch.from_numpy(header_arr)),
-                                                                  tag=self._tag(self._send_id, tag, _KIND_HEADER))))
+        posted._requests.append(
+            self._post(
+                lambda ep: ep.tag_send(
+                    _array(torch.from_numpy(header_arr)), tag=self._tag(self._send_id, tag, _KIND_HEADER)
+                )
+            )
+        )
         return posted
 
     def _irecv(self, flat, tag, header_buf, ready):
@@ -304,6 +312,7 @@ class UcxConnection(ControlledConnection):
         def post(ep):
             posted._requests.append(ep.tag_recv(_array(header_buf), tag=self._tag(self._recv_id, tag, _KIND_HEADER)))
             posted._requests.append(ep.tag_recv(_array(flat), tag=self._tag(self._recv_id, tag, _KIND_PAYLOAD)))
+
         self._post(post)
         self._receives.add(posted)
         return posted
@@ -316,8 +325,9 @@ class UcxConnection(ControlledConnection):
             # The connection fails only after the drain: until then a waiter still sees its
             # receive complete, not the error. On a thread of its own: the caller (the control
             # monitor) watches other connections too.
-            threading.Thread(target=self._drain_then_lost, args=(reason,), daemon=True,
-                             name="replica-ucx-drain").start()
+            threading.Thread(
+                target=self._drain_then_lost, args=(reason,), daemon=True, name="replica-ucx-drain"
+            ).start()
             return
         super()._peer_lost(reason)
 
@@ -356,8 +366,7 @@ class UcxTransport(ControlledTransport):
     One context for peers on this host and one for peers on other hosts (made at
     the first), each with the worker its new connections get."""
 
-    capabilities = Capabilities(memory=MemoryKind.HOST | MemoryKind.CUDA,
-                                locality=Locality.SAME_NODE | Locality.REMOTE)
+    capabilities = Capabilities(memory=MemoryKind.HOST | MemoryKind.CUDA, locality=Locality.SAME_NODE | Locality.REMOTE)
 
     def __init__(self, config: UcxConfig):
         super().__init__(config)
@@ -391,8 +400,9 @@ class UcxTransport(ControlledTransport):
         if context is None:
             ucx = _ucx()
             tls = self.config.ucx_transports if locality is Locality.SAME_NODE else self.config.remote_transports
-            context = ucx.UCXContext(config_dict={"TLS": tls} if tls else {},
-                                     feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+            context = ucx.UCXContext(
+                config_dict={"TLS": tls} if tls else {}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)
+            )
             self._contexts[locality] = context
         worker = _Worker(context, self.config, locality)
         self._current[locality] = worker
@@ -436,10 +446,19 @@ class UcxTransport(ControlledTransport):
 
     def _open(self, *, sock, peer, peer_offer, send_id, recv_id, server, state, timeout_s):
         endpoint = state.handle.create_endpoint_from_worker_address(
-            _ucx().UCXAddress.create_from_buffer(peer_offer), self.config.data_error_handling)
-        conn = UcxConnection(transport=self, sock=sock, peer=peer, endpoint=endpoint, worker=state,
-                             send_id=send_id, recv_id=recv_id, verify=self.config.verify,
-                             verify_threads=self.config.verify_threads)
+            _ucx().UCXAddress.create_from_buffer(peer_offer), self.config.data_error_handling
+        )
+        conn = UcxConnection(
+            transport=self,
+            sock=sock,
+            peer=peer,
+            endpoint=endpoint,
+            worker=state,
+            send_id=send_id,
+            recv_id=recv_id,
+            verify=self.config.verify,
+            verify_threads=self.config.verify_threads,
+        )
         if self.config.data_error_handling:
             endpoint.set_close_callback(_endpoint_closed, cb_args=(weakref.ref(conn),))
         return conn

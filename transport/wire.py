@@ -50,8 +50,14 @@ class BucketHeader:
 
     def encode(self) -> bytes:
         return _HEADER.pack(
-            MAGIC, PROTOCOL_VERSION, self.step, self.bucket, self.offset, self.nbytes,
-            self.digest, self.fingerprint,
+            MAGIC,
+            PROTOCOL_VERSION,
+            self.step,
+            self.bucket,
+            self.offset,
+            self.nbytes,
+            self.digest,
+            self.fingerprint,
         )
 
     @classmethod
@@ -59,8 +65,7 @@ class BucketHeader:
         magic, version, step, bucket, offset, nbytes, digest, fingerprint = _HEADER.unpack(data)
         if magic != MAGIC or version != PROTOCOL_VERSION:
             raise ValueError(f"not a replica bucket header (magic {magic!r}, version {version})")
-        return cls(step=step, bucket=bucket, offset=offset, nbytes=nbytes, digest=digest,
-                   fingerprint=fingerprint)
+        return cls(step=step, bucket=bucket, offset=offset, nbytes=nbytes, digest=digest, fingerprint=fingerprint)
 
 
 def proof(token: bytes, nonce: bytes, role: bytes) -> bytes:
@@ -103,8 +108,10 @@ class Hello:
     address: bytes
 
     def encode(self) -> bytes:
-        return _HELLO.pack(MAGIC, PROTOCOL_VERSION, self.proof, self.nonce, self.inbound_id,
-                           len(self.address)) + self.address
+        return (
+            _HELLO.pack(MAGIC, PROTOCOL_VERSION, self.proof, self.nonce, self.inbound_id, len(self.address))
+            + self.address
+        )
 
     @staticmethod
     def fixed_size() -> int:
@@ -130,8 +137,10 @@ class Welcome:
     address: bytes
 
     def encode(self) -> bytes:
-        return _WELCOME.pack(MAGIC, PROTOCOL_VERSION, int(self.accepted), self.proof,
-                             self.inbound_id, len(self.address)) + self.address
+        return (
+            _WELCOME.pack(MAGIC, PROTOCOL_VERSION, int(self.accepted), self.proof, self.inbound_id, len(self.address))
+            + self.address
+        )
 
     @staticmethod
     def fixed_size() -> int:
@@ -141,8 +150,7 @@ class Welcome:
     def decode(cls, fixed: bytes, read_rest) -> Welcome:
         magic, version, accepted, prf, inbound_id, length = _WELCOME.unpack(fixed)
         _check_magic(magic, version)
-        return cls(accepted=bool(accepted), proof=prf, inbound_id=inbound_id,
-                   address=read_rest(length))
+        return cls(accepted=bool(accepted), proof=prf, inbound_id=inbound_id, address=read_rest(length))
 
 
 def _check_magic(magic: bytes, version: int) -> None:

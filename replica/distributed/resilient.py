@@ -34,8 +34,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore, Store
 
-from replica.distributed.works import (REDUCE_SCATTERS, GroupWork, allreduce_scattered, backend_failure,
-                                       device_type, work_status)
+from replica.distributed.works import (
+    REDUCE_SCATTERS,
+    GroupWork,
+    allreduce_scattered,
+    backend_failure,
+    device_type,
+    work_status,
+)
 from replica.errors import ReplicaError
 from replica.timing import Deadline, pause
 
@@ -112,8 +118,17 @@ class ResilientProcessGroup(dist.ProcessGroup):
     not the watchdog, decides who is dead (default: 3x ``timeout``).
     """
 
-    def __init__(self, *, store: Store, rank: int, world_size: int, timeout: timedelta, name: str,
-                 cuda: bool | None = None, nccl_timeout: timedelta | None = None):
+    def __init__(
+        self,
+        *,
+        store: Store,
+        rank: int,
+        world_size: int,
+        timeout: timedelta,
+        name: str,
+        cuda: bool | None = None,
+        nccl_timeout: timedelta | None = None,
+    ):
         # (the binding also takes (rank, size), for a Python subclass; torch's stub lists only (store, rank, size))
         super().__init__(rank, world_size)  # pyright: ignore[reportCallIssue]
         self._store = store
@@ -201,8 +216,14 @@ class ResilientProcessGroup(dist.ProcessGroup):
             with self._lock:
                 self._rehearsing = False
 
-    def configure(self, generation: int, *, timeout: timedelta | None = None,
-                  ready_timeout: timedelta | None = None, ready_abort: Callable[[], bool] | None = None) -> None:
+    def configure(
+        self,
+        generation: int,
+        *,
+        timeout: timedelta | None = None,
+        ready_timeout: timedelta | None = None,
+        ready_abort: Callable[[], bool] | None = None,
+    ) -> None:
         """Connect generation ``generation``: every member calls this with the same
         number (the coordinator's); blocks until all have joined or ``timeout``.
 
@@ -226,11 +247,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
         with self._lock:
             self._inners, self._generation, self._error = inners, generation, None
             self._works = deque()
-        logger.info("[rank %d] process group generation %d connected (%s)", self.rank(), generation,
-                    ", ".join(sorted(inners)))
+        logger.info(
+            "[rank %d] process group generation %d connected (%s)", self.rank(), generation, ", ".join(sorted(inners))
+        )
 
-    def _arrive(self, prefix: Store, generation: int, timeout: timedelta,
-                abort: Callable[[], bool] | None) -> None:
+    def _arrive(self, prefix: Store, generation: int, timeout: timedelta, abort: Callable[[], bool] | None) -> None:
         # (torch's stub types values as str; the binding takes bytes)
         prefix.set(f"arrived/{self.rank()}", b"1")  # pyright: ignore[reportArgumentType]
         names = [f"arrived/{r}" for r in range(self.size())]
@@ -281,8 +302,9 @@ class ResilientProcessGroup(dist.ProcessGroup):
         self._abort_async(list(inners.values()), generation, abort=not aborted)
         del inners
         if gloo and background:
-            drop = threading.Thread(target=_drop_gloo, args=(gloo,), daemon=True,
-                                    name=f"replica-drop-gloo-{generation}")
+            drop = threading.Thread(
+                target=_drop_gloo, args=(gloo,), daemon=True, name=f"replica-drop-gloo-{generation}"
+            )
             drop.start()
             self._drops = [d for d in self._drops if d.is_alive()] + [drop]
         elif gloo:
@@ -322,8 +344,11 @@ class ResilientProcessGroup(dist.ProcessGroup):
         for aborted in aborts:
             if not aborted.wait(deadline.remaining_s()):
                 if warn:
-                    logger.warning("[rank %d] aborting an old NCCL generation takes over %.1f s; going on",
-                                   self.rank(), timeout.total_seconds())
+                    logger.warning(
+                        "[rank %d] aborting an old NCCL generation takes over %.1f s; going on",
+                        self.rank(),
+                        timeout.total_seconds(),
+                    )
                 return False
         return True
 
@@ -419,9 +444,13 @@ def _nccl_environment() -> None:
         value = os.environ.get(name)
         if value is not None:
             if value.strip() != "2":
-                logger.warning("%s=%s: a survivor cannot recover in process (1 and 3 let NCCL's watchdog kill "
-                               "it when a peer fails; 0 leaves a failed collective to the coordinator's abort); "
-                               "2 is expected", name, value)
+                logger.warning(
+                    "%s=%s: a survivor cannot recover in process (1 and 3 let NCCL's watchdog kill "
+                    "it when a peer fails; 0 leaves a failed collective to the coordinator's abort); "
+                    "2 is expected",
+                    name,
+                    value,
+                )
             break
     else:
         os.environ[_ERROR_HANDLING[0]] = "2"
@@ -439,15 +468,21 @@ def _nccl(store: Store, rank: int, size: int, timeout: timedelta):
 
 
 def _create(opts, _backend_options) -> ResilientProcessGroup:
-    return ResilientProcessGroup(store=opts.store, rank=opts.group_rank, world_size=opts.group_size,
-                                 timeout=opts.timeout, name=opts.group_id)
+    return ResilientProcessGroup(
+        store=opts.store, rank=opts.group_rank, world_size=opts.group_size, timeout=opts.timeout, name=opts.group_id
+    )
 
 
-def init_resilient_process_group(*, store: Store, rank: int, world_size: int,
-                                 timeout: timedelta = timedelta(seconds=30),
-                                 nccl_timeout: timedelta | None = None,
-                                 generation: int | None = 0,
-                                 ready_timeout: timedelta | None = None) -> ResilientProcessGroup:
+def init_resilient_process_group(
+    *,
+    store: Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta = timedelta(seconds=30),
+    nccl_timeout: timedelta | None = None,
+    generation: int | None = 0,
+    ready_timeout: timedelta | None = None,
+) -> ResilientProcessGroup:
     """Initialize torch.distributed's default group as a ResilientProcessGroup and
     connect ``generation`` (None: build it unconnected, as a standby does, which
     may build its FSDP2 model before it joins). ``timeout`` and ``nccl_timeout``
@@ -461,8 +496,7 @@ def init_resilient_process_group(*, store: Store, rank: int, world_size: int,
         if not _is_registered:
             dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
             _is_registered = True
-    dist.init_process_group(BACKEND_NAME, store=store, rank=rank,
-                            world_size=world_size, timeout=timeout)
+    dist.init_process_group(BACKEND_NAME, store=store, rank=rank, world_size=world_size, timeout=timeout)
     group = dist.group.WORLD
     if not isinstance(group, ResilientProcessGroup):
         raise ReplicaError(f"the default group is a {type(group).__name__}, not a ResilientProcessGroup")

@@ -17,8 +17,15 @@ from replica.errors import ReplicaError
 if TYPE_CHECKING:
     from replica.distributed.resilient import ResilientProcessGroup
 
-__all__ = ["GLOO_WAIT_SLICE", "GroupWork", "REDUCE_SCATTERS", "allreduce_scattered", "backend_failure", "device_type",
-           "work_status"]
+__all__ = [
+    "GLOO_WAIT_SLICE",
+    "GroupWork",
+    "REDUCE_SCATTERS",
+    "allreduce_scattered",
+    "backend_failure",
+    "device_type",
+    "work_status",
+]
 
 GLOO_WAIT_SLICE = timedelta(milliseconds=50)  # how often a gloo wait looks for an abort (a finish wakes it at once)
 # gloo's reduce-scatters (torch 2.13: a LambdaWork) ignore wait()'s timeout and block until the
@@ -31,8 +38,15 @@ REDUCE_SCATTERS = frozenset({"_reduce_scatter_base", "reduce_scatter"})
 class GroupWork(dist.Work):
     """Waits for the inner work; a failure is recorded on the group instead of raised."""
 
-    def __init__(self, group: ResilientProcessGroup, inner: dist.Work | None, generation: int, *, gloo: bool = False,
-                 then: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        group: ResilientProcessGroup,
+        inner: dist.Work | None,
+        generation: int,
+        *,
+        gloo: bool = False,
+        then: Callable[[], None] | None = None,
+    ):
         """``then``: what completes the collective once the inner work finished well (the
         chunk of an allreduce that stands for a reduce-scatter)."""
         super().__init__()
@@ -103,8 +117,9 @@ def device_type(args: tuple) -> str:
     return ""
 
 
-def allreduce_scattered(inner, target: str, rank: int, world: int, args: tuple,
-                         kwargs: dict) -> tuple[dist.Work, Callable[[], None]]:
+def allreduce_scattered(
+    inner, target: str, rank: int, world: int, args: tuple, kwargs: dict
+) -> tuple[dist.Work, Callable[[], None]]:
     """A CPU reduce-scatter (``_reduce_scatter_base(output, input, opts)``, or
     ``reduce_scatter(outputs, inputs, opts)``: ``inputs[i]`` one tensor per rank) posted as one
     allreduce of a flat copy of its inputs, with what copies this rank's chunks out after it."""
@@ -122,7 +137,7 @@ def allreduce_scattered(inner, target: str, rank: int, world: int, args: tuple,
         at = 0
         for output, per_rank in zip(outputs, inputs, strict=True):
             size = per_rank[0].numel()
-            output.copy_(flat[at + rank * size:at + (rank + 1) * size].view_as(output))
+            output.copy_(flat[at + rank * size : at + (rank + 1) * size].view_as(output))
             at += world * size
 
     return work, scatter

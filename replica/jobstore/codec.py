@@ -40,8 +40,12 @@ def _check(cls: type, name: str, hint: Any, value: Any) -> Any:
         return hint(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if hint is bool and not isinstance(value, bool) or hint is not bool and (
-            isinstance(value, bool) or not isinstance(value, hint)):
+    if (
+        hint is bool
+        and not isinstance(value, bool)
+        or hint is not bool
+        and (isinstance(value, bool) or not isinstance(value, hint))
+    ):
         raise JobStateError(f"{cls.__name__}.{name} must be {hint.__name__}, got {type(value).__name__}")
     return value
 

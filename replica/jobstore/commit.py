@@ -55,7 +55,19 @@ from datetime import timedelta
 from typing import TypeGuard
 
 from replica.errors import CommitTimeoutError, StoreWaitTimeoutError
-from replica.jobstore import Ack, AckSummary, Commit, Epoch, Flag, Generation, JobStore, LostReports, Number, Registration, keys
+from replica.jobstore import (
+    Ack,
+    AckSummary,
+    Commit,
+    Epoch,
+    Flag,
+    Generation,
+    JobStore,
+    LostReports,
+    Number,
+    Registration,
+    keys,
+)
 from replica.jobstore.registry import publish, registration, wait_registration
 
 __all__ = ["CommitRecord", "EpochRecord", "hint_generation", "publish_generation"]
@@ -139,8 +151,7 @@ class EpochRecord:
         coordinator publishes epochs (every epoch is accepted then). ``fresh``: read from
         the store, never on the hint (``generation``)."""
         generation = self.generation(fresh=fresh)
-        return None if generation is None else generation.epoch(rank) or Epoch(generation=generation.number,
-                                                                                 member=-2)
+        return None if generation is None else generation.epoch(rank) or Epoch(generation=generation.number, member=-2)
 
 
 class CommitRecord:
@@ -157,8 +168,9 @@ class CommitRecord:
         self.epochs = EpochRecord(store)  # likewise the newest generation record
         self._lock = threading.Lock()
 
-    def publish_standby(self, rank: int, backend: str, address: str,
-                        fallback: tuple[str, str] | None = None) -> Registration:
+    def publish_standby(
+        self, rank: int, backend: str, address: str, fallback: tuple[str, str] | None = None
+    ) -> Registration:
         return publish(self.store, keys.standby(rank), backend, address, fallback)
 
     def registration(self, rank: int) -> Registration | None:
@@ -183,8 +195,10 @@ class CommitRecord:
         trainer acknowledging itself) holds ``step`` as streamed by the trainer of ``epoch``;
         returns the newest global commit this record has seen (read from the store by the
         acknowledgement that completes a step, ``raise_commit``; the others ask nothing more)."""
-        self.store.put(keys.ack(rank, holder), Ack(rank=rank, step=step, generation=epoch.generation,
-                                                   member=epoch.member, holder=holder))
+        self.store.put(
+            keys.ack(rank, holder),
+            Ack(rank=rank, step=step, generation=epoch.generation, member=epoch.member, holder=holder),
+        )
         acker = (rank, holder, epoch)
         with self._lock:
             previous = self._passed.get(acker)
@@ -225,8 +239,11 @@ class CommitRecord:
         key = keys.ack_summary(group)
         current, raw = self.store.read(key)
         before = current.step if current is not None and current.generation == number else None
-        while not (current is not None and current.group == group
-                   and (current.generation > number or current.generation == number and current.step >= low)):
+        while not (
+            current is not None
+            and current.group == group
+            and (current.generation > number or current.generation == number and current.step >= low)
+        ):
             current, raw = self.store.compare_set(key, raw, AckSummary(group=group, step=low, generation=number))
         if current.generation != number or (before is not None and before >= low):
             return self.last_seen()  # a newer generation's, or another summarizer got there first
@@ -304,15 +321,20 @@ class CommitRecord:
         raw = self.store.raw
         # (torch's stub lacks Store.multi_set, which the binding and every store here have)
         raw.multi_set(  # pyright: ignore[reportAttributeAccessIssue]
-            [self.store.full(keys.commit_reached(s)) for s in range(first, step + 1)], [b""] * (step + 1 - first))
+            [self.store.full(keys.commit_reached(s)) for s in range(first, step + 1)], [b""] * (step + 1 - first)
+        )
         summaries = (keys.summary_count,) if self._groups() > 1 else ()
         for old in range(max(0, first - _MARKERS_KEPT), step + 1 - _MARKERS_KEPT):
-            for name in (keys.commit_reached(old), *(count(old) for count in summaries),
-                         *(keys.ack_count(old, g) for g in range(self._groups()))):
+            for name in (
+                keys.commit_reached(old),
+                *(count(old) for count in summaries),
+                *(keys.ack_count(old, g) for g in range(self._groups())),
+            ):
                 raw.delete_key(self.store.full(name))
 
-    def _acks(self, generation: Generation | None, target: int | None = None,
-              ranks: range | None = None) -> list[Ack] | None:
+    def _acks(
+        self, generation: Generation | None, target: int | None = None, ranks: range | None = None
+    ) -> list[Ack] | None:
         """Each rank's (of ``ranks``; None: every rank) ack that counts (None while a rank has none): the newest of its
         registered standby's and its own trainer's (while unprotected), streamed in the
         rank's current epoch (``generation``'s; any without one). A replaced standby's
@@ -321,15 +343,22 @@ class CommitRecord:
         The standbys' acks come in one request; a trainer's own ack is read only for a
         rank whose standby's is missing or below ``target`` (None: every rank): past
         ``target`` it cannot lower the minimum below it."""
+
         def counts(ack: Ack | None, r: int, holder: str) -> TypeGuard[Ack]:
-            return (ack is not None and ack.rank == r and ack.holder == holder
-                    and (generation is None or ack.epoch == generation.epoch(r)))
+            return (
+                ack is not None
+                and ack.rank == r
+                and ack.holder == holder
+                and (generation is None or ack.epoch == generation.epoch(r))
+            )
 
         ranks = range(self.world_size) if ranks is None else ranks
-        registrations = zip(ranks, self.store.get_many([keys.standby(r) for r in ranks]))
+        registrations = zip(ranks, self.store.get_many([keys.standby(r) for r in ranks]), strict=False)
         nonces = {r: registration.nonce for r, registration in registrations if registration is not None}
         registered = list(nonces)
-        standby_acks = dict(zip(registered, self.store.get_many([keys.ack(r, nonces[r]) for r in registered])))
+        standby_acks = dict(
+            zip(registered, self.store.get_many([keys.ack(r, nonces[r]) for r in registered]), strict=False)
+        )
         counted: list[Ack] = []
         for r in ranks:
             ack = standby_acks.get(r)
@@ -434,9 +463,16 @@ class CommitRecord:
             return last if last is not None and last >= step else None
 
         try:
-            return self.store.wait_for(reached, wake=lambda: [keys.commit_reached(step)], timeout=timeout,
-                                       what=f"global commit of step {step}", abort=abort, every=_RECHECK)
+            return self.store.wait_for(
+                reached,
+                wake=lambda: [keys.commit_reached(step)],
+                timeout=timeout,
+                what=f"global commit of step {step}",
+                abort=abort,
+                every=_RECHECK,
+            )
         except StoreWaitTimeoutError:
             raise CommitTimeoutError(
                 f"step {step} was not globally committed within {timeout} (last commit: {self.last()}); "
-                "a standby is missing or too slow") from None
+                "a standby is missing or too slow"
+            ) from None

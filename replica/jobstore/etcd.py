@@ -11,7 +11,8 @@ store can be fenced: its writes apply only while a key holds a given value (the
 coordinator's claim, ``replica.roles.election``).
 
 Every call has a deadline (``EtcdConfig.request_timeout``) and moves on to the next member
-when one does not answer in time (a write to a lost leader hangs ~7 s otherwise). Retries are safe: puts are idempotent, counters and
+when one does not answer in time (a write to a lost leader hangs ~7 s otherwise). Retries are safe:
+puts are idempotent, counters and
 compare-and-set are transactions that compare revisions or values, and a retried
 compare-and-set that already applied reads back its own value, which callers
 take for success (``TCPStore.compare_set`` semantics). A cluster that answers on
@@ -112,10 +113,16 @@ class EtcdConfig:
         """Credentials from ``REPLICA_ETCD_USER`` / ``REPLICA_ETCD_PASSWORD`` and TLS files from
         ``REPLICA_ETCD_CA`` / ``REPLICA_ETCD_CERT`` / ``REPLICA_ETCD_KEY``."""
         env = os.environ
-        return cls(endpoints=parse_endpoints(endpoints), namespace=namespace or "replica-job/",
-                   user=env.get(envvars.ETCD_USER, ""), password=env.get(envvars.ETCD_PASSWORD, ""),
-                   ca_file=env.get(envvars.ETCD_CA, ""), cert_file=env.get(envvars.ETCD_CERT, ""),
-                   key_file=env.get(envvars.ETCD_KEY, ""), **overrides)
+        return cls(
+            endpoints=parse_endpoints(endpoints),
+            namespace=namespace or "replica-job/",
+            user=env.get(envvars.ETCD_USER, ""),
+            password=env.get(envvars.ETCD_PASSWORD, ""),
+            ca_file=env.get(envvars.ETCD_CA, ""),
+            cert_file=env.get(envvars.ETCD_CERT, ""),
+            key_file=env.get(envvars.ETCD_KEY, ""),
+            **overrides,
+        )
 
     @property
     def scheme(self) -> str:
@@ -177,8 +184,9 @@ class _Client:
                 except _Unavailable as exc:
                     last = exc
             if deadline.expired:
-                raise dist.DistNetworkError(f"no etcd member of {self._where()} answered within "
-                                            f"{self.config.unreachable_after}: {last}")
+                raise dist.DistNetworkError(
+                    f"no etcd member of {self._where()} answered within {self.config.unreachable_after}: {last}"
+                )
             backoff.sleep(deadline=deadline)
 
     def _where(self) -> str:
@@ -207,8 +215,9 @@ class _Client:
         with self._tokens_lock:
             token = self._tokens.get(endpoint)
         if token is None:
-            reply = self._call_member(index, "/v3/auth/authenticate",
-                                      {"name": self.config.user, "password": self.config.password})
+            reply = self._call_member(
+                index, "/v3/auth/authenticate", {"name": self.config.user, "password": self.config.password}
+            )
             token = str(reply["token"])
             with self._tokens_lock:
                 self._tokens[endpoint] = token
@@ -241,8 +250,10 @@ class _Client:
             except ssl.SSLCertVerificationError as exc:  # not a member that is down: a wrong CA or address
                 conn.close()
                 conns.pop(endpoint, None)
-                raise EtcdError(f"{endpoint[0]}:{endpoint[1]}: its certificate does not verify against "
-                                f"{self.config.ca_file}: {exc.verify_message}") from None
+                raise EtcdError(
+                    f"{endpoint[0]}:{endpoint[1]}: its certificate does not verify against "
+                    f"{self.config.ca_file}: {exc.verify_message}"
+                ) from None
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
                 conns.pop(endpoint, None)
@@ -264,8 +275,14 @@ class _Client:
             index = (self._member + i) % n
             try:
                 headers = {"Authorization": self._token(index)} if self.config.user else {}
-                return WatchStream(self.config.endpoints[index], "/v3/watch", body, headers=headers,
-                                   ssl_context=self._ssl, timeout=self.config.request_timeout)
+                return WatchStream(
+                    self.config.endpoints[index],
+                    "/v3/watch",
+                    body,
+                    headers=headers,
+                    ssl_context=self._ssl,
+                    timeout=self.config.request_timeout,
+                )
             except (WatchBroken, _Unavailable, EtcdError) as exc:
                 last = exc
         raise WatchBroken(f"no etcd member of {self._where()} took a watch: {last}")
@@ -331,8 +348,14 @@ class EtcdStore(Store):
             return self._client.call("/v3/kv/txn", {"compare": compare, "success": success, "failure": list(failure)})
         key, value = self.fence
         guard = self._holds(key, value)
-        reply = self._client.call("/v3/kv/txn", {"compare": [guard, *compare], "success": success,
-                                                 "failure": [*failure, {"request_range": {"key": self._key(key)}}]})
+        reply = self._client.call(
+            "/v3/kv/txn",
+            {
+                "compare": [guard, *compare],
+                "success": success,
+                "failure": [*failure, {"request_range": {"key": self._key(key)}}],
+            },
+        )
         if not reply.get("succeeded"):
             kvs = reply["responses"][-1]["response_range"].get("kvs") or []
             if not kvs or _unb64(kvs[0].get("value")) != value:
@@ -380,8 +403,9 @@ class EtcdStore(Store):
             else:
                 compare = {"key": self._key(key), "target": "MOD", "result": "EQUAL", "mod_revision": seen[0]}
                 now = seen[1] + amount
-            reply = self._txn([compare], [self._put(key, str(now).encode())],
-                              [{"request_range": {"key": self._key(key)}}])
+            reply = self._txn(
+                [compare], [self._put(key, str(now).encode())], [{"request_range": {"key": self._key(key)}}]
+            )
             if reply.get("succeeded"):
                 self._remember(key, (str(_revision(reply)), now))
                 return now
@@ -396,10 +420,7 @@ class EtcdStore(Store):
         """``TCPStore.compare_set``: write ``desired`` if ``key`` holds ``expected`` (empty:
         is absent); returns what it holds after (``expected`` when absent and expected was not)."""
         expected_b, desired_b = _bytes(expected), _bytes(desired)
-        if expected_b:
-            compare = self._holds(key, expected_b)
-        else:
-            compare = self._absent(key)
+        compare = self._holds(key, expected_b) if expected_b else self._absent(key)
         reply = self._txn([compare], [self._put(key, desired_b)], [{"request_range": {"key": self._key(key)}}])
         if reply.get("succeeded"):
             return desired_b
@@ -456,8 +477,7 @@ class EtcdStore(Store):
                     return
                 held.read_by = Deadline.now()  # a key of the range changed: read them now
 
-    def _watch(self, names: tuple[str, ...], revision: int,
-               held: _HeldWatch | None) -> _HeldWatch | None:
+    def _watch(self, names: tuple[str, ...], revision: int, held: _HeldWatch | None) -> _HeldWatch | None:
         """The thread's watch of ``names`` (opened from ``revision``, or the one it has),
         with when to read the keys again; None when no member took a watch."""
         trust = Deadline.after(_WATCH_TRUST)
@@ -495,8 +515,9 @@ class EtcdStore(Store):
         return int(reply["responses"][0]["response_delete_range"].get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
-        reply = self._client.call("/v3/kv/range", {"key": _b64(self._ns), "range_end": _b64(_prefix_end(self._ns)),
-                                                   "count_only": True})
+        reply = self._client.call(
+            "/v3/kv/range", {"key": _b64(self._ns), "range_end": _b64(_prefix_end(self._ns)), "count_only": True}
+        )
         return int(reply.get("count", 0))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
@@ -510,7 +531,7 @@ class EtcdStore(Store):
         """One transaction per ``_MAX_TXN_OPS`` keys (atomic within each, not across)."""
         puts = [self._put(k, _bytes(v)) for k, v in zip(keys, values, strict=True)]
         for at in range(0, len(puts), _MAX_TXN_OPS):
-            self._txn([], puts[at:at + _MAX_TXN_OPS])
+            self._txn([], puts[at : at + _MAX_TXN_OPS])
 
     # --- etcd's own ---
 
@@ -557,8 +578,10 @@ class EtcdStore(Store):
         out: list[bytes | None] = []
         revision = None
         for at in range(0, len(keys), _MAX_TXN_OPS):  # etcd refuses a transaction of more operations
-            reply = self._client.call("/v3/kv/txn", {"success": [{"request_range": {"key": self._key(k)}}
-                                                                 for k in keys[at:at + _MAX_TXN_OPS]]})
+            reply = self._client.call(
+                "/v3/kv/txn",
+                {"success": [{"request_range": {"key": self._key(k)}} for k in keys[at : at + _MAX_TXN_OPS]]},
+            )
             revision = _revision(reply) if revision is None else min(revision, _revision(reply))
             for response in reply.get("responses", []):
                 kvs = response["response_range"].get("kvs") or []
@@ -575,8 +598,10 @@ class EtcdStore(Store):
         prefix = os.path.commonprefix(names) or b""  # ('' when there are no keys)
         if len(prefix) <= len(self._ns) or self._prefix_sizes.get(prefix, 0) > _SCAN_SLACK * len(keys):
             return None  # (a prefix known to hold many more: a commit's group of 32 ranks among 1,024)
-        reply = self._client.call("/v3/kv/range", {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)),
-                                                   "limit": str(_SCAN_SLACK * len(keys))})
+        reply = self._client.call(
+            "/v3/kv/range",
+            {"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix)), "limit": str(_SCAN_SLACK * len(keys))},
+        )
         self._prefix_sizes.put(prefix, int(reply.get("count") or 0))  # every key in the range, beyond the limit too
         if reply.get("more"):
             return None

@@ -12,6 +12,7 @@ same stream goes on where it stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import ssl
@@ -35,8 +36,16 @@ class WatchStream:
 
     Raises ``WatchBroken`` when the connection or the request fails within ``timeout``."""
 
-    def __init__(self, endpoint: tuple[str, int], path: str, body: dict, *, headers: dict[str, str],
-                 ssl_context: ssl.SSLContext | None, timeout: timedelta):
+    def __init__(
+        self,
+        endpoint: tuple[str, int],
+        path: str,
+        body: dict,
+        *,
+        headers: dict[str, str],
+        ssl_context: ssl.SSLContext | None,
+        timeout: timedelta,
+    ):
         self.endpoint = endpoint
         self._buffer = bytearray()  # received bytes not yet parsed (inside or between chunks)
         self._lines = bytearray()  # the chunks' payload not yet split into messages
@@ -44,8 +53,15 @@ class WatchStream:
         deadline = Deadline.after(timeout)
         host, port = endpoint
         payload = json.dumps(body).encode()
-        head = [f"POST {path} HTTP/1.1", f"Host: {host}:{port}", f"Content-Length: {len(payload)}",
-                "Content-Type: application/json", *(f"{k}: {v}" for k, v in headers.items()), "", ""]
+        head = [
+            f"POST {path} HTTP/1.1",
+            f"Host: {host}:{port}",
+            f"Content-Length: {len(payload)}",
+            "Content-Type: application/json",
+            *(f"{k}: {v}" for k, v in headers.items()),
+            "",
+            "",
+        ]
         try:
             sock = socket.create_connection(endpoint, timeout=timeout.total_seconds())
             if ssl_context is not None:
@@ -70,7 +86,7 @@ class WatchStream:
             line_end = self._lines.find(b"\n")
             if line_end >= 0:
                 line = bytes(self._lines[:line_end])
-                del self._lines[:line_end + 1]
+                del self._lines[: line_end + 1]
                 if not line.strip():
                     continue
                 try:
@@ -86,10 +102,8 @@ class WatchStream:
                 return None
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._sock.close()
-        except OSError:
-            pass
 
     def _read_head(self, deadline: Deadline) -> tuple[int, bool]:
         """The response's status and whether its body is chunked; the buffer keeps what follows."""
@@ -119,7 +133,7 @@ class WatchStream:
                     raise WatchBroken(f"a bad chunk size: {bytes(self._buffer[:size_end])[:40]!r}") from None
                 if size == 0:
                     raise WatchBroken("the watch stream ended")
-                del self._buffer[:size_end + 2]
+                del self._buffer[: size_end + 2]
                 self._chunk_left = size + 2
             take = min(self._chunk_left, len(self._buffer))
             payload = min(take, max(0, self._chunk_left - 2))  # the chunk's CRLF is not payload

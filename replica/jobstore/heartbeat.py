@@ -110,7 +110,7 @@ class ThreadHeartbeatSender(HeartbeatSender):
     def touch(self) -> None:
         self._touched = time.monotonic()
 
-    def aim(self, host: str, port: int) -> None:  # noqa: ARG002 - the store path only (see the class)
+    def aim(self, host: str, port: int) -> None:
         return None
 
     def stop(self) -> None:

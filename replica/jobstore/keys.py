@@ -8,10 +8,32 @@ from typing import Generic
 
 from replica.jobstore.codec import T
 from replica.jobstore.records import (
-    Ack, AckSummary, AgentInfo, AgentOrder, Attempt, Commit, ExportOutcome, ExportRequest, Failover, Flag, FloorPart,
-    FloorVersion, Generation,
-    Heartbeat, JoinReply, LivenessReply, LostReports, Number, ProcessLooks, Promotion, Registration, Regroup, RoleExit, ServedJob,
-    Stamp, Text,
+    Ack,
+    AckSummary,
+    AgentInfo,
+    AgentOrder,
+    Attempt,
+    Commit,
+    ExportOutcome,
+    ExportRequest,
+    Failover,
+    Flag,
+    FloorPart,
+    FloorVersion,
+    Generation,
+    Heartbeat,
+    JoinReply,
+    LivenessReply,
+    LostReports,
+    Number,
+    ProcessLooks,
+    Promotion,
+    Registration,
+    Regroup,
+    RoleExit,
+    ServedJob,
+    Stamp,
+    Text,
 )
 
 __all__ = ["Key", "attempt_prefix", "keys"]
@@ -36,7 +58,7 @@ def attempt_prefix(prefix: str, number: int) -> str:
     return prefix if number == 0 else f"{prefix}/attempt{number}"
 
 
-class keys:  # noqa: N801 - a namespace of key builders, read as ``keys.commit()``
+class keys:
     """Every key of the job state. Counters (``count``) hold plain integers."""
 
     # coordinator -> everyone

@@ -6,9 +6,37 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["Ack", "AckSummary", "AgentInfo", "AgentOrder", "Attempt", "Commit", "Epoch", "ExportOutcome", "ExportRequest",
-           "ExportStatus", "Failover", "Flag", "FloorPart", "FloorVersion", "Generation", "Heartbeat", "JoinReply", "LivenessReply", "LostReports",
-           "Number", "OrderKind", "ProcessLooks", "Promotion", "Registration", "Regroup", "RoleExit", "ServedJob", "Stamp", "Text"]
+__all__ = [
+    "Ack",
+    "AckSummary",
+    "AgentInfo",
+    "AgentOrder",
+    "Attempt",
+    "Commit",
+    "Epoch",
+    "ExportOutcome",
+    "ExportRequest",
+    "ExportStatus",
+    "Failover",
+    "Flag",
+    "FloorPart",
+    "FloorVersion",
+    "Generation",
+    "Heartbeat",
+    "JoinReply",
+    "LivenessReply",
+    "LostReports",
+    "Number",
+    "OrderKind",
+    "ProcessLooks",
+    "Promotion",
+    "Registration",
+    "Regroup",
+    "RoleExit",
+    "ServedJob",
+    "Stamp",
+    "Text",
+]
 
 
 @dataclass(kw_only=True, frozen=True, slots=True, order=True)
@@ -190,10 +218,13 @@ class ExportOutcome:
     error: str | None = None  # FAILED only
 
     def __post_init__(self) -> None:
-        if (self.path is not None) != (self.status == ExportStatus.WRITTEN) or (
-                self.error is not None) != (self.status == ExportStatus.FAILED):
-            raise ValueError(f"an export outcome {self.status} takes "
-                             f"{'a path' if self.status == ExportStatus.WRITTEN else 'an error'} and nothing else")
+        if (self.path is not None) != (self.status == ExportStatus.WRITTEN) or (self.error is not None) != (
+            self.status == ExportStatus.FAILED
+        ):
+            raise ValueError(
+                f"an export outcome {self.status} takes "
+                f"{'a path' if self.status == ExportStatus.WRITTEN else 'an error'} and nothing else"
+            )
 
 
 @dataclass(kw_only=True, frozen=True, slots=True)

@@ -15,13 +15,19 @@ from replica.jobstore import JobStore, Key, Registration
 __all__ = ["publish", "registration", "wait_registration"]
 
 
-def publish(store: JobStore, key: Key[Registration], backend: str, address: str,
-            fallback: tuple[str, str] | None = None) -> Registration:
+def publish(
+    store: JobStore, key: Key[Registration], backend: str, address: str, fallback: tuple[str, str] | None = None
+) -> Registration:
     """Publish a listener at ``address`` on ``backend`` and, when given, its ``fallback``
     (backend, address) for peers the first refuses (``Listener.fallback``)."""
     fallback_backend, fallback_address = fallback or ("", "")
-    value = Registration(backend=backend, address=address, nonce=secrets.token_hex(8),
-                         fallback_backend=fallback_backend, fallback_address=fallback_address)
+    value = Registration(
+        backend=backend,
+        address=address,
+        nonce=secrets.token_hex(8),
+        fallback_backend=fallback_backend,
+        fallback_address=fallback_address,
+    )
     store.put(key, value)
     return value
 

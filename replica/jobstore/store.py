@@ -117,9 +117,17 @@ class JobStore:
         tcp = self._tcp()
         return self._view(TCPStore(tcp.host, tcp.port, is_master=False, timeout=timeout))
 
-    def heartbeat_sender(self, member: int, *, period: timedelta, io_timeout: timedelta, python_grace: timedelta,
-                         store_after: timedelta = timedelta(seconds=1), liveness: tuple[str, int] | None = None,
-                         store_period: timedelta | None = None) -> HeartbeatSender:
+    def heartbeat_sender(
+        self,
+        member: int,
+        *,
+        period: timedelta,
+        io_timeout: timedelta,
+        python_grace: timedelta,
+        store_after: timedelta = timedelta(seconds=1),
+        liveness: tuple[str, int] | None = None,
+        store_period: timedelta | None = None,
+    ) -> HeartbeatSender:
         """Start writing ``Heartbeat(member, beat)`` with a rising ``beat`` every ``period``
         from a native thread on a TCP connection of its own (TCPStore only), signed as
         ``put`` signs: it needs no GIL, so a main thread busy in Python does not delay
@@ -149,15 +157,34 @@ class JobStore:
             config, full = self.raw.config, self.full(keys.heartbeat(member))
             first, tokens = self.raw.tokens()
             return _C.NativeHeartbeatSender.on_etcd(
-                endpoints=list(config.endpoints), user=config.user, password=config.password, tokens=tokens,
-                first=first, key=full, store_key=config.namespace + full, mac_key=self._mac_key, member=member,
-                period_s=period.total_seconds(), io_timeout_s=io_timeout.total_seconds(),
-                python_grace_s=python_grace.total_seconds(), store_after_s=store_after.total_seconds(), **options)
+                endpoints=list(config.endpoints),
+                user=config.user,
+                password=config.password,
+                tokens=tokens,
+                first=first,
+                key=full,
+                store_key=config.namespace + full,
+                mac_key=self._mac_key,
+                member=member,
+                period_s=period.total_seconds(),
+                io_timeout_s=io_timeout.total_seconds(),
+                python_grace_s=python_grace.total_seconds(),
+                store_after_s=store_after.total_seconds(),
+                **options,
+            )
         tcp = self._tcp()
         return _C.NativeHeartbeatSender(
-            host=tcp.host, port=tcp.port, key=self.full(keys.heartbeat(member)), mac_key=self._mac_key,
-            member=member, period_s=period.total_seconds(), io_timeout_s=io_timeout.total_seconds(),
-            python_grace_s=python_grace.total_seconds(), store_after_s=store_after.total_seconds(), **options)
+            host=tcp.host,
+            port=tcp.port,
+            key=self.full(keys.heartbeat(member)),
+            mac_key=self._mac_key,
+            member=member,
+            period_s=period.total_seconds(),
+            io_timeout_s=io_timeout.total_seconds(),
+            python_grace_s=python_grace.total_seconds(),
+            store_after_s=store_after.total_seconds(),
+            **options,
+        )
 
     def _tcp(self) -> TCPStore:
         """The store as the TCPStore client it is when it is no EtcdStore: its address, to
@@ -270,7 +297,7 @@ class JobStore:
     def get_many(self, keys_: Sequence[Key[T]]) -> list[T | None]:
         values = self.read_raw_many([self.full(k) for k in keys_]) if keys_ else []
         out: list[T | None] = []
-        for key, raw in zip(keys_, values):
+        for key, raw in zip(keys_, values, strict=False):
             if raw is None:
                 out.append(None)
                 continue
@@ -305,13 +332,23 @@ class JobStore:
     def wait(self, key: Key[T], timeout: timedelta, *, what: str | None = None) -> T:
         """Block until ``key`` holds a verified value; StoreWaitTimeoutError after ``timeout``.
         Blocks in the store, on the calling thread's own connection (``wait_for``)."""
-        return self.wait_for(lambda store: store.get(key), wake=lambda: [key], timeout=timeout,
-                             what=what or self.full(key))
+        return self.wait_for(
+            lambda store: store.get(key), wake=lambda: [key], timeout=timeout, what=what or self.full(key)
+        )
 
-    def wait_for(self, ready: Callable[[JobStore], T | None], *, wake: Callable[[], Sequence[Key | str]],
-                 timeout: timedelta, what: str, abort: Callable[[], None] | None = None,
-                 every: timedelta | None = None, poll: timedelta = _POLL_MOST,
-                 quiet: Callable[[], bool] | None = None, quiet_every: timedelta | None = None) -> T:
+    def wait_for(
+        self,
+        ready: Callable[[JobStore], T | None],
+        *,
+        wake: Callable[[], Sequence[Key | str]],
+        timeout: timedelta,
+        what: str,
+        abort: Callable[[], None] | None = None,
+        every: timedelta | None = None,
+        poll: timedelta = _POLL_MOST,
+        quiet: Callable[[], bool] | None = None,
+        quiet_every: timedelta | None = None,
+    ) -> T:
         """Wait until ``ready(store)`` returns something other than None, and return it.
 
         ``wake()`` names the keys whose existence announces that ``ready`` may have

@@ -49,11 +49,15 @@ class StoreAddress:
         if scheme == "etcd":
             hosts, slash, namespace = rest.partition("/")
             if "@" in hosts:
-                raise ValueError(f"put etcd credentials in {envvars.ETCD_USER} / {envvars.ETCD_PASSWORD}, "
-                                 "not the address")
+                raise ValueError(
+                    f"put etcd credentials in {envvars.ETCD_USER} / {envvars.ETCD_PASSWORD}, not the address"
+                )
             namespace = namespace.strip("/")
-            return cls(kind=StoreKind.ETCD, endpoints=parse_endpoints(hosts),
-                       namespace=f"{namespace}/" if namespace else "replica-job/")
+            return cls(
+                kind=StoreKind.ETCD,
+                endpoints=parse_endpoints(hosts),
+                namespace=f"{namespace}/" if namespace else "replica-job/",
+            )
         raise ValueError(f"bad job store address {text!r}: the scheme must be tcp:// or etcd://")
 
     def __str__(self) -> str:
@@ -83,5 +87,6 @@ class StoreAddress:
         """A client of the store; ``timeout`` bounds its blocking waits."""
         if self.kind == StoreKind.TCP:
             return TCPStore(self.host, self.port, is_master=False, timeout=timeout)
-        return EtcdStore(EtcdConfig.from_environ(",".join(f"{h}:{p}" for h, p in self.endpoints),
-                                                 self.namespace, timeout=timeout))
+        return EtcdStore(
+            EtcdConfig.from_environ(",".join(f"{h}:{p}" for h, p in self.endpoints), self.namespace, timeout=timeout)
+        )

@@ -46,8 +46,17 @@ from replica.state.export import export_path, load_export, step_folder, write_ex
 from replica.state.snapshot import Snapshot
 from replica.timing import Deadline, pause
 
-__all__ = ["Floor", "FloorConfig", "FloorStats", "MANIFEST", "check_version", "drop_half_written", "manifest_file",
-           "verify_manifest_file", "write_part"]
+__all__ = [
+    "Floor",
+    "FloorConfig",
+    "FloorStats",
+    "MANIFEST",
+    "check_version",
+    "drop_half_written",
+    "manifest_file",
+    "verify_manifest_file",
+    "write_part",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -134,9 +143,15 @@ def check_version(version: FloorVersion) -> str | None:
 
 
 def _canonical(version: FloorVersion) -> bytes:
-    body = {"step": version.step, "directory": version.directory, "files": list(version.files),
-            "nbytes": list(version.nbytes), "digests": list(version.digests),
-            "fingerprints": list(version.fingerprints), "written_at": version.written_at}
+    body = {
+        "step": version.step,
+        "directory": version.directory,
+        "files": list(version.files),
+        "nbytes": list(version.nbytes),
+        "digests": list(version.digests),
+        "fingerprints": list(version.fingerprints),
+        "written_at": version.written_at,
+    }
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -160,9 +175,11 @@ class Floor:
         self._wake = threading.Event()
         self._stop = threading.Event()
         # This rank's parts already in the folder (a standby this one replaces wrote them): pruned as its own.
-        self.stats.written = sorted(int(p.parent.name.removeprefix("step")) for p in
-                                    config.directory.glob(f"step*/{export_path('', self._rank).name}")
-                                    if p.parent.name.removeprefix("step").isdigit())
+        self.stats.written = sorted(
+            int(p.parent.name.removeprefix("step"))
+            for p in config.directory.glob(f"step*/{export_path('', self._rank).name}")
+            if p.parent.name.removeprefix("step").isdigit()
+        )
         self._thread = threading.Thread(target=self._run, name=f"replica-floor-{self._rank}", daemon=True)
         self._thread.start()
         mirror.on_version(self._kept)
@@ -241,13 +258,26 @@ class Floor:
         self.stats.written.append(step)
         assert copy.digests is not None  # _copy returns only a copy it checked against its digests
         digest = combine_digests(copy.digests, [hi - lo for lo, hi in copy.layout.buckets()])
-        self._store.put(keys.floor_part(step, self._rank), FloorPart(
-            rank=self._rank, step=step, file=str(path.relative_to(self.config.directory)), nbytes=nbytes,
-            digest=digest, fingerprint=copy.layout.fingerprint))
+        self._store.put(
+            keys.floor_part(step, self._rank),
+            FloorPart(
+                rank=self._rank,
+                step=step,
+                file=str(path.relative_to(self.config.directory)),
+                nbytes=nbytes,
+                digest=digest,
+                fingerprint=copy.layout.fingerprint,
+            ),
+        )
         if self._store.count(keys.floor_parts(step), 1) == self._world_size:
             self._complete(step)
-        logger.info("[standby rank %d] durable floor: wrote its part of step %d (%d bytes, %.2f s)", self._rank, step,
-                    nbytes, time.monotonic() - started)
+        logger.info(
+            "[standby rank %d] durable floor: wrote its part of step %d (%d bytes, %.2f s)",
+            self._rank,
+            step,
+            nbytes,
+            time.monotonic() - started,
+        )
 
     def _committed(self, step: int) -> bool:
         """Wait until ``step`` is globally committed (a version is a global commit); False when it
@@ -285,9 +315,15 @@ class Floor:
         parts = [p for p in held if p is not None]
         if len(parts) < len(held):
             return
-        version = FloorVersion(step=step, directory=str(self.config.directory), files=tuple(p.file for p in parts),
-                               nbytes=tuple(p.nbytes for p in parts), digests=tuple(p.digest for p in parts),
-                               fingerprints=tuple(p.fingerprint for p in parts), written_at=time.time())
+        version = FloorVersion(
+            step=step,
+            directory=str(self.config.directory),
+            files=tuple(p.file for p in parts),
+            nbytes=tuple(p.nbytes for p in parts),
+            digests=tuple(p.digest for p in parts),
+            fingerprints=tuple(p.fingerprint for p in parts),
+            written_at=time.time(),
+        )
         self._store.put(keys.floor_version(step), version)
         latest = self._store.get(keys.floor_latest())
         if latest is None or latest.value < step:
@@ -300,8 +336,12 @@ class Floor:
         except OSError as exc:
             self._failed(step, exc)
         for dropped in drop_half_written(self.config.directory, step, self._store):
-            logger.info("[standby rank %d] durable floor: dropped the half-written version %d (%d is complete)",
-                        self._rank, dropped, step)
+            logger.info(
+                "[standby rank %d] durable floor: dropped the half-written version %d (%d is complete)",
+                self._rank,
+                dropped,
+                step,
+            )
 
     def _settle(self) -> bool:
         """The versions this standby wrote a part of that are complete now (their manifest is
@@ -312,9 +352,11 @@ class Floor:
         if not waiting:
             return False
         found = self._store.get_many([keys.floor_version(s) for s in waiting])
-        self.stats.complete = sorted({*self.stats.complete, *(s for s, v in zip(waiting, found) if v is not None)})
+        self.stats.complete = sorted(
+            {*self.stats.complete, *(s for s, v in zip(waiting, found, strict=False) if v is not None)}
+        )
         if self.stats.complete:
-            kept, newest = self.stats.complete[-self.config.keep:], self.stats.complete[-1]
+            kept, newest = self.stats.complete[-self.config.keep :], self.stats.complete[-1]
             # Older than the kept ones, or never complete and older than the newest complete
             # version: every standby writes its versions in order, so none will complete it now.
             for old in [s for s in self.stats.written if s < kept[0] or (s < newest and s not in kept)]:
@@ -327,10 +369,8 @@ class Floor:
         export_path(folder, self._rank).unlink(missing_ok=True)
         (folder / MANIFEST).unlink(missing_ok=True)
         self.stats.written = [s for s in self.stats.written if s != step]
-        try:
-            folder.rmdir()  # the last rank out removes the folder
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # not empty: the last rank out removes the folder
+            folder.rmdir()
 
     def _failed(self, step: int, exc: Exception) -> None:
         self.stats.errors += 1
@@ -338,11 +378,21 @@ class Floor:
         code = _errno(exc)
         if code not in self._warned:
             self._warned.add(code)
-            what = {errno.ENOSPC: "no space left", errno.EIO: "an I/O error", errno.EROFS: "a read-only file system",
-                    errno.EACCES: "no permission"}.get(code, "an error")
-            logger.warning("[standby rank %d] durable floor: could not write step %d to %s (%s: %s); the job goes on "
-                           "with its last complete version as its floor (warned once per kind of error)", self._rank,
-                           step, self.config.directory, what, exc)
+            what = {
+                errno.ENOSPC: "no space left",
+                errno.EIO: "an I/O error",
+                errno.EROFS: "a read-only file system",
+                errno.EACCES: "no permission",
+            }.get(code, "an error")
+            logger.warning(
+                "[standby rank %d] durable floor: could not write step %d to %s (%s: %s); the job goes on "
+                "with its last complete version as its floor (warned once per kind of error)",
+                self._rank,
+                step,
+                self.config.directory,
+                what,
+                exc,
+            )
 
 
 def drop_half_written(directory: Path, complete: int, store: JobStore) -> list[int]:
@@ -351,8 +401,11 @@ def drop_half_written(directory: Path, complete: int, store: JobStore) -> list[i
     ever complete now (every standby writes its versions in order, and each wrote its part of
     ``complete``). Their own standbys drop them too, but one that closed first (the job ended
     before ``complete`` did) leaves them to the standby whose part completes it."""
-    older = sorted(int(m.group(1)) for p in directory.iterdir()
-                   if (m := _STEP_FOLDER.fullmatch(p.name)) and int(m.group(1)) < complete)
+    older = sorted(
+        int(m.group(1))
+        for p in directory.iterdir()
+        if (m := _STEP_FOLDER.fullmatch(p.name)) and int(m.group(1)) < complete
+    )
     named = store.get_many([keys.floor_version(s) for s in older]) if older else []
     dropped = [step for step, version in zip(older, named, strict=True) if version is None]
     for step in dropped:

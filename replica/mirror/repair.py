@@ -33,9 +33,9 @@ from replica.session.protocol import (
     fingerprint_int,
 )
 from replica.state.snapshot import Snapshot
-from replica.transport.base import After, bucket_digest
-from replica.transport import Connection
 from replica.timing import pause
+from replica.transport import Connection
+from replica.transport.base import After, bucket_digest
 
 __all__ = ["request_repair", "serve_repairs"]
 
@@ -46,8 +46,16 @@ logger = logging.getLogger(__name__)
 _POLL = timedelta(milliseconds=100)
 
 
-def request_repair(conn: Connection, snapshot: Snapshot, step: int, buckets: Sequence[int], *,
-                   guard: threading.Condition, timeout: timedelta, who: str) -> list[int]:
+def request_repair(
+    conn: Connection,
+    snapshot: Snapshot,
+    step: int,
+    buckets: Sequence[int],
+    *,
+    guard: threading.Condition,
+    timeout: timedelta,
+    who: str,
+) -> list[int]:
     """Ask the trainer at ``conn`` to send ``buckets`` of ``step`` again and write each
     into ``snapshot`` once it matches the digest kept for it. ``guard`` is held
     while a bucket is written, and the write is skipped once ``snapshot`` holds
@@ -59,13 +67,18 @@ def request_repair(conn: Connection, snapshot: Snapshot, step: int, buckets: Seq
     asked = tuple(buckets[:MAX_REPORTED])  # the rest wait for the next scrub
     answer = torch.zeros(REPLY_BYTES, dtype=torch.uint8)
     pending = conn.irecv(answer, tag=REPAIR_ANSWER)  # posted first: the answer may come at once
-    conn.send(as_tensor(Reply(step=step, status=Status.REPAIR, buckets=asked).encode()), tag=REPAIR,
-              timeout=timeout)
+    conn.send(as_tensor(Reply(step=step, status=Status.REPAIR, buckets=asked).encode()), tag=REPAIR, timeout=timeout)
     pending.wait(timeout)
     reply = Reply.decode(answer.numpy().tobytes())
     if reply.status != Status.ACCEPTED or reply.step != step:
-        logger.error("[%s step %d] the trainer cannot re-send buckets %s (it answered %s for step %d)", who,
-                     step, list(asked), reply.status.name, reply.step)
+        logger.error(
+            "[%s step %d] the trainer cannot re-send buckets %s (it answered %s for step %d)",
+            who,
+            step,
+            list(asked),
+            reply.status.name,
+            reply.step,
+        )
         return []
     ranges = snapshot.layout.buckets()
     fingerprint = fingerprint_int(snapshot.layout.fingerprint)
@@ -82,8 +95,13 @@ def request_repair(conn: Connection, snapshot: Snapshot, step: int, buckets: Seq
         if (header.step, header.bucket, header.offset, header.fingerprint) != (step, i, lo, fingerprint):
             raise TransportError(f"repair of bucket {i} of step {step} arrived with header {header}")
         if bucket_digest(scratch, offset=lo) != snapshot.digests[i]:
-            logger.error("[%s step %d] the trainer's bucket %d does not match the digest kept for it (its "
-                         "snapshot changed since): not used", who, step, i)
+            logger.error(
+                "[%s step %d] the trainer's bucket %d does not match the digest kept for it (its "
+                "snapshot changed since): not used",
+                who,
+                step,
+                i,
+            )
             continue
         with guard:
             if snapshot.step != step:
@@ -96,9 +114,15 @@ def request_repair(conn: Connection, snapshot: Snapshot, step: int, buckets: Seq
     return repaired
 
 
-def serve_repairs(connection: Callable[[], Connection | None], snapshots: Callable[[], Sequence[Snapshot]], *,
-                  stop: threading.Event, timeout: timedelta, who: str,
-                  repaired: Callable[[int], None] = lambda n: None) -> None:
+def serve_repairs(
+    connection: Callable[[], Connection | None],
+    snapshots: Callable[[], Sequence[Snapshot]],
+    *,
+    stop: threading.Event,
+    timeout: timedelta,
+    who: str,
+    repaired: Callable[[int], None] = lambda n: None,
+) -> None:
     """The trainer's end, run on a thread of its own until ``stop``: waits for a
     REPAIR on the current standby connection (``connection()``, which may change
     or vanish) and answers it from the snapshot of that step among
@@ -121,7 +145,7 @@ def serve_repairs(connection: Callable[[], Connection | None], snapshots: Callab
         except TransportError as exc:  # the session ended; the next connection gets a receive of its own
             logger.debug("[%s] repair receive ended: %s", who, exc)
             pause(_POLL, stop)
-        except Exception:  # noqa: BLE001 - a bad request must not end the trainer's repair service
+        except Exception:
             logger.exception("[%s] answering a repair request failed", who)
             pause(_POLL, stop)
 
@@ -130,12 +154,19 @@ def _answer(conn: Connection, request: Reply, snapshots: Sequence[Snapshot], tim
     step = request.step
     held = next((s for s in snapshots if s.step == step), None)
     if request.status != Status.REPAIR or held is None or any(i >= len(held.layout.buckets()) for i in request.buckets):
-        logger.error("[%s] the standby asks again for buckets %s of step %d, which this trainer no longer holds",
-                     who, list(request.buckets), step)
+        logger.error(
+            "[%s] the standby asks again for buckets %s of step %d, which this trainer no longer holds",
+            who,
+            list(request.buckets),
+            step,
+        )
         conn.send(as_tensor(Reply(step=step, status=Status.NOT_HELD).encode()), tag=REPAIR_ANSWER, timeout=timeout)
         return 0
-    conn.send(as_tensor(Reply(step=step, status=Status.ACCEPTED, buckets=request.buckets).encode()),
-              tag=REPAIR_ANSWER, timeout=timeout)
+    conn.send(
+        as_tensor(Reply(step=step, status=Status.ACCEPTED, buckets=request.buckets).encode()),
+        tag=REPAIR_ANSWER,
+        timeout=timeout,
+    )
     ranges = held.layout.buckets()
     fingerprint = fingerprint_int(held.layout.fingerprint)
     for i in request.buckets:
@@ -144,8 +175,19 @@ def _answer(conn: Connection, request: Reply, snapshots: Sequence[Snapshot], tim
         # packed again meanwhile (the next commit) is refused there, never trusted here.
         # After the snapshot's own event, not this thread's current stream (the next step).
         # (isend(...).wait() is what send() does; send's ``**meta: int`` has no room for ``after``)
-        conn.isend(held.buffer[lo:hi], tag=REPAIR_BUCKET, step=step, bucket=i, offset=lo, fingerprint=fingerprint,
-                   after=After.NOTHING if held.ready is None else held.ready).wait(timeout)
-    logger.warning("[%s step %d] sent buckets %s again: the standby found them changed in its memory", who, step,
-                   list(request.buckets))
+        conn.isend(
+            held.buffer[lo:hi],
+            tag=REPAIR_BUCKET,
+            step=step,
+            bucket=i,
+            offset=lo,
+            fingerprint=fingerprint,
+            after=After.NOTHING if held.ready is None else held.ready,
+        ).wait(timeout)
+    logger.warning(
+        "[%s step %d] sent buckets %s again: the standby found them changed in its memory",
+        who,
+        step,
+        list(request.buckets),
+    )
     return len(request.buckets)

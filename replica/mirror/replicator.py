@@ -20,23 +20,23 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
-from replica.state import serialize
-from replica.session.backends import SHM_BACKEND
-from replica.jobstore.commit import NO_EPOCH, CommitRecord
 from replica.config import Config, token_from_env
+from replica.distributed.resilient import ResilientProcessGroup
+from replica.errors import ReplicaError, SnapshotCorruptedError
+from replica.jobstore import Epoch, JobStore
+from replica.jobstore.commit import NO_EPOCH, CommitRecord
+from replica.mirror.stream import MirrorFaults, MirrorStream, StreamStats
+from replica.session.backends import SHM_BACKEND
+from replica.state import serialize
 from replica.state.data import Batches, prepare_extras
 from replica.state.divergence import Divergence, Measure, comparable
-from replica.errors import ReplicaError, SnapshotCorruptedError
 from replica.state.export import export_path, write_export
-from replica.jobstore import Epoch, JobStore
 from replica.state.layout import StateLayout, state_tensors
 from replica.state.placement import state_device
-from replica.distributed.resilient import ResilientProcessGroup
 from replica.state.restore import bind_state, restore_snapshot
 from replica.state.snapshot import Snapshot, Stateful, collect_extras
-from replica.mirror.stream import MirrorFaults, MirrorStream, StreamStats
-from replica.transport.base import nvtx_range
 from replica.timing import Deadline
+from replica.transport.base import nvtx_range
 
 __all__ = ["CommitStats", "Replicator"]
 
@@ -89,17 +89,26 @@ class Replicator:
     in their first step); it must not change afterwards.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 extra: Mapping[str, Stateful] | None = None, *, store: Store | JobStore,
-                 config: Config | None = None, rank: int | None = None, world_size: int | None = None,
-                 epoch: Callable[[], Epoch] | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Mapping[str, Stateful] | None = None,
+        *,
+        store: Store | JobStore,
+        config: Config | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        epoch: Callable[[], Epoch] | None = None,
+    ):
         self.model = model
         self.optimizer = optimizer
         self.extra = prepare_extras(extra)
         self.config = config if config is not None else Config(token=token_from_env())
         self.rank, self.world_size = _rank_and_size(rank, world_size)
-        self.record = CommitRecord(JobStore.of(store, token=self.config.token, prefix=self.config.store_prefix),
-                                   world_size=self.world_size)
+        self.record = CommitRecord(
+            JobStore.of(store, token=self.config.token, prefix=self.config.store_prefix), world_size=self.world_size
+        )
         #: This trainer's epoch (generation, member) as the coordinator's runtime knows it;
         #: without a coordinator, NO_EPOCH. Each stream carries the epoch its step ran in.
         self.epoch = epoch if epoch is not None else (lambda: NO_EPOCH)
@@ -199,8 +208,14 @@ class Replicator:
         timeout = self.config.commit_timeout if timeout is None else timeout
         return self.record.wait(self._last_step, timeout, abort=self._watch(self._last_step, interruptible=False))
 
-    def rollback(self, *, step: int | None = None, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, extra: Mapping[str, Stateful] | None = None) -> int:
+    def rollback(
+        self,
+        *,
+        step: int | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Mapping[str, Stateful] | None = None,
+    ) -> int:
         """Restore this rank's own snapshot of the last global commit, in place, without network.
 
         Pass ``model``/``optimizer``/``extra`` to restore into replacements
@@ -217,8 +232,10 @@ class Replicator:
             raise ReplicaError("rollback() before any global commit")
         held = {s.step: s for s in self._snapshots}
         if step not in held:
-            raise ReplicaError(f"rank {self.rank} holds snapshots of steps {sorted(k for k in held if k is not None)}, "
-                               f"not of the last global commit {step}")
+            raise ReplicaError(
+                f"rank {self.rank} holds snapshots of steps {sorted(k for k in held if k is not None)}, "
+                f"not of the last global commit {step}"
+            )
         snapshot = held[step]
         self._check_at_rest(snapshot)
         # Restoring into the live objects needs no stream to finish; a later
@@ -227,8 +244,9 @@ class Replicator:
         target_opt = self.optimizer if optimizer is None else optimizer
         target_extra = self.extra if extra is None else prepare_extras(extra)
         with nvtx_range("replica::rollback"):
-            tensors = restore_snapshot(snapshot, target_model, target_opt, target_extra, rank=self.rank,
-                                       world_size=self.world_size)
+            tensors = restore_snapshot(
+                snapshot, target_model, target_opt, target_extra, rank=self.rank, world_size=self.world_size
+            )
         self.model, self.optimizer, self.extra, self._tensors = target_model, target_opt, target_extra, tensors
         self._next = self._snapshots.index(snapshot) ^ 1
         self._last_step = step
@@ -286,8 +304,7 @@ class Replicator:
         held = next((s for s in self._snapshots if s.step == commit), None)
         if held is None or self.record.standby_holds(self.rank, commit):
             return False
-        logger.info("[trainer rank %d] the rank's standby does not hold commit %d: sending it first", self.rank,
-                    commit)
+        logger.info("[trainer rank %d] the rank's standby does not hold commit %d: sending it first", self.rank, commit)
         self._stream.submit(held, commit, self.epoch())
         return True
 
@@ -307,20 +324,33 @@ class Replicator:
         # A CUDA model's optimizer keeps some state on the host (AdamW's step
         # counters): the snapshot lives on the GPU and those are staged into it.
         device = state_device([t for _, t in named])
-        layout = StateLayout.of(self.model, self.optimizer, world_size=self.world_size, rank=self.rank,
-                                extras_capacity=self.config.extras_capacity,
-                                bucket_bytes=self.config.bucket_bytes_for(device))
+        layout = StateLayout.of(
+            self.model,
+            self.optimizer,
+            world_size=self.world_size,
+            rank=self.rank,
+            extras_capacity=self.config.extras_capacity,
+            bucket_bytes=self.config.bucket_bytes_for(device),
+        )
         for snapshot in adopted:
             layout.check_matches(snapshot.layout)
         self._layout = layout
-        self._tensors = bind_state(self.model, self.optimizer, rank=self.rank, world_size=self.world_size,
-                                   like=self._layout)
+        self._tensors = bind_state(
+            self.model, self.optimizer, rank=self.rank, world_size=self.world_size, like=self._layout
+        )
         shared = SHM_BACKEND in self.config.backends  # the standby may be reached by shared memory
-        self._snapshots = [*adopted, *(Snapshot(self._layout, device=device, shared=shared)
-                                       for _ in range(2 - len(adopted)))]
-        logger.info("[trainer rank %d] snapshot layout: %d tensors, %d bytes, %d buckets, fingerprint %s",
-                    self.rank, len(named), self._layout.total_bytes, len(self._layout.buckets()),
-                    self._layout.fingerprint)
+        self._snapshots = [
+            *adopted,
+            *(Snapshot(self._layout, device=device, shared=shared) for _ in range(2 - len(adopted))),
+        ]
+        logger.info(
+            "[trainer rank %d] snapshot layout: %d tensors, %d bytes, %d buckets, fingerprint %s",
+            self.rank,
+            len(named),
+            self._layout.total_bytes,
+            len(self._layout.buckets()),
+            self._layout.fingerprint,
+        )
 
     def _check_redo(self, snapshot: Snapshot, step: int) -> None:
         """The divergence guard: a step packed before (and now redone) must pack the same bytes."""
@@ -329,11 +359,16 @@ class Replicator:
         now = tuple(snapshot.digests)
         before = self._digests_of.get(step)
         if before is not None and before != now:
-            bad = [i for i, (a, b) in enumerate(zip(before, now)) if a != b]
-            found = Divergence(rank=self.rank, step=step, measure=Measure.STATE, before=f"{before[bad[0]]:#x}",
-                               after=f"{now[bad[0]]:#x}", comparable=comparable(self.model),
-                               where=f"{len(bad)} of {len(now)} buckets (the first, bucket {bad[0]}, holds "
-                                     f"{self._names_in(bad[0])})")
+            bad = [i for i, (a, b) in enumerate(zip(before, now, strict=False)) if a != b]
+            found = Divergence(
+                rank=self.rank,
+                step=step,
+                measure=Measure.STATE,
+                before=f"{before[bad[0]]:#x}",
+                after=f"{now[bad[0]]:#x}",
+                comparable=comparable(self.model),
+                where=f"{len(bad)} of {len(now)} buckets (the first, bucket {bad[0]}, holds {self._names_in(bad[0])})",
+            )
             self.divergences.append(found)
             (logger.error if found.comparable else logger.info)("[trainer rank %d] %s", self.rank, found.describe())
         self._digests_of[step] = now
@@ -352,8 +387,11 @@ class Replicator:
     def _check_at_rest(self, snapshot: Snapshot) -> None:
         if snapshot.digests is None:
             if self.config.verify:  # its stream was cut short before the digests were in
-                logger.warning("[trainer rank %d step %d] the snapshot has no digests to check it against; "
-                               "restoring it unchecked", self.rank, snapshot.step)
+                logger.warning(
+                    "[trainer rank %d step %d] the snapshot has no digests to check it against; restoring it unchecked",
+                    self.rank,
+                    snapshot.step,
+                )
             return
         try:
             snapshot.verify()
@@ -365,8 +403,9 @@ class Replicator:
         group = dist.group.WORLD if dist.is_initialized() else None
         # check(), not errored: NCCL failures are found by polling the generation's works.
         if isinstance(group, ResilientProcessGroup) and group.check() is not None:
-            logger.warning("[trainer rank %d step %d] not committed: the step ran on a failed generation",
-                           self.rank, step)
+            logger.warning(
+                "[trainer rank %d step %d] not committed: the step ran on a failed generation", self.rank, step
+            )
             return True
         return False
 
@@ -405,7 +444,6 @@ class Replicator:
     def _raise_stream_error(self) -> None:
         if self._stream.error is not None:
             raise self._stream.error
-
 
 
 class _Interrupted(Exception):

@@ -26,10 +26,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Store
 
-from replica.session.backends import SHM_BACKEND, backend_class, connect
-from replica.session.bucketstream import accept_sender, receive_versions, wait_first
-from replica.jobstore.commit import CommitRecord
-from replica.jobstore import Epoch, JobStore
 from replica.config import Config, token_from_env
 from replica.errors import (
     LayoutMismatchError,
@@ -38,10 +34,12 @@ from replica.errors import (
     SnapshotCorruptedError,
     TransportError,
 )
-from replica.state.export import export_path, write_export
-from replica.state.layout import StateLayout, state_tensors
+from replica.jobstore import Epoch, JobStore
+from replica.jobstore.commit import CommitRecord
+from replica.mirror.repair import request_repair
+from replica.session.backends import SHM_BACKEND, backend_class, connect
+from replica.session.bucketstream import accept_sender, receive_versions, wait_first
 from replica.session.listener import Listener
-from replica.state.placement import state_device
 from replica.session.protocol import (
     BUCKET_BASE,
     FETCH,
@@ -58,12 +56,14 @@ from replica.session.protocol import (
     send_layout,
     send_reply,
 )
-from replica.mirror.repair import request_repair
+from replica.state.export import export_path, write_export
+from replica.state.layout import StateLayout, state_tensors
+from replica.state.placement import state_device
 from replica.state.restore import restore_snapshot
 from replica.state.snapshot import Snapshot, Stateful
+from replica.timing import Backoff
 from replica.transport import Connection, MemoryKind
 from replica.transport.base import After, memory_kind
-from replica.timing import Backoff
 
 __all__ = ["Mirror", "MirrorStats", "fetch_mirror"]
 
@@ -74,7 +74,6 @@ logger = logging.getLogger(__name__)
 # receives early (Mirror._prestage); the pause doubles from the first.
 _COMMIT_READ_FIRST = timedelta(milliseconds=1)
 _COMMIT_READ_MOST = timedelta(milliseconds=100)
-
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,17 +103,24 @@ class Mirror(Listener):
     copies it to the GPU tensor by tensor (``replica.state.placement``).
     """
 
-    def __init__(self, *, rank: int, world_size: int, store: Store | JobStore, config: Config | None = None,
-                 device: torch.device | str | None = None, model: torch.nn.Module | None = None,
-                 optimizer: torch.optim.Optimizer | None = None):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        store: Store | JobStore,
+        config: Config | None = None,
+        device: torch.device | str | None = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ):
         config = config if config is not None else Config(token=token_from_env())
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         if device is None:  # where the state it restores into lives (a GPU mirror restores by one unpack)
             device = state_device([t for _, t in state_tensors(model, optimizer)]) if model is not None else "cpu"
         self.device = torch.device(device)
-        super().__init__(config=config, memory=memory_kind(self.device),
-                         name=f"standby rank {rank}")
+        super().__init__(config=config, memory=memory_kind(self.device), name=f"standby rank {rank}")
         self.rank = rank
         self.world_size = world_size
         self.store = JobStore.of(store, token=self.config.token, prefix=self.config.store_prefix)
@@ -136,8 +142,7 @@ class Mirror(Listener):
         self._registration = self.record.publish_standby(rank, self.backend, self.address, self.fallback)
         self._start()
         if self.config.verify and self.config.scrub_interval.total_seconds() > 0:
-            self._scrubber = threading.Thread(target=self._scrub_loop, name=f"replica-{self.name}-scrub",
-                                              daemon=True)
+            self._scrubber = threading.Thread(target=self._scrub_loop, name=f"replica-{self.name}-scrub", daemon=True)
             self._scrubber.start()
 
     @property
@@ -154,14 +159,25 @@ class Mirror(Listener):
         (the objects this standby would restore into; the optimizer's state must
         exist, see ``materialize_optimizer_state``): a model that differs between
         roles fails at the first commit instead of at promotion."""
-        self._expected = StateLayout.of(model, optimizer, world_size=self.world_size, rank=self.rank,
-                                        extras_capacity=self.config.extras_capacity,
-                                        bucket_bytes=self.config.bucket_bytes_for(
-                                            state_device([t for _, t in state_tensors(model, optimizer)])))
+        self._expected = StateLayout.of(
+            model,
+            optimizer,
+            world_size=self.world_size,
+            rank=self.rank,
+            extras_capacity=self.config.extras_capacity,
+            bucket_bytes=self.config.bucket_bytes_for(state_device([t for _, t in state_tensors(model, optimizer)])),
+        )
 
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                extra: Mapping[str, Stateful] | None = None, *, step: int | None = None,
-                rank: int | None = None, world_size: int | None = None) -> int:
+    def restore(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        extra: Mapping[str, Stateful] | None = None,
+        *,
+        step: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> int:
         """Write the committed state (the last global commit unless ``step`` says
         otherwise) in place into a freshly built model, optimizer and extras.
 
@@ -239,20 +255,28 @@ class Mirror(Listener):
         raise SnapshotCorruptedError(
             f"standby of rank {self.rank}: its version of step {step} changed in memory since it was received "
             f"(bucket(s) {list(bad)} fail their digests); it is not used",
-            rank=self.rank, step=step, buckets=tuple(bad))
+            rank=self.rank,
+            step=step,
+            buckets=tuple(bad),
+        )
 
     def _mark_damaged(self, snapshot: Snapshot, bad: tuple[int, ...], *, found: str) -> None:
         self._damaged[snapshot] = tuple(bad)
-        logger.error("[standby rank %d step %s] the held version changed in memory (found %s): bucket(s) %s fail "
-                     "the digests kept since it was received; restore, export and fetch refuse it", self.rank,
-                     snapshot.step, found, list(bad))
+        logger.error(
+            "[standby rank %d step %s] the held version changed in memory (found %s): bucket(s) %s fail "
+            "the digests kept since it was received; restore, export and fetch refuse it",
+            self.rank,
+            snapshot.step,
+            found,
+            list(bad),
+        )
 
     def _scrub_loop(self) -> None:
         interval = self.config.scrub_interval.total_seconds()
         while not self._closed.wait(interval):
             try:
                 self._scrub()
-            except Exception:  # noqa: BLE001 - the scrub must outlive one failed pass (a lost trainer, ...)
+            except Exception:
                 logger.exception("[standby rank %d] scrub pass failed", self.rank)
 
     def _scrub(self) -> None:
@@ -287,11 +311,17 @@ class Mirror(Listener):
                 self._mark_damaged(snapshot, tuple(bad), found="by the scrub")
             trainer = self._trainer
         if trainer is None or not trainer.alive:
-            logger.error("[standby rank %d step %d] no trainer is connected to send bucket(s) %s again: the "
-                         "version stays refused", self.rank, commit, bad)
+            logger.error(
+                "[standby rank %d step %d] no trainer is connected to send bucket(s) %s again: the "
+                "version stays refused",
+                self.rank,
+                commit,
+                bad,
+            )
             return
-        repaired = request_repair(trainer, snapshot, commit, bad, guard=self._cond, timeout=self.config.timeout,
-                                  who=self.name)
+        repaired = request_repair(
+            trainer, snapshot, commit, bad, guard=self._cond, timeout=self.config.timeout, who=self.name
+        )
         with self._cond:
             if snapshot.step != commit or not repaired:
                 return
@@ -303,11 +333,19 @@ class Mirror(Listener):
             # Counted last: whoever sees the count (unlocked) sees the version's marks settled.
             self.stats.repaired_buckets += len(repaired)
             if still:
-                logger.error("[standby rank %d step %d] after the repair bucket(s) %s still fail their digests",
-                             self.rank, commit, still)
+                logger.error(
+                    "[standby rank %d step %d] after the repair bucket(s) %s still fail their digests",
+                    self.rank,
+                    commit,
+                    still,
+                )
                 return
-        logger.warning("[standby rank %d step %d] repaired: the trainer sent bucket(s) %s again and the version "
-                       "verifies", self.rank, commit, repaired)
+        logger.warning(
+            "[standby rank %d step %d] repaired: the trainer sent bucket(s) %s again and the version verifies",
+            self.rank,
+            commit,
+            repaired,
+        )
 
     def close(self) -> None:
         super().close()
@@ -324,8 +362,12 @@ class Mirror(Listener):
             try:
                 self.record.report_lost(self.rank)  # the coordinator weighs it against heartbeats
             except Exception as store_exc:  # noqa: BLE001 - cut off from the store too: its deadline finds it
-                logger.warning("[standby rank %d] the trainer's connection vanished and the job store does not "
-                               "answer either (%s); heartbeat deadlines decide", self.rank, store_exc)
+                logger.warning(
+                    "[standby rank %d] the trainer's connection vanished and the job store does not "
+                    "answer either (%s); heartbeat deadlines decide",
+                    self.rank,
+                    store_exc,
+                )
 
     def _session(self, conn: Connection) -> None:
         """A trainer's session (it sends its layout) or a fetch (a fresh process asks for a version)."""
@@ -333,17 +375,24 @@ class Mirror(Listener):
         size = torch.zeros(8, dtype=torch.uint8)
         wanted = torch.zeros(8, dtype=torch.uint8)
         layout_size, fetch = conn.irecv(size, tag=LAYOUT_SIZE), conn.irecv(wanted, tag=FETCH)
-        first = wait_first(conn, [layout_size, fetch], gone=lambda: "mirror closed" if self._closed.is_set() else None,
-                           within=timeout, timeout=timeout)
+        first = wait_first(
+            conn,
+            [layout_size, fetch],
+            gone=lambda: "mirror closed" if self._closed.is_set() else None,
+            within=timeout,
+            timeout=timeout,
+        )
         if first is fetch:
             self._serve_fetch(conn, int.from_bytes(wanted.numpy().tobytes(), "little", signed=True))
             return
+
         def current_epoch() -> Epoch | None:
             return self.record.current_epoch(self.rank)
 
         # A fenced trainer (declared dead, still running) is refused before it displaces the current one.
-        _, layout = accept_sender(conn, current_epoch=current_epoch, who=self.name, timeout=timeout,
-                                  counts=self.stats, size=size)
+        _, layout = accept_sender(
+            conn, current_epoch=current_epoch, who=self.name, timeout=timeout, counts=self.stats, size=size
+        )
         # This connection is the rank's trainer now; an older one (dead or not) is dropped.
         with self._cond:
             previous, self._trainer = self._trainer, conn
@@ -352,11 +401,23 @@ class Mirror(Listener):
             previous.close()
         with self._receiving:  # the previous session has left receive_versions
             answer_layout(conn, layout, self._adopt, timeout)
-        receive_versions(conn, layout.buckets(), fingerprint=fingerprint_int(layout.fingerprint), timeout=timeout,
-                         who=self.name, counts=self.stats, current_epoch=current_epoch,
-                         closed=self._closed, sender=lambda: self._trainer, lock=self._receiving,
-                         stage=lambda begin: self._stage().buffer, complete=self._complete,
-                         acknowledged=self._acknowledge, fence_late=True, prestage=self._prestage)
+        receive_versions(
+            conn,
+            layout.buckets(),
+            fingerprint=fingerprint_int(layout.fingerprint),
+            timeout=timeout,
+            who=self.name,
+            counts=self.stats,
+            current_epoch=current_epoch,
+            closed=self._closed,
+            sender=lambda: self._trainer,
+            lock=self._receiving,
+            stage=lambda begin: self._stage().buffer,
+            complete=self._complete,
+            acknowledged=self._acknowledge,
+            fence_late=True,
+            prestage=self._prestage,
+        )
 
     def _serve_fetch(self, conn: Connection, step: int) -> None:
         """Send a complete version to a process that restores from it (a replacement trainer)."""
@@ -378,10 +439,19 @@ class Mirror(Listener):
             # after the check above still fails at the receiver.
             kept = snapshot.digests
             # A version is complete (received) and held under the lock: its sends wait for nothing.
-            sends = [conn.isend(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i, step=step, bucket=i, offset=lo,
-                                fingerprint=fingerprint, digest=None if kept is None else kept[i],
-                                after=After.NOTHING)
-                     for i, (lo, hi) in enumerate(snapshot.layout.buckets())]
+            sends = [
+                conn.isend(
+                    snapshot.buffer[lo:hi],
+                    tag=BUCKET_BASE + i,
+                    step=step,
+                    bucket=i,
+                    offset=lo,
+                    fingerprint=fingerprint,
+                    digest=None if kept is None else kept[i],
+                    after=After.NOTHING,
+                )
+                for i, (lo, hi) in enumerate(snapshot.layout.buckets())
+            ]
             for transfer in sends:
                 transfer.wait(timeout)
         try:  # the connection stays open until the fetcher has it all (FETCHED)
@@ -393,30 +463,39 @@ class Mirror(Listener):
 
     def _adopt(self, layout: StateLayout) -> None:
         if layout.rank != self.rank or layout.world_size != self.world_size:
-            raise LayoutMismatchError(f"a trainer of rank {layout.rank}/{layout.world_size} connected to the "
-                                      f"standby of rank {self.rank}/{self.world_size}")
+            raise LayoutMismatchError(
+                f"a trainer of rank {layout.rank}/{layout.world_size} connected to the "
+                f"standby of rank {self.rank}/{self.world_size}"
+            )
         if self._expected is not None:
             try:
                 self._expected.check_matches(layout)
             except LayoutMismatchError as exc:
-                raise LayoutMismatchError(f"the trainer's state does not fit the standby's model ({exc}; "
-                                          "'here' is the standby, 'in the mirror' the trainer)") from exc
+                raise LayoutMismatchError(
+                    f"the trainer's state does not fit the standby's model ({exc}; "
+                    "'here' is the standby, 'in the mirror' the trainer)"
+                ) from exc
         with self._cond:
             if self._layout is not None:
                 self._layout.check_matches(layout)
                 return
-            self._slots = [Snapshot(layout, device=self.device, pin_memory=True, shared=self.backend == SHM_BACKEND)
-                           for _ in range(2)]
+            self._slots = [
+                Snapshot(layout, device=self.device, pin_memory=True, shared=self.backend == SHM_BACKEND)
+                for _ in range(2)
+            ]
             self._layout = layout
-        logger.info("[standby rank %d] mirroring %d bytes (%d tensors)", self.rank, layout.total_bytes,
-                    len(layout.entries))
+        logger.info(
+            "[standby rank %d] mirroring %d bytes (%d tensors)", self.rank, layout.total_bytes, len(layout.entries)
+        )
 
     def _stage(self) -> Snapshot:
         """The version to receive into: never the one holding the last global commit."""
         with self._cond:
             if self._handed_over:
-                raise ReplicaError(f"standby of rank {self.rank}: its versions were handed over to the rank's "
-                                   "new trainer; it receives nothing more")
+                raise ReplicaError(
+                    f"standby of rank {self.rank}: its versions were handed over to the rank's "
+                    "new trainer; it receives nothing more"
+                )
             slot = self._take_slot(ask_store=True)
             assert slot is not None  # asking the store always finds one
             return slot
@@ -448,6 +527,7 @@ class Mirror(Listener):
         doubling from ``_COMMIT_READ_FIRST`` to ``_COMMIT_READ_MOST`` after each
         version's arrival: the trainer sends the next version only once that commit
         exists, so a few reads do."""
+
         def take() -> torch.Tensor | None:  # under _cond
             if self._handed_over or not self._slots:
                 return None
@@ -492,8 +572,15 @@ class Mirror(Listener):
         logger.debug("[standby rank %d step %d] acknowledged; global commit %s", self.rank, begin.step, commit)
 
 
-def fetch_mirror(*, rank: int, world_size: int, store: Store | JobStore, config: Config | None = None,
-                 step: int | None = None, device: torch.device | str | None = None) -> Snapshot:
+def fetch_mirror(
+    *,
+    rank: int,
+    world_size: int,
+    store: Store | JobStore,
+    config: Config | None = None,
+    step: int | None = None,
+    device: torch.device | str | None = None,
+) -> Snapshot:
     """Copy rank ``rank``'s committed version (the last global commit unless
     ``step`` says otherwise) from its standby into a new snapshot on ``device``:
     how a fresh process that replaces a trainer gets its state without a
@@ -514,20 +601,27 @@ def fetch_mirror(*, rank: int, world_size: int, store: Store | JobStore, config:
     with transport:
         # Posted before the request: a refusal the standby sends just before it hangs up is delivered.
         answer = post_reply(conn)
-        conn.send(as_tensor((-1 if step is None else step).to_bytes(8, "little", signed=True)), tag=FETCH,
-                  timeout=timeout)
+        conn.send(
+            as_tensor((-1 if step is None else step).to_bytes(8, "little", signed=True)), tag=FETCH, timeout=timeout
+        )
         reply = answer(timeout)
         if reply.status == Status.DAMAGED:
             raise SnapshotCorruptedError(
                 f"the standby of rank {rank} refused to send step {reply.step}: its copy changed in memory since "
                 f"it was received (bucket(s) {list(reply.buckets)} fail their digests)",
-                rank=rank, step=reply.step, buckets=reply.buckets)
+                rank=rank,
+                step=reply.step,
+                buckets=reply.buckets,
+            )
         if reply.status != Status.ACCEPTED:
-            raise ReplicaError(f"the standby of rank {rank} does not hold step {step if step is not None else 'of the last commit'}")
+            raise ReplicaError(
+                f"the standby of rank {rank} does not hold step {step if step is not None else 'of the last commit'}"
+            )
         layout = recv_layout(conn, timeout)
         if layout.rank != rank or layout.world_size != world_size:
-            raise LayoutMismatchError(f"the standby of rank {rank}/{world_size} holds a mirror of rank "
-                                      f"{layout.rank}/{layout.world_size}")
+            raise LayoutMismatchError(
+                f"the standby of rank {rank}/{world_size} holds a mirror of rank {layout.rank}/{layout.world_size}"
+            )
         snapshot = Snapshot(layout, device=device, pin_memory=True)
         recvs = [conn.irecv(snapshot.buffer[lo:hi], tag=BUCKET_BASE + i) for i, (lo, hi) in enumerate(layout.buckets())]
         fingerprint = fingerprint_int(layout.fingerprint)

@@ -10,9 +10,6 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from replica.session.backends import backend_name
-from replica.session.bucketstream import RETRY_FIRST, MirrorFaults, Outgoing, open_session, registration_backoff
-from replica.jobstore.commit import NO_EPOCH, CommitRecord
 from replica.config import Config
 from replica.errors import (
     FencedError,
@@ -23,13 +20,16 @@ from replica.errors import (
     TransportError,
 )
 from replica.jobstore import Epoch, Registration
-from replica.state.layout import StateLayout
-from replica.session.protocol import fingerprint_int
+from replica.jobstore.commit import NO_EPOCH, CommitRecord
 from replica.mirror.repair import serve_repairs
+from replica.session.backends import backend_name
+from replica.session.bucketstream import RETRY_FIRST, MirrorFaults, Outgoing, open_session, registration_backoff
+from replica.session.protocol import fingerprint_int
+from replica.state.layout import StateLayout
 from replica.state.snapshot import Snapshot
+from replica.timing import Deadline
 from replica.transport import Connection, Transport
 from replica.transport.base import memory_kind
-from replica.timing import Deadline
 
 __all__ = ["MirrorFaults", "MirrorStream", "StreamStats"]
 
@@ -82,8 +82,7 @@ class MirrorStream:
         self._answered: tuple[int, str] | None = None  # (step, nonce): the last ACKED and the standby that sent it
         self._thread = threading.Thread(target=self._run, name=f"replica-mirror-stream-{rank}", daemon=True)
         self._thread.start()
-        self._repairs = threading.Thread(target=self._serve_repairs, name=f"replica-mirror-repair-{rank}",
-                                         daemon=True)
+        self._repairs = threading.Thread(target=self._serve_repairs, name=f"replica-mirror-repair-{rank}", daemon=True)
         self._repairs.start()
 
     @property
@@ -113,8 +112,12 @@ class MirrorStream:
         current = self._record.registration(self.rank)
         if current is not None and current.nonce == answered[1] and not self._record.unprotected(self.rank):
             return False  # the standby that answered is only slow to record it
-        logger.warning("[trainer rank %d step %d] the standby that received the step left before recording it; "
-                       "sending the step again", self.rank, step)
+        logger.warning(
+            "[trainer rank %d step %d] the standby that received the step left before recording it; "
+            "sending the step again",
+            self.rank,
+            step,
+        )
         self.stats.resent_steps += 1
         self.submit(snapshot, step, epoch)
         return True
@@ -123,8 +126,7 @@ class MirrorStream:
         """True once no stream of ``snapshot`` is queued or in flight (it is free to
         overwrite), while streams of the other buffer may still be."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._queued.get(id(snapshot), 0) == 0,
-                                       timeout.total_seconds())
+            return self._idle.wait_for(lambda: self._queued.get(id(snapshot), 0) == 0, timeout.total_seconds())
 
     def close(self) -> None:
         self._closing.set()
@@ -140,8 +142,14 @@ class MirrorStream:
         def repaired(n: int) -> None:
             self.stats.repaired_buckets += n
 
-        serve_repairs(lambda: self._conn, lambda: list(self._streamed), stop=self._closing,
-                      timeout=self._config.timeout, who=f"trainer rank {self.rank}", repaired=repaired)
+        serve_repairs(
+            lambda: self._conn,
+            lambda: list(self._streamed),
+            stop=self._closing,
+            timeout=self._config.timeout,
+            who=f"trainer rank {self.rank}",
+            repaired=repaired,
+        )
 
     def _keep_digests(self, snapshot: Snapshot | None) -> None:
         """Give ``snapshot`` its digests before anything acknowledges it, when no send
@@ -160,14 +168,19 @@ class MirrorStream:
                     self._stream_or_reattach(snapshot, step, epoch)
             except ReplicaError as exc:
                 kept = LayoutMismatchError | StandbyLostError | FencedError
-                self._error = exc if isinstance(exc, kept) else StandbyLostError(
-                    f"the standby of rank {self.rank} is lost at step {step}: {exc}; this rank is unprotected "
-                    f"(last global commit: {self._record.last()})")
+                self._error = (
+                    exc
+                    if isinstance(exc, kept)
+                    else StandbyLostError(
+                        f"the standby of rank {self.rank} is lost at step {step}: {exc}; this rank is unprotected "
+                        f"(last global commit: {self._record.last()})"
+                    )
+                )
                 self._error.__cause__ = exc
                 logger.error("[trainer rank %d step %d] %s", self.rank, step, self._error)
                 if self._conn is not None:
                     self._conn.close()
-            except Exception as exc:  # noqa: BLE001 - never die silently; the next commit() raises it
+            except Exception as exc:
                 self._error = ReplicaError(f"mirror stream of rank {self.rank} failed at step {step}: {exc!r}")
                 self._error.__cause__ = exc
                 logger.exception("[trainer rank %d step %d] mirror stream failed", self.rank, step)
@@ -188,10 +201,17 @@ class MirrorStream:
         if current is None or current == epoch or epoch == NO_EPOCH:
             return False
         if current.member != epoch.member:
-            raise FencedError(f"trainer rank {self.rank} ({epoch}) was declared dead; the rank belongs to "
-                              f"{current} now, so this process must stop (step {step} is not mirrored)")
-        logger.info("[trainer rank %d step %d] the step ran in generation %d, the job is in %d: not mirrored "
-                    "(it is redone)", self.rank, step, epoch.generation, current.generation)
+            raise FencedError(
+                f"trainer rank {self.rank} ({epoch}) was declared dead; the rank belongs to "
+                f"{current} now, so this process must stop (step {step} is not mirrored)"
+            )
+        logger.info(
+            "[trainer rank %d step %d] the step ran in generation %d, the job is in %d: not mirrored (it is redone)",
+            self.rank,
+            step,
+            epoch.generation,
+            current.generation,
+        )
         return True
 
     def _stream_or_reattach(self, snapshot: Snapshot, step: int, epoch: Epoch) -> None:
@@ -227,30 +247,45 @@ class MirrorStream:
                     self._drop()
                     pause = retry.failed()
                     if first is None:
-                        logger.error("[trainer rank %d step %d] the standby is lost (%s); rank %d is UNPROTECTED "
-                                     "until it is reached again or a replacement registers (waiting up to %s)",
-                                     self.rank, step, exc, self.rank, self._config.standby_wait)
+                        logger.error(
+                            "[trainer rank %d step %d] the standby is lost (%s); rank %d is UNPROTECTED "
+                            "until it is reached again or a replacement registers (waiting up to %s)",
+                            self.rank,
+                            step,
+                            exc,
+                            self.rank,
+                            self._config.standby_wait,
+                        )
                         first, budget = exc, self._config.standby_wait
                         deadline = Deadline.after(budget)
                     else:
-                        logger.info("[trainer rank %d step %d] the standby at %s is still unreachable (%s); next "
-                                    "try in %s", self.rank, step, current, exc, pause)
+                        logger.info(
+                            "[trainer rank %d step %d] the standby at %s is still unreachable (%s); next try in %s",
+                            self.rank,
+                            step,
+                            current,
+                            exc,
+                            pause,
+                        )
                     if self._acknowledge_unprotected(step, epoch):
                         return
                     if self._config.standby_wait <= timedelta(0):
                         raise
                     continue
                 if first is not None:
-                    logger.warning("[trainer rank %d step %d] protected again by the standby at %s", self.rank,
-                                   step, current)
+                    logger.warning(
+                        "[trainer rank %d step %d] protected again by the standby at %s", self.rank, step, current
+                    )
                     self.stats.reattached += 1
                 return
             if deadline is None:  # no standby registered yet
                 budget = max(self._config.timeout, self._config.standby_wait)
                 deadline = Deadline.after(budget)
             if deadline.expired or self._closing.is_set():
-                raise StandbyLostError(f"no standby of rank {self.rank} could be reached within {budget}"
-                                       + (f" after {first}" if first is not None else "")) from first
+                raise StandbyLostError(
+                    f"no standby of rank {self.rank} could be reached within {budget}"
+                    + (f" after {first}" if first is not None else "")
+                ) from first
             if self._superseded(step, epoch):
                 return
             self._closing.wait(RETRY_FIRST.total_seconds())  # a close ends the wait at once
@@ -265,8 +300,13 @@ class MirrorStream:
         self._record.acknowledge(self.rank, step, epoch)
         self.stats.unprotected_steps += 1
         if self.stats.unprotected_steps == 1:
-            logger.error("[trainer rank %d step %d] rank %d is UNPROTECTED: it has no standby; training goes on, "
-                         "but if this trainer dies the job cannot recover it", self.rank, step, self.rank)
+            logger.error(
+                "[trainer rank %d step %d] rank %d is UNPROTECTED: it has no standby; training goes on, "
+                "but if this trainer dies the job cannot recover it",
+                self.rank,
+                step,
+                self.rank,
+            )
         return True
 
     def _drop(self) -> None:
@@ -280,13 +320,23 @@ class MirrorStream:
         self._drop()
         self._registration = registration
         self._transport, conn = open_session(
-            registration, memory=memory_kind(snapshot.buffer), config=self._config, epoch=epoch,
-            layout=snapshot.layout, peer=f"the standby of rank {self.rank}",
+            registration,
+            memory=memory_kind(snapshot.buffer),
+            config=self._config,
+            epoch=epoch,
+            layout=snapshot.layout,
+            peer=f"the standby of rank {self.rank}",
             mismatch="this trainer's state layout: it mirrors or would restore into a different model, optimizer "
-                     "or world size (its log names the first difference)")
-        logger.info("[trainer rank %d] mirroring %d bytes in %d buckets to %s over %s", self.rank,
-                    snapshot.layout.total_bytes, len(snapshot.layout.buckets()), conn.peer,
-                    backend_name(self._transport))
+            "or world size (its log names the first difference)",
+        )
+        logger.info(
+            "[trainer rank %d] mirroring %d bytes in %d buckets to %s over %s",
+            self.rank,
+            snapshot.layout.total_bytes,
+            len(snapshot.layout.buckets()),
+            conn.peer,
+            backend_name(self._transport),
+        )
         return conn
 
     def _stream(self, snapshot: Snapshot, step: int, epoch: Epoch, registration: Registration) -> None:
@@ -300,10 +350,20 @@ class MirrorStream:
         # The digests the pack took (Snapshot.capture) travel in the bucket headers: no
         # pass over the bytes here. A snapshot without them has them taken by the sends
         # and kept, before the reply: the standby acknowledges first.
-        out = Outgoing(self._conn, snapshot.buffer, layout.buckets(), step=step, epoch=epoch,
-                       fingerprint=fingerprint_int(layout.fingerprint), config=self._config, faults=self._faults,
-                       counts=self.stats, peer=f"the standby of rank {self.rank}", digests=snapshot.digests,
-                       ready=snapshot.ready)
+        out = Outgoing(
+            self._conn,
+            snapshot.buffer,
+            layout.buckets(),
+            step=step,
+            epoch=epoch,
+            fingerprint=fingerprint_int(layout.fingerprint),
+            config=self._config,
+            faults=self._faults,
+            counts=self.stats,
+            peer=f"the standby of rank {self.rank}",
+            digests=snapshot.digests,
+            ready=snapshot.ready,
+        )
         out.send_all()
         if self._config.verify and snapshot.digests is None:
             snapshot.digests = out.digests
@@ -315,8 +375,12 @@ class MirrorStream:
             # later capture rewrites) mended before the next try (Snapshot.bad_buckets).
             bad = snapshot.bad_buckets(exc.buckets)
             if bad:
-                logger.error("[trainer rank %d step %d] bucket(s) %s of its own snapshot changed in memory since "
-                             "the pack", self.rank, step, bad)
+                logger.error(
+                    "[trainer rank %d step %d] bucket(s) %s of its own snapshot changed in memory since the pack",
+                    self.rank,
+                    step,
+                    bad,
+                )
             raise
         self._answered = (step, registration.nonce)
         self.stats.acked_step = step

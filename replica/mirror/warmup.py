@@ -49,8 +49,10 @@ def compiled_graphs() -> int:
 @contextlib.contextmanager
 def _refusing_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     def refuse(*_args) -> None:
-        raise ReplicaError("warm_up(): the step called optimizer.step(); a warm-up runs a forward and a backward "
-                           "only (the parameters and the optimizer's state are mirrored state)")
+        raise ReplicaError(
+            "warm_up(): the step called optimizer.step(); a warm-up runs a forward and a backward "
+            "only (the parameters and the optimizer's state are mirrored state)"
+        )
 
     handle = optimizer.register_step_pre_hook(refuse)
     try:
@@ -61,8 +63,10 @@ def _refusing_optimizer_steps(optimizer: torch.optim.Optimizer) -> Iterator[None
 
 @contextlib.contextmanager
 def _holding(loaders: list[Batches]) -> Iterator[None]:
-    reason = ("warm_up(): the step took a batch from a mirrored loader, whose position is mirrored state; "
-              "pass the warm-up a sample batch of the real shapes instead")
+    reason = (
+        "warm_up(): the step took a batch from a mirrored loader, whose position is mirrored state; "
+        "pass the warm-up a sample batch of the real shapes instead"
+    )
     for loader in loaders:
         loader.held = reason
     try:
@@ -72,8 +76,14 @@ def _holding(loaders: list[Batches]) -> Iterator[None]:
             loader.held = None
 
 
-def warm_up(step: Callable[[], object], *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            extra: Mapping[str, object], group: ResilientProcessGroup) -> WarmUp:
+def warm_up(
+    step: Callable[[], object],
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra: Mapping[str, object],
+    group: ResilientProcessGroup,
+) -> WarmUp:
     """Run ``step()`` once in ``group``'s rehearsal (see the module docstring), then drop
     ``model``'s gradients and put every global RNG back. ``extra``'s loaders refuse batches
     meanwhile, ``optimizer`` refuses to step. Raises ``ReplicaError`` on a connected group."""
@@ -82,8 +92,11 @@ def warm_up(step: Callable[[], object], *, model: torch.nn.Module, optimizer: to
     graphs = compiled_graphs()
     started = time.perf_counter()
     try:
-        with group.rehearsal(), _refusing_optimizer_steps(optimizer), \
-                _holding([v for v in extra.values() if isinstance(v, Batches)]):
+        with (
+            group.rehearsal(),
+            _refusing_optimizer_steps(optimizer),
+            _holding([v for v in extra.values() if isinstance(v, Batches)]),
+        ):
             step()
             if torch.cuda.is_available() and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # its kernels are done before its garbage is dropped

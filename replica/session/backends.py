@@ -21,9 +21,22 @@ from replica.transport import Connection, Locality, MemoryKind, Transport, selec
 if TYPE_CHECKING:
     from replica.jobstore import Registration
 
-__all__ = ["BACKENDS", "NIXL_BACKEND", "NixlOptions", "SHM_BACKEND", "backend_class", "backend_name", "check_backends",
-           "choose_backend", "choose_backends", "connect", "locality_of", "make_backend", "nixl_options",
-           "parse_backends"]
+__all__ = [
+    "BACKENDS",
+    "NIXL_BACKEND",
+    "NixlOptions",
+    "SHM_BACKEND",
+    "backend_class",
+    "backend_name",
+    "check_backends",
+    "choose_backend",
+    "choose_backends",
+    "connect",
+    "locality_of",
+    "make_backend",
+    "nixl_options",
+    "parse_backends",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -140,15 +153,16 @@ def choose_backends(config: Config, memory: MemoryKind, locality: Locality) -> t
         return backend, None
 
 
-def connect(registration: Registration, memory: MemoryKind, config: Config, *,
-            peer: str) -> tuple[Transport, Connection]:
+def connect(
+    registration: Registration, memory: MemoryKind, config: Config, *, peer: str
+) -> tuple[Transport, Connection]:
     """A connection to the listener of ``registration`` for ``memory``: over its backend or,
     when that refuses this process (``SharedMemoryUnavailableError``), over its fallback,
     with a warning saying why. Returns the transport too (the caller closes it); nothing
     stays open when this raises."""
     endpoints = registration.endpoints()
     share_memory = True
-    for (backend, address), (fallback, _) in zip(endpoints, endpoints[1:]):
+    for (backend, address), (fallback, _) in zip(endpoints, endpoints[1:], strict=False):
         try:
             return _connect_to(backend, address, memory, config, peer, share_memory)
         except SharedMemoryUnavailableError as exc:
@@ -157,8 +171,9 @@ def connect(registration: Registration, memory: MemoryKind, config: Config, *,
     return _connect_to(*endpoints[-1], memory, config, peer, share_memory)
 
 
-def _connect_to(backend: str, address: str, memory: MemoryKind, config: Config, peer: str,
-                share_memory: bool) -> tuple[Transport, Connection]:
+def _connect_to(
+    backend: str, address: str, memory: MemoryKind, config: Config, peer: str, share_memory: bool
+) -> tuple[Transport, Connection]:
     if memory not in backend_class(backend).capabilities.memory:
         raise TransportError(f"{peer} listens on {backend}, which cannot move {memory.name} memory")
     transport = make_backend(backend, config, share_memory=share_memory)
@@ -176,12 +191,16 @@ def make_backend(name: str, config: Config, *, share_memory: bool = True) -> Tra
     transport, backend_config = _load(name)
     # (each backend's Transport takes its config, UcxTransport(UcxConfig) ...: the base class declares no __init__)
     build = cast(_BackendClass, transport)
-    options: dict[str, object] = {} if share_memory or "share_memory" not in backend_config.__dataclass_fields__ else {
-        "share_memory": False}
+    options: dict[str, object] = (
+        {} if share_memory or "share_memory" not in backend_config.__dataclass_fields__ else {"share_memory": False}
+    )
     if name == NIXL_BACKEND:
         options.update(nixl_options())
-    return build(backend_config(token=config.token, host=config.host, verify=config.verify,
-                                verify_threads=config.verify_threads, **options))
+    return build(
+        backend_config(
+            token=config.token, host=config.host, verify=config.verify, verify_threads=config.verify_threads, **options
+        )
+    )
 
 
 def nixl_options(environ: Mapping[str, str] | None = None) -> NixlOptions:

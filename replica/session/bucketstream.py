@@ -33,7 +33,6 @@ from typing import NoReturn, Protocol
 
 import torch
 
-from replica.session.backends import connect
 from replica.config import Config
 from replica.errors import (
     FencedError,
@@ -44,7 +43,7 @@ from replica.errors import (
     TransportError,
 )
 from replica.jobstore import Epoch, Registration
-from replica.state.layout import StateLayout
+from replica.session.backends import connect
 from replica.session.protocol import (
     BEGIN,
     BUCKET_BASE,
@@ -64,9 +63,10 @@ from replica.session.protocol import (
     send_layout,
     send_reply,
 )
+from replica.state.layout import StateLayout
+from replica.timing import Backoff, Deadline
 from replica.transport import BucketHeader, Connection, MemoryKind, Transfer, Transport
 from replica.transport.base import After
-from replica.timing import Backoff, Deadline
 
 __all__ = [
     "MirrorFaults",
@@ -109,8 +109,10 @@ def registration_backoff() -> Backoff:
 
 # --- the sender ---
 
-def _expect_reply(conn: Connection, step: int, timeout: timedelta, peer: str,
-                  posted: Callable[[timedelta], Reply] | None = None) -> Reply:
+
+def _expect_reply(
+    conn: Connection, step: int, timeout: timedelta, peer: str, posted: Callable[[timedelta], Reply] | None = None
+) -> Reply:
     """The peer's reply for ``step`` (``posted``: its receive, posted already by ``post_reply``)."""
     reply = (posted or post_reply(conn))(timeout)
     if reply.step != step:
@@ -118,8 +120,16 @@ def _expect_reply(conn: Connection, step: int, timeout: timedelta, peer: str,
     return reply
 
 
-def open_session(registration: Registration, *, memory: MemoryKind, config: Config, epoch: Epoch,
-                 layout: StateLayout, peer: str, mismatch: str) -> tuple[Transport, Connection]:
+def open_session(
+    registration: Registration,
+    *,
+    memory: MemoryKind,
+    config: Config,
+    epoch: Epoch,
+    layout: StateLayout,
+    peer: str,
+    mismatch: str,
+) -> tuple[Transport, Connection]:
     """Connect to the listener of ``registration`` (``replica.session.backends.connect``: its fallback
     if its backend refuses this process) and send ``epoch`` and ``layout``.
     Raises LayoutMismatchError (``peer`` refused ``mismatch``), FencedError (``epoch``
@@ -155,15 +165,33 @@ class Outgoing:
     None: complete now): the sends wait for it alone, never for this thread's
     current stream, which holds whatever the producer queued since."""
 
-    def __init__(self, conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,
-                 epoch: Epoch, fingerprint: int, config: Config, faults: MirrorFaults, counts: SendCounts,
-                 peer: str, digests: Sequence[int] | None = None, ready: torch.cuda.Event | None = None):
+    def __init__(
+        self,
+        conn: Connection,
+        buffer: torch.Tensor,
+        ranges: Sequence[tuple[int, int]],
+        *,
+        step: int,
+        epoch: Epoch,
+        fingerprint: int,
+        config: Config,
+        faults: MirrorFaults,
+        counts: SendCounts,
+        peer: str,
+        digests: Sequence[int] | None = None,
+        ready: torch.cuda.Event | None = None,
+    ):
         self.conn, self.buffer, self.ranges, self.step, self.epoch = conn, buffer, ranges, step, epoch
         self._after = After.NOTHING if ready is None else ready
         self.digests = [0] * len(ranges)
         self._known = digests
         self._fingerprint, self._config, self._faults, self._counts, self._peer = (
-            fingerprint, config, faults, counts, peer)
+            fingerprint,
+            config,
+            faults,
+            counts,
+            peer,
+        )
         self._inflight: deque[Transfer] = deque()
         self._begin: Transfer | None = None
         self._reply: Callable[[timedelta], Reply] | None = None  # the next reply's receive, posted
@@ -176,7 +204,8 @@ class Outgoing:
         closes the connection at once must not leave its FENCED unread."""
         self._reply = post_reply(self.conn)
         self._begin = self.conn.isend(
-            as_tensor(Begin(step=self.step, num_buckets=len(self.ranges), epoch=self.epoch).encode()), tag=BEGIN)
+            as_tensor(Begin(step=self.step, num_buckets=len(self.ranges), epoch=self.epoch).encode()), tag=BEGIN
+        )
 
     def send(self, i: int) -> None:
         """Start sending bucket ``i``, first waiting for the oldest send when the window is full."""
@@ -187,10 +216,18 @@ class Outgoing:
             self._faults.corrupt_buckets -= 1
             self._faults.corrupted += 1
             self.conn.faults.corrupt_next = 1
-        self._inflight.append(self.conn.isend(self.buffer[lo:hi], tag=BUCKET_BASE + i, step=self.step, bucket=i,
-                                              offset=lo, fingerprint=self._fingerprint,
-                                              digest=None if self._known is None else self._known[i],
-                                              after=self._after))
+        self._inflight.append(
+            self.conn.isend(
+                self.buffer[lo:hi],
+                tag=BUCKET_BASE + i,
+                step=self.step,
+                bucket=i,
+                offset=lo,
+                fingerprint=self._fingerprint,
+                digest=None if self._known is None else self._known[i],
+                after=self._after,
+            )
+        )
         self._counts.bytes_sent += hi - lo
 
     def flush(self) -> None:
@@ -248,11 +285,19 @@ class Outgoing:
             if reply.status != Status.RESEND or not reply.buckets:
                 raise TransportError(f"{self._peer} answered {reply.status.name} for step {self.step}")
             if attempt == max_resends:
-                raise ResendsExhaustedError(f"step {self.step}: buckets {list(reply.buckets)} still failed their "
-                                            f"digests after {max_resends} resends", step=self.step,
-                                            buckets=tuple(reply.buckets))
-            logger.warning("[step %d] %s asks again for buckets %s (attempt %d)", self.step, self._peer,
-                           list(reply.buckets), attempt + 1)
+                raise ResendsExhaustedError(
+                    f"step {self.step}: buckets {list(reply.buckets)} still failed their "
+                    f"digests after {max_resends} resends",
+                    step=self.step,
+                    buckets=tuple(reply.buckets),
+                )
+            logger.warning(
+                "[step %d] %s asks again for buckets %s (attempt %d)",
+                self.step,
+                self._peer,
+                list(reply.buckets),
+                attempt + 1,
+            )
             self._counts.resent_buckets += len(reply.buckets)
             self._reply = post_reply(self.conn)
             for i in reply.buckets:
@@ -268,8 +313,15 @@ _FIRST_IDLE_POLL = timedelta(microseconds=50)
 _MAX_IDLE_POLL = timedelta(microseconds=500)
 
 
-def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callable[[], str | None],
-               within: timedelta | None, timeout: timedelta, idle: Callable[[], None] | None = None) -> Transfer:
+def wait_first(
+    conn: Connection,
+    transfers: Sequence[Transfer],
+    *,
+    gone: Callable[[], str | None],
+    within: timedelta | None,
+    timeout: timedelta,
+    idle: Callable[[], None] | None = None,
+) -> Transfer:
     """The first of ``transfers`` to finish. ``gone()`` names a reason to stop waiting
     (the listener closed, a newer sender took over) or None; ``within`` bounds the wait
     (None: the next message comes when it comes); ``idle()`` runs between looks."""
@@ -290,8 +342,16 @@ def wait_first(conn: Connection, transfers: Sequence[Transfer], *, gone: Callabl
         polls.sleep()
 
 
-def _fence(conn: Connection, epoch: Epoch, step: int, current: Epoch | None, *, who: str, timeout: timedelta,
-           counts: ReceiveCounts) -> None:
+def _fence(
+    conn: Connection,
+    epoch: Epoch,
+    step: int,
+    current: Epoch | None,
+    *,
+    who: str,
+    timeout: timedelta,
+    counts: ReceiveCounts,
+) -> None:
     try:
         check_epoch(epoch, current, who=who)
     except FencedError as exc:
@@ -299,8 +359,15 @@ def _fence(conn: Connection, epoch: Epoch, step: int, current: Epoch | None, *, 
         refuse_fenced(conn, step, exc, timeout)
 
 
-def accept_sender(conn: Connection, *, current_epoch: Callable[[], Epoch | None], who: str, timeout: timedelta,
-                  counts: ReceiveCounts, size: torch.Tensor | None = None) -> tuple[Epoch, StateLayout]:
+def accept_sender(
+    conn: Connection,
+    *,
+    current_epoch: Callable[[], Epoch | None],
+    who: str,
+    timeout: timedelta,
+    counts: ReceiveCounts,
+    size: torch.Tensor | None = None,
+) -> tuple[Epoch, StateLayout]:
     """A new sender's epoch and layout (``size``: its LAYOUT_SIZE message, if received
     already); a sender whose epoch is not ``current_epoch()`` is refused (FENCED) and
     FencedError raised, before it can displace anyone."""
@@ -310,13 +377,24 @@ def accept_sender(conn: Connection, *, current_epoch: Callable[[], Epoch | None]
     return epoch, layout
 
 
-def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fingerprint: int, timeout: timedelta,
-                     who: str, counts: ReceiveCounts, current_epoch: Callable[[], Epoch | None],
-                     closed: threading.Event, sender: Callable[[], Connection | None], lock: threading.Lock,
-                     stage: Callable[[Begin], torch.Tensor],
-                     complete: Callable[[Begin, torch.Tensor, list[int]], None],
-                     acknowledged: Callable[[Begin], None] | None = None, fence_late: bool = False,
-                     prestage: Callable[[], torch.Tensor | None] | None = None) -> NoReturn:
+def receive_versions(
+    conn: Connection,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    fingerprint: int,
+    timeout: timedelta,
+    who: str,
+    counts: ReceiveCounts,
+    current_epoch: Callable[[], Epoch | None],
+    closed: threading.Event,
+    sender: Callable[[], Connection | None],
+    lock: threading.Lock,
+    stage: Callable[[Begin], torch.Tensor],
+    complete: Callable[[Begin, torch.Tensor, list[int]], None],
+    acknowledged: Callable[[Begin], None] | None = None,
+    fence_late: bool = False,
+    prestage: Callable[[], torch.Tensor | None] | None = None,
+) -> NoReturn:
     """Receive versions from the sender at ``conn`` until it leaves, ``closed`` is
     set or ``sender()`` is another connection. Per version: its ``BEGIN`` (bucket
     count and epoch checked; a superseded epoch is refused), then under ``lock``
@@ -365,8 +443,10 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
             wait_first(conn, [begin_recv], gone=gone, within=None, timeout=timeout, idle=post_early)
             begin = Begin.decode(buf.numpy().tobytes())
             if begin.num_buckets != len(ranges):
-                raise TransportError(f"step {begin.step} announced {begin.num_buckets} buckets, layout has "
-                                     f"{len(ranges)}")
+                raise TransportError(
+                    f"step {begin.step} announced {begin.num_buckets} buckets, layout has {len(ranges)}"
+                )
+
             # The coordinator may have moved on since the connection began.
             def fence(current: Epoch | None) -> None:
                 _fence(conn, begin.epoch, begin.step, current, who=who, timeout=timeout, counts=counts)
@@ -389,9 +469,18 @@ def receive_versions(conn: Connection, ranges: Sequence[tuple[int, int]], *, fin
                 except Exception as exc:  # noqa: BLE001 - raised once the buckets are in
                     read.set_exception(exc)
 
-            digests = receive_buckets(conn, buffer, ranges, step=begin.step, fingerprint=fingerprint,
-                                      timeout=timeout, who=who, counts=counts,
-                                      posted=read_epoch if fence_late else None, first=first)
+            digests = receive_buckets(
+                conn,
+                buffer,
+                ranges,
+                step=begin.step,
+                fingerprint=fingerprint,
+                timeout=timeout,
+                who=who,
+                counts=counts,
+                posted=read_epoch if fence_late else None,
+                first=first,
+            )
             if fence_late:
                 fence(read.result())
             complete(begin, buffer, digests)

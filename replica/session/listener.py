@@ -13,9 +13,9 @@ import threading
 from abc import ABC, abstractmethod
 from datetime import timedelta
 
-from replica.session.backends import choose_backends, locality_of, make_backend
 from replica.config import Config
 from replica.errors import PeerDisconnectedError, ReplicaError, TransferTimeoutError, TransportError
+from replica.session.backends import choose_backends, locality_of, make_backend
 from replica.transport import Connection, MemoryKind, Transport
 
 __all__ = ["Listener"]
@@ -62,8 +62,10 @@ class Listener(ABC):
 
     def _start(self) -> None:
         """Begin accepting (once the subclass has published where it listens): a thread per transport."""
-        self._threads = [threading.Thread(target=self._serve, args=(transport,), name=f"replica-{self.name}",
-                                          daemon=True) for transport in self._transports]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(transport,), name=f"replica-{self.name}", daemon=True)
+            for transport in self._transports
+        ]
         for thread in self._threads:
             thread.start()
         also = f", and on {self.fallback[1]} ({self.fallback[0]}) for peers it refuses" if self.fallback else ""
@@ -93,7 +95,9 @@ class Listener(ABC):
         return ""
 
     def _peer_lost(self, conn: Connection, exc: PeerDisconnectedError) -> None:
-        """A session's peer went away (``exc.graceful`` says whether it said goodbye)."""
+        """A session's peer went away (``exc.graceful`` says whether it said goodbye); a subclass
+        that keeps per-peer state overrides it, the others need nothing."""
+        return
 
     def _serve(self, transport: Transport) -> None:
         sessions: list[threading.Thread] = []
@@ -108,8 +112,11 @@ class Listener(ABC):
                 logger.warning("[%s] refused a connection: %s", self.name, exc)
                 continue
             sessions = [t for t in sessions if t.is_alive()]
-            sessions.append(threading.Thread(target=self._run_session, args=(conn,), daemon=True,
-                                             name=f"replica-{self.name}-session"))
+            sessions.append(
+                threading.Thread(
+                    target=self._run_session, args=(conn,), daemon=True, name=f"replica-{self.name}-session"
+                )
+            )
             sessions[-1].start()
         for t in sessions:
             t.join(timeout=10)
@@ -120,12 +127,17 @@ class Listener(ABC):
         except PeerDisconnectedError as exc:
             if not self._closed.is_set():
                 # A peer that said goodbye (its job ended, a newer sender took over) is no news.
-                logger.log(logging.INFO if exc.graceful else logging.WARNING, "[%s] peer gone (%s)%s", self.name,
-                           exc, self._held())
+                logger.log(
+                    logging.INFO if exc.graceful else logging.WARNING,
+                    "[%s] peer gone (%s)%s",
+                    self.name,
+                    exc,
+                    self._held(),
+                )
                 self._peer_lost(conn, exc)
         except (ReplicaError, ValueError) as exc:
             logger.error("[%s] session ended: %s%s", self.name, exc, self._held())
-        except Exception:  # noqa: BLE001 - the listener outlives one bad session
+        except Exception:
             logger.exception("[%s] session failed", self.name)
         finally:
             conn.close()

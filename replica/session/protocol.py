@@ -20,6 +20,7 @@ step no more), then sends each named bucket in order under ``REPAIR_BUCKET``.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import struct
@@ -30,9 +31,9 @@ from typing import Protocol
 
 import torch
 
-from replica.jobstore.commit import NO_EPOCH
 from replica.errors import BucketCorruptedError, FencedError, LayoutMismatchError, TransportError
 from replica.jobstore import Epoch
+from replica.jobstore.commit import NO_EPOCH
 from replica.state.layout import StateLayout
 from replica.transport import Connection, Transfer
 from replica.transport.base import After
@@ -208,10 +209,8 @@ def check_epoch(epoch: Epoch, current: Epoch | None, *, who: str) -> None:
 
 def refuse_fenced(conn: Connection, step: int, exc: FencedError, timeout: timedelta) -> None:
     """Tell a fenced sender why it is refused, then end its session with ``exc``."""
-    try:
+    with contextlib.suppress(TransportError):  # it may be gone already; the refusal stands either way
         send_reply(conn, Reply(step=step, status=Status.FENCED), timeout)
-    except TransportError:
-        pass  # it may be gone already; the refusal stands either way
     raise exc
 
 
@@ -241,20 +240,31 @@ class ReceiveCounts(Protocol):
     prestaged: int  # versions whose receives were posted before their BEGIN
 
 
-def post_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]],
-                 indices: Sequence[int]) -> list[tuple[int, Transfer]]:
+def post_buckets(
+    conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], indices: Sequence[int]
+) -> list[tuple[int, Transfer]]:
     """Post the receive of bucket i into ``buffer[lo:hi]`` for each i of ``indices``.
     ``buffer`` is the receiving session's alone, with no work queued on it (a version
     made by ``transfer_buffer``, written only by receives): the bytes land at once,
     never after a thread's current stream (an engine's inference)."""
-    return [(i, conn.irecv(buffer[ranges[i][0]:ranges[i][1]], tag=BUCKET_BASE + i, after=After.NOTHING))
-            for i in indices]
+    return [
+        (i, conn.irecv(buffer[ranges[i][0] : ranges[i][1]], tag=BUCKET_BASE + i, after=After.NOTHING)) for i in indices
+    ]
 
 
-def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tuple[int, int]], *, step: int,
-                    fingerprint: int, timeout: timedelta, who: str, counts: ReceiveCounts,
-                    posted: Callable[[], None] | None = None,
-                    first: list[tuple[int, Transfer]] | None = None) -> list[int]:
+def receive_buckets(
+    conn: Connection,
+    buffer: torch.Tensor,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    step: int,
+    fingerprint: int,
+    timeout: timedelta,
+    who: str,
+    counts: ReceiveCounts,
+    posted: Callable[[], None] | None = None,
+    first: list[tuple[int, Transfer]] | None = None,
+) -> list[int]:
     """Receive bucket i of ``step`` into ``buffer[lo:hi]`` for every ``(lo, hi)`` of
     ``ranges``, checking each digest and header; buckets that fail their digest
     are asked for again (RESEND) until all are good. ``counts`` is updated as it
@@ -279,8 +289,7 @@ def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tup
                 counts.corrupted_buckets += 1
                 bad.append(i)
                 continue
-            if (header.step, header.bucket, header.offset, header.fingerprint) != (
-                    step, i, ranges[i][0], fingerprint):
+            if (header.step, header.bucket, header.offset, header.fingerprint) != (step, i, ranges[i][0], fingerprint):
                 raise TransportError(f"bucket {i} of step {step} arrived with header {header}")
             counts.bytes_received += header.nbytes
             digests[i] = header.digest
@@ -291,8 +300,9 @@ def receive_buckets(conn: Connection, buffer: torch.Tensor, ranges: Sequence[tup
     return digests
 
 
-def answer_layout(conn: Connection, layout: StateLayout, adopt: Callable[[StateLayout], None],
-                  timeout: timedelta) -> None:
+def answer_layout(
+    conn: Connection, layout: StateLayout, adopt: Callable[[StateLayout], None], timeout: timedelta
+) -> None:
     """Answer a sender's layout: ACCEPTED once ``adopt`` took it, LAYOUT_MISMATCH
     (and the mismatch re-raised) when it refused."""
     try:

@@ -118,16 +118,22 @@ class Batches:
 
     def __init__(self, loader: DataLoader, *, name: str = "loader"):
         if not is_loader(loader):
-            raise TypeError(f"{name}: Batches wraps a torch.utils.data.DataLoader (or torchdata's StatefulDataLoader), "
-                            f"got {type(loader).__name__}")
+            raise TypeError(
+                f"{name}: Batches wraps a torch.utils.data.DataLoader (or torchdata's StatefulDataLoader), "
+                f"got {type(loader).__name__}"
+            )
         if loader.persistent_workers and loader.num_workers > 0:
-            raise ReplicaError(f"{name}: a DataLoader with persistent_workers=True keeps its workers' random state "
-                               "from one epoch to the next, which no restore can rebuild; set persistent_workers=False")
+            raise ReplicaError(
+                f"{name}: a DataLoader with persistent_workers=True keeps its workers' random state "
+                "from one epoch to the next, which no restore can rebuild; set persistent_workers=False"
+            )
         from torch.utils.data.datapipes.datapipe import IterDataPipe
 
         if isinstance(loader.dataset, IterDataPipe):
-            raise ReplicaError(f"{name}: a DataLoader over a DataPipe draws a seed shared across ranks for each "
-                               "iterator; replica cannot position one. Use a map-style or iterable Dataset")
+            raise ReplicaError(
+                f"{name}: a DataLoader over a DataPipe draws a seed shared across ranks for each "
+                "iterator; replica cannot position one. Use a map-style or iterable Dataset"
+            )
         self.loader = loader
         self.name = name
         self.kind = _kind(loader)
@@ -180,10 +186,12 @@ class Batches:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if state.get("kind") != self.kind or ("loader" in state) != self.positions:
-            raise ReplicaError(f"{self.name}: the mirrored state is of a {state.get('kind')} "
-                               f"{'positioned by its own state' if 'loader' in state else 'replayed'}, this loader is "
-                               f"a {self.kind} {'positioned by its own state' if self.positions else 'replayed'} "
-                               "(the same loader, with as many workers, on every role)")
+            raise ReplicaError(
+                f"{self.name}: the mirrored state is of a {state.get('kind')} "
+                f"{'positioned by its own state' if 'loader' in state else 'replayed'}, this loader is "
+                f"a {self.kind} {'positioned by its own state' if self.positions else 'replayed'} "
+                "(the same loader, with as many workers, on every role)"
+            )
         self._restored = dict(state)
         self.epoch, self.taken = int(state["epoch"]), int(state["taken"])
         self._it = None  # the next batch makes the iterator anew, positioned
@@ -216,8 +224,10 @@ class Batches:
             # this point, from the RNG states the restore set, and so does this one.
             restored = None
         if restored is None:  # a new epoch (or the first): made as a plain loop would make it
-            self._started = {"torch": torch.get_rng_state(),
-                             **{k: g.get_state() for k, g in self._generators().items()}}
+            self._started = {
+                "torch": torch.get_rng_state(),
+                **{k: g.get_state() for k, g in self._generators().items()},
+            }
             self._set_epoch()
             self._it = iter(self.loader)
             return self._it
@@ -236,11 +246,12 @@ class Batches:
             self._it = iter(self.loader)
             for taken in range(self.taken):
                 if next(self._it, _END) is _END:
-                    raise ReplicaError(f"{self.name}: epoch {self.epoch} gives {taken} batches now, {self.taken} were "
-                                       "taken from it before the restore: the loader's data or order changed")
+                    raise ReplicaError(
+                        f"{self.name}: epoch {self.epoch} gives {taken} batches now, {self.taken} were "
+                        "taken from it before the restore: the loader's data or order changed"
+                    )
         if self.taken:
-            logger.info("[%s] positioned after %d batches of epoch %d (drawn again)", self.name, self.taken,
-                        self.epoch)
+            logger.info("[%s] positioned after %d batches of epoch %d (drawn again)", self.name, self.taken, self.epoch)
         return self._it
 
     def __repr__(self) -> str:
@@ -251,8 +262,10 @@ def prepare_extras(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     """``extra`` for a ``Replicator``: data loaders wrapped in ``Batches`` (kept as they
     are when already wrapped); anything else must be ``Stateful`` (``state_dict`` and
     ``load_state_dict``), or a ``TypeError`` names it and the fix."""
-    return {name: Batches(obj, name=name) if is_loader(obj) else obj
-            for name, obj in require_stateful(extra, loaders=True).items()}
+    return {
+        name: Batches(obj, name=name) if is_loader(obj) else obj
+        for name, obj in require_stateful(extra, loaders=True).items()
+    }
 
 
 def require_stateful(extra: Mapping[str, Any] | None, *, loaders: bool = False) -> dict[str, Any]:
@@ -262,15 +275,20 @@ def require_stateful(extra: Mapping[str, Any] | None, *, loaders: bool = False) 
     checked = {}
     for name, obj in dict(extra or {}).items():
         if is_loader(obj) and not loaders:
-            raise TypeError(f"extra[{name!r}] is a {type(obj).__name__}: restore into replica.Batches(loader) and "
-                            "take the batches from that object (it holds the restored position, the loader does not)")
-        if not is_loader(obj) and not (callable(getattr(obj, "state_dict", None))
-                                       and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(
+                f"extra[{name!r}] is a {type(obj).__name__}: restore into replica.Batches(loader) and "
+                "take the batches from that object (it holds the restored position, the loader does not)"
+            )
+        if not is_loader(obj) and not (
+            callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+        ):
             kind = type(obj).__name__
-            raise TypeError(f"extra[{name!r}] (a {kind}) has no state_dict()/load_state_dict(): its position cannot "
-                            "be mirrored, so a restored job would not take the batches the failure-free run took. "
-                            "Pass a torch.utils.data.DataLoader or torchdata StatefulDataLoader (replica owns its "
-                            "iterator: take batches from Replicator.batches(name) / job.next_batch(name)), or give "
-                            "the object state_dict() and load_state_dict()")
+            raise TypeError(
+                f"extra[{name!r}] (a {kind}) has no state_dict()/load_state_dict(): its position cannot "
+                "be mirrored, so a restored job would not take the batches the failure-free run took. "
+                "Pass a torch.utils.data.DataLoader or torchdata StatefulDataLoader (replica owns its "
+                "iterator: take batches from Replicator.batches(name) / job.next_batch(name)), or give "
+                "the object state_dict() and load_state_dict()"
+            )
         checked[name] = obj
     return checked

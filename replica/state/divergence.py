@@ -48,24 +48,32 @@ class Divergence:
 
     def describe(self) -> str:
         if self.measure is Measure.LOSS:
-            line = (f"rank {self.rank} step {self.step} DIVERGED after the failover: its loss is {self.after}, "
-                    f"it was {self.before} before")
+            line = (
+                f"rank {self.rank} step {self.step} DIVERGED after the failover: its loss is {self.after}, "
+                f"it was {self.before} before"
+            )
         elif self.measure is Measure.INPUT:
-            line = (f"rank {self.rank} step {self.step} DIVERGED after the failover: {self.where} differ from those "
-                    f"of its first attempt before the failure (digest {self.after}, was {self.before})")
+            line = (
+                f"rank {self.rank} step {self.step} DIVERGED after the failover: {self.where} differ from those "
+                f"of its first attempt before the failure (digest {self.after}, was {self.before})"
+            )
         else:
-            line = (f"rank {self.rank} step {self.step} DIVERGED after the failover: its state after the optimizer "
-                    f"step differs from the one packed before the failure in {self.where}")
+            line = (
+                f"rank {self.rank} step {self.step} DIVERGED after the failover: its state after the optimizer "
+                f"step differs from the one packed before the failure in {self.where}"
+            )
         if not self.comparable:
             return line + " (not comparable: this computation is not deterministic; see replica.state.divergence)"
         return f"{line}. {likely_causes()}"
 
 
 def likely_causes() -> str:
-    return ("Likely causes: a random draw outside the mirrored state (an RNG of its own that is not in extra; "
-            "pass replica.RNGState()), a data iterator the loop holds itself (take batches from "
-            "job.next_batch(name) / Replicator.batches(name)), or other state the loop keeps outside extra "
-            "(register a job.on_restore callback)")
+    return (
+        "Likely causes: a random draw outside the mirrored state (an RNG of its own that is not in extra; "
+        "pass replica.RNGState()), a data iterator the loop holds itself (take batches from "
+        "job.next_batch(name) / Replicator.batches(name)), or other state the loop keeps outside extra "
+        "(register a job.on_restore callback)"
+    )
 
 
 def comparable(model: torch.nn.Module) -> bool:

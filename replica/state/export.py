@@ -25,17 +25,40 @@ from replica.state.layout import StateLayout, dtype_of
 from replica.state.snapshot import Snapshot
 from replica.transport.base import bucket_digest
 
-__all__ = ["DCP_SHARDING_INFO", "EXTRAS_KEY", "export_path", "load_export", "load_extras", "resumable", "step_folder",
-           "write_export"]
+__all__ = [
+    "DCP_SHARDING_INFO",
+    "EXTRAS_KEY",
+    "export_path",
+    "load_export",
+    "load_extras",
+    "resumable",
+    "step_folder",
+    "write_export",
+]
 
 EXTRAS_KEY = "replica.extras"
 # The metadata key of a safetensors file's place in a sharded checkpoint (torch.distributed.checkpoint).
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 # The dtypes a safetensors file has a code for (F64, F32, F16, BF16, F8_E4M3, F8_E5M2, I64 ... U8, BOOL).
-_DTYPES = frozenset({
-    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
-    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
-})
+_DTYPES = frozenset(
+    {
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint64",
+        "uint32",
+        "uint16",
+        "uint8",
+        "bool",
+    }
+)
 # Digests whose words are keyed from each bucket's offset in the snapshot (protocol 2).
 _KEYED_BY_OFFSET = "offset"
 
@@ -69,8 +92,9 @@ def resumable(directory: str | Path, world_size: int) -> tuple[int, Path]:
             if len(steps) != 1:
                 raise ReplicaError(f"{folder}: the ranks' files hold different steps {sorted(steps)}")
             return steps.pop(), folder
-    raise ReplicaError(f"{directory} holds no complete export of {world_size} ranks (files found per folder: "
-                       f"{seen or 'none'})")
+    raise ReplicaError(
+        f"{directory} holds no complete export of {world_size} ranks (files found per folder: {seen or 'none'})"
+    )
 
 
 def _open(path: str | Path):
@@ -110,8 +134,12 @@ def write_export(snapshot: Snapshot, path: str | Path) -> Path:
     layout = snapshot.layout
     buffer = snapshot.buffer.cpu()
     extras = snapshot.extras()
-    metadata = {"format": "pt", "replica.state.layout": layout.to_json(), "replica.step": str(snapshot.step),
-                DCP_SHARDING_INFO: json.dumps(_sharding_info(layout))}
+    metadata = {
+        "format": "pt",
+        "replica.state.layout": layout.to_json(),
+        "replica.step": str(snapshot.step),
+        DCP_SHARDING_INFO: json.dumps(_sharding_info(layout)),
+    }
     if snapshot.digests is not None:  # the bucket digests it was received with: load_export checks them
         metadata["replica.digests"] = json.dumps(snapshot.digests)
         metadata["replica.digests_keyed"] = _KEYED_BY_OFFSET
@@ -120,9 +148,10 @@ def write_export(snapshot: Snapshot, path: str | Path) -> Path:
     for e in layout.entries:
         if e.dtype not in _DTYPES:
             raise ReplicaError(f"{e.name}: safetensors has no dtype for {e.dtype}")
-        tensors[e.name] = buffer[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
-    tensors[EXTRAS_KEY] = (torch.frombuffer(bytearray(extras), dtype=torch.uint8) if extras
-                           else torch.empty(0, dtype=torch.uint8))
+        tensors[e.name] = buffer[e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+    tensors[EXTRAS_KEY] = (
+        torch.frombuffer(bytearray(extras), dtype=torch.uint8) if extras else torch.empty(0, dtype=torch.uint8)
+    )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f"{path.suffix}.{os.getpid()}.{threading.get_ident()}.tmp")  # two writers of one file
@@ -172,14 +201,16 @@ def load_export(path: str | Path) -> Snapshot:
         names = set(f.keys())
         missing = [n for n in (*(e.name for e in layout.entries), EXTRAS_KEY) if n not in names]
         if missing:
-            raise ReplicaError(f"{path} is not a replica export: its layout names tensors it does not hold "
-                               f"({missing[:5]})")
+            raise ReplicaError(
+                f"{path} is not a replica export: its layout names tensors it does not hold ({missing[:5]})"
+            )
         tensors = []
         for e in layout.entries:
             t = f.get_tensor(e.name)
             if t.dtype != dtype_of(e.dtype) or tuple(t.shape) != tuple(e.shape):
-                raise ReplicaError(f"{path}: tensor {e.name} is {t.dtype} {tuple(t.shape)}, its layout says "
-                                   f"{e.dtype} {tuple(e.shape)}")
+                raise ReplicaError(
+                    f"{path}: tensor {e.name} is {t.dtype} {tuple(t.shape)}, its layout says {e.dtype} {tuple(e.shape)}"
+                )
             tensors.append(t)
         extras = f.get_tensor(EXTRAS_KEY)
         if extras.dtype != torch.uint8 or extras.dim() != 1:
@@ -198,6 +229,9 @@ def load_export(path: str | Path) -> Snapshot:
             if bad:
                 raise SnapshotCorruptedError(
                     f"{path}: bucket(s) {bad} changed since the file was written; it is not used",
-                    rank=layout.rank, step=snapshot.step, buckets=tuple(bad))
+                    rank=layout.rank,
+                    step=snapshot.step,
+                    buckets=tuple(bad),
+                )
             snapshot.digests = snapshot.compute_digests()
     return snapshot

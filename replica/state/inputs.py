@@ -74,7 +74,8 @@ def _tensors(value: object, out: list[torch.Tensor]) -> None:
 class InputDigests:
     """Per step, the digests of each forward of ``attach``'s module: the first attempt's are
     kept; a redo's (``begin`` of a step seen before) are compared with them at ``settle``, over
-    the forwards both recorded (``void`` ends an attempt's record early). ``skip()`` true: the forward is not one of the job's (a standby's warm-up)."""
+    the forwards both recorded (``void`` ends an attempt's record early). ``skip()`` true: the
+    forward is not one of the job's (a standby's warm-up)."""
 
     def __init__(self, *, skip: Callable[[], bool] = lambda: False):
         self._skip = skip
@@ -116,15 +117,22 @@ class InputDigests:
         redo = self._redo.pop(step, None)
         if not redo:
             return None
-        for index, (a, b) in enumerate(zip(self._first.get(step, []), redo)):
+        for index, (a, b) in enumerate(zip(self._first.get(step, []), redo, strict=False)):
             (inputs_a, rng_a), (inputs_b, rng_b) = a.read(), b.read()
             if (inputs_a, rng_a) == (inputs_b, rng_b):
                 continue
-            parts = [name for name, x, y in (("its input tensors", inputs_a, inputs_b),
-                                             ("the RNG state at its start", rng_a, rng_b)) if x != y]
+            parts = [
+                name
+                for name, x, y in (
+                    ("its input tensors", inputs_a, inputs_b),
+                    ("the RNG state at its start", rng_a, rng_b),
+                )
+                if x != y
+            ]
             first_a, first_b = (inputs_a, inputs_b) if inputs_a != inputs_b else (rng_a, rng_b)
-            return InputMismatch(step=step, forward=index, what=" and ".join(parts),
-                                 before=_hex(first_a), after=_hex(first_b))
+            return InputMismatch(
+                step=step, forward=index, what=" and ".join(parts), before=_hex(first_a), after=_hex(first_b)
+            )
         return None
 
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -133,8 +141,9 @@ class InputDigests:
         found: list[torch.Tensor] = []
         _tensors((args, kwargs), found)
         # Shapes and dtypes count too: the same bytes in another shape are another input.
-        shapes = torch.tensor([d for t in found for d in (*t.shape, len(t.shape), _DTYPE_CODE.get(t.dtype, -1))],
-                              dtype=torch.int64)
+        shapes = torch.tensor(
+            [d for t in found for d in (*t.shape, len(t.shape), _DTYPE_CODE.get(t.dtype, -1))], dtype=torch.int64
+        )
         inputs = [_digest(shapes), *(_digest(t) for t in found)]
         rng = [_digest(torch.get_rng_state())]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -142,9 +151,25 @@ class InputDigests:
         self._current.append(_Forward(inputs, rng))
 
 
-_DTYPE_CODE = {dtype: i for i, dtype in enumerate(
-    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-     torch.uint8, torch.bool, torch.complex64, torch.complex128))}
+_DTYPE_CODE = {
+    dtype: i
+    for i, dtype in enumerate(
+        (
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        )
+    )
+}
 
 
 def _hex(digests: tuple[int, ...]) -> str:

@@ -26,8 +26,16 @@ import torch
 from replica.errors import LayoutMismatchError
 from replica.ops import ALIGNMENT
 
-__all__ = ["LAYOUT_VERSION", "StateLayout", "TensorEntry", "dtype_name", "dtype_of", "global_offsets", "local_tensor",
-           "state_tensors"]
+__all__ = [
+    "LAYOUT_VERSION",
+    "StateLayout",
+    "TensorEntry",
+    "dtype_name",
+    "dtype_of",
+    "global_offsets",
+    "local_tensor",
+    "state_tensors",
+]
 
 LAYOUT_VERSION = 1
 
@@ -51,8 +59,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a rank's training state as the model and optimizer hold it (DTensors
     whole), named as ``torch.distributed.checkpoint`` flattens ``{"model":
     get_model_state_dict(...), "optim": get_optimizer_state_dict(...)}``: ``model.{fqn}`` for
@@ -61,9 +68,12 @@ def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     for name, param in model.named_parameters():
         names[param] = name
         yield f"model.{name}", param.detach()
-    persistent = {f"{prefix}.{n}" if prefix else n
-                  for prefix, module in model.named_modules()
-                  for n in module._buffers if n not in module._non_persistent_buffers_set}
+    persistent = {
+        f"{prefix}.{n}" if prefix else n
+        for prefix, module in model.named_modules()
+        for n in module._buffers
+        if n not in module._non_persistent_buffers_set
+    }
     for name, buf in model.named_buffers():
         if name in persistent:
             yield f"model.{name}", buf
@@ -80,15 +90,17 @@ def _named_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
                     yield f"optim.state.{names[param]}.{key}", value
 
 
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def state_tensors(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a rank's training state, named, in a fixed order: its rank-local storage."""
     for name, t in _named_state(model, optimizer):
         yield name, local_tensor(t)
 
 
-def global_offsets(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-                   ) -> dict[str, tuple[int, ...]]:
+def global_offsets(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, tuple[int, ...]]:
     """Where each sharded state tensor's local shard starts in the whole tensor (a DTensor's
     one chunk, as ``torch.distributed.checkpoint`` plans it); tensors that are whole on
     every rank are left out."""
@@ -129,17 +141,37 @@ class StateLayout:
     fingerprint: str
 
     @classmethod
-    def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, world_size: int, rank: int,
-           extras_capacity: int, bucket_bytes: int) -> StateLayout:
+    def of(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        world_size: int,
+        rank: int,
+        extras_capacity: int,
+        bucket_bytes: int,
+    ) -> StateLayout:
         """The layout of a model's and optimizer's state (``extras_capacity`` rounded up to the alignment)."""
-        return cls.build(list(state_tensors(model, optimizer)), world_size=world_size, rank=rank,
-                         extras_capacity=_align(extras_capacity), bucket_bytes=bucket_bytes,
-                         global_offsets=global_offsets(model, optimizer))
+        return cls.build(
+            list(state_tensors(model, optimizer)),
+            world_size=world_size,
+            rank=rank,
+            extras_capacity=_align(extras_capacity),
+            bucket_bytes=bucket_bytes,
+            global_offsets=global_offsets(model, optimizer),
+        )
 
     @classmethod
-    def build(cls, tensors: Sequence[tuple[str, torch.Tensor]], *, world_size: int, rank: int,
-              extras_capacity: int, bucket_bytes: int,
-              global_offsets: Mapping[str, tuple[int, ...]] | None = None) -> StateLayout:
+    def build(
+        cls,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        *,
+        world_size: int,
+        rank: int,
+        extras_capacity: int,
+        bucket_bytes: int,
+        global_offsets: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> StateLayout:
         """The layout of ``tensors`` (rank-local), each shard's place in its whole tensor from
         ``global_offsets`` (by name; the ones left out are whole)."""
         global_offsets = global_offsets or {}
@@ -158,15 +190,31 @@ class StateLayout:
             where = tuple(global_offsets.get(name, ()))
             if where and len(where) != t.dim():
                 raise ValueError(f"{name}: global offset {where} for a {t.dim()}-d tensor")
-            entries.append(TensorEntry(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), offset=end,
-                                       nbytes=nbytes, global_offset=where))
+            entries.append(
+                TensorEntry(
+                    name=name,
+                    dtype=dtype_name(t.dtype),
+                    shape=tuple(t.shape),
+                    offset=end,
+                    nbytes=nbytes,
+                    global_offset=where,
+                )
+            )
             end = _align(end + nbytes)
         extras_offset = end
         total = _align(extras_offset + extras_capacity)
         fingerprint = _fingerprint(world_size, rank, entries)
-        return cls(version=LAYOUT_VERSION, world_size=world_size, rank=rank, bucket_bytes=bucket_bytes,
-                   entries=tuple(entries), extras_offset=extras_offset, extras_capacity=extras_capacity,
-                   total_bytes=total, fingerprint=fingerprint)
+        return cls(
+            version=LAYOUT_VERSION,
+            world_size=world_size,
+            rank=rank,
+            bucket_bytes=bucket_bytes,
+            entries=tuple(entries),
+            extras_offset=extras_offset,
+            extras_capacity=extras_capacity,
+            total_bytes=total,
+            fingerprint=fingerprint,
+        )
 
     @property
     def offsets(self) -> list[int]:
@@ -174,7 +222,9 @@ class StateLayout:
 
     def buckets(self) -> list[tuple[int, int]]:
         """Byte ranges [start, end) of the fixed-size buckets covering the snapshot."""
-        return [(s, min(s + self.bucket_bytes, self.total_bytes)) for s in range(0, self.total_bytes, self.bucket_bytes)]
+        return [
+            (s, min(s + self.bucket_bytes, self.total_bytes)) for s in range(0, self.total_bytes, self.bucket_bytes)
+        ]
 
     def check_matches(self, other: StateLayout) -> None:
         """Raise LayoutMismatchError naming the first difference between two layouts."""
@@ -182,39 +232,49 @@ class StateLayout:
             mine, theirs = getattr(self, attr), getattr(other, attr)
             if mine != theirs:
                 raise LayoutMismatchError(f"{attr} differs: {mine} here, {theirs} in the mirror")
-        for i, (a, b) in enumerate(zip(self.entries, other.entries)):
+        for i, (a, b) in enumerate(zip(self.entries, other.entries, strict=False)):
             for attr in ("name", "dtype", "shape"):
                 if getattr(a, attr) != getattr(b, attr):
                     raise LayoutMismatchError(
                         f"state tensor {i} differs in {attr}: {a.name} {getattr(a, attr)} here, "
-                        f"{b.name} {getattr(b, attr)} in the mirror")
+                        f"{b.name} {getattr(b, attr)} in the mirror"
+                    )
         if len(self.entries) != len(other.entries):
             longer, where = (self, "here") if len(self.entries) > len(other.entries) else (other, "in the mirror")
             extra = longer.entries[min(len(self.entries), len(other.entries))]
             raise LayoutMismatchError(
                 f"{len(self.entries)} state tensors here, {len(other.entries)} in the mirror; "
-                f"first unmatched: {extra.name} ({where})")
+                f"first unmatched: {extra.name} ({where})"
+            )
         if self.extras_capacity != other.extras_capacity:
-            raise LayoutMismatchError(f"extras capacity differs: {self.extras_capacity} here, "
-                                      f"{other.extras_capacity} in the mirror (Config.extras_capacity)")
+            raise LayoutMismatchError(
+                f"extras capacity differs: {self.extras_capacity} here, "
+                f"{other.extras_capacity} in the mirror (Config.extras_capacity)"
+            )
         if self.bucket_bytes != other.bucket_bytes:
             raise LayoutMismatchError(
                 f"bucket size differs: {self.bucket_bytes} bytes here, {other.bucket_bytes} in the mirror "
-                "(Config.bucket_bytes; unset, it follows the device the state lives on: set it alike on both)")
+                "(Config.bucket_bytes; unset, it follows the device the state lives on: set it alike on both)"
+            )
 
     def to_json(self) -> str:
         data = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "entries"}
         # A shard's place in its whole tensor is a sixth field, only where there is one (older files have five).
-        data["entries"] = [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes]
-                           + ([list(e.global_offset)] if e.global_offset else []) for e in self.entries]
+        data["entries"] = [
+            [e.name, e.dtype, list(e.shape), e.offset, e.nbytes] + ([list(e.global_offset)] if e.global_offset else [])
+            for e in self.entries
+        ]
         return json.dumps(data, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> StateLayout:
         data = json.loads(text)
-        entries = tuple(TensorEntry(name=n, dtype=d, shape=tuple(s), offset=o, nbytes=b,
-                                    global_offset=tuple(where[0]) if where else ())
-                        for n, d, s, o, b, *where in data.pop("entries"))
+        entries = tuple(
+            TensorEntry(
+                name=n, dtype=d, shape=tuple(s), offset=o, nbytes=b, global_offset=tuple(where[0]) if where else ()
+            )
+            for n, d, s, o, b, *where in data.pop("entries")
+        )
         layout = cls(entries=entries, **data)
         expected = _fingerprint(layout.world_size, layout.rank, list(entries))
         if layout.fingerprint != expected:

@@ -35,8 +35,9 @@ def state_device(tensors: Sequence[torch.Tensor]) -> torch.device:
     devices = {t.device for t in tensors}
     accelerators = sorted({d for d in devices if d.type != "cpu"}, key=str)
     if len(accelerators) > 1:
-        raise ReplicaError(f"state tensors live on several accelerators {[str(d) for d in accelerators]}; "
-                           "a snapshot is packed on one")
+        raise ReplicaError(
+            f"state tensors live on several accelerators {[str(d) for d in accelerators]}; a snapshot is packed on one"
+        )
     return accelerators[0] if accelerators else torch.device("cpu")
 
 
@@ -60,8 +61,10 @@ def _split(tensors: Sequence[torch.Tensor], offsets: Sequence[int], device: torc
             local_o.append(o)
         elif t.numel():
             if t.device.type != "cpu" and device.type != "cpu":
-                raise ReplicaError(f"a state tensor on {t.device} and a snapshot on {device}: "
-                                   "only host <-> one accelerator is supported")
+                raise ReplicaError(
+                    f"a state tensor on {t.device} and a snapshot on {device}: "
+                    "only host <-> one accelerator is supported"
+                )
             foreign_t.append(t)
             foreign_o.append(o)
     return local_t, local_o, foreign_t, foreign_o
@@ -74,8 +77,14 @@ def _synchronize(tensors: Sequence[torch.Tensor]) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def pack_state(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, offsets: Sequence[int], *,
-               block_bytes: int | None = None, same_device: bool = False) -> torch.Tensor | None:
+def pack_state(
+    tensors: Sequence[torch.Tensor],
+    buffer: torch.Tensor,
+    offsets: Sequence[int],
+    *,
+    block_bytes: int | None = None,
+    same_device: bool = False,
+) -> torch.Tensor | None:
     """``ops.pack(tensors, buffer, offsets)`` for tensors on the buffer's device and the host.
 
     With ``block_bytes``, returns ``ops.checksum(buffer, block_bytes)`` of the result,
@@ -86,6 +95,7 @@ def pack_state(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, offsets: S
     (``on_device``), so they go to the kernel without a look at each; one that is
     not raises RuntimeError before any byte is written.
     """
+
     def final_pack(srcs: Sequence[torch.Tensor], offs: Sequence[int]) -> torch.Tensor | None:
         if block_bytes is None:
             ops.pack(srcs, buffer, offs)
@@ -102,14 +112,14 @@ def pack_state(tensors: Sequence[torch.Tensor], buffer: torch.Tensor, offsets: S
         host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         ops.pack(foreign_t, host, staged_o)
         device = host.to(buffer.device, non_blocking=True)
-        views = [device[o:o + t.numel() * t.element_size()] for t, o in zip(foreign_t, staged_o)]
+        views = [device[o : o + t.numel() * t.element_size()] for t, o in zip(foreign_t, staged_o, strict=False)]
         return final_pack(local_t + views, local_o + foreign_o)
     # device tensors into host memory: their copies finish after the pack, so the
     # digests come from a pass of their own once they have
     pinned = buffer.is_pinned()
-    for t, o in zip(foreign_t, foreign_o):
+    for t, o in zip(foreign_t, foreign_o, strict=False):
         src = _bytes_of(t, "a state tensor")
-        buffer[o:o + src.numel()].copy_(src, non_blocking=pinned)
+        buffer[o : o + src.numel()].copy_(src, non_blocking=pinned)
     ops.pack(local_t, buffer, local_o)
     _synchronize(foreign_t)
     return None if block_bytes is None else ops.checksum(buffer, block_bytes)
@@ -127,7 +137,7 @@ def unpack_state(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets:
     elif buffer.is_cuda:  # device snapshot, host tensors: one staged download
         staged_o, total = ops.aligned_offsets(foreign_t)
         device = torch.empty(total, dtype=torch.uint8, device=buffer.device)
-        views = [device[o:o + t.numel() * t.element_size()] for t, o in zip(foreign_t, staged_o)]
+        views = [device[o : o + t.numel() * t.element_size()] for t, o in zip(foreign_t, staged_o, strict=False)]
         ops.unpack(buffer, local_t + views, local_o + foreign_o)
         host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         host.copy_(device, non_blocking=True)
@@ -135,9 +145,9 @@ def unpack_state(buffer: torch.Tensor, tensors: Sequence[torch.Tensor], offsets:
         ops.unpack(host, foreign_t, staged_o)
     else:  # host snapshot, device tensors (a standby holding its mirror in host memory)
         pinned = buffer.is_pinned()
-        for t, o in zip(foreign_t, foreign_o):
+        for t, o in zip(foreign_t, foreign_o, strict=False):
             dst = _bytes_of(t, "a restore target")
-            dst.copy_(buffer[o:o + dst.numel()], non_blocking=pinned)
+            dst.copy_(buffer[o : o + dst.numel()], non_blocking=pinned)
         ops.unpack(buffer, local_t, local_o)
         # The host buffer may be overwritten by the next received version: wait for the copies.
         _synchronize(foreign_t)

@@ -9,8 +9,8 @@ from collections.abc import Mapping
 import torch
 
 from replica.state import serialize
-from replica.state.layout import StateLayout, state_tensors
 from replica.state.data import require_stateful
+from replica.state.layout import StateLayout, state_tensors
 from replica.state.snapshot import Snapshot, Stateful, apply_extras
 
 __all__ = ["bind_state", "materialize_optimizer_state", "restore_snapshot"]
@@ -44,26 +44,35 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer | None) -> None
             p.grad = torch.zeros_like(p)
         optimizer.step()
     finally:
-        for group, lr in zip(optimizer.param_groups, saved):
+        for group, lr in zip(optimizer.param_groups, saved, strict=False):
             if lr is not None:
                 group["lr"] = lr
         for p in params:
             p.grad = None
 
 
-def bind_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int, world_size: int,
-               like: StateLayout) -> list[torch.Tensor]:
+def bind_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, *, rank: int, world_size: int, like: StateLayout
+) -> list[torch.Tensor]:
     """The state tensors of ``model``/``optimizer``, checked against ``like``
     (LayoutMismatchError names the first difference)."""
     named = list(state_tensors(model, optimizer))
-    layout = StateLayout.build(named, world_size=world_size, rank=rank, extras_capacity=like.extras_capacity,
-                               bucket_bytes=like.bucket_bytes)
+    layout = StateLayout.build(
+        named, world_size=world_size, rank=rank, extras_capacity=like.extras_capacity, bucket_bytes=like.bucket_bytes
+    )
     layout.check_matches(like)
     return [t for _, t in named]
 
 
-def restore_snapshot(snapshot: Snapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                     extra: Mapping[str, Stateful], *, rank: int, world_size: int) -> list[torch.Tensor]:
+def restore_snapshot(
+    snapshot: Snapshot,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: Mapping[str, Stateful],
+    *,
+    rank: int,
+    world_size: int,
+) -> list[torch.Tensor]:
     """Restore ``snapshot`` into the objects in place; returns their state tensors.
     A data loader in ``extra`` is refused before anything is written: restore into the
     ``replica.Batches`` the loop takes its batches from."""

@@ -24,10 +24,23 @@ _F64 = struct.Struct("<d")
 
 # torch dtypes by name, for tensors; bfloat16 has no numpy twin, so tensors
 # travel as raw bytes plus the torch dtype name.
-_TORCH_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)}
+_TORCH_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 
 
 def encode(obj: Any) -> bytes:
@@ -147,7 +160,7 @@ def _get_bytes(view: memoryview, at: int) -> tuple[bytes, int]:
     at += _U32.size
     if at + n > len(view):
         raise ValueError("encoded state is truncated")
-    return bytes(view[at:at + n]), at + n
+    return bytes(view[at : at + n]), at + n
 
 
 def _get_shape(view: memoryview, at: int) -> tuple[tuple[int, ...], int]:
@@ -158,7 +171,7 @@ def _get_shape(view: memoryview, at: int) -> tuple[tuple[int, ...], int]:
 
 
 def _decode(view: memoryview, at: int) -> tuple[Any, int]:
-    kind = bytes(view[at:at + 1])
+    kind = bytes(view[at : at + 1])
     at += 1
     if kind == b"N":
         return None, at
@@ -190,7 +203,7 @@ def _decode(view: memoryview, at: int) -> tuple[Any, int]:
         if at + 4 * n > len(view):
             raise ValueError("encoded state is truncated")
         words = array.array("I")
-        words.frombytes(bytes(view[at:at + 4 * n]))
+        words.frombytes(bytes(view[at : at + 4 * n]))
         if _BIG_ENDIAN:  # pragma: no cover
             words.byteswap()
         return (words.tolist() if kind == b"w" else tuple(words)), at + 4 * n

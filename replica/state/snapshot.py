@@ -19,8 +19,8 @@ from replica import ops
 from replica.errors import LayoutMismatchError, ReplicaError, SnapshotCorruptedError
 from replica.state.layout import StateLayout, dtype_name, dtype_of
 from replica.state.placement import on_device, pack_state, unpack_state
-from replica.transport.buffers import transfer_buffer
 from replica.transport.base import bucket_digest
+from replica.transport.buffers import transfer_buffer
 
 __all__ = ["Snapshot", "Stateful", "apply_extras", "bucket_digests", "collect_extras"]
 
@@ -53,13 +53,15 @@ def collect_extras(optimizer: torch.optim.Optimizer | None, extra: Mapping[str, 
         state["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         state["optim_scalars"] = [
             {k: v for k, v in optimizer.state.get(p, {}).items() if not isinstance(v, torch.Tensor)}
-            for g in optimizer.param_groups for p in g["params"]
+            for g in optimizer.param_groups
+            for p in g["params"]
         ]
     return state
 
 
-def apply_extras(state: Mapping[str, Any], optimizer: torch.optim.Optimizer | None,
-                 extra: Mapping[str, Stateful]) -> None:
+def apply_extras(
+    state: Mapping[str, Any], optimizer: torch.optim.Optimizer | None, extra: Mapping[str, Stateful]
+) -> None:
     if set(state["extra"]) != set(extra):
         raise LayoutMismatchError(f"extras differ: {sorted(state['extra'])} in the snapshot, {sorted(extra)} here")
     for name, obj in extra.items():
@@ -121,8 +123,9 @@ class Snapshot:
     taken (``Config(verify=False)``), and then ``verify()`` checks nothing.
     """
 
-    def __init__(self, layout: StateLayout, *, device: torch.device | str = "cpu", pin_memory: bool = False,
-                 shared: bool = False):
+    def __init__(
+        self, layout: StateLayout, *, device: torch.device | str = "cpu", pin_memory: bool = False, shared: bool = False
+    ):
         self.layout = layout
         self.buffer = transfer_buffer(layout.total_bytes, device=device, pin_memory=pin_memory, shared=shared)
         self._on_host = self.buffer.device.type == "cpu"  # asked once: ~20 us a step with the caches cold
@@ -173,12 +176,16 @@ class Snapshot:
         indices = list(range(len(ranges)) if buckets is None else buckets)
         bad = self._mismatched(indices, ranges, digests)
         if bad and self._zeros_from is not None and any(ranges[i][1] > self._zeros_from for i in bad):
-            self.buffer[self._zeros_from:self.layout.extras_offset + self.layout.extras_capacity].zero_()
+            self.buffer[self._zeros_from : self.layout.extras_offset + self.layout.extras_capacity].zero_()
             still = self._mismatched(bad, ranges, digests)
             if len(still) < len(bad):
-                logger.warning("rank %d step %s: bytes past the extras blob changed in memory (bucket(s) %s); "
-                               "zeroed again, as the capture left them", self.layout.rank, self.step,
-                               sorted(set(bad) - set(still)))
+                logger.warning(
+                    "rank %d step %s: bytes past the extras blob changed in memory (bucket(s) %s); "
+                    "zeroed again, as the capture left them",
+                    self.layout.rank,
+                    self.step,
+                    sorted(set(bad) - set(still)),
+                )
             bad = still
         return bad
 
@@ -194,7 +201,10 @@ class Snapshot:
             raise SnapshotCorruptedError(
                 f"rank {self.layout.rank}: the held version of step {self.step} changed in memory since it was "
                 f"complete: bucket(s) {bad} of {len(self.layout.buckets())} fail their digests; it is not used",
-                rank=self.layout.rank, step=self.step, buckets=tuple(bad))
+                rank=self.layout.rank,
+                step=self.step,
+                buckets=tuple(bad),
+            )
 
     def capture(self, tensors: Sequence[torch.Tensor], extras: bytes, *, step: int, digests: bool = False) -> None:
         """Pack ``tensors`` and ``extras`` as the state of ``step``. With ``digests``,
@@ -211,8 +221,10 @@ class Snapshot:
         """
         room = self.layout.extras_capacity - _LENGTH.size
         if len(extras) > room:
-            raise ReplicaError(f"the extras need {len(extras)} bytes, the layout reserves {room}; "
-                               "build the layout with a larger extras_capacity")
+            raise ReplicaError(
+                f"the extras need {len(extras)} bytes, the layout reserves {room}; "
+                "build the layout with a larger extras_capacity"
+            )
         self.digests, self.step = None, None  # of the previous content
         # The extras before the pack hashes the whole buffer, the extras region included.
         # In host memory the blob is one more source of the pack: copied and hashed in
@@ -301,7 +313,7 @@ class Snapshot:
         if view is None or view.numel() != size:
             view = self._blob_view = store[:size]
         _LENGTH.pack_into(data, 0, len(extras))
-        data[_LENGTH.size:size] = extras
+        data[_LENGTH.size : size] = extras
         return view
 
     def restore(self, tensors: Sequence[torch.Tensor]) -> bytes:
@@ -314,11 +326,11 @@ class Snapshot:
 
     def extras(self) -> bytes:
         at = self.layout.extras_offset
-        head = bytes(self.buffer[at:at + _LENGTH.size].cpu().numpy())
+        head = bytes(self.buffer[at : at + _LENGTH.size].cpu().numpy())
         (n,) = _LENGTH.unpack(head)
         if n > self.layout.extras_capacity - _LENGTH.size:
             raise ReplicaError("the snapshot's extras region is corrupt")
-        return bytes(self.buffer[at + _LENGTH.size:at + _LENGTH.size + n].cpu().numpy())
+        return bytes(self.buffer[at + _LENGTH.size : at + _LENGTH.size + n].cpu().numpy())
 
     def _check_count(self, tensors: Sequence[torch.Tensor]) -> None:
         if len(tensors) != len(self.layout.entries):
@@ -329,11 +341,12 @@ class Snapshot:
         entries = self.layout.entries
         expected = self._expected
         if expected is None:  # every step checks every tensor: in C++, against meta tensors
-            expected = self._expected = ops.ShapeCheck([torch.empty(e.shape, dtype=dtype_of(e.dtype), device="meta")
-                                                        for e in entries])
+            expected = self._expected = ops.ShapeCheck(
+                [torch.empty(e.shape, dtype=dtype_of(e.dtype), device="meta") for e in entries]
+            )
         bad = expected.first_mismatch(tensors)
         if bad >= 0:
             t, e = tensors[bad], entries[bad]
             raise LayoutMismatchError(
-                f"{e.name}: {dtype_name(t.dtype)} {tuple(t.shape)} here, the layout has {e.dtype} {e.shape}")
-
+                f"{e.name}: {dtype_name(t.dtype)} {tuple(t.shape)} here, the layout has {e.dtype} {e.shape}"
+            )

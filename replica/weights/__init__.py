@@ -39,5 +39,15 @@ from replica.weights.layout import ModelSource, ParamInfo, WeightBucket, WeightS
 from replica.weights.receiver import ReceiverStats, WeightReceiver
 from replica.weights.sender import SyncStats, WeightSync
 
-__all__ = ["ModelSource", "ParamInfo", "ReceiverStats", "SyncStats", "WeightBucket", "WeightReceiver", "WeightSource",
-           "WeightSync", "tensor_buckets", "weight_layout"]
+__all__ = [
+    "ModelSource",
+    "ParamInfo",
+    "ReceiverStats",
+    "SyncStats",
+    "WeightBucket",
+    "WeightReceiver",
+    "WeightSource",
+    "WeightSync",
+    "tensor_buckets",
+    "weight_layout",
+]

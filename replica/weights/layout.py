@@ -13,7 +13,16 @@ import torch.distributed as dist
 
 from replica.state.layout import StateLayout, dtype_of
 
-__all__ = ["ModelSource", "ParamInfo", "TensorMeta", "WeightBucket", "WeightSource", "named_views", "tensor_buckets", "weight_layout"]
+__all__ = [
+    "ModelSource",
+    "ParamInfo",
+    "TensorMeta",
+    "WeightBucket",
+    "WeightSource",
+    "named_views",
+    "tensor_buckets",
+    "weight_layout",
+]
 
 
 class TensorMeta(Protocol):
@@ -63,10 +72,10 @@ def _gather(p) -> torch.Tensor:
     rows = -(-shape[0] // world)
     local = p.to_local()
     padded = local.new_zeros((rows, *shape[1:]))
-    padded[:local.shape[0]] = local
+    padded[: local.shape[0]] = local
     out = local.new_empty((rows * world, *shape[1:]))
     dist.all_gather_into_tensor(out, padded, group=group)
-    return out[:shape[0]]
+    return out[: shape[0]]
 
 
 class ModelSource:
@@ -116,4 +125,4 @@ def tensor_buckets(layout: StateLayout) -> list[WeightBucket]:
 
 def named_views(buffer: torch.Tensor, layout: StateLayout) -> Iterator[tuple[str, torch.Tensor]]:
     for e in layout.entries:
-        yield e.name, buffer[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+        yield e.name, buffer[e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)

@@ -14,18 +14,18 @@ from datetime import timedelta
 import torch
 from torch.distributed.distributed_c10d import Store
 
-from replica.session.bucketstream import accept_sender, receive_versions
-from replica.jobstore.commit import EpochRecord
 from replica.config import Config
 from replica.errors import TransportError
 from replica.jobstore import Epoch, JobStore, Number, keys
-from replica.state.layout import StateLayout, dtype_of
-from replica.session.listener import Listener
-from replica.weights.pagebuffer import PageBuffer
-from replica.session.protocol import Begin, answer_layout, fingerprint_int
+from replica.jobstore.commit import EpochRecord
 from replica.jobstore.registry import publish
+from replica.session.bucketstream import accept_sender, receive_versions
+from replica.session.listener import Listener
+from replica.session.protocol import Begin, answer_layout, fingerprint_int
+from replica.state.layout import StateLayout, dtype_of
 from replica.transport import Connection, MemoryKind
 from replica.weights.layout import named_views, tensor_buckets
+from replica.weights.pagebuffer import PageBuffer
 
 __all__ = ["ReceiverStats", "WeightReceiver"]
 
@@ -39,7 +39,7 @@ def _consumable_views(page: PageBuffer, layout: StateLayout) -> Iterator[tuple[s
     """``named_views`` whose pages go back to the OS once a loader is done with them (PageBuffer)."""
     entries = list(layout.entries)
     spans = page.consumable((e.offset, e.offset + e.nbytes) for e in entries)
-    for e, view in zip(entries, spans):
+    for e, view in zip(entries, spans, strict=False):
         yield e.name, view.view(dtype_of(e.dtype)).view(e.shape)
 
 
@@ -57,10 +57,18 @@ class WeightReceiver(Listener):
     current epoch of trainer rank ``leader`` (the ``WeightSync`` leader) as the
     coordinator's generation record names it; without a record, any."""
 
-    def __init__(self, *, index: int, store: Store | JobStore, config: Config,
-                 expect: Callable[[StateLayout], None] | None = None,
-                 on_ready: Callable[[int], None] | None = None, leader: int = 0, buffers: int = 2,
-                 on_receiving: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        *,
+        index: int,
+        store: Store | JobStore,
+        config: Config,
+        expect: Callable[[StateLayout], None] | None = None,
+        on_ready: Callable[[int], None] | None = None,
+        leader: int = 0,
+        buffers: int = 2,
+        on_receiving: Callable[[int], None] | None = None,
+    ):
         if buffers not in (1, 2):
             raise ValueError(f"buffers is 1 or 2, got {buffers}")
         super().__init__(config=config, memory=MemoryKind.HOST, name=f"engine {index}")
@@ -110,12 +118,14 @@ class WeightReceiver(Listener):
     def wait_ready(self, step: int, timeout: timedelta) -> bool:
         """Block until a complete version >= ``step`` has been received."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._ready_step is not None and self._ready_step >= step,
-                                       timeout.total_seconds())
+            return self._cond.wait_for(
+                lambda: self._ready_step is not None and self._ready_step >= step, timeout.total_seconds()
+            )
 
     @contextmanager
-    def hold(self, newer_than: int | None = None, *,
-             consume: bool = False) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]] | None]:
+    def hold(
+        self, newer_than: int | None = None, *, consume: bool = False
+    ) -> Iterator[tuple[int, Iterator[tuple[str, torch.Tensor]]] | None]:
         """The newest complete version newer than ``newer_than`` (and than the
         served one) as ``(step, views)``, or None. Its buffer stays untouched
         while held: with two buffers, a version completing meanwhile goes to a
@@ -177,8 +187,9 @@ class WeightReceiver(Listener):
 
     def _session(self, conn: Connection) -> None:
         timeout = self.config.timeout
-        _, layout = accept_sender(conn, current_epoch=self._current_epoch, who=self.name, timeout=timeout,
-                                  counts=self.stats)
+        _, layout = accept_sender(
+            conn, current_epoch=self._current_epoch, who=self.name, timeout=timeout, counts=self.stats
+        )
 
         def take(layout: StateLayout) -> None:
             if self._expect is not None:  # weights that do not fit are refused before they displace anyone
@@ -192,11 +203,20 @@ class WeightReceiver(Listener):
                 self._adopt(layout)
 
         answer_layout(conn, layout, take, timeout)
-        receive_versions(conn, [(b.lo, b.hi) for b in tensor_buckets(layout)],
-                         fingerprint=fingerprint_int(layout.fingerprint), timeout=timeout, who=self.name,
-                         counts=self.stats, current_epoch=self._current_epoch, closed=self._closed,
-                         sender=lambda: self._sender, lock=self._receiving, stage=self._stage,
-                         complete=self._complete)
+        receive_versions(
+            conn,
+            [(b.lo, b.hi) for b in tensor_buckets(layout)],
+            fingerprint=fingerprint_int(layout.fingerprint),
+            timeout=timeout,
+            who=self.name,
+            counts=self.stats,
+            current_epoch=self._current_epoch,
+            closed=self._closed,
+            sender=lambda: self._sender,
+            lock=self._receiving,
+            stage=self._stage,
+            complete=self._complete,
+        )
 
     def _adopt(self, layout: StateLayout) -> None:
         with self._cond:
@@ -206,13 +226,13 @@ class WeightReceiver(Listener):
                 self._layout.check_matches(layout)
             self._layout = layout
             self._page = PageBuffer(layout.total_bytes) if self._buffers == 1 else None
-            self._staging = (self._page.tensor if self._page is not None
-                             else torch.empty(layout.total_bytes, dtype=torch.uint8))
+            self._staging = (
+                self._page.tensor if self._page is not None else torch.empty(layout.total_bytes, dtype=torch.uint8)
+            )
             self._ready = torch.empty(layout.total_bytes, dtype=torch.uint8) if self._buffers == 2 else None
             self._ready_step = None if self._buffers == 1 else self._ready_step
             self._spare = None
-        logger.info("[engine %d] receiving %d tensors, %d bytes", self.index, len(layout.entries),
-                    layout.total_bytes)
+        logger.info("[engine %d] receiving %d tensors, %d bytes", self.index, len(layout.entries), layout.total_bytes)
 
     def _stage(self, begin: Begin) -> torch.Tensor:
         """Where version ``begin.step`` is received. With one buffer: once nobody holds the
@@ -220,8 +240,10 @@ class WeightReceiver(Listener):
         ``on_receiving`` hears of it (a prepared version it supersedes can go)."""
         with self._cond:
             if self._buffers == 1:
-                if not self._cond.wait_for(lambda: self._held_buffer is not self._staging or self._closed.is_set(),
-                                           self.config.timeout.total_seconds()):
+                if not self._cond.wait_for(
+                    lambda: self._held_buffer is not self._staging or self._closed.is_set(),
+                    self.config.timeout.total_seconds(),
+                ):
                     raise TransportError(f"{self.name}: the ready version was held for over {self.config.timeout}")
                 if self._ready is self._staging:
                     self._ready, self._ready_step = None, None

@@ -15,18 +15,18 @@ import torch
 from torch.distributed.distributed_c10d import Store
 
 from replica import ops
-from replica.session.backends import SHM_BACKEND
-from replica.transport.buffers import transfer_buffer
-from replica.session.bucketstream import MirrorFaults, Outgoing, open_session, registration_backoff
-from replica.jobstore.commit import NO_EPOCH
 from replica.config import Config
 from replica.errors import FencedError, LayoutMismatchError, ReplicaError, TransportError
 from replica.jobstore import Epoch, JobStore, Registration, keys
-from replica.session.protocol import fingerprint_int
+from replica.jobstore.commit import NO_EPOCH
 from replica.jobstore.registry import registration
+from replica.session.backends import SHM_BACKEND
+from replica.session.bucketstream import MirrorFaults, Outgoing, open_session, registration_backoff
+from replica.session.protocol import fingerprint_int
+from replica.timing import Backoff
 from replica.transport import Connection, Transport
 from replica.transport.base import memory_kind
-from replica.timing import Backoff
+from replica.transport.buffers import transfer_buffer
 from replica.weights.layout import ModelSource, WeightSource, tensor_buckets, weight_layout
 
 __all__ = ["SyncStats", "WeightSync"]
@@ -74,8 +74,9 @@ class _Staging:
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._slot = 0
 
-    def start(self, full: list[torch.Tensor], offsets: list[int], target: torch.Tensor,
-              word_offset: int | None) -> tuple[torch.cuda.Event, torch.Tensor | None]:
+    def start(
+        self, full: list[torch.Tensor], offsets: list[int], target: torch.Tensor, word_offset: int | None
+    ) -> tuple[torch.cuda.Event, torch.Tensor | None]:
         """Pack ``full`` and start its copy into ``target``; returns the event that
         completes the copy and, with ``word_offset``, a pinned host tensor that holds
         the bucket's digest (``ops.pack_checksum``) once the event has completed."""
@@ -86,7 +87,7 @@ class _Staging:
         copied = self._copied[slot]
         if copied is not None:  # the slot's previous copy has read its device buffer
             current.wait_event(copied)
-        staged = self._device[slot][:target.numel()]
+        staged = self._device[slot][: target.numel()]
         if sum(t.numel() * t.element_size() for t in full) != target.numel():
             staged.zero_()  # alignment gaps: the same bytes as a bucket packed on the host
         digest = None
@@ -120,10 +121,20 @@ class WeightSync:
     the leader sends ``NO_EPOCH``, which only a job without a coordinator accepts.
     """
 
-    def __init__(self, model: torch.nn.Module | WeightSource, *, store: Store | JobStore, num_engines: int,
-                 config: Config, rank: int = 0, leader: int = 0, name_map: Callable[[str], str] | None = None,
-                 dtype: torch.dtype | None = None, faults: MirrorFaults | None = None,
-                 epoch: Callable[[], Epoch] | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module | WeightSource,
+        *,
+        store: Store | JobStore,
+        num_engines: int,
+        config: Config,
+        rank: int = 0,
+        leader: int = 0,
+        name_map: Callable[[str], str] | None = None,
+        dtype: torch.dtype | None = None,
+        faults: MirrorFaults | None = None,
+        epoch: Callable[[], Epoch] | None = None,
+    ):
         if num_engines < 0:
             raise ValueError(f"num_engines must be >= 0, got {num_engines}")
         self.config = config
@@ -153,8 +164,11 @@ class WeightSync:
         # resends, and for engines that join between pushes.
         # Pinned for CUDA weights: their buckets are copied down into it directly, asynchronously.
         # In shared memory for host weights when the shm backend may carry them: offered where they lie.
-        self._packed = transfer_buffer(self.layout.total_bytes, pin_memory=on_gpu,
-                                       shared=SHM_BACKEND in config.backends) if self.is_leader else None
+        self._packed = (
+            transfer_buffer(self.layout.total_bytes, pin_memory=on_gpu, shared=SHM_BACKEND in config.backends)
+            if self.is_leader
+            else None
+        )
         self._staging: _Staging | None = None  # CUDA weights only
         # bucket.lo -> the event of its copy into _packed, and where its digest lands
         self._landing: dict[int, tuple[torch.cuda.Event, torch.Tensor | None]] = {}
@@ -266,8 +280,10 @@ class WeightSync:
         name, full = next(tensors, (None, None))
         if name != entry.name or full is None or tuple(full.shape) != tuple(entry.shape):
             got = "nothing" if full is None else f"{name!r} {tuple(full.shape)}"
-            raise ReplicaError(f"the weight source gave {got} where its metadata has {entry.name!r} "
-                               f"{tuple(entry.shape)}: a source yields its tensors in its metadata's order")
+            raise ReplicaError(
+                f"the weight source gave {got} where its metadata has {entry.name!r} "
+                f"{tuple(entry.shape)}: a source yields its tensors in its metadata's order"
+            )
         return full
 
     def _connect_all(self) -> tuple[dict[int, _Link], dict[int, str]]:
@@ -293,8 +309,10 @@ class WeightSync:
                 continue
             retry, epoch = self._retry.get(current), self._epoch()
             if retry is not None and not retry.due() and self._fenced.get(current, epoch) == epoch:
-                skipped[i] = f"engine {i} at {current.address} refused or unreachable ({retry.failures} tries); " \
-                             "tried again later"
+                skipped[i] = (
+                    f"engine {i} at {current.address} refused or unreachable ({retry.failures} tries); "
+                    "tried again later"
+                )
                 continue
             try:
                 self._links[i] = self._connect(current, epoch)
@@ -309,8 +327,14 @@ class WeightSync:
                 pause = self._retry.setdefault(current, registration_backoff()).failed()
                 if isinstance(exc, FencedError):
                     self._fenced[current] = epoch
-                logger.warning("weight sync: engine %d at %s %s (%s); next try in %s", i, current,
-                               "refused this leader" if isinstance(exc, FencedError) else "unreachable", exc, pause)
+                logger.warning(
+                    "weight sync: engine %d at %s %s (%s); next try in %s",
+                    i,
+                    current,
+                    "refused this leader" if isinstance(exc, FencedError) else "unreachable",
+                    exc,
+                    pause,
+                )
         # Replaced registrations are forgotten.
         self._retry = {r: b for r, b in self._retry.items() if r in registered}
         self._fenced = {r: e for r, e in self._fenced.items() if r in registered}
@@ -323,10 +347,15 @@ class WeightSync:
         return self._packed
 
     def _connect(self, current: Registration, epoch: Epoch) -> _Link:
-        transport, conn = open_session(current, memory=memory_kind(self._leader_copy()), config=self.config,
-                                       epoch=epoch, layout=self.layout,
-                                       peer=f"the engine at {current.address}",
-                                       mismatch="the weight layout (its log names the first difference)")
+        transport, conn = open_session(
+            current,
+            memory=memory_kind(self._leader_copy()),
+            config=self.config,
+            epoch=epoch,
+            layout=self.layout,
+            peer=f"the engine at {current.address}",
+            mismatch="the weight layout (its log names the first difference)",
+        )
         return _Link(transport, conn, current)
 
     def _pack(self, k: int, full: list[torch.Tensor], offsets: list[int]) -> None:
@@ -337,16 +366,17 @@ class WeightSync:
         word_offset = None if digests is None else bucket.lo // 8
         device = full[0].device
         if device.type == "cpu":
-            target = packed[bucket.lo:bucket.hi]
+            target = packed[bucket.lo : bucket.hi]
             if digests is None:
                 ops.pack(full, target, offsets)
             else:
-                digests[k] = int(ops.pack_checksum(full, target, offsets, -(-target.numel() // 8) * 8,
-                                                   bucket.lo // 8).item())
+                digests[k] = int(
+                    ops.pack_checksum(full, target, offsets, -(-target.numel() // 8) * 8, bucket.lo // 8).item()
+                )
             return
         if self._staging is None or self._staging.device != device:
             self._staging = _Staging(device, max(b.hi - b.lo for b in self._buckets))
-        self._landing[bucket.lo] = self._staging.start(full, offsets, packed[bucket.lo:bucket.hi], word_offset)
+        self._landing[bucket.lo] = self._staging.start(full, offsets, packed[bucket.lo : bucket.hi], word_offset)
 
     def _land(self, k: int) -> None:
         """Wait until a CUDA bucket is down in the retained copy, with its digest (a
@@ -363,9 +393,19 @@ class WeightSync:
 
     def _outgoing(self, link: _Link, step: int) -> Outgoing:
         """Version ``step`` of the retained copy, going out to ``link``'s engine."""
-        return Outgoing(link.conn, self._leader_copy(), self._ranges, step=step, epoch=self._epoch(),
-                        fingerprint=self._fingerprint, config=self.config, faults=self.faults, counts=self.stats,
-                        peer=f"the engine at {link.registration.address}", digests=self._digests)
+        return Outgoing(
+            link.conn,
+            self._leader_copy(),
+            self._ranges,
+            step=step,
+            epoch=self._epoch(),
+            fingerprint=self._fingerprint,
+            config=self.config,
+            faults=self.faults,
+            counts=self.stats,
+            peer=f"the engine at {link.registration.address}",
+            digests=self._digests,
+        )
 
     def _settle(self, link: _Link, out: Outgoing) -> None:
         out.settle()

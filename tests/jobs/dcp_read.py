@@ -33,17 +33,17 @@ def whole_tensors(folder: Path, world: int) -> dict[str, torch.Tensor]:
     for snapshot in parts:
         buffer = snapshot.buffer.cpu()
         for e in snapshot.layout.entries:
-            shard = buffer[e.offset:e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
+            shard = buffer[e.offset : e.offset + e.nbytes].view(dtype_of(e.dtype)).view(e.shape)
             start = e.global_offset or (0,) * len(e.shape)
-            end = tuple(o + s for o, s in zip(start, e.shape))
+            end = tuple(o + s for o, s in zip(start, e.shape, strict=False))
             have = whole.get(e.name)
-            size = tuple(max(a, b) for a, b in zip(have.shape, end)) if have is not None else end
+            size = tuple(max(a, b) for a, b in zip(have.shape, end, strict=False)) if have is not None else end
             if have is None or tuple(have.shape) != size:
                 grown = torch.zeros(size, dtype=shard.dtype)
                 if have is not None:
                     grown[tuple(slice(0, n) for n in have.shape)] = have
                 whole[e.name] = have = grown
-            have[tuple(slice(o, o + s) for o, s in zip(start, e.shape))] = shard
+            have[tuple(slice(o, o + s) for o, s in zip(start, e.shape, strict=False))] = shard
     return whole
 
 
@@ -66,8 +66,9 @@ def main() -> None:
     model_sd, optim_sd = get_state_dict(job.model, job.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     # The optimizer's hyperparameters (param_groups) are the user's own, not part of the floor.
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(folder)),
-             planner=DefaultLoadPlanner(allow_partial_load=True))
+    dcp.load(
+        state, storage_reader=HuggingFaceStorageReader(str(folder)), planner=DefaultLoadPlanner(allow_partial_load=True)
+    )
     tensors: dict[str, torch.Tensor] = {}
     flatten("model", state["model"], tensors)
     flatten("optim", state["optim"], tensors)
@@ -88,8 +89,11 @@ def main() -> None:
         compared.append(name)
         if source_name not in expected or not torch.equal(full.cpu(), expected[source_name]):
             differ.append(name)
-    Path(out).write_text(json.dumps({"compared": compared, "differ": differ, "expected": sorted(expected),
-                                     "tied": tied, "source_world": source}))
+    Path(out).write_text(
+        json.dumps(
+            {"compared": compared, "differ": differ, "expected": sorted(expected), "tied": tied, "source_world": source}
+        )
+    )
     if world > 1:
         dist.barrier()  # no rank leaves while another still gathers
         dist.destroy_process_group()

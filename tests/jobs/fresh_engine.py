@@ -15,7 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from support.vllm_engine import greedy, make_llm  # noqa: E402
+from support.vllm_engine import greedy, make_llm
 
 if __name__ == "__main__":
     llm = make_llm(Path(sys.argv[1]))
@@ -24,8 +24,9 @@ if __name__ == "__main__":
         from replica.integrations.vllm.worker import EngineWeights, ReceiverSpec
 
         port, index, step, token = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
-        weights = EngineWeights(llm, ReceiverSpec(index=index, store=f"127.0.0.1:{port}",
-                                                  token_hex=token, staged=False))
+        weights = EngineWeights(
+            llm, ReceiverSpec(index=index, store=f"127.0.0.1:{port}", token_hex=token, staged=False)
+        )
         out["version"] = weights.wait(step, timedelta(seconds=120))
         out["staging"] = weights.staging
     tokens, first = greedy(llm)

@@ -10,7 +10,7 @@ the job (tests/test_hosts.py)."""
 import runpy
 import sys
 
-import torch  # noqa: F401 - the slow part, done before the release
+import torch
 import torch.distributed  # noqa: F401
 
 import replica.roles  # noqa: F401

@@ -11,7 +11,7 @@ import replica.roles
 from replica.roles.env import Role
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from fsdp_job import JobShape, build_job, train_step  # noqa: E402
+from fsdp_job import JobShape, build_job, train_step
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ import torch
 
 from replica import envvars
 from replica.errors import PeerDisconnectedError
+
 T = timedelta(seconds=60)
 
 

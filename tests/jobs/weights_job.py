@@ -18,7 +18,7 @@ import replica
 from replica.weights import WeightSync
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from fsdp_job import JobShape, build_job, train_step  # noqa: E402
+from fsdp_job import JobShape, build_job, train_step
 
 
 def main() -> None:
@@ -43,8 +43,10 @@ def main() -> None:
         sync._pack = pack_then_die
     for step in range(1, steps + 1):
         train_step(job)
-        full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in job.model.named_parameters()}
+        full = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in job.model.named_parameters()
+        }
         if rank == 0:
             save_file(full, str(out / f"step{step}.safetensors"))
         sync.push(step)

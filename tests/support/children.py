@@ -43,8 +43,9 @@ class Child:
 
     def __init__(self, target: Callable[..., Any], *args: Any, name: str = "child"):
         self._conn, child_conn = SERVER.Pipe()
-        self.process = SERVER.Process(target=_child_main, args=(child_conn, Inherited.here(), target, args), name=name,
-                                    daemon=True)
+        self.process = SERVER.Process(
+            target=_child_main, args=(child_conn, Inherited.here(), target, args), name=name, daemon=True
+        )
         self.process.start()
         child_conn.close()
         self.name = name

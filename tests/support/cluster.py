@@ -18,6 +18,7 @@ Needs root and ``ip netns`` (iproute2); ``available()`` says whether both are he
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import ipaddress
@@ -114,8 +115,20 @@ class Host:
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` as run inside this host: its network namespace, and a UTS namespace
         whose hostname is the host's own (roles and agents name their machine by it)."""
-        return [_IP, "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"',
-                self.hostname, *argv]
+        return [
+            _IP,
+            "netns",
+            "exec",
+            self.netns,
+            "unshare",
+            "--uts",
+            "--",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            self.hostname,
+            *argv,
+        ]
 
     def popen(self, argv: Sequence[str], **kwargs) -> subprocess.Popen:
         """Start a process on this host (``subprocess.Popen`` keywords)."""
@@ -139,8 +152,9 @@ class Host:
                 if pid not in killed:
                     killed.append(pid)
             if deadline.expired:
-                raise RuntimeError(f"{self}: processes {pids} outlived SIGKILL for "
-                                   f"{self._kill_timeout.total_seconds()} s")
+                raise RuntimeError(
+                    f"{self}: processes {pids} outlived SIGKILL for {self._kill_timeout.total_seconds()} s"
+                )
             time.sleep(0.02)
         return killed
 
@@ -198,10 +212,8 @@ class NetnsCluster(TornDown):
         """Kill what runs on the hosts and delete every namespace this cluster made."""
         for host in self.hosts:
             if host.netns in self._made:
-                try:
+                with contextlib.suppress(RuntimeError):  # deleted below all the same; its processes lose their network
                     host.kill()
-                except RuntimeError:
-                    pass  # deleted below all the same; its processes lose their network
         for name in reversed(self._made):
             _run(_IP, "netns", "del", name, check=False)
         self._made.clear()

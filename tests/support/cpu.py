@@ -27,6 +27,7 @@ def cpu_seconds(pid: int | None = None) -> float:
 def cpu_since(*pids: int) -> Callable[[], float]:
     """A meter started now: each call returns the CPU seconds this process and ``pids``
     used since (every thread; see ``cpu_seconds``)."""
+
     def used() -> float:
         return cpu_seconds() + sum(cpu_seconds(pid) for pid in pids)
 

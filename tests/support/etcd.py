@@ -10,6 +10,7 @@ so that killing the host kills its member.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import secrets
 import shutil
@@ -49,7 +50,8 @@ def _post(url: str, body: dict, ca_file: str = "") -> dict:
 
 _POST_FROM_THERE = """
 import json, sys, urllib.request
-request = urllib.request.Request(sys.argv[1], data=sys.stdin.read().encode(), headers={"Content-Type": "application/json"})
+request = urllib.request.Request(sys.argv[1], data=sys.stdin.read().encode(),
+                                 headers={"Content-Type": "application/json"})
 with urllib.request.urlopen(request, timeout=5) as response:
     sys.stdout.write((response.read() or b"{}").decode())
 """
@@ -87,10 +89,16 @@ class EtcdMember:
 class EtcdCluster(TornDown):
     """``with EtcdCluster(addresses=["127.0.0.1"] * 3) as etcd: etcd.config(namespace="job/")``."""
 
-    def __init__(self, *, addresses: Sequence[str], base_port: int | None = None,
-                 spawns: Sequence[Callable[..., subprocess.Popen]] | None = None,
-                 via: Sequence[Callable[[list[str]], list[str]]] | None = None, namespace: str = "replica-job/",
-                 tls: bool = False):
+    def __init__(
+        self,
+        *,
+        addresses: Sequence[str],
+        base_port: int | None = None,
+        spawns: Sequence[Callable[..., subprocess.Popen]] | None = None,
+        via: Sequence[Callable[[list[str]], list[str]]] | None = None,
+        namespace: str = "replica-job/",
+        tls: bool = False,
+    ):
         """``tls``: clients speak https to the members, whose certificate a CA made here signed
         (``ca_file``); not with ``via``. ``base_port``: member i listens on ``base_port + 2i``
         (clients) and the port after it (peers); None: on free ports of ``addresses`` (so that
@@ -105,23 +113,39 @@ class EtcdCluster(TornDown):
         self.tls = tls
         self.password = secrets.token_hex(16)
         self._root_password = secrets.token_hex(16)
-        self._dir = Path(tempfile.mkdtemp(prefix="replica-etcd-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self._dir = Path(
+            tempfile.mkdtemp(prefix="replica-etcd-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+        )
         spawns = list(spawns) if spawns is not None else [subprocess.Popen] * len(addresses)
         if base_port is None:
             free = free_ports(2 * len(addresses), addresses[0])
-            ports = list(zip(free[::2], free[1::2]))
+            ports = list(zip(free[::2], free[1::2], strict=False))
         else:
             ports = [(base_port + 2 * i, base_port + 2 * i + 1) for i in range(len(addresses))]
-        self.members = [EtcdMember(name=f"m{i}", address=a, client_port=client, peer_port=peer, spawn=spawns[i],
-                                   via=via[i] if via else None)
-                        for i, (a, (client, peer)) in enumerate(zip(addresses, ports, strict=True))]
+        self.members = [
+            EtcdMember(
+                name=f"m{i}",
+                address=a,
+                client_port=client,
+                peer_port=peer,
+                spawn=spawns[i],
+                via=via[i] if via else None,
+            )
+            for i, (a, (client, peer)) in enumerate(zip(addresses, ports, strict=True))
+        ]
         self._owner = True  # False: attached to another process's cluster
 
     def describe(self) -> str:
         """What another process needs to use this cluster (``attach``): its members' addresses and
         ports, the job user's password, where its certificates are. Never logged."""
-        return json.dumps({"members": [[m.name, m.address, m.client_port, m.peer_port] for m in self.members],
-                           "password": self.password, "tls": self.tls, "dir": str(self._dir)})
+        return json.dumps(
+            {
+                "members": [[m.name, m.address, m.client_port, m.peer_port] for m in self.members],
+                "password": self.password,
+                "tls": self.tls,
+                "dir": str(self._dir),
+            }
+        )
 
     @classmethod
     def attach(cls, description: str, *, namespace: str) -> EtcdCluster:
@@ -132,8 +156,10 @@ class EtcdCluster(TornDown):
         view = cls.__new__(cls)
         view.namespace, view.tls, view.password = namespace, found["tls"], found["password"]
         view._root_password, view._dir, view._owner = "", Path(found["dir"]), False
-        view.members = [EtcdMember(name=name, address=address, client_port=client, peer_port=peer, spawn=_not_ours)
-                        for name, address, client, peer in found["members"]]
+        view.members = [
+            EtcdMember(name=name, address=address, client_port=client, peer_port=peer, spawn=_not_ours)
+            for name, address, client, peer in found["members"]
+        ]
         return view
 
     @property
@@ -144,14 +170,43 @@ class EtcdCluster(TornDown):
         def openssl(*args: str) -> None:
             subprocess.run(["openssl", *args], cwd=self._dir, check=True, capture_output=True, timeout=60)
 
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
-                "-subj", "/CN=replica test CA")
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj",
-                "/CN=etcd")
+        openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=replica test CA",
+        )
+        openssl(
+            "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=etcd"
+        )
         names = ",".join(sorted({f"IP:{m.address}" for m in self.members}))
         (self._dir / "ext.cnf").write_text(f"subjectAltName={names}\n")
-        openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                "-out", "server.crt", "-days", "1", "-extfile", "ext.cnf")
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "server.crt",
+            "-days",
+            "1",
+            "-extfile",
+            "ext.cnf",
+        )
 
     def _build(self) -> None:
         if self.tls:
@@ -166,21 +221,48 @@ class EtcdCluster(TornDown):
 
     def start(self, member: EtcdMember) -> None:
         """Start (or restart, on its data) one member."""
-        log = open(self._dir / f"{member.name}.log", "ab")
+        log = open(self._dir / f"{member.name}.log", "ab")  # noqa: SIM115 - the member process holds it
         scheme = "https" if self.tls else "http"
-        tls = ["--cert-file", str(self._dir / "server.crt"), "--key-file", str(self._dir / "server.key")] \
-            if self.tls else []
-        member.process = member.spawn([
-            "etcd", *tls, "--name", member.name, "--data-dir", str(self._dir / member.name),
-            "--listen-client-urls", f"{scheme}://{member.address}:{member.client_port}",
-            "--advertise-client-urls", f"{scheme}://{member.address}:{member.client_port}",
-            "--listen-peer-urls", f"http://{member.address}:{member.peer_port}",
-            "--initial-advertise-peer-urls", f"http://{member.address}:{member.peer_port}",
-            "--initial-cluster", self._initial_cluster(), "--initial-cluster-state", "new",
-            "--initial-cluster-token", self._dir.name,
-            # etcd's defaults, stated: the takeover times measured here depend on them.
-            "--heartbeat-interval", "100", "--election-timeout", "1000",
-            "--logger", "zap", "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+        tls = (
+            ["--cert-file", str(self._dir / "server.crt"), "--key-file", str(self._dir / "server.key")]
+            if self.tls
+            else []
+        )
+        member.process = member.spawn(
+            [
+                "etcd",
+                *tls,
+                "--name",
+                member.name,
+                "--data-dir",
+                str(self._dir / member.name),
+                "--listen-client-urls",
+                f"{scheme}://{member.address}:{member.client_port}",
+                "--advertise-client-urls",
+                f"{scheme}://{member.address}:{member.client_port}",
+                "--listen-peer-urls",
+                f"http://{member.address}:{member.peer_port}",
+                "--initial-advertise-peer-urls",
+                f"http://{member.address}:{member.peer_port}",
+                "--initial-cluster",
+                self._initial_cluster(),
+                "--initial-cluster-state",
+                "new",
+                "--initial-cluster-token",
+                self._dir.name,
+                # etcd's defaults, stated: the takeover times measured here depend on them.
+                "--heartbeat-interval",
+                "100",
+                "--election-timeout",
+                "1000",
+                "--logger",
+                "zap",
+                "--log-level",
+                "warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
 
     def log(self, member: EtcdMember) -> str:
@@ -191,8 +273,13 @@ class EtcdCluster(TornDown):
         if member.via is None:
             return _post(url, body, self.ca_file)
         # The member is in another network namespace: make the call from there.
-        done = subprocess.run(member.via([sys.executable, "-c", _POST_FROM_THERE, url]), input=json.dumps(body),
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            member.via([sys.executable, "-c", _POST_FROM_THERE, url]),
+            input=json.dumps(body),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if done.returncode != 0:
             raise OSError(f"{url}: {done.stderr.strip()[-300:]}")
         return json.loads(done.stdout)
@@ -206,8 +293,10 @@ class EtcdCluster(TornDown):
             except OSError as exc:
                 if deadline.expired:
                     dead = [m.name for m in self.members if not m.alive()]
-                    raise RuntimeError(f"etcd cluster not ready within {within} ({exc}; exited: {dead}); "
-                                       f"log: {self.log(self.members[0])[-2000:]}") from exc
+                    raise RuntimeError(
+                        f"etcd cluster not ready within {within} ({exc}; exited: {dead}); "
+                        f"log: {self.log(self.members[0])[-2000:]}"
+                    ) from exc
                 time.sleep(0.1)
 
     def _enable_auth(self) -> None:
@@ -216,14 +305,17 @@ class EtcdCluster(TornDown):
         ns = self.namespace.encode()
         end = ns[:-1] + bytes([ns[-1] + 1])
         for path, body in (
-                ("/v3/auth/user/add", {"name": _ROOT, "password": self._root_password}),
-                ("/v3/auth/user/grant", {"user": _ROOT, "role": "root"}),
-                ("/v3/auth/role/add", {"name": "replica-job"}),
-                ("/v3/auth/role/grant", {"name": "replica-job", "perm": {"permType": "READWRITE", "key": b64(ns),
-                                                                         "range_end": b64(end)}}),
-                ("/v3/auth/user/add", {"name": _USER, "password": self.password}),
-                ("/v3/auth/user/grant", {"user": _USER, "role": "replica-job"}),
-                ("/v3/auth/enable", {})):
+            ("/v3/auth/user/add", {"name": _ROOT, "password": self._root_password}),
+            ("/v3/auth/user/grant", {"user": _ROOT, "role": "root"}),
+            ("/v3/auth/role/add", {"name": "replica-job"}),
+            (
+                "/v3/auth/role/grant",
+                {"name": "replica-job", "perm": {"permType": "READWRITE", "key": b64(ns), "range_end": b64(end)}},
+            ),
+            ("/v3/auth/user/add", {"name": _USER, "password": self.password}),
+            ("/v3/auth/user/grant", {"user": _USER, "role": "replica-job"}),
+            ("/v3/auth/enable", {}),
+        ):
             self._post(m, path, body)
 
     @property
@@ -232,8 +324,16 @@ class EtcdCluster(TornDown):
 
     def config(self, **overrides) -> EtcdConfig:
         """A client config of the job user (the only one the tests give out)."""
-        return EtcdConfig(**{"endpoints": tuple(m.endpoint for m in self.members), "namespace": self.namespace,
-                             "user": _USER, "password": self.password, "ca_file": self.ca_file, **overrides})
+        return EtcdConfig(
+            **{
+                "endpoints": tuple(m.endpoint for m in self.members),
+                "namespace": self.namespace,
+                "user": _USER,
+                "password": self.password,
+                "ca_file": self.ca_file,
+                **overrides,
+            }
+        )
 
     def environ(self) -> dict[str, str]:
         """What a role needs in its environment to use this cluster."""
@@ -270,8 +370,6 @@ class EtcdCluster(TornDown):
         if not self._owner:
             return  # another process's cluster
         for member in self.members:
-            try:
+            with contextlib.suppress(OSError):
                 member.kill()
-            except OSError:
-                pass
         shutil.rmtree(self._dir, ignore_errors=True)

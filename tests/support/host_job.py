@@ -25,10 +25,22 @@ def python_on(host, *args: str, stdin=None, env: dict[str, str] | None = None, l
     or in the open file ``log`` (a process that talks much and is read only at its end, such as an
     agent forwarding vLLM engines' logs: a full pipe would stop it and the roles whose output it
     forwards). The repository and tests/ are on its path: a program run so imports ``support``."""
-    env = {**os.environ, "REPLICA_TOKEN": TOKEN, "UCX_LOG_LEVEL": "fatal", "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}",
-           **(env or {})}
-    return host.popen([sys.executable, *args], env=env, cwd=ROOT, stdin=stdin,
-                      stdout=subprocess.PIPE if log is None else log, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "REPLICA_TOKEN": TOKEN,
+        "UCX_LOG_LEVEL": "fatal",
+        "PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}",
+        **(env or {}),
+    }
+    return host.popen(
+        [sys.executable, *args],
+        env=env,
+        cwd=ROOT,
+        stdin=stdin,
+        stdout=subprocess.PIPE if log is None else log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def reap(*procs: subprocess.Popen | None) -> None:
@@ -37,7 +49,6 @@ def reap(*procs: subprocess.Popen | None) -> None:
         if proc is not None:
             proc.kill()
             proc.wait()
-
 
 
 STORE_PORT = 29400
@@ -52,15 +63,28 @@ class Job:
     the RL loop (examples/rl_loop.py, RL_STEPS steps) with a vLLM engine beside each
     standby and one on host 5, started by the agents."""
 
-    def __init__(self, cluster, folder: Path, inject: str = "", etcd: EtcdCluster | None = None,
-                 agents: bool = False, rl: bool = False, durable: Path | None = None, resume: Path | None = None,
-                 name: str = "run", spares: int = 0):
+    def __init__(
+        self,
+        cluster,
+        folder: Path,
+        inject: str = "",
+        etcd: EtcdCluster | None = None,
+        agents: bool = False,
+        rl: bool = False,
+        durable: Path | None = None,
+        resume: Path | None = None,
+        name: str = "run",
+        spares: int = 0,
+    ):
         self.folder, self.report = folder, folder / f"{name}.json"
         coord_host = cluster.hosts[0]
         agents = agents or rl
         script, steps, rollouts = (RL, RL_STEPS, 3) if rl else (EXAMPLE, STEPS, 0)
-        extra = self._extra = {"REPLICA_EXPORT_DIR": str(folder / "export"), "REPLICA_STEPS": str(steps),
-                               "REPLICA_ROLLOUTS": str(rollouts)}
+        extra = self._extra = {
+            "REPLICA_EXPORT_DIR": str(folder / "export"),
+            "REPLICA_STEPS": str(steps),
+            "REPLICA_ROLLOUTS": str(rollouts),
+        }
         if inject:
             extra["REPLICA_INJECT"] = inject
         if durable is not None:  # every third step, written by the standbys into one folder all hosts see
@@ -81,29 +105,71 @@ class Job:
         for name, host, report in coordinators:
             # On etcd, each coordinator's --host is where its liveness endpoint listens (a takeover moves it).
             listen = ["--host", host.address] if etcd is not None else []
-            self._start(name, host, ["-m", "replica.roles.cli", "coordinator", "--world-size", "2", "--steps",
-                                     str(steps), "--rollouts", str(rollouts), *where, *listen, "--timeout", "300",
-                                     "--report",
-                                     str(report), *(["--agents", "5"] if agents else []),
-                                     *(["--spares", str(spares)] if spares else []),
-                                     *(["--resume", str(resume)] if resume is not None else [])],
-                        dict(os.environ, REPLICA_TOKEN=TOKEN, **extra))
+            self._start(
+                name,
+                host,
+                [
+                    "-m",
+                    "replica.roles.cli",
+                    "coordinator",
+                    "--world-size",
+                    "2",
+                    "--steps",
+                    str(steps),
+                    "--rollouts",
+                    str(rollouts),
+                    *where,
+                    *listen,
+                    "--timeout",
+                    "300",
+                    "--report",
+                    str(report),
+                    *(["--agents", "5"] if agents else []),
+                    *(["--spares", str(spares)] if spares else []),
+                    *(["--resume", str(resume)] if resume is not None else []),
+                ],
+                dict(os.environ, REPLICA_TOKEN=TOKEN, **extra),
+            )
             if etcd is not None:
                 self.wait_output(name, "this coordinator leads" if name == "coordinator" else "waits to take over")
         # The watcher runs where no test kills: the coordinator's host, or host 5 beside etcd.
-        self.watcher = python_on(cluster.hosts[5 if etcd is not None else 0],
-                                 str(ROOT / "tests" / "jobs" / "wait_key.py"), self.store, "180",
-                                 stdin=subprocess.PIPE, env=extra)
+        self.watcher = python_on(
+            cluster.hosts[5 if etcd is not None else 0],
+            str(ROOT / "tests" / "jobs" / "wait_key.py"),
+            self.store,
+            "180",
+            stdin=subprocess.PIPE,
+            env=extra,
+        )
         assert self._answer() == ["ready"], "the job store did not come up"
         if agents:
-            placed = ("trainer:0", "trainer:1", "standby:0,rollout:0", "standby:1,rollout:1", "rollout:2") if rl \
+            placed = (
+                ("trainer:0", "trainer:1", "standby:0,rollout:0", "standby:1,rollout:1", "rollout:2")
+                if rl
                 else ("trainer:0", "trainer:1", "standby:0", "standby:1", "")
+            )
             for index, roles in enumerate(placed):
                 host = cluster.hosts[index + 1]
                 env = role_env(STORE_PORT, "", 0, GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **self._extra)
-                self._start(f"agent{index}", host, ["-m", "replica.roles.cli", "agent", "--store", self.store,
-                                                    "--index", str(index), "--address", host.address,
-                                                    "--roles", roles, str(script)], env)
+                self._start(
+                    f"agent{index}",
+                    host,
+                    [
+                        "-m",
+                        "replica.roles.cli",
+                        "agent",
+                        "--store",
+                        self.store,
+                        "--index",
+                        str(index),
+                        "--address",
+                        host.address,
+                        "--roles",
+                        roles,
+                        str(script),
+                    ],
+                    env,
+                )
             return
         for role, first in (("standby", 3), ("trainer", 1)):
             for rank in (0, 1):
@@ -112,8 +178,9 @@ class Job:
     def wait_output(self, name: str, text: str, timeout_s: float = 60) -> None:
         deadline = Deadline.after(timedelta(seconds=timeout_s))
         while text not in self.output(name):
-            assert self.procs[name].poll() is None and not deadline.expired, \
+            assert self.procs[name].poll() is None and not deadline.expired, (
                 f"{name} never said {text!r}:\n{self.outputs()}"
+            )
             time.sleep(0.05)
 
     def wait_stopped(self, name: str, where: str, timeout_s: float = 180) -> None:
@@ -129,6 +196,7 @@ class Job:
         """A rank's trainer and standby lost together: once a process on ``trainer_host`` stopped
         itself (an injected freeze: the loss comes at a known point), ``standby_host`` is lost
         whole, then ``trainer_host`` (the caller heals both)."""
+
         def stopped(pid: int) -> bool:
             try:
                 return process_state(pid) == "T"
@@ -144,8 +212,16 @@ class Job:
     def start_role(self, name: str, role: str, rank: int, host, *, held: bool = False) -> None:
         """A role as docs/failover.md's recipe starts one, on ``host``. ``held``: started now
         but held after its imports until ``release(name)`` (tests/jobs/held_role.py)."""
-        env = role_env(STORE_PORT, role, rank, REPLICA_STORE=self.store, REPLICA_HOST=host.address,
-                       GLOO_SOCKET_IFNAME="eth0", UCX_LOG_LEVEL="fatal", **self._extra)
+        env = role_env(
+            STORE_PORT,
+            role,
+            rank,
+            REPLICA_STORE=self.store,
+            REPLICA_HOST=host.address,
+            GLOO_SOCKET_IFNAME="eth0",
+            UCX_LOG_LEVEL="fatal",
+            **self._extra,
+        )
         args = [str(ROOT / "tests" / "jobs" / "held_role.py"), str(EXAMPLE)] if held else [str(EXAMPLE)]
         self._start(name, host, args, env, stdin=subprocess.PIPE if held else None)
 
@@ -156,8 +232,9 @@ class Job:
 
     def _start(self, name: str, host, args: list[str], env: dict[str, str], stdin=None) -> None:
         with open(self.folder / f"{name}.log", "w") as log:
-            self.procs[name] = host.popen([sys.executable, *args], env=env, cwd=ROOT, stdout=log,
-                                          stderr=subprocess.STDOUT, stdin=stdin)
+            self.procs[name] = host.popen(
+                [sys.executable, *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=stdin
+            )
 
     def output(self, name: str) -> str:
         return (self.folder / f"{name}.log").read_text(errors="replace")

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from fsdp_job import Job, JobShape, build_job, train_step
 
 import replica
 from replica import ops
 from replica.mirror.floor import Floor, FloorConfig
-from replica.state import serialize
 from replica.session.backends import SHM_BACKEND
+from replica.state import serialize
 from replica.state.restore import bind_state
 from replica.state.snapshot import Snapshot, collect_extras
-from fsdp_job import Job, JobShape, build_job, train_step
 from support.transfer import RawUcx
 
 __all__ = ["Probe", "standby_main", "trainer_main"]
@@ -42,15 +42,21 @@ def _join(store: dist.Store, generation: int | None, rank: int, world_size: int,
     for the life of the process, re-configured per generation (None: not connected yet)."""
     if resilient:
         if not dist.is_initialized():
-            replica.init_resilient_process_group(store=store, rank=rank, world_size=world_size,
-                                                 timeout=GROUP_TIMEOUT, generation=None)
+            replica.init_resilient_process_group(
+                store=store, rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT, generation=None
+            )
         if generation is not None:
             dist.group.WORLD.configure(generation)
         return
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"gen{generation}", store), rank=rank,
-                            world_size=world_size, timeout=GROUP_TIMEOUT)
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"gen{generation}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=GROUP_TIMEOUT,
+    )
 
 
 def _die_in_backward(loss: torch.Tensor) -> None:
@@ -97,8 +103,7 @@ class Probe:
         read with streaming stores (``ops.pack`` into a scratch buffer) for the same
         reason."""
         nbytes = layout.total_bytes
-        tensors = bind_state(job.model, job.optimizer, rank=layout.rank, world_size=layout.world_size,
-                             like=layout)
+        tensors = bind_state(job.model, job.optimizer, rank=layout.rank, world_size=layout.world_size, like=layout)
         if self._snapshot is None or self._snapshot.layout != layout:
             self._snapshot = Snapshot(layout, shared=shared)
             self._src = torch.ones(nbytes, dtype=torch.uint8)
@@ -118,7 +123,7 @@ class Probe:
         seconds: dict[str, list[float]] = {}
         for turn in range(rounds):
             for state in ("hot", "cold"):
-                for name, run in (("memcpy", memcpy), ("pack", pack))[::1 if turn % 2 else -1]:
+                for name, run in (("memcpy", memcpy), ("pack", pack))[:: 1 if turn % 2 else -1]:
                     self._evict.add_(1)
                     if state == "hot":
                         srcs, offsets = sources[name]
@@ -160,8 +165,9 @@ def _serve_raw(pipe, nbytes: int, bucket: int, rounds: int, raw: RawUcx) -> None
     pipe.send(("ok",))
 
 
-def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, world_size, shape,
-                 resilient: bool = False) -> None:
+def _serve_steps(
+    pipe, job: Job, rep: replica.Replicator | None, store, rank, world_size, shape, resilient: bool = False
+) -> None:
     """Run commands: ("step", s, die) / ("recover", generation) / ("stats",) / ("exit",),
     and the benchmark's probes."""
     probe = Probe()
@@ -203,12 +209,23 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
             _, address, nbytes, bucket, rounds = cmd
             pipe.send(("raw", probe.raw_send(address, nbytes, bucket, rounds)))
         elif cmd[0] == "stats":
-            pipe.send(("stats", {
-                "wait_s": list(rep.stats.wait_s), "extras_s": list(rep.stats.extras_s), "pack_s": list(rep.stats.pack_s),
-                "stream_s": list(rep.stream_stats.stream_s), "post_s": list(rep.stream_stats.post_s),
-                "flush_s": list(rep.stream_stats.flush_s), "reply_s": list(rep.stream_stats.reply_s),
-                "snapshot_bytes": rep.layout.total_bytes,
-            } if rep is not None else {}))
+            pipe.send(
+                (
+                    "stats",
+                    {
+                        "wait_s": list(rep.stats.wait_s),
+                        "extras_s": list(rep.stats.extras_s),
+                        "pack_s": list(rep.stats.pack_s),
+                        "stream_s": list(rep.stream_stats.stream_s),
+                        "post_s": list(rep.stream_stats.post_s),
+                        "flush_s": list(rep.stream_stats.flush_s),
+                        "reply_s": list(rep.stream_stats.reply_s),
+                        "snapshot_bytes": rep.layout.total_bytes,
+                    }
+                    if rep is not None
+                    else {},
+                )
+            )
         elif cmd[0] == "exit":
             probe.close()
             if rep is not None:
@@ -218,8 +235,16 @@ def _serve_steps(pipe, job: Job, rep: replica.Replicator | None, store, rank, wo
             return
 
 
-def trainer_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, config_kwargs: dict | None,
-                 replaces: int | None = None, resilient: bool = False) -> None:
+def trainer_main(
+    pipe,
+    rank: int,
+    world_size: int,
+    port: int,
+    shape: JobShape,
+    config_kwargs: dict | None,
+    replaces: int | None = None,
+    resilient: bool = False,
+) -> None:
     """Trainer ``rank``; with ``replaces=g`` a fresh process that takes the place of a
     dead one in generation g, its state fetched from the rank's standby. ``resilient``:
     over a ResilientProcessGroup (the survivor keeps its group and FSDP2 module)."""
@@ -257,8 +282,9 @@ def standby_main(pipe, rank: int, world_size: int, port: int, shape: JobShape, c
     while True:
         cmd = pipe.recv()
         if cmd[0] == "floor_on":  # ("floor_on", directory, every_steps, interval_s)
-            floor = Floor(mirror, FloorConfig(directory=Path(cmd[1]), every_steps=cmd[2],
-                                              interval=timedelta(seconds=cmd[3])))
+            floor = Floor(
+                mirror, FloorConfig(directory=Path(cmd[1]), every_steps=cmd[2], interval=timedelta(seconds=cmd[3]))
+            )
             pipe.send(("floor",))
         elif cmd[0] == "floor_off":  # its writing finished first; its stats
             floor.close()

@@ -32,10 +32,20 @@ def ray_cluster():
     saved = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process read the variable when it imported ray
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "node_ip_address": "127.0.0.1",
-        "_system_config": {"health_check_period_ms": 500, "health_check_timeout_ms": 500,
-                           "health_check_failure_threshold": 10, "prestart_worker_first_driver": False}})
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "node_ip_address": "127.0.0.1",
+            "_system_config": {
+                "health_check_period_ms": 500,
+                "health_check_timeout_ms": 500,
+                "health_check_failure_threshold": 10,
+                "prestart_worker_first_driver": False,
+            },
+        },
+    )
     for index in range(WORKERS):  # each node its own rack; all in one zone
         c.add_node(num_cpus=2, node_ip_address="127.0.0.1", labels={"rack": f"r{index}", "zone": "z1"})
     ray.init(address=c.address, log_to_driver=False)

@@ -14,8 +14,14 @@ __all__ = ["allreduce", "make_group"]
 
 def make_group(**kw) -> ResilientProcessGroup:
     """A one-member group over a HashStore (gloo, no CUDA unless told), 5 s timeouts."""
-    return ResilientProcessGroup(store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=5),
-                                 name="test-resilient", **{"cuda": False, **kw})
+    return ResilientProcessGroup(
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=5),
+        name="test-resilient",
+        **{"cuda": False, **kw},
+    )
 
 
 def allreduce(group: ResilientProcessGroup, value: float) -> torch.Tensor:

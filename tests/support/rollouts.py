@@ -51,7 +51,7 @@ class StandInEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: dict, seeds: Sequence[int]) -> list[list[int]]:
         start = time.perf_counter()
-        out = [stand_in_completion(p, s, sampling["max_tokens"]) for p, s in zip(prompts, seeds)]
+        out = [stand_in_completion(p, s, sampling["max_tokens"]) for p, s in zip(prompts, seeds, strict=False)]
         tokens = sum(map(len, out))
         made = time.perf_counter() - start
         self.make_s += made

@@ -10,16 +10,27 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from fsdp_job import JobShape, build_job, train_step
 from safetensors import safe_open
 
 import replica
-from fsdp_job import JobShape, build_job, train_step
 from replica.state.export import EXTRAS_KEY
 from replica.state.layout import StateLayout, dtype_of, state_tensors
 from replica.state.snapshot import Snapshot
 
-__all__ = ["SHAPE", "T", "TOKEN", "assert_safe_open_reads", "assert_state_equal", "bits", "config", "job", "mirrored",
-           "state_of", "trained"]
+__all__ = [
+    "SHAPE",
+    "T",
+    "TOKEN",
+    "assert_safe_open_reads",
+    "assert_state_equal",
+    "bits",
+    "config",
+    "job",
+    "mirrored",
+    "state_of",
+    "trained",
+]
 
 TOKEN = b"mirror-unit-token"
 SHAPE = JobShape(layers=2)
@@ -41,8 +52,10 @@ def job(shape=SHAPE, seed=0):
 def mirrored(store, j, cfg: replica.Config | None = None):
     """A Mirror and a Replicator of job ``j`` in this process (world size 1)."""
     cfg = cfg or config()
-    with replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror, \
-            replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep:
+    with (
+        replica.Mirror(rank=0, world_size=1, store=store, config=cfg) as mirror,
+        replica.Replicator(j.model, j.optimizer, j.extra, store=store, config=cfg, rank=0, world_size=1) as rep,
+    ):
         yield mirror, rep
 
 
@@ -54,7 +67,7 @@ def state_of(j) -> list[torch.Tensor]:
 def assert_state_equal(a, b):
     """Two ``state_of`` results are equal bit for bit, dtypes included."""
     assert len(a) == len(b)
-    assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b))
+    assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=False))
 
 
 def trained(j, steps: int, rep: replica.Replicator | None = None, first: int = 1):
@@ -85,5 +98,5 @@ def assert_safe_open_reads(path: str | Path, snapshot: Snapshot) -> None:
         for e in layout.entries:
             t = f.get_tensor(e.name)
             assert t.dtype == dtype_of(e.dtype) and tuple(t.shape) == tuple(e.shape), e.name
-            assert torch.equal(bits(t), snapshot.buffer[e.offset:e.offset + e.nbytes].cpu()), e.name
+            assert torch.equal(bits(t), snapshot.buffer[e.offset : e.offset + e.nbytes].cpu()), e.name
         assert f.get_tensor(EXTRAS_KEY).numpy().tobytes() == snapshot.extras()

@@ -49,6 +49,7 @@ class CountingStore:
             tally.keys += len(keys)
             tally.bytes += nbytes + sum(len(k) for k in keys)
             tally.calls.append((method, len(keys)))
+
     def set(self, key: str, value) -> None:
         self._count("set", [key], len(value))
         self.inner.set(key, value)

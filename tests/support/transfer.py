@@ -13,8 +13,17 @@ import torch
 
 from support.children import spawn
 
-__all__ = ["RawUcx", "T", "TOKEN", "UCX_PATHS", "make_ucx", "receive_bucketed", "send_bucketed", "transport_path",
-           "transport_peer"]
+__all__ = [
+    "RawUcx",
+    "T",
+    "TOKEN",
+    "UCX_PATHS",
+    "make_ucx",
+    "receive_bucketed",
+    "send_bucketed",
+    "transport_path",
+    "transport_peer",
+]
 
 # The raw-transport baseline of the benchmarks: one buffer as buckets, all in flight at once,
 # then an 8-byte acknowledgement. What a bucket stream would move with nothing of its own.
@@ -24,7 +33,7 @@ _BUCKET_TAG, _ACK_TAG = 16, 2
 def _bucket_views(buf, bucket_bytes: int) -> list:
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    return [buf[lo:lo + bucket_bytes] for lo in range(0, buf.numel(), bucket_bytes)]
+    return [buf[lo : lo + bucket_bytes] for lo in range(0, buf.numel(), bucket_bytes)]
 
 
 def send_bucketed(conn, buf, bucket_bytes: int, *, ack, timeout) -> None:
@@ -70,21 +79,19 @@ class RawUcx:
         if self._conn is None:
             self._conn = self._transport.connect(address, self._timeout)
         start = time.perf_counter()
-        send_bucketed(self._conn, buf, bucket_bytes, ack=self._ack,
-                      timeout=self._timeout)
+        send_bucketed(self._conn, buf, bucket_bytes, ack=self._ack, timeout=self._timeout)
         return time.perf_counter() - start
 
     def receive(self, buf, bucket_bytes: int) -> None:
         """One round into ``buf``, from the end that connected to ``listen``'s address."""
         if self._conn is None:
             self._conn = self._transport.accept(self._timeout)
-        receive_bucketed(self._conn, buf, bucket_bytes, ack=self._ack,
-                         timeout=self._timeout)
+        receive_bucketed(self._conn, buf, bucket_bytes, ack=self._ack, timeout=self._timeout)
 
     def close(self) -> None:
         self._transport.close()
 
-    def __enter__(self) -> "RawUcx":
+    def __enter__(self) -> RawUcx:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -173,5 +180,3 @@ def transport_path(name: str, make, device: str):
             with contextlib.suppress(Exception):
                 peer.send("exit")
                 peer.recv(timeout=10)
-
-

@@ -85,7 +85,7 @@ def peer_main(pipe, make: MakeTransport, token: bytes, device: str = "cpu") -> N
         elif cmd == "recv_all":  # post every receive first, then wait: many buckets in flight
             specs = args[0]
             bufs = [empty(n, device) for n, _ in specs]
-            transfers = [conn.irecv(b, tag=tag) for b, (_, tag) in zip(bufs, specs)]
+            transfers = [conn.irecv(b, tag=tag) for b, (_, tag) in zip(bufs, specs, strict=False)]
             headers = [t.wait(T) for t in transfers]
             pipe.send(("ok", [h.bucket for h in headers], [int(b.sum()) for b in bufs]))
         elif cmd == "recv_verify":  # receive one bucket; report a digest failure instead of raising
@@ -181,9 +181,14 @@ def pair(server: Transport, client: Transport) -> tuple[Connection, Connection]:
 # --- the checks ---
 
 
-def check_round_trip_sizes(make: MakeTransport, sizes=(0, 1, 7, 64, 4097, MiB + 3, 64 * MiB), device: str = "cpu",
-                           *, peer_device: str | None = None,
-                           alloc: Callable[[int], torch.Tensor] | None = None) -> Connection:
+def check_round_trip_sizes(
+    make: MakeTransport,
+    sizes=(0, 1, 7, 64, 4097, MiB + 3, 64 * MiB),
+    device: str = "cpu",
+    *,
+    peer_device: str | None = None,
+    alloc: Callable[[int], torch.Tensor] | None = None,
+) -> Connection:
     """Each size to an echoing peer and back, exact. The peer's buffers are on
     ``peer_device`` (default: ``device``); this side's come from ``alloc`` (default:
     on ``device``). Returns this side's connection, its peer gone."""
@@ -213,7 +218,10 @@ def check_many_in_flight_and_tags(make: MakeTransport, device: str = "cpu") -> N
         specs = [(MiB + i * 4096, 1000 + i) for i in range(16)]
         peer.send("recv_all", specs)
         datas = [pattern(n, i, device) for i, (n, _) in enumerate(specs)]
-        sends = [conn.isend(d, tag=tag, bucket=i) for i, (d, (_, tag)) in reversed(list(enumerate(zip(datas, specs))))]
+        sends = [
+            conn.isend(d, tag=tag, bucket=i)
+            for i, (d, (_, tag)) in reversed(list(enumerate(zip(datas, specs, strict=False))))
+        ]
         for s in sends:
             s.wait(T)
         status, buckets, sums = peer.recv()
@@ -397,8 +405,7 @@ CHECKS = [
 ]
 
 
-def run_transport_contract(make: MakeTransport, check: Callable[..., None] | None = None,
-                           device: str = "cpu") -> None:
+def run_transport_contract(make: MakeTransport, check: Callable[..., None] | None = None, device: str = "cpu") -> None:
     """Run one check (or all of them) against the backend that ``make(token)`` builds,
     moving buffers on ``device``."""
     for c in CHECKS if check is None else [check]:

@@ -24,17 +24,27 @@ def vllm_available() -> bool:
     return True
 
 
-def make_model(folder: Path, seed: int, *, hidden: int = 128, layers: int = 2, intermediate: int = 256,
-               vocab: int = 256):
+def make_model(
+    folder: Path, seed: int, *, hidden: int = 128, layers: int = 2, intermediate: int = 256, vocab: int = 256
+):
     """A Llama-style model with random weights, saved as safetensors + config.json."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=hidden // 32, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False,
-                         initializer_range=0.2,  # clear argmax margins: greedy decoding is not a near-tie
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # clear argmax margins: greedy decoding is not a near-tie
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(folder, safe_serialization=True)
     return model
@@ -49,8 +59,17 @@ def make_llm(folder: Path, **kw):
 
     from replica.integrations.vllm.worker import EngineWeights
 
-    return LLM(model=str(folder), skip_tokenizer_init=True, dtype="float32", block_size=32, enforce_eager=True,
-               max_model_len=256, max_num_seqs=8, seed=0, **{**EngineWeights.ENGINE_ARGS, **kw})
+    return LLM(
+        model=str(folder),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=32,
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_seqs=8,
+        seed=0,
+        **{**EngineWeights.ENGINE_ARGS, **kw},
+    )
 
 
 def greedy(llm) -> tuple[list[list[int]], list[dict[int, float]]]:

@@ -6,6 +6,7 @@ Nothing is imported until an engine is created; a second call changes nothing.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 __all__ = ["BACKEND", "register"]
@@ -23,9 +24,9 @@ def register() -> None:
     except ImportError as exc:  # a vLLM without the weight-transfer API
         logger.warning("vLLM has no weight-transfer API here (%s): the replica backend is not registered", exc)
         return
-    for factory, name in ((WeightTransferEngineFactory, "ReplicaWeightTransferEngine"),
-                          (WeightTransferTrainerFactory, "ReplicaTrainerEngine")):
-        try:
+    for factory, name in (
+        (WeightTransferEngineFactory, "ReplicaWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "ReplicaTrainerEngine"),
+    ):
+        with contextlib.suppress(ValueError):  # registered already in this process
             factory.register_engine(BACKEND, "replica.integrations.vllm.transfer", name)
-        except ValueError:
-            pass  # registered already in this process

@@ -26,8 +26,12 @@ from replica.errors import ReplicaError
 __all__ = ["SERVE_ARGS", "ServedLLM"]
 
 #: What ``vllm serve MODEL`` takes for a server the rollout role drives (with ``VLLM_SERVER_DEV_MODE=1``).
-SERVE_ARGS = ("--worker-extension-cls", "replica.integrations.vllm.worker.ReplicaWorkerExtension",
-              "--weight-transfer-config", json.dumps({"backend": "replica"}))
+SERVE_ARGS = (
+    "--worker-extension-cls",
+    "replica.integrations.vllm.worker.ReplicaWorkerExtension",
+    "--weight-transfer-config",
+    json.dumps({"backend": "replica"}),
+)
 
 
 class ServedLLM:
@@ -35,8 +39,9 @@ class ServedLLM:
     drive an in-process ``vllm.LLM``. ``timeout``: every HTTP call's deadline (a generation's
     too); ``in_flight``: the completion requests sent at once."""
 
-    def __init__(self, url: str, *, model: str | None = None, timeout: timedelta = timedelta(minutes=5),
-                 in_flight: int = 64):
+    def __init__(
+        self, url: str, *, model: str | None = None, timeout: timedelta = timedelta(minutes=5), in_flight: int = 64
+    ):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"a server's URL is http://HOST:PORT, got {url!r}")
         if in_flight < 1:
@@ -54,8 +59,10 @@ class ServedLLM:
 
     def init_weight_transfer_engine(self, request: dict[str, Any]) -> None:
         if "token_hex" in request["init_info"]:
-            raise ReplicaError("the job's token never crosses HTTP: give the server REPLICA_TOKEN in its "
-                               "environment and leave it out of the ReceiverSpec")
+            raise ReplicaError(
+                "the job's token never crosses HTTP: give the server REPLICA_TOKEN in its "
+                "environment and leave it out of the ReceiverSpec"
+            )
         self._post("init_weight_transfer_engine", request)
 
     def shutdown_weight_transfer_engine(self) -> None:
@@ -76,19 +83,32 @@ class ServedLLM:
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         """The workers' answers to ``method(*args)``: the route takes strings and answers with
         ``str()`` of what is not a list or dict, read back here as a Python literal (no code runs)."""
-        answer = self._post("collective_rpc", {"method": method, "args": [str(a) for a in args],
-                                               "timeout": self.timeout.total_seconds()})
+        answer = self._post(
+            "collective_rpc",
+            {"method": method, "args": [str(a) for a in args], "timeout": self.timeout.total_seconds()},
+        )
         return [_literal(r) for r in answer["results"]]
 
     # --- generation ---
 
-    def complete(self, prompts: Sequence[Sequence[int]], *, temperature: float, max_tokens: int,
-                 seeds: Sequence[int]) -> list[list[int]]:
+    def complete(
+        self, prompts: Sequence[Sequence[int]], *, temperature: float, max_tokens: int, seeds: Sequence[int]
+    ) -> list[list[int]]:
         """Each prompt's completion (token ids), each prompt a request with its own seed."""
+
         def one(prompt: Sequence[int], seed: int) -> list[int]:
-            answer = self._post("v1/completions", {
-                "model": self.model, "prompt": list(prompt), "max_tokens": max_tokens, "temperature": temperature,
-                "seed": seed, "ignore_eos": True, "return_token_ids": True})
+            answer = self._post(
+                "v1/completions",
+                {
+                    "model": self.model,
+                    "prompt": list(prompt),
+                    "max_tokens": max_tokens,
+                    "temperature": temperature,
+                    "seed": seed,
+                    "ignore_eos": True,
+                    "return_token_ids": True,
+                },
+            )
             (choice,) = answer["choices"]
             return list(choice["token_ids"])
 
@@ -116,8 +136,10 @@ class ServedLLM:
 
     def _answer(self, response, path: str) -> Any:
         if response.status_code == 404 and path not in ("v1/models", "v1/completions"):
-            raise ReplicaError(f"{self.url} has no /{path}: start `vllm serve` with VLLM_SERVER_DEV_MODE=1 and "
-                               f"{' '.join(SERVE_ARGS[:2])} --weight-transfer-config '{SERVE_ARGS[3]}'")
+            raise ReplicaError(
+                f"{self.url} has no /{path}: start `vllm serve` with VLLM_SERVER_DEV_MODE=1 and "
+                f"{' '.join(SERVE_ARGS[:2])} --weight-transfer-config '{SERVE_ARGS[3]}'"
+            )
         if response.status_code != 200:
             raise ReplicaError(f"{self.url}/{path} answered {response.status_code}: {response.text[:500]}")
         return response.json() if response.content else None

@@ -80,8 +80,7 @@ def check_vllm(version: str | None = None) -> None:
 
         version = str(getattr(vllm, "__version__", "unknown"))
     if not any(version == v or version.startswith(v + ".") for v in TESTED_VLLM):
-        raise StagingUnsupported(f"vLLM {version} is not a release staging was tested with "
-                                 f"({', '.join(TESTED_VLLM)})")
+        raise StagingUnsupported(f"vLLM {version} is not a release staging was tested with ({', '.join(TESTED_VLLM)})")
     for module, name in _INTERNALS:
         try:
             getattr(importlib.import_module(module), name)
@@ -130,8 +129,9 @@ class PreparedWeights:
         self._pairs = []  # the shadow's memory goes with it
 
 
-def prepare(model: torch.nn.Module, weights, step: int, *,
-            processed: Callable[[int], None] | None = None) -> PreparedWeights:
+def prepare(
+    model: torch.nn.Module, weights, step: int, *, processed: Callable[[int], None] | None = None
+) -> PreparedWeights:
     """Load ``weights`` (an iterator of ``(checkpoint name, tensor)``) into a
     shadow of ``model`` and process it; the live model is only read. Like vLLM's
     own reload, a module is processed as soon as all of it is loaded, so its
@@ -140,8 +140,11 @@ def prepare(model: torch.nn.Module, weights, step: int, *,
     shadows: list[tuple[torch.nn.Module, torch.nn.Module]] = []
     root = _shadow(model, shadows)
     counter = _CopyCounter()
-    pending = [(live, shadow, fresh) for live, shadow in shadows
-               if (fresh := [t for t in shadow._parameters.values() if t is not None and getattr(t, "_replica_fresh", False)])]
+    pending = [
+        (live, shadow, fresh)
+        for live, shadow in shadows
+        if (fresh := [t for t in shadow._parameters.values() if t is not None and getattr(t, "_replica_fresh", False)])
+    ]
     if not pending:  # found before anything is read: a consuming caller keeps its version
         raise StagingUnsupported("vLLM recorded no reload metadata for any module of this model")
     pairs: list[_Pair] = []
@@ -161,7 +164,7 @@ def prepare(model: torch.nn.Module, weights, step: int, *,
     with torch.no_grad(), counter:
         cast(_LoadsWeights, root).load_weights(feed())  # (a clone of a vLLM model: its class's load_weights)
     process_loaded()
-    for live, shadow, fresh in pending:
+    for live, _, fresh in pending:
         if any(counter.numel(t) for t in fresh):
             raise StagingUnsupported(f"{type(live).__name__}: this version loads it only in part")
     if not pairs:
@@ -188,8 +191,12 @@ def _process(live: torch.nn.Module, shadow: torch.nn.Module) -> _Pair:
         if update_tp_status is not None:
             update_tp_status()
     after = {k: v for k, v in shadow.__dict__.items() if k not in _TREE}
-    pair = _Pair(live=live, shadow=shadow, attrs={k: v for k, v in after.items() if before.get(k, _MISSING) is not v},
-                 removed=tuple(k for k in before if k not in after))
+    pair = _Pair(
+        live=live,
+        shadow=shadow,
+        attrs={k: v for k, v in after.items() if before.get(k, _MISSING) is not v},
+        removed=tuple(k for k in before if k not in after),
+    )
     _check_fits(pair)
     return pair
 
@@ -207,8 +214,9 @@ def _shadow(module: torch.nn.Module, out: list) -> torch.nn.Module:
 
     clone = module.__class__.__new__(module.__class__)
     clone.__dict__.update(module.__dict__)
-    clone.__dict__["_modules"] = {name: None if child is None else _shadow(child, out)
-                                  for name, child in module._modules.items()}
+    clone.__dict__["_modules"] = {
+        name: None if child is None else _shadow(child, out) for name, child in module._modules.items()
+    }
     clone.__dict__["_buffers"] = dict(module._buffers)
     clone.__dict__["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
     params: dict[str, torch.Tensor | None] = {}
@@ -260,9 +268,11 @@ def _check_fits(pair: _Pair) -> None:
             if tensor is None:
                 continue
             if new is None or new.shape != tensor.shape or new.dtype != tensor.dtype or new.device != tensor.device:
-                raise StagingUnsupported(f"{type(pair.live).__name__}.{name}: processed into "
-                                         f"{None if new is None else (tuple(new.shape), new.dtype)}, the live tensor "
-                                         f"is {(tuple(tensor.shape), tensor.dtype)}")
+                raise StagingUnsupported(
+                    f"{type(pair.live).__name__}.{name}: processed into "
+                    f"{None if new is None else (tuple(new.shape), new.dtype)}, the live tensor "
+                    f"is {(tuple(tensor.shape), tensor.dtype)}"
+                )
 
 
 def _is_deferred_attention(module: torch.nn.Module) -> bool:

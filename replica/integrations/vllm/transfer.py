@@ -31,27 +31,41 @@ from datetime import timedelta
 from typing import Any, ClassVar
 
 import torch
+from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.base import (
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 
 from replica.config import Config, token_from_env
 from replica.errors import VersionNotReadyError, WeightTransferNotStartedError
-from replica.jobstore import Epoch
-from replica.jobstore.stores import StoreAddress
 from replica.integrations.vllm.plugin import BACKEND, register
 from replica.integrations.vllm.worker import ReceiverSpec, WorkerWeights
+from replica.jobstore import Epoch
+from replica.jobstore.stores import StoreAddress
 from replica.weights import SyncStats, WeightSource, WeightSync
 
-from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient
-from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeightTransferEngine,
-                                                   VLLMWeightSyncClient, WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
-
-__all__ = ["BACKEND", "EnginesClient", "LLMClient", "ReplicaInitInfo", "ReplicaTrainerEngine", "ReplicaTrainerInitInfo",
-           "ReplicaUpdateInfo", "ReplicaWeightTransferEngine", "ServerClient"]
+__all__ = [
+    "BACKEND",
+    "EnginesClient",
+    "LLMClient",
+    "ReplicaInitInfo",
+    "ReplicaTrainerEngine",
+    "ReplicaTrainerInitInfo",
+    "ReplicaUpdateInfo",
+    "ReplicaWeightTransferEngine",
+    "ServerClient",
+]
 
 logger = logging.getLogger(__name__)
 
 
 # --- the engine's side (in each vLLM worker) ---
+
 
 @dataclass(kw_only=True)
 class ReplicaInitInfo(WeightTransferInitInfo):
@@ -77,10 +91,15 @@ class ReplicaInitInfo(WeightTransferInitInfo):
     def __post_init__(self):
         StoreAddress.parse(self.store)  # ValueError naming what is wrong
         if self.index_base < 0 or self.timeout_s <= 0 or self.leader < 0 or self.buffers not in (1, 2):
-            raise ValueError(f"need index_base >= 0, timeout_s > 0, leader >= 0 and buffers 1 or 2; got "
-                             f"{self.index_base}, {self.timeout_s}, {self.leader}, {self.buffers}")
-        if self.backends is not None and (not isinstance(self.backends, (list, tuple)) or not self.backends or
-                                          not all(isinstance(b, str) for b in self.backends)):
+            raise ValueError(
+                f"need index_base >= 0, timeout_s > 0, leader >= 0 and buffers 1 or 2; got "
+                f"{self.index_base}, {self.timeout_s}, {self.leader}, {self.buffers}"
+            )
+        if self.backends is not None and (
+            not isinstance(self.backends, (list, tuple))
+            or not self.backends
+            or not all(isinstance(b, str) for b in self.backends)
+        ):
             raise ValueError(f"backends must be a non-empty list of transport names, got {self.backends!r}")
         if self.token_hex is not None:
             try:
@@ -122,8 +141,9 @@ class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaU
     @property
     def weights(self) -> WorkerWeights:
         if self._weights is None:
-            raise WeightTransferNotStartedError("the replica weight-transfer engine is not initialized: call "
-                                                "init_weight_transfer_engine first")
+            raise WeightTransferNotStartedError(
+                "the replica weight-transfer engine is not initialized: call init_weight_transfer_engine first"
+            )
         return self._weights
 
     def init_transfer_engine(self, init_info: ReplicaInitInfo) -> None:
@@ -131,12 +151,21 @@ class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaU
         parallel = self.vllm_config.parallel_config
         self.index = init_info.index_base + parallel.data_parallel_index * parallel.world_size + parallel.rank
         token = bytes.fromhex(init_info.token_hex) if init_info.token_hex else token_from_env()
-        spec = ReceiverSpec(index=self.index, store=init_info.store, token_hex="", host=init_info.host,
-                            store_prefix=init_info.store_prefix, timeout_s=init_info.timeout_s,
-                            staged=init_info.staged, leader=init_info.leader, buffers=init_info.buffers,
-                            backends=None if init_info.backends is None else tuple(init_info.backends))
-        self._weights = WorkerWeights(spec, token=token, vllm_config=self.vllm_config, model=self.model,
-                                      reload=self._reload)
+        spec = ReceiverSpec(
+            index=self.index,
+            store=init_info.store,
+            token_hex="",
+            host=init_info.host,
+            store_prefix=init_info.store_prefix,
+            timeout_s=init_info.timeout_s,
+            staged=init_info.staged,
+            leader=init_info.leader,
+            buffers=init_info.buffers,
+            backends=None if init_info.backends is None else tuple(init_info.backends),
+        )
+        self._weights = WorkerWeights(
+            spec, token=token, vllm_config=self.vllm_config, model=self.model, reload=self._reload
+        )
 
     def _reload(self, views: Iterator[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config
@@ -171,8 +200,12 @@ class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaU
         except VersionNotReadyError:
             if not update_info.if_ready:
                 raise
-            logger.warning("[engine %d] version %d did not arrive: serving version %s", self.index, version,
-                           weights.receiver.version)
+            logger.warning(
+                "[engine %d] version %d did not arrive: serving version %s",
+                self.index,
+                version,
+                weights.receiver.version,
+            )
 
     def finish_weight_update(self) -> None:
         pass  # the version was applied whole by update_weights; vLLM's worker resets LoRA state after this
@@ -188,6 +221,7 @@ class ReplicaWeightTransferEngine(WeightTransferEngine[ReplicaInitInfo, ReplicaU
 
 
 # --- the trainers' side ---
+
 
 @dataclass(kw_only=True)
 class ReplicaTrainerInitInfo(TrainerInitInfo):
@@ -224,8 +258,14 @@ class ReplicaTrainerEngine(TrainerWeightTransferEngine[ReplicaTrainerInitInfo]):
     # types its (only stored) source as, so it is set here, not passed to the base.
     source: WeightSource | torch.nn.Module | None
 
-    def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | torch.nn.Module | None,
-                 sync: WeightSync, info: ReplicaTrainerInitInfo):
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | torch.nn.Module | None,
+        sync: WeightSync,
+        info: ReplicaTrainerInitInfo,
+    ):
         super().__init__(client=client, is_sender=info.is_sender)
         self.source = source
         self.sync = sync
@@ -233,21 +273,40 @@ class ReplicaTrainerEngine(TrainerWeightTransferEngine[ReplicaTrainerInitInfo]):
         self._step = 0
 
     @classmethod
-    def trainer_init(cls, init_info: ReplicaTrainerInitInfo, *, client: VLLMWeightSyncClient,
-                     source: WeightSource | torch.nn.Module | None = None) -> ReplicaTrainerEngine:
+    def trainer_init(
+        cls,
+        init_info: ReplicaTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | torch.nn.Module | None = None,
+    ) -> ReplicaTrainerEngine:
         if source is None:
             raise ValueError("the replica backend needs a source: the model (or a WeightSource) to push")
-        config = init_info.config or Config(token=token_from_env(), timeout=timedelta(seconds=init_info.timeout_s),
-                                            store_prefix=init_info.store_prefix)
+        config = init_info.config or Config(
+            token=token_from_env(), timeout=timedelta(seconds=init_info.timeout_s), store_prefix=init_info.store_prefix
+        )
         store = StoreAddress.parse(init_info.store).connect(timeout=timedelta(seconds=init_info.timeout_s))
-        sync = WeightSync(source, store=store,
-                          num_engines=init_info.engines, config=config, rank=init_info.rank, leader=0,
-                          epoch=init_info.epoch)
+        sync = WeightSync(
+            source,
+            store=store,
+            num_engines=init_info.engines,
+            config=config,
+            rank=init_info.rank,
+            leader=0,
+            epoch=init_info.epoch,
+        )
         if init_info.is_sender:
-            spec = ReceiverSpec(index=init_info.index_base, store=init_info.store,
-                                token_hex=config.token.hex() if init_info.send_token else "", host=init_info.host,
-                                store_prefix=config.store_prefix, timeout_s=init_info.timeout_s,
-                                staged=init_info.staged, buffers=init_info.buffers, backends=config.backends)
+            spec = ReceiverSpec(
+                index=init_info.index_base,
+                store=init_info.store,
+                token_hex=config.token.hex() if init_info.send_token else "",
+                host=init_info.host,
+                store_prefix=config.store_prefix,
+                timeout_s=init_info.timeout_s,
+                staged=init_info.staged,
+                buffers=init_info.buffers,
+                backends=config.backends,
+            )
             client.init_weight_transfer_engine(spec.init_info())
         return cls(client=client, source=source, sync=sync, info=init_info)
 
@@ -260,12 +319,13 @@ class ReplicaTrainerEngine(TrainerWeightTransferEngine[ReplicaTrainerInitInfo]):
         if self.is_sender:
             self.client.start_weight_update()
             try:
-                self.client.update_weights({"version": self._step, "wait_s": self.info.wait_s,
-                                            "if_ready": bool(stats.engines_skipped)})
+                self.client.update_weights(
+                    {"version": self._step, "wait_s": self.info.wait_s, "if_ready": bool(stats.engines_skipped)}
+                )
             except BaseException:
                 try:  # ends the update on the workers that did not fail (the failed one ended its own)
                     self.client.finish_weight_update(None)
-                except Exception:  # noqa: BLE001 - the update's own error is the one to raise
+                except Exception:
                     logger.debug("finish_weight_update after a failed update", exc_info=True)
                 raise
             # vLLM's label of the engine's weights: set only when every engine took the version (a
@@ -344,8 +404,13 @@ class EnginesClient:
                 if not _unreachable(exc):
                     raise
                 self.down.add(k)
-                logger.warning("engine %d cannot be reached (%s: %s): left out of %s and every later call "
-                               "until it is replaced", k, type(exc).__name__, exc, what)
+                logger.warning(
+                    "engine %d cannot be reached (%s: %s): left out of %s and every later call until it is replaced",
+                    k,
+                    type(exc).__name__,
+                    exc,
+                    what,
+                )
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         init = self._init = dict(init_info)

@@ -46,8 +46,14 @@ from replica.state.layout import StateLayout
 if TYPE_CHECKING:
     from replica.jobstore import Registration
 
-__all__ = ["EngineWeights", "ReceiverSpec", "ReplicaWorkerExtension", "WorkerWeights", "check_fits",
-           "checkpoint_shapes"]
+__all__ = [
+    "EngineWeights",
+    "ReceiverSpec",
+    "ReplicaWorkerExtension",
+    "WorkerWeights",
+    "check_fits",
+    "checkpoint_shapes",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +90,17 @@ class ReceiverSpec:
         """``init_weight_transfer_engine``'s ``init_info`` for an engine whose first worker is
         receiver ``index`` (``replica.integrations.vllm.transfer.ReplicaInitInfo``); the token goes in only
         when this spec carries one."""
-        info = {"store": self.store, "index_base": self.index, "host": self.host, "store_prefix": self.store_prefix,
-                "timeout_s": self.timeout_s, "staged": self.staged, "leader": self.leader, "buffers": self.buffers,
-                "backends": None if self.backends is None else list(self.backends)}
+        info = {
+            "store": self.store,
+            "index_base": self.index,
+            "host": self.host,
+            "store_prefix": self.store_prefix,
+            "timeout_s": self.timeout_s,
+            "staged": self.staged,
+            "leader": self.leader,
+            "buffers": self.buffers,
+            "backends": None if self.backends is None else list(self.backends),
+        }
         if self.token_hex:
             info["token_hex"] = self.token_hex
         return info
@@ -99,7 +113,7 @@ def checkpoint_shapes(folder: str | Path) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safe_open handle, no dict: keys() is all it has
                 shapes[name] = tuple(f.get_slice(name).get_shape())
     if not shapes:
         raise FileNotFoundError(f"no safetensors checkpoint in {folder}")
@@ -112,8 +126,9 @@ def check_fits(layout: StateLayout, shapes: dict[str, tuple[int, ...]]) -> None:
         if e.name not in shapes:
             raise LayoutMismatchError(f"the engine's checkpoint has no tensor named {e.name!r}")
         if tuple(e.shape) != shapes[e.name]:
-            raise LayoutMismatchError(f"{e.name}: {tuple(e.shape)} pushed, the engine's checkpoint has "
-                                      f"{shapes[e.name]}")
+            raise LayoutMismatchError(
+                f"{e.name}: {tuple(e.shape)} pushed, the engine's checkpoint has {shapes[e.name]}"
+            )
 
 
 class _Backends(TypedDict, total=False):
@@ -128,8 +143,15 @@ class WorkerWeights:
     (``replica.integrations.vllm.transfer``). ``reload(views)`` loads a version in place (vLLM's
     ``reload_weights``); staged, versions are prepared beside the live model instead."""
 
-    def __init__(self, spec: ReceiverSpec, *, token: bytes, vllm_config, model,
-                 reload: Callable[[Iterator[tuple[str, torch.Tensor]]], None]):
+    def __init__(
+        self,
+        spec: ReceiverSpec,
+        *,
+        token: bytes,
+        vllm_config,
+        model,
+        reload: Callable[[Iterator[tuple[str, torch.Tensor]]], None],
+    ):
         from replica.jobstore.stores import StoreAddress
         from replica.weights import WeightReceiver
 
@@ -138,18 +160,34 @@ class WorkerWeights:
         shapes = checkpoint_shapes(vllm_config.model_config.model)
         store = StoreAddress.parse(spec.store).connect(timeout=timedelta(seconds=spec.timeout_s))
         backends: _Backends = {} if spec.backends is None else {"backends": tuple(spec.backends)}
-        config = Config(token=token, host=spec.host, store_prefix=spec.store_prefix,
-                        timeout=timedelta(seconds=spec.timeout_s), **backends)
+        config = Config(
+            token=token,
+            host=spec.host,
+            store_prefix=spec.store_prefix,
+            timeout=timedelta(seconds=spec.timeout_s),
+            **backends,
+        )
         self._stager: _Stager | None = None
-        self.receiver = WeightReceiver(index=spec.index, store=store, config=config, leader=spec.leader,
-                                       buffers=spec.buffers, expect=lambda layout: check_fits(layout, shapes),
-                                       on_ready=self._kick, on_receiving=self._superseding)
+        self.receiver = WeightReceiver(
+            index=spec.index,
+            store=store,
+            config=config,
+            leader=spec.leader,
+            buffers=spec.buffers,
+            expect=lambda layout: check_fits(layout, shapes),
+            on_ready=self._kick,
+            on_receiving=self._superseding,
+        )
         on_cpu = vllm_config.device_config.device_type == "cpu"
         staged = on_cpu if spec.staged is None else spec.staged
         if staged:
             self._stager = _Stager(self.receiver, model, spec.index, consume=spec.buffers == 1)
-        logger.info("[engine %d] weight receiver at %s (%s)", spec.index, self.receiver.address,
-                    "staged" if staged else "in place")
+        logger.info(
+            "[engine %d] weight receiver at %s (%s)",
+            spec.index,
+            self.receiver.address,
+            "staged" if staged else "in place",
+        )
 
     def _kick(self, step: int) -> None:
         stager = self._stager
@@ -205,8 +243,10 @@ class WorkerWeights:
             prepared = stager.take(receiver.version, exactly=exactly)
             if prepared is None:
                 if exactly is not None:
-                    raise VersionNotReadyError(f"engine {self.index}: version {exactly} is not prepared "
-                                               f"(received: {receiver.ready()}, served: {receiver.version})")
+                    raise VersionNotReadyError(
+                        f"engine {self.index}: version {exactly} is not prepared "
+                        f"(received: {receiver.ready()}, served: {receiver.version})"
+                    )
                 return None
             prepared.swap()
             receiver.served(prepared.step)
@@ -215,8 +255,10 @@ class WorkerWeights:
         with receiver.hold() as got:
             if got is None or (exactly is not None and got[0] != exactly):
                 if exactly is not None:
-                    raise VersionNotReadyError(f"engine {self.index}: version {exactly} is not the newest complete "
-                                               f"one (received: {receiver.ready()}, served: {receiver.version})")
+                    raise VersionNotReadyError(
+                        f"engine {self.index}: version {exactly} is not the newest complete "
+                        f"one (received: {receiver.ready()}, served: {receiver.version})"
+                    )
                 return None
             step, views = got
             self._reload(views)
@@ -243,7 +285,8 @@ class ReplicaWorkerExtension:
         if engine is None or not hasattr(engine, "weights"):
             raise WeightTransferNotStartedError(
                 "the engine has no replica weight-transfer backend: start it with "
-                "EngineWeights.ENGINE_ARGS (weight_transfer_config={'backend': 'replica'})")
+                "EngineWeights.ENGINE_ARGS (weight_transfer_config={'backend': 'replica'})"
+            )
         return engine.weights
 
     def replica_registration(self) -> Registration:
@@ -353,8 +396,9 @@ class _Stager:
             self._retired.append([prepared])
             self.dropped += 1
             self._cond.notify_all()
-        logger.info("[engine %d] prepared version %d dropped unused: version %d is arriving", self._index,
-                    prepared.step, step)
+        logger.info(
+            "[engine %d] prepared version %d dropped unused: version %d is arriving", self._index, prepared.step, step
+        )
 
     def ready_step(self) -> int | None:
         """The step of the version prepared and not yet taken (None: none)."""
@@ -366,8 +410,11 @@ class _Stager:
         version) and it is handed over, else None."""
         with self._cond:
             prepared = self._prepared
-            if (prepared is None or (served is not None and prepared.step <= served)
-                    or (exactly is not None and prepared.step != exactly)):
+            if (
+                prepared is None
+                or (served is not None and prepared.step <= served)
+                or (exactly is not None and prepared.step != exactly)
+            ):
                 return None
             self._prepared = None
             return prepared
@@ -376,8 +423,11 @@ class _Stager:
         def done() -> bool:
             served = self._receiver.version
             prepared = self._prepared
-            return (not self.active or (served is not None and served >= step)
-                    or (prepared is not None and prepared.step >= step))
+            return (
+                not self.active
+                or (served is not None and served >= step)
+                or (prepared is not None and prepared.step >= step)
+            )
 
         with self._cond:
             self._cond.wait_for(done, timeout.total_seconds())
@@ -442,14 +492,19 @@ class _Stager:
                     with self._cond:
                         self._prepared = prepared
                         self._cond.notify_all()
-                logger.info("[engine %d] weights of step %d prepared in %.3f s%s", self._index, step,
-                            time.perf_counter() - start,
-                            f"; {self._receiver.released_bytes / 2**20:.0f} MiB of the received bytes returned to "
-                            "the OS" if self._consume else "")
+                logger.info(
+                    "[engine %d] weights of step %d prepared in %.3f s%s",
+                    self._index,
+                    step,
+                    time.perf_counter() - start,
+                    f"; {self._receiver.released_bytes / 2**20:.0f} MiB of the received bytes returned to the OS"
+                    if self._consume
+                    else "",
+                )
             except StagingUnsupported as exc:
                 self._give_up(str(exc))
                 return
-            except Exception as exc:  # noqa: BLE001 - anything else: the proven in-place path takes over
+            except Exception as exc:
                 logger.exception("[engine %d] preparing weights failed", self._index)
                 self._give_up(f"{type(exc).__name__}: {exc}")
                 return
@@ -457,8 +512,11 @@ class _Stager:
     def _give_up(self, why: str) -> None:
         logger.warning("[engine %d] weights are applied in place from now on (staging: %s)", self._index, why)
         if self._consume and self._receiver.released_bytes:
-            logger.error("[engine %d] the version being prepared gave its memory back as it was read: it is "
-                         "lost here, and this engine serves the next version pushed", self._index)
+            logger.error(
+                "[engine %d] the version being prepared gave its memory back as it was read: it is "
+                "lost here, and this engine serves the next version pushed",
+                self._index,
+            )
         with self._cond:
             self.unsupported = why
             self._prepared = None
@@ -483,9 +541,11 @@ class EngineWeights:
         self.registrations = llm.collective_rpc("replica_registration")
         if len(self.registrations) != 1:
             self.close()
-            raise NotImplementedError(f"an engine with {len(self.registrations)} workers (tensor parallel): each "
-                                      "worker is a receiver of its own; drive it with vLLM's weight-transfer API "
-                                      "(replica.integrations.vllm.transfer) and count its workers as engines")
+            raise NotImplementedError(
+                f"an engine with {len(self.registrations)} workers (tensor parallel): each "
+                "worker is a receiver of its own; drive it with vLLM's weight-transfer API "
+                "(replica.integrations.vllm.transfer) and count its workers as engines"
+            )
 
     @property
     def version(self) -> int | None:
@@ -520,8 +580,9 @@ class EngineWeights:
     def wait(self, step: int, timeout: timedelta) -> int:
         """Serve at least version ``step``: wait for it to arrive, then apply it."""
         if not all(self.llm.collective_rpc("replica_wait", args=(step, timeout.total_seconds()))):
-            raise WeightsTimeoutError(f"engine {self.spec.index}: weights of step {step} did not arrive within "
-                                      f"{timeout}")
+            raise WeightsTimeoutError(
+                f"engine {self.spec.index}: weights of step {step} did not arrive within {timeout}"
+            )
         self.update()
         version = self.version
         assert version is not None  # a version >= step arrived, and is served now
