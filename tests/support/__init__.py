@@ -13,7 +13,6 @@ Processes and machines:
     resource     TornDown, the base of the resources below
     cluster      NetnsCluster: hosts as network namespaces on one machine (root)
     etcd         EtcdCluster: a real etcd cluster, authentication on
-    ray_cluster  the ``cluster`` fixture: a Ray cluster of simulated nodes
 Jobs:
     launch       `replica launch` of the demo job or the RL loop to its report; the
                  multi-node way (start_coordinator, role_env); ROOT, EXAMPLE, RL, STEPS
@@ -34,6 +33,10 @@ Engines:
     rollouts       a stand-in rollout engine (completions from prompt and seed)
     vllm_engine    a tiny random Llama and an in-process vLLM engine on it
     weight_engine  a stand-in inference engine that receives weight versions
+
+Fixtures are conftest.py's: tests/conftest.py's for the tests (etcd, the reference runs, a
+TCPStore server, ...), the top-level one's for tests/ and bench/ alike (ray_cluster: a Ray
+cluster of simulated nodes).
 
 The demo job's model (examples/fsdp_job.py) is an example, not a helper: it ships with
 the examples, and the tests that build that job in-process import ``fsdp_job``
